@@ -1,0 +1,43 @@
+//! Command-line definitions and dispatch. Options come from flags, then `KVFABRIC_*`
+//! environment variables.
+
+use clap::{Parser, Subcommand};
+
+mod hash;
+mod plan;
+
+/// kvfabric — a KV-cache data plane for LLM inference.
+#[derive(Debug, Parser)]
+#[command(name = "kvfabric", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Capacity planning: KV bytes per token and per sequence, tier sizes, transfer times.
+    Plan(plan::PlanArgs),
+    /// Block and sequence hashes of a token sequence (Dynamo-compatible XXH3).
+    Hash(hash::HashArgs),
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Plan(args) => plan::run(args),
+        Command::Hash(args) => hash::run(args),
+    }
+}
+
+/// An error chain on one line.
+pub fn one_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let s = cause.to_string().replace('\n', " ");
+        if !parts.iter().any(|p| p.contains(&s)) {
+            parts.push(s);
+        }
+    }
+    parts.join(": ")
+}

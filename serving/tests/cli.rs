@@ -1,0 +1,142 @@
+//! The `kvfabric` binary as a user runs it: `plan` and `hash`, their JSON, and their errors.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+fn kvfabric(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(args)
+        .env_remove("KVFABRIC_MODEL")
+        .env_remove("KVFABRIC_BLOCK_TOKENS")
+        .output()
+        .expect("run kvfabric")
+}
+
+fn stdout_json(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("valid JSON on stdout")
+}
+
+/// A failed run: non-zero exit, exactly one line on stderr, no panic.
+fn one_line_error(out: &Output) -> String {
+    assert!(!out.status.success(), "expected failure, got success");
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err:?}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.starts_with("error"), "{err}");
+    err
+}
+
+#[test]
+fn plan_json_has_the_documented_fields() {
+    let v = stdout_json(&kvfabric(&["plan", "--model", "llama-3.1-8b", "--json"]));
+    assert_eq!(v["kv_bytes_per_token"], 131_072);
+    assert_eq!(v["kv_bytes_per_block"], 131_072 * 16);
+    assert_eq!(v["block_tokens"], 16);
+    let contexts = v["contexts"].as_array().unwrap();
+    assert_eq!(contexts[0]["context_tokens"], 4096);
+    assert_eq!(contexts[0]["kv_bytes_per_sequence"], 536_870_912u64);
+    assert_eq!(contexts.last().unwrap()["context_tokens"], 131_072, "model maximum");
+}
+
+#[test]
+fn plan_reads_config_json_and_gguf() {
+    let cfg = concat!(env!("CARGO_MANIFEST_DIR"), "/../kvfabric/tests/data/deepseek-r1.config.json");
+    let v = stdout_json(&kvfabric(&["plan", "--model", cfg, "--json", "--block-tokens", "64"]));
+    assert_eq!(v["kv_bytes_per_token"], 70_272);
+    assert_eq!(v["kv_bytes_per_block"], 70_272 * 64);
+    assert_eq!(v["attention"], "mla");
+    let home = std::env::var("HOME").unwrap();
+    let gguf = std::env::var("KVFABRIC_TEST_MODEL")
+        .unwrap_or(format!("{home}/.cache/kvfabric/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    let v = stdout_json(&kvfabric(&["plan", "--model", &gguf, "--json"]));
+    assert_eq!(v["kv_bytes_per_token"], 23_040);
+    assert_eq!(v["dtype"], "f16");
+}
+
+#[test]
+fn plan_table_for_humans() {
+    let out = kvfabric(&["plan", "--model", "qwen3-32b", "--context", "8192", "--link", "pcie5,x=7"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("KV per token 256.00 KiB (262144 B)"), "{text}");
+    assert!(text.contains("move pcie5") && text.contains("move x"), "{text}");
+}
+
+#[test]
+fn hash_json_matches_the_spec_vectors() {
+    let tokens: Vec<String> = (0..18).map(|t| t.to_string()).collect();
+    let mut args = vec!["hash", "--block-tokens", "4", "--json"];
+    args.extend(tokens.iter().map(String::as_str));
+    let v = stdout_json(&kvfabric(&args));
+    // docs/hashing.md, vector 1; tokens 16 and 17 form a partial block.
+    assert_eq!(
+        v["block_hashes"],
+        serde_json::json!([
+            9143094415614847814u64,
+            12124091508212882195u64,
+            1088361764653601668u64,
+            16024980976528976948u64
+        ])
+    );
+    assert_eq!(
+        v["sequence_hashes"],
+        serde_json::json!([
+            9143094415614847814u64,
+            9510318385840434533u64,
+            16998148715716822651u64,
+            16790386768269814709u64
+        ])
+    );
+}
+
+#[test]
+fn hash_reads_stdin_and_salts() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["hash", "--block-tokens", "4", "--salt", "tenant-a", "--json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"[0, 1, 2, 3,\n4, 5, 6, 7]\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let v = stdout_json(&out);
+    assert_eq!(
+        v["sequence_hashes"],
+        serde_json::json!([17009624042690211646u64, 18279821067719767880u64])
+    );
+}
+
+#[test]
+fn wrong_input_is_one_line_and_non_zero() {
+    let e = one_line_error(&kvfabric(&["plan", "--model", "gpt-17"]));
+    assert!(e.contains("unknown model preset"), "{e}");
+    let e = one_line_error(&kvfabric(&["plan", "--block-tokens", "0"]));
+    assert!(e.contains("block_tokens"), "{e}");
+    let e = one_line_error(&kvfabric(&["plan", "--gpu-gb", "-4"]));
+    assert!(e.contains("--gpu-gb"), "{e}");
+    let e = one_line_error(&kvfabric(&["plan", "--context", "abc"]));
+    assert!(e.contains("--context"), "{e}");
+    let e = one_line_error(&kvfabric(&["plan", "--concurrency", "-3"]));
+    assert!(e.contains("--concurrency"), "{e}");
+    let e = one_line_error(&kvfabric(&["plan", "--link", "warp9"]));
+    assert!(e.contains("unknown link"), "{e}");
+    let e = one_line_error(&kvfabric(&["hash", "1", "2", "three"]));
+    assert!(e.contains("\"three\""), "{e}");
+    let e = one_line_error(&kvfabric(&["hash", "--block-tokens", "0", "1"]));
+    assert!(e.contains("--block-tokens"), "{e}");
+    let e = one_line_error(&kvfabric(&["plan", "--frobnicate"]));
+    assert!(e.contains("--frobnicate"), "{e}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("config.json");
+    std::fs::write(&bad, "{\"num_hidden_layers\": 2,").unwrap();
+    let e = one_line_error(&kvfabric(&["plan", "--model", bad.to_str().unwrap()]));
+    assert!(e.contains("malformed config.json"), "{e}");
+    let e = one_line_error(&kvfabric(&["plan", "--model", dir.path().to_str().unwrap(), "--json"]));
+    assert!(e.contains("malformed config.json"), "{e}");
+    let gguf = dir.path().join("broken.gguf");
+    std::fs::write(&gguf, b"GGUF\x03\0\0\0\x01").unwrap();
+    let e = one_line_error(&kvfabric(&["plan", "--model", gguf.to_str().unwrap()]));
+    assert!(e.contains("truncated"), "{e}");
+}
