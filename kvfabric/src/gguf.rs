@@ -303,7 +303,9 @@ impl<R: Read> Reader<'_, R> {
             }
             // Nested arrays are legal GGUF but unused by any model we read; refuse them
             // rather than recurse without a depth limit.
-            (None, 9) => Err(GgufError::LimitExceeded { what: "array nesting", value: 2, limit: 1 }),
+            (None, 9) => {
+                Err(GgufError::LimitExceeded { what: "array nesting", value: 2, limit: 1 })
+            }
             (None, other) => Err(GgufError::UnknownType(other)),
         }
     }
@@ -362,7 +364,10 @@ mod tests {
         assert_eq!(h.get("llama.block_count").and_then(GgufValue::as_u64), Some(30));
         assert_eq!(
             h.get("tokenizer.ggml.tokens"),
-            Some(&GgufValue::Array(vec![GgufValue::String("a".into()), GgufValue::String("b".into())]))
+            Some(&GgufValue::Array(vec![
+                GgufValue::String("a".into()),
+                GgufValue::String("b".into())
+            ]))
         );
         assert_eq!(h.tensors.len(), 1);
         assert_eq!(h.parameter_count(), 192);

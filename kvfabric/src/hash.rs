@@ -19,12 +19,16 @@ pub const KV_HASH_SEED: u64 = 1337;
 pub const DEFAULT_BLOCK_TOKENS: usize = 16;
 
 /// Hash of one block's tokens alone (Dynamo's `LocalBlockHash`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(transparent)]
 pub struct BlockHash(pub u64);
 
 /// Chained hash of a block and every block before it: the key of a KV block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(transparent)]
 pub struct SequenceHash(pub u64);
 
@@ -208,17 +212,17 @@ mod tests {
         let h = TokenBlockHasher::new(4, HashSeed::DEFAULT).unwrap();
         let (blocks, seqs) = h.hash(&tokens);
         assert_eq!(blocks.len(), 4);
-        assert_eq!(
-            blocks.iter().map(|b| b.0).collect::<Vec<_>>(),
-            VECTOR_BLOCKS.to_vec()
-        );
+        assert_eq!(blocks.iter().map(|b| b.0).collect::<Vec<_>>(), VECTOR_BLOCKS.to_vec());
         assert_eq!(seqs.iter().map(|s| s.0).collect::<Vec<_>>(), VECTOR_SEQS.to_vec());
         assert_eq!(block_hash(&[1, 2, 3, 4], HashSeed::DEFAULT).0, VECTOR_1234);
         assert_eq!(HashSeed::new(Some("my-lora"), None).get(), VECTOR_SEED_LORA);
         assert_eq!(HashSeed::new(None, Some("tenant-a")).get(), VECTOR_SEED_SALT);
         assert_eq!(HashSeed::new(Some("my-lora"), Some("tenant-a")).get(), VECTOR_SEED_BOTH);
         let salted = TokenBlockHasher::new(4, HashSeed::new(None, Some("tenant-a"))).unwrap();
-        assert_eq!(salted.sequence_hashes(&tokens[..8]).iter().map(|s| s.0).collect::<Vec<_>>(), VECTOR_SALTED_SEQS.to_vec());
+        assert_eq!(
+            salted.sequence_hashes(&tokens[..8]).iter().map(|s| s.0).collect::<Vec<_>>(),
+            VECTOR_SALTED_SEQS.to_vec()
+        );
     }
 
     // Computed independently by docs/hashing_vectors.py (Python `xxhash` 3.x);
@@ -236,7 +240,10 @@ mod tests {
     #[test]
     fn block_hash_is_xxh3_of_le_u32_with_seed_1337() {
         let tokens = [7u32, 0xdead_beef, 42, u32::MAX];
-        assert_eq!(block_hash(&tokens, HashSeed::DEFAULT).0, xxh3_64_with_seed(&le_bytes(&tokens), 1337));
+        assert_eq!(
+            block_hash(&tokens, HashSeed::DEFAULT).0,
+            xxh3_64_with_seed(&le_bytes(&tokens), 1337)
+        );
     }
 
     #[test]
@@ -269,10 +276,12 @@ mod tests {
     fn salt_and_lora_change_every_hash_and_empty_means_absent() {
         let tokens: Vec<u32> = (0..64).collect();
         let plain = TokenBlockHasher::new(16, HashSeed::DEFAULT).unwrap().sequence_hashes(&tokens);
-        let salted =
-            TokenBlockHasher::new(16, HashSeed::new(None, Some("a"))).unwrap().sequence_hashes(&tokens);
-        let lora =
-            TokenBlockHasher::new(16, HashSeed::new(Some("a"), None)).unwrap().sequence_hashes(&tokens);
+        let salted = TokenBlockHasher::new(16, HashSeed::new(None, Some("a")))
+            .unwrap()
+            .sequence_hashes(&tokens);
+        let lora = TokenBlockHasher::new(16, HashSeed::new(Some("a"), None))
+            .unwrap()
+            .sequence_hashes(&tokens);
         for i in 0..4 {
             assert_ne!(plain[i], salted[i]);
             assert_ne!(plain[i], lora[i]);

@@ -145,7 +145,10 @@ impl KvShape {
 
     /// KV bytes of one token across all layers.
     pub const fn bytes_per_token(&self) -> u64 {
-        self.num_layers as u64 * self.attention.planes() * self.attention.plane_width() * self.dtype.bytes()
+        self.num_layers as u64
+            * self.attention.planes()
+            * self.attention.plane_width()
+            * self.dtype.bytes()
     }
 }
 
@@ -338,17 +341,16 @@ impl ModelSpec {
         let u = |key: &'static str| -> Result<Option<u32>, LayoutError> {
             match cfg.get(key) {
                 None | Some(serde_json::Value::Null) => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|v| u32::try_from(v).ok())
-                    .map(Some)
-                    .ok_or(LayoutError::InvalidValue {
+                Some(v) => v.as_u64().and_then(|v| u32::try_from(v).ok()).map(Some).ok_or(
+                    LayoutError::InvalidValue {
                         field: key,
                         reason: format!("expected a non-negative integer, got {v}"),
-                    }),
+                    },
+                ),
             }
         };
-        let layers = u("num_hidden_layers")?.ok_or(LayoutError::MissingField("num_hidden_layers"))?;
+        let layers =
+            u("num_hidden_layers")?.ok_or(LayoutError::MissingField("num_hidden_layers"))?;
         let heads =
             u("num_attention_heads")?.ok_or(LayoutError::MissingField("num_attention_heads"))?;
         let hidden = u("hidden_size")?.ok_or(LayoutError::MissingField("hidden_size"))?;
@@ -367,7 +369,8 @@ impl ModelSpec {
             .unwrap_or(KvDtype::Bf16);
         let (attention, q_head_dim) = match u("kv_lora_rank")? {
             Some(rank) => {
-                let rope = u("qk_rope_head_dim")?.ok_or(LayoutError::MissingField("qk_rope_head_dim"))?;
+                let rope =
+                    u("qk_rope_head_dim")?.ok_or(LayoutError::MissingField("qk_rope_head_dim"))?;
                 let nope = u("qk_nope_head_dim")?.unwrap_or(0);
                 (AttentionKind::Mla { kv_lora_rank: rank, rope_head_dim: rope }, nope + rope)
             }
@@ -384,7 +387,8 @@ impl ModelSpec {
             .or_else(|| root.get("model_type").and_then(|v| v.as_str()))
             .unwrap_or("config.json")
             .to_string();
-        let active_params = estimate_dense_params(cfg, layers, hidden, heads, q_head_dim, attention);
+        let active_params =
+            estimate_dense_params(cfg, layers, hidden, heads, q_head_dim, attention);
         Ok(ModelSpec {
             name,
             kv,
@@ -409,30 +413,35 @@ impl ModelSpec {
         let u = |suffix: &'static str| -> Result<Option<u32>, LayoutError> {
             match h.get(&key(suffix)) {
                 None => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|v| u32::try_from(v).ok())
-                    .map(Some)
-                    .ok_or(LayoutError::InvalidValue {
+                Some(v) => v.as_u64().and_then(|v| u32::try_from(v).ok()).map(Some).ok_or(
+                    LayoutError::InvalidValue {
                         field: suffix,
                         reason: format!("expected an unsigned integer, got {v:?}"),
-                    }),
+                    },
+                ),
             }
         };
         let layers = u("block_count")?.ok_or(LayoutError::MissingField("block_count"))?;
-        let heads = u("attention.head_count")?.ok_or(LayoutError::MissingField("attention.head_count"))?;
+        let heads =
+            u("attention.head_count")?.ok_or(LayoutError::MissingField("attention.head_count"))?;
         let hidden = u("embedding_length")?.ok_or(LayoutError::MissingField("embedding_length"))?;
         if heads == 0 {
-            return Err(LayoutError::InvalidValue { field: "attention.head_count", reason: "must be non-zero".into() });
+            return Err(LayoutError::InvalidValue {
+                field: "attention.head_count",
+                reason: "must be non-zero".into(),
+            });
         }
         let (attention, head_dim) = match arch {
             "deepseek2" => {
-                let rank = u("attention.kv_lora_rank")?.ok_or(LayoutError::MissingField("attention.kv_lora_rank"))?;
-                let rope = u("rope.dimension_count")?.ok_or(LayoutError::MissingField("rope.dimension_count"))?;
+                let rank = u("attention.kv_lora_rank")?
+                    .ok_or(LayoutError::MissingField("attention.kv_lora_rank"))?;
+                let rope = u("rope.dimension_count")?
+                    .ok_or(LayoutError::MissingField("rope.dimension_count"))?;
                 let key_len = u("attention.key_length")?.unwrap_or(rank + rope);
                 (AttentionKind::Mla { kv_lora_rank: rank, rope_head_dim: rope }, key_len)
             }
-            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "phi3" | "granite" | "olmo" => {
+            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "phi3" | "granite"
+            | "olmo" => {
                 let kv_heads = u("attention.head_count_kv")?.unwrap_or(heads);
                 let head_dim = u("attention.key_length")?.unwrap_or(hidden / heads);
                 (AttentionKind::Mha { num_kv_heads: kv_heads, head_dim }, head_dim)
@@ -441,11 +450,7 @@ impl ModelSpec {
         };
         let kv = KvShape { num_layers: layers, attention, dtype: KvDtype::F16 };
         kv.validate()?;
-        let name = h
-            .get("general.name")
-            .and_then(GgufValue::as_str)
-            .unwrap_or(arch)
-            .to_string();
+        let name = h.get("general.name").and_then(GgufValue::as_str).unwrap_or(arch).to_string();
         let params = h.parameter_count();
         Ok(ModelSpec {
             name,
@@ -490,7 +495,10 @@ fn estimate_dense_params(
     q_head_dim: u32,
     attention: AttentionKind,
 ) -> Option<u64> {
-    if ["n_routed_experts", "num_local_experts", "num_experts"].iter().any(|k| cfg.get(*k).is_some()) {
+    if ["n_routed_experts", "num_local_experts", "num_experts"]
+        .iter()
+        .any(|k| cfg.get(*k).is_some())
+    {
         return None;
     }
     let inter = cfg.get("intermediate_size")?.as_u64()?;
@@ -499,7 +507,9 @@ fn estimate_dense_params(
     let (h, l) = (u64::from(hidden), u64::from(layers));
     let q = u64::from(heads) * u64::from(q_head_dim);
     let kv = match attention {
-        AttentionKind::Mha { num_kv_heads, head_dim } => 2 * u64::from(num_kv_heads) * u64::from(head_dim),
+        AttentionKind::Mha { num_kv_heads, head_dim } => {
+            2 * u64::from(num_kv_heads) * u64::from(head_dim)
+        }
         AttentionKind::Mla { .. } => return None,
     };
     let attn = h * q + h * kv + q * h;

@@ -288,10 +288,7 @@ impl Plan {
         let _ = writeln!(
             out,
             "model {} — {} layers, {}, KV {}",
-            self.model,
-            self.num_layers,
-            self.attention,
-            self.dtype
+            self.model, self.num_layers, self.attention, self.dtype
         );
         let _ = writeln!(
             out,

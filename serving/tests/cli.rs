@@ -41,7 +41,8 @@ fn plan_json_has_the_documented_fields() {
 
 #[test]
 fn plan_reads_config_json_and_gguf() {
-    let cfg = concat!(env!("CARGO_MANIFEST_DIR"), "/../kvfabric/tests/data/deepseek-r1.config.json");
+    let cfg =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../kvfabric/tests/data/deepseek-r1.config.json");
     let v = stdout_json(&kvfabric(&["plan", "--model", cfg, "--json", "--block-tokens", "64"]));
     assert_eq!(v["kv_bytes_per_token"], 70_272);
     assert_eq!(v["kv_bytes_per_block"], 70_272 * 64);
@@ -56,7 +57,8 @@ fn plan_reads_config_json_and_gguf() {
 
 #[test]
 fn plan_table_for_humans() {
-    let out = kvfabric(&["plan", "--model", "qwen3-32b", "--context", "8192", "--link", "pcie5,x=7"]);
+    let out =
+        kvfabric(&["plan", "--model", "qwen3-32b", "--context", "8192", "--link", "pcie5,x=7"]);
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("KV per token 256.00 KiB (262144 B)"), "{text}");

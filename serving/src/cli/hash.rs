@@ -47,7 +47,9 @@ fn parse_tokens<'a>(words: impl Iterator<Item = &'a str>) -> anyhow::Result<Vec<
 pub fn run(args: HashArgs) -> anyhow::Result<()> {
     let block_tokens: usize = match args.block_tokens.trim().parse() {
         Ok(n) if n >= 1 => n,
-        _ => anyhow::bail!("--block-tokens must be a whole number >= 1, got {:?}", args.block_tokens),
+        _ => {
+            anyhow::bail!("--block-tokens must be a whole number >= 1, got {:?}", args.block_tokens)
+        }
     };
     let tokens = if args.tokens.is_empty() {
         let mut input = String::new();
