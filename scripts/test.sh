@@ -24,9 +24,9 @@ KVFABRIC_TEST_MODEL="$(scripts/fetch-model.sh)"
 export KVFABRIC_TEST_MODEL
 
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --workspace --no-fail-fast --failure-output final "$@"
-  # nextest does not run doctests.
+  # nextest does not run doctests: run them first, so that nextest's summary closes the log.
   cargo test --workspace --doc --quiet
+  cargo nextest run --workspace --no-fail-fast --failure-output final "$@"
 else
   cargo test --workspace --no-fail-fast "$@"
 fi
