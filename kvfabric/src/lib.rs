@@ -10,18 +10,38 @@
 //! - [`hash`]: Dynamo-compatible token-block and chained sequence hashes, the key of a KV
 //!   block everywhere in kvfabric (the full spec with test vectors is in `docs/hashing.md`).
 //! - [`gguf`]: a bounds-checked reader of GGUF headers (metadata and tensor infos).
+//! - [`memory`]: registered regions (owned, shareable, external), leases, bounds checks.
+//! - [`agent`], [`transfer`], [`transport`]: the transfer engine — one agent per process,
+//!   READ/WRITE of descriptor lists with peers over `local`, `shm` and `tcp`, deadlines,
+//!   cancellation, checksums and notifications.
+//! - [`wire`]: the authenticated, length-prefixed binary protocol between agents.
 //!
 //! What it guarantees:
 //! - Decoders of untrusted input (GGUF files, `config.json`) return typed errors and never
 //!   panic, whatever the bytes.
 //! - Hashes are stable across platforms and releases: they are specified byte for byte.
+//! - A peer can never read or write outside the regions an agent exported to it: remote
+//!   descriptors are checked on the side that owns the memory.
+//! - No transfer hangs: each has a deadline, and a dead peer fails it with a typed error.
+//! - Memory a transfer may still write stays alive and registered until the transfer ends.
 //!
-//! What it does not do: it installs no tracing subscriber, reads no environment variables and
-//! spawns no threads on its own.
+//! What it does not do: it installs no tracing subscriber and reads no environment variables.
+//! The agent runs on the caller's tokio runtime and spawns tasks there, no threads of its own.
+//! `unsafe` lives in [`memory`] and the transports, each block with its `SAFETY` argument.
 
+pub mod agent;
 pub mod gguf;
 pub mod hash;
 pub mod layout;
+pub mod memory;
+pub mod transfer;
+pub mod transport;
+pub mod wire;
 
+pub use agent::{Agent, AgentConfig, AgentError, AgentLimits, AgentMetadata, Notification};
 pub use hash::{BlockHash, HashSeed, SequenceHash, TokenBlockHasher};
 pub use layout::{AttentionKind, BlockLayout, KvDtype, KvShape, ModelSpec};
+pub use memory::{Region, RegionId, RegionOptions};
+pub use transfer::{
+    Desc, TransferError, TransferHandle, TransferOp, TransferRequest, TransferStatus, TransportKind,
+};

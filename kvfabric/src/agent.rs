@@ -1,0 +1,613 @@
+//! The agent: one per process. It owns regions, knows peers, and posts transfers.
+//!
+//! The API follows NIXL's shape: register memory, export metadata ([`Agent::metadata`]) and
+//! load a peer's ([`Agent::load_peer`]), build a transfer from descriptor lists
+//! ([`TransferRequest`]), post it ([`Agent::post`]) and poll or await the
+//! [`TransferHandle`]; notifications arrive through [`Agent::next_notification`].
+//!
+//! Posting is thread-safe and takes no agent-wide lock: it reads the region table and the
+//! peer map under read locks long enough to clone `Arc`s, takes an in-flight permit from a
+//! semaphore, and spawns the transfer on the agent's tokio runtime. Every transfer has a
+//! deadline; a dead or misbehaving peer fails it with a typed [`TransferError`].
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::memory::{
+    MemoryError, PeerMapping, Region, RegionId, RegionLease, RegionOptions, RegionTable,
+};
+use crate::transfer::{
+    TransferError, TransferEvent, TransferHandle, TransferOp, TransferRequest, TransferShared,
+    TransportKind,
+};
+use crate::transport::fault::FaultInjector;
+use crate::transport::tcp::{TcpPeer, TcpServer};
+use crate::transport::{Job, Piece, Transport, Transports};
+use crate::wire::WireLimits;
+
+/// Limits of an agent, all documented with their units.
+#[derive(Debug, Clone)]
+pub struct AgentLimits {
+    /// Frame and message limits of the wire protocol.
+    pub wire: WireLimits,
+    /// Most transfers in flight at once; `post` fails with [`TransferError::Busy`] beyond.
+    pub transfers_in_flight_max: usize,
+    /// Most descriptors in one transfer.
+    pub descs_per_transfer_max: usize,
+    /// Most regions registered at once.
+    pub regions_max: usize,
+    /// Most notifications queued before senders wait (then time out).
+    pub notifications_queued_max: usize,
+    /// Deadline of a transfer that sets none.
+    pub transfer_deadline: Duration,
+    /// Time allowed to connect and authenticate.
+    pub handshake_timeout: Duration,
+    /// Time a peer may take to send the rest of a frame once its header arrived.
+    pub frame_timeout: Duration,
+}
+
+impl Default for AgentLimits {
+    fn default() -> Self {
+        AgentLimits {
+            wire: WireLimits::default(),
+            transfers_in_flight_max: 4096,
+            descs_per_transfer_max: 65_536,
+            regions_max: 65_536,
+            notifications_queued_max: 65_536,
+            transfer_deadline: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How to start an agent.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Unique name among the agents that talk to each other.
+    pub name: String,
+    /// TCP listen address (`127.0.0.1:0` by default: loopback, any free port).
+    pub listen: SocketAddr,
+    /// The shared secret of the handshake. Required: no secret, no bytes.
+    pub secret: Vec<u8>,
+    /// Offer and use the shm transport with peers on this host.
+    pub shm: bool,
+    /// Striped TCP connections per peer.
+    pub tcp_connections_per_peer: usize,
+    /// TCP transfers are cut into pieces of at most this many bytes, spread over the stripes.
+    pub tcp_stripe_bytes: u64,
+    /// Limits.
+    pub limits: AgentLimits,
+    /// Fault injection for tests: wraps every transport.
+    pub faults: Option<Arc<FaultInjector>>,
+}
+
+impl AgentConfig {
+    /// A config with defaults for `name` and `secret`.
+    pub fn new(name: impl Into<String>, secret: impl Into<Vec<u8>>) -> Self {
+        AgentConfig {
+            name: name.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            secret: secret.into(),
+            shm: true,
+            tcp_connections_per_peer: 4,
+            tcp_stripe_bytes: 4 << 20,
+            limits: AgentLimits::default(),
+            faults: None,
+        }
+    }
+}
+
+/// Why an agent could not start or a peer could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The configuration is unusable.
+    #[error("invalid agent config: {0}")]
+    Config(String),
+    /// Binding the listener failed.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Not called inside a tokio runtime.
+    #[error("an agent must be started inside a tokio runtime")]
+    NoRuntime,
+    /// Peer metadata is unusable.
+    #[error("bad peer metadata: {0}")]
+    BadMetadata(String),
+    /// A memory error.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+}
+
+/// A region a peer may access, as published in metadata.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ExportedRegion {
+    /// Its id in the owner's table.
+    pub id: RegionId,
+    /// Its length.
+    pub len: u64,
+    /// The `/dev/shm` file of a shareable region.
+    pub shm_path: Option<String>,
+}
+
+/// What peers need to reach an agent.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AgentMetadata {
+    /// The agent's name.
+    pub name: String,
+    /// Its TCP address.
+    pub tcp_addr: SocketAddr,
+    /// The kernel boot id of its host: equal boot ids mean the same host (shm possible).
+    pub host_id: String,
+    /// Its process id (diagnostics).
+    pub pid: u32,
+    /// Regions peers may access.
+    pub regions: Vec<ExportedRegion>,
+    /// Transports it accepts.
+    pub transports: Vec<TransportKind>,
+}
+
+impl AgentMetadata {
+    /// Serializes to bytes (JSON).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        // Serializing plain data with string keys cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses bytes from [`AgentMetadata::to_bytes`].
+    pub fn from_bytes(b: &[u8]) -> Result<Self, AgentError> {
+        serde_json::from_slice(b).map_err(|e| AgentError::BadMetadata(e.to_string()))
+    }
+}
+
+/// A notification delivered by a peer after its transfer's last byte.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The authenticated name of the sender.
+    pub from: String,
+    /// The sender's transfer id.
+    pub transfer_id: u64,
+    /// The message.
+    pub message: Vec<u8>,
+}
+
+/// A loaded peer.
+#[derive(Debug)]
+pub struct Peer {
+    pub(crate) metadata: AgentMetadata,
+    pub(crate) tcp: TcpPeer,
+    shm_maps: Mutex<HashMap<RegionId, Arc<PeerMapping>>>,
+    same_host: bool,
+}
+
+impl Peer {
+    /// The peer's metadata.
+    pub fn metadata(&self) -> &AgentMetadata {
+        &self.metadata
+    }
+
+    /// Checks remote descriptors against the regions the peer exported in its metadata, so
+    /// that a transfer with one bad descriptor moves no byte at all. The owner checks again:
+    /// this is for atomicity and early errors, not for safety.
+    pub(crate) fn check_remote(
+        &self,
+        remote: &[crate::transfer::Desc],
+    ) -> Result<(), TransferError> {
+        for (index, d) in remote.iter().enumerate() {
+            let region =
+                self.metadata.regions.iter().find(|r| r.id == d.region).ok_or_else(|| {
+                    TransferError::RemoteDescriptor {
+                        index,
+                        reason: format!(
+                            "region {} is not in {}'s metadata",
+                            d.region, self.metadata.name
+                        ),
+                    }
+                })?;
+            if d.offset.checked_add(d.len).is_none_or(|end| end > region.len) {
+                return Err(TransferError::RemoteDescriptor {
+                    index,
+                    reason: format!(
+                        "range {}+{} is outside region {} of {} bytes",
+                        d.offset, d.len, d.region, region.len
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The peer's shareable region mapped here, mapping it on first use.
+    pub(crate) fn shm_map(&self, id: RegionId) -> Option<Arc<PeerMapping>> {
+        let mut maps = self.shm_maps.lock();
+        if let Some(m) = maps.get(&id) {
+            return Some(m.clone());
+        }
+        let r = self.metadata.regions.iter().find(|r| r.id == id)?;
+        let path = r.shm_path.as_ref()?;
+        let m = Arc::new(PeerMapping::open(std::path::Path::new(path), r.len as usize).ok()?);
+        maps.insert(id, m.clone());
+        Some(m)
+    }
+}
+
+pub(crate) struct AgentInner {
+    pub(crate) config: AgentConfig,
+    pub(crate) regions: RegionTable,
+    peers: RwLock<HashMap<String, Arc<Peer>>>,
+    pub(crate) notify_tx: mpsc::Sender<Notification>,
+    notify_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
+    in_flight: Arc<Semaphore>,
+    next_id: AtomicU64,
+    listen_addr: SocketAddr,
+    host_id: String,
+    transports: Transports,
+    runtime: tokio::runtime::Handle,
+    server: Mutex<Option<TcpServer>>,
+}
+
+impl std::fmt::Debug for AgentInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.config.name)
+            .field("addr", &self.listen_addr)
+            .finish()
+    }
+}
+
+/// One per process: owns regions and peers, posts transfers. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Agent {
+    pub(crate) inner: Arc<AgentInner>,
+}
+
+fn host_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| format!("unknown-host-{}", std::process::id()))
+}
+
+impl Agent {
+    /// Starts an agent: binds its listener and serves peers on the current tokio runtime.
+    pub async fn start(config: AgentConfig) -> Result<Agent, AgentError> {
+        if config.name.is_empty() || config.name.len() > config.limits.wire.text_bytes_max as usize
+        {
+            return Err(AgentError::Config("name must be 1..=4096 bytes".into()));
+        }
+        if config.secret.is_empty() {
+            return Err(AgentError::Config("a shared secret is required".into()));
+        }
+        if config.tcp_connections_per_peer == 0 || config.tcp_stripe_bytes == 0 {
+            return Err(AgentError::Config("tcp stripes and stripe bytes must be >= 1".into()));
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| AgentError::Bind { addr: config.listen, source })?;
+        let listen_addr = listener
+            .local_addr()
+            .map_err(|source| AgentError::Bind { addr: config.listen, source })?;
+        let (notify_tx, notify_rx) = mpsc::channel(config.limits.notifications_queued_max.max(1));
+        let shm_prefix = format!(
+            "kvfabric.{}.{}.{}",
+            sanitize(&config.name),
+            std::process::id(),
+            listen_addr.port()
+        );
+        let inner = Arc::new(AgentInner {
+            regions: RegionTable::new(shm_prefix, config.limits.regions_max),
+            peers: RwLock::new(HashMap::new()),
+            notify_tx,
+            notify_rx: tokio::sync::Mutex::new(notify_rx),
+            in_flight: Arc::new(Semaphore::new(config.limits.transfers_in_flight_max)),
+            next_id: AtomicU64::new(1),
+            listen_addr,
+            host_id: host_id(),
+            transports: Transports::new(config.faults.clone()),
+            runtime,
+            server: Mutex::new(None),
+            config,
+        });
+        let server = TcpServer::spawn(listener, Arc::downgrade(&inner));
+        *inner.server.lock() = Some(server);
+        Ok(Agent { inner })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.inner.config.name
+    }
+
+    /// The TCP address it listens on.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.inner.listen_addr
+    }
+
+    /// Allocates and registers a host region (see [`RegionOptions`]).
+    pub fn alloc_region(&self, len: usize, opts: RegionOptions) -> Result<Arc<Region>, AgentError> {
+        Ok(self.inner.regions.alloc(len, opts)?)
+    }
+
+    /// Registers memory the caller owns.
+    ///
+    /// # Safety
+    /// As [`RegionTable::register_external`]: the memory must stay valid until
+    /// [`Agent::deregister`] succeeds for it.
+    pub unsafe fn register_external(
+        &self,
+        ptr: std::ptr::NonNull<u8>,
+        len: usize,
+        export: bool,
+    ) -> Result<Arc<Region>, AgentError> {
+        // SAFETY: forwarded contract.
+        Ok(unsafe { self.inner.regions.register_external(ptr, len, export) }?)
+    }
+
+    /// The region with this id.
+    pub fn region(&self, id: RegionId) -> Result<Arc<Region>, AgentError> {
+        Ok(self.inner.regions.get(id)?)
+    }
+
+    /// Removes a region; fails while transfers use it.
+    pub fn deregister(&self, id: RegionId) -> Result<(), AgentError> {
+        Ok(self.inner.regions.deregister(id)?)
+    }
+
+    /// This agent's metadata, for peers to load. Regions registered later are not in it:
+    /// export it again after registering (as with NIXL).
+    pub fn metadata(&self) -> AgentMetadata {
+        let mut transports = vec![TransportKind::Tcp];
+        if self.inner.config.shm {
+            transports.insert(0, TransportKind::Shm);
+        }
+        AgentMetadata {
+            name: self.inner.config.name.clone(),
+            tcp_addr: self.inner.listen_addr,
+            host_id: self.inner.host_id.clone(),
+            pid: std::process::id(),
+            regions: self
+                .inner
+                .regions
+                .all()
+                .into_iter()
+                .filter(|r| r.is_exported())
+                .map(|r| ExportedRegion {
+                    id: r.id(),
+                    len: r.len() as u64,
+                    shm_path: r.shm_path().map(|p| p.display().to_string()),
+                })
+                .collect(),
+            transports,
+        }
+    }
+
+    /// Loads (or reloads) a peer's metadata.
+    pub fn load_peer(&self, md: AgentMetadata) -> Result<(), AgentError> {
+        if md.name == self.inner.config.name {
+            return Err(AgentError::BadMetadata("a peer cannot have this agent's name".into()));
+        }
+        if md.name.is_empty() {
+            return Err(AgentError::BadMetadata("empty peer name".into()));
+        }
+        let same_host = md.host_id == self.inner.host_id
+            && self.inner.config.shm
+            && md.transports.contains(&TransportKind::Shm);
+        let peer = Arc::new(Peer {
+            tcp: TcpPeer::new(&md, &self.inner.config),
+            shm_maps: Mutex::new(HashMap::new()),
+            same_host,
+            metadata: md,
+        });
+        self.inner.peers.write().insert(peer.metadata.name.clone(), peer);
+        Ok(())
+    }
+
+    /// Forgets a peer; its connections close when in-flight transfers finish.
+    pub fn remove_peer(&self, name: &str) -> bool {
+        self.inner.peers.write().remove(name).is_some()
+    }
+
+    /// Names of the loaded peers.
+    pub fn peers(&self) -> Vec<String> {
+        self.inner.peers.read().keys().cloned().collect()
+    }
+
+    /// Validates and posts a transfer; it runs on the agent's runtime.
+    pub fn post(&self, req: TransferRequest) -> Result<TransferHandle, TransferError> {
+        let inner = &self.inner;
+        let limits = &inner.config.limits;
+        if req.local.is_empty() || req.local.len() != req.remote.len() {
+            return Err(TransferError::Invalid(format!(
+                "{} local and {} remote descriptors: need equal, non-zero counts",
+                req.local.len(),
+                req.remote.len()
+            )));
+        }
+        if req.local.len() > limits.descs_per_transfer_max {
+            return Err(TransferError::Invalid(format!(
+                "{} descriptors exceed the limit of {}",
+                req.local.len(),
+                limits.descs_per_transfer_max
+            )));
+        }
+        if let Some((i, _)) = req
+            .local
+            .iter()
+            .zip(&req.remote)
+            .enumerate()
+            .find(|(_, (l, r))| l.len != r.len || l.len == 0)
+        {
+            return Err(TransferError::Invalid(format!(
+                "descriptor {i}: local and remote lengths must be equal and non-zero"
+            )));
+        }
+        if req.notify.as_ref().is_some_and(|n| n.len() > limits.wire.notify_bytes_max as usize) {
+            return Err(TransferError::Invalid(format!(
+                "notification exceeds {} bytes",
+                limits.wire.notify_bytes_max
+            )));
+        }
+        // Local memory: resolve and bounds-check every descriptor, lease each region once.
+        let mut leases: HashMap<RegionId, RegionLease> = HashMap::new();
+        let mut pieces = Vec::with_capacity(req.local.len());
+        for (l, r) in req.local.iter().zip(&req.remote) {
+            let lease = match leases.get(&l.region) {
+                Some(lease) => lease.clone(),
+                None => {
+                    let lease = RegionLease::new(inner.regions.get(l.region)?);
+                    leases.insert(l.region, lease.clone());
+                    lease
+                }
+            };
+            lease.region().check(l.offset, l.len)?;
+            pieces.push(Piece { local: lease, local_offset: l.offset, remote: *r });
+        }
+        let (transport, peer) = self.choose_transport(&req)?;
+        if let Some(peer) = &peer {
+            peer.check_remote(&req.remote)?;
+        }
+        let permit = inner
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| TransferError::Busy(limits.transfers_in_flight_max))?;
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let deadline = req.deadline.unwrap_or(limits.transfer_deadline);
+        let shared = TransferShared::new(deadline);
+        let job = Job {
+            id,
+            op: req.op,
+            peer,
+            pieces,
+            checksum: req.checksum,
+            notify: req.notify,
+            corrupt_checksums: false,
+            agent: Arc::downgrade(inner),
+        };
+        let task_shared = shared.clone();
+        let task = inner.runtime.spawn(async move {
+            task_shared.apply(TransferEvent::Start);
+            let outcome = tokio::time::timeout(deadline, transport.execute(&job)).await;
+            let event = match outcome {
+                Ok(Ok(())) => TransferEvent::Complete,
+                Ok(Err(e)) => TransferEvent::Fail(e),
+                Err(_) => TransferEvent::Deadline,
+            };
+            task_shared.apply(event);
+            // The job's leases and the permit drop here, after the last byte.
+            drop(job);
+            drop(permit);
+        });
+        *shared.abort.lock() = Some(task.abort_handle());
+        // A cancel that raced the spawn finds no abort handle; abort now.
+        if shared.state.lock().status().is_terminal() {
+            task.abort();
+        }
+        Ok(TransferHandle { id, shared })
+    }
+
+    fn choose_transport(
+        &self,
+        req: &TransferRequest,
+    ) -> Result<(Arc<dyn Transport>, Option<Arc<Peer>>), TransferError> {
+        let t = &self.inner.transports;
+        if req.peer == self.inner.config.name {
+            return match req.transport {
+                None | Some(TransportKind::Local) => Ok((t.local.clone(), None)),
+                Some(other) => Err(TransferError::NoTransport {
+                    peer: req.peer.clone(),
+                    reason: format!("{other} to this agent itself; use local"),
+                }),
+            };
+        }
+        let peer = self
+            .inner
+            .peers
+            .read()
+            .get(&req.peer)
+            .cloned()
+            .ok_or_else(|| TransferError::UnknownPeer(req.peer.clone()))?;
+        let shm_ok =
+            || peer.same_host && req.remote.iter().all(|d| peer.shm_map(d.region).is_some());
+        match req.transport {
+            Some(TransportKind::Tcp) => Ok((t.tcp.clone(), Some(peer))),
+            Some(TransportKind::Shm) => {
+                if shm_ok() {
+                    Ok((t.shm.clone(), Some(peer)))
+                } else {
+                    Err(TransferError::NoTransport {
+                        peer: req.peer.clone(),
+                        reason: "shm needs the same host and shareable remote regions".into(),
+                    })
+                }
+            }
+            Some(TransportKind::Local) => Err(TransferError::NoTransport {
+                peer: req.peer.clone(),
+                reason: "local is only for this agent itself".into(),
+            }),
+            None if shm_ok() => Ok((t.shm.clone(), Some(peer))),
+            None => Ok((t.tcp.clone(), Some(peer))),
+        }
+    }
+
+    /// Waits for the next notification from any peer.
+    pub async fn next_notification(&self) -> Option<Notification> {
+        self.inner.notify_rx.lock().await.recv().await
+    }
+
+    /// Takes the notifications queued now, without waiting.
+    pub fn try_notifications(&self) -> Vec<Notification> {
+        let mut out = Vec::new();
+        if let Ok(mut rx) = self.inner.notify_rx.try_lock() {
+            while let Ok(n) = rx.try_recv() {
+                out.push(n);
+            }
+        }
+        out
+    }
+
+    /// The transport a request would use now (for diagnostics and benchmarks).
+    pub fn transport_for(&self, req: &TransferRequest) -> Result<TransportKind, TransferError> {
+        self.choose_transport(req).map(|(t, _)| t.kind())
+    }
+
+    /// Stops accepting connections; in-flight transfers finish or time out.
+    pub fn shutdown(&self) {
+        if let Some(server) = self.inner.server.lock().take() {
+            server.stop();
+        }
+    }
+}
+
+impl Drop for AgentInner {
+    fn drop(&mut self) {
+        if let Some(server) = self.server.get_mut().take() {
+            server.stop();
+        }
+    }
+}
+
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+        .take(64)
+        .collect()
+}
+
+/// A convenience used by tests and benchmarks: the op's direction as a word.
+pub fn op_name(op: TransferOp) -> &'static str {
+    match op {
+        TransferOp::Read => "read",
+        TransferOp::Write => "write",
+    }
+}

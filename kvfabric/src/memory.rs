@@ -1,0 +1,738 @@
+//! Memory regions: registered, bounds-checked ranges of memory that transfers read and write.
+//!
+//! Core concepts:
+//! - [`RegionId`]: a handle (slab index + generation), never a pointer. A stale id (its region
+//!   deregistered, the slot reused) is refused, not aliased.
+//! - [`Region`]: one registered range. Three kinds: owned host memory (anonymous mmap,
+//!   page-aligned, pre-faulted, optionally huge pages), shareable host memory (a file in
+//!   `/dev/shm` that a peer on the same host maps), and external memory the caller owns,
+//!   registered through an `unsafe` constructor. Registering is O(1) in the region's size: no
+//!   per-page work beyond what allocation itself does.
+//! - [`RegionLease`]: what an in-flight transfer holds. A region with leases cannot be
+//!   deregistered ([`MemoryError::RegionBusy`]), and owned memory stays mapped until the last
+//!   lease is gone, so bytes can never land in freed memory.
+//! - [`RegionTable`]: the registry, read-mostly (an `RwLock` taken briefly to clone an `Arc`).
+//!
+//! Regions are treated like DMA memory: the engine copies bytes in and out through raw
+//! pointers, and concurrent transfers that overlap in one region see unspecified bytes (as with
+//! RDMA or NIXL). All `unsafe` of the data plane's memory access lives in this module.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+/// Why a region operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// A zero-length region was asked for.
+    #[error("region length must be at least 1 byte")]
+    ZeroLength,
+    /// The kernel refused the allocation.
+    #[error("allocating {len} bytes failed: {source}")]
+    Alloc {
+        /// Bytes asked for.
+        len: usize,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Huge pages were asked for and none are available.
+    #[error("huge pages unavailable for {len} bytes (see /proc/sys/vm/nr_hugepages): {source}")]
+    HugePagesUnavailable {
+        /// Bytes asked for.
+        len: usize,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A shared-memory file could not be created or mapped.
+    #[error("shared memory {path}: {source}")]
+    Shm {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// No region has this id (never registered, deregistered, or a stale generation).
+    #[error("unknown region {0}")]
+    UnknownRegion(RegionId),
+    /// The region is in use by in-flight transfers.
+    #[error("region {id} is in use by {leases} in-flight transfer(s)")]
+    RegionBusy {
+        /// The region.
+        id: RegionId,
+        /// Leases outstanding.
+        leases: usize,
+    },
+    /// A range outside the region.
+    #[error("range {offset}+{len} is outside region {id} of {region_len} bytes")]
+    OutOfBounds {
+        /// The region.
+        id: RegionId,
+        /// Start of the range.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Length of the region.
+        region_len: u64,
+    },
+    /// The region table is full.
+    #[error("too many regions registered (limit {0})")]
+    TooManyRegions(usize),
+}
+
+/// A region's handle: slab index in the low 32 bits, generation in the high 32 bits.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(transparent)]
+pub struct RegionId(pub u64);
+
+impl RegionId {
+    fn new(index: u32, generation: u32) -> Self {
+        RegionId(u64::from(generation) << 32 | u64::from(index))
+    }
+
+    fn index(self) -> usize {
+        (self.0 & 0xffff_ffff) as usize
+    }
+
+    fn generation(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+}
+
+impl std::fmt::Display for RegionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}#{}", self.index(), self.generation())
+    }
+}
+
+/// How to allocate an owned region.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegionOptions {
+    /// Back it by a `/dev/shm` file that peers on the same host can map (the shm transport).
+    pub shared: bool,
+    /// Use 2 MiB huge pages (anonymous memory only); fails if none are reserved.
+    pub huge_pages: bool,
+    /// Let peers read and write it. A region that is not exported is only a local source or
+    /// destination.
+    pub export: bool,
+}
+
+enum Backing {
+    /// Anonymous mmap we own, `mapped` bytes (the length rounded up to the page size).
+    Anonymous { mapped: usize },
+    /// A `/dev/shm` file and its mapping; the file is unlinked when the region drops.
+    Shared { path: PathBuf, _map: memmap2::MmapMut },
+    /// Memory the caller owns.
+    External,
+}
+
+/// One registered memory range.
+pub struct Region {
+    id: RegionId,
+    ptr: NonNull<u8>,
+    len: usize,
+    backing: Backing,
+    exported: bool,
+    leases: AtomicUsize,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.id)
+            .field("len", &self.len)
+            .field("shared", &self.shm_path())
+            .field("exported", &self.exported)
+            .field("leases", &self.leases.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+// SAFETY: a Region is a pointer and a length into memory that stays mapped for the Region's
+// lifetime (owned) or that the caller promised to keep valid until deregistration (external).
+// All access goes through raw copies whose races are documented as unspecified bytes, never
+// through references shared across threads.
+unsafe impl Send for Region {}
+// SAFETY: as above; `&Region` only exposes the pointer through raw copies and atomics.
+unsafe impl Sync for Region {}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        match &self.backing {
+            Backing::Anonymous { mapped } => {
+                // SAFETY: ptr/mapped are exactly what mmap returned in `alloc_anonymous`, and
+                // this is the last reference to the region (Drop), so no transfer can use it.
+                unsafe {
+                    libc::munmap(self.ptr.as_ptr().cast(), *mapped);
+                }
+            }
+            Backing::Shared { path, .. } => {
+                let _ = std::fs::remove_file(path);
+            }
+            Backing::External => {}
+        }
+    }
+}
+
+impl Region {
+    /// Its id.
+    pub fn id(&self) -> RegionId {
+        self.id
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never: regions have at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether peers may access it.
+    pub fn is_exported(&self) -> bool {
+        self.exported
+    }
+
+    /// The `/dev/shm` file of a shareable region.
+    pub fn shm_path(&self) -> Option<&Path> {
+        match &self.backing {
+            Backing::Shared { path, .. } => Some(path),
+            _ => None,
+        }
+    }
+
+    /// Leases outstanding.
+    pub fn leases(&self) -> usize {
+        self.leases.load(Ordering::Acquire)
+    }
+
+    /// Checks that `offset..offset+len` lies inside the region.
+    pub fn check(&self, offset: u64, len: u64) -> Result<(), MemoryError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok(()),
+            _ => Err(MemoryError::OutOfBounds {
+                id: self.id,
+                offset,
+                len,
+                region_len: self.len as u64,
+            }),
+        }
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        self.check(offset, src.len() as u64)?;
+        // SAFETY: the range was checked to lie inside the mapping, which is live while `self`
+        // is; `src` is a distinct Rust allocation, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.ptr.as_ptr().add(offset as usize),
+                src.len(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Copies bytes of the region at `offset` into `dst`.
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+        self.check(offset, dst.len() as u64)?;
+        // SAFETY: as in `write_at`, with source and destination swapped.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset as usize),
+                dst.as_mut_ptr(),
+                dst.len(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Fills `offset..offset+len` with `byte`.
+    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), MemoryError> {
+        self.check(offset, len)?;
+        // SAFETY: the range was checked to lie inside the live mapping.
+        unsafe {
+            std::ptr::write_bytes(self.ptr.as_ptr().add(offset as usize), byte, len as usize)
+        };
+        Ok(())
+    }
+
+    /// XXH3-64 of `offset..offset+len`.
+    pub fn checksum(&self, offset: u64, len: u64) -> Result<u64, MemoryError> {
+        self.check(offset, len)?;
+        // SAFETY: checked range of the live mapping; the slice lives only for this call and
+        // is only read (concurrent writers make the hash unspecified, never unsound to read
+        // as bytes).
+        let bytes = unsafe { self.slice(offset, len) };
+        Ok(xxhash_rust::xxh3::xxh3_64(bytes))
+    }
+
+    /// A view of `offset..offset+len` for one I/O call.
+    ///
+    /// # Safety
+    /// The range must have been checked with [`Region::check`], and the caller must not hold
+    /// the slice past the I/O call it was made for, nor alongside a mutable view of the same
+    /// bytes made by this process.
+    pub unsafe fn slice(&self, offset: u64, len: u64) -> &[u8] {
+        // SAFETY: per the caller's contract the range is inside the live mapping.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len as usize) }
+    }
+
+    /// A mutable view of `offset..offset+len` for one I/O call (a socket read straight into
+    /// the region).
+    ///
+    /// # Safety
+    /// As [`Region::slice`], and no other view of the same bytes may exist in this process
+    /// while it lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: u64, len: u64) -> &mut [u8] {
+        // SAFETY: per the caller's contract the range is inside the live mapping and unaliased.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize), len as usize)
+        }
+    }
+
+    /// Raw pointer to `offset` (checked), for copies between two regions.
+    pub fn ptr_at(&self, offset: u64, len: u64) -> Result<*mut u8, MemoryError> {
+        self.check(offset, len)?;
+        // SAFETY: offset is within the mapping (checked above), so the add stays in bounds.
+        Ok(unsafe { self.ptr.as_ptr().add(offset as usize) })
+    }
+}
+
+/// Copies `len` bytes between two (possibly identical) regions, both ranges checked.
+pub fn copy_between(
+    src: &Region,
+    src_offset: u64,
+    dst: &Region,
+    dst_offset: u64,
+    len: u64,
+) -> Result<(), MemoryError> {
+    let s = src.ptr_at(src_offset, len)?;
+    let d = dst.ptr_at(dst_offset, len)?;
+    // SAFETY: both ranges were bounds-checked against live mappings; `copy` (memmove) is
+    // correct even when the two ranges overlap inside one region.
+    unsafe { std::ptr::copy(s, d, len as usize) };
+    Ok(())
+}
+
+/// A lease on a region held by an in-flight transfer; dropping it releases the region.
+#[derive(Debug)]
+pub struct RegionLease {
+    region: Arc<Region>,
+}
+
+impl RegionLease {
+    /// Leases `region`.
+    pub fn new(region: Arc<Region>) -> Self {
+        region.leases.fetch_add(1, Ordering::AcqRel);
+        RegionLease { region }
+    }
+
+    /// The leased region.
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+}
+
+impl Clone for RegionLease {
+    fn clone(&self) -> Self {
+        RegionLease::new(self.region.clone())
+    }
+}
+
+impl Drop for RegionLease {
+    fn drop(&mut self) {
+        self.region.leases.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+fn alloc_anonymous(len: usize, huge_pages: bool) -> Result<(NonNull<u8>, usize), MemoryError> {
+    let align = if huge_pages { 2 << 20 } else { page_size() };
+    let mapped = len.div_ceil(align).saturating_mul(align);
+    let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE;
+    if huge_pages {
+        flags |= libc::MAP_HUGETLB;
+    }
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
+    // existing memory; the result is checked for MAP_FAILED below.
+    let ptr = unsafe {
+        libc::mmap(std::ptr::null_mut(), mapped, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0)
+    };
+    if ptr == libc::MAP_FAILED {
+        let source = std::io::Error::last_os_error();
+        return Err(if huge_pages {
+            MemoryError::HugePagesUnavailable { len, source }
+        } else {
+            MemoryError::Alloc { len, source }
+        });
+    }
+    NonNull::new(ptr.cast::<u8>())
+        .map(|p| (p, mapped))
+        .ok_or(MemoryError::Alloc { len, source: std::io::Error::other("mmap returned null") })
+}
+
+/// The registry of an agent's regions.
+#[derive(Debug)]
+pub struct RegionTable {
+    slots: RwLock<Slots>,
+    shm_prefix: String,
+    regions_max: usize,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    entries: Vec<Slot>,
+    free: Vec<u32>,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    generation: u32,
+    region: Option<Arc<Region>>,
+}
+
+impl RegionTable {
+    /// A table whose shared regions are named `/dev/shm/{shm_prefix}.{index}.{generation}`.
+    pub fn new(shm_prefix: impl Into<String>, regions_max: usize) -> Self {
+        RegionTable {
+            slots: RwLock::new(Slots::default()),
+            shm_prefix: shm_prefix.into(),
+            regions_max,
+        }
+    }
+
+    fn insert(
+        &self,
+        make: impl FnOnce(RegionId) -> Result<Region, MemoryError>,
+    ) -> Result<Arc<Region>, MemoryError> {
+        let mut slots = self.slots.write();
+        let index = match slots.free.pop() {
+            Some(i) => i,
+            None => {
+                if slots.entries.len() >= self.regions_max {
+                    return Err(MemoryError::TooManyRegions(self.regions_max));
+                }
+                slots.entries.push(Slot::default());
+                (slots.entries.len() - 1) as u32
+            }
+        };
+        let slot = &mut slots.entries[index as usize];
+        let id = RegionId::new(index, slot.generation);
+        match make(id) {
+            Ok(region) => {
+                let region = Arc::new(region);
+                slot.region = Some(region.clone());
+                Ok(region)
+            }
+            Err(e) => {
+                slots.free.push(index);
+                Err(e)
+            }
+        }
+    }
+
+    /// Allocates and registers an owned region of `len` bytes.
+    pub fn alloc(&self, len: usize, opts: RegionOptions) -> Result<Arc<Region>, MemoryError> {
+        if len == 0 {
+            return Err(MemoryError::ZeroLength);
+        }
+        self.insert(|id| {
+            if opts.shared {
+                let path = PathBuf::from(format!(
+                    "/dev/shm/{}.{}.{}",
+                    self.shm_prefix,
+                    id.index(),
+                    id.generation()
+                ));
+                let shm_err = |source| MemoryError::Shm { path: path.clone(), source };
+                let file = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+                    .map_err(shm_err)?;
+                let map = (|| {
+                    file.set_len(len as u64)?;
+                    // SAFETY: the file was just created by us with create_new and is sized to
+                    // `len`; peers map it but never truncate it.
+                    unsafe { memmap2::MmapOptions::new().len(len).populate().map_mut(&file) }
+                })()
+                .map_err(|e| {
+                    let _ = std::fs::remove_file(&path);
+                    shm_err(e)
+                })?;
+                let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or(MemoryError::ZeroLength)?;
+                Ok(Region {
+                    id,
+                    ptr,
+                    len,
+                    backing: Backing::Shared { path, _map: map },
+                    exported: opts.export,
+                    leases: AtomicUsize::new(0),
+                })
+            } else {
+                let (ptr, mapped) = alloc_anonymous(len, opts.huge_pages)?;
+                Ok(Region {
+                    id,
+                    ptr,
+                    len,
+                    backing: Backing::Anonymous { mapped },
+                    exported: opts.export,
+                    leases: AtomicUsize::new(0),
+                })
+            }
+        })
+    }
+
+    /// Registers memory the caller owns.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes, and stay valid and unmoved until
+    /// [`RegionTable::deregister`] returns `Ok` for this region. The caller must not access
+    /// those bytes while a transfer on them is in flight except through raw copies.
+    pub unsafe fn register_external(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        export: bool,
+    ) -> Result<Arc<Region>, MemoryError> {
+        if len == 0 {
+            return Err(MemoryError::ZeroLength);
+        }
+        self.insert(|id| {
+            Ok(Region {
+                id,
+                ptr,
+                len,
+                backing: Backing::External,
+                exported: export,
+                leases: AtomicUsize::new(0),
+            })
+        })
+    }
+
+    /// The region with this id.
+    pub fn get(&self, id: RegionId) -> Result<Arc<Region>, MemoryError> {
+        let slots = self.slots.read();
+        slots
+            .entries
+            .get(id.index())
+            .filter(|s| s.generation == id.generation())
+            .and_then(|s| s.region.clone())
+            .ok_or(MemoryError::UnknownRegion(id))
+    }
+
+    /// Removes a region. Fails while transfers hold leases on it; on success an external
+    /// region's memory is the caller's again.
+    pub fn deregister(&self, id: RegionId) -> Result<(), MemoryError> {
+        let mut slots = self.slots.write();
+        let slot = slots
+            .entries
+            .get_mut(id.index())
+            .filter(|s| s.generation == id.generation() && s.region.is_some())
+            .ok_or(MemoryError::UnknownRegion(id))?;
+        let leases = slot.region.as_ref().map_or(0, |r| r.leases());
+        if leases > 0 {
+            return Err(MemoryError::RegionBusy { id, leases });
+        }
+        slot.region = None;
+        slot.generation = slot.generation.wrapping_add(1);
+        slots.free.push(id.index() as u32);
+        Ok(())
+    }
+
+    /// Every registered region.
+    pub fn all(&self) -> Vec<Arc<Region>> {
+        self.slots.read().entries.iter().filter_map(|s| s.region.clone()).collect()
+    }
+}
+
+/// A peer's shareable region mapped into this process (shm transport).
+pub struct PeerMapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    _map: memmap2::MmapMut,
+}
+
+impl std::fmt::Debug for PeerMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerMapping").field("len", &self.len).finish()
+    }
+}
+
+// SAFETY: the mapping lives as long as the PeerMapping; access is through raw copies only.
+unsafe impl Send for PeerMapping {}
+// SAFETY: as above.
+unsafe impl Sync for PeerMapping {}
+
+impl PeerMapping {
+    /// Maps a peer's `/dev/shm` file, which must be at least `len` bytes long.
+    pub fn open(path: &Path, len: usize) -> Result<Self, MemoryError> {
+        let err = |source| MemoryError::Shm { path: path.to_path_buf(), source };
+        let file: File =
+            std::fs::OpenOptions::new().read(true).write(true).open(path).map_err(err)?;
+        let actual = file.metadata().map_err(err)?.len();
+        if actual < len as u64 || len == 0 {
+            return Err(err(std::io::Error::other(format!(
+                "file holds {actual} bytes, peer exported {len}"
+            ))));
+        }
+        // SAFETY: a shared mapping of a file the peer created and never truncates; if the
+        // peer dies the file's pages stay valid while mapped.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }.map_err(err)?;
+        let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or(MemoryError::ZeroLength)?;
+        Ok(PeerMapping { ptr, len, _map: map })
+    }
+
+    /// Pointer to a checked range of the mapping.
+    pub fn ptr_at(&self, offset: u64, len: u64) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        if end > self.len as u64 {
+            return None;
+        }
+        // SAFETY: offset is within the mapping (checked above).
+        Some(unsafe { self.ptr.as_ptr().add(offset as usize) })
+    }
+
+    /// XXH3-64 of a checked range.
+    pub fn checksum(&self, offset: u64, len: u64) -> Option<u64> {
+        let p = self.ptr_at(offset, len)?;
+        // SAFETY: checked range of the live mapping, read only for this call.
+        Some(xxhash_rust::xxh3::xxh3_64(unsafe { std::slice::from_raw_parts(p, len as usize) }))
+    }
+}
+
+/// Copies between a local region and a peer mapping: `to_peer` writes into the mapping.
+pub fn copy_with_peer(
+    local: &Region,
+    local_offset: u64,
+    peer: &PeerMapping,
+    peer_offset: u64,
+    len: u64,
+    to_peer: bool,
+) -> Result<(), MemoryError> {
+    let l = local.ptr_at(local_offset, len)?;
+    let p = peer.ptr_at(peer_offset, len).ok_or(MemoryError::OutOfBounds {
+        id: RegionId(u64::MAX),
+        offset: peer_offset,
+        len,
+        region_len: peer.len as u64,
+    })?;
+    // SAFETY: both ranges are checked against live mappings; they are different mappings
+    // (even when backed by one file they are separate address ranges, and memmove is used).
+    unsafe {
+        if to_peer {
+            std::ptr::copy(l, p, len as usize)
+        } else {
+            std::ptr::copy(p, l, len as usize)
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> RegionTable {
+        RegionTable::new(format!("kvfabric-test.{}", std::process::id()), 64)
+    }
+
+    #[test]
+    fn owned_region_round_trip_and_bounds() {
+        let t = table();
+        let r = t.alloc(10_000, RegionOptions::default()).unwrap();
+        assert_eq!(r.len(), 10_000);
+        r.write_at(9_990, b"0123456789").unwrap();
+        let mut out = [0u8; 10];
+        r.read_at(9_990, &mut out).unwrap();
+        assert_eq!(&out, b"0123456789");
+        let len = r.len() as u64;
+        assert!(matches!(r.check(len, 1), Err(MemoryError::OutOfBounds { .. })));
+        assert!(matches!(r.check(u64::MAX, 2), Err(MemoryError::OutOfBounds { .. })));
+        assert!(r.check(len, 0).is_ok());
+    }
+
+    #[test]
+    fn stale_ids_are_refused_and_leases_block_deregistration() {
+        let t = table();
+        let r = t.alloc(4096, RegionOptions::default()).unwrap();
+        let id = r.id();
+        let lease = RegionLease::new(t.get(id).unwrap());
+        assert!(matches!(t.deregister(id), Err(MemoryError::RegionBusy { leases: 1, .. })));
+        drop(lease);
+        t.deregister(id).unwrap();
+        assert!(matches!(t.get(id), Err(MemoryError::UnknownRegion(_))));
+        // The slot is reused with a new generation: the old id stays dead.
+        let r2 = t.alloc(4096, RegionOptions::default()).unwrap();
+        assert_ne!(r2.id(), id);
+        assert!(t.get(id).is_err());
+        assert!(matches!(t.deregister(id), Err(MemoryError::UnknownRegion(_))));
+    }
+
+    #[test]
+    fn shared_region_is_visible_through_a_peer_mapping_and_unlinked_on_drop() {
+        let t = table();
+        let r = t
+            .alloc(8192, RegionOptions { shared: true, export: true, ..Default::default() })
+            .unwrap();
+        let path = r.shm_path().unwrap().to_path_buf();
+        let peer = PeerMapping::open(&path, 8192).unwrap();
+        let src = t.alloc(4096, RegionOptions::default()).unwrap();
+        src.write_at(0, b"hello shm").unwrap();
+        copy_with_peer(&src, 0, &peer, 100, 9, true).unwrap();
+        let mut out = [0u8; 9];
+        r.read_at(100, &mut out).unwrap();
+        assert_eq!(&out, b"hello shm");
+        assert!(copy_with_peer(&src, 0, &peer, 8190, 9, true).is_err());
+        assert!(PeerMapping::open(&path, 1 << 20).is_err(), "longer than the file");
+        let id = r.id();
+        drop(r);
+        t.deregister(id).unwrap();
+        assert!(!path.exists(), "unlinked when the last reference goes");
+    }
+
+    #[test]
+    fn external_memory_registers_in_place() {
+        let t = table();
+        let mut buf = vec![7u8; 1000];
+        let ptr = NonNull::new(buf.as_mut_ptr()).unwrap();
+        // SAFETY: `buf` outlives the registration, which is removed below before it drops.
+        let r = unsafe { t.register_external(ptr, buf.len(), false) }.unwrap();
+        r.write_at(0, &[1, 2, 3]).unwrap();
+        let id = r.id();
+        drop(r);
+        t.deregister(id).unwrap();
+        assert_eq!(&buf[..4], &[1, 2, 3, 7]);
+    }
+
+    #[test]
+    fn zero_length_and_table_limit() {
+        let t = RegionTable::new("kvfabric-test-limit", 1);
+        assert!(matches!(t.alloc(0, RegionOptions::default()), Err(MemoryError::ZeroLength)));
+        let _a = t.alloc(1, RegionOptions::default()).unwrap();
+        assert!(matches!(
+            t.alloc(1, RegionOptions::default()),
+            Err(MemoryError::TooManyRegions(1))
+        ));
+    }
+}

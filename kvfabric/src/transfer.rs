@@ -1,0 +1,444 @@
+//! Transfers: READ or WRITE of descriptor lists between a local agent and a peer.
+//!
+//! Core concepts:
+//! - [`Desc`]: `(region, offset, len)`. A transfer pairs `local[i]` with `remote[i]`, equal
+//!   lengths.
+//! - [`TransferRequest`]: what to move, with whom, an optional notification delivered to the
+//!   peer after the last byte, an optional per-descriptor XXH3 checksum that the receiver
+//!   verifies, and a deadline.
+//! - [`TransferStatus`] and [`TransferState`]: the life of a transfer as a plain state machine
+//!   (no clock, no I/O): `Posted → InFlight → Done | Failed | Cancelled | TimedOut`; the
+//!   terminal states are absorbing.
+//! - [`TransferHandle`]: what `post` returns: poll it, await it, or cancel it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::memory::{MemoryError, RegionId};
+use crate::wire::{ErrorCode, WireError};
+
+/// READ (peer → local) or WRITE (local → peer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferOp {
+    /// Copy the peer's bytes into local memory.
+    Read,
+    /// Copy local bytes into the peer's memory.
+    Write,
+}
+
+/// A range of a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Desc {
+    /// The region (the local agent's for local descriptors, the peer's for remote ones).
+    pub region: RegionId,
+    /// Offset in bytes.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl Desc {
+    /// A descriptor.
+    pub fn new(region: RegionId, offset: u64, len: u64) -> Self {
+        Desc { region, offset, len }
+    }
+}
+
+/// The transports, fastest first.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// Same agent: memcpy.
+    Local,
+    /// Same host, other process: one copy through shared memory.
+    Shm,
+    /// Any host: striped TCP connections.
+    Tcp,
+}
+
+impl TransportKind {
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Local => "local",
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A transfer to post.
+#[derive(Debug, Clone)]
+pub struct TransferRequest {
+    /// READ or WRITE.
+    pub op: TransferOp,
+    /// The peer's agent name (the local agent's own name for a local transfer).
+    pub peer: String,
+    /// Local descriptors.
+    pub local: Vec<Desc>,
+    /// Remote descriptors, pairwise equal in length to `local`.
+    pub remote: Vec<Desc>,
+    /// Delivered to the peer after the last byte landed.
+    pub notify: Option<Vec<u8>>,
+    /// Checksum every descriptor (XXH3-64), verified by the receiver.
+    pub checksum: bool,
+    /// Fail with [`TransferError::TimedOut`] past this; the agent's default when None.
+    pub deadline: Option<Duration>,
+    /// Force a transport instead of the fastest one both sides speak.
+    pub transport: Option<TransportKind>,
+}
+
+impl TransferRequest {
+    /// A request without notification, checksum or deadline override.
+    pub fn new(
+        op: TransferOp,
+        peer: impl Into<String>,
+        local: Vec<Desc>,
+        remote: Vec<Desc>,
+    ) -> Self {
+        TransferRequest {
+            op,
+            peer: peer.into(),
+            local,
+            remote,
+            notify: None,
+            checksum: false,
+            deadline: None,
+            transport: None,
+        }
+    }
+
+    /// With a notification.
+    pub fn with_notify(mut self, message: impl Into<Vec<u8>>) -> Self {
+        self.notify = Some(message.into());
+        self
+    }
+
+    /// With per-descriptor checksums.
+    pub fn with_checksum(mut self) -> Self {
+        self.checksum = true;
+        self
+    }
+
+    /// With a deadline.
+    pub fn with_deadline(mut self, d: Duration) -> Self {
+        self.deadline = Some(d);
+        self
+    }
+
+    /// Over a given transport.
+    pub fn with_transport(mut self, t: TransportKind) -> Self {
+        self.transport = Some(t);
+        self
+    }
+
+    /// Total bytes.
+    pub fn bytes(&self) -> u64 {
+        self.local.iter().map(|d| d.len).sum()
+    }
+}
+
+/// Why a transfer failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransferError {
+    /// The request itself is malformed (length mismatch, empty, over a limit).
+    #[error("invalid transfer: {0}")]
+    Invalid(String),
+    /// A local region problem (unknown, out of bounds).
+    #[error("local memory: {0}")]
+    Local(String),
+    /// A remote descriptor is outside what the peer exported in its metadata (checked before
+    /// any byte moves; reload the peer's metadata after it registers new regions).
+    #[error("remote descriptor {index}: {reason}")]
+    RemoteDescriptor {
+        /// Index of the descriptor.
+        index: usize,
+        /// Why.
+        reason: String,
+    },
+    /// No peer of that name was loaded.
+    #[error("unknown peer {0:?}")]
+    UnknownPeer(String),
+    /// The peer refused the request (bounds, region, checksum, auth...).
+    #[error("peer refused ({code:?}): {message}")]
+    Remote {
+        /// The peer's error code.
+        code: ErrorCode,
+        /// The peer's text.
+        message: String,
+    },
+    /// Authentication with the peer failed.
+    #[error("authentication with {0} failed")]
+    Auth(String),
+    /// The connection broke or the peer died.
+    #[error("peer {peer} disconnected: {reason}")]
+    Disconnected {
+        /// The peer.
+        peer: String,
+        /// What the socket said.
+        reason: String,
+    },
+    /// The peer sent something the protocol does not allow.
+    #[error("protocol violation by peer: {0}")]
+    Protocol(String),
+    /// The bytes received do not match their checksum.
+    #[error("checksum mismatch on descriptor {index}")]
+    Checksum {
+        /// Index of the descriptor.
+        index: usize,
+    },
+    /// The deadline passed.
+    #[error("transfer timed out after {0:?}")]
+    TimedOut(Duration),
+    /// The transfer was cancelled.
+    #[error("transfer cancelled")]
+    Cancelled,
+    /// Too many transfers in flight.
+    #[error("too many transfers in flight (limit {0})")]
+    Busy(usize),
+    /// No transport can reach the peer.
+    #[error("no transport reaches {peer}: {reason}")]
+    NoTransport {
+        /// The peer.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// The agent is shutting down.
+    #[error("agent is shutting down")]
+    Shutdown,
+}
+
+impl From<MemoryError> for TransferError {
+    fn from(e: MemoryError) -> Self {
+        TransferError::Local(e.to_string())
+    }
+}
+
+impl From<WireError> for TransferError {
+    fn from(e: WireError) -> Self {
+        TransferError::Protocol(e.to_string())
+    }
+}
+
+/// Where a transfer is in its life.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferStatus {
+    /// Accepted, not started.
+    Posted,
+    /// Bytes are moving.
+    InFlight,
+    /// Every byte landed (and the notification, if any, was delivered).
+    Done,
+    /// Failed.
+    Failed(TransferError),
+    /// Cancelled by the caller.
+    Cancelled,
+    /// The deadline passed.
+    TimedOut,
+}
+
+impl TransferStatus {
+    /// Whether the transfer is over.
+    pub fn is_terminal(&self) -> bool {
+        !matches!(self, TransferStatus::Posted | TransferStatus::InFlight)
+    }
+}
+
+/// An event in a transfer's life.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferEvent {
+    /// The transport started moving bytes.
+    Start,
+    /// The transport finished.
+    Complete,
+    /// The transport failed.
+    Fail(TransferError),
+    /// The caller cancelled.
+    Cancel,
+    /// The deadline passed.
+    Deadline,
+}
+
+/// The transfer state machine: pure, so that it can be tested exhaustively.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferState {
+    status: TransferStatus,
+}
+
+impl Default for TransferState {
+    fn default() -> Self {
+        TransferState { status: TransferStatus::Posted }
+    }
+}
+
+impl TransferState {
+    /// The current status.
+    pub fn status(&self) -> &TransferStatus {
+        &self.status
+    }
+
+    /// Applies an event; returns whether it changed the state. Terminal states absorb every
+    /// event (a completion racing a cancellation keeps whichever came first).
+    pub fn apply(&mut self, event: TransferEvent) -> bool {
+        use TransferStatus::*;
+        let next = match (&self.status, event) {
+            (s, _) if s.is_terminal() => return false,
+            (Posted, TransferEvent::Start) => InFlight,
+            (InFlight, TransferEvent::Start) => return false,
+            (Posted | InFlight, TransferEvent::Complete) => Done,
+            (Posted | InFlight, TransferEvent::Fail(e)) => Failed(e),
+            (Posted | InFlight, TransferEvent::Cancel) => Cancelled,
+            (Posted | InFlight, TransferEvent::Deadline) => TimedOut,
+            _ => return false,
+        };
+        self.status = next;
+        true
+    }
+
+    /// The outcome as a result, once terminal.
+    pub fn result(&self, deadline: Duration) -> Option<Result<(), TransferError>> {
+        match &self.status {
+            TransferStatus::Done => Some(Ok(())),
+            TransferStatus::Failed(e) => Some(Err(e.clone())),
+            TransferStatus::Cancelled => Some(Err(TransferError::Cancelled)),
+            TransferStatus::TimedOut => Some(Err(TransferError::TimedOut(deadline))),
+            TransferStatus::Posted | TransferStatus::InFlight => None,
+        }
+    }
+}
+
+/// Shared between a handle and the task running the transfer.
+#[derive(Debug)]
+pub(crate) struct TransferShared {
+    pub(crate) state: Mutex<TransferState>,
+    pub(crate) changed: tokio::sync::Notify,
+    pub(crate) deadline: Duration,
+    pub(crate) abort: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl TransferShared {
+    pub(crate) fn new(deadline: Duration) -> Arc<Self> {
+        Arc::new(TransferShared {
+            state: Mutex::new(TransferState::default()),
+            changed: tokio::sync::Notify::new(),
+            deadline,
+            abort: Mutex::new(None),
+        })
+    }
+
+    pub(crate) fn apply(&self, event: TransferEvent) -> bool {
+        let changed = self.state.lock().apply(event);
+        if changed {
+            self.changed.notify_waiters();
+        }
+        changed
+    }
+}
+
+/// A posted transfer: poll it, await it, or cancel it. Dropping the handle does not cancel
+/// the transfer.
+#[derive(Debug, Clone)]
+pub struct TransferHandle {
+    pub(crate) id: u64,
+    pub(crate) shared: Arc<TransferShared>,
+}
+
+impl TransferHandle {
+    /// The transfer's id, unique within its agent.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The current status (non-blocking).
+    pub fn status(&self) -> TransferStatus {
+        self.shared.state.lock().status().clone()
+    }
+
+    /// Waits until the transfer is over.
+    pub async fn wait(&self) -> Result<(), TransferError> {
+        loop {
+            let notified = self.shared.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(r) = self.shared.state.lock().result(self.shared.deadline) {
+                return r;
+            }
+            notified.await;
+        }
+    }
+
+    /// Cancels the transfer if it is not over; bytes may have partly landed.
+    pub fn cancel(&self) {
+        if self.shared.apply(TransferEvent::Cancel) {
+            if let Some(abort) = self.shared.abort.lock().take() {
+                abort.abort();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn event() -> impl Strategy<Value = TransferEvent> {
+        prop_oneof![
+            Just(TransferEvent::Start),
+            Just(TransferEvent::Complete),
+            Just(TransferEvent::Fail(TransferError::Cancelled)),
+            Just(TransferEvent::Cancel),
+            Just(TransferEvent::Deadline),
+        ]
+    }
+
+    proptest! {
+        /// Terminal states absorb everything; the first terminal event decides the outcome;
+        /// a transfer never goes back to Posted.
+        #[test]
+        fn state_machine_invariants(events in proptest::collection::vec(event(), 0..12)) {
+            let mut s = TransferState::default();
+            let mut first_terminal: Option<TransferStatus> = None;
+            for e in events {
+                let before = s.status().clone();
+                let changed = s.apply(e);
+                if before.is_terminal() {
+                    prop_assert!(!changed);
+                    prop_assert_eq!(s.status(), &before);
+                }
+                prop_assert!(before == TransferStatus::Posted || *s.status() != TransferStatus::Posted);
+                if s.status().is_terminal() && first_terminal.is_none() {
+                    first_terminal = Some(s.status().clone());
+                }
+                if let Some(t) = &first_terminal {
+                    prop_assert_eq!(s.status(), t);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn results_of_terminal_states() {
+        let d = Duration::from_secs(1);
+        let mut s = TransferState::default();
+        assert_eq!(s.result(d), None);
+        s.apply(TransferEvent::Start);
+        assert_eq!(s.status(), &TransferStatus::InFlight);
+        s.apply(TransferEvent::Deadline);
+        assert_eq!(s.result(d), Some(Err(TransferError::TimedOut(d))));
+        s.apply(TransferEvent::Complete);
+        assert_eq!(s.result(d), Some(Err(TransferError::TimedOut(d))));
+    }
+}

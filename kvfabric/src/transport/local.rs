@@ -1,0 +1,54 @@
+//! `local`: both sides in this agent; one memcpy per descriptor.
+
+use crate::agent::Notification;
+use crate::memory::{copy_between, RegionLease};
+use crate::transfer::{TransferError, TransferOp, TransportKind};
+
+use super::{Job, Transport, TransportFuture};
+
+/// Copies between two regions of the same agent.
+#[derive(Debug)]
+pub struct LocalTransport;
+
+impl Transport for LocalTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Local
+    }
+
+    fn execute<'a>(&'a self, job: &'a Job) -> TransportFuture<'a> {
+        Box::pin(async move {
+            let agent = job.agent()?;
+            for (i, p) in job.pieces.iter().enumerate() {
+                let remote = RegionLease::new(agent.regions.get(p.remote.region)?);
+                let (src, src_off, dst, dst_off) = match job.op {
+                    TransferOp::Write => {
+                        (p.region(), p.local_offset, remote.region(), p.remote.offset)
+                    }
+                    TransferOp::Read => {
+                        (remote.region(), p.remote.offset, p.region(), p.local_offset)
+                    }
+                };
+                let expected = if job.checksum {
+                    Some(job.sent_checksum(src.checksum(src_off, p.len())?))
+                } else {
+                    None
+                };
+                copy_between(src, src_off, dst, dst_off, p.len())?;
+                if let Some(expected) = expected {
+                    if dst.checksum(dst_off, p.len())? != expected {
+                        return Err(TransferError::Checksum { index: i });
+                    }
+                }
+            }
+            if let Some(message) = &job.notify {
+                let n = Notification {
+                    from: agent.config.name.clone(),
+                    transfer_id: job.id,
+                    message: message.clone(),
+                };
+                agent.notify_tx.send(n).await.map_err(|_| TransferError::Shutdown)?;
+            }
+            Ok(())
+        })
+    }
+}

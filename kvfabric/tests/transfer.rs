@@ -1,0 +1,452 @@
+//! The transfer engine between agents in one process, over real loopback sockets (tcp), real
+//! shared memory (shm) and memcpy (local). Two-process tests, where the peer is another
+//! process that can be killed, live in `serving/tests/transfer_processes.rs`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::memory::{Region, RegionOptions};
+use kvfabric::transfer::{
+    Desc, TransferError, TransferOp, TransferRequest, TransferStatus, TransportKind,
+};
+use kvfabric::transport::fault::FaultInjector;
+use kvfabric::wire::ErrorCode;
+use xxhash_rust::xxh3::xxh3_64;
+
+const SECRET: &[u8] = b"test-secret";
+
+async fn agent(name: &str) -> Agent {
+    Agent::start(AgentConfig::new(name, SECRET)).await.unwrap()
+}
+
+fn shared() -> RegionOptions {
+    RegionOptions { shared: true, export: true, huge_pages: false }
+}
+
+fn pattern(r: &Region, seed: u8) {
+    let bytes: Vec<u8> = (0..r.len()).map(|i| (i as u64 * 31 + u64::from(seed)) as u8).collect();
+    r.write_at(0, &bytes).unwrap();
+}
+
+fn bytes(r: &Region, off: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0; len];
+    r.read_at(off, &mut v).unwrap();
+    v
+}
+
+/// Two agents that know each other.
+async fn pair() -> (Agent, Agent) {
+    let (a, b) = (agent("a").await, agent("b").await);
+    (a, b)
+}
+
+fn link(a: &Agent, b: &Agent) {
+    a.load_peer(b.metadata()).unwrap();
+    b.load_peer(a.metadata()).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_and_read_over_every_transport_arrive_intact() {
+    let (a, b) = pair().await;
+    let src = a.alloc_region(8 << 20, shared()).unwrap();
+    let dst = b.alloc_region(8 << 20, shared()).unwrap();
+    link(&a, &b);
+    for (transport, peer) in [(TransportKind::Tcp, "b"), (TransportKind::Shm, "b")] {
+        for checksum in [false, true] {
+            pattern(&src, 7);
+            dst.fill(0, 8 << 20, 0).unwrap();
+            // Odd sizes and offsets, one larger than a TCP stripe (4 MiB).
+            let sizes = [1u64, 4095, 65_536, 5 << 20];
+            let mut off = 0u64;
+            let (mut local, mut remote) = (vec![], vec![]);
+            for &s in &sizes {
+                local.push(Desc::new(src.id(), off, s));
+                remote.push(Desc::new(dst.id(), off + 3, s));
+                off += s + 100;
+            }
+            let mut req =
+                TransferRequest::new(TransferOp::Write, peer, local.clone(), remote.clone())
+                    .with_transport(transport);
+            req.checksum = checksum;
+            a.post(req).unwrap().wait().await.unwrap();
+            for (l, r) in local.iter().zip(&remote) {
+                assert_eq!(
+                    bytes(&src, l.offset, l.len as usize),
+                    bytes(&dst, r.offset, r.len as usize),
+                    "{transport} write"
+                );
+            }
+            // And back: READ from b into a fresh part of a.
+            src.fill(0, 8 << 20, 0xee).unwrap();
+            let mut req =
+                TransferRequest::new(TransferOp::Read, peer, local.clone(), remote.clone())
+                    .with_transport(transport);
+            req.checksum = checksum;
+            a.post(req).unwrap().wait().await.unwrap();
+            for (l, r) in local.iter().zip(&remote) {
+                assert_eq!(
+                    bytes(&src, l.offset, l.len as usize),
+                    bytes(&dst, r.offset, r.len as usize),
+                    "{transport} read"
+                );
+            }
+        }
+    }
+    // Local: both sides in agent a.
+    let other = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
+    pattern(&other, 3);
+    let req = TransferRequest::new(
+        TransferOp::Read,
+        "a",
+        vec![Desc::new(src.id(), 0, 1 << 20)],
+        vec![Desc::new(other.id(), 0, 1 << 20)],
+    )
+    .with_checksum();
+    assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Local);
+    a.post(req).unwrap().wait().await.unwrap();
+    assert_eq!(bytes(&src, 0, 1 << 20), bytes(&other, 0, 1 << 20));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_is_chosen_on_one_host_and_tcp_for_non_shareable_regions() {
+    let (a, b) = pair().await;
+    let src = a.alloc_region(4096, RegionOptions::default()).unwrap();
+    let shm = b.alloc_region(4096, shared()).unwrap();
+    let plain = b.alloc_region(4096, RegionOptions { export: true, ..Default::default() }).unwrap();
+    link(&a, &b);
+    let to = |r: &Region| {
+        TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(src.id(), 0, 16)],
+            vec![Desc::new(r.id(), 0, 16)],
+        )
+    };
+    assert_eq!(a.transport_for(&to(&shm)).unwrap(), TransportKind::Shm);
+    assert_eq!(a.transport_for(&to(&plain)).unwrap(), TransportKind::Tcp);
+    assert!(matches!(
+        a.transport_for(&to(&plain).with_transport(TransportKind::Shm)),
+        Err(TransferError::NoTransport { .. })
+    ));
+    pattern(&src, 1);
+    a.post(to(&plain)).unwrap().wait().await.unwrap();
+    assert_eq!(bytes(&plain, 0, 16), bytes(&src, 0, 16));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notification_arrives_after_the_data() {
+    let (a, b) = pair().await;
+    let src = a.alloc_region(6 << 20, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(6 << 20, shared()).unwrap();
+    link(&a, &b);
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        pattern(&src, transport as u8);
+        let expected = xxh3_64(&bytes(&src, 0, 6 << 20));
+        let req = TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(src.id(), 0, 6 << 20)],
+            vec![Desc::new(dst.id(), 0, 6 << 20)],
+        )
+        .with_transport(transport)
+        .with_notify(format!("done-{transport}"));
+        let handle = a.post(req).unwrap();
+        // The receiver looks at its memory the moment the notification arrives.
+        let n = tokio::time::timeout(Duration::from_secs(10), b.next_notification())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            xxh3_64(&bytes(&dst, 0, 6 << 20)),
+            expected,
+            "all bytes landed before {transport} notify"
+        );
+        assert_eq!(n.from, "a");
+        assert_eq!(n.message, format!("done-{transport}").into_bytes());
+        assert_eq!(n.transfer_id, handle.id());
+        handle.wait().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_transfers_from_many_tasks() {
+    let (a, b) = pair().await;
+    let src = a.alloc_region(16 << 20, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(16 << 20, shared()).unwrap();
+    link(&a, &b);
+    pattern(&src, 9);
+    let mut tasks = Vec::new();
+    for i in 0..256u64 {
+        let a = a.clone();
+        let (s, d) = (src.id(), dst.id());
+        tasks.push(tokio::spawn(async move {
+            let transport = if i % 2 == 0 { TransportKind::Tcp } else { TransportKind::Shm };
+            let off = i * 65_536;
+            let req = TransferRequest::new(
+                TransferOp::Write,
+                "b",
+                vec![Desc::new(s, off, 65_536)],
+                vec![Desc::new(d, off, 65_536)],
+            )
+            .with_transport(transport)
+            .with_checksum();
+            a.post(req).unwrap().wait().await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    assert_eq!(bytes(&src, 0, 16 << 20), bytes(&dst, 0, 16 << 20));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_secret_is_rejected_and_moves_no_bytes() {
+    let a = Agent::start(AgentConfig::new("a", b"wrong".to_vec())).await.unwrap();
+    let b = agent("b").await;
+    let src = a.alloc_region(4096, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(4096, RegionOptions { export: true, ..Default::default() }).unwrap();
+    pattern(&src, 5);
+    link(&a, &b);
+    for op in [TransferOp::Write, TransferOp::Read] {
+        let req = TransferRequest::new(
+            op,
+            "b",
+            vec![Desc::new(src.id(), 0, 4096)],
+            vec![Desc::new(dst.id(), 0, 4096)],
+        );
+        let err = a.post(req).unwrap().wait().await.unwrap_err();
+        assert!(matches!(err, TransferError::Auth(_)), "{err}");
+    }
+    assert!(bytes(&dst, 0, 4096).iter().all(|&x| x == 0), "no byte moved");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_bounds_remote_descriptors_move_no_byte() {
+    let (a, b) = pair().await;
+    let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(65_536, RegionOptions { export: true, ..Default::default() }).unwrap();
+    let private = b.alloc_region(65_536, RegionOptions::default()).unwrap();
+    link(&a, &b);
+    pattern(&src, 1);
+    dst.fill(0, 65_536, 0xab).unwrap();
+    for remote in [
+        Desc::new(dst.id(), 65_000, 1000),
+        Desc::new(dst.id(), u64::MAX - 10, 100),
+        Desc::new(private.id(), 0, 100),
+        Desc::new(kvfabric::RegionId(12345), 0, 100),
+    ] {
+        for op in [TransferOp::Write, TransferOp::Read] {
+            // The first descriptor is valid: the whole transfer is refused before any byte.
+            let req = TransferRequest::new(
+                op,
+                "b",
+                vec![Desc::new(src.id(), 0, 100), Desc::new(src.id(), 200, remote.len)],
+                vec![Desc::new(dst.id(), 0, 100), remote],
+            );
+            let err = a.post(req).unwrap_err();
+            assert!(
+                matches!(err, TransferError::RemoteDescriptor { index: 1, .. }),
+                "{op:?} {remote:?}: {err}"
+            );
+        }
+    }
+    assert!(bytes(&dst, 0, 65_536).iter().all(|&x| x == 0xab));
+    // Local descriptors are checked at post time too.
+    let bad_local = TransferRequest::new(
+        TransferOp::Write,
+        "b",
+        vec![Desc::new(src.id(), 1 << 20, 1)],
+        vec![Desc::new(dst.id(), 0, 1)],
+    );
+    assert!(matches!(a.post(bad_local), Err(TransferError::Local(_))));
+}
+
+/// A hostile or confused client whose metadata claims more than the owner exported: the owner
+/// refuses on its side, and its memory stays untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owner_refuses_descriptors_outside_its_exports() {
+    let (a, b) = pair().await;
+    let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(65_536, RegionOptions { export: true, ..Default::default() }).unwrap();
+    let private = b.alloc_region(65_536, RegionOptions::default()).unwrap();
+    private.fill(0, 65_536, 0xcd).unwrap();
+    dst.fill(0, 65_536, 0xab).unwrap();
+    pattern(&src, 1);
+    // Forged metadata: dst claims 1 MiB, and the private region appears as exported.
+    let mut forged = b.metadata();
+    forged.regions[0].len = 1 << 20;
+    forged.regions.push(kvfabric::agent::ExportedRegion {
+        id: private.id(),
+        len: 65_536,
+        shm_path: None,
+    });
+    forged.regions.push(kvfabric::agent::ExportedRegion {
+        id: kvfabric::RegionId(12345),
+        len: 100,
+        shm_path: None,
+    });
+    a.load_peer(forged).unwrap();
+    let cases = [
+        (Desc::new(dst.id(), 65_000, 1000), ErrorCode::OutOfBounds),
+        (Desc::new(dst.id(), 65_536, 1), ErrorCode::OutOfBounds),
+        (Desc::new(private.id(), 0, 100), ErrorCode::NotExported),
+        (Desc::new(kvfabric::RegionId(12345), 0, 100), ErrorCode::UnknownRegion),
+    ];
+    for (remote, code) in cases {
+        for op in [TransferOp::Write, TransferOp::Read] {
+            let req = TransferRequest::new(
+                op,
+                "b",
+                vec![Desc::new(src.id(), 0, remote.len)],
+                vec![remote],
+            )
+            .with_transport(TransportKind::Tcp);
+            let err = a.post(req).unwrap().wait().await.unwrap_err();
+            assert!(
+                matches!(&err, TransferError::Remote { code: c, .. } if *c == code),
+                "{op:?} {remote:?}: {err}"
+            );
+        }
+    }
+    assert!(bytes(&dst, 0, 65_536).iter().all(|&x| x == 0xab), "owner's memory untouched");
+    assert!(bytes(&private, 0, 65_536).iter().all(|&x| x == 0xcd), "unexported memory untouched");
+    // The connection still serves good requests after refusals.
+    let ok = TransferRequest::new(
+        TransferOp::Write,
+        "b",
+        vec![Desc::new(src.id(), 0, 100)],
+        vec![Desc::new(dst.id(), 0, 100)],
+    );
+    a.post(ok).unwrap().wait().await.unwrap();
+    assert_eq!(bytes(&dst, 0, 100), bytes(&src, 0, 100));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_checksums_are_caught_by_the_receiver() {
+    let faults = FaultInjector::new();
+    let mut cfg = AgentConfig::new("a", SECRET);
+    cfg.faults = Some(faults.clone());
+    let a = Agent::start(cfg).await.unwrap();
+    let b = agent("b").await;
+    let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(1 << 20, shared()).unwrap();
+    link(&a, &b);
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        for op in [TransferOp::Write, TransferOp::Read] {
+            faults.corrupt_checksums_next(1);
+            let req = TransferRequest::new(
+                op,
+                "b",
+                vec![Desc::new(src.id(), 0, 1 << 20)],
+                vec![Desc::new(dst.id(), 0, 1 << 20)],
+            )
+            .with_transport(transport)
+            .with_checksum()
+            .with_notify("must not arrive");
+            let err = a.post(req).unwrap().wait().await.unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    TransferError::Checksum { .. }
+                        | TransferError::Remote { code: ErrorCode::Checksum, .. }
+                ),
+                "{transport} {op:?}: {err}"
+            );
+        }
+    }
+    assert!(
+        b.try_notifications().is_empty(),
+        "no notification for a transfer that failed verification"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_cancellation_and_the_in_flight_limit() {
+    let faults = FaultInjector::new();
+    let mut cfg = AgentConfig::new("a", SECRET);
+    cfg.faults = Some(faults.clone());
+    cfg.limits.transfers_in_flight_max = 2;
+    let a = Agent::start(cfg).await.unwrap();
+    let b = agent("b").await;
+    let src = a.alloc_region(4096, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(4096, shared()).unwrap();
+    link(&a, &b);
+    let req = || {
+        TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(src.id(), 0, 64)],
+            vec![Desc::new(dst.id(), 0, 64)],
+        )
+    };
+
+    faults.hang_next(2);
+    let start = Instant::now();
+    let timed = a.post(req().with_deadline(Duration::from_millis(200))).unwrap();
+    let cancelled = a.post(req().with_deadline(Duration::from_secs(60))).unwrap();
+    // Two in flight: a third is refused at once, not queued.
+    assert!(matches!(a.post(req()), Err(TransferError::Busy(2))));
+    // A region leased by an in-flight transfer cannot be deregistered.
+    assert!(a.deregister(src.id()).is_err());
+    assert_eq!(timed.wait().await, Err(TransferError::TimedOut(Duration::from_millis(200))));
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert_eq!(timed.status(), TransferStatus::TimedOut);
+    cancelled.cancel();
+    assert_eq!(cancelled.wait().await, Err(TransferError::Cancelled));
+    assert_eq!(cancelled.status(), TransferStatus::Cancelled);
+    // Permits and leases came back.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    a.post(req()).unwrap().wait().await.unwrap();
+    faults.fail_next(1);
+    assert!(matches!(a.post(req()).unwrap().wait().await, Err(TransferError::Disconnected { .. })));
+    drop(src);
+    let id = a.metadata().regions.first().map(|r| r.id);
+    assert!(id.is_none(), "a was never exporting");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_requests_are_refused_at_post() {
+    let (a, b) = pair().await;
+    let src = a.alloc_region(4096, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(4096, shared()).unwrap();
+    link(&a, &b);
+    let d = |len| Desc::new(src.id(), 0, len);
+    let r = |len| Desc::new(dst.id(), 0, len);
+    for req in [
+        TransferRequest::new(TransferOp::Write, "b", vec![], vec![]),
+        TransferRequest::new(TransferOp::Write, "b", vec![d(10)], vec![r(10), r(10)]),
+        TransferRequest::new(TransferOp::Write, "b", vec![d(10)], vec![r(11)]),
+        TransferRequest::new(TransferOp::Write, "b", vec![d(0)], vec![r(0)]),
+        TransferRequest::new(TransferOp::Write, "b", vec![d(10)], vec![r(10)])
+            .with_notify(vec![0; 1 << 20]),
+    ] {
+        assert!(matches!(a.post(req), Err(TransferError::Invalid(_))));
+    }
+    let unknown = TransferRequest::new(TransferOp::Write, "zed", vec![d(10)], vec![r(10)]);
+    assert!(matches!(a.post(unknown), Err(TransferError::UnknownPeer(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_listener_fails_fast_with_a_typed_error() {
+    let (a, b) = pair().await;
+    let src = a.alloc_region(4096, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(4096, RegionOptions { export: true, ..Default::default() }).unwrap();
+    link(&a, &b);
+    let (s, d) = (src.id(), dst.id());
+    b.shutdown();
+    drop(dst);
+    drop(b);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let start = Instant::now();
+    let req = TransferRequest::new(
+        TransferOp::Write,
+        "b",
+        vec![Desc::new(s, 0, 64)],
+        vec![Desc::new(d, 0, 64)],
+    );
+    let err = a.post(req).unwrap().wait().await.unwrap_err();
+    assert!(matches!(err, TransferError::Disconnected { .. }), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(6));
+    let _ = Arc::new(());
+}
