@@ -82,6 +82,10 @@ pub struct AgentConfig {
     pub tcp_connections_per_peer: usize,
     /// TCP transfers are cut into pieces of at most this many bytes, spread over the stripes.
     pub tcp_stripe_bytes: u64,
+    /// shm and local transfers up to this many bytes that need no message to the peer (no
+    /// checksum, no notification) complete inside `post`, on the caller's thread: one memcpy,
+    /// no task switch. Larger ones run on the blocking pool.
+    pub inline_copy_bytes_max: u64,
     /// Limits.
     pub limits: AgentLimits,
     /// Fault injection for tests: wraps every transport.
@@ -97,7 +101,8 @@ impl AgentConfig {
             secret: secret.into(),
             shm: true,
             tcp_connections_per_peer: 4,
-            tcp_stripe_bytes: 4 << 20,
+            tcp_stripe_bytes: 256 << 10,
+            inline_copy_bytes_max: 64 << 20,
             limits: AgentLimits::default(),
             faults: None,
         }
@@ -491,9 +496,21 @@ impl Agent {
             pieces,
             checksum: req.checksum,
             notify: req.notify,
+            inline_bytes_max: inner.config.inline_copy_bytes_max,
             corrupt_checksums: false,
             agent: Arc::downgrade(inner),
         };
+        if let Some(outcome) = transport.execute_inline(&job) {
+            // Completed on this thread (a memcpy transport): no task, no wake-up.
+            shared.apply(TransferEvent::Start);
+            shared.apply(match outcome {
+                Ok(()) => TransferEvent::Complete,
+                Err(e) => TransferEvent::Fail(e),
+            });
+            drop(job);
+            drop(permit);
+            return Ok(TransferHandle { id, shared });
+        }
         let task_shared = shared.clone();
         let task = inner.runtime.spawn(async move {
             task_shared.apply(TransferEvent::Start);

@@ -15,32 +15,18 @@ impl Transport for LocalTransport {
         TransportKind::Local
     }
 
+    fn execute_inline(&self, job: &Job) -> Option<Result<(), TransferError>> {
+        if job.notify.is_some() || job.bytes() > job.inline_bytes_max {
+            return None;
+        }
+        Some(copy_all(job))
+    }
+
     fn execute<'a>(&'a self, job: &'a Job) -> TransportFuture<'a> {
         Box::pin(async move {
-            let agent = job.agent()?;
-            for (i, p) in job.pieces.iter().enumerate() {
-                let remote = RegionLease::new(agent.regions.get(p.remote.region)?);
-                let (src, src_off, dst, dst_off) = match job.op {
-                    TransferOp::Write => {
-                        (p.region(), p.local_offset, remote.region(), p.remote.offset)
-                    }
-                    TransferOp::Read => {
-                        (remote.region(), p.remote.offset, p.region(), p.local_offset)
-                    }
-                };
-                let expected = if job.checksum {
-                    Some(job.sent_checksum(src.checksum(src_off, p.len())?))
-                } else {
-                    None
-                };
-                copy_between(src, src_off, dst, dst_off, p.len())?;
-                if let Some(expected) = expected {
-                    if dst.checksum(dst_off, p.len())? != expected {
-                        return Err(TransferError::Checksum { index: i });
-                    }
-                }
-            }
+            copy_all(job)?;
             if let Some(message) = &job.notify {
+                let agent = job.agent()?;
                 let n = Notification {
                     from: agent.config.name.clone(),
                     transfer_id: job.id,
@@ -51,4 +37,28 @@ impl Transport for LocalTransport {
             Ok(())
         })
     }
+}
+
+/// Copies every piece (verifying checksums when asked).
+fn copy_all(job: &Job) -> Result<(), TransferError> {
+    let agent = job.agent()?;
+    for (i, p) in job.pieces.iter().enumerate() {
+        let remote = RegionLease::new(agent.regions.get(p.remote.region)?);
+        let (src, src_off, dst, dst_off) = match job.op {
+            TransferOp::Write => (p.region(), p.local_offset, remote.region(), p.remote.offset),
+            TransferOp::Read => (remote.region(), p.remote.offset, p.region(), p.local_offset),
+        };
+        let expected = if job.checksum {
+            Some(job.sent_checksum(src.checksum(src_off, p.len())?))
+        } else {
+            None
+        };
+        copy_between(src, src_off, dst, dst_off, p.len())?;
+        if let Some(expected) = expected {
+            if dst.checksum(dst_off, p.len())? != expected {
+                return Err(TransferError::Checksum { index: i });
+            }
+        }
+    }
+    Ok(())
 }

@@ -30,6 +30,13 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     /// Moves every byte of `job`, verifies checksums if asked, then delivers the notification.
     /// Dropping the future stops the transfer: no byte lands after the drop completes.
     fn execute<'a>(&'a self, job: &'a Job) -> TransportFuture<'a>;
+
+    /// Completes `job` on the caller's thread when that is the fastest way — a one-sided copy
+    /// that needs no message to the peer, up to [`Job::inline_bytes_max`] bytes — and returns
+    /// its outcome; None when the job must run asynchronously through [`Transport::execute`].
+    fn execute_inline(&self, _job: &Job) -> Option<Result<(), TransferError>> {
+        None
+    }
 }
 
 /// One local descriptor, leased, paired with its remote descriptor.
@@ -75,6 +82,8 @@ pub struct Job {
     pub checksum: bool,
     /// The notification.
     pub notify: Option<Vec<u8>>,
+    /// Jobs up to this many bytes may complete inline in `post` (memcpy transports).
+    pub inline_bytes_max: u64,
     /// Fault injection: send checksums that do not match (the receiver must refuse).
     pub(crate) corrupt_checksums: bool,
     pub(crate) agent: Weak<AgentInner>,
@@ -85,6 +94,11 @@ impl Job {
         self.peer
             .as_ref()
             .ok_or_else(|| TransferError::Invalid("remote transport without a peer".into()))
+    }
+
+    /// Total bytes.
+    pub fn bytes(&self) -> u64 {
+        self.pieces.iter().map(Piece::len).sum()
     }
 
     /// The checksum to send for bytes whose XXH3 is `sum`.

@@ -44,6 +44,22 @@ impl Transport for ShmTransport {
         TransportKind::Shm
     }
 
+    fn execute_inline(&self, job: &Job) -> Option<Result<(), TransferError>> {
+        if job.checksum || job.notify.is_some() || job.bytes() > job.inline_bytes_max {
+            return None;
+        }
+        let peer = job.peer.as_ref()?;
+        let to_peer = job.op == TransferOp::Write;
+        Some(job.pieces.iter().try_for_each(|p| {
+            let map = peer.shm_map(p.remote.region).ok_or_else(|| TransferError::NoTransport {
+                peer: peer.metadata().name.clone(),
+                reason: format!("region {} is not shareable", p.remote.region),
+            })?;
+            copy_with_peer(p.region(), p.local_offset, &map, p.remote.offset, p.len(), to_peer)?;
+            Ok(())
+        }))
+    }
+
     fn execute<'a>(&'a self, job: &'a Job) -> TransportFuture<'a> {
         Box::pin(async move {
             let peer = job.peer()?;

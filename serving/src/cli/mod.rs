@@ -3,7 +3,9 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod hash;
+pub mod peer;
 mod plan;
 
 /// kvfabric — a KV-cache data plane for LLM inference.
@@ -20,6 +22,11 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Block and sequence hashes of a token sequence (Dynamo-compatible XXH3).
     Hash(hash::HashArgs),
+    /// Benchmarks (transfer) with percentiles and ratios to this machine's limits.
+    Bench(bench::BenchArgs),
+    /// A transfer peer in its own process (for benchmarks and tests): prints its metadata,
+    /// serves transfers, answers `sum OFFSET LEN` on stdin.
+    Peer(peer::PeerArgs),
 }
 
 /// Runs a parsed command line.
@@ -27,7 +34,14 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Plan(args) => plan::run(args),
         Command::Hash(args) => hash::run(args),
+        Command::Bench(args) => runtime()?.block_on(bench::run(args)),
+        Command::Peer(args) => runtime()?.block_on(peer::run(args)),
     }
+}
+
+/// The tokio runtime of commands that do I/O.
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
 /// An error chain on one line.

@@ -1,0 +1,320 @@
+//! `kvfabric bench transfer`: READ and WRITE between this process and a peer process (this
+//! binary's `peer` command) over shm and tcp, for a matrix of descriptor sizes and batch
+//! sizes. In the same run it measures the machine's limits for the same bytes: a
+//! single-thread memcpy (the bound for shm) and a plain blocking TCP socket pair on loopback
+//! (the bound for tcp), both moving one contiguous buffer per iteration.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use kvfabric::agent::{Agent, AgentConfig, AgentMetadata};
+use kvfabric::memory::RegionOptions;
+use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
+use kvfabric_serving::stats::{gbps, Percentiles};
+
+use super::{parse_size, short_size};
+
+#[derive(Debug, Args)]
+pub struct TransferArgs {
+    /// Descriptor sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "4K,16K,64K,1M,16M,64M")]
+    sizes: Vec<String>,
+    /// Descriptors per transfer, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,256,1024,4096")]
+    batches: Vec<usize>,
+    /// Transports: shm, tcp.
+    #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
+    transports: Vec<String>,
+    /// Operations: read, write.
+    #[arg(long, value_delimiter = ',', default_value = "write,read")]
+    ops: Vec<String>,
+    /// Largest transfer, MiB (combinations above it are skipped); also the region size.
+    #[arg(long, default_value_t = 256)]
+    max_transfer_mib: u64,
+    /// Minimum measuring time per row, milliseconds.
+    #[arg(long, default_value_t = 300)]
+    min_time_ms: u64,
+    /// Checksum every descriptor.
+    #[arg(long)]
+    checksum: bool,
+    /// TCP connections per peer.
+    #[arg(long, default_value_t = 4)]
+    tcp_stripes: usize,
+    /// TCP transfers are cut into pieces of this size, spread over the connections.
+    #[arg(long, default_value = "256K")]
+    tcp_stripe_bytes: String,
+    /// Print one JSON object per row instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `f` (one iteration) until `min_time` and at least 5 iterations (at most 2000 or
+/// 4 × min_time), after one warm-up; returns the per-iteration latencies.
+fn measure_sync(
+    min_time: Duration,
+    mut f: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<Duration>> {
+    f()?;
+    let mut lat = Vec::new();
+    let start = Instant::now();
+    while (lat.len() < 5 || start.elapsed() < min_time)
+        && lat.len() < 2000
+        && start.elapsed() < 4 * min_time
+    {
+        let t = Instant::now();
+        f()?;
+        lat.push(t.elapsed());
+    }
+    Ok(lat)
+}
+
+/// A plain blocking TCP socket pair on loopback: a sink thread reads length-prefixed
+/// buffers and acknowledges each with one byte.
+struct PlainSocket {
+    stream: TcpStream,
+}
+
+impl PlainSocket {
+    fn start(max_bytes: usize) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        std::thread::spawn(move || -> std::io::Result<()> {
+            let (mut s, _) = listener.accept()?;
+            s.set_nodelay(true)?;
+            let mut buf = vec![0u8; max_bytes];
+            loop {
+                let mut len = [0u8; 8];
+                s.read_exact(&mut len)?;
+                let n = u64::from_le_bytes(len) as usize;
+                s.read_exact(&mut buf[..n.min(max_bytes)])?;
+                s.write_all(&[1])?;
+            }
+        });
+        let stream = TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        Ok(PlainSocket { stream })
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> anyhow::Result<()> {
+        self.stream.write_all(&(bytes.len() as u64).to_le_bytes())?;
+        self.stream.write_all(bytes)?;
+        let mut ack = [0u8; 1];
+        self.stream.read_exact(&mut ack)?;
+        Ok(())
+    }
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    transport: &'static str,
+    op: &'static str,
+    desc_bytes: u64,
+    batch: usize,
+    bytes: u64,
+    iterations: usize,
+    gbps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    limit: &'static str,
+    limit_gbps: f64,
+    ratio_to_limit: f64,
+    memcpy_gbps: f64,
+    tcp_socket_gbps: f64,
+    checksum: bool,
+}
+
+async fn spawn_peer(
+    secret: &str,
+    region_bytes: usize,
+) -> anyhow::Result<(tokio::process::Child, AgentMetadata)> {
+    let exe = std::env::current_exe().context("locating the kvfabric binary")?;
+    let mut child = tokio::process::Command::new(exe)
+        .args([
+            "peer",
+            "--name",
+            "bench-peer",
+            "--region-bytes",
+            &region_bytes.to_string(),
+            "--seed",
+            "1",
+        ])
+        .env("KVFABRIC_SECRET", secret)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the peer process")?;
+    let stdout = child.stdout.take().context("peer stdout")?;
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .context("peer did not start within 30 s")??
+        .context("peer exited before printing its metadata")?;
+    let v: serde_json::Value = serde_json::from_str(&line)?;
+    let md: AgentMetadata =
+        serde_json::from_value(v["metadata"].clone()).context("peer metadata")?;
+    // Keep draining the peer's stdout so that it never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((child, md))
+}
+
+pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
+    let sizes = args.sizes.iter().map(|s| parse_size(s)).collect::<anyhow::Result<Vec<u64>>>()?;
+    anyhow::ensure!(args.batches.iter().all(|&b| b >= 1), "--batches must be >= 1");
+    let transports = args
+        .transports
+        .iter()
+        .map(|t| match t.trim() {
+            "shm" => Ok(TransportKind::Shm),
+            "tcp" => Ok(TransportKind::Tcp),
+            other => anyhow::bail!("unknown transport {other:?} (shm, tcp)"),
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let ops = args
+        .ops
+        .iter()
+        .map(|o| match o.trim() {
+            "read" => Ok(TransferOp::Read),
+            "write" => Ok(TransferOp::Write),
+            other => anyhow::bail!("unknown op {other:?} (read, write)"),
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    anyhow::ensure!(args.max_transfer_mib >= 1, "--max-transfer-mib must be >= 1");
+    let region_bytes = (args.max_transfer_mib << 20) as usize;
+    let min_time = Duration::from_millis(args.min_time_ms.max(1));
+
+    let secret = format!("{:016x}{:016x}", rand_u64(), rand_u64());
+    let (mut child, peer_md) = spawn_peer(&secret, region_bytes).await?;
+    let mut cfg = AgentConfig::new("bench", secret.clone().into_bytes());
+    cfg.tcp_connections_per_peer = args.tcp_stripes;
+    cfg.tcp_stripe_bytes = parse_size(&args.tcp_stripe_bytes)?;
+    let agent = Agent::start(cfg).await?;
+    agent.load_peer(peer_md.clone())?;
+    let local = agent.alloc_region(region_bytes, RegionOptions::default())?;
+    local.fill(0, region_bytes as u64, 0x5a)?;
+    let remote_id = peer_md.regions.first().context("peer exported no region")?.id;
+
+    // The machine's limits, measured on the same bytes.
+    let src = vec![0x5au8; region_bytes];
+    let mut dst = vec![0u8; region_bytes];
+    let mut plain = PlainSocket::start(region_bytes)?;
+
+    let combos: Vec<(u64, usize)> = sizes
+        .iter()
+        .flat_map(|&s| args.batches.iter().map(move |&b| (s, b)))
+        .filter(|&(s, b)| s.saturating_mul(b as u64) <= region_bytes as u64)
+        .collect();
+    let total_rows = combos.len() * transports.len() * ops.len();
+    let mut done = 0usize;
+    let mut rows = Vec::new();
+    for &(desc, batch) in &combos {
+        let bytes = desc * batch as u64;
+        let n = bytes as usize;
+        let memcpy_lat = measure_sync(min_time, || {
+            dst[..n].copy_from_slice(&src[..n]);
+            std::hint::black_box(&dst);
+            Ok(())
+        })?;
+        let memcpy_gbps = gbps(bytes * memcpy_lat.len() as u64, memcpy_lat.iter().sum());
+        let sock_lat = measure_sync(min_time, || plain.send(&src[..n]))?;
+        let tcp_socket_gbps = gbps(bytes * sock_lat.len() as u64, sock_lat.iter().sum());
+        let descs: Vec<Desc> =
+            (0..batch as u64).map(|i| Desc::new(local.id(), i * desc, desc)).collect();
+        let rdescs: Vec<Desc> =
+            (0..batch as u64).map(|i| Desc::new(remote_id, i * desc, desc)).collect();
+        for &transport in &transports {
+            for &op in &ops {
+                done += 1;
+                eprintln!(
+                    "[{done}/{total_rows}] {transport} {} {}×{batch}",
+                    kvfabric::agent::op_name(op),
+                    short_size(desc)
+                );
+                let mut req =
+                    TransferRequest::new(op, &peer_md.name, descs.clone(), rdescs.clone())
+                        .with_transport(transport)
+                        .with_deadline(Duration::from_secs(60));
+                req.checksum = args.checksum;
+                agent.post(req.clone())?.wait().await?;
+                let mut lat = Vec::new();
+                let start = Instant::now();
+                while (lat.len() < 5 || start.elapsed() < min_time)
+                    && lat.len() < 2000
+                    && start.elapsed() < 4 * min_time
+                {
+                    let t = Instant::now();
+                    agent.post(req.clone())?.wait().await?;
+                    lat.push(t.elapsed());
+                }
+                let p = Percentiles::of(&lat);
+                let rate = gbps(bytes * lat.len() as u64, lat.iter().sum());
+                let (limit, limit_gbps) = match transport {
+                    TransportKind::Tcp => ("tcp_socket", tcp_socket_gbps),
+                    _ => ("memcpy", memcpy_gbps),
+                };
+                rows.push(Row {
+                    transport: transport.name(),
+                    op: kvfabric::agent::op_name(op),
+                    desc_bytes: desc,
+                    batch,
+                    bytes,
+                    iterations: lat.len(),
+                    gbps: rate,
+                    p50_us: p.p50_us,
+                    p99_us: p.p99_us,
+                    limit,
+                    limit_gbps,
+                    ratio_to_limit: rate / limit_gbps,
+                    memcpy_gbps,
+                    tcp_socket_gbps,
+                    checksum: args.checksum,
+                });
+            }
+        }
+    }
+    let _ = child.start_kill();
+
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "{:>9} {:>5} {:>6} {:>5} {:>8} {:>8} {:>10} {:>10} {:>10} {:>7}",
+        "transport", "op", "desc", "batch", "total", "GB/s", "p50", "p99", "limit GB/s", "ratio"
+    );
+    for r in &rows {
+        println!(
+            "{:>9} {:>5} {:>6} {:>5} {:>8} {:>8.2} {:>8.1}µs {:>8.1}µs {:>10.2} {:>6.2}×",
+            r.transport,
+            r.op,
+            short_size(r.desc_bytes),
+            r.batch,
+            short_size(r.bytes),
+            r.gbps,
+            r.p50_us,
+            r.p99_us,
+            r.limit_gbps,
+            r.ratio_to_limit
+        );
+    }
+    println!("limits: shm against single-thread memcpy, tcp against a plain blocking loopback socket, same bytes, same run");
+    Ok(())
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
