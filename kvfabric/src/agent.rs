@@ -536,7 +536,7 @@ impl Agent {
     fn choose_transport(
         &self,
         req: &TransferRequest,
-    ) -> Result<(Arc<dyn Transport>, Option<Arc<Peer>>), TransferError> {
+    ) -> Result<(Arc<dyn Transport>, PeerRoute), TransferError> {
         let t = &self.inner.transports;
         if req.peer == self.inner.config.name {
             return match req.transport {
@@ -613,6 +613,9 @@ impl Drop for AgentInner {
         }
     }
 }
+
+/// The peer a transport reaches: None for this agent itself.
+type PeerRoute = Option<Arc<Peer>>;
 
 fn sanitize(name: &str) -> String {
     name.chars()

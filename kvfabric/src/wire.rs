@@ -327,7 +327,8 @@ impl<'a> Cursor<'a> {
         }
         let with_checksum = match self.u8()? {
             0 => false,
-            1 => true,
+            // Canonical form: an empty list never carries the flag.
+            1 if n > 0 => true,
             _ => return Err(WireError::Invalid("checksum flag")),
         };
         let each = if with_checksum { 32 } else { 24 };
