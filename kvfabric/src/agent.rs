@@ -462,20 +462,20 @@ impl Agent {
                 limits.wire.notify_bytes_max
             )));
         }
-        // Local memory: resolve and bounds-check every descriptor, lease each region once.
-        let mut leases: HashMap<RegionId, RegionLease> = HashMap::new();
+        // Local memory: resolve and bounds-check every descriptor, lease each region once
+        // (transfers touch few regions: a linear scan beats hashing).
+        let mut leases: Vec<RegionLease> = Vec::new();
         let mut pieces = Vec::with_capacity(req.local.len());
         for (l, r) in req.local.iter().zip(&req.remote) {
-            let lease = match leases.get(&l.region) {
-                Some(lease) => lease.clone(),
+            let index = match leases.iter().rposition(|lease| lease.region().id() == l.region) {
+                Some(i) => i,
                 None => {
-                    let lease = RegionLease::new(inner.regions.get(l.region)?);
-                    leases.insert(l.region, lease.clone());
-                    lease
+                    leases.push(RegionLease::new(inner.regions.get(l.region)?));
+                    leases.len() - 1
                 }
             };
-            lease.region().check(l.offset, l.len)?;
-            pieces.push(Piece { local: lease, local_offset: l.offset, remote: *r });
+            leases[index].region().check(l.offset, l.len)?;
+            pieces.push(Piece { lease: index as u32, local_offset: l.offset, remote: *r });
         }
         let (transport, peer) = self.choose_transport(&req)?;
         if let Some(peer) = &peer {
@@ -493,6 +493,7 @@ impl Agent {
             id,
             op: req.op,
             peer,
+            leases,
             pieces,
             checksum: req.checksum,
             notify: req.notify,

@@ -450,3 +450,39 @@ async fn a_dead_listener_fails_fast_with_a_typed_error() {
     assert!(start.elapsed() < Duration::from_secs(6));
     let _ = Arc::new(());
 }
+
+/// Plain OS threads post at once (no async caller): posting is thread-safe and lock-free
+/// enough that all of them make progress, and every byte lands.
+#[test]
+fn many_os_threads_post_at_once() {
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (a, b) = rt.block_on(pair());
+    let src = a.alloc_region(8 << 20, RegionOptions::default()).unwrap();
+    let dst = b.alloc_region(8 << 20, shared()).unwrap();
+    link(&a, &b);
+    pattern(&src, 42);
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let (a, handle) = (a.clone(), rt.handle().clone());
+            let (sid, did) = (src.id(), dst.id());
+            s.spawn(move || {
+                for i in 0..64u64 {
+                    let off = (t * 64 + i) * 16_384;
+                    let transport =
+                        if i % 2 == 0 { TransportKind::Shm } else { TransportKind::Tcp };
+                    let req = TransferRequest::new(
+                        TransferOp::Write,
+                        "b",
+                        vec![Desc::new(sid, off, 16_384)],
+                        vec![Desc::new(did, off, 16_384)],
+                    )
+                    .with_transport(transport);
+                    let h = a.post(req).unwrap();
+                    handle.block_on(h.wait()).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(bytes(&src, 0, 8 << 20), bytes(&dst, 0, 8 << 20));
+}

@@ -45,8 +45,8 @@ fn copy_all(job: &Job) -> Result<(), TransferError> {
     for (i, p) in job.pieces.iter().enumerate() {
         let remote = RegionLease::new(agent.regions.get(p.remote.region)?);
         let (src, src_off, dst, dst_off) = match job.op {
-            TransferOp::Write => (p.region(), p.local_offset, remote.region(), p.remote.offset),
-            TransferOp::Read => (remote.region(), p.remote.offset, p.region(), p.local_offset),
+            TransferOp::Write => (job.region(p), p.local_offset, remote.region(), p.remote.offset),
+            TransferOp::Read => (remote.region(), p.remote.offset, job.region(p), p.local_offset),
         };
         let expected = if job.checksum {
             Some(job.sent_checksum(src.checksum(src_off, p.len())?))

@@ -39,11 +39,11 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// One local descriptor, leased, paired with its remote descriptor.
-#[derive(Debug, Clone)]
+/// One local descriptor paired with its remote descriptor.
+#[derive(Debug, Clone, Copy)]
 pub struct Piece {
-    /// The leased local region.
-    pub local: RegionLease,
+    /// Index of the local region in [`Job::leases`].
+    pub lease: u32,
     /// Offset in the local region (checked).
     pub local_offset: u64,
     /// The remote descriptor (checked by the owner).
@@ -51,11 +51,6 @@ pub struct Piece {
 }
 
 impl Piece {
-    /// The local region.
-    pub fn region(&self) -> &Region {
-        self.local.region()
-    }
-
     /// Bytes.
     pub fn len(&self) -> u64 {
         self.remote.len
@@ -76,6 +71,8 @@ pub struct Job {
     pub op: TransferOp,
     /// The peer, None for a local transfer.
     pub peer: Option<Arc<Peer>>,
+    /// One lease per distinct local region the job touches.
+    pub leases: Vec<RegionLease>,
     /// The descriptor pairs.
     pub pieces: Vec<Piece>,
     /// Checksum every descriptor.
@@ -94,6 +91,11 @@ impl Job {
         self.peer
             .as_ref()
             .ok_or_else(|| TransferError::Invalid("remote transport without a peer".into()))
+    }
+
+    /// The local region of a piece.
+    pub fn region(&self, p: &Piece) -> &Region {
+        self.leases[p.lease as usize].region()
     }
 
     /// Total bytes.

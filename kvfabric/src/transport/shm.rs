@@ -50,12 +50,21 @@ impl Transport for ShmTransport {
         }
         let peer = job.peer.as_ref()?;
         let to_peer = job.op == TransferOp::Write;
+        let mut map: Option<(crate::memory::RegionId, Arc<PeerMapping>)> = None;
         Some(job.pieces.iter().try_for_each(|p| {
-            let map = peer.shm_map(p.remote.region).ok_or_else(|| TransferError::NoTransport {
-                peer: peer.metadata().name.clone(),
-                reason: format!("region {} is not shareable", p.remote.region),
-            })?;
-            copy_with_peer(p.region(), p.local_offset, &map, p.remote.offset, p.len(), to_peer)?;
+            let m = match &map {
+                Some((id, m)) if *id == p.remote.region => m,
+                _ => {
+                    let m = peer.shm_map(p.remote.region).ok_or_else(|| {
+                        TransferError::NoTransport {
+                            peer: peer.metadata().name.clone(),
+                            reason: format!("region {} is not shareable", p.remote.region),
+                        }
+                    })?;
+                    &map.insert((p.remote.region, m)).1
+                }
+            };
+            copy_with_peer(job.region(p), p.local_offset, m, p.remote.offset, p.len(), to_peer)?;
             Ok(())
         }))
     }
@@ -71,7 +80,7 @@ impl Transport for ShmTransport {
                         reason: format!("region {} is not shareable", p.remote.region),
                     })?;
                 copies.push(Copy {
-                    local: p.local.clone(),
+                    local: job.leases[p.lease as usize].clone(),
                     local_offset: p.local_offset,
                     map,
                     remote_offset: p.remote.offset,

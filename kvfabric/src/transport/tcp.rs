@@ -258,7 +258,7 @@ fn chunks(job: &Job, stripe_bytes: u64) -> Vec<Chunk<'_>> {
         while done < p.len() {
             let len = (p.len() - done).min(stripe_bytes);
             out.push(Chunk {
-                region: p.region(),
+                region: job.region(p),
                 local_offset: p.local_offset + done,
                 remote_region: p.remote.region,
                 remote_offset: p.remote.offset + done,
