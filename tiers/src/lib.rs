@@ -1,5 +1,29 @@
-//! kvfabric-tiers — the tiered KV block store (G1 device, G2 host, G3 disk, G4 remote).
+//! kvfabric-tiers — the tiered KV block store: G1 device, G2 host, G3 disk, G4 remote.
 //!
-//! Not built yet: the tiered-store issue fills this crate. It will guarantee that a pinned
-//! block is never evicted, that a looked-up block's bytes are what was stored, and that a
-//! corrupt block on disk is dropped, never served.
+//! Core concepts:
+//! - [`pool::SlotPool`]: the bookkeeping of one tier (fixed-size slots keyed by sequence
+//!   hash, pins, eviction), pure and property-tested.
+//! - [`policy`]: pluggable eviction ([`policy::Lru`] by default) and the frequency filter
+//!   that keeps one-off blocks off the SSD.
+//! - [`disk`]: G3, a file of checksummed slots on O_DIRECT io_uring (pread fallback), whose
+//!   index is rebuilt from disk on restart.
+//! - [`store::TieredStore`]: G2 host slots in a registered, shareable region (so the
+//!   transfer engine moves blocks straight out of and into them) over G3, with offload under
+//!   pressure or write-through, onboard with prefetch, KV events and [`metrics`].
+//!
+//! Guarantees: a pinned block is never evicted; a looked-up block's bytes are what was
+//! stored; a torn or corrupt block on disk is dropped, never served; a block that the disk
+//! cannot take stays in host memory; every store and removal in every tier emits a KV event
+//! with a monotonic id.
+//!
+//! Not here yet: G1 device memory (a [`pool::SlotPool`] over a device region, with the CUDA
+//! transport) and G4 remote fabric nodes (the control-plane issue); [`kvfabric::events::TierKind`]
+//! already names both.
+
+pub mod disk;
+pub mod metrics;
+pub mod policy;
+pub mod pool;
+pub mod store;
+
+pub use store::{BlockRef, StoreConfig, StoreError, TieredStore, WriteSlot};

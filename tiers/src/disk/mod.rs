@@ -1,0 +1,452 @@
+//! G3: the local disk tier. A file of fixed-size slots, written and read with O_DIRECT
+//! through [`io::DiskIo`] (io_uring, or pread/pwrite where io_uring is unavailable).
+//!
+//! - The file grows in chunks with `fallocate` as slots are first used; when the filesystem
+//!   is full the tier stops growing ([`DiskError::Full`] for the write that hit it) and from
+//!   then on makes room by evicting its own least recently used blocks.
+//! - Every slot carries a header with the block's sequence hash, parent and data checksum
+//!   ([`format`]). On open, the index is rebuilt from the headers; every read verifies the
+//!   data checksum, so a torn or corrupt block is dropped and reported as a miss, never
+//!   served.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvfabric::hash::SequenceHash;
+use parking_lot::Mutex;
+
+use crate::policy::PolicyKind;
+use crate::pool::{PoolError, SlotPool, SlotState};
+
+pub mod format;
+pub mod io;
+
+use format::{align_up, SlotHeader, HEADER_BYTES};
+use io::{AlignedBuf, DiskIo, IoBackend, IoBuf, IoPreference};
+
+/// How to open a disk tier.
+#[derive(Debug, Clone)]
+pub struct DiskConfig {
+    /// The slot file (created if missing).
+    pub path: PathBuf,
+    /// Most blocks it holds.
+    pub capacity_blocks: u32,
+    /// Most I/O requests in flight.
+    pub queue_depth: usize,
+    /// io_uring or pread.
+    pub io: IoPreference,
+    /// The file grows by this many slots at a time.
+    pub grow_blocks: u32,
+    /// Eviction policy within the tier.
+    pub policy: PolicyKind,
+}
+
+impl DiskConfig {
+    /// Defaults for a file and a capacity: depth 16, growth by 64 slots, LRU.
+    pub fn new(path: impl Into<PathBuf>, capacity_blocks: u32) -> Self {
+        DiskConfig {
+            path: path.into(),
+            capacity_blocks,
+            queue_depth: 16,
+            io: IoPreference::Auto,
+            grow_blocks: 64,
+            policy: PolicyKind::Lru,
+        }
+    }
+}
+
+/// Why a disk operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    /// The filesystem is full (or refuses to grow the file), and no block can be evicted.
+    #[error("disk tier full: {0}")]
+    Full(String),
+    /// An I/O error.
+    #[error("disk I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// A short read or write.
+    #[error("short disk {op}: {got} of {want} bytes")]
+    Short {
+        /// read or write.
+        op: &'static str,
+        /// Bytes done.
+        got: usize,
+        /// Bytes asked.
+        want: u64,
+    },
+    /// Every slot is pinned or being written.
+    #[error("disk tier has no evictable block")]
+    NoEvictable,
+}
+
+/// What a read found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// The block's bytes are in the destination.
+    Hit {
+        /// Its parent.
+        parent: Option<SequenceHash>,
+    },
+    /// Not on disk.
+    Miss,
+    /// On disk but torn or corrupt: dropped from the tier.
+    Corrupt,
+}
+
+/// What a write did besides storing the block.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct WriteOutcome {
+    /// Whether the block was already on disk (nothing written).
+    pub already_present: bool,
+    /// Blocks evicted from disk to make room.
+    pub evicted: Vec<SequenceHash>,
+}
+
+/// Blocks found on open.
+#[derive(Debug, Default, Clone)]
+pub struct Recovered {
+    /// Valid headers, with parents.
+    pub blocks: Vec<(SequenceHash, Option<SequenceHash>)>,
+    /// Slots whose header was unreadable (torn, foreign, another block size) or a stale
+    /// duplicate.
+    pub discarded: u32,
+}
+
+#[derive(Debug)]
+struct DiskState {
+    pool: SlotPool,
+    write_seq: u64,
+}
+
+/// The disk tier.
+#[derive(Debug)]
+pub struct DiskTier {
+    file: Arc<File>,
+    io: DiskIo,
+    block_bytes: u64,
+    data_bytes: u64,
+    slot_bytes: u64,
+    grow_blocks: u32,
+    state: Mutex<DiskState>,
+    allocated: tokio::sync::Mutex<u32>,
+}
+
+impl DiskTier {
+    /// Opens (or creates) the slot file and rebuilds the index from its headers.
+    pub async fn open(
+        cfg: &DiskConfig,
+        block_bytes: u64,
+    ) -> Result<(DiskTier, Recovered), DiskError> {
+        if let Some(dir) = cfg.path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let file = Arc::new(io::open_direct(&cfg.path)?);
+        let io = DiskIo::new(file.clone(), cfg.queue_depth, cfg.io)?;
+        let data_bytes = align_up(block_bytes);
+        let slot_bytes = HEADER_BYTES + data_bytes;
+        let len = file.metadata()?.len();
+        let existing = ((len / slot_bytes).min(u64::from(cfg.capacity_blocks))) as u32;
+        let tier = DiskTier {
+            file,
+            io,
+            block_bytes,
+            data_bytes,
+            slot_bytes,
+            grow_blocks: cfg.grow_blocks.max(1),
+            state: Mutex::new(DiskState {
+                pool: SlotPool::new(cfg.capacity_blocks, cfg.policy),
+                write_seq: 1,
+            }),
+            allocated: tokio::sync::Mutex::new(existing),
+        };
+        let recovered = tier.rebuild(existing, cfg.queue_depth.max(1)).await?;
+        Ok((tier, recovered))
+    }
+
+    async fn rebuild(&self, slots: u32, depth: usize) -> Result<Recovered, DiskError> {
+        let mut headers: Vec<(u32, SlotHeader)> = Vec::new();
+        let mut discarded = 0u32;
+        let mut next = 0u32;
+        while next < slots {
+            let batch: Vec<u32> = (next..slots.min(next + depth as u32 * 4)).collect();
+            next += batch.len() as u32;
+            let reads = batch.iter().map(|&slot| async move {
+                let buf = Arc::new(AlignedBuf::zeroed(HEADER_BYTES as usize));
+                let io_buf = buf.io_buf();
+                // SAFETY: `buf` is kept alive by the request's keep value.
+                let n = unsafe {
+                    self.io.readv(
+                        u64::from(slot) * self.slot_bytes,
+                        &[io_buf],
+                        Box::new(buf.clone()),
+                    )
+                }
+                .await;
+                (
+                    slot,
+                    n.map(|n| {
+                        (n == HEADER_BYTES as usize)
+                            .then(|| SlotHeader::decode(buf.as_slice()))
+                            .flatten()
+                    }),
+                )
+            });
+            for (slot, r) in futures_util::future::join_all(reads).await {
+                match r? {
+                    Some(h) if h.block_bytes == self.block_bytes => headers.push((slot, h)),
+                    _ => discarded += 1,
+                }
+            }
+        }
+        // The newest copy of a hash wins.
+        headers.sort_by_key(|(_, h)| std::cmp::Reverse(h.write_seq));
+        let mut st = self.state.lock();
+        st.write_seq = headers.first().map_or(1, |(_, h)| h.write_seq + 1);
+        let skipped = st.pool.restore(headers.iter().map(|(slot, h)| (*slot, h.hash, h.parent)));
+        discarded += skipped.len() as u32;
+        let blocks = st.pool.blocks();
+        Ok(Recovered { blocks, discarded })
+    }
+
+    /// The I/O backend in use.
+    pub fn backend(&self) -> IoBackend {
+        self.io.backend()
+    }
+
+    /// Whether the block is on disk (or being written).
+    pub fn contains(&self, hash: SequenceHash) -> bool {
+        self.state.lock().pool.knows(hash)
+    }
+
+    /// Whether the block is on disk and readable now.
+    pub fn has(&self, hash: SequenceHash) -> bool {
+        self.state.lock().pool.lookup(hash).is_some()
+    }
+
+    /// The parent of a block on disk (None if unknown or it has none).
+    pub fn blocks_parent(&self, hash: SequenceHash) -> Option<SequenceHash> {
+        self.state.lock().pool.parent_of(hash)
+    }
+
+    /// (used, usable) slots.
+    pub fn occupancy(&self) -> (u32, u32) {
+        let st = self.state.lock();
+        (st.pool.used(), st.pool.usable())
+    }
+
+    /// Every block on disk with its parent.
+    pub fn blocks(&self) -> Vec<(SequenceHash, Option<SequenceHash>)> {
+        self.state.lock().pool.blocks()
+    }
+
+    /// Bytes one slot buffer must span (the block rounded up to 4 KiB).
+    pub fn data_bytes(&self) -> u64 {
+        self.data_bytes
+    }
+
+    /// Reserves a slot, evicting the tier's own LRU blocks when full.
+    fn reserve(
+        &self,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+    ) -> Result<Result<(u32, u64, Vec<SequenceHash>), WriteOutcome>, DiskError> {
+        let mut st = self.state.lock();
+        let mut evicted = Vec::new();
+        loop {
+            match st.pool.reserve(hash, parent) {
+                Ok(slot) => {
+                    let seq = st.write_seq;
+                    st.write_seq += 1;
+                    return Ok(Ok((slot, seq, evicted)));
+                }
+                Err(PoolError::Present(_) | PoolError::BeingWritten) => {
+                    return Ok(Err(WriteOutcome { already_present: true, evicted }))
+                }
+                Err(PoolError::Full) => match st.pool.begin_evict() {
+                    Some(v) => {
+                        let _ = st.pool.finish_evict(v.slot, true);
+                        evicted.push(v.hash);
+                    }
+                    None => return Err(DiskError::NoEvictable),
+                },
+                Err(_) => return Err(DiskError::NoEvictable),
+            }
+        }
+    }
+
+    /// Makes sure the file covers `slot`, growing it with fallocate.
+    async fn ensure_allocated(&self, slot: u32) -> Result<(), DiskError> {
+        let mut allocated = self.allocated.lock().await;
+        if slot < *allocated {
+            return Ok(());
+        }
+        let capacity = self.state.lock().pool.capacity();
+        let want = (slot + 1).max(allocated.saturating_add(self.grow_blocks)).min(capacity);
+        for target in [want, slot + 1] {
+            let (off, len) = (
+                u64::from(*allocated) * self.slot_bytes,
+                u64::from(target - *allocated) * self.slot_bytes,
+            );
+            // SAFETY: fallocate on our open file descriptor; no memory is involved.
+            let r = unsafe {
+                libc::fallocate(self.file.as_raw_fd(), 0, off as libc::off_t, len as libc::off_t)
+            };
+            if r == 0 {
+                *allocated = target;
+                return Ok(());
+            }
+        }
+        let err = std::io::Error::last_os_error();
+        tracing::warn!(slots = *allocated, error = %err, "disk tier cannot grow; capping it");
+        Err(DiskError::Full(format!("growing the slot file past {} slots: {err}", *allocated)))
+    }
+
+    /// Writes a block from memory at `src` (at least [`DiskTier::data_bytes`] long, 4 KiB
+    /// aligned). The block is readable once this returns Ok.
+    ///
+    /// # Safety
+    /// `src` must stay valid for reads until the write completes: `keep` must own or lease it.
+    pub async unsafe fn write(
+        &self,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+        src: IoBuf,
+        keep: Box<dyn Send>,
+    ) -> Result<WriteOutcome, DiskError> {
+        let (slot, seq, evicted) = match self.reserve(hash, parent)? {
+            Ok(r) => r,
+            Err(done) => return Ok(done),
+        };
+        let result = async move {
+            // Capture the whole IoBuf (Send), not its raw-pointer field.
+            let src: IoBuf = src;
+            self.ensure_allocated(slot).await?;
+            // SAFETY: the caller guarantees `src` is readable for data_bytes >= block_bytes.
+            let data = unsafe { std::slice::from_raw_parts(src.ptr, self.block_bytes as usize) };
+            let mut header = AlignedBuf::zeroed(HEADER_BYTES as usize);
+            SlotHeader {
+                hash,
+                parent,
+                block_bytes: self.block_bytes,
+                data_checksum: xxhash_rust::xxh3::xxh3_64(data),
+                write_seq: seq,
+            }
+            .encode(header.as_mut_slice());
+            let bufs = [header.io_buf(), IoBuf { ptr: src.ptr, len: self.data_bytes as usize }];
+            // SAFETY: the header is owned by the request; `src` by the caller's keep value.
+            let n = unsafe {
+                self.io.writev(u64::from(slot) * self.slot_bytes, &bufs, Box::new((header, keep)))
+            }
+            .await?;
+            if n as u64 != self.slot_bytes {
+                return Err(DiskError::Short { op: "write", got: n, want: self.slot_bytes });
+            }
+            Ok(())
+        }
+        .await;
+        let full = matches!(result, Err(DiskError::Full(_)));
+        let allocated = if full { Some(*self.allocated.lock().await) } else { None };
+        let mut st = self.state.lock();
+        match result {
+            Ok(()) => {
+                let _ = st.pool.commit(slot, 0);
+                Ok(WriteOutcome { already_present: false, evicted })
+            }
+            Err(e) => {
+                let _ = st.pool.abort(slot);
+                if let Some(allocated) = allocated {
+                    // The filesystem is full: stop growing; later writes evict instead.
+                    st.pool.retire_free_from(allocated);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads a block into `dst` (at least [`DiskTier::data_bytes`] long, 4 KiB aligned),
+    /// verifying its checksum; a corrupt block is dropped from the tier.
+    ///
+    /// # Safety
+    /// `dst` must stay valid for writes until the read completes: `keep` must own or lease it.
+    pub async unsafe fn read(
+        &self,
+        hash: SequenceHash,
+        dst: IoBuf,
+        keep: Box<dyn Send>,
+    ) -> Result<ReadOutcome, DiskError> {
+        let slot = {
+            let mut st = self.state.lock();
+            let Some(slot) = st.pool.lookup(hash) else { return Ok(ReadOutcome::Miss) };
+            let _ = st.pool.pin(slot);
+            st.pool.touch(slot);
+            slot
+        };
+        let header = Arc::new(AlignedBuf::zeroed(HEADER_BYTES as usize));
+        let bufs = [header.io_buf(), IoBuf { ptr: dst.ptr, len: self.data_bytes as usize }];
+        // SAFETY: the header is kept by the request; `dst` by the caller's keep value.
+        let n = unsafe {
+            self.io.readv(
+                u64::from(slot) * self.slot_bytes,
+                &bufs,
+                Box::new((header.clone(), keep)),
+            )
+        }
+        .await;
+        let verdict = match n {
+            Ok(n) if n as u64 == self.slot_bytes => match SlotHeader::decode(header.as_slice()) {
+                Some(h) if h.hash == hash && h.block_bytes == self.block_bytes => {
+                    // SAFETY: the read completed into `dst`, valid for data_bytes bytes.
+                    let data =
+                        unsafe { std::slice::from_raw_parts(dst.ptr, self.block_bytes as usize) };
+                    if xxhash_rust::xxh3::xxh3_64(data) == h.data_checksum {
+                        Ok(ReadOutcome::Hit { parent: h.parent })
+                    } else {
+                        Ok(ReadOutcome::Corrupt)
+                    }
+                }
+                _ => Ok(ReadOutcome::Corrupt),
+            },
+            // A short read: the file was truncated under us or the slot was never fully
+            // written: corrupt.
+            Ok(_) => Ok(ReadOutcome::Corrupt),
+            Err(e) => Err(DiskError::Io(e)),
+        };
+        let mut st = self.state.lock();
+        let _ = st.pool.unpin(slot);
+        if verdict.as_ref().is_ok_and(|v| *v == ReadOutcome::Corrupt) {
+            let _ = st.pool.remove(hash);
+        }
+        verdict
+    }
+
+    /// Forgets a block (its slot is reused later).
+    pub fn remove(&self, hash: SequenceHash) -> bool {
+        self.state.lock().pool.remove(hash).is_ok()
+    }
+
+    /// Forgets every block and empties the file. Returns the blocks that were on disk.
+    pub async fn clear(&self) -> Result<Vec<SequenceHash>, DiskError> {
+        let mut allocated = self.allocated.lock().await;
+        let hashes = self.state.lock().pool.clear();
+        self.file.set_len(0)?;
+        *allocated = 0;
+        Ok(hashes)
+    }
+
+    /// The state of a slot (tests).
+    pub fn slot_state(&self, slot: u32) -> SlotState {
+        self.state.lock().pool.state(slot)
+    }
+
+    /// Byte offset of a slot in the file (tests that corrupt blocks).
+    pub fn slot_offset(&self, slot: u32) -> u64 {
+        u64::from(slot) * self.slot_bytes
+    }
+
+    /// The slot holding a block (tests).
+    pub fn slot_of(&self, hash: SequenceHash) -> Option<u32> {
+        self.state.lock().pool.lookup(hash)
+    }
+}

@@ -1,0 +1,373 @@
+//! The tiered store end to end on real files with O_DIRECT: spill to disk and back, the
+//! frequency filter, write-through, restart with index rebuild, corruption, a full disk,
+//! KV events, and random operation sequences against a model.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::events::{KvEventData, RecordingSink, TierKind};
+use kvfabric::hash::SequenceHash;
+use kvfabric_tiers::disk::io::IoPreference;
+use kvfabric_tiers::disk::DiskConfig;
+use kvfabric_tiers::{StoreConfig, StoreError, TieredStore};
+use proptest::prelude::*;
+
+const BLOCK: u64 = 20_000; // not a multiple of 4096: exercises padding
+
+fn content(hash: SequenceHash, len: u64) -> Vec<u8> {
+    let mut x = hash.0 | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn h(i: u64) -> SequenceHash {
+    SequenceHash(0x1000 + i)
+}
+
+async fn agent() -> Agent {
+    Agent::start(AgentConfig::new("store-test", b"s".to_vec())).await.unwrap()
+}
+
+fn disk(dir: &Path, blocks: u32) -> DiskConfig {
+    let mut d = DiskConfig::new(dir.join("g3.slots"), blocks);
+    d.grow_blocks = 8;
+    d
+}
+
+async fn open(
+    agent: &Agent,
+    host: u32,
+    disk_cfg: Option<DiskConfig>,
+    min_hits: u32,
+) -> (TieredStore, Arc<RecordingSink>) {
+    let sink = RecordingSink::new();
+    let mut cfg = StoreConfig::new(BLOCK, host);
+    cfg.disk = disk_cfg;
+    cfg.disk_admit_min_hits = min_hits;
+    cfg.shared_host = false;
+    (TieredStore::open(cfg, agent, sink.clone()).await.unwrap(), sink)
+}
+
+async fn put(s: &TieredStore, i: u64) {
+    let parent = i.checked_sub(1).map(h);
+    s.put(h(i), parent, &content(h(i), BLOCK)).await.unwrap();
+}
+
+async fn assert_bytes(s: &TieredStore, i: u64) {
+    let refs = s.get(&[h(i)]).await.unwrap();
+    assert_eq!(refs.len(), 1, "block {i} should be served");
+    assert!(refs[0].to_vec() == content(h(i), BLOCK), "block {i} bytes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_tier_stores_pins_and_evicts_lru() {
+    let a = agent().await;
+    let (s, sink) = open(&a, 4, None, 0).await;
+    for i in 0..4 {
+        put(&s, i).await;
+    }
+    assert!(matches!(
+        s.put(h(0), None, &content(h(0), BLOCK)).await,
+        Err(StoreError::AlreadyStored(_))
+    ));
+    // Pin 1 and 2; touch 0 (lookup); then two more blocks evict 3 and... 0 is newer than 3.
+    let pinned = s.get(&[h(1), h(2)]).await.unwrap();
+    assert_eq!(s.lookup_prefix(&[h(0)]), vec![TierKind::Host]);
+    put(&s, 10).await;
+    put(&s, 11).await;
+    assert!(s.lookup_prefix(&[h(3)]).is_empty(), "3 was least recently used");
+    assert!(s.lookup_prefix(&[h(0)]).is_empty(), "then 0");
+    assert_eq!(s.lookup_prefix(&[h(1), h(2)]).len(), 2, "pinned blocks stay");
+    // Everything pinned: a new block cannot get a slot.
+    let more = s.get(&[h(10), h(11)]).await.unwrap();
+    assert!(matches!(
+        s.put(h(20), None, &content(h(20), BLOCK)).await,
+        Err(StoreError::Full(TierKind::Host))
+    ));
+    assert_eq!(pinned[0].to_vec(), content(h(1), BLOCK));
+    drop((pinned, more));
+    put(&s, 20).await;
+    // Events: 7 stores, 3 removals, ids 1.. without gaps.
+    let ev = sink.snapshot();
+    assert!(ev.iter().enumerate().all(|(i, e)| e.event_id == i as u64 + 1));
+    let stored = ev
+        .iter()
+        .filter(|e| matches!(e.data, KvEventData::Stored { tier: TierKind::Host, .. }))
+        .count();
+    let removed = ev
+        .iter()
+        .filter(|e| matches!(e.data, KvEventData::Removed { tier: TierKind::Host, .. }))
+        .count();
+    assert_eq!((stored, removed), (7, 3));
+    let m = s.metrics();
+    assert_eq!((m.host_used_blocks, m.host_capacity_blocks), (4, 4));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_working_set_larger_than_host_spills_to_disk_and_comes_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let (s, sink) = open(&a, 4, Some(disk(dir.path(), 64)), 0).await;
+    for i in 0..20 {
+        put(&s, i).await;
+    }
+    let m = s.metrics();
+    assert_eq!(m.offload_blocks, 16);
+    assert_eq!(m.disk_used_blocks, 16);
+    let hashes: Vec<_> = (0..20).map(h).collect();
+    let tiers = s.lookup_prefix(&hashes);
+    assert_eq!(tiers.len(), 20);
+    assert!(tiers[..16].iter().all(|&t| t == TierKind::Disk) || tiers.contains(&TierKind::Host));
+    // Every block comes back with its bytes, disk blocks through checksum-verified reads.
+    for i in 0..20 {
+        assert_bytes(&s, i).await;
+    }
+    let m = s.metrics();
+    assert!(m.onboard_blocks >= 16, "{m:?}");
+    assert!(m.disk_io_backend.is_some());
+    let ev = sink.snapshot();
+    assert!(ev.iter().any(|e| matches!(&e.data, KvEventData::Stored { tier: TierKind::Disk, sequence_hashes, parent } if sequence_hashes == &vec![h(1)] && *parent == Some(h(0)))));
+    // A prefix lookup stops at the first miss.
+    assert_eq!(s.lookup_prefix(&[h(0), h(1), h(99), h(2)]).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_frequency_filter_keeps_one_off_blocks_off_the_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let (s, _) = open(&a, 4, Some(disk(dir.path(), 64)), 2).await;
+    for i in 0..4 {
+        put(&s, i).await;
+    }
+    // Blocks 0 and 1 are hit twice; 2 and 3 never.
+    for _ in 0..2 {
+        assert_eq!(s.lookup_prefix(&[h(0), h(1)]).len(), 2);
+    }
+    for i in 10..14 {
+        put(&s, i).await;
+    }
+    let disk = s.disk().unwrap();
+    assert!(disk.has(h(0)) && disk.has(h(1)), "popular blocks offloaded");
+    assert!(!disk.has(h(2)) && !disk.has(h(3)), "one-off blocks dropped");
+    assert_eq!(s.metrics().offload_blocks, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_through_puts_every_block_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let sink = RecordingSink::new();
+    let mut cfg = StoreConfig::new(BLOCK, 8);
+    cfg.disk = Some(disk(dir.path(), 64));
+    cfg.write_through = true;
+    let s = TieredStore::open(cfg, &a, sink).await.unwrap();
+    for i in 0..5 {
+        put(&s, i).await;
+    }
+    for _ in 0..200 {
+        if (0..5).all(|i| s.disk().unwrap().has(h(i))) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!((0..5).all(|i| s.disk().unwrap().has(h(i))));
+    assert_eq!(
+        s.lookup_prefix(&[h(0)]),
+        vec![TierKind::Host],
+        "host is the fastest tier holding it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_rebuilds_the_index_and_corrupt_blocks_are_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    {
+        let (s, _) = open(&a, 2, Some(disk(dir.path(), 64)), 0).await;
+        for i in 0..12 {
+            put(&s, i).await;
+        }
+        assert_eq!(s.offload(&[h(10), h(11)]).await.unwrap(), 2);
+    }
+    // Corrupt block 3's data and block 4's header, directly in the file.
+    let (slot3, slot4, data_off) = {
+        let (s, _) = open(&a, 2, Some(disk(dir.path(), 64)), 0).await;
+        let d = s.disk().unwrap();
+        (d.slot_offset(d.slot_of(h(3)).unwrap()), d.slot_offset(d.slot_of(h(4)).unwrap()), 4096u64)
+    };
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(dir.path().join("g3.slots")).unwrap();
+        f.write_at(&[0xff; 16], slot3 + data_off + 100).unwrap();
+        f.write_at(&[0x00; 8], slot4 + 8).unwrap();
+    }
+    let (s, sink) = open(&a, 2, Some(disk(dir.path(), 64)), 0).await;
+    let ev = sink.snapshot();
+    let recovered: Vec<SequenceHash> = ev
+        .iter()
+        .filter_map(|e| match &e.data {
+            KvEventData::Stored { sequence_hashes, tier: TierKind::Disk, .. } => {
+                Some(sequence_hashes[0])
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(recovered.len(), 11, "12 blocks on disk, block 4's header is torn");
+    assert!(!recovered.contains(&h(4)));
+    // Block 3 has a valid header but bad data: found, then dropped on read, never served.
+    assert!(s.get(&[h(3)]).await.unwrap().is_empty());
+    assert_eq!(s.metrics().disk_corrupt_blocks, 1);
+    assert!(!s.disk().unwrap().has(h(3)));
+    assert!(sink.snapshot().iter().any(|e| matches!(&e.data, KvEventData::Removed { sequence_hashes, tier: TierKind::Disk } if sequence_hashes == &vec![h(3)])));
+    for i in (0..12).filter(|&i| i != 3 && i != 4) {
+        assert_bytes(&s, i).await;
+    }
+}
+
+/// A full filesystem: a real tmpfs of a few MiB. The offload that cannot grow the file fails
+/// with a typed error and the block stays in host memory; afterwards the disk tier makes room
+/// by evicting its own blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_is_a_typed_error_and_the_block_stays_in_host_memory() {
+    let mnt = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=3m", "tmpfs"])
+        .arg(mnt.path())
+        .status()
+        .expect("mount(8) runs");
+    assert!(
+        status.success(),
+        "this test needs root to mount a small tmpfs (scripts/test.sh runs as root)"
+    );
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg("-l").arg(self.0).status();
+        }
+    }
+    let _guard = Unmount(mnt.path());
+    let a = agent().await;
+    let sink = RecordingSink::new();
+    // 1 MiB blocks: the 3 MiB filesystem holds two slots (1 MiB + 4 KiB each).
+    let block = 1u64 << 20;
+    let mut cfg = StoreConfig::new(block, 2);
+    let mut d = DiskConfig::new(mnt.path().join("g3.slots"), 16);
+    d.grow_blocks = 1;
+    cfg.disk = Some(d);
+    cfg.disk_admit_min_hits = 0;
+    cfg.shared_host = false;
+    let s = TieredStore::open(cfg, &a, sink).await.unwrap();
+    let data = |i: u64| content(h(i), block);
+    s.put(h(0), None, &data(0)).await.unwrap();
+    s.put(h(1), None, &data(1)).await.unwrap();
+    assert_eq!(s.offload(&[h(0), h(1)]).await.unwrap(), 2);
+    s.put(h(2), None, &data(2)).await.unwrap(); // evicts 0 (already on disk)
+    let err = s.offload(&[h(2)]).await.unwrap_err();
+    assert!(err.to_string().contains("disk tier full"), "{err}");
+    assert_eq!(s.lookup_prefix(&[h(2)]), vec![TierKind::Host], "the block stayed in host memory");
+    assert_eq!(s.get(&[h(2)]).await.unwrap()[0].to_vec(), data(2));
+    assert_eq!(s.metrics().disk_capacity_blocks, 2, "the tier capped itself at what fits");
+    // Later offloads evict disk blocks instead of failing.
+    assert_eq!(s.offload(&[h(2)]).await.unwrap(), 1);
+    assert!(s.disk().unwrap().has(h(2)));
+    assert_eq!(s.metrics().offload_errors, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pread_fallback_behaves_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let mut d = disk(dir.path(), 64);
+    d.io = IoPreference::Pread;
+    let (s, _) = open(&a, 2, Some(d), 0).await;
+    for i in 0..8 {
+        put(&s, i).await;
+    }
+    assert_eq!(s.metrics().disk_io_backend, Some("pread"));
+    for i in 0..8 {
+        assert_bytes(&s, i).await;
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store(u64),
+    Lookup(u64),
+    Pin(u64),
+    Unpin(usize),
+    Offload(u64),
+    Get(u64),
+    Remove(u64),
+    Restart,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (0u64..24).prop_map(Op::Store),
+        2 => (0u64..24).prop_map(Op::Lookup),
+        2 => (0u64..24).prop_map(Op::Pin),
+        2 => any::<usize>().prop_map(Op::Unpin),
+        1 => (0u64..24).prop_map(Op::Offload),
+        3 => (0u64..24).prop_map(Op::Get),
+        1 => (0u64..24).prop_map(Op::Remove),
+        1 => Just(Op::Restart),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Random sequences of store, lookup, pin, unpin, offload, onboard (get), remove and
+    /// restart: every block served has the bytes stored under its hash, a pinned block stays
+    /// readable and correct however hard the store is pushed, and capacity is never exceeded.
+    #[test]
+    fn random_operations_never_serve_wrong_bytes(ops in proptest::collection::vec(op(), 1..60)) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async move {
+            let dir = tempfile::tempdir().unwrap();
+            let a = agent().await;
+            let (mut s, _) = open(&a, 3, Some(disk(dir.path(), 6)), 0).await;
+            let mut pins: Vec<kvfabric_tiers::BlockRef> = Vec::new();
+            let mut stored: HashMap<u64, ()> = HashMap::new();
+            for o in ops {
+                match o {
+                    Op::Store(i) => match s.put(h(i), None, &content(h(i), BLOCK)).await {
+                        Ok(()) => { stored.insert(i, ()); }
+                        // BeingWritten: a background prefetch is bringing the block in right now.
+                        Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_) | StoreError::Full(_)) => {}
+                        Err(e) => panic!("store {i}: {e}"),
+                    },
+                    Op::Lookup(i) => { let _ = s.lookup_prefix(&[h(i)]); }
+                    Op::Pin(i) => if let Ok(mut r) = s.get(&[h(i)]).await { pins.append(&mut r) },
+                    Op::Unpin(k) => if !pins.is_empty() { pins.swap_remove(k % pins.len()); },
+                    Op::Offload(i) => { let _ = s.offload(&[h(i)]).await; }
+                    Op::Get(i) => {
+                        for r in s.get(&[h(i)]).await.unwrap_or_default() {
+                            assert!(r.to_vec() == content(r.hash(), BLOCK), "wrong bytes for {i}");
+                        }
+                    }
+                    Op::Remove(i) => { s.remove(h(i)); }
+                    Op::Restart => {
+                        pins.clear();
+                        drop(s);
+                        s = open(&a, 3, Some(disk(dir.path(), 6)), 0).await.0;
+                    }
+                }
+                for r in &pins {
+                    assert!(r.to_vec() == content(r.hash(), BLOCK), "a pinned block changed");
+                }
+                let m = s.metrics();
+                assert!(m.host_used_blocks <= m.host_capacity_blocks);
+                assert!(m.disk_used_blocks <= m.disk_capacity_blocks);
+            }
+        });
+    }
+}
