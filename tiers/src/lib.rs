@@ -25,5 +25,6 @@ pub mod metrics;
 pub mod policy;
 pub mod pool;
 pub mod store;
+pub mod synthetic;
 
 pub use store::{BlockRef, StoreConfig, StoreError, TieredStore, WriteSlot};

@@ -386,12 +386,11 @@ impl SlotPool {
                         evictable += 1;
                     }
                 }
-                SlotState::Writing { hash, .. } => {
+                SlotState::Writing { hash, .. }
                     if self.writing.get(&hash) != Some(&(i as u32))
-                        || self.index.contains_key(&hash)
-                    {
-                        return Err(format!("slot {i} writing but mis-indexed"));
-                    }
+                        || self.index.contains_key(&hash) =>
+                {
+                    return Err(format!("slot {i} writing but mis-indexed"));
                 }
                 _ => {}
             }

@@ -262,7 +262,10 @@ impl TieredStore {
                     host.filter.hit(h);
                     add(&inner.metrics.disk.hits, 1);
                     tiers.push(TierKind::Disk);
-                    if to_prefetch.len() < inner.cfg.prefetch_blocks as usize {
+                    // Prefetch no more than half the host tier, so prefetches never evict each other.
+                    let limit = (inner.cfg.prefetch_blocks as usize)
+                        .min(inner.cfg.host_blocks as usize / 2);
+                    if to_prefetch.len() < limit {
                         to_prefetch.push(h);
                     }
                 } else {
@@ -533,26 +536,31 @@ impl Inner {
         let Some(disk) = &self.disk else { return Ok(None) };
         let start = Instant::now();
         let parent = disk.blocks_parent(hash);
-        let slot = match self.reserve_host(hash, parent).await {
-            Ok(slot) => slot,
-            Err(StoreError::AlreadyStored(_)) | Err(StoreError::BeingWritten(_)) => {
-                // Stored or onboarded by someone else meanwhile: wait briefly for it.
-                for _ in 0..1000 {
-                    {
-                        let mut host = self.host.lock();
-                        if let Some(slot) = host.pool.lookup(hash) {
-                            let _ = host.pool.pin(slot);
-                            return Ok(Some(slot));
-                        }
-                        if !host.pool.knows(hash) {
-                            return Ok(None);
-                        }
-                    }
-                    tokio::time::sleep(std::time::Duration::from_micros(200)).await;
-                }
+        // Someone else may store, onboard or evict the same block meanwhile: retry until we
+        // either pin it in host memory or hold a reservation to read it into (bounded).
+        let mut attempts = 0;
+        let slot = loop {
+            attempts += 1;
+            if attempts > 2000 {
                 return Ok(None);
             }
-            Err(e) => return Err(e),
+            match self.reserve_host(hash, parent).await {
+                Ok(slot) => break slot,
+                Err(StoreError::AlreadyStored(_)) => {
+                    let mut host = self.host.lock();
+                    if let Some(slot) = host.pool.lookup(hash) {
+                        let _ = host.pool.pin(slot);
+                        return Ok(Some(slot));
+                    }
+                }
+                Err(StoreError::BeingWritten(_)) => {
+                    tokio::time::sleep(std::time::Duration::from_micros(200)).await;
+                }
+                Err(e) => return Err(e),
+            }
+            if !disk.has(hash) && !self.host.lock().pool.knows(hash) {
+                return Ok(None);
+            }
         };
         let lease = RegionLease::new(self.region.clone());
         // SAFETY: the reserved slot lies inside the host region kept alive by the lease; it is

@@ -7,6 +7,7 @@ mod bench;
 mod hash;
 pub mod peer;
 mod plan;
+mod soak;
 
 /// kvfabric — a KV-cache data plane for LLM inference.
 #[derive(Debug, Parser)]
@@ -27,6 +28,9 @@ enum Command {
     /// A transfer peer in its own process (for benchmarks and tests): prints its metadata,
     /// serves transfers, answers `sum OFFSET LEN` on stdin.
     Peer(peer::PeerArgs),
+    /// Stores blocks into a disk tier forever (crash tests kill it with -9).
+    #[command(hide = true)]
+    TierSoak(soak::SoakArgs),
 }
 
 /// Runs a parsed command line.
@@ -36,6 +40,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Hash(args) => hash::run(args),
         Command::Bench(args) => runtime()?.block_on(bench::run(args)),
         Command::Peer(args) => runtime()?.block_on(peer::run(args)),
+        Command::TierSoak(args) => runtime()?.block_on(soak::run(args)),
     }
 }
 

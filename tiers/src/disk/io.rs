@@ -82,7 +82,29 @@ unsafe impl Send for Request {}
 pub struct DiskIo {
     tx: Mutex<Option<mpsc::Sender<Request>>>,
     backend: IoBackend,
+    /// Wakes the io_uring thread when a request is queued (it waits on the ring, where a read
+    /// of this eventfd is always pending), so new requests never wait for old completions.
+    wake: Option<Arc<std::os::fd::OwnedFd>>,
     _file: Arc<File>,
+}
+
+fn eventfd() -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: eventfd has no memory-safety preconditions; the result is checked.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor that we own.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+fn ring_bell(fd: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: writes 8 bytes from a live stack buffer to our eventfd; failure (counter
+    // saturated) only means the thread is already due to wake.
+    unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), 8) };
 }
 
 impl DiskIo {
@@ -93,34 +115,47 @@ impl DiskIo {
         let (tx, rx) = mpsc::channel::<Request>();
         let fd = file.as_raw_fd();
         let ring = match prefer {
-            IoPreference::Auto => match io_uring::IoUring::new(depth.next_power_of_two() as u32) {
-                Ok(r) => Some(r),
-                Err(e) => {
-                    tracing::warn!(error = %e, "io_uring unavailable; disk tier falls back to pread/pwrite");
-                    None
+            // One entry more than the depth, for the pending eventfd read.
+            IoPreference::Auto => {
+                match io_uring::IoUring::new((depth + 1).next_power_of_two() as u32) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "io_uring unavailable; disk tier falls back to pread/pwrite");
+                        None
+                    }
                 }
-            },
+            }
             IoPreference::Pread => None,
         };
+        let mut wake = None;
         let backend = match ring {
             Some(ring) => {
-                std::thread::Builder::new()
-                    .name("kvfabric-uring".into())
-                    .spawn(move || uring_loop(ring, fd, rx, depth))?;
+                let bell = Arc::new(eventfd()?);
+                let thread_bell = bell.clone();
+                wake = Some(bell);
+                // The thread holds the file open until its last request completed.
+                let file = file.clone();
+                std::thread::Builder::new().name("kvfabric-uring".into()).spawn(move || {
+                    uring_loop(ring, fd, rx, depth, thread_bell);
+                    drop(file);
+                })?;
                 IoBackend::IoUring
             }
             None => {
                 let rx = Arc::new(Mutex::new(rx));
                 for i in 0..depth {
-                    let rx = rx.clone();
-                    std::thread::Builder::new()
-                        .name(format!("kvfabric-pread-{i}"))
-                        .spawn(move || pread_loop(fd, rx))?;
+                    let (rx, file) = (rx.clone(), file.clone());
+                    std::thread::Builder::new().name(format!("kvfabric-pread-{i}")).spawn(
+                        move || {
+                            pread_loop(fd, rx);
+                            drop(file);
+                        },
+                    )?;
                 }
                 IoBackend::Pread
             }
         };
-        Ok(DiskIo { tx: Mutex::new(Some(tx)), backend, _file: file })
+        Ok(DiskIo { tx: Mutex::new(Some(tx)), backend, wake, _file: file })
     }
 
     /// The backend in use.
@@ -128,55 +163,70 @@ impl DiskIo {
         self.backend
     }
 
-    async fn submit(
+    /// Queues a request now (before any await) and returns the future of its completion, so
+    /// that a caller can overlap it with other work.
+    fn submit(
         &self,
         write: bool,
         offset: u64,
         bufs: &[IoBuf],
         keep: Box<dyn Send>,
-    ) -> std::io::Result<usize> {
+    ) -> impl std::future::Future<Output = std::io::Result<usize>> + Send + 'static {
         let iov =
             bufs.iter().map(|b| libc::iovec { iov_base: b.ptr.cast(), iov_len: b.len }).collect();
         let (done, rx) = tokio::sync::oneshot::channel();
         let req = Request { write, offset, iov, _keep: keep, done };
-        {
+        let sent = {
             let tx = self.tx.lock();
-            let tx = tx.as_ref().ok_or_else(|| std::io::Error::other("disk I/O engine stopped"))?;
-            tx.send(req).map_err(|_| std::io::Error::other("disk I/O engine stopped"))?;
+            match tx.as_ref() {
+                Some(tx) => tx.send(req).is_ok(),
+                None => false,
+            }
+        };
+        if let Some(bell) = &self.wake {
+            ring_bell(bell);
         }
-        rx.await.map_err(|_| std::io::Error::other("disk I/O engine dropped a request"))?
+        async move {
+            if !sent {
+                return Err(std::io::Error::other("disk I/O engine stopped"));
+            }
+            rx.await.map_err(|_| std::io::Error::other("disk I/O engine dropped a request"))?
+        }
     }
 
-    /// Reads into `bufs` from `offset`; returns bytes read.
+    /// Reads into `bufs` from `offset`; returns bytes read. The request is queued at once.
     ///
     /// # Safety
     /// Every buffer must be valid for writes of its length, aligned for O_DIRECT, and stay
     /// valid until the request completes: `keep` must own it or a lease on it.
-    pub async unsafe fn readv(
+    pub unsafe fn readv(
         &self,
         offset: u64,
         bufs: &[IoBuf],
         keep: Box<dyn Send>,
-    ) -> std::io::Result<usize> {
-        self.submit(false, offset, bufs, keep).await
+    ) -> impl std::future::Future<Output = std::io::Result<usize>> + Send + 'static {
+        self.submit(false, offset, bufs, keep)
     }
 
-    /// Writes `bufs` at `offset`; returns bytes written.
+    /// Writes `bufs` at `offset`; returns bytes written. The request is queued at once.
     ///
     /// # Safety
     /// As [`DiskIo::readv`], with the buffers valid for reads.
-    pub async unsafe fn writev(
+    pub unsafe fn writev(
         &self,
         offset: u64,
         bufs: &[IoBuf],
         keep: Box<dyn Send>,
-    ) -> std::io::Result<usize> {
-        self.submit(true, offset, bufs, keep).await
+    ) -> impl std::future::Future<Output = std::io::Result<usize>> + Send + 'static {
+        self.submit(true, offset, bufs, keep)
     }
 
     /// Stops accepting requests; in-flight ones complete.
     pub fn stop(&self) {
         self.tx.lock().take();
+        if let Some(bell) = &self.wake {
+            ring_bell(bell);
+        }
     }
 }
 
@@ -186,31 +236,47 @@ impl Drop for DiskIo {
     }
 }
 
-fn uring_loop(mut ring: io_uring::IoUring, fd: i32, rx: mpsc::Receiver<Request>, depth: usize) {
+/// user_data of the pending eventfd read.
+const BELL: u64 = u64::MAX;
+
+fn uring_loop(
+    mut ring: io_uring::IoUring,
+    fd: i32,
+    rx: mpsc::Receiver<Request>,
+    depth: usize,
+    bell: Arc<std::os::fd::OwnedFd>,
+) {
     use io_uring::{opcode, types};
+    use std::os::fd::AsRawFd;
     let mut slots: Vec<Option<Request>> = (0..depth).map(|_| None).collect();
     let mut free: Vec<usize> = (0..depth).rev().collect();
     let mut in_flight = 0usize;
     let mut closed = false;
+    // The eventfd read lands here; the buffer lives as long as the loop (and the ring).
+    let mut bell_buf = [0u8; 8];
+    let mut bell_armed = false;
+    let ring_capacity = (depth + 1).next_power_of_two();
     loop {
-        // Fill the submission queue: block for the first request only when idle.
-        while in_flight < depth && !closed {
-            let req = if in_flight == 0 {
-                match rx.recv() {
-                    Ok(r) => r,
-                    Err(_) => {
-                        closed = true;
-                        break;
-                    }
-                }
-            } else {
-                match rx.try_recv() {
-                    Ok(r) => r,
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => {
-                        closed = true;
-                        break;
-                    }
+        // A read of the eventfd is always pending, so that a new request wakes the wait below.
+        if !bell_armed {
+            let entry = opcode::Read::new(types::Fd(bell.as_raw_fd()), bell_buf.as_mut_ptr(), 8)
+                .build()
+                .user_data(BELL);
+            // SAFETY: `bell_buf` and the eventfd outlive the ring (both owned by this frame
+            // and the Arc); the ring was created with room for `depth` requests plus this read,
+            // and a failed push is retried next turn.
+            if unsafe { ring.submission().push(&entry) }.is_ok() {
+                bell_armed = true;
+            }
+        }
+        // Queue every request waiting in the channel, up to the depth.
+        while in_flight < depth && !closed && in_flight < ring_capacity - 1 {
+            let req = match rx.try_recv() {
+                Ok(r) => r,
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    closed = true;
+                    break;
                 }
             };
             let Some(i) = free.pop() else { break };
@@ -227,10 +293,8 @@ fn uring_loop(mut ring: io_uring::IoUring, fd: i32, rx: mpsc::Receiver<Request>,
             slots[i] = Some(req);
             // SAFETY: the entry's iovec array and buffers live in `slots[i]` (the request owns
             // the iovec Vec and, through `_keep`, the memory) until its completion is reaped
-            // below; the queue has room because at most `depth` entries are in flight and the
-            // ring was created with at least `depth` entries.
-            let pushed = unsafe { ring.submission().push(&entry) };
-            if pushed.is_err() {
+            // below.
+            if unsafe { ring.submission().push(&entry) }.is_err() {
                 if let Some(req) = slots[i].take() {
                     let _ =
                         req.done.send(Err(std::io::Error::other("io_uring submission queue full")));
@@ -240,11 +304,8 @@ fn uring_loop(mut ring: io_uring::IoUring, fd: i32, rx: mpsc::Receiver<Request>,
             }
             in_flight += 1;
         }
-        if in_flight == 0 {
-            if closed {
-                return;
-            }
-            continue;
+        if closed && in_flight == 0 {
+            return;
         }
         match ring.submit_and_wait(1) {
             Ok(_) => {}
@@ -262,6 +323,10 @@ fn uring_loop(mut ring: io_uring::IoUring, fd: i32, rx: mpsc::Receiver<Request>,
             }
         }
         for cqe in ring.completion() {
+            if cqe.user_data() == BELL {
+                bell_armed = false;
+                continue;
+            }
             let i = cqe.user_data() as usize;
             if let Some(req) = slots.get_mut(i).and_then(Option::take) {
                 let res = cqe.result();

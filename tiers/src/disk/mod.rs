@@ -114,6 +114,12 @@ pub struct Recovered {
     pub discarded: u32,
 }
 
+/// A slot to write into, or nothing to write.
+enum Reservation {
+    Slot { slot: u32, seq: u64, evicted: Vec<SequenceHash> },
+    Done(WriteOutcome),
+}
+
 #[derive(Debug)]
 struct DiskState {
     pool: SlotPool,
@@ -251,7 +257,7 @@ impl DiskTier {
         &self,
         hash: SequenceHash,
         parent: Option<SequenceHash>,
-    ) -> Result<Result<(u32, u64, Vec<SequenceHash>), WriteOutcome>, DiskError> {
+    ) -> Result<Reservation, DiskError> {
         let mut st = self.state.lock();
         let mut evicted = Vec::new();
         loop {
@@ -259,10 +265,10 @@ impl DiskTier {
                 Ok(slot) => {
                     let seq = st.write_seq;
                     st.write_seq += 1;
-                    return Ok(Ok((slot, seq, evicted)));
+                    return Ok(Reservation::Slot { slot, seq, evicted });
                 }
                 Err(PoolError::Present(_) | PoolError::BeingWritten) => {
-                    return Ok(Err(WriteOutcome { already_present: true, evicted }))
+                    return Ok(Reservation::Done(WriteOutcome { already_present: true, evicted }))
                 }
                 Err(PoolError::Full) => match st.pool.begin_evict() {
                     Some(v) => {
@@ -316,13 +322,14 @@ impl DiskTier {
         keep: Box<dyn Send>,
     ) -> Result<WriteOutcome, DiskError> {
         let (slot, seq, evicted) = match self.reserve(hash, parent)? {
-            Ok(r) => r,
-            Err(done) => return Ok(done),
+            Reservation::Slot { slot, seq, evicted } => (slot, seq, evicted),
+            Reservation::Done(done) => return Ok(done),
         };
         let result = async move {
             // Capture the whole IoBuf (Send), not its raw-pointer field.
             let src: IoBuf = src;
             self.ensure_allocated(slot).await?;
+            let slot_off = u64::from(slot) * self.slot_bytes;
             // SAFETY: the caller guarantees `src` is readable for data_bytes >= block_bytes.
             let data = unsafe { std::slice::from_raw_parts(src.ptr, self.block_bytes as usize) };
             let mut header = AlignedBuf::zeroed(HEADER_BYTES as usize);
@@ -334,12 +341,11 @@ impl DiskTier {
                 write_seq: seq,
             }
             .encode(header.as_mut_slice());
+            // Header and data in one vectored write: a crash mid-write leaves a header that
+            // does not match the data, and the block is dropped on read, never served.
             let bufs = [header.io_buf(), IoBuf { ptr: src.ptr, len: self.data_bytes as usize }];
             // SAFETY: the header is owned by the request; `src` by the caller's keep value.
-            let n = unsafe {
-                self.io.writev(u64::from(slot) * self.slot_bytes, &bufs, Box::new((header, keep)))
-            }
-            .await?;
+            let n = unsafe { self.io.writev(slot_off, &bufs, Box::new((header, keep))) }.await?;
             if n as u64 != self.slot_bytes {
                 return Err(DiskError::Short { op: "write", got: n, want: self.slot_bytes });
             }

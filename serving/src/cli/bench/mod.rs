@@ -3,6 +3,7 @@
 
 use clap::{Args, Subcommand};
 
+mod tier;
 mod transfer;
 
 #[derive(Debug, Args)]
@@ -16,11 +17,14 @@ enum Which {
     /// READ and WRITE over shm and tcp against a peer process, with memcpy and a plain TCP
     /// socket as the limits.
     Transfer(transfer::TransferArgs),
+    /// Offload and onboard throughput of the tiered store against plain O_DIRECT I/O.
+    Tier(tier::TierArgs),
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
         Which::Transfer(a) => transfer::run(a).await,
+        Which::Tier(a) => tier::run(a).await,
     }
 }
 

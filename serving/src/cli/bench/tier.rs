@@ -1,0 +1,318 @@
+//! `kvfabric bench tier`: offload (host → disk) and onboard (disk → host) throughput of the
+//! tiered store for block sizes of real models, at queue depths 1 … 32. In the same run, for
+//! each row, a plain O_DIRECT sequential write and read of the same bytes, in requests of the
+//! same size, at the same depth (io_uring, no headers, no checksums, no index) is the limit.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use futures_util::stream::{self, StreamExt};
+use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::events::NullSink;
+use kvfabric::hash::SequenceHash;
+use kvfabric::layout::ModelSpec;
+use kvfabric_serving::stats::{gbps, Percentiles};
+use kvfabric_tiers::disk::format::align_up;
+use kvfabric_tiers::disk::io::{open_direct, AlignedBuf, DiskIo, IoPreference};
+use kvfabric_tiers::disk::DiskConfig;
+use kvfabric_tiers::{StoreConfig, TieredStore};
+
+#[derive(Debug, Args)]
+pub struct TierArgs {
+    /// Models whose block size to use (16 tokens per block, bf16).
+    #[arg(long, value_delimiter = ',', default_value = "smollm2-135m,llama-3.1-8b")]
+    models: Vec<String>,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u32,
+    /// Queue depths.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    depths: Vec<usize>,
+    /// Bytes moved per measurement, MiB.
+    #[arg(long, default_value_t = 128)]
+    total_mib: u64,
+    /// Repetitions per row (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Directory for the files (a real disk, not tmpfs); a temporary one inside it.
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: std::path::PathBuf,
+    /// Use pread/pwrite threads instead of io_uring (the fallback).
+    #[arg(long)]
+    pread: bool,
+    /// Print one JSON object per row.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    op: &'static str,
+    model: String,
+    block_bytes: u64,
+    depth: usize,
+    blocks: u64,
+    gbps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    limit_gbps: f64,
+    ratio_to_limit: f64,
+    io_backend: &'static str,
+}
+
+/// Plain sequential O_DIRECT I/O of `n` requests of `req` bytes at `depth`: GB/s.
+async fn plain(
+    path: &std::path::Path,
+    write: bool,
+    req: u64,
+    n: u64,
+    depth: usize,
+    prefer: IoPreference,
+) -> anyhow::Result<f64> {
+    let file = Arc::new(open_direct(path)?);
+    if write {
+        // Preallocated, as the store's slot file is.
+        file.set_len(0)?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: fallocate on our open descriptor; no memory involved.
+        let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, (req * n) as libc::off_t) };
+        anyhow::ensure!(r == 0, "fallocate: {}", std::io::Error::last_os_error());
+    }
+    let io = Arc::new(DiskIo::new(file, depth, prefer)?);
+    let bufs: Vec<Arc<AlignedBuf>> = (0..depth)
+        .map(|i| {
+            let mut b = AlignedBuf::zeroed(req as usize);
+            b.as_mut_slice().fill(i as u8 + 1);
+            Arc::new(b)
+        })
+        .collect();
+    let start = Instant::now();
+    let results: Vec<std::io::Result<usize>> = stream::iter(0..n)
+        .map(|i| {
+            let (io, buf) = (io.clone(), bufs[(i as usize) % depth].clone());
+            async move {
+                let b = buf.io_buf();
+                // SAFETY: `buf` (an Arc) is moved into the request and outlives the I/O. Reads
+                // into a shared buffer race only with other reads of the same benchmark.
+                unsafe {
+                    if write {
+                        io.writev(i * req, &[b], Box::new(buf)).await
+                    } else {
+                        io.readv(i * req, &[b], Box::new(buf)).await
+                    }
+                }
+            }
+        })
+        .buffer_unordered(depth)
+        .collect()
+        .await;
+    let elapsed = start.elapsed();
+    for r in results {
+        anyhow::ensure!(r? as u64 == req, "short plain I/O");
+    }
+    Ok(gbps(req * n, elapsed))
+}
+
+pub async fn run(args: TierArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.depths.iter().all(|&d| (1..=4096).contains(&d)),
+        "--depths must be 1..=4096"
+    );
+    let work = tempfile::Builder::new()
+        .prefix("kvfabric-bench-tier")
+        .tempdir_in(&args.dir)
+        .context("creating the work directory")?;
+    let agent = Agent::start(AgentConfig::new("bench-tier", b"bench".to_vec())).await?;
+    let prefer = if args.pread { IoPreference::Pread } else { IoPreference::Auto };
+    let mut rows = Vec::new();
+    for model in &args.models {
+        let spec = ModelSpec::preset(model)?;
+        let block_bytes = spec.block_layout(args.block_tokens)?.bytes_per_block();
+        let n = ((args.total_mib << 20) / block_bytes).max(8);
+        let data = align_up(block_bytes);
+        for &depth in &args.depths {
+            eprintln!("{model}: {} KiB blocks × {n}, depth {depth}", block_bytes >> 10);
+            let slots = work.path().join(format!("{model}-{depth}.slots"));
+            let mut disk = DiskConfig::new(&slots, n as u32);
+            disk.queue_depth = depth;
+            disk.io = prefer;
+            disk.grow_blocks = n as u32;
+            let mut cfg = StoreConfig::new(block_bytes, n as u32).with_disk(disk.clone());
+            cfg.disk_admit_min_hits = 0;
+            cfg.shared_host = false;
+            let hashes: Vec<SequenceHash> = (0..n).map(|i| SequenceHash(0xb10c_0000 + i)).collect();
+
+            let limit_path = work.path().join(format!("{model}-{depth}.plain"));
+            let mut backend = "none";
+            let (mut off, mut on, mut w_lim, mut r_lim) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut lats = (Vec::new(), Vec::new());
+            // Repetitions interleave the store and the plain I/O, so that both see the same
+            // machine; the medians are reported.
+            for _ in 0..args.reps.max(1) {
+                let _ = std::fs::remove_file(&slots);
+                // Offload: every block in host memory first, then host → disk at `depth`.
+                let store = TieredStore::open(cfg.clone(), &agent, Arc::new(NullSink)).await?;
+                let mut buf = vec![0u8; block_bytes as usize];
+                for &h in &hashes {
+                    kvfabric_tiers::synthetic::fill(h, &mut buf);
+                    store.put(h, None, &buf).await?;
+                }
+                let (lat, elapsed) = timed(&hashes, depth, |h| {
+                    let store = store.clone();
+                    async move {
+                        let written = store.offload(&[h]).await?;
+                        anyhow::ensure!(written == 1, "block {h} not written");
+                        Ok(())
+                    }
+                })
+                .await?;
+                backend = store.metrics().disk_io_backend.unwrap_or("none");
+                drop(store);
+                off.push(gbps(block_bytes * n, elapsed));
+                lats.0.extend(lat);
+                w_lim.push(plain(&limit_path, true, data, n, depth, prefer).await?);
+
+                // Onboard: a restarted store rebuilds its index, then disk → host at `depth`.
+                let store = TieredStore::open(cfg.clone(), &agent, Arc::new(NullSink)).await?;
+                let (lat, elapsed) = timed(&hashes, depth, |h| {
+                    let store = store.clone();
+                    async move {
+                        let got = store.get(&[h]).await?;
+                        anyhow::ensure!(got.len() == 1, "block {h} not onboarded");
+                        Ok(())
+                    }
+                })
+                .await?;
+                // Spot-check bytes (outside the timing).
+                for &h in hashes.iter().step_by(17) {
+                    let got = store.get(&[h]).await?;
+                    anyhow::ensure!(
+                        got[0].to_vec()
+                            == kvfabric_tiers::synthetic::block(h, block_bytes as usize),
+                        "block {h} bytes differ"
+                    );
+                }
+                drop(store);
+                on.push(gbps(block_bytes * n, elapsed));
+                lats.1.extend(lat);
+                r_lim.push(plain(&limit_path, false, data, n, depth, prefer).await?);
+            }
+            rows.push(row(
+                "offload",
+                model,
+                block_bytes,
+                depth,
+                n,
+                &lats.0,
+                median(&off),
+                median(&w_lim),
+                backend,
+            ));
+            rows.push(row(
+                "onboard",
+                model,
+                block_bytes,
+                depth,
+                n,
+                &lats.1,
+                median(&on),
+                median(&r_lim),
+                backend,
+            ));
+            let _ = std::fs::remove_file(&slots);
+            let _ = std::fs::remove_file(&limit_path);
+        }
+    }
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "{:>8} {:>14} {:>9} {:>5} {:>6} {:>7} {:>10} {:>10} {:>10} {:>6}",
+        "op", "model", "block", "depth", "blocks", "GB/s", "p50", "p99", "limit GB/s", "ratio"
+    );
+    for r in &rows {
+        println!(
+            "{:>8} {:>14} {:>7}Ki {:>5} {:>6} {:>7.2} {:>8.0}µs {:>8.0}µs {:>10.2} {:>5.2}×",
+            r.op,
+            r.model,
+            r.block_bytes >> 10,
+            r.depth,
+            r.blocks,
+            r.gbps,
+            r.p50_us,
+            r.p99_us,
+            r.limit_gbps,
+            r.ratio_to_limit
+        );
+    }
+    println!("limit: plain O_DIRECT sequential I/O of the same bytes, same request size, same depth, same run ({})", rows.first().map_or("", |r| r.io_backend));
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn row(
+    op: &'static str,
+    model: &str,
+    block_bytes: u64,
+    depth: usize,
+    n: u64,
+    lat: &[Duration],
+    rate: f64,
+    limit: f64,
+    backend: &'static str,
+) -> Row {
+    let p = Percentiles::of(lat);
+    Row {
+        op,
+        model: model.to_string(),
+        block_bytes,
+        depth,
+        blocks: n,
+        gbps: rate,
+        p50_us: p.p50_us,
+        p99_us: p.p99_us,
+        limit_gbps: limit,
+        ratio_to_limit: rate / limit,
+        io_backend: backend,
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Runs `f` for every hash with `depth` in flight; per-call latencies and total time.
+async fn timed<F, Fut>(
+    hashes: &[SequenceHash],
+    depth: usize,
+    f: F,
+) -> anyhow::Result<(Vec<Duration>, Duration)>
+where
+    F: Fn(SequenceHash) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let start = Instant::now();
+    let results: Vec<anyhow::Result<Duration>> = stream::iter(hashes.iter().copied())
+        .map(|h| {
+            let fut = f(h);
+            async move {
+                let t = Instant::now();
+                fut.await?;
+                Ok(t.elapsed())
+            }
+        })
+        .buffer_unordered(depth)
+        .collect()
+        .await;
+    let elapsed = start.elapsed();
+    let lat = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    Ok((lat, elapsed))
+}
