@@ -368,9 +368,9 @@ fn page_size() -> usize {
 fn alloc_anonymous(len: usize, huge_pages: bool) -> Result<(NonNull<u8>, usize), MemoryError> {
     let align = if huge_pages { 2 << 20 } else { page_size() };
     let mapped = len.div_ceil(align).saturating_mul(align);
-    let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE;
+    let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
     if huge_pages {
-        flags |= libc::MAP_HUGETLB;
+        flags |= libc::MAP_HUGETLB | libc::MAP_POPULATE;
     }
     // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
     // existing memory; the result is checked for MAP_FAILED below.
@@ -384,6 +384,16 @@ fn alloc_anonymous(len: usize, huge_pages: bool) -> Result<(NonNull<u8>, usize),
         } else {
             MemoryError::Alloc { len, source }
         });
+    }
+    if !huge_pages {
+        // Ask for transparent huge pages where the kernel allows them (fewer TLB misses and
+        // cheaper page pinning for O_DIRECT and DMA), then pre-fault. Both are hints: failure
+        // leaves ordinary pages, faulted on first touch.
+        // SAFETY: advising and pre-faulting our own fresh mapping of `mapped` bytes.
+        unsafe {
+            libc::madvise(ptr, mapped, libc::MADV_HUGEPAGE);
+            libc::madvise(ptr, mapped, libc::MADV_POPULATE_WRITE);
+        }
     }
     NonNull::new(ptr.cast::<u8>())
         .map(|p| (p, mapped))

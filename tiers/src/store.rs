@@ -103,6 +103,10 @@ pub enum StoreError {
 struct HostState {
     pool: SlotPool,
     filter: FrequencyFilter,
+    /// XXH3-64 of each ready slot's bytes, computed once at commit (or known from disk), so
+    /// that offloads write without hashing on their critical path. Committed blocks are
+    /// immutable.
+    checksums: Vec<u64>,
 }
 
 #[derive(Debug)]
@@ -191,6 +195,7 @@ impl TieredStore {
                     cfg.disk_admit_min_hits,
                     (cfg.host_blocks as usize * 4).max(1024),
                 ),
+                checksums: vec![0; cfg.host_blocks as usize],
             }),
             region,
             stride,
@@ -508,9 +513,11 @@ impl Inner {
         let Some(disk) = &self.disk else { return Ok(false) };
         let start = Instant::now();
         let lease = RegionLease::new(self.region.clone());
+        let checksum = self.host.lock().checksums.get(slot as usize).copied();
         // SAFETY: the slot lies inside the host region, which the lease keeps alive; the slot
         // is pinned or evicting, so nothing reuses it during the write.
-        let r = unsafe { disk.write(hash, parent, self.slot_buf(slot), Box::new(lease)) }.await;
+        let r = unsafe { disk.write(hash, parent, self.slot_buf(slot), checksum, Box::new(lease)) }
+            .await;
         match r {
             Ok(out) => {
                 self.events.removed(out.evicted, TierKind::Disk);
@@ -568,7 +575,8 @@ impl Inner {
         let outcome = unsafe { disk.read(hash, self.slot_buf(slot), Box::new(lease)) }.await;
         let mut host = self.host.lock();
         match outcome {
-            Ok(ReadOutcome::Hit { parent }) => {
+            Ok(ReadOutcome::Hit { parent, checksum }) => {
+                host.checksums[slot as usize] = checksum;
                 let _ = host.pool.commit(slot, 1);
                 self.events.stored(hash, parent, TierKind::Host);
                 add(&self.metrics.onboard_blocks, 1);
@@ -645,8 +653,15 @@ impl WriteSlot {
     fn finish(mut self, pins: u32) -> u32 {
         self.done = true;
         let inner = &self.store;
+        // Hashed once here, outside the lock; offloads reuse it.
+        let checksum = if inner.disk.is_some() {
+            inner.region.checksum(self.offset(), self.len()).unwrap_or(0)
+        } else {
+            0
+        };
         {
             let mut host = inner.host.lock();
+            host.checksums[self.slot as usize] = checksum;
             let _ = host.pool.commit(self.slot, pins);
             add(&inner.metrics.stored_blocks, 1);
             inner.events.stored(self.hash, self.parent, TierKind::Host);

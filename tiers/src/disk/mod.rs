@@ -88,6 +88,8 @@ pub enum ReadOutcome {
     Hit {
         /// Its parent.
         parent: Option<SequenceHash>,
+        /// XXH3-64 of its bytes (verified).
+        checksum: u64,
     },
     /// Not on disk.
     Miss,
@@ -310,7 +312,8 @@ impl DiskTier {
     }
 
     /// Writes a block from memory at `src` (at least [`DiskTier::data_bytes`] long, 4 KiB
-    /// aligned). The block is readable once this returns Ok.
+    /// aligned), with its XXH3-64 `checksum` if the caller knows it (else it is computed here).
+    /// The block is readable once this returns Ok.
     ///
     /// # Safety
     /// `src` must stay valid for reads until the write completes: `keep` must own or lease it.
@@ -319,6 +322,7 @@ impl DiskTier {
         hash: SequenceHash,
         parent: Option<SequenceHash>,
         src: IoBuf,
+        checksum: Option<u64>,
         keep: Box<dyn Send>,
     ) -> Result<WriteOutcome, DiskError> {
         let (slot, seq, evicted) = match self.reserve(hash, parent)? {
@@ -337,7 +341,7 @@ impl DiskTier {
                 hash,
                 parent,
                 block_bytes: self.block_bytes,
-                data_checksum: xxhash_rust::xxh3::xxh3_64(data),
+                data_checksum: checksum.unwrap_or_else(|| xxhash_rust::xxh3::xxh3_64(data)),
                 write_seq: seq,
             }
             .encode(header.as_mut_slice());
@@ -407,7 +411,7 @@ impl DiskTier {
                     let data =
                         unsafe { std::slice::from_raw_parts(dst.ptr, self.block_bytes as usize) };
                     if xxhash_rust::xxh3::xxh3_64(data) == h.data_checksum {
-                        Ok(ReadOutcome::Hit { parent: h.parent })
+                        Ok(ReadOutcome::Hit { parent: h.parent, checksum: h.data_checksum })
                     } else {
                         Ok(ReadOutcome::Corrupt)
                     }

@@ -1,7 +1,8 @@
 //! `kvfabric bench tier`: offload (host → disk) and onboard (disk → host) throughput of the
 //! tiered store for block sizes of real models, at queue depths 1 … 32. In the same run, for
 //! each row, a plain O_DIRECT sequential write and read of the same bytes, in requests of the
-//! same size, at the same depth (io_uring, no headers, no checksums, no index) is the limit.
+//! same size, at the same depth (io_uring, no headers, no checksums, no index), to and from
+//! memory allocated like the host tier's, is the limit.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use kvfabric::hash::SequenceHash;
 use kvfabric::layout::ModelSpec;
 use kvfabric_serving::stats::{gbps, Percentiles};
 use kvfabric_tiers::disk::format::align_up;
-use kvfabric_tiers::disk::io::{open_direct, AlignedBuf, DiskIo, IoPreference};
+use kvfabric_tiers::disk::io::{open_direct, DiskIo, IoBuf, IoPreference};
 use kvfabric_tiers::disk::DiskConfig;
 use kvfabric_tiers::{StoreConfig, TieredStore};
 
@@ -62,7 +63,8 @@ struct Row {
     io_backend: &'static str,
 }
 
-/// Plain sequential O_DIRECT I/O of `n` requests of `req` bytes at `depth`: GB/s.
+/// Plain sequential O_DIRECT I/O of `n` requests of `req` bytes at `depth`, to and from
+/// `memory` (allocated like the store's host tier, request i at offset i × req): GB/s.
 async fn plain(
     path: &std::path::Path,
     write: bool,
@@ -70,6 +72,7 @@ async fn plain(
     n: u64,
     depth: usize,
     prefer: IoPreference,
+    memory: &Arc<kvfabric::memory::Region>,
 ) -> anyhow::Result<f64> {
     let file = Arc::new(open_direct(path)?);
     if write {
@@ -81,28 +84,24 @@ async fn plain(
         anyhow::ensure!(r == 0, "fallocate: {}", std::io::Error::last_os_error());
     }
     let io = Arc::new(DiskIo::new(file, depth, prefer)?);
-    let bufs: Vec<Arc<AlignedBuf>> = (0..depth)
-        .map(|i| {
-            let mut b = AlignedBuf::zeroed(req as usize);
-            b.as_mut_slice().fill(i as u8 + 1);
-            Arc::new(b)
-        })
-        .collect();
     let start = Instant::now();
-    let results: Vec<std::io::Result<usize>> = stream::iter(0..n)
+    let results: Vec<anyhow::Result<usize>> = stream::iter(0..n)
         .map(|i| {
-            let (io, buf) = (io.clone(), bufs[(i as usize) % depth].clone());
+            let (io, memory) = (io.clone(), memory.clone());
             async move {
-                let b = buf.io_buf();
-                // SAFETY: `buf` (an Arc) is moved into the request and outlives the I/O. Reads
-                // into a shared buffer race only with other reads of the same benchmark.
-                unsafe {
+                let ptr = memory.ptr_at(i * req, req)?;
+                let b = IoBuf { ptr, len: req as usize };
+                let keep = Box::new(kvfabric::memory::RegionLease::new(memory));
+                // SAFETY: the range was bounds-checked and the lease keeps the region alive
+                // until the request completes; requests use disjoint ranges.
+                let n = unsafe {
                     if write {
-                        io.writev(i * req, &[b], Box::new(buf)).await
+                        io.writev(i * req, &[b], keep).await
                     } else {
-                        io.readv(i * req, &[b], Box::new(buf)).await
+                        io.readv(i * req, &[b], keep).await
                     }
-                }
+                }?;
+                Ok(n)
             }
         })
         .buffer_unordered(depth)
@@ -145,6 +144,10 @@ pub async fn run(args: TierArgs) -> anyhow::Result<()> {
             let hashes: Vec<SequenceHash> = (0..n).map(|i| SequenceHash(0xb10c_0000 + i)).collect();
 
             let limit_path = work.path().join(format!("{model}-{depth}.plain"));
+            let plain_memory = agent.alloc_region(
+                (data * n) as usize,
+                kvfabric::memory::RegionOptions { shared: false, export: false, huge_pages: false },
+            )?;
             let mut backend = "none";
             let (mut off, mut on, mut w_lim, mut r_lim) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -173,7 +176,7 @@ pub async fn run(args: TierArgs) -> anyhow::Result<()> {
                 drop(store);
                 off.push(gbps(block_bytes * n, elapsed));
                 lats.0.extend(lat);
-                w_lim.push(plain(&limit_path, true, data, n, depth, prefer).await?);
+                w_lim.push(plain(&limit_path, true, data, n, depth, prefer, &plain_memory).await?);
 
                 // Onboard: a restarted store rebuilds its index, then disk → host at `depth`.
                 let store = TieredStore::open(cfg.clone(), &agent, Arc::new(NullSink)).await?;
@@ -198,7 +201,7 @@ pub async fn run(args: TierArgs) -> anyhow::Result<()> {
                 drop(store);
                 on.push(gbps(block_bytes * n, elapsed));
                 lats.1.extend(lat);
-                r_lim.push(plain(&limit_path, false, data, n, depth, prefer).await?);
+                r_lim.push(plain(&limit_path, false, data, n, depth, prefer, &plain_memory).await?);
             }
             rows.push(row(
                 "offload",
@@ -224,6 +227,9 @@ pub async fn run(args: TierArgs) -> anyhow::Result<()> {
             ));
             let _ = std::fs::remove_file(&slots);
             let _ = std::fs::remove_file(&limit_path);
+            let plain_id = plain_memory.id();
+            drop(plain_memory);
+            agent.deregister(plain_id)?;
         }
     }
     if args.json {
