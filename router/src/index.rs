@@ -1,0 +1,450 @@
+//! The prefix index: which worker holds which KV block, in which tier, fed by KV events.
+//!
+//! Blocks are keyed by sequence hash, which already encodes the whole prefix before a block
+//! (`docs/hashing.md`), so no tree is needed to match prefixes: a request's leading blocks are
+//! matched by looking its sequence hashes up in order and keeping, per worker, the run of
+//! consecutive hits. The index is sharded (a read-write lock per shard) so that many threads
+//! ingest and query at once; it does no I/O and reads no clock.
+//!
+//! Event handling per worker: duplicates (an id at or below the last applied) are dropped;
+//! a gap in ids is reported ([`Ingest::Gap`]) so that the caller asks the source for a dump,
+//! and the event is applied anyway; events of workers the index does not know (never added,
+//! or already removed) are refused, so a departed worker cannot come back through stale
+//! events; a `Stored` whose parent is unknown is applied (the sequence hash alone is the key).
+
+use std::collections::HashMap;
+
+use kvfabric::events::{KvEvent, KvEventData, TierKind};
+use kvfabric::hash::SequenceHash;
+use parking_lot::RwLock;
+
+/// A worker (or fabric node) id.
+pub type WorkerId = u64;
+
+const SHARDS: usize = 64;
+
+/// The tiers a block is held in on one worker: bit i = `TierKind::ALL[i]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TierMask(pub u8);
+
+fn bit(t: TierKind) -> u8 {
+    1 << (t as u8)
+}
+
+impl TierMask {
+    /// The fastest tier in the mask.
+    pub fn best(self) -> Option<TierKind> {
+        TierKind::ALL.into_iter().find(|&t| self.0 & bit(t) != 0)
+    }
+
+    /// Whether no tier is set.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+}
+
+/// What ingesting an event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ingest {
+    /// Applied in order.
+    Applied,
+    /// Already applied (id at or below the last one): ignored.
+    Duplicate,
+    /// Applied, but ids `expected..got` were never seen: ask the source for a dump.
+    Gap {
+        /// The id that was due.
+        expected: u64,
+        /// The id received.
+        got: u64,
+    },
+    /// The worker is not in the index: ignored.
+    UnknownWorker,
+}
+
+#[derive(Debug, Default)]
+struct WorkerState {
+    last_event_id: u64,
+    /// Every block the worker holds, with its tiers (to apply removals and to leave).
+    blocks: HashMap<SequenceHash, TierMask>,
+}
+
+type Shard = HashMap<SequenceHash, Vec<(WorkerId, TierMask)>>;
+
+/// Per worker, the leading blocks of a query it holds: the fastest tier of each.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Overlap {
+    /// For each matched worker, the tier of each of its leading blocks, in order.
+    pub workers: Vec<(WorkerId, Vec<TierKind>)>,
+}
+
+impl Overlap {
+    /// The leading blocks a worker holds (0 if none).
+    pub fn blocks(&self, w: WorkerId) -> usize {
+        self.workers.iter().find(|(id, _)| *id == w).map_or(0, |(_, t)| t.len())
+    }
+
+    /// The tiers of a worker's leading blocks.
+    pub fn tiers(&self, w: WorkerId) -> &[TierKind] {
+        self.workers.iter().find(|(id, _)| *id == w).map_or(&[], |(_, t)| t)
+    }
+}
+
+/// The concurrent prefix index.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    shards: Vec<RwLock<Shard>>,
+    workers: RwLock<HashMap<WorkerId, parking_lot::Mutex<WorkerState>>>,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn shard_of(h: SequenceHash) -> usize {
+    // Sequence hashes are uniformly distributed: the low bits pick the shard.
+    (h.0 as usize) % SHARDS
+}
+
+impl PrefixIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        PrefixIndex {
+            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
+            workers: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// Adds a worker (discovery said it joined). Idempotent.
+    pub fn add_worker(&self, w: WorkerId) {
+        self.workers.write().entry(w).or_default();
+    }
+
+    /// Removes a worker and every block it held (discovery said it left).
+    pub fn remove_worker(&self, w: WorkerId) -> bool {
+        let Some(state) = self.workers.write().remove(&w) else { return false };
+        let state = state.into_inner();
+        for h in state.blocks.keys() {
+            self.unlink(*h, w, TierMask(0xff));
+        }
+        true
+    }
+
+    /// Known workers.
+    pub fn workers(&self) -> Vec<WorkerId> {
+        let mut v: Vec<_> = self.workers.read().keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Blocks a worker holds.
+    pub fn worker_blocks(&self, w: WorkerId) -> usize {
+        self.workers.read().get(&w).map_or(0, |s| s.lock().blocks.len())
+    }
+
+    fn link(&self, h: SequenceHash, w: WorkerId, mask: TierMask) {
+        let mut shard = self.shards[shard_of(h)].write();
+        let entry = shard.entry(h).or_default();
+        match entry.iter_mut().find(|(id, _)| *id == w) {
+            Some((_, m)) => m.0 |= mask.0,
+            None => entry.push((w, mask)),
+        }
+    }
+
+    fn unlink(&self, h: SequenceHash, w: WorkerId, mask: TierMask) {
+        let mut shard = self.shards[shard_of(h)].write();
+        if let Some(entry) = shard.get_mut(&h) {
+            if let Some(i) = entry.iter().position(|(id, _)| *id == w) {
+                entry[i].1 .0 &= !mask.0;
+                if entry[i].1.is_empty() {
+                    entry.swap_remove(i);
+                }
+            }
+            if entry.is_empty() {
+                shard.remove(&h);
+            }
+        }
+    }
+
+    /// Applies one event from worker `w`.
+    pub fn ingest(&self, w: WorkerId, event: &KvEvent) -> Ingest {
+        let workers = self.workers.read();
+        let Some(state) = workers.get(&w) else { return Ingest::UnknownWorker };
+        let mut st = state.lock();
+        if event.event_id <= st.last_event_id && st.last_event_id != 0 {
+            return Ingest::Duplicate;
+        }
+        let expected = st.last_event_id + 1;
+        let outcome = if st.last_event_id != 0 && event.event_id != expected {
+            Ingest::Gap { expected, got: event.event_id }
+        } else {
+            Ingest::Applied
+        };
+        st.last_event_id = event.event_id;
+        match &event.data {
+            KvEventData::Stored { sequence_hashes, tier, .. } => {
+                let m = TierMask(bit(*tier));
+                for &h in sequence_hashes {
+                    let e = st.blocks.entry(h).or_default();
+                    e.0 |= m.0;
+                    self.link(h, w, m);
+                }
+            }
+            KvEventData::Removed { sequence_hashes, tier } => {
+                let m = TierMask(bit(*tier));
+                for &h in sequence_hashes {
+                    if let Some(e) = st.blocks.get_mut(&h) {
+                        e.0 &= !m.0;
+                        if e.is_empty() {
+                            st.blocks.remove(&h);
+                        }
+                        self.unlink(h, w, m);
+                    }
+                }
+            }
+            KvEventData::Cleared => {
+                for (h, _) in std::mem::take(&mut st.blocks) {
+                    self.unlink(h, w, TierMask(0xff));
+                }
+            }
+        }
+        outcome
+    }
+
+    /// Replaces everything known about `w` with a dump of its blocks (after a gap), and sets
+    /// its last event id.
+    pub fn reset_worker(
+        &self,
+        w: WorkerId,
+        blocks: &[(SequenceHash, TierKind)],
+        last_event_id: u64,
+    ) -> Ingest {
+        let workers = self.workers.read();
+        let Some(state) = workers.get(&w) else { return Ingest::UnknownWorker };
+        let mut st = state.lock();
+        for (h, _) in std::mem::take(&mut st.blocks) {
+            self.unlink(h, w, TierMask(0xff));
+        }
+        for &(h, t) in blocks {
+            st.blocks.entry(h).or_default().0 |= bit(t);
+            self.link(h, w, TierMask(bit(t)));
+        }
+        st.last_event_id = last_event_id;
+        Ingest::Applied
+    }
+
+    /// For a request's sequence hashes, each worker's leading run of held blocks, with the
+    /// fastest tier of each block.
+    pub fn overlap(&self, hashes: &[SequenceHash]) -> Overlap {
+        let mut active: Vec<(WorkerId, Vec<TierKind>)> = Vec::new();
+        for (i, &h) in hashes.iter().enumerate() {
+            let shard = self.shards[shard_of(h)].read();
+            let Some(holders) = shard.get(&h) else { break };
+            if i == 0 {
+                for &(w, m) in holders {
+                    if let Some(t) = m.best() {
+                        active.push((w, vec![t]));
+                    }
+                }
+            } else {
+                let mut any = false;
+                for (w, tiers) in active.iter_mut() {
+                    if tiers.len() != i {
+                        continue; // its run ended earlier
+                    }
+                    if let Some((_, m)) = holders.iter().find(|(id, _)| id == w) {
+                        if let Some(t) = m.best() {
+                            tiers.push(t);
+                            any = true;
+                        }
+                    }
+                }
+                if !any {
+                    break;
+                }
+            }
+            if active.is_empty() {
+                break;
+            }
+        }
+        active.sort_by_key(|(w, _)| *w);
+        Overlap { workers: active }
+    }
+
+    /// Distinct blocks indexed (diagnostics).
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.read().len()).sum()
+    }
+
+    /// Whether nothing is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    fn stored(id: u64, hashes: &[u64], tier: TierKind) -> KvEvent {
+        KvEvent {
+            event_id: id,
+            data: KvEventData::Stored {
+                sequence_hashes: hashes.iter().map(|&h| SequenceHash(h)).collect(),
+                parent: None,
+                tier,
+            },
+        }
+    }
+
+    fn removed(id: u64, hashes: &[u64], tier: TierKind) -> KvEvent {
+        KvEvent {
+            event_id: id,
+            data: KvEventData::Removed {
+                sequence_hashes: hashes.iter().map(|&h| SequenceHash(h)).collect(),
+                tier,
+            },
+        }
+    }
+
+    fn hs(v: &[u64]) -> Vec<SequenceHash> {
+        v.iter().map(|&h| SequenceHash(h)).collect()
+    }
+
+    #[test]
+    fn leading_runs_per_worker_and_tier() {
+        let ix = PrefixIndex::new();
+        ix.add_worker(1);
+        ix.add_worker(2);
+        assert_eq!(ix.ingest(1, &stored(1, &[10, 11, 12], TierKind::Host)), Ingest::Applied);
+        assert_eq!(ix.ingest(2, &stored(1, &[10, 11], TierKind::Disk)), Ingest::Applied);
+        assert_eq!(ix.ingest(2, &stored(2, &[10], TierKind::Device)), Ingest::Applied);
+        let o = ix.overlap(&hs(&[10, 11, 12, 13]));
+        assert_eq!(o.tiers(1), &[TierKind::Host, TierKind::Host, TierKind::Host]);
+        assert_eq!(o.tiers(2), &[TierKind::Device, TierKind::Disk]);
+        // A hole ends a run: worker 1 loses block 11.
+        ix.ingest(1, &removed(2, &[11], TierKind::Host));
+        assert_eq!(ix.overlap(&hs(&[10, 11, 12])).blocks(1), 1);
+        // Leaving removes everything at once.
+        assert!(ix.remove_worker(2));
+        assert_eq!(ix.overlap(&hs(&[10])).blocks(2), 0);
+        assert_eq!(ix.ingest(2, &stored(3, &[10], TierKind::Host)), Ingest::UnknownWorker);
+        assert_eq!(ix.overlap(&hs(&[10])).blocks(2), 0, "stale events cannot resurrect a worker");
+    }
+
+    #[test]
+    fn duplicates_gaps_and_dumps() {
+        let ix = PrefixIndex::new();
+        ix.add_worker(7);
+        assert_eq!(ix.ingest(7, &stored(1, &[1], TierKind::Host)), Ingest::Applied);
+        assert_eq!(ix.ingest(7, &stored(1, &[1], TierKind::Host)), Ingest::Duplicate);
+        assert_eq!(
+            ix.ingest(7, &stored(4, &[2], TierKind::Host)),
+            Ingest::Gap { expected: 2, got: 4 }
+        );
+        assert_eq!(
+            ix.ingest(7, &stored(3, &[3], TierKind::Host)),
+            Ingest::Duplicate,
+            "late event after a gap"
+        );
+        ix.reset_worker(
+            7,
+            &[(SequenceHash(1), TierKind::Host), (SequenceHash(3), TierKind::Disk)],
+            9,
+        );
+        assert_eq!(ix.worker_blocks(7), 2);
+        assert_eq!(ix.overlap(&hs(&[2])).blocks(7), 0);
+        assert_eq!(ix.ingest(7, &stored(10, &[5], TierKind::Host)), Ingest::Applied);
+        ix.ingest(7, &KvEvent { event_id: 11, data: KvEventData::Cleared });
+        assert_eq!(ix.worker_blocks(7), 0);
+        assert!(ix.is_empty());
+    }
+
+    /// The brute-force reference: per worker, a map block → tiers.
+    fn reference_overlap(
+        model: &BTreeMap<u64, BTreeMap<u64, u8>>,
+        q: &[u64],
+    ) -> Vec<(u64, Vec<TierKind>)> {
+        let mut out = Vec::new();
+        for (&w, blocks) in model {
+            let mut tiers = Vec::new();
+            for h in q {
+                match blocks.get(h).and_then(|&m| TierMask(m).best()) {
+                    Some(t) => tiers.push(t),
+                    None => break,
+                }
+            }
+            if !tiers.is_empty() {
+                out.push((w, tiers));
+            }
+        }
+        out
+    }
+
+    #[derive(Debug, Clone)]
+    enum Ev {
+        Store(u64, Vec<u64>, u8),
+        Remove(u64, Vec<u64>, u8),
+        Clear(u64),
+        Leave(u64),
+        Join(u64),
+    }
+
+    fn ev() -> impl Strategy<Value = Ev> {
+        let hashes = proptest::collection::vec(0u64..12, 1..5);
+        prop_oneof![
+            6 => (0u64..4, hashes.clone(), 0u8..4).prop_map(|(w, h, t)| Ev::Store(w, h, t)),
+            3 => (0u64..4, hashes, 0u8..4).prop_map(|(w, h, t)| Ev::Remove(w, h, t)),
+            1 => (0u64..4).prop_map(Ev::Clear),
+            1 => (0u64..4).prop_map(Ev::Leave),
+            2 => (0u64..4).prop_map(Ev::Join),
+        ]
+    }
+
+    proptest! {
+        /// The index answers exactly as a brute-force reference over random event streams
+        /// (stores, removals per tier, clears, workers leaving and joining).
+        #[test]
+        fn matches_a_brute_force_reference(
+            events in proptest::collection::vec(ev(), 1..120),
+            queries in proptest::collection::vec(proptest::collection::vec(0u64..12, 1..6), 1..8),
+        ) {
+            let ix = PrefixIndex::new();
+            let mut model: BTreeMap<u64, BTreeMap<u64, u8>> = BTreeMap::new();
+            let mut ids: HashMap<u64, u64> = HashMap::new();
+            for w in 0..4 { ix.add_worker(w); model.insert(w, BTreeMap::new()); }
+            for e in events {
+                let mut next = |w: u64| { let i = ids.entry(w).or_insert(0); *i += 1; *i };
+                match e {
+                    Ev::Store(w, h, t) => {
+                        let tier = TierKind::ALL[t as usize];
+                        let known = model.contains_key(&w);
+                        let r = ix.ingest(w, &stored(next(w), &h, tier));
+                        prop_assert_eq!(r == Ingest::UnknownWorker, !known);
+                        if let Some(m) = model.get_mut(&w) { for x in h { *m.entry(x).or_insert(0) |= bit(tier); } }
+                    }
+                    Ev::Remove(w, h, t) => {
+                        let tier = TierKind::ALL[t as usize];
+                        ix.ingest(w, &removed(next(w), &h, tier));
+                        if let Some(m) = model.get_mut(&w) {
+                            for x in h { if let Some(v) = m.get_mut(&x) { *v &= !bit(tier); if *v == 0 { m.remove(&x); } } }
+                        }
+                    }
+                    Ev::Clear(w) => {
+                        ix.ingest(w, &KvEvent { event_id: next(w), data: KvEventData::Cleared });
+                        if let Some(m) = model.get_mut(&w) { m.clear(); }
+                    }
+                    Ev::Leave(w) => { ix.remove_worker(w); model.remove(&w); ids.remove(&w); }
+                    Ev::Join(w) => { ix.add_worker(w); model.entry(w).or_default(); }
+                }
+                for q in &queries {
+                    let got = ix.overlap(&hs(q)).workers;
+                    prop_assert_eq!(got, reference_overlap(&model, q));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! Worker selection: the cost of sending a request to each worker, and the choice.
+//!
+//! `cost(w) = overlap_weight × (request blocks − Σ tier weight of w's leading cached blocks)
+//!          + active_blocks(w) / block_load_scale + queued_prefill_tokens(w) / block_tokens`
+//!
+//! i.e. the prefill blocks left after a tier-weighted credit for what `w` already caches
+//! (device > host > disk > remote), plus its decode load and its prefill queue. With
+//! temperature 0 the cheapest worker wins (ties: the lowest id); above 0 a worker is sampled
+//! with probability ∝ exp(−cost / temperature). The router tracks the requests it routed
+//! (added at routing, prefill done, freed) so load is right between load reports; in
+//! approximate mode it predicts cache contents from its own decisions, each for a TTL.
+//!
+//! Free of I/O and clock: the caller passes `now` (seconds, any epoch) and the random draw.
+
+use std::collections::HashMap;
+
+use kvfabric::events::TierKind;
+use kvfabric::hash::SequenceHash;
+
+use crate::index::{Overlap, PrefixIndex, WorkerId};
+
+/// How to pick a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RoutingMode {
+    /// Cache overlap against load (the default).
+    #[default]
+    Kv,
+    /// Each worker in turn.
+    RoundRobin,
+    /// Uniformly at random.
+    Random,
+    /// The fewest active blocks plus queued prefill.
+    LeastLoaded,
+}
+
+impl std::str::FromStr for RoutingMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "kv" => RoutingMode::Kv,
+            "round-robin" => RoutingMode::RoundRobin,
+            "random" => RoutingMode::Random,
+            "least-loaded" => RoutingMode::LeastLoaded,
+            other => {
+                return Err(format!(
+                    "unknown routing mode {other:?} (kv, round-robin, random, least-loaded)"
+                ))
+            }
+        })
+    }
+}
+
+/// Router settings.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct RouterConfig {
+    /// The mode.
+    pub mode: RoutingMode,
+    /// Credit for a cached block per tier (device, host, disk, remote), 0..=1.
+    pub tier_weights: [f64; 4],
+    /// Weight of the prefill term against the load terms.
+    pub overlap_weight: f64,
+    /// Softmax temperature; 0 picks the cheapest.
+    pub temperature: f64,
+    /// Tokens per block (prefill queue tokens are converted to blocks).
+    pub block_tokens: u32,
+    /// Active decode blocks that count as one block of prefill.
+    pub block_load_scale: f64,
+    /// Approximate mode: predict cache contents from routing decisions, for this long.
+    pub approx_ttl_s: Option<f64>,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            mode: RoutingMode::Kv,
+            tier_weights: [1.0, 0.9, 0.6, 0.4],
+            overlap_weight: 1.0,
+            temperature: 0.0,
+            block_tokens: 16,
+            block_load_scale: 1.0,
+            approx_ttl_s: None,
+        }
+    }
+}
+
+/// A worker's load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Load {
+    /// KV blocks of requests being decoded.
+    pub active_blocks: u64,
+    /// Prompt tokens waiting for prefill.
+    pub queued_prefill_tokens: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Tracked {
+    worker: WorkerId,
+    blocks: u64,
+    prefill_tokens: u64,
+    prefilled: bool,
+}
+
+/// The decision for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// The chosen worker.
+    pub worker: WorkerId,
+    /// Its leading cached blocks, with their tiers.
+    pub cached: Vec<TierKind>,
+    /// Its cost.
+    pub cost: f64,
+}
+
+/// The routing policy over an index.
+#[derive(Debug)]
+pub struct Router {
+    config: RouterConfig,
+    workers: Vec<WorkerId>,
+    reported: HashMap<WorkerId, Load>,
+    tracked: HashMap<u64, Tracked>,
+    next_rr: usize,
+    approx: HashMap<(WorkerId, SequenceHash), f64>,
+}
+
+impl Router {
+    /// A router with no workers.
+    pub fn new(config: RouterConfig) -> Self {
+        Router {
+            config,
+            workers: Vec::new(),
+            reported: HashMap::new(),
+            tracked: HashMap::new(),
+            next_rr: 0,
+            approx: HashMap::new(),
+        }
+    }
+
+    /// Its config.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// A worker joined.
+    pub fn add_worker(&mut self, w: WorkerId) {
+        if let Err(i) = self.workers.binary_search(&w) {
+            self.workers.insert(i, w);
+        }
+    }
+
+    /// A worker left: it is never chosen again, and its tracked requests are forgotten.
+    pub fn remove_worker(&mut self, w: WorkerId) {
+        self.workers.retain(|&x| x != w);
+        self.reported.remove(&w);
+        self.tracked.retain(|_, t| t.worker != w);
+        self.approx.retain(|(x, _), _| *x != w);
+    }
+
+    /// Workers.
+    pub fn workers(&self) -> &[WorkerId] {
+        &self.workers
+    }
+
+    /// A load report from a worker replaces what the router assumed.
+    pub fn report_load(&mut self, w: WorkerId, load: Load) {
+        self.reported.insert(w, load);
+        // Requests the worker already counts are no longer added on top.
+        self.tracked.retain(|_, t| t.worker != w);
+    }
+
+    /// The load the router assumes for a worker: its last report plus what was routed since.
+    pub fn load(&self, w: WorkerId) -> Load {
+        let mut l = self.reported.get(&w).copied().unwrap_or_default();
+        for t in self.tracked.values().filter(|t| t.worker == w) {
+            l.active_blocks += t.blocks;
+            if !t.prefilled {
+                l.queued_prefill_tokens += t.prefill_tokens;
+            }
+        }
+        l
+    }
+
+    fn weight(&self, t: TierKind) -> f64 {
+        self.config.tier_weights[t as usize]
+    }
+
+    fn cost(&self, w: WorkerId, request_blocks: usize, cached: &[TierKind]) -> f64 {
+        let credit: f64 = cached.iter().map(|&t| self.weight(t)).sum();
+        let load = self.load(w);
+        self.config.overlap_weight * (request_blocks as f64 - credit).max(0.0)
+            + load.active_blocks as f64 / self.config.block_load_scale.max(1e-9)
+            + load.queued_prefill_tokens as f64 / f64::from(self.config.block_tokens.max(1))
+    }
+
+    /// Overlap from the approximate (predicted) index at `now`.
+    fn approx_overlap(&self, hashes: &[SequenceHash], now: f64) -> Overlap {
+        let mut workers = Vec::new();
+        for &w in &self.workers {
+            let n = hashes
+                .iter()
+                .take_while(|&&h| self.approx.get(&(w, h)).is_some_and(|&exp| exp > now))
+                .count();
+            if n > 0 {
+                workers.push((w, vec![TierKind::Host; n]));
+            }
+        }
+        Overlap { workers }
+    }
+
+    /// Picks a worker for a request of `hashes` (its full blocks) and `prompt_tokens`, and
+    /// tracks it as `request_id`. `draw` is a uniform random number in [0, 1) (used by the
+    /// random mode and softmax sampling). None when there is no worker.
+    pub fn route(
+        &mut self,
+        index: &PrefixIndex,
+        request_id: u64,
+        hashes: &[SequenceHash],
+        prompt_tokens: u64,
+        now: f64,
+        draw: f64,
+    ) -> Option<Decision> {
+        if self.workers.is_empty() {
+            return None;
+        }
+        let overlap = match self.config.approx_ttl_s {
+            Some(_) => self.approx_overlap(hashes, now),
+            None => index.overlap(hashes),
+        };
+        let n = hashes.len();
+        let costs: Vec<(WorkerId, f64)> =
+            self.workers.iter().map(|&w| (w, self.cost(w, n, overlap.tiers(w)))).collect();
+        let worker = match self.config.mode {
+            RoutingMode::RoundRobin => {
+                let w = self.workers[self.next_rr % self.workers.len()];
+                self.next_rr = self.next_rr.wrapping_add(1);
+                w
+            }
+            RoutingMode::Random => {
+                let i = ((draw.clamp(0.0, 0.999_999_999)) * self.workers.len() as f64) as usize;
+                self.workers[i.min(self.workers.len() - 1)]
+            }
+            RoutingMode::LeastLoaded => {
+                let score = |w: WorkerId| {
+                    let l = self.load(w);
+                    l.active_blocks as f64
+                        + l.queued_prefill_tokens as f64
+                            / f64::from(self.config.block_tokens.max(1))
+                };
+                *self
+                    .workers
+                    .iter()
+                    .min_by(|a, b| score(**a).total_cmp(&score(**b)).then(a.cmp(b)))
+                    .unwrap_or(&self.workers[0])
+            }
+            RoutingMode::Kv => select(&costs, self.config.temperature, draw),
+        };
+        let cost = costs.iter().find(|(w, _)| *w == worker).map_or(0.0, |c| c.1);
+        let cached = overlap.tiers(worker).to_vec();
+        let uncached_tokens =
+            prompt_tokens.saturating_sub(cached.len() as u64 * u64::from(self.config.block_tokens));
+        self.tracked.insert(
+            request_id,
+            Tracked { worker, blocks: n as u64, prefill_tokens: uncached_tokens, prefilled: false },
+        );
+        if let Some(ttl) = self.config.approx_ttl_s {
+            for &h in hashes {
+                self.approx.insert((worker, h), now + ttl);
+            }
+        }
+        Some(Decision { worker, cached, cost })
+    }
+
+    /// The request's prefill finished (its tokens leave the prefill queue).
+    pub fn prefill_done(&mut self, request_id: u64) {
+        if let Some(t) = self.tracked.get_mut(&request_id) {
+            t.prefilled = true;
+        }
+    }
+
+    /// The request finished (its blocks leave the decode load).
+    pub fn free(&mut self, request_id: u64) {
+        self.tracked.remove(&request_id);
+    }
+
+    /// Forgets predictions that expired at `now` (approximate mode).
+    pub fn expire(&mut self, now: f64) {
+        self.approx.retain(|_, &mut exp| exp > now);
+    }
+
+    /// Requests tracked.
+    pub fn tracked(&self) -> usize {
+        self.tracked.len()
+    }
+}
+
+/// Chooses among `(worker, cost)`: argmin (lowest id on ties) at temperature 0, else softmax
+/// sampling of −cost/temperature with the uniform `draw`.
+pub fn select(costs: &[(WorkerId, f64)], temperature: f64, draw: f64) -> WorkerId {
+    let argmin =
+        || costs.iter().min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0))).map_or(0, |c| c.0);
+    if temperature <= 0.0 || costs.len() < 2 {
+        return argmin();
+    }
+    let min = costs.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
+    let weights: Vec<f64> = costs.iter().map(|c| (-(c.1 - min) / temperature).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    if !total.is_finite() || total <= 0.0 {
+        return argmin();
+    }
+    let mut target = draw.clamp(0.0, 1.0) * total;
+    for (c, w) in costs.iter().zip(&weights) {
+        if target < *w {
+            return c.0;
+        }
+        target -= w;
+    }
+    costs.last().map_or(0, |c| c.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfabric::events::{KvEvent, KvEventData};
+
+    fn ix_with(w: &[(WorkerId, &[u64], TierKind)]) -> PrefixIndex {
+        let ix = PrefixIndex::new();
+        for (i, (worker, hashes, tier)) in w.iter().enumerate() {
+            ix.add_worker(*worker);
+            ix.ingest(
+                *worker,
+                &KvEvent {
+                    event_id: i as u64 + 1,
+                    data: KvEventData::Stored {
+                        sequence_hashes: hashes.iter().map(|&h| SequenceHash(h)).collect(),
+                        parent: None,
+                        tier: *tier,
+                    },
+                },
+            );
+        }
+        ix
+    }
+
+    fn hs(n: u64) -> Vec<SequenceHash> {
+        (1..=n).map(SequenceHash).collect()
+    }
+
+    #[test]
+    fn kv_mode_prefers_overlap_then_faster_tiers_then_lower_load() {
+        let ix = ix_with(&[
+            (1, &[1, 2, 3, 4], TierKind::Host),
+            (2, &[1, 2, 3, 4], TierKind::Disk),
+            (3, &[1], TierKind::Host),
+        ]);
+        let mut r = Router::new(RouterConfig::default());
+        for w in [1, 2, 3] {
+            r.add_worker(w);
+        }
+        let d = r.route(&ix, 1, &hs(8), 128, 0.0, 0.5).unwrap();
+        assert_eq!(d.worker, 1, "host beats disk for the same overlap");
+        assert_eq!(d.cached, vec![TierKind::Host; 4]);
+        // Worker 1 is now loaded with the request (8 blocks + 64 uncached tokens queued):
+        // the next identical request goes to worker 2 (disk copy, no load).
+        let d2 = r.route(&ix, 2, &hs(8), 128, 0.0, 0.5).unwrap();
+        assert_eq!(d2.worker, 2);
+        // Freeing requests brings worker 1 back.
+        r.free(1);
+        r.free(2);
+        assert_eq!(r.route(&ix, 3, &hs(8), 128, 0.0, 0.5).unwrap().worker, 1);
+        assert_eq!(r.load(1).active_blocks, 8);
+        r.prefill_done(3);
+        assert_eq!(r.load(1).queued_prefill_tokens, 0);
+        r.report_load(1, Load { active_blocks: 1000, queued_prefill_tokens: 0 });
+        assert_eq!(r.load(1).active_blocks, 1000, "a report replaces tracked load");
+        assert_eq!(r.route(&ix, 4, &hs(8), 128, 0.0, 0.5).unwrap().worker, 2);
+        r.remove_worker(2);
+        assert!(r.route(&ix, 5, &hs(8), 128, 0.0, 0.5).unwrap().worker != 2);
+    }
+
+    #[test]
+    fn other_modes() {
+        let ix = PrefixIndex::new();
+        let mut cfg = RouterConfig { mode: RoutingMode::RoundRobin, ..RouterConfig::default() };
+        let mut r = Router::new(cfg.clone());
+        for w in [10, 20, 30] {
+            r.add_worker(w);
+        }
+        let picks: Vec<_> =
+            (0..6).map(|i| r.route(&ix, i, &hs(2), 32, 0.0, 0.0).unwrap().worker).collect();
+        assert_eq!(picks, vec![10, 20, 30, 10, 20, 30]);
+        cfg.mode = RoutingMode::Random;
+        let mut r = Router::new(cfg.clone());
+        for w in [10, 20, 30] {
+            r.add_worker(w);
+        }
+        assert_eq!(r.route(&ix, 1, &hs(2), 32, 0.0, 0.0).unwrap().worker, 10);
+        assert_eq!(r.route(&ix, 2, &hs(2), 32, 0.0, 0.99).unwrap().worker, 30);
+        cfg.mode = RoutingMode::LeastLoaded;
+        let mut r = Router::new(cfg);
+        for w in [10, 20] {
+            r.add_worker(w);
+        }
+        r.report_load(10, Load { active_blocks: 5, queued_prefill_tokens: 0 });
+        assert_eq!(r.route(&ix, 1, &hs(2), 32, 0.0, 0.0).unwrap().worker, 20);
+        assert!(Router::new(RouterConfig::default()).route(&ix, 1, &hs(1), 16, 0.0, 0.0).is_none());
+        assert!("warp".parse::<RoutingMode>().is_err());
+    }
+
+    #[test]
+    fn softmax_temperature() {
+        let costs = [(1, 0.0), (2, 1.0), (3, 50.0)];
+        assert_eq!(select(&costs, 0.0, 0.99), 1);
+        assert_eq!(select(&[(5, 1.0), (4, 1.0)], 0.0, 0.0), 4, "deterministic tie-break");
+        // At temperature 1: weights 1, e^-1, ~0 → draw 0.8 of 1.37 lands on worker 2.
+        assert_eq!(select(&costs, 1.0, 0.1), 1);
+        assert_eq!(select(&costs, 1.0, 0.8), 2);
+        let mut counts = HashMap::new();
+        for i in 0..1000 {
+            *counts.entry(select(&costs, 1.0, i as f64 / 1000.0)).or_insert(0) += 1;
+        }
+        assert!((700..760).contains(&counts[&1]), "{counts:?}");
+        assert!(!counts.contains_key(&3));
+    }
+
+    #[test]
+    fn approximate_mode_predicts_from_its_own_decisions_until_the_ttl() {
+        let ix = PrefixIndex::new(); // no events at all
+        let mut r =
+            Router::new(RouterConfig { approx_ttl_s: Some(10.0), ..RouterConfig::default() });
+        for w in [1, 2] {
+            r.add_worker(w);
+        }
+        let first = r.route(&ix, 1, &hs(8), 128, 0.0, 0.0).unwrap();
+        r.free(1);
+        let again = r.route(&ix, 2, &hs(8), 128, 5.0, 0.0).unwrap();
+        assert_eq!(again.worker, first.worker);
+        assert_eq!(again.cached.len(), 8);
+        r.free(2);
+        r.expire(20.0);
+        let later = r.route(&ix, 3, &hs(8), 128, 20.0, 0.0).unwrap();
+        assert!(later.cached.is_empty(), "predictions expire");
+    }
+}
