@@ -68,24 +68,53 @@ struct WorkerState {
     blocks: HashMap<SequenceHash, TierMask>,
 }
 
-type Shard = HashMap<SequenceHash, Vec<(WorkerId, TierMask)>>;
+/// The holders of one block, sorted by worker id; one or two inline (most blocks have few
+/// holders), so a lookup touches one cache line.
+type Holders = smallvec::SmallVec<[(WorkerId, TierMask); 2]>;
+type Shard = HashMap<SequenceHash, Holders>;
 
-/// Per worker, the leading blocks of a query it holds: the fastest tier of each.
+/// A worker's leading run of cached blocks: how many, and how many of them are held in each
+/// tier at best (device, host, disk, remote).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct Run {
+    /// Leading blocks held.
+    pub blocks: u32,
+    /// Of those, how many have each tier as their fastest, indexed like `TierKind::ALL`.
+    pub per_tier: [u32; 4],
+}
+
+impl Run {
+    fn push(&mut self, t: TierKind) {
+        self.blocks += 1;
+        self.per_tier[t as usize] += 1;
+    }
+
+    /// A run of `n` blocks all in tier `t`.
+    pub fn uniform(n: u32, t: TierKind) -> Self {
+        let mut r = Run { blocks: n, per_tier: [0; 4] };
+        r.per_tier[t as usize] = n;
+        r
+    }
+}
+
+/// Per worker, the leading blocks of a query it holds.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Overlap {
-    /// For each matched worker, the tier of each of its leading blocks, in order.
-    pub workers: Vec<(WorkerId, Vec<TierKind>)>,
+    /// Each matched worker's run, sorted by worker id.
+    pub workers: Vec<(WorkerId, Run)>,
 }
 
 impl Overlap {
     /// The leading blocks a worker holds (0 if none).
     pub fn blocks(&self, w: WorkerId) -> usize {
-        self.workers.iter().find(|(id, _)| *id == w).map_or(0, |(_, t)| t.len())
+        self.run(w).blocks as usize
     }
 
-    /// The tiers of a worker's leading blocks.
-    pub fn tiers(&self, w: WorkerId) -> &[TierKind] {
-        self.workers.iter().find(|(id, _)| *id == w).map_or(&[], |(_, t)| t)
+    /// A worker's run (empty if none).
+    pub fn run(&self, w: WorkerId) -> Run {
+        self.workers
+            .binary_search_by_key(&w, |(id, _)| *id)
+            .map_or(Run::default(), |i| self.workers[i].1)
     }
 }
 
@@ -146,19 +175,19 @@ impl PrefixIndex {
     fn link(&self, h: SequenceHash, w: WorkerId, mask: TierMask) {
         let mut shard = self.shards[shard_of(h)].write();
         let entry = shard.entry(h).or_default();
-        match entry.iter_mut().find(|(id, _)| *id == w) {
-            Some((_, m)) => m.0 |= mask.0,
-            None => entry.push((w, mask)),
+        match entry.binary_search_by_key(&w, |(id, _)| *id) {
+            Ok(i) => entry[i].1 .0 |= mask.0,
+            Err(i) => entry.insert(i, (w, mask)),
         }
     }
 
     fn unlink(&self, h: SequenceHash, w: WorkerId, mask: TierMask) {
         let mut shard = self.shards[shard_of(h)].write();
         if let Some(entry) = shard.get_mut(&h) {
-            if let Some(i) = entry.iter().position(|(id, _)| *id == w) {
+            if let Ok(i) = entry.binary_search_by_key(&w, |(id, _)| *id) {
                 entry[i].1 .0 &= !mask.0;
                 if entry[i].1.is_empty() {
-                    entry.swap_remove(i);
+                    entry.remove(i);
                 }
             }
             if entry.is_empty() {
@@ -236,40 +265,60 @@ impl PrefixIndex {
 
     /// For a request's sequence hashes, each worker's leading run of held blocks, with the
     /// fastest tier of each block.
+    ///
+    /// Cost: one hash lookup per block of the matched prefix, and a merge of two sorted
+    /// worker lists (the workers still matching, the block's holders) per block.
     pub fn overlap(&self, hashes: &[SequenceHash]) -> Overlap {
-        let mut active: Vec<(WorkerId, Vec<TierKind>)> = Vec::new();
+        // `runs[..live]` are the workers still matching, sorted by id; the rest ended.
+        let mut runs: Vec<(WorkerId, Run)> = Vec::new();
+        let mut live = 0;
+        // The previous block's holders: consecutive blocks of a shared prefix mostly have the
+        // same holders, and then every live run simply grows (no merge needed).
+        let mut prev: Holders = Holders::new();
         for (i, &h) in hashes.iter().enumerate() {
             let shard = self.shards[shard_of(h)].read();
             let Some(holders) = shard.get(&h) else { break };
             if i == 0 {
-                for &(w, m) in holders {
+                runs.extend(holders.iter().filter_map(|&(w, m)| {
+                    m.best().map(|t| {
+                        let mut r = Run::default();
+                        r.push(t);
+                        (w, r)
+                    })
+                }));
+                live = runs.len();
+            } else if *holders == prev && live == prev.len() {
+                // Same holders (and all of them still live): every run grows by its tier.
+                for (r, (_, m)) in runs[..live].iter_mut().zip(holders.iter()) {
                     if let Some(t) = m.best() {
-                        active.push((w, vec![t]));
+                        r.1.push(t);
                     }
                 }
             } else {
-                let mut any = false;
-                for (w, tiers) in active.iter_mut() {
-                    if tiers.len() != i {
-                        continue; // its run ended earlier
+                // Merge join of two sorted lists, compacting the live prefix in place.
+                let (mut j, mut k) = (0, 0);
+                for idx in 0..live {
+                    let w = runs[idx].0;
+                    while j < holders.len() && holders[j].0 < w {
+                        j += 1;
                     }
-                    if let Some((_, m)) = holders.iter().find(|(id, _)| id == w) {
-                        if let Some(t) = m.best() {
-                            tiers.push(t);
-                            any = true;
-                        }
+                    if let Some(t) =
+                        holders.get(j).filter(|(id, _)| *id == w).and_then(|(_, m)| m.best())
+                    {
+                        runs[idx].1.push(t);
+                        runs.swap(k, idx);
+                        k += 1;
                     }
                 }
-                if !any {
-                    break;
-                }
+                live = k;
             }
-            if active.is_empty() {
+            if live == 0 {
                 break;
             }
+            prev.clone_from(holders);
         }
-        active.sort_by_key(|(w, _)| *w);
-        Overlap { workers: active }
+        runs.sort_unstable_by_key(|(w, _)| *w);
+        Overlap { workers: runs }
     }
 
     /// Distinct blocks indexed (diagnostics).
@@ -323,8 +372,8 @@ mod tests {
         assert_eq!(ix.ingest(2, &stored(1, &[10, 11], TierKind::Disk)), Ingest::Applied);
         assert_eq!(ix.ingest(2, &stored(2, &[10], TierKind::Device)), Ingest::Applied);
         let o = ix.overlap(&hs(&[10, 11, 12, 13]));
-        assert_eq!(o.tiers(1), &[TierKind::Host, TierKind::Host, TierKind::Host]);
-        assert_eq!(o.tiers(2), &[TierKind::Device, TierKind::Disk]);
+        assert_eq!(o.run(1), Run::uniform(3, TierKind::Host));
+        assert_eq!(o.run(2), Run { blocks: 2, per_tier: [1, 0, 1, 0] }, "device and disk");
         // A hole ends a run: worker 1 loses block 11.
         ix.ingest(1, &removed(2, &[11], TierKind::Host));
         assert_eq!(ix.overlap(&hs(&[10, 11, 12])).blocks(1), 1);
@@ -364,21 +413,18 @@ mod tests {
     }
 
     /// The brute-force reference: per worker, a map block → tiers.
-    fn reference_overlap(
-        model: &BTreeMap<u64, BTreeMap<u64, u8>>,
-        q: &[u64],
-    ) -> Vec<(u64, Vec<TierKind>)> {
+    fn reference_overlap(model: &BTreeMap<u64, BTreeMap<u64, u8>>, q: &[u64]) -> Vec<(u64, Run)> {
         let mut out = Vec::new();
         for (&w, blocks) in model {
-            let mut tiers = Vec::new();
+            let mut run = Run::default();
             for h in q {
                 match blocks.get(h).and_then(|&m| TierMask(m).best()) {
-                    Some(t) => tiers.push(t),
+                    Some(t) => run.push(t),
                     None => break,
                 }
             }
-            if !tiers.is_empty() {
-                out.push((w, tiers));
+            if run.blocks > 0 {
+                out.push((w, run));
             }
         }
         out

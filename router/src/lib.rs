@@ -17,6 +17,7 @@
 
 pub mod index;
 pub mod policy;
+pub mod sim;
 
-pub use index::{Ingest, Overlap, PrefixIndex, WorkerId};
+pub use index::{Ingest, Overlap, PrefixIndex, Run, WorkerId};
 pub use policy::{Decision, Load, Router, RouterConfig, RoutingMode};

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use kvfabric::events::TierKind;
 use kvfabric::hash::SequenceHash;
 
-use crate::index::{Overlap, PrefixIndex, WorkerId};
+use crate::index::{Overlap, PrefixIndex, Run, WorkerId};
 
 /// How to pick a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -78,7 +78,7 @@ impl Default for RouterConfig {
             overlap_weight: 1.0,
             temperature: 0.0,
             block_tokens: 16,
-            block_load_scale: 1.0,
+            block_load_scale: 8.0,
             approx_ttl_s: None,
         }
     }
@@ -106,8 +106,8 @@ struct Tracked {
 pub struct Decision {
     /// The chosen worker.
     pub worker: WorkerId,
-    /// Its leading cached blocks, with their tiers.
-    pub cached: Vec<TierKind>,
+    /// Its leading cached blocks, by tier.
+    pub cached: Run,
     /// Its cost.
     pub cost: f64,
 }
@@ -184,8 +184,11 @@ impl Router {
         self.config.tier_weights[t as usize]
     }
 
-    fn cost(&self, w: WorkerId, request_blocks: usize, cached: &[TierKind]) -> f64 {
-        let credit: f64 = cached.iter().map(|&t| self.weight(t)).sum();
+    fn cost(&self, w: WorkerId, request_blocks: usize, cached: Run) -> f64 {
+        let credit: f64 = TierKind::ALL
+            .iter()
+            .map(|&t| f64::from(cached.per_tier[t as usize]) * self.weight(t))
+            .sum();
         let load = self.load(w);
         self.config.overlap_weight * (request_blocks as f64 - credit).max(0.0)
             + load.active_blocks as f64 / self.config.block_load_scale.max(1e-9)
@@ -201,7 +204,7 @@ impl Router {
                 .take_while(|&&h| self.approx.get(&(w, h)).is_some_and(|&exp| exp > now))
                 .count();
             if n > 0 {
-                workers.push((w, vec![TierKind::Host; n]));
+                workers.push((w, Run::uniform(n as u32, TierKind::Host)));
             }
         }
         Overlap { workers }
@@ -228,7 +231,7 @@ impl Router {
         };
         let n = hashes.len();
         let costs: Vec<(WorkerId, f64)> =
-            self.workers.iter().map(|&w| (w, self.cost(w, n, overlap.tiers(w)))).collect();
+            self.workers.iter().map(|&w| (w, self.cost(w, n, overlap.run(w)))).collect();
         let worker = match self.config.mode {
             RoutingMode::RoundRobin => {
                 let w = self.workers[self.next_rr % self.workers.len()];
@@ -255,9 +258,9 @@ impl Router {
             RoutingMode::Kv => select(&costs, self.config.temperature, draw),
         };
         let cost = costs.iter().find(|(w, _)| *w == worker).map_or(0.0, |c| c.1);
-        let cached = overlap.tiers(worker).to_vec();
-        let uncached_tokens =
-            prompt_tokens.saturating_sub(cached.len() as u64 * u64::from(self.config.block_tokens));
+        let cached = overlap.run(worker);
+        let uncached_tokens = prompt_tokens
+            .saturating_sub(u64::from(cached.blocks) * u64::from(self.config.block_tokens));
         self.tracked.insert(
             request_id,
             Tracked { worker, blocks: n as u64, prefill_tokens: uncached_tokens, prefilled: false },
@@ -358,7 +361,7 @@ mod tests {
         }
         let d = r.route(&ix, 1, &hs(8), 128, 0.0, 0.5).unwrap();
         assert_eq!(d.worker, 1, "host beats disk for the same overlap");
-        assert_eq!(d.cached, vec![TierKind::Host; 4]);
+        assert_eq!(d.cached, Run::uniform(4, TierKind::Host));
         // Worker 1 is now loaded with the request (8 blocks + 64 uncached tokens queued):
         // the next identical request goes to worker 2 (disk copy, no load).
         let d2 = r.route(&ix, 2, &hs(8), 128, 0.0, 0.5).unwrap();
@@ -434,10 +437,10 @@ mod tests {
         r.free(1);
         let again = r.route(&ix, 2, &hs(8), 128, 5.0, 0.0).unwrap();
         assert_eq!(again.worker, first.worker);
-        assert_eq!(again.cached.len(), 8);
+        assert_eq!(again.cached.blocks, 8);
         r.free(2);
         r.expire(20.0);
         let later = r.route(&ix, 3, &hs(8), 128, 20.0, 0.0).unwrap();
-        assert!(later.cached.is_empty(), "predictions expire");
+        assert_eq!(later.cached.blocks, 0, "predictions expire");
     }
 }

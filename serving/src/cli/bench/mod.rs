@@ -3,6 +3,7 @@
 
 use clap::{Args, Subcommand};
 
+mod router;
 mod tier;
 mod transfer;
 
@@ -19,12 +20,15 @@ enum Which {
     Transfer(transfer::TransferArgs),
     /// Offload and onboard throughput of the tiered store against plain O_DIRECT I/O.
     Tier(tier::TierArgs),
+    /// Prefix-index ingestion and query latency, and a routing simulation.
+    Router(router::RouterArgs),
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
         Which::Transfer(a) => transfer::run(a).await,
         Which::Tier(a) => tier::run(a).await,
+        Which::Router(a) => router::run(a),
     }
 }
 

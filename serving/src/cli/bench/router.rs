@@ -1,0 +1,264 @@
+//! `kvfabric bench router`: (a) the prefix index's event ingestion rate and query latency for
+//! 8, 64 and 256 workers holding 10k or 100k blocks each; (b) the routing simulation
+//! (multi-turn conversations over shared system prompts) comparing kv, round-robin and
+//! random routing: hit rate, TTFT p50/p99, throughput.
+
+use std::time::Instant;
+
+use clap::Args;
+use kvfabric::events::{KvEvent, KvEventData, TierKind};
+use kvfabric::hash::SequenceHash;
+use kvfabric_router::sim::{simulate, SimConfig, SplitMix};
+use kvfabric_router::{PrefixIndex, RouterConfig, RoutingMode};
+use kvfabric_serving::stats::Percentiles;
+
+#[derive(Debug, Args)]
+pub struct RouterArgs {
+    /// Worker counts for the index benchmark.
+    #[arg(long, value_delimiter = ',', default_value = "8,64,256")]
+    workers: Vec<usize>,
+    /// Blocks per worker for the index benchmark.
+    #[arg(long, value_delimiter = ',', default_value = "10000,100000")]
+    blocks: Vec<usize>,
+    /// Blocks per query (a 1024-token prompt at 16 tokens per block).
+    #[arg(long, default_value_t = 64)]
+    query_blocks: usize,
+    /// Queries per index configuration.
+    #[arg(long, default_value_t = 50_000)]
+    queries: usize,
+    /// Skip the index benchmark (a) and run only the simulation (b).
+    #[arg(long)]
+    sim_only: bool,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 8)]
+    sim_workers: usize,
+    /// Simulated conversations.
+    #[arg(long, default_value_t = 400)]
+    conversations: usize,
+    /// New conversations per second.
+    #[arg(long, default_value_t = 4.0)]
+    arrival_rate: f64,
+    /// Workload seed.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Print JSON objects instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct IndexRow {
+    workers: usize,
+    blocks_per_worker: usize,
+    indexed_blocks: usize,
+    events: u64,
+    events_per_s: f64,
+    query_blocks: usize,
+    query_p50_us: f64,
+    query_p99_us: f64,
+}
+
+/// Each worker's blocks: chains of 64 blocks; half the chains start with one of 16 shared
+/// 32-block prefixes (system prompts), so workers overlap as real fleets do.
+fn worker_chains(
+    w: usize,
+    blocks: usize,
+    rng: &mut SplitMix,
+    shared: &[Vec<SequenceHash>],
+) -> Vec<Vec<SequenceHash>> {
+    let mut chains = Vec::new();
+    let mut n = 0;
+    while n < blocks {
+        let mut c: Vec<SequenceHash> = Vec::with_capacity(64);
+        if chains.len() % 2 == 0 {
+            c.extend_from_slice(&shared[(w + chains.len()) % shared.len()]);
+        }
+        while c.len() < 64 {
+            c.push(SequenceHash(rng.next_u64()));
+        }
+        n += c.len();
+        chains.push(c);
+    }
+    chains
+}
+
+fn index_bench(workers: usize, blocks: usize, query_blocks: usize, queries: usize) -> IndexRow {
+    let mut rng = SplitMix::new(7);
+    let shared: Vec<Vec<SequenceHash>> =
+        (0..16).map(|_| (0..32).map(|_| SequenceHash(rng.next_u64())).collect()).collect();
+    let per_worker: Vec<Vec<Vec<SequenceHash>>> =
+        (0..workers).map(|w| worker_chains(w, blocks, &mut rng, &shared)).collect();
+    // Events: one block per Stored event, the worst case for the ingestion rate.
+    let events: Vec<(u64, KvEvent)> = per_worker
+        .iter()
+        .enumerate()
+        .flat_map(|(w, chains)| {
+            chains.iter().flatten().enumerate().map(move |(i, &h)| {
+                (
+                    w as u64,
+                    KvEvent {
+                        event_id: i as u64 + 1,
+                        data: KvEventData::Stored {
+                            sequence_hashes: vec![h],
+                            parent: None,
+                            tier: TierKind::Host,
+                        },
+                    },
+                )
+            })
+        })
+        .collect();
+    let index = PrefixIndex::new();
+    for w in 0..workers as u64 {
+        index.add_worker(w);
+    }
+    let start = Instant::now();
+    for (w, e) in &events {
+        index.ingest(*w, e);
+    }
+    let ingest = start.elapsed();
+    // Queries: a chain of some worker (a hit of up to 64 blocks) extended with fresh blocks.
+    let mut lat = Vec::with_capacity(queries);
+    let mut q: Vec<SequenceHash> = Vec::with_capacity(query_blocks);
+    for _ in 0..queries {
+        let w = (rng.next_u64() % workers as u64) as usize;
+        let chains = &per_worker[w];
+        let c = &chains[(rng.next_u64() % chains.len() as u64) as usize];
+        q.clear();
+        q.extend(c.iter().take(query_blocks));
+        while q.len() < query_blocks {
+            q.push(SequenceHash(rng.next_u64()));
+        }
+        let t = Instant::now();
+        let o = index.overlap(&q);
+        lat.push(t.elapsed());
+        std::hint::black_box(o);
+    }
+    let p = Percentiles::of(&lat);
+    IndexRow {
+        workers,
+        blocks_per_worker: blocks,
+        indexed_blocks: index.len(),
+        events: events.len() as u64,
+        events_per_s: events.len() as f64 / ingest.as_secs_f64().max(1e-9),
+        query_blocks,
+        query_p50_us: p.p50_us,
+        query_p99_us: p.p99_us,
+    }
+}
+
+#[derive(Debug, serde::Serialize)]
+struct SimRow {
+    mode: &'static str,
+    requests: usize,
+    hit_rate: f64,
+    ttft_p50_ms: f64,
+    ttft_p99_ms: f64,
+    throughput_tok_s: f64,
+    throughput_req_s: f64,
+}
+
+pub fn run(args: RouterArgs) -> anyhow::Result<()> {
+    if !args.sim_only {
+        let mut rows = Vec::new();
+        for &w in &args.workers {
+            for &b in &args.blocks {
+                eprintln!("index: {w} workers × {b} blocks");
+                rows.push(index_bench(
+                    w.max(1),
+                    b.max(1),
+                    args.query_blocks.max(1),
+                    args.queries.max(1),
+                ));
+            }
+        }
+        if args.json {
+            for r in &rows {
+                println!("{}", serde_json::to_string(r)?);
+            }
+        } else {
+            println!(
+                "{:>7} {:>13} {:>9} {:>11} {:>12} {:>13} {:>10} {:>10}",
+                "workers",
+                "blocks/worker",
+                "indexed",
+                "events",
+                "events/s",
+                "query blocks",
+                "q p50",
+                "q p99"
+            );
+            for r in &rows {
+                println!(
+                    "{:>7} {:>13} {:>9} {:>11} {:>11.2}M {:>13} {:>8.2}µs {:>8.2}µs",
+                    r.workers,
+                    r.blocks_per_worker,
+                    r.indexed_blocks,
+                    r.events,
+                    r.events_per_s / 1e6,
+                    r.query_blocks,
+                    r.query_p50_us,
+                    r.query_p99_us
+                );
+            }
+            println!("(one block per Stored event, one thread; queries on precomputed sequence hashes)\n");
+        }
+    }
+    let cfg = SimConfig {
+        workers: args.sim_workers.max(1),
+        conversations: args.conversations.max(1),
+        arrival_rate: args.arrival_rate,
+        seed: args.seed,
+        ..SimConfig::default()
+    };
+    let mut rows = Vec::new();
+    for (name, mode) in [
+        ("kv", RoutingMode::Kv),
+        ("round-robin", RoutingMode::RoundRobin),
+        ("random", RoutingMode::Random),
+    ] {
+        let start = Instant::now();
+        let r = simulate(&cfg, RouterConfig { mode, ..RouterConfig::default() });
+        eprintln!("simulated {name} in {:?}", start.elapsed());
+        rows.push(SimRow {
+            mode: name,
+            requests: r.requests,
+            hit_rate: r.hit_rate,
+            ttft_p50_ms: r.ttft_p50_s * 1e3,
+            ttft_p99_ms: r.ttft_p99_s * 1e3,
+            throughput_tok_s: r.throughput_tok_s,
+            throughput_req_s: r.throughput_req_s,
+        });
+    }
+    if args.json {
+        println!("{}", serde_json::json!({ "simulation": cfg, "results": rows }));
+        return Ok(());
+    }
+    println!(
+        "simulation: {} workers, {} conversations × {} turns, {} system prompts of {} tokens, {} new conversations/s (seed {})",
+        cfg.workers, cfg.conversations, cfg.turns, cfg.system_prompts, cfg.system_prompt_tokens, cfg.arrival_rate, cfg.seed
+    );
+    println!(
+        "{:>12} {:>8} {:>8} {:>11} {:>11} {:>10} {:>8}",
+        "mode", "requests", "hit rate", "TTFT p50", "TTFT p99", "tok/s", "req/s"
+    );
+    for r in &rows {
+        println!(
+            "{:>12} {:>8} {:>7.1}% {:>9.1}ms {:>9.1}ms {:>10.0} {:>8.2}",
+            r.mode,
+            r.requests,
+            r.hit_rate * 100.0,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.throughput_tok_s,
+            r.throughput_req_s
+        );
+    }
+    if let (Some(kv), Some(rr)) = (rows.first(), rows.get(1)) {
+        println!(
+            "kv vs round-robin: TTFT p50 {:.1}× better",
+            rr.ttft_p50_ms / kv.ttft_p50_ms.max(1e-9)
+        );
+    }
+    Ok(())
+}
