@@ -287,8 +287,8 @@ impl TieredStore {
             self.inner.runtime.spawn(async move {
                 for h in to_prefetch {
                     // Onboard and release: the block stays resident in host memory.
-                    if let Ok(Some(r)) = inner.onboard(h).await {
-                        drop(BlockRef::from_parts(inner.clone(), r));
+                    if let Ok(Some(slot)) = inner.onboard(h).await {
+                        drop(BlockRef { store: inner.clone(), slot, hash: h });
                     }
                 }
             });
@@ -449,10 +449,14 @@ impl TieredStore {
 }
 
 impl Inner {
+    fn slot_offset(&self, slot: u32) -> u64 {
+        u64::from(slot) * self.stride
+    }
+
     fn slot_buf(&self, slot: u32) -> IoBuf {
         let ptr = self
             .region
-            .ptr_at(u64::from(slot) * self.stride, self.stride)
+            .ptr_at(self.slot_offset(slot), self.stride)
             // Slots are < host_blocks and the region is host_blocks × stride bytes.
             .unwrap_or(std::ptr::null_mut());
         IoBuf { ptr, len: self.stride as usize }
@@ -626,7 +630,7 @@ impl WriteSlot {
 
     /// Byte offset of the slot in the region.
     pub fn offset(&self) -> u64 {
-        u64::from(self.slot) * self.store.stride
+        self.store.slot_offset(self.slot)
     }
 
     /// Bytes of the block.
@@ -708,10 +712,6 @@ pub struct BlockRef {
 }
 
 impl BlockRef {
-    fn from_parts(store: Arc<Inner>, slot: u32) -> Self {
-        BlockRef { store, slot, hash: SequenceHash(0) }
-    }
-
     /// The block's sequence hash.
     pub fn hash(&self) -> SequenceHash {
         self.hash
@@ -724,7 +724,7 @@ impl BlockRef {
 
     /// Its byte offset in the region.
     pub fn offset(&self) -> u64 {
-        u64::from(self.slot) * self.store.stride
+        self.store.slot_offset(self.slot)
     }
 
     /// Its length.

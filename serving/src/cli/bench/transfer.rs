@@ -18,6 +18,18 @@ use kvfabric_serving::stats::{gbps, Percentiles};
 
 use super::{parse_size, short_size};
 
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TransportArg {
+    Shm,
+    Tcp,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum OpArg {
+    Read,
+    Write,
+}
+
 #[derive(Debug, Args)]
 pub struct TransferArgs {
     /// Descriptor sizes, comma-separated.
@@ -26,12 +38,12 @@ pub struct TransferArgs {
     /// Descriptors per transfer, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16,256,1024,4096")]
     batches: Vec<usize>,
-    /// Transports: shm, tcp.
-    #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
-    transports: Vec<String>,
-    /// Operations: read, write.
-    #[arg(long, value_delimiter = ',', default_value = "write,read")]
-    ops: Vec<String>,
+    /// Transports.
+    #[arg(long, value_delimiter = ',', value_enum, default_value = "shm,tcp")]
+    transports: Vec<TransportArg>,
+    /// Operations.
+    #[arg(long, value_delimiter = ',', value_enum, default_value = "write,read")]
+    ops: Vec<OpArg>,
     /// Largest transfer, MiB (combinations above it are skipped); also the region size.
     #[arg(long, default_value_t = 256)]
     max_transfer_mib: u64,
@@ -165,24 +177,22 @@ async fn spawn_peer(
 pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
     let sizes = args.sizes.iter().map(|s| parse_size(s)).collect::<anyhow::Result<Vec<u64>>>()?;
     anyhow::ensure!(args.batches.iter().all(|&b| b >= 1), "--batches must be >= 1");
-    let transports = args
+    let transports: Vec<TransportKind> = args
         .transports
         .iter()
-        .map(|t| match t.trim() {
-            "shm" => Ok(TransportKind::Shm),
-            "tcp" => Ok(TransportKind::Tcp),
-            other => anyhow::bail!("unknown transport {other:?} (shm, tcp)"),
+        .map(|t| match t {
+            TransportArg::Shm => TransportKind::Shm,
+            TransportArg::Tcp => TransportKind::Tcp,
         })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let ops = args
+        .collect();
+    let ops: Vec<TransferOp> = args
         .ops
         .iter()
-        .map(|o| match o.trim() {
-            "read" => Ok(TransferOp::Read),
-            "write" => Ok(TransferOp::Write),
-            other => anyhow::bail!("unknown op {other:?} (read, write)"),
+        .map(|o| match o {
+            OpArg::Read => TransferOp::Read,
+            OpArg::Write => TransferOp::Write,
         })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+        .collect();
     anyhow::ensure!(args.max_transfer_mib >= 1, "--max-transfer-mib must be >= 1");
     let region_bytes = (args.max_transfer_mib << 20) as usize;
     let min_time = Duration::from_millis(args.min_time_ms.max(1));
