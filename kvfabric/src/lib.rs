@@ -14,6 +14,8 @@
 //! - [`agent`], [`transfer`], [`transport`]: the transfer engine — one agent per process,
 //!   READ/WRITE of descriptor lists with peers over `local`, `shm` and `tcp`, deadlines,
 //!   cancellation, checksums and notifications.
+//! - [`control`]: control-plane traits (`Discovery`, `EventBus`) with in-memory, etcd and
+//!   NATS implementations.
 //! - [`events`]: KV events (`Stored`/`Removed`/`Cleared` per tier, with monotonic ids) and
 //!   the sink trait stores publish them to.
 //! - [`wire`]: the authenticated, length-prefixed binary protocol between agents.
@@ -32,6 +34,7 @@
 //! `unsafe` lives in [`memory`] and the transports, each block with its `SAFETY` argument.
 
 pub mod agent;
+pub mod control;
 pub mod events;
 pub mod gguf;
 pub mod hash;

@@ -1,0 +1,165 @@
+//! Control-plane traits: discovery of instances under leases, and an event bus with a
+//! durable work queue. Three implementations: in-memory ([`memory`], the embedded default for
+//! one process), etcd ([`etcd`], feature `etcd`) and NATS ([`nats`], feature `nats`).
+//!
+//! Keys and subjects: an instance of kind `K` and id `I` in namespace `N` lives at etcd key
+//! `/kvfabric/v1/N/K/I` under a lease with keep-alive; topic `T` is NATS subject
+//! `kvfabric.N.T`, and work queue `Q` is a JetStream work-queue stream.
+//!
+//! No home-made consensus or broker: past one process, etcd and NATS do the hard parts.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+pub mod memory;
+
+#[cfg(feature = "etcd")]
+pub mod etcd;
+#[cfg(feature = "nats")]
+pub mod nats;
+
+/// A boxed future of the control plane.
+pub type ControlFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, ControlError>> + Send + 'a>>;
+
+/// Why a control-plane operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControlError {
+    /// The backend could not be reached or refused the operation.
+    #[error("{backend}: {message}")]
+    Backend {
+        /// etcd, nats or memory.
+        backend: &'static str,
+        /// What it said.
+        message: String,
+    },
+    /// A value read from the backend is not what kvfabric wrote.
+    #[error("malformed {what}: {message}")]
+    Malformed {
+        /// What was read.
+        what: &'static str,
+        /// Why it is malformed.
+        message: String,
+    },
+    /// A name that cannot be used in a key or subject.
+    #[error("invalid name {0:?}: use letters, digits, '-' and '_'")]
+    InvalidName(String),
+    /// The operation did not finish in time.
+    #[error("{0} timed out")]
+    Timeout(&'static str),
+    /// The backend is shut down.
+    #[error("control plane closed")]
+    Closed,
+}
+
+/// Checks a namespace, kind, id, topic or queue name.
+pub fn check_name(s: &str) -> Result<(), ControlError> {
+    if s.is_empty() || s.len() > 128 || !s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        return Err(ControlError::InvalidName(s.to_string()));
+    }
+    Ok(())
+}
+
+/// A registered instance.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Instance {
+    /// Its kind (`worker`, `fabric`, `frontend`).
+    pub kind: String,
+    /// Its id, unique within the kind.
+    pub id: String,
+    /// What others need to reach it (agent metadata, model, role), as JSON.
+    pub metadata: serde_json::Value,
+}
+
+/// A change seen by a watch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiscoveryEvent {
+    /// An instance joined or updated its metadata.
+    Joined(Instance),
+    /// An instance left: deregistered, or its lease expired.
+    Left {
+        /// Its kind.
+        kind: String,
+        /// Its id.
+        id: String,
+    },
+}
+
+/// A registration; keep-alive runs while it lives. Dropping it stops the keep-alive (the
+/// lease then expires after its TTL); [`Registration::revoke`] removes it at once.
+#[derive(Debug)]
+pub struct Registration {
+    pub(crate) revoke: Option<tokio::sync::oneshot::Sender<tokio::sync::oneshot::Sender<()>>>,
+    pub(crate) keepalive: tokio::task::JoinHandle<()>,
+}
+
+impl Registration {
+    /// Removes the instance now (graceful shutdown) and waits for the backend to confirm.
+    pub async fn revoke(mut self) {
+        if let Some(tx) = self.revoke.take() {
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+            if tx.send(done_tx).is_ok() {
+                let _ = tokio::time::timeout(Duration::from_secs(5), done_rx).await;
+            }
+        }
+        self.keepalive.abort();
+    }
+
+    /// Whether its keep-alive task still runs (false once the lease was lost for good).
+    pub fn is_alive(&self) -> bool {
+        !self.keepalive.is_finished()
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.keepalive.abort();
+    }
+}
+
+/// Instances under leases.
+pub trait Discovery: Send + Sync + std::fmt::Debug {
+    /// Registers `instance` under a lease of `ttl`, kept alive until the registration is
+    /// dropped or revoked. Re-registers by itself if the backend lost it (restart).
+    fn register(&self, instance: Instance, ttl: Duration) -> ControlFuture<'_, Registration>;
+    /// The instances of a kind.
+    fn list<'a>(&'a self, kind: &'a str) -> ControlFuture<'a, Vec<Instance>>;
+    /// The instances of a kind now, then every change.
+    fn watch<'a>(&'a self, kind: &'a str) -> ControlFuture<'a, (Vec<Instance>, mpsc::Receiver<DiscoveryEvent>)>;
+}
+
+/// An item taken from a work queue; acknowledge it, or it is delivered again.
+#[derive(Debug)]
+pub struct WorkItem {
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// How many times it was delivered (1 the first time).
+    pub deliveries: u64,
+    pub(crate) acker: Box<dyn Acker>,
+}
+
+impl WorkItem {
+    /// Acknowledges: it will not be delivered again.
+    pub async fn ack(self) -> Result<(), ControlError> {
+        self.acker.ack().await
+    }
+}
+
+pub(crate) trait Acker: Send + Sync + std::fmt::Debug {
+    fn ack(self: Box<Self>) -> ControlFuture<'static, ()>;
+}
+
+/// Publish/subscribe and a durable work queue.
+pub trait EventBus: Send + Sync + std::fmt::Debug {
+    /// Publishes to every current subscriber of `topic` (best effort, no persistence).
+    fn publish<'a>(&'a self, topic: &'a str, payload: Vec<u8>) -> ControlFuture<'a, ()>;
+    /// Subscribes to `topic`.
+    fn subscribe<'a>(&'a self, topic: &'a str) -> ControlFuture<'a, mpsc::Receiver<Vec<u8>>>;
+    /// Appends to a durable work queue; each item goes to one consumer, at least once.
+    fn enqueue<'a>(&'a self, queue: &'a str, payload: Vec<u8>) -> ControlFuture<'a, ()>;
+    /// Takes the next item, waiting up to `wait`. An item not acknowledged within `ack_wait`
+    /// is delivered again.
+    fn dequeue<'a>(&'a self, queue: &'a str, wait: Duration, ack_wait: Duration) -> ControlFuture<'a, Option<WorkItem>>;
+}
