@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
+# etcd-client's build compiles etcd's protos, which import protobuf's well-known types.
+[ -f /usr/include/google/protobuf/descriptor.proto ] || need_apt+=(libprotobuf-dev)
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v nats-server >/dev/null 2>&1 || need_apt+=(nats-server)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)

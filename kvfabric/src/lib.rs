@@ -44,6 +44,10 @@ pub mod transfer;
 pub mod transport;
 pub mod wire;
 
+/// Real etcd and NATS servers for integration tests (reads `PATH` to find them).
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
 pub use agent::{Agent, AgentConfig, AgentError, AgentLimits, AgentMetadata, Notification};
 pub use hash::{BlockHash, HashSeed, SequenceHash, TokenBlockHasher};
 pub use layout::{AttentionKind, BlockLayout, KvDtype, KvShape, ModelSpec};

@@ -35,7 +35,8 @@ struct DiscState {
 
 impl DiscState {
     fn notify(&mut self, kind: &str, ev: DiscoveryEvent) {
-        self.watchers.retain(|(k, tx)| k != kind || tx.try_send(ev.clone()).is_ok() || !tx.is_closed());
+        self.watchers
+            .retain(|(k, tx)| k != kind || tx.try_send(ev.clone()).is_ok() || !tx.is_closed());
     }
 
     fn expire(&mut self, now: Instant) {
@@ -61,6 +62,12 @@ struct ReaperGuard(tokio::task::JoinHandle<()>);
 impl Drop for ReaperGuard {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+impl Default for MemoryDiscovery {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -91,12 +98,16 @@ impl Discovery for MemoryDiscovery {
                 let mut s = self.state.lock();
                 s.next_lease += 1;
                 let lease = s.next_lease;
-                s.entries.insert(key.clone(), Entry { instance: instance.clone(), lease, expires: Instant::now() + ttl });
+                s.entries.insert(
+                    key.clone(),
+                    Entry { instance: instance.clone(), lease, expires: Instant::now() + ttl },
+                );
                 let kind = instance.kind.clone();
                 s.notify(&kind, DiscoveryEvent::Joined(instance));
                 lease
             };
-            let (revoke_tx, mut revoke_rx) = tokio::sync::oneshot::channel::<tokio::sync::oneshot::Sender<()>>();
+            let (revoke_tx, mut revoke_rx) =
+                tokio::sync::oneshot::channel::<tokio::sync::oneshot::Sender<()>>();
             let weak = Arc::downgrade(&self.state);
             let keepalive = tokio::spawn(async move {
                 loop {
@@ -135,20 +146,31 @@ impl Discovery for MemoryDiscovery {
         Box::pin(async move {
             let mut s = self.state.lock();
             s.expire(Instant::now());
-            let mut v: Vec<Instance> =
-                s.entries.values().filter(|e| e.instance.kind == kind).map(|e| e.instance.clone()).collect();
+            let mut v: Vec<Instance> = s
+                .entries
+                .values()
+                .filter(|e| e.instance.kind == kind)
+                .map(|e| e.instance.clone())
+                .collect();
             v.sort_by(|a, b| a.id.cmp(&b.id));
             Ok(v)
         })
     }
 
-    fn watch<'a>(&'a self, kind: &'a str) -> ControlFuture<'a, (Vec<Instance>, mpsc::Receiver<DiscoveryEvent>)> {
+    fn watch<'a>(
+        &'a self,
+        kind: &'a str,
+    ) -> ControlFuture<'a, (Vec<Instance>, mpsc::Receiver<DiscoveryEvent>)> {
         Box::pin(async move {
             let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
             let mut s = self.state.lock();
             s.expire(Instant::now());
-            let mut now: Vec<Instance> =
-                s.entries.values().filter(|e| e.instance.kind == kind).map(|e| e.instance.clone()).collect();
+            let mut now: Vec<Instance> = s
+                .entries
+                .values()
+                .filter(|e| e.instance.kind == kind)
+                .map(|e| e.instance.clone())
+                .collect();
             now.sort_by(|a, b| a.id.cmp(&b.id));
             s.watchers.push((kind.to_string(), tx));
             Ok((now, rx))
@@ -240,7 +262,12 @@ impl EventBus for MemoryBus {
         })
     }
 
-    fn dequeue<'a>(&'a self, queue: &'a str, wait: Duration, ack_wait: Duration) -> ControlFuture<'a, Option<WorkItem>> {
+    fn dequeue<'a>(
+        &'a self,
+        queue: &'a str,
+        wait: Duration,
+        ack_wait: Duration,
+    ) -> ControlFuture<'a, Option<WorkItem>> {
         Box::pin(async move {
             check_name(queue)?;
             let deadline = Instant::now() + wait;
@@ -251,8 +278,12 @@ impl EventBus for MemoryBus {
                     let mut s = self.state.lock();
                     let q = s.queues.entry(queue.to_string()).or_default();
                     // Unacknowledged past their deadline: back to the front.
-                    let expired: Vec<u64> =
-                        q.in_flight.iter().filter(|(_, (_, _, d))| *d <= now).map(|(id, _)| *id).collect();
+                    let expired: Vec<u64> = q
+                        .in_flight
+                        .iter()
+                        .filter(|(_, (_, _, d))| *d <= now)
+                        .map(|(id, _)| *id)
+                        .collect();
                     for id in expired {
                         if let Some((p, n, _)) = q.in_flight.remove(&id) {
                             q.ready.push_front((id, p, n));
@@ -260,7 +291,11 @@ impl EventBus for MemoryBus {
                     }
                     if let Some((id, payload, n)) = q.ready.pop_front() {
                         q.in_flight.insert(id, (payload.clone(), n + 1, now + ack_wait));
-                        let acker = Box::new(MemoryAck { state: self.state.clone(), queue: queue.to_string(), id });
+                        let acker = Box::new(MemoryAck {
+                            state: self.state.clone(),
+                            queue: queue.to_string(),
+                            id,
+                        });
                         return Ok(Some(WorkItem { payload, deliveries: n + 1, acker }));
                     }
                 }
@@ -280,7 +315,11 @@ mod tests {
     use super::*;
 
     fn inst(id: &str) -> Instance {
-        Instance { kind: "worker".into(), id: id.into(), metadata: serde_json::json!({ "addr": id }) }
+        Instance {
+            kind: "worker".into(),
+            id: id.into(),
+            metadata: serde_json::json!({ "addr": id }),
+        }
     }
 
     #[tokio::test]
@@ -300,7 +339,10 @@ mod tests {
         let left = tokio::time::timeout(Duration::from_secs(2), watch.recv()).await.unwrap();
         assert_eq!(left, Some(DiscoveryEvent::Left { kind: "worker".into(), id: "b".into() }));
         a.revoke().await;
-        assert_eq!(watch.recv().await, Some(DiscoveryEvent::Left { kind: "worker".into(), id: "a".into() }));
+        assert_eq!(
+            watch.recv().await,
+            Some(DiscoveryEvent::Left { kind: "worker".into(), id: "a".into() })
+        );
         assert!(d.list("worker").await.unwrap().is_empty());
         assert!(d.register(inst("bad id"), Duration::from_secs(1)).await.is_err());
     }
@@ -321,6 +363,10 @@ mod tests {
         let again = bus.dequeue("prefill", w, Duration::from_millis(100)).await.unwrap().unwrap();
         assert_eq!(again.deliveries, 2);
         again.ack().await.unwrap();
-        assert!(bus.dequeue("prefill", Duration::from_millis(300), Duration::from_millis(100)).await.unwrap().is_none());
+        assert!(bus
+            .dequeue("prefill", Duration::from_millis(300), Duration::from_millis(100))
+            .await
+            .unwrap()
+            .is_none());
     }
 }

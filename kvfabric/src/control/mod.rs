@@ -56,7 +56,10 @@ pub enum ControlError {
 
 /// Checks a namespace, kind, id, topic or queue name.
 pub fn check_name(s: &str) -> Result<(), ControlError> {
-    if s.is_empty() || s.len() > 128 || !s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+    if s.is_empty()
+        || s.len() > 128
+        || !s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
         return Err(ControlError::InvalidName(s.to_string()));
     }
     Ok(())
@@ -127,7 +130,10 @@ pub trait Discovery: Send + Sync + std::fmt::Debug {
     /// The instances of a kind.
     fn list<'a>(&'a self, kind: &'a str) -> ControlFuture<'a, Vec<Instance>>;
     /// The instances of a kind now, then every change.
-    fn watch<'a>(&'a self, kind: &'a str) -> ControlFuture<'a, (Vec<Instance>, mpsc::Receiver<DiscoveryEvent>)>;
+    fn watch<'a>(
+        &'a self,
+        kind: &'a str,
+    ) -> ControlFuture<'a, (Vec<Instance>, mpsc::Receiver<DiscoveryEvent>)>;
 }
 
 /// An item taken from a work queue; acknowledge it, or it is delivered again.
@@ -161,5 +167,10 @@ pub trait EventBus: Send + Sync + std::fmt::Debug {
     fn enqueue<'a>(&'a self, queue: &'a str, payload: Vec<u8>) -> ControlFuture<'a, ()>;
     /// Takes the next item, waiting up to `wait`. An item not acknowledged within `ack_wait`
     /// is delivered again.
-    fn dequeue<'a>(&'a self, queue: &'a str, wait: Duration, ack_wait: Duration) -> ControlFuture<'a, Option<WorkItem>>;
+    fn dequeue<'a>(
+        &'a self,
+        queue: &'a str,
+        wait: Duration,
+        ack_wait: Duration,
+    ) -> ControlFuture<'a, Option<WorkItem>>;
 }

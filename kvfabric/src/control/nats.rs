@@ -1,0 +1,159 @@
+//! The event bus on NATS (feature `nats`): topic `T` of namespace `N` is the subject
+//! `kvfabric.N.T`; work queue `Q` is a JetStream stream `KVFABRIC_N_Q` with work-queue
+//! retention on the subject `kvfabric.N.queue.Q`, consumed through one durable pull consumer
+//! with explicit acknowledgements (at least once). The client reconnects by itself after a
+//! server restart and re-establishes its subscriptions; the streams live in the server's
+//! store directory and survive the restart.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+
+use super::{check_name, Acker, ControlError, ControlFuture, EventBus, WorkItem};
+
+fn backend(e: impl std::fmt::Display) -> ControlError {
+    ControlError::Backend { backend: "nats", message: e.to_string() }
+}
+
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The event bus backed by a NATS server with JetStream.
+#[derive(Clone)]
+pub struct NatsBus {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    namespace: String,
+}
+
+impl std::fmt::Debug for NatsBus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsBus").field("namespace", &self.namespace).finish()
+    }
+}
+
+impl NatsBus {
+    /// Connects to `url` (such as `nats://127.0.0.1:4222`).
+    pub async fn connect(url: &str, namespace: &str) -> Result<Self, ControlError> {
+        check_name(namespace)?;
+        let client = tokio::time::timeout(CALL_TIMEOUT, async_nats::connect(url))
+            .await
+            .map_err(|_| ControlError::Timeout("nats connect"))?
+            .map_err(backend)?;
+        let js = jetstream::new(client.clone());
+        Ok(NatsBus { client, js, namespace: namespace.to_string() })
+    }
+
+    fn subject(&self, topic: &str) -> String {
+        format!("kvfabric.{}.{}", self.namespace, topic)
+    }
+
+    async fn stream(&self, queue: &str) -> Result<stream::Stream, ControlError> {
+        let cfg = stream::Config {
+            name: format!("KVFABRIC_{}_{}", self.namespace, queue),
+            subjects: vec![format!("kvfabric.{}.queue.{}", self.namespace, queue)],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        };
+        tokio::time::timeout(CALL_TIMEOUT, self.js.get_or_create_stream(cfg))
+            .await
+            .map_err(|_| ControlError::Timeout("nats stream"))?
+            .map_err(backend)
+    }
+}
+
+#[derive(Debug)]
+struct NatsAck(jetstream::Message);
+
+impl Acker for NatsAck {
+    fn ack(self: Box<Self>) -> ControlFuture<'static, ()> {
+        Box::pin(async move { self.0.ack().await.map_err(backend) })
+    }
+}
+
+impl EventBus for NatsBus {
+    fn publish<'a>(&'a self, topic: &'a str, payload: Vec<u8>) -> ControlFuture<'a, ()> {
+        Box::pin(async move {
+            check_name(topic)?;
+            self.client.publish(self.subject(topic), payload.into()).await.map_err(backend)
+        })
+    }
+
+    fn subscribe<'a>(&'a self, topic: &'a str) -> ControlFuture<'a, mpsc::Receiver<Vec<u8>>> {
+        Box::pin(async move {
+            check_name(topic)?;
+            let mut sub = self.client.subscribe(self.subject(topic)).await.map_err(backend)?;
+            // Make sure the server registered the subscription before returning, so that
+            // a publish right after `subscribe` is seen.
+            tokio::time::timeout(CALL_TIMEOUT, self.client.flush())
+                .await
+                .map_err(|_| ControlError::Timeout("nats flush"))?
+                .map_err(backend)?;
+            let (tx, rx) = mpsc::channel(super::memory::SUBSCRIBER_BUFFER);
+            tokio::spawn(async move {
+                while let Some(msg) = sub.next().await {
+                    if tx.send(msg.payload.to_vec()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            Ok(rx)
+        })
+    }
+
+    fn enqueue<'a>(&'a self, queue: &'a str, payload: Vec<u8>) -> ControlFuture<'a, ()> {
+        Box::pin(async move {
+            check_name(queue)?;
+            self.stream(queue).await?;
+            let subject = format!("kvfabric.{}.queue.{}", self.namespace, queue);
+            let ack = self.js.publish(subject, payload.into()).await.map_err(backend)?;
+            tokio::time::timeout(CALL_TIMEOUT, ack)
+                .await
+                .map_err(|_| ControlError::Timeout("nats publish ack"))?
+                .map_err(backend)?;
+            Ok(())
+        })
+    }
+
+    fn dequeue<'a>(
+        &'a self,
+        queue: &'a str,
+        wait: Duration,
+        ack_wait: Duration,
+    ) -> ControlFuture<'a, Option<WorkItem>> {
+        Box::pin(async move {
+            check_name(queue)?;
+            let stream = self.stream(queue).await?;
+            let consumer: consumer::PullConsumer = stream
+                .get_or_create_consumer(
+                    "workers",
+                    consumer::pull::Config {
+                        durable_name: Some("workers".into()),
+                        ack_policy: consumer::AckPolicy::Explicit,
+                        ack_wait,
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map_err(backend)?;
+            let mut batch = consumer
+                .fetch()
+                .max_messages(1)
+                .expires(wait.max(Duration::from_millis(100)))
+                .messages()
+                .await
+                .map_err(backend)?;
+            match tokio::time::timeout(wait + CALL_TIMEOUT, batch.next()).await {
+                Ok(Some(Ok(msg))) => {
+                    let deliveries = msg.info().map(|i| i.delivered.max(1) as u64).unwrap_or(1);
+                    let payload = msg.payload.to_vec();
+                    Ok(Some(WorkItem { payload, deliveries, acker: Box::new(NatsAck(msg)) }))
+                }
+                Ok(Some(Err(e))) => Err(backend(e)),
+                Ok(None) | Err(_) => Ok(None),
+            }
+        })
+    }
+}

@@ -1,0 +1,162 @@
+//! Real etcd and NATS servers for integration tests of any crate (feature `testkit`).
+//!
+//! Each server runs as a child process on free loopback ports with a temporary data
+//! directory, is waited for until it accepts connections, can be restarted on the same ports
+//! and data (to test reconnection), and is killed when dropped. The binaries come from the
+//! Debian packages `etcd-server` and `nats-server`, which `scripts/test.sh` installs.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn find(binary: &str) -> std::io::Result<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
+        .map(|d| d.join(binary))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{binary} not found: run scripts/test.sh, which installs etcd-server and nats-server"),
+            )
+        })
+}
+
+fn wait_ready(addr: SocketAddr, child: &mut Child, what: &str) -> std::io::Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) {
+        if let Some(status) = child.try_wait()? {
+            return Err(std::io::Error::other(format!("{what} exited at start: {status}")));
+        }
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(std::io::Error::other(format!("{what} not ready on {addr} after 30 s")))
+}
+
+/// A real etcd server.
+#[derive(Debug)]
+pub struct EtcdServer {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    client_port: u16,
+    peer_port: u16,
+}
+
+impl EtcdServer {
+    /// Starts etcd on free loopback ports.
+    pub fn start() -> std::io::Result<Self> {
+        let mut s = EtcdServer {
+            child: None,
+            dir: tempfile::tempdir()?,
+            client_port: free_port()?,
+            peer_port: free_port()?,
+        };
+        s.spawn()?;
+        Ok(s)
+    }
+
+    fn spawn(&mut self) -> std::io::Result<()> {
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let mut child = Command::new(find("etcd")?)
+            .args(["--name", "kvfabric-test", "--data-dir"])
+            .arg(self.dir.path().join("data"))
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("kvfabric-test={peer}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        wait_ready(SocketAddr::from(([127, 0, 0, 1], self.client_port)), &mut child, "etcd")?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// The client endpoint (`http://127.0.0.1:PORT`).
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Kills the server (SIGKILL).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Kills and starts it again on the same ports and data.
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        self.kill();
+        self.spawn()
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A real NATS server with JetStream.
+#[derive(Debug)]
+pub struct NatsServer {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl NatsServer {
+    /// Starts nats-server with JetStream on a free loopback port.
+    pub fn start() -> std::io::Result<Self> {
+        let mut s = NatsServer { child: None, dir: tempfile::tempdir()?, port: free_port()? };
+        s.spawn()?;
+        Ok(s)
+    }
+
+    fn spawn(&mut self) -> std::io::Result<()> {
+        let mut child = Command::new(find("nats-server")?)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        wait_ready(SocketAddr::from(([127, 0, 0, 1], self.port)), &mut child, "nats-server")?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// The client URL (`nats://127.0.0.1:PORT`).
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Kills and starts it again on the same port and store directory.
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        self.kill();
+        self.spawn()
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
