@@ -259,6 +259,21 @@ pub(crate) struct AgentInner {
     transports: Transports,
     runtime: tokio::runtime::Handle,
     server: Mutex<Option<TcpServer>>,
+    pub(crate) rpc_handler: RwLock<Option<Arc<dyn RpcHandler>>>,
+}
+
+/// A service on top of an agent (the fabric node, for example): it answers RPCs that
+/// authenticated peers send with [`Agent::call`]. Handlers run with the frame timeout as
+/// their deadline.
+pub trait RpcHandler: Send + Sync {
+    /// Answers `method` with `body` from the authenticated peer `from`; an `Err` reaches the
+    /// caller as a typed refusal with the text.
+    fn handle<'a>(
+        &'a self,
+        from: &'a str,
+        method: u16,
+        body: Vec<u8>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>;
 }
 
 impl std::fmt::Debug for AgentInner {
@@ -321,6 +336,7 @@ impl Agent {
             transports: Transports::new(config.faults.clone()),
             runtime,
             server: Mutex::new(None),
+            rpc_handler: RwLock::new(None),
             config,
         });
         let server = TcpServer::spawn(listener, Arc::downgrade(&inner));
@@ -576,6 +592,32 @@ impl Agent {
             None if shm_ok() => Ok((t.shm.clone(), Some(peer))),
             None => Ok((t.tcp.clone(), Some(peer))),
         }
+    }
+
+    /// Installs the service that answers peers' RPCs.
+    pub fn set_rpc_handler(&self, handler: Arc<dyn RpcHandler>) {
+        *self.inner.rpc_handler.write() = Some(handler);
+    }
+
+    /// Calls a peer's service: sends `body` for `method` and waits for its reply, up to
+    /// `deadline`. Fails typed if the peer is unknown, dead, slow or refuses.
+    pub async fn call(
+        &self,
+        peer: &str,
+        method: u16,
+        body: Vec<u8>,
+        deadline: Duration,
+    ) -> Result<Vec<u8>, TransferError> {
+        let p = self
+            .inner
+            .peers
+            .read()
+            .get(peer)
+            .cloned()
+            .ok_or_else(|| TransferError::UnknownPeer(peer.to_string()))?;
+        tokio::time::timeout(deadline, crate::transport::tcp::call(&p.tcp, method, body))
+            .await
+            .map_err(|_| TransferError::TimedOut(deadline))?
     }
 
     /// Waits for the next notification from any peer.

@@ -155,6 +155,8 @@ mod kind {
     pub const CHECKSUMS: u8 = 14;
     pub const CHECKSUM_LIST: u8 = 15;
     pub const ACK: u8 = 16;
+    pub const RPC: u8 = 17;
+    pub const RPC_REPLY: u8 = 18;
 }
 
 /// A decoded message.
@@ -231,6 +233,19 @@ pub enum Message {
     },
     /// Success without data.
     Ack,
+    /// Client → server: a call to the server's RPC handler (services on top of the agent,
+    /// such as the fabric node's lookup/get/put).
+    Rpc {
+        /// The service's method number.
+        method: u16,
+        /// The request, encoded by the service.
+        body: Vec<u8>,
+    },
+    /// Server → client: the handler's answer.
+    RpcReply {
+        /// The reply, encoded by the service.
+        body: Vec<u8>,
+    },
 }
 
 /// A decoded frame header.
@@ -252,7 +267,7 @@ impl FrameHeader {
             return Err(WireError::Version(b[4]));
         }
         let kind = b[5];
-        if !matches!(kind, 1..=4 | 10..=16) {
+        if !matches!(kind, 1..=4 | 10..=18) {
             return Err(WireError::UnknownKind(kind));
         }
         if u16::from_le_bytes([b[6], b[7]]) != 0 {
@@ -401,6 +416,8 @@ impl Message {
             Message::Checksums { .. } => kind::CHECKSUMS,
             Message::ChecksumList { .. } => kind::CHECKSUM_LIST,
             Message::Ack => kind::ACK,
+            Message::Rpc { .. } => kind::RPC,
+            Message::RpcReply { .. } => kind::RPC_REPLY,
         }
     }
 
@@ -446,6 +463,11 @@ impl Message {
             Message::Checksums { descs } => put_descs(&mut out, descs),
             Message::ChecksumList { checksums } => put_u64s(&mut out, checksums),
             Message::Ack => {}
+            Message::Rpc { method, body } => {
+                out.extend_from_slice(&method.to_le_bytes());
+                out.extend_from_slice(body);
+            }
+            Message::RpcReply { body } => out.extend_from_slice(body),
         }
         let body_len = (out.len() - HEADER_BYTES) as u32;
         out[0..4].copy_from_slice(&body_len.to_le_bytes());
@@ -493,6 +515,12 @@ impl Message {
             kind::CHECKSUMS => Message::Checksums { descs: c.descs(limits)? },
             kind::CHECKSUM_LIST => Message::ChecksumList { checksums: c.u64s(limits)? },
             kind::ACK => Message::Ack,
+            kind::RPC => {
+                let method = c.u16()?;
+                let body = c.take(c.b.len())?.to_vec();
+                Message::Rpc { method, body }
+            }
+            kind::RPC_REPLY => Message::RpcReply { body: c.take(c.b.len())?.to_vec() },
             other => return Err(WireError::UnknownKind(other)),
         };
         if !c.b.is_empty() {
@@ -597,6 +625,8 @@ mod tests {
             Message::Checksums { descs: vec![d(None)] },
             Message::ChecksumList { checksums: vec![u64::MAX] },
             Message::Ack,
+            Message::Rpc { method: 3, body: b"lookup".to_vec() },
+            Message::RpcReply { body: vec![] },
         ]
     }
 
@@ -619,7 +649,11 @@ mod tests {
             for cut in 0..bytes.len() {
                 assert!(Message::decode_frame(&bytes[..cut], &limits).is_err(), "{m:?} cut {cut}");
             }
-            // A body that claims more bytes than its fields use.
+            // A body that claims more bytes than its fields use (RPC bodies are opaque: any
+            // length is theirs).
+            if matches!(m, Message::Rpc { .. } | Message::RpcReply { .. }) {
+                continue;
+            }
             let mut longer = bytes.clone();
             longer.push(0);
             let body_len = (longer.len() - HEADER_BYTES) as u32;
@@ -677,7 +711,7 @@ mod tests {
         }
 
         #[test]
-        fn mutated_valid_frames_never_panic(which in 0usize..13, pos in any::<usize>(), byte in any::<u8>()) {
+        fn mutated_valid_frames_never_panic(which in 0usize..15, pos in any::<usize>(), byte in any::<u8>()) {
             let mut bytes = samples()[which].encode(7);
             let i = pos % bytes.len();
             bytes[i] = byte;

@@ -448,7 +448,6 @@ async fn a_dead_listener_fails_fast_with_a_typed_error() {
     let err = a.post(req).unwrap().wait().await.unwrap_err();
     assert!(matches!(err, TransferError::Disconnected { .. }), "{err}");
     assert!(start.elapsed() < Duration::from_secs(6));
-    let _ = Arc::new(());
 }
 
 /// Plain OS threads post at once (no async caller): posting is thread-safe and lock-free
@@ -485,4 +484,45 @@ fn many_os_threads_post_at_once() {
         }
     });
     assert_eq!(bytes(&src, 0, 8 << 20), bytes(&dst, 0, 8 << 20));
+}
+
+struct Echo;
+
+impl kvfabric::agent::RpcHandler for Echo {
+    fn handle<'a>(
+        &'a self,
+        from: &'a str,
+        method: u16,
+        body: Vec<u8>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>
+    {
+        Box::pin(async move {
+            match method {
+                1 => Ok([from.as_bytes(), b":", &body].concat()),
+                _ => Err(format!("no method {method}")),
+            }
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rpc_reaches_the_peer_service_with_the_authenticated_name() {
+    let (a, b) = pair().await;
+    link(&a, &b);
+    let d = Duration::from_secs(5);
+    let err = a.call("b", 1, b"x".to_vec(), d).await.unwrap_err();
+    assert!(matches!(err, TransferError::Remote { code: ErrorCode::Unavailable, .. }), "{err}");
+    b.set_rpc_handler(Arc::new(Echo));
+    assert_eq!(a.call("b", 1, b"hello".to_vec(), d).await.unwrap(), b"a:hello");
+    let err = a.call("b", 9, vec![], d).await.unwrap_err();
+    assert!(
+        matches!(&err, TransferError::Remote { message, .. } if message.contains("no method 9")),
+        "{err}"
+    );
+    assert_eq!(
+        a.call("b", 1, vec![], d).await.unwrap(),
+        b"a:",
+        "the connection survives a refusal"
+    );
+    assert!(matches!(a.call("zed", 1, vec![], d).await, Err(TransferError::UnknownPeer(_))));
 }

@@ -417,6 +417,35 @@ pub(crate) async fn commit(
     }
 }
 
+/// Calls the peer's RPC handler.
+pub(crate) async fn call(
+    peer: &TcpPeer,
+    method: u16,
+    body: Vec<u8>,
+) -> Result<Vec<u8>, TransferError> {
+    let stripe = peer.next_stripe.fetch_add(1, Ordering::Relaxed);
+    let mut c = peer.conn(stripe).await?;
+    let conn = &mut c.conn;
+    let request_id = conn.next_request;
+    conn.next_request += 1;
+    let frame = Message::Rpc { method, body }.encode(request_id);
+    conn.stream.write_all(&frame).await.map_err(|e| disconnected(&peer.peer_name, e))?;
+    let reply = peer.expect_ack(conn).await;
+    match reply {
+        Ok(Message::RpcReply { body }) => {
+            c.keep();
+            Ok(body)
+        }
+        // A refusal is a clean answer: the connection stays usable.
+        Err(e @ TransferError::Remote { .. }) => {
+            c.keep();
+            Err(e)
+        }
+        Ok(other) => Err(TransferError::Protocol(format!("expected an RPC reply, got {other:?}"))),
+        Err(e) => Err(e),
+    }
+}
+
 /// Asks the owner for checksums of its descriptors (shm READ verification).
 pub(crate) async fn remote_checksums(
     peer: &TcpPeer,
@@ -725,6 +754,37 @@ async fn serve_connection(mut stream: TcpStream, weak: Weak<AgentInner>) -> std:
                     }
                 }
                 send(&mut stream, Message::Ack, id).await?;
+            }
+            Message::Rpc { method, body } => {
+                let handler = agent.rpc_handler.read().clone();
+                drop(agent);
+                let Some(handler) = handler else {
+                    refuse(
+                        &mut stream,
+                        (ErrorCode::Unavailable, "no service on this agent".into()),
+                        id,
+                    )
+                    .await?;
+                    continue;
+                };
+                match tokio::time::timeout(frame_timeout, handler.handle(&peer_name, method, body))
+                    .await
+                {
+                    Ok(Ok(reply)) => {
+                        send(&mut stream, Message::RpcReply { body: reply }, id).await?
+                    }
+                    Ok(Err(message)) => {
+                        refuse(&mut stream, (ErrorCode::Internal, message), id).await?
+                    }
+                    Err(_) => {
+                        refuse(
+                            &mut stream,
+                            (ErrorCode::Unavailable, "service timed out".into()),
+                            id,
+                        )
+                        .await?
+                    }
+                }
             }
             Message::Checksums { descs } => match validate(&agent, &descs) {
                 Ok(targets) => {
