@@ -21,6 +21,7 @@
 //! already names both.
 
 pub mod disk;
+pub mod fabric;
 pub mod metrics;
 pub mod policy;
 pub mod pool;

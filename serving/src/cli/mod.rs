@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod fabric;
 mod hash;
 pub mod peer;
 mod plan;
@@ -23,8 +24,11 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Block and sequence hashes of a token sequence (Dynamo-compatible XXH3).
     Hash(hash::HashArgs),
-    /// Benchmarks (transfer) with percentiles and ratios to this machine's limits.
+    /// Benchmarks (transfer, tier, router) with percentiles and ratios to this machine's limits.
     Bench(bench::BenchArgs),
+    /// A standalone KV fabric node: a tiered block store behind the transfer engine,
+    /// registered in discovery (etcd, or embedded), publishing KV events (NATS, or embedded).
+    Fabric(fabric::FabricArgs),
     /// A transfer peer in its own process (for benchmarks and tests): prints its metadata,
     /// serves transfers, answers `sum OFFSET LEN` on stdin.
     Peer(peer::PeerArgs),
@@ -40,6 +44,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Hash(args) => hash::run(args),
         Command::Bench(args) => runtime()?.block_on(bench::run(args)),
         Command::Peer(args) => runtime()?.block_on(peer::run(args)),
+        Command::Fabric(args) => runtime()?.block_on(fabric::run(args)),
         Command::TierSoak(args) => runtime()?.block_on(soak::run(args)),
     }
 }

@@ -1,0 +1,210 @@
+//! KV fabric nodes as separate `kvfabric fabric` processes over real etcd and NATS, and the
+//! same scenario in one process on the embedded control plane: blocks put through one client
+//! are found and fetched by another; KV events reach the bus; a node killed -9 leaves
+//! discovery within its lease TTL and its blocks become misses without hanging anyone; a
+//! wrong secret is rejected.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::control::etcd::EtcdDiscovery;
+use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
+use kvfabric::control::nats::NatsBus;
+use kvfabric::control::{Discovery, DiscoveryEvent, EventBus, Instance};
+use kvfabric::events::NullSink;
+use kvfabric::hash::SequenceHash;
+use kvfabric::memory::{Region, RegionOptions};
+use kvfabric::testkit::{EtcdServer, NatsServer};
+use kvfabric_tiers::fabric::{FabricNode, NodeInfo, RemoteTier, FABRIC_KIND};
+use kvfabric_tiers::synthetic;
+use kvfabric_tiers::{StoreConfig, TieredStore};
+
+const SECRET: &str = "fabric-secret";
+/// SmolLM2-135M, one token per block.
+const BLOCK: u64 = 23_040;
+const N: usize = 64;
+
+fn hashes() -> Vec<SequenceHash> {
+    (0..N as u64).map(|i| SequenceHash(0xfab0_0000 + i * 7919)).collect()
+}
+
+struct Node(Child);
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_node(name: &str, etcd: &str, nats: &str) -> Node {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args([
+            "fabric",
+            "--name",
+            name,
+            "--block-tokens",
+            "1",
+            "--host-blocks",
+            "256",
+            "--lease-ttl-s",
+            "2",
+        ])
+        .env("KVFABRIC_SECRET", SECRET)
+        .env("KVFABRIC_ETCD", etcd)
+        .env("KVFABRIC_NATS", nats)
+        .env_remove("KVFABRIC_MODEL")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.contains("\"fabric\""), "node {name} did not start: {line:?}");
+    Node(child)
+}
+
+async fn client(
+    name: &str,
+    secret: &str,
+    discovery: &dyn Discovery,
+) -> (Agent, RemoteTier, Arc<Region>) {
+    let agent = Agent::start(AgentConfig::new(name, secret.as_bytes().to_vec())).await.unwrap();
+    let region = agent
+        .alloc_region(N * BLOCK as usize, RegionOptions { export: true, ..Default::default() })
+        .unwrap();
+    let remote = RemoteTier::new(agent.clone(), Duration::from_secs(5));
+    for inst in discovery.list(FABRIC_KIND).await.unwrap() {
+        let info: NodeInfo = serde_json::from_value(inst.metadata).unwrap();
+        remote.add_node(&info).await.unwrap();
+    }
+    (agent, remote, region)
+}
+
+fn locs(region: &Region) -> Vec<(kvfabric::RegionId, u64)> {
+    (0..N as u64).map(|i| (region.id(), i * BLOCK)).collect()
+}
+
+/// Put through one client, find and fetch through another, bytes equal.
+async fn put_then_get(discovery: &dyn Discovery) -> (RemoteTier, Arc<Region>) {
+    let hs = hashes();
+    let (_a, put_client, src) = client("client-a", SECRET, discovery).await;
+    assert_eq!(put_client.nodes().len(), 2);
+    for (i, h) in hs.iter().enumerate() {
+        src.write_at(i as u64 * BLOCK, &synthetic::block(*h, BLOCK as usize)).unwrap();
+    }
+    let parents: Vec<Option<SequenceHash>> =
+        (0..N).map(|i| i.checked_sub(1).map(|p| hs[p])).collect();
+    let stored = put_client.put(&hs, &parents, &locs(&src)).await.unwrap();
+    assert!(stored.iter().all(|&s| s), "every block stored");
+    let (_b, get_client, dst) = client("client-b", SECRET, discovery).await;
+    assert!(get_client.lookup(&hs).await.unwrap().iter().all(|&p| p));
+    let served = get_client.get(&hs, &locs(&dst)).await.unwrap();
+    assert!(served.iter().all(|&s| s));
+    for (i, h) in hs.iter().enumerate() {
+        let mut got = vec![0u8; BLOCK as usize];
+        dst.read_at(i as u64 * BLOCK, &mut got).unwrap();
+        assert!(got == synthetic::block(*h, BLOCK as usize), "block {i} bytes");
+    }
+    // Both nodes took a share (consistent hashing spreads blocks).
+    let on_a =
+        hs.iter().filter(|h| get_client.node_for(**h).as_deref() == Some("fabric-a")).count();
+    assert!(on_a > 0 && on_a < N, "{on_a} of {N} on fabric-a");
+    (get_client, dst)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fabric_nodes_across_processes_with_etcd_and_nats() {
+    let etcd = EtcdServer::start().unwrap();
+    let nats = NatsServer::start().unwrap();
+    let discovery = EtcdDiscovery::connect(&[etcd.endpoint()], "default").await.unwrap();
+    let bus = NatsBus::connect(&nats.url(), "default").await.unwrap();
+    let mut events = bus.subscribe("kv-events").await.unwrap();
+    let (_, mut watch) = discovery.watch(FABRIC_KIND).await.unwrap();
+    let _a = start_node("fabric-a", &etcd.endpoint(), &nats.url());
+    let mut b = start_node("fabric-b", &etcd.endpoint(), &nats.url());
+    let (get_client, dst) = put_then_get(&discovery).await;
+
+    // KV events of both nodes reached the bus.
+    let mut stored = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stored < N && Instant::now() < deadline {
+        if let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(1), events.recv()).await {
+            let v: serde_json::Value = serde_json::from_slice(&m).unwrap();
+            if v["event"]["type"] == "stored" && v["event"]["tier"] == "host" {
+                stored += 1;
+            }
+        }
+    }
+    assert_eq!(stored, N, "one Stored event per block");
+
+    // A wrong secret is rejected by the nodes.
+    let bad = Agent::start(AgentConfig::new("intruder", b"nope".to_vec())).await.unwrap();
+    let remote = RemoteTier::new(bad, Duration::from_secs(5));
+    let info: NodeInfo =
+        serde_json::from_value(discovery.list(FABRIC_KIND).await.unwrap()[0].metadata.clone())
+            .unwrap();
+    let err = remote.add_node(&info).await.unwrap_err().to_string();
+    assert!(err.contains("authentication"), "{err}");
+
+    // fabric-b dies mid-flight: gets fail fast for its blocks (misses), never hang.
+    while let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(100), watch.recv()).await {}
+    let _ = b.0.kill();
+    let _ = b.0.wait();
+    let start = Instant::now();
+    let served = get_client.get(&hashes(), &locs(&dst)).await.unwrap();
+    assert!(start.elapsed() < Duration::from_secs(6), "no hang: {:?}", start.elapsed());
+    let on_b: Vec<bool> =
+        hashes().iter().map(|h| get_client.node_for(*h).as_deref() == Some("fabric-b")).collect();
+    for (s, b) in served.iter().zip(&on_b) {
+        assert_eq!(*s, !b, "blocks of the dead node are misses, the others served");
+    }
+    // ... and it leaves discovery within its lease TTL (2 s, plus etcd's slack).
+    let left = Instant::now();
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(8), watch.recv())
+            .await
+            .expect("fabric-b leaves")
+            .unwrap();
+        if ev == (DiscoveryEvent::Left { kind: FABRIC_KIND.into(), id: "fabric-b".into() }) {
+            break;
+        }
+    }
+    assert!(left.elapsed() < Duration::from_secs(8));
+    get_client.remove_node("fabric-b");
+    assert_eq!(get_client.nodes(), vec!["fabric-a".to_string()]);
+    assert!(get_client.get(&hashes(), &locs(&dst)).await.unwrap().iter().any(|&s| s));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fabric_nodes_on_the_embedded_control_plane() {
+    let discovery = MemoryDiscovery::new();
+    let bus = MemoryBus::new();
+    let mut regs = Vec::new();
+    let mut agents = Vec::new();
+    for name in ["fabric-a", "fabric-b"] {
+        let agent = Agent::start(AgentConfig::new(name, SECRET.as_bytes().to_vec())).await.unwrap();
+        let store = TieredStore::open(StoreConfig::new(BLOCK, 256), &agent, Arc::new(NullSink))
+            .await
+            .unwrap();
+        let node = FabricNode::serve(agent.clone(), store, Duration::from_secs(10));
+        let inst = Instance {
+            kind: FABRIC_KIND.into(),
+            id: name.into(),
+            metadata: serde_json::to_value(node.info()).unwrap(),
+        };
+        regs.push(discovery.register(inst, Duration::from_millis(500)).await.unwrap());
+        agents.push(agent);
+    }
+    let (get_client, dst) = put_then_get(&discovery).await;
+    // fabric-b's agent goes away: its blocks are misses at once, no hang.
+    agents[1].shutdown();
+    drop(regs.pop());
+    let start = Instant::now();
+    let served = get_client.get(&hashes(), &locs(&dst)).await.unwrap();
+    assert!(start.elapsed() < Duration::from_secs(6));
+    assert!(served.iter().any(|&s| s));
+    let _ = bus.publish("kv-events", vec![]).await;
+}
