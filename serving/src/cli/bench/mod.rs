@@ -3,6 +3,7 @@
 
 use clap::{Args, Subcommand};
 
+mod fabric;
 mod router;
 mod tier;
 mod transfer;
@@ -22,6 +23,8 @@ enum Which {
     Tier(tier::TierArgs),
     /// Prefix-index ingestion and query latency, and a routing simulation.
     Router(router::RouterArgs),
+    /// Remote get throughput from a fabric node against a plain transfer of the same bytes.
+    Fabric(fabric::FabricArgs),
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -29,6 +32,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Which::Transfer(a) => transfer::run(a).await,
         Which::Tier(a) => tier::run(a).await,
         Which::Router(a) => router::run(a),
+        Which::Fabric(a) => fabric::run(a).await,
     }
 }
 
