@@ -208,3 +208,41 @@ async fn fabric_nodes_on_the_embedded_control_plane() {
     assert!(served.iter().any(|&s| s));
     let _ = bus.publish("kv-events", vec![]).await;
 }
+
+/// G4 in the tiered store: a host tier of 4 blocks with no disk spills to a fabric node and
+/// fetches back, straight into its host slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_spills_to_the_fabric_and_reads_back() {
+    use kvfabric::events::TierKind;
+    let node_agent =
+        Agent::start(AgentConfig::new("fabric-a", SECRET.as_bytes().to_vec())).await.unwrap();
+    let node_store =
+        TieredStore::open(StoreConfig::new(BLOCK, 64), &node_agent, Arc::new(NullSink))
+            .await
+            .unwrap();
+    let node = FabricNode::serve(node_agent.clone(), node_store, Duration::from_secs(10));
+    let agent = Agent::start(AgentConfig::new("worker", SECRET.as_bytes().to_vec())).await.unwrap();
+    let remote = RemoteTier::new(agent.clone(), Duration::from_secs(5));
+    remote.add_node(&node.info()).await.unwrap();
+    let mut cfg = StoreConfig::new(BLOCK, 4);
+    cfg.remote = Some(remote);
+    cfg.disk_admit_min_hits = 0;
+    let store = TieredStore::open(cfg, &agent, Arc::new(NullSink)).await.unwrap();
+    let hs: Vec<SequenceHash> = hashes().into_iter().take(16).collect();
+    for (i, h) in hs.iter().enumerate() {
+        let parent = i.checked_sub(1).map(|p| hs[p]);
+        store.put(*h, parent, &synthetic::block(*h, BLOCK as usize)).await.unwrap();
+    }
+    assert_eq!(node.store().metrics().stored_blocks, 12, "12 evictions went to the fabric");
+    let tiers = store.lookup_prefix_with_remote(&hs).await;
+    assert_eq!(tiers.len(), 16);
+    assert!(
+        tiers[..12].iter().all(|&t| t == TierKind::Remote)
+            && tiers[12..].iter().all(|&t| t == TierKind::Host)
+    );
+    for h in &hs {
+        let got = store.get(&[*h]).await.unwrap();
+        assert_eq!(got.len(), 1, "block {h} served");
+        assert!(got[0].to_vec() == synthetic::block(*h, BLOCK as usize));
+    }
+}

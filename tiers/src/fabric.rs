@@ -249,12 +249,20 @@ pub struct RemoteTier {
     agent: Agent,
     ring: Arc<RwLock<BTreeMap<u64, String>>>,
     deadline: Duration,
+    /// Per node, a digest of the metadata we last introduced ourselves with: regions
+    /// registered later are announced again before the node must address them.
+    announced: Arc<RwLock<std::collections::HashMap<String, u64>>>,
 }
 
 impl RemoteTier {
     /// A client with no nodes yet; `deadline` bounds every call.
     pub fn new(agent: Agent, deadline: Duration) -> Self {
-        RemoteTier { agent, ring: Arc::new(RwLock::new(BTreeMap::new())), deadline }
+        RemoteTier {
+            agent,
+            ring: Arc::new(RwLock::new(BTreeMap::new())),
+            deadline,
+            announced: Arc::new(RwLock::new(std::collections::HashMap::new())),
+        }
     }
 
     /// Adds a node (discovery said it joined): loads its metadata and introduces ourselves.
@@ -274,8 +282,26 @@ impl RemoteTier {
         Ok(())
     }
 
+    /// Introduces this agent (its current metadata) to a node, if not done since its last
+    /// change.
+    async fn hello(&self, node: &str) -> Result<(), RemoteError> {
+        let metadata = self.agent.metadata();
+        let digest = xxh3_64(&serde_json::to_vec(&metadata.regions).unwrap_or_default());
+        if self.announced.read().get(node) == Some(&digest) {
+            return Ok(());
+        }
+        let hello = encode(&Hello { metadata });
+        self.agent
+            .call(node, method::HELLO, hello, self.deadline)
+            .await
+            .map_err(|e| RemoteError::Node { node: node.to_string(), message: e.to_string() })?;
+        self.announced.write().insert(node.to_string(), digest);
+        Ok(())
+    }
+
     /// Drops a node (discovery said it left): its blocks count as misses from now on.
     pub fn remove_node(&self, name: &str) {
+        self.announced.write().remove(name);
         self.ring.write().retain(|_, n| n != name);
         self.agent.remove_peer(name);
     }
@@ -375,6 +401,10 @@ impl RemoteTier {
         let mut out = vec![false; hashes.len()];
         let mut first_err = None;
         for (node, idx) in self.group(hashes.iter().copied().enumerate())? {
+            if let Err(e) = self.hello(&node).await {
+                first_err.get_or_insert(e);
+                continue;
+            }
             for chunk in idx.chunks(BLOCKS_PER_CALL_MAX) {
                 let blocks: Vec<BlockLoc> = chunk
                     .iter()

@@ -52,6 +52,10 @@ pub struct StoreConfig {
     pub prefetch_blocks: u32,
     /// Put host slots in a `/dev/shm` region that same-host peers can map.
     pub shared_host: bool,
+    /// G4: fabric nodes. Host evictions go there when no disk tier takes them, and `get`
+    /// fetches blocks no local tier holds straight into host slots. Its agent must be the one
+    /// the store is opened with.
+    pub remote: Option<crate::fabric::RemoteTier>,
 }
 
 impl StoreConfig {
@@ -66,6 +70,7 @@ impl StoreConfig {
             write_through: false,
             prefetch_blocks: 32,
             shared_host: true,
+            remote: None,
         }
     }
 
@@ -94,6 +99,9 @@ pub enum StoreError {
     /// Registering host memory failed.
     #[error(transparent)]
     Memory(#[from] AgentError),
+    /// The remote tier (fabric) failed; the block stayed where it was.
+    #[error("remote tier: {0}")]
+    Remote(String),
     /// Bad input.
     #[error("{0}")]
     Invalid(String),
@@ -340,9 +348,43 @@ impl TieredStore {
                 }
             }
         }
+        // G4: what no local tier holds, fetched from the fabric straight into host slots.
+        if !broken && first_err.is_none() && refs.len() < hashes.len() && inner.cfg.remote.is_some()
+        {
+            refs.extend(inner.onboard_remote(&hashes[refs.len()..]).await?);
+        }
         match (refs.is_empty(), first_err) {
             (true, Some(e)) => Err(e),
             _ => Ok(refs),
+        }
+    }
+
+    /// Like [`TieredStore::lookup_prefix`], then asks the fabric (G4) about the blocks that
+    /// follow the local run.
+    pub async fn lookup_prefix_with_remote(&self, hashes: &[SequenceHash]) -> Vec<TierKind> {
+        let mut tiers = self.lookup_prefix(hashes);
+        if let Some(remote) = &self.inner.cfg.remote {
+            let rest = &hashes[tiers.len()..];
+            let present = remote.lookup(rest).await.unwrap_or_else(|_| vec![false; rest.len()]);
+            for (h, remote_has) in rest.iter().zip(present) {
+                match self.local_tier(*h) {
+                    Some(t) => tiers.push(t),
+                    None if remote_has => tiers.push(TierKind::Remote),
+                    None => break,
+                }
+            }
+        }
+        tiers
+    }
+
+    /// The fastest local tier holding a block, without counting a hit.
+    fn local_tier(&self, h: SequenceHash) -> Option<TierKind> {
+        if self.inner.host.lock().pool.lookup(h).is_some() {
+            Some(TierKind::Host)
+        } else if self.inner.disk.as_ref().is_some_and(|d| d.has(h)) {
+            Some(TierKind::Disk)
+        } else {
+            None
         }
     }
 
@@ -499,6 +541,17 @@ impl Inner {
                 let _ = self.host.lock().pool.finish_evict(v.slot, false);
                 return Err(e);
             }
+        } else if let (None, true, Some(remote)) = (&self.disk, admitted, &self.cfg.remote) {
+            // No disk tier: the fabric (G4) takes the block, straight out of its host slot.
+            let loc = [(self.region.id(), self.slot_offset(v.slot))];
+            let stored = remote.put(&[v.hash], &[v.parent], &loc).await;
+            if !matches!(stored.as_deref(), Ok([true])) {
+                let _ = self.host.lock().pool.finish_evict(v.slot, false);
+                return Err(StoreError::Remote(match stored {
+                    Err(e) => e.to_string(),
+                    Ok(_) => "the fabric did not take the block".into(),
+                }));
+            }
         }
         let mut host = self.host.lock();
         if host.pool.finish_evict(v.slot, true) == Ok(crate::pool::EvictOutcome::Freed) {
@@ -604,6 +657,41 @@ impl Inner {
                 Err(e.into())
             }
         }
+    }
+
+    /// Fetches the leading run of `hashes` that the fabric holds into new host slots, pinned.
+    async fn onboard_remote(
+        self: &Arc<Self>,
+        hashes: &[SequenceHash],
+    ) -> Result<Vec<BlockRef>, StoreError> {
+        let Some(remote) = &self.cfg.remote else { return Ok(Vec::new()) };
+        let mut slots = Vec::new();
+        for &h in hashes.iter().take(crate::fabric::BLOCKS_PER_CALL_MAX) {
+            match self.reserve_host(h, None).await {
+                Ok(slot) => slots.push(slot),
+                Err(_) => break,
+            }
+        }
+        let n = slots.len();
+        let locs: Vec<_> = slots.iter().map(|&s| (self.region.id(), self.slot_offset(s))).collect();
+        let served = remote.get(&hashes[..n], &locs).await.unwrap_or_else(|_| vec![false; n]);
+        let run = served.iter().take_while(|&&s| s).count();
+        let mut refs = Vec::with_capacity(run);
+        for (i, &slot) in slots.iter().enumerate() {
+            if i < run {
+                let checksum =
+                    self.region.checksum(self.slot_offset(slot), self.cfg.block_bytes).unwrap_or(0);
+                let mut host = self.host.lock();
+                host.checksums[slot as usize] = checksum;
+                let _ = host.pool.commit(slot, 1);
+                self.events.stored(hashes[i], None, TierKind::Host);
+                drop(host);
+                refs.push(BlockRef { store: self.clone(), slot, hash: hashes[i] });
+            } else {
+                let _ = self.host.lock().pool.abort(slot);
+            }
+        }
+        Ok(refs)
     }
 
     fn unpin(&self, slot: u32) {

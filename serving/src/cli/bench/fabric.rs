@@ -54,7 +54,15 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let secret = format!("bench-fabric-{}", std::process::id());
     let exe = std::env::current_exe()?;
     let mut child = std::process::Command::new(exe)
-        .args(["fabric", "--name", "bench-fabric", "--model", &args.model, "--host-blocks", &(n + 16).to_string()])
+        .args([
+            "fabric",
+            "--name",
+            "bench-fabric",
+            "--model",
+            &args.model,
+            "--host-blocks",
+            &(n + 16).to_string(),
+        ])
         .env("KVFABRIC_SECRET", &secret)
         .env_remove("KVFABRIC_ETCD")
         .env_remove("KVFABRIC_NATS")
@@ -69,7 +77,8 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let mut cfg = AgentConfig::new("bench-client", secret.into_bytes());
     cfg.shm = false; // measure the network path
     let agent = Agent::start(cfg).await?;
-    let region = agent.alloc_region(n * block as usize, RegionOptions { export: true, ..Default::default() })?;
+    let region = agent
+        .alloc_region(n * block as usize, RegionOptions { export: true, ..Default::default() })?;
     let remote = RemoteTier::new(agent.clone(), Duration::from_secs(30));
     remote.add_node(&info).await?;
     let hashes: Vec<SequenceHash> = (0..n as u64).map(|i| SequenceHash(0xbe9c_0000 + i)).collect();
@@ -87,7 +96,8 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &batch in &args.batches {
         let batch = batch.clamp(1, n);
-        let (mut get_lat, mut get_time, mut raw_time) = (Vec::new(), Duration::ZERO, Duration::ZERO);
+        let (mut get_lat, mut get_time, mut raw_time) =
+            (Vec::new(), Duration::ZERO, Duration::ZERO);
         let mut moved = 0u64;
         for _ in 0..args.rounds.max(1) {
             for chunk in (0..n).collect::<Vec<_>>().chunks(batch) {
@@ -101,12 +111,17 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
                 get_time += d;
                 moved += chunk.len() as u64 * block;
                 // The limit: the same bytes, same batch, a plain READ from the node's memory.
-                let local: Vec<Desc> = chunk.iter().map(|&i| Desc::new(region.id(), i as u64 * block, block)).collect();
-                let remote_descs: Vec<Desc> =
-                    (0..chunk.len() as u64).map(|k| Desc::new(node_region, k * stride, block)).collect();
-                let req = TransferRequest::new(TransferOp::Read, &info.agent.name, local, remote_descs)
-                    .with_transport(TransportKind::Tcp)
-                    .with_checksum();
+                let local: Vec<Desc> = chunk
+                    .iter()
+                    .map(|&i| Desc::new(region.id(), i as u64 * block, block))
+                    .collect();
+                let remote_descs: Vec<Desc> = (0..chunk.len() as u64)
+                    .map(|k| Desc::new(node_region, k * stride, block))
+                    .collect();
+                let req =
+                    TransferRequest::new(TransferOp::Read, &info.agent.name, local, remote_descs)
+                        .with_transport(TransportKind::Tcp)
+                        .with_checksum();
                 let t = Instant::now();
                 agent.post(req)?.wait().await?;
                 raw_time += t.elapsed();
@@ -133,7 +148,10 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    println!("{:>14} {:>9} {:>6} {:>9} {:>10} {:>10} {:>13} {:>6}", "model", "block", "batch", "get GB/s", "p50", "p99", "transfer GB/s", "ratio");
+    println!(
+        "{:>14} {:>9} {:>6} {:>9} {:>10} {:>10} {:>13} {:>6}",
+        "model", "block", "batch", "get GB/s", "p50", "p99", "transfer GB/s", "ratio"
+    );
     for r in &rows {
         println!(
             "{:>14} {:>7}Ki {:>6} {:>9.2} {:>8.0}µs {:>8.0}µs {:>13.2} {:>5.2}×",
