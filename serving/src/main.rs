@@ -7,6 +7,10 @@ use clap::Parser;
 mod cli;
 
 fn main() -> ExitCode {
+    if let Err(e) = cli::apply_config_file() {
+        eprintln!("error: {}", cli::one_line(&e));
+        return ExitCode::from(2);
+    }
     let args = match cli::Cli::try_parse() {
         Ok(args) => args,
         Err(e) => {

@@ -8,6 +8,7 @@ fn kvfabric(args: &[&str]) -> Output {
         .args(args)
         .env_remove("KVFABRIC_MODEL")
         .env_remove("KVFABRIC_BLOCK_TOKENS")
+        .env_remove("KVFABRIC_CONFIG")
         .output()
         .expect("run kvfabric")
 }
@@ -141,4 +142,40 @@ fn wrong_input_is_one_line_and_non_zero() {
     std::fs::write(&gguf, b"GGUF\x03\0\0\0\x01").unwrap();
     let e = one_line_error(&kvfabric(&["plan", "--model", gguf.to_str().unwrap()]));
     assert!(e.contains("truncated"), "{e}");
+}
+
+#[test]
+fn config_file_is_the_lowest_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("kvfabric.toml");
+    std::fs::write(&cfg, "model = \"llama-3.1-8b\"\n[plan]\nblock_tokens = 32\n").unwrap();
+    let c = cfg.to_str().unwrap();
+    let run = |extra: &[&str], env: Option<(&str, &str)>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+        cmd.args(["plan", "--json", "--config", c]).args(extra);
+        cmd.env_remove("KVFABRIC_MODEL")
+            .env_remove("KVFABRIC_BLOCK_TOKENS")
+            .env_remove("KVFABRIC_CONFIG");
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        stdout_json(&cmd.output().unwrap())
+    };
+    assert_eq!(run(&[], None)["kv_bytes_per_block"], 131_072 * 32, "from the file");
+    assert_eq!(
+        run(&["--block-tokens", "16"], None)["kv_bytes_per_block"],
+        131_072 * 16,
+        "a flag wins"
+    );
+    assert_eq!(
+        run(&[], Some(("KVFABRIC_BLOCK_TOKENS", "8")))["kv_bytes_per_block"],
+        131_072 * 8,
+        "env wins"
+    );
+    std::fs::write(&cfg, "blok_tokens = 3\n").unwrap();
+    let e = one_line_error(&kvfabric(&["plan", "--config", c]));
+    assert!(e.contains("unknown key \"blok_tokens\""), "{e}");
+    std::fs::write(&cfg, "model = [\n").unwrap();
+    let e = one_line_error(&kvfabric(&["plan", "--config", c]));
+    assert!(e.contains("config file"), "{e}");
 }

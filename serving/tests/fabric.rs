@@ -246,3 +246,33 @@ async fn the_store_spills_to_the_fabric_and_reads_back() {
         assert!(got[0].to_vec() == synthetic::block(*h, BLOCK as usize));
     }
 }
+
+/// A NATS restart: the node, not restarted, re-publishes a full dump of its blocks once its
+/// connection is back, so that consumers that missed events resynchronize.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_resynchronize_consumers_after_a_nats_restart() {
+    let etcd = EtcdServer::start().unwrap();
+    let mut nats = NatsServer::start().unwrap();
+    let _a = start_node("fabric-a", &etcd.endpoint(), &nats.url());
+    let _b = start_node("fabric-b", &etcd.endpoint(), &nats.url());
+    let discovery = EtcdDiscovery::connect(&[etcd.endpoint()], "default").await.unwrap();
+    put_then_get(&discovery).await;
+    nats.restart().unwrap();
+    // A consumer that lost its connection asks for dumps (the nodes also publish one on
+    // their own reconnection, which a consumer may or may not be back in time to see).
+    let bus = NatsBus::connect(&nats.url(), "default").await.unwrap();
+    let mut events = bus.subscribe("kv-events").await.unwrap();
+    let mut dumped = std::collections::HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while dumped.len() < 2 && Instant::now() < deadline {
+        let _ = bus.publish("kv-dump-request", b"{}".to_vec()).await;
+        if let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(500), events.recv()).await {
+            let v: serde_json::Value = serde_json::from_slice(&m).unwrap();
+            if let Some(blocks) = v["dump"].as_array() {
+                dumped.insert(v["source"].as_str().unwrap().to_string(), blocks.len());
+            }
+        }
+    }
+    assert_eq!(dumped.len(), 2, "both nodes re-published: {dumped:?}");
+    assert_eq!(dumped.values().sum::<usize>(), N, "together they hold every block");
+}

@@ -454,6 +454,11 @@ impl TieredStore {
         out
     }
 
+    /// The id of the last KV event emitted (a dump taken now is current as of this id).
+    pub fn last_event_id(&self) -> u64 {
+        *self.inner.events.next.lock()
+    }
+
     /// Metrics and occupancy.
     pub fn metrics(&self) -> MetricsSnapshot {
         let m = &self.inner.metrics;

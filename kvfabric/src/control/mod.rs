@@ -173,4 +173,10 @@ pub trait EventBus: Send + Sync + std::fmt::Debug {
         wait: Duration,
         ack_wait: Duration,
     ) -> ControlFuture<'a, Option<WorkItem>>;
+    /// A counter of (re)connections to the backend, for publishers that must resynchronize
+    /// (re-publish a full dump) after the bus restarted; None for a bus that never
+    /// disconnects.
+    fn connections(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
 }

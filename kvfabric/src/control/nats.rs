@@ -25,6 +25,7 @@ pub struct NatsBus {
     client: async_nats::Client,
     js: jetstream::Context,
     namespace: String,
+    connections: tokio::sync::watch::Receiver<u64>,
 }
 
 impl std::fmt::Debug for NatsBus {
@@ -37,12 +38,22 @@ impl NatsBus {
     /// Connects to `url` (such as `nats://127.0.0.1:4222`).
     pub async fn connect(url: &str, namespace: &str) -> Result<Self, ControlError> {
         check_name(namespace)?;
-        let client = tokio::time::timeout(CALL_TIMEOUT, async_nats::connect(url))
+        let (tx, connections) = tokio::sync::watch::channel(0u64);
+        let tx = std::sync::Arc::new(tx);
+        let options = async_nats::ConnectOptions::new().event_callback(move |event| {
+            let tx = tx.clone();
+            async move {
+                if matches!(event, async_nats::Event::Connected) {
+                    tx.send_modify(|n| *n += 1);
+                }
+            }
+        });
+        let client = tokio::time::timeout(CALL_TIMEOUT, options.connect(url))
             .await
             .map_err(|_| ControlError::Timeout("nats connect"))?
             .map_err(backend)?;
         let js = jetstream::new(client.clone());
-        Ok(NatsBus { client, js, namespace: namespace.to_string() })
+        Ok(NatsBus { client, js, namespace: namespace.to_string(), connections })
     }
 
     fn subject(&self, topic: &str) -> String {
@@ -74,6 +85,10 @@ impl Acker for NatsAck {
 }
 
 impl EventBus for NatsBus {
+    fn connections(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        Some(self.connections.clone())
+    }
+
     fn publish<'a>(&'a self, topic: &'a str, payload: Vec<u8>) -> ControlFuture<'a, ()> {
         Box::pin(async move {
             check_name(topic)?;

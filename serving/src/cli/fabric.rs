@@ -114,6 +114,42 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
         .await?;
     println!("{}", serde_json::json!({ "fabric": info }));
 
+    // Consumers that missed events (a gap in ids, or the bus restarted) resynchronize from a
+    // full dump of this node's blocks, current as of an event id. The node publishes one
+    // after its own reconnection, and on request on the `kv-dump-request` topic.
+    let publish_dump = {
+        let (bus, store, name) = (bus.clone(), node.store().clone(), args.name.clone());
+        move || {
+            let (bus, store, name) = (bus.clone(), store.clone(), name.clone());
+            async move {
+                let last_event_id = store.last_event_id();
+                let blocks: Vec<_> = store
+                    .snapshot()
+                    .into_iter()
+                    .map(|(tier, hash, parent)| serde_json::json!({ "tier": tier, "hash": hash, "parent": parent }))
+                    .collect();
+                let msg = serde_json::json!({ "source": name, "dump": blocks, "last_event_id": last_event_id });
+                let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
+            }
+        }
+    };
+    let mut resync = Vec::new();
+    if let Some(mut conns) = bus.connections() {
+        let dump = publish_dump.clone();
+        resync.push(tokio::spawn(async move {
+            conns.borrow_and_update();
+            while conns.changed().await.is_ok() {
+                dump().await;
+            }
+        }));
+    }
+    let mut requests = bus.subscribe("kv-dump-request").await?;
+    resync.push(tokio::spawn(async move {
+        while requests.recv().await.is_some() {
+            publish_dump().await;
+        }
+    }));
+
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
@@ -123,6 +159,9 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     agent.shutdown();
     registration.revoke().await;
     publisher.abort();
+    for t in resync {
+        t.abort();
+    }
     eprintln!("fabric node {} stopped", args.name);
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Command-line definitions and dispatch. Options come from flags, then `KVFABRIC_*`
 //! environment variables.
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 mod bench;
@@ -14,6 +15,11 @@ mod soak;
 #[derive(Debug, Parser)]
 #[command(name = "kvfabric", version, about, propagate_version = true)]
 pub struct Cli {
+    /// A TOML file of options (`host_blocks = 4096`, `etcd = ["http://10.0.0.1:2379"]`,
+    /// ...), keyed like the `KVFABRIC_*` variables without the prefix. Flags win over
+    /// environment variables, which win over the file.
+    #[arg(long, global = true, env = "KVFABRIC_CONFIG")]
+    config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -47,6 +53,76 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Fabric(args) => runtime()?.block_on(fabric::run(args)),
         Command::TierSoak(args) => runtime()?.block_on(soak::run(args)),
     }
+}
+
+/// Applies the TOML config file named by `--config` (or `KVFABRIC_CONFIG`) as the lowest
+/// layer: each key `k` of the file (top level, or in a table named after the command) sets
+/// `KVFABRIC_K` unless the environment already has it; flags still win over both. Unknown
+/// keys are an error, so that a typo is never silently ignored. Must run before parsing, on
+/// the main thread, before any other thread exists.
+pub fn apply_config_file() -> anyhow::Result<()> {
+    use clap::CommandFactory;
+    let args: Vec<String> = std::env::args().collect();
+    let from_flag = args.iter().enumerate().find_map(|(i, a)| {
+        a.strip_prefix("--config=")
+            .map(str::to_string)
+            .or_else(|| (a == "--config").then(|| args.get(i + 1).cloned()).flatten())
+    });
+    let Some(path) = from_flag.or_else(|| std::env::var("KVFABRIC_CONFIG").ok()) else {
+        return Ok(());
+    };
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading config file {path}"))?;
+    let table: toml::Table = text.parse().with_context(|| format!("config file {path}"))?;
+    let command = Cli::command();
+    let sub = args.get(1).and_then(|name| command.find_subcommand(name));
+    let known: Vec<String> = sub
+        .into_iter()
+        .flat_map(|c| c.get_arguments())
+        .chain(command.get_arguments())
+        .filter_map(|a| a.get_env().and_then(|e| e.to_str()).map(str::to_string))
+        .collect();
+    let mut entries: Vec<(String, toml::Value)> = Vec::new();
+    for (k, v) in table {
+        match (v, sub) {
+            (toml::Value::Table(t), Some(c)) if c.get_name() == k => entries.extend(t),
+            (toml::Value::Table(_), _) => {}
+            (v, _) => entries.push((k, v)),
+        }
+    }
+    for (k, v) in entries {
+        let env = format!("KVFABRIC_{}", k.to_ascii_uppercase().replace('-', "_"));
+        anyhow::ensure!(
+            known.contains(&env),
+            "config file {path}: unknown key {k:?} for this command"
+        );
+        if std::env::var_os(&env).is_some() {
+            continue;
+        }
+        let value = match &v {
+            toml::Value::Array(items) => {
+                items.iter().map(scalar).collect::<anyhow::Result<Vec<_>>>()?.join(",")
+            }
+            other => scalar(other)?,
+        };
+        // Single-threaded here (before the runtime starts): nothing reads the environment
+        // concurrently.
+        std::env::set_var(&env, value);
+    }
+    Ok(())
+}
+
+fn scalar(v: &toml::Value) -> anyhow::Result<String> {
+    Ok(match v {
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Float(f) => f.to_string(),
+        toml::Value::Boolean(b) => b.to_string(),
+        toml::Value::Datetime(d) => d.to_string(),
+        toml::Value::Array(_) | toml::Value::Table(_) => {
+            anyhow::bail!("config values must be scalars or lists of scalars")
+        }
+    })
 }
 
 /// The tokio runtime of commands that do I/O.
