@@ -188,3 +188,73 @@ mod tests {
         assert_eq!(svc.index.worker_blocks(2), 0);
     }
 }
+
+/// Feeds a [`RouterService`]'s channels from the control plane: KV events published on the
+/// bus topic `topic` as `{"source": NAME, "event": KvEvent}` (what workers and fabric nodes
+/// publish) and membership from a discovery watch of `kind`. Worker ids are derived from
+/// instance names (`worker_id`), so events and membership agree. Dumps
+/// (`{"source", "dump": [...], "last_event_id"}`) reset the source's blocks in `index`.
+/// Returns the feeding task; it ends when the bus subscription or the watch ends.
+pub async fn feed_from_control_plane(
+    bus: Arc<dyn kvfabric::control::EventBus>,
+    discovery: Arc<dyn kvfabric::control::Discovery>,
+    topic: &str,
+    kind: &str,
+    index: Arc<PrefixIndex>,
+    events: mpsc::Sender<(WorkerId, KvEvent)>,
+    membership: mpsc::Sender<Membership>,
+) -> Result<tokio::task::JoinHandle<()>, kvfabric::control::ControlError> {
+    use kvfabric::control::DiscoveryEvent;
+    use kvfabric::events::TierKind;
+    use kvfabric::hash::SequenceHash;
+
+    let mut sub = bus.subscribe(topic).await?;
+    let (initial, mut watch) = discovery.watch(kind).await?;
+    for inst in initial {
+        let _ = membership.send(Membership::Joined(worker_id(&inst.id))).await;
+    }
+    Ok(tokio::spawn(async move {
+        #[derive(serde::Deserialize)]
+        struct DumpBlock {
+            tier: TierKind,
+            hash: SequenceHash,
+        }
+        let (mut bus_open, mut watch_open) = (true, true);
+        while bus_open || watch_open {
+            tokio::select! {
+                m = sub.recv(), if bus_open => match m {
+                    Some(bytes) => {
+                        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) else { continue };
+                        let Some(source) = v["source"].as_str() else { continue };
+                        let w = worker_id(source);
+                        if let Some(blocks) = v.get("dump") {
+                            let Ok(blocks) = serde_json::from_value::<Vec<DumpBlock>>(blocks.clone()) else { continue };
+                            let last = v["last_event_id"].as_u64().unwrap_or(0);
+                            let list: Vec<_> = blocks.into_iter().map(|b| (b.hash, b.tier)).collect();
+                            index.reset_worker(w, &list, last);
+                        } else if let Ok(e) = serde_json::from_value::<KvEvent>(v["event"].clone()) {
+                            if events.send((w, e)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    None => bus_open = false,
+                },
+                d = watch.recv(), if watch_open => match d {
+                    Some(DiscoveryEvent::Joined(inst)) => {
+                        let _ = membership.send(Membership::Joined(worker_id(&inst.id))).await;
+                    }
+                    Some(DiscoveryEvent::Left { id, .. }) => {
+                        let _ = membership.send(Membership::Left(worker_id(&id))).await;
+                    }
+                    None => watch_open = false,
+                },
+            }
+        }
+    }))
+}
+
+/// The worker id of an instance name: stable across processes (XXH3-64 of the name).
+pub fn worker_id(name: &str) -> WorkerId {
+    xxhash_rust::xxh3::xxh3_64(name.as_bytes())
+}

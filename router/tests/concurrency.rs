@@ -89,3 +89,81 @@ fn concurrent_ingest_and_query_give_consistent_answers() {
         }
     }
 }
+
+/// The router fed from the (embedded) control plane: events on the bus and membership from
+/// discovery reach the index; a node that leaves discovery leaves routing; a dump resets a
+/// source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fed_from_the_control_plane() {
+    use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
+    use kvfabric::control::{Discovery, EventBus, Instance};
+    use kvfabric_router::service::{feed_from_control_plane, worker_id, RouterService};
+    use kvfabric_router::{Router, RouterConfig};
+    use std::time::Duration;
+    use tokio::sync::mpsc;
+
+    let bus = Arc::new(MemoryBus::new());
+    let discovery = Arc::new(MemoryDiscovery::new());
+    let inst = |id: &str| Instance {
+        kind: "worker".into(),
+        id: id.into(),
+        metadata: serde_json::json!({}),
+    };
+    let reg_a = discovery.register(inst("w-a"), Duration::from_secs(5)).await.unwrap();
+    let (etx, erx) = mpsc::channel(64);
+    let (mtx, mrx) = mpsc::channel(64);
+    let (ntx, _nrx) = mpsc::channel(8);
+    let svc = RouterService::spawn(Router::new(RouterConfig::default()), erx, mrx, ntx);
+    let _feed = feed_from_control_plane(
+        bus.clone(),
+        discovery.clone(),
+        "kv-events",
+        "worker",
+        svc.index.clone(),
+        etx,
+        mtx,
+    )
+    .await
+    .unwrap();
+    let reg_b = discovery.register(inst("w-b"), Duration::from_secs(5)).await.unwrap();
+    let stored = |id: u64, h: u64| {
+        serde_json::json!({ "source": "w-a", "event": KvEvent { event_id: id, data: KvEventData::Stored {
+            sequence_hashes: vec![SequenceHash(h)], parent: None, tier: TierKind::Host } } })
+    };
+    bus.publish("kv-events", stored(1, 500).to_string().into_bytes()).await.unwrap();
+    for _ in 0..200 {
+        if svc.index.overlap(&[SequenceHash(500)]).blocks(worker_id("w-a")) == 1
+            && svc.router.lock().workers().len() == 2
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(svc.index.overlap(&[SequenceHash(500)]).blocks(worker_id("w-a")), 1);
+    assert_eq!(svc.router.lock().workers().len(), 2);
+    // A dump replaces w-a's blocks.
+    let dump = serde_json::json!({ "source": "w-a", "dump": [{ "tier": "disk", "hash": 600, "parent": null }], "last_event_id": 9 });
+    bus.publish("kv-events", dump.to_string().into_bytes()).await.unwrap();
+    for _ in 0..200 {
+        if svc.index.overlap(&[SequenceHash(600)]).blocks(worker_id("w-a")) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        svc.index.overlap(&[SequenceHash(600)]).run(worker_id("w-a")).per_tier[2],
+        1,
+        "on disk"
+    );
+    assert_eq!(svc.index.overlap(&[SequenceHash(500)]).blocks(worker_id("w-a")), 0);
+    // w-b leaves discovery: it leaves routing.
+    reg_b.revoke().await;
+    for _ in 0..200 {
+        if svc.router.lock().workers().len() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(svc.router.lock().workers(), &[worker_id("w-a")]);
+    drop(reg_a);
+}
