@@ -131,64 +131,6 @@ impl Drop for RouterService {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::policy::RouterConfig;
-    use kvfabric::events::{KvEventData, TierKind};
-    use kvfabric::hash::SequenceHash;
-    use std::time::Duration;
-
-    fn stored(id: u64, h: u64) -> KvEvent {
-        KvEvent {
-            event_id: id,
-            data: KvEventData::Stored {
-                sequence_hashes: vec![SequenceHash(h)],
-                parent: None,
-                tier: TierKind::Host,
-            },
-        }
-    }
-
-    async fn until(mut f: impl FnMut() -> bool) {
-        for _ in 0..500 {
-            if f() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        panic!("condition not reached");
-    }
-
-    #[tokio::test]
-    async fn events_feed_the_index_leaves_apply_at_once_and_gaps_ask_for_dumps() {
-        let (etx, erx) = mpsc::channel(64);
-        let (mtx, mrx) = mpsc::channel(8);
-        let (ntx, mut nrx) = mpsc::channel(8);
-        let svc = RouterService::spawn(Router::new(RouterConfig::default()), erx, mrx, ntx);
-        mtx.send(Membership::Joined(1)).await.unwrap();
-        mtx.send(Membership::Joined(2)).await.unwrap();
-        until(|| svc.router.lock().workers().len() == 2).await;
-        etx.send((1, stored(1, 100))).await.unwrap();
-        etx.send((2, stored(1, 100))).await.unwrap();
-        etx.send((2, stored(5, 101))).await.unwrap(); // ids 2..4 lost
-        etx.send((9, stored(1, 100))).await.unwrap(); // unknown worker
-        until(|| svc.stats().applied == 3 && svc.stats().unknown == 1).await;
-        assert_eq!(
-            nrx.recv().await,
-            Some(ServiceNotice::DumpNeeded { worker: 2, from_event_id: 2 })
-        );
-        assert_eq!(svc.index.overlap(&[SequenceHash(100)]).workers.len(), 2);
-        mtx.send(Membership::Left(2)).await.unwrap();
-        until(|| svc.index.overlap(&[SequenceHash(100)]).workers.len() == 1).await;
-        assert_eq!(svc.router.lock().workers(), &[1]);
-        // Late events of the departed worker change nothing.
-        etx.send((2, stored(6, 102))).await.unwrap();
-        until(|| svc.stats().unknown == 2).await;
-        assert_eq!(svc.index.worker_blocks(2), 0);
-    }
-}
-
 /// Feeds a [`RouterService`]'s channels from the control plane: KV events published on the
 /// bus topic `topic` as `{"source": NAME, "event": KvEvent}` (what workers and fabric nodes
 /// publish) and membership from a discovery watch of `kind`. Worker ids are derived from
@@ -257,4 +199,62 @@ pub async fn feed_from_control_plane(
 /// The worker id of an instance name: stable across processes (XXH3-64 of the name).
 pub fn worker_id(name: &str) -> WorkerId {
     xxhash_rust::xxh3::xxh3_64(name.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::RouterConfig;
+    use kvfabric::events::{KvEventData, TierKind};
+    use kvfabric::hash::SequenceHash;
+    use std::time::Duration;
+
+    fn stored(id: u64, h: u64) -> KvEvent {
+        KvEvent {
+            event_id: id,
+            data: KvEventData::Stored {
+                sequence_hashes: vec![SequenceHash(h)],
+                parent: None,
+                tier: TierKind::Host,
+            },
+        }
+    }
+
+    async fn until(mut f: impl FnMut() -> bool) {
+        for _ in 0..500 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!("condition not reached");
+    }
+
+    #[tokio::test]
+    async fn events_feed_the_index_leaves_apply_at_once_and_gaps_ask_for_dumps() {
+        let (etx, erx) = mpsc::channel(64);
+        let (mtx, mrx) = mpsc::channel(8);
+        let (ntx, mut nrx) = mpsc::channel(8);
+        let svc = RouterService::spawn(Router::new(RouterConfig::default()), erx, mrx, ntx);
+        mtx.send(Membership::Joined(1)).await.unwrap();
+        mtx.send(Membership::Joined(2)).await.unwrap();
+        until(|| svc.router.lock().workers().len() == 2).await;
+        etx.send((1, stored(1, 100))).await.unwrap();
+        etx.send((2, stored(1, 100))).await.unwrap();
+        etx.send((2, stored(5, 101))).await.unwrap(); // ids 2..4 lost
+        etx.send((9, stored(1, 100))).await.unwrap(); // unknown worker
+        until(|| svc.stats().applied == 3 && svc.stats().unknown == 1).await;
+        assert_eq!(
+            nrx.recv().await,
+            Some(ServiceNotice::DumpNeeded { worker: 2, from_event_id: 2 })
+        );
+        assert_eq!(svc.index.overlap(&[SequenceHash(100)]).workers.len(), 2);
+        mtx.send(Membership::Left(2)).await.unwrap();
+        until(|| svc.index.overlap(&[SequenceHash(100)]).workers.len() == 1).await;
+        assert_eq!(svc.router.lock().workers(), &[1]);
+        // Late events of the departed worker change nothing.
+        etx.send((2, stored(6, 102))).await.unwrap();
+        until(|| svc.stats().unknown == 2).await;
+        assert_eq!(svc.index.worker_blocks(2), 0);
+    }
 }
