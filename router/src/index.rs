@@ -71,7 +71,28 @@ struct WorkerState {
 /// The holders of one block, sorted by worker id; one or two inline (most blocks have few
 /// holders), so a lookup touches one cache line.
 type Holders = smallvec::SmallVec<[(WorkerId, TierMask); 2]>;
-type Shard = HashMap<SequenceHash, Holders>;
+
+/// One block's holders and a digest of them (workers and masks), so that a query can tell
+/// in O(1) that a block has exactly the holders of the block before it.
+#[derive(Debug, Default)]
+struct Node {
+    digest: u64,
+    holders: Holders,
+}
+
+/// One holder's share of a node digest; the digest is the XOR of all shares, so adding,
+/// changing or removing a holder updates it in O(1).
+fn share(w: WorkerId, m: TierMask) -> u64 {
+    if m.is_empty() {
+        return 0;
+    }
+    let mut x = w ^ (u64::from(m.0) << 56) ^ 0x9e37_79b9_7f4a_7c15;
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+type Shard = HashMap<SequenceHash, Node>;
 
 /// A worker's leading run of cached blocks: how many, and how many of them are held in each
 /// tier at best (device, host, disk, remote).
@@ -174,23 +195,32 @@ impl PrefixIndex {
 
     fn link(&self, h: SequenceHash, w: WorkerId, mask: TierMask) {
         let mut shard = self.shards[shard_of(h)].write();
-        let entry = shard.entry(h).or_default();
-        match entry.binary_search_by_key(&w, |(id, _)| *id) {
-            Ok(i) => entry[i].1 .0 |= mask.0,
-            Err(i) => entry.insert(i, (w, mask)),
+        let node = shard.entry(h).or_default();
+        match node.holders.binary_search_by_key(&w, |(id, _)| *id) {
+            Ok(i) => {
+                let old = node.holders[i].1;
+                node.holders[i].1 .0 |= mask.0;
+                node.digest ^= share(w, old) ^ share(w, node.holders[i].1);
+            }
+            Err(i) => {
+                node.holders.insert(i, (w, mask));
+                node.digest ^= share(w, mask);
+            }
         }
     }
 
     fn unlink(&self, h: SequenceHash, w: WorkerId, mask: TierMask) {
         let mut shard = self.shards[shard_of(h)].write();
-        if let Some(entry) = shard.get_mut(&h) {
-            if let Ok(i) = entry.binary_search_by_key(&w, |(id, _)| *id) {
-                entry[i].1 .0 &= !mask.0;
-                if entry[i].1.is_empty() {
-                    entry.remove(i);
+        if let Some(node) = shard.get_mut(&h) {
+            if let Ok(i) = node.holders.binary_search_by_key(&w, |(id, _)| *id) {
+                let old = node.holders[i].1;
+                node.holders[i].1 .0 &= !mask.0;
+                node.digest ^= share(w, old) ^ share(w, node.holders[i].1);
+                if node.holders[i].1.is_empty() {
+                    node.holders.remove(i);
                 }
             }
-            if entry.is_empty() {
+            if node.holders.is_empty() {
                 shard.remove(&h);
             }
         }
@@ -271,28 +301,30 @@ impl PrefixIndex {
     pub fn overlap(&self, hashes: &[SequenceHash]) -> Overlap {
         // `runs[..live]` are the workers still matching, sorted by id; the rest ended.
         let mut runs: Vec<(WorkerId, Run)> = Vec::new();
+        // The tier each live run added last (same order as `runs`).
+        let mut last: Vec<TierKind> = Vec::new();
         let mut live = 0;
-        // The previous block's holders: consecutive blocks of a shared prefix mostly have the
-        // same holders, and then every live run simply grows (no merge needed).
-        let mut prev: Holders = Holders::new();
+        // The previous block's holder digest and count: consecutive blocks of a shared prefix
+        // mostly have the same holders (and tiers), and then every live run grows by the tier
+        // it added last, without touching the holder list.
+        let mut prev: Option<(u64, usize)> = None;
         for (i, &h) in hashes.iter().enumerate() {
             let shard = self.shards[shard_of(h)].read();
-            let Some(holders) = shard.get(&h) else { break };
+            let Some(node) = shard.get(&h) else { break };
+            let holders = &node.holders;
             if i == 0 {
-                runs.extend(holders.iter().filter_map(|&(w, m)| {
-                    m.best().map(|t| {
+                for &(w, m) in holders.iter() {
+                    if let Some(t) = m.best() {
                         let mut r = Run::default();
                         r.push(t);
-                        (w, r)
-                    })
-                }));
-                live = runs.len();
-            } else if *holders == prev && live == prev.len() {
-                // Same holders (and all of them still live): every run grows by its tier.
-                for (r, (_, m)) in runs[..live].iter_mut().zip(holders.iter()) {
-                    if let Some(t) = m.best() {
-                        r.1.push(t);
+                        runs.push((w, r));
+                        last.push(t);
                     }
+                }
+                live = runs.len();
+            } else if prev == Some((node.digest, holders.len())) && live == holders.len() {
+                for (r, &t) in runs[..live].iter_mut().zip(&last) {
+                    r.1.push(t);
                 }
             } else {
                 // Merge join of two sorted lists, compacting the live prefix in place.
@@ -307,6 +339,8 @@ impl PrefixIndex {
                     {
                         runs[idx].1.push(t);
                         runs.swap(k, idx);
+                        last[idx] = t;
+                        last.swap(k, idx);
                         k += 1;
                     }
                 }
@@ -315,7 +349,7 @@ impl PrefixIndex {
             if live == 0 {
                 break;
             }
-            prev.clone_from(holders);
+            prev = Some((node.digest, holders.len()));
         }
         runs.sort_unstable_by_key(|(w, _)| *w);
         Overlap { workers: runs }
