@@ -123,17 +123,28 @@ impl FabricNode {
             return Err(format!("at most {BLOCKS_PER_CALL_MAX} blocks per call"));
         }
         let mut served = vec![false; blocks.len()];
-        let mut refs = Vec::new();
         let (mut local, mut remote) = (Vec::new(), Vec::new());
-        for (i, b) in blocks.iter().enumerate() {
+        // One pinning call for the leading run (the common case: every block held), then
+        // one per block after the first miss.
+        let all: Vec<SequenceHash> = blocks.iter().map(|b| b.hash).collect();
+        let mut refs = self.store.get(&all).await.unwrap_or_default();
+        let run = refs.len();
+        for b in &blocks[run..] {
             if let Ok(mut r) = self.store.get(&[b.hash]).await {
-                if let Some(r) = r.pop() {
-                    local.push(Desc::new(r.region().id(), r.offset(), r.len()));
-                    remote.push(Desc::new(b.region, b.offset, r.len()));
-                    refs.push(r);
-                    served[i] = true;
-                }
+                refs.extend(r.pop());
             }
+        }
+        // Pair refs with their blocks: refs are in block order, misses skipped.
+        let mut k = 0;
+        for (i, b) in blocks.iter().enumerate() {
+            let Some(r) = refs.get(k) else { break };
+            if r.hash() != b.hash {
+                continue;
+            }
+            local.push(Desc::new(r.region().id(), r.offset(), r.len()));
+            remote.push(Desc::new(b.region, b.offset, r.len()));
+            served[i] = true;
+            k += 1;
         }
         if !local.is_empty() {
             let req = TransferRequest::new(TransferOp::Write, from, local, remote)
