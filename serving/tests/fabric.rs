@@ -276,3 +276,32 @@ async fn nodes_resynchronize_consumers_after_a_nats_restart() {
     assert_eq!(dumped.len(), 2, "both nodes re-published: {dumped:?}");
     assert_eq!(dumped.values().sum::<usize>(), N, "together they hold every block");
 }
+
+/// SIGTERM: the node drains, revokes its lease (it leaves discovery at once, well before its
+/// TTL) and exits cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_leaves_discovery_at_once() {
+    let etcd = EtcdServer::start().unwrap();
+    let nats = NatsServer::start().unwrap();
+    let discovery = EtcdDiscovery::connect(&[etcd.endpoint()], "default").await.unwrap();
+    let mut node = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["fabric", "--name", "fabric-q", "--block-tokens", "1", "--lease-ttl-s", "30"])
+        .env("KVFABRIC_SECRET", SECRET)
+        .env("KVFABRIC_ETCD", etcd.endpoint())
+        .env("KVFABRIC_NATS", nats.url())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(node.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let (now, mut watch) = discovery.watch(FABRIC_KIND).await.unwrap();
+    assert_eq!(now.len(), 1);
+    let start = Instant::now();
+    let status = Command::new("kill").args(["-TERM", &node.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let ev = tokio::time::timeout(Duration::from_secs(10), watch.recv()).await.unwrap().unwrap();
+    assert_eq!(ev, DiscoveryEvent::Left { kind: FABRIC_KIND.into(), id: "fabric-q".into() });
+    assert!(start.elapsed() < Duration::from_secs(10), "long before the 30 s TTL");
+    let exit = node.wait().unwrap();
+    assert!(exit.success(), "clean exit: {exit}");
+}
