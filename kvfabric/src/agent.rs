@@ -57,7 +57,9 @@ impl Default for AgentLimits {
         AgentLimits {
             wire: WireLimits::default(),
             transfers_in_flight_max: 4096,
-            descs_per_transfer_max: 65_536,
+            // Equal to the wire's per-request limit, so that shm checksum and commit
+            // messages always fit in one frame.
+            descs_per_transfer_max: 16_384,
             regions_max: 65_536,
             notifications_queued_max: 65_536,
             transfer_deadline: Duration::from_secs(30),
@@ -478,6 +480,12 @@ impl Agent {
                 limits.wire.notify_bytes_max
             )));
         }
+        if req.op == TransferOp::Read && overlapping(&req.local) {
+            return Err(TransferError::Invalid(
+                "local descriptors of a READ overlap: bytes would land twice in the same memory"
+                    .into(),
+            ));
+        }
         // Local memory: resolve and bounds-check every descriptor, lease each region once
         // (transfers touch few regions: a linear scan beats hashing).
         let mut leases: Vec<RegionLease> = Vec::new();
@@ -519,6 +527,7 @@ impl Agent {
         };
         if let Some(outcome) = transport.execute_inline(&job) {
             // Completed on this thread (a memcpy transport): no task, no wake-up.
+            drop(crate::transfer::ExitGuard(shared.clone()));
             shared.apply(TransferEvent::Start);
             shared.apply(match outcome {
                 Ok(()) => TransferEvent::Complete,
@@ -529,7 +538,11 @@ impl Agent {
             return Ok(TransferHandle { id, shared });
         }
         let task_shared = shared.clone();
+        // Created outside the task and moved in: dropped (marking the transfer quiesced) even
+        // if the task is aborted before its first poll.
+        let exit = crate::transfer::ExitGuard(shared.clone());
         let task = inner.runtime.spawn(async move {
+            let _exit = exit;
             task_shared.apply(TransferEvent::Start);
             let outcome = tokio::time::timeout(deadline, transport.execute(&job)).await;
             let event = match outcome {
@@ -608,6 +621,13 @@ impl Agent {
         body: Vec<u8>,
         deadline: Duration,
     ) -> Result<Vec<u8>, TransferError> {
+        let max = self.inner.config.limits.wire.frame_bytes_max as usize;
+        if body.len() + 2 > max {
+            return Err(TransferError::Invalid(format!(
+                "RPC body of {} bytes exceeds the {max}-byte frame limit",
+                body.len()
+            )));
+        }
         let p = self
             .inner
             .peers
@@ -655,6 +675,14 @@ impl Drop for AgentInner {
             server.stop();
         }
     }
+}
+
+/// Whether two descriptors cover a common byte of one region.
+fn overlapping(descs: &[crate::transfer::Desc]) -> bool {
+    let mut sorted: Vec<(RegionId, u64, u64)> =
+        descs.iter().map(|d| (d.region, d.offset, d.offset.saturating_add(d.len))).collect();
+    sorted.sort_unstable();
+    sorted.windows(2).any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
 }
 
 /// The peer a transport reaches: None for this agent itself.

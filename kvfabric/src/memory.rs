@@ -58,12 +58,12 @@ pub enum MemoryError {
     /// No region has this id (never registered, deregistered, or a stale generation).
     #[error("unknown region {0}")]
     UnknownRegion(RegionId),
-    /// The region is in use by in-flight transfers.
-    #[error("region {id} is in use by {leases} in-flight transfer(s)")]
+    /// The region is still held: by in-flight transfers, or by handles not yet dropped.
+    #[error("region {id} is still held ({leases} reference(s): in-flight transfers or handles)")]
     RegionBusy {
         /// The region.
         id: RegionId,
-        /// Leases outstanding.
+        /// References outstanding.
         leases: usize,
     },
     /// A range outside the region.
@@ -474,9 +474,13 @@ impl RegionTable {
                     id.generation()
                 ));
                 let shm_err = |source| MemoryError::Shm { path: path.clone(), source };
+                use std::os::unix::fs::OpenOptionsExt;
+                // Owner-only: the shared secret guards the data, so other users must not
+                // simply read the file.
                 let file = std::fs::OpenOptions::new()
                     .read(true)
                     .write(true)
+                    .mode(0o600)
                     .create_new(true)
                     .open(&path)
                     .map_err(shm_err)?;
@@ -551,8 +555,9 @@ impl RegionTable {
             .ok_or(MemoryError::UnknownRegion(id))
     }
 
-    /// Removes a region. Fails while transfers hold leases on it; on success an external
-    /// region's memory is the caller's again.
+    /// Removes a region. Fails while anything else holds it — a transfer's lease, or a handle
+    /// (`Arc<Region>`) the caller kept: drop those first. On success an external region's
+    /// memory is the caller's again: nothing can reach it any more.
     pub fn deregister(&self, id: RegionId) -> Result<(), MemoryError> {
         let mut slots = self.slots.write();
         let slot = slots
@@ -560,9 +565,12 @@ impl RegionTable {
             .get_mut(id.index())
             .filter(|s| s.generation == id.generation() && s.region.is_some())
             .ok_or(MemoryError::UnknownRegion(id))?;
-        let leases = slot.region.as_ref().map_or(0, |r| r.leases());
-        if leases > 0 {
-            return Err(MemoryError::RegionBusy { id, leases });
+        // Every copy of the region's Arc (leases, handles returned to callers, in-flight
+        // server targets) is made while this table is readable, so under the write lock the
+        // count is exact: any other holder may still touch the memory.
+        let holders = slot.region.as_ref().map_or(0, |r| Arc::strong_count(r).saturating_sub(1));
+        if holders > 0 {
+            return Err(MemoryError::RegionBusy { id, leases: holders });
         }
         slot.region = None;
         slot.generation = slot.generation.wrapping_add(1);
@@ -597,9 +605,23 @@ unsafe impl Sync for PeerMapping {}
 impl PeerMapping {
     /// Maps a peer's `/dev/shm` file, which must be at least `len` bytes long.
     pub fn open(path: &Path, len: usize) -> Result<Self, MemoryError> {
+        use std::os::unix::fs::OpenOptionsExt;
         let err = |source| MemoryError::Shm { path: path.to_path_buf(), source };
-        let file: File =
-            std::fs::OpenOptions::new().read(true).write(true).open(path).map_err(err)?;
+        // Paths come from peer metadata: only kvfabric's own shm files, never a symlink.
+        let ours = path.parent() == Some(Path::new("/dev/shm"))
+            && path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("kvfabric."));
+        if !ours {
+            return Err(err(std::io::Error::other("not a kvfabric shared-memory file")));
+        }
+        let file: File = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path)
+            .map_err(err)?;
         let actual = file.metadata().map_err(err)?.len();
         if actual < len as u64 || len == 0 {
             return Err(err(std::io::Error::other(format!(
@@ -664,7 +686,7 @@ mod tests {
     use super::*;
 
     fn table() -> RegionTable {
-        RegionTable::new(format!("kvfabric-test.{}", std::process::id()), 64)
+        RegionTable::new(format!("kvfabric.test.{}", std::process::id()), 64)
     }
 
     #[test]
@@ -688,8 +710,13 @@ mod tests {
         let r = t.alloc(4096, RegionOptions::default()).unwrap();
         let id = r.id();
         let lease = RegionLease::new(t.get(id).unwrap());
-        assert!(matches!(t.deregister(id), Err(MemoryError::RegionBusy { leases: 1, .. })));
+        assert!(matches!(t.deregister(id), Err(MemoryError::RegionBusy { leases: 2, .. })));
         drop(lease);
+        assert!(
+            matches!(t.deregister(id), Err(MemoryError::RegionBusy { leases: 1, .. })),
+            "the handle"
+        );
+        drop(r);
         t.deregister(id).unwrap();
         assert!(matches!(t.get(id), Err(MemoryError::UnknownRegion(_))));
         // The slot is reused with a new generation: the old id stays dead.
@@ -707,6 +734,7 @@ mod tests {
             .unwrap();
         let path = r.shm_path().unwrap().to_path_buf();
         let peer = PeerMapping::open(&path, 8192).unwrap();
+        assert!(PeerMapping::open(Path::new("/etc/passwd"), 10).is_err(), "foreign paths refused");
         let src = t.alloc(4096, RegionOptions::default()).unwrap();
         src.write_at(0, b"hello shm").unwrap();
         copy_with_peer(&src, 0, &peer, 100, 9, true).unwrap();

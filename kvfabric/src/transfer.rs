@@ -326,6 +326,21 @@ pub(crate) struct TransferShared {
     pub(crate) changed: tokio::sync::Notify,
     pub(crate) deadline: Duration,
     pub(crate) abort: Mutex<Option<tokio::task::AbortHandle>>,
+    /// Set when the task running the transfer is gone (finished or aborted): from then on no
+    /// byte of it can land anywhere.
+    pub(crate) exited: std::sync::atomic::AtomicBool,
+    pub(crate) exited_notify: tokio::sync::Notify,
+}
+
+/// Marks a transfer's task as gone when dropped — also when the task is aborted, since an
+/// aborted task's future is dropped only after its current poll returned.
+pub(crate) struct ExitGuard(pub(crate) Arc<TransferShared>);
+
+impl Drop for ExitGuard {
+    fn drop(&mut self) {
+        self.0.exited.store(true, std::sync::atomic::Ordering::Release);
+        self.0.exited_notify.notify_waiters();
+    }
 }
 
 impl TransferShared {
@@ -335,6 +350,8 @@ impl TransferShared {
             changed: tokio::sync::Notify::new(),
             deadline,
             abort: Mutex::new(None),
+            exited: std::sync::atomic::AtomicBool::new(false),
+            exited_notify: tokio::sync::Notify::new(),
         })
     }
 
@@ -374,6 +391,21 @@ impl TransferHandle {
             notified.as_mut().enable();
             if let Some(r) = self.shared.state.lock().result(self.shared.deadline) {
                 return r;
+            }
+            notified.await;
+        }
+    }
+
+    /// Waits until no byte of this transfer can land any more (its task finished or was
+    /// aborted and dropped). Memory a failed or cancelled transfer targeted may be reused
+    /// after this returns, not before.
+    pub async fn quiesced(&self) {
+        loop {
+            let notified = self.shared.exited_notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.shared.exited.load(std::sync::atomic::Ordering::Acquire) {
+                return;
             }
             notified.await;
         }

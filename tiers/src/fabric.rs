@@ -127,7 +127,7 @@ impl FabricNode {
         // One pinning call for the leading run (the common case: every block held), then
         // one per block after the first miss.
         let all: Vec<SequenceHash> = blocks.iter().map(|b| b.hash).collect();
-        let mut refs = self.store.get(&all).await.unwrap_or_default();
+        let mut refs: Vec<crate::store::BlockRef> = self.store.get(&all).await.unwrap_or_default();
         let run = refs.len();
         for b in &blocks[run..] {
             if let Ok(mut r) = self.store.get(&[b.hash]).await {
@@ -151,9 +151,12 @@ impl FabricNode {
                 .with_checksum()
                 .with_deadline(self.transfer_deadline);
             let h = self.agent.post(req).map_err(|e| e.to_string())?;
+            // The source blocks stay pinned until no byte of the transfer can be read any
+            // more, even if this handler is dropped while it runs.
+            let mut guard = Quarantine { handle: Some(h.clone()), slots: refs };
             h.wait().await.map_err(|e| e.to_string())?;
+            guard.handle = None;
         }
-        drop(refs);
         Ok(served)
     }
 
@@ -181,8 +184,17 @@ impl FabricNode {
                 .with_checksum()
                 .with_deadline(self.transfer_deadline);
             let h = self.agent.post(req).map_err(|e| e.to_string())?;
-            // On failure the reservations drop uncommitted: nothing half-written is visible.
-            h.wait().await.map_err(|e| e.to_string())?;
+            // The reservations are released only once no byte can land in them any more,
+            // even if this handler is dropped (its deadline) while the transfer runs.
+            let mut guard =
+                Quarantine { handle: Some(h.clone()), slots: std::mem::take(&mut slots) };
+            let outcome = h.wait().await;
+            slots = std::mem::take(&mut guard.slots);
+            if let Err(e) = outcome {
+                guard.slots = slots;
+                return Err(e.to_string());
+            }
+            guard.handle = None;
         }
         for (i, w) in slots {
             w.commit_unpinned();
@@ -230,6 +242,30 @@ impl RpcHandler for FabricNode {
                 other => Err(format!("unknown fabric method {other}")),
             }
         })
+    }
+}
+
+/// Holds reservations a transfer targets until the transfer is quiesced: dropped early
+/// (an error, or the handler's future dropped), it cancels the transfer and releases them
+/// only after no byte of it can land.
+struct Quarantine<T: Send + 'static> {
+    handle: Option<kvfabric::transfer::TransferHandle>,
+    slots: Vec<T>,
+}
+
+impl<T: Send + 'static> Drop for Quarantine<T> {
+    fn drop(&mut self) {
+        let slots = std::mem::take(&mut self.slots);
+        match self.handle.take() {
+            Some(h) if !slots.is_empty() => {
+                h.cancel();
+                tokio::spawn(async move {
+                    h.quiesced().await;
+                    drop(slots);
+                });
+            }
+            _ => drop(slots),
+        }
     }
 }
 
@@ -442,6 +478,11 @@ impl RemoteTier {
             Some(e) if !out.iter().any(|&b| b) => Err(e),
             _ => Ok(out),
         }
+    }
+
+    /// The deadline of each call.
+    pub fn deadline(&self) -> Duration {
+        self.deadline
     }
 
     /// The tier this client is.

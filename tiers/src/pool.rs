@@ -59,10 +59,12 @@ pub enum SlotState {
         /// Being copied out for eviction.
         evicting: bool,
     },
-    /// Forgotten by `clear` while pinned; freed at the last unpin.
+    /// Forgotten by `clear` while pinned or being evicted; freed once neither holds.
     Orphan {
         /// Users still holding it.
         pins: u32,
+        /// An eviction is still copying it out.
+        evicting: bool,
     },
     /// Taken out of use (its backing store could not grow); never reserved again.
     Retired,
@@ -264,9 +266,9 @@ impl SlotPool {
                 }
                 Ok(())
             }
-            SlotState::Orphan { pins } if *pins > 0 => {
+            SlotState::Orphan { pins, evicting } if *pins > 0 => {
                 *pins -= 1;
-                if *pins == 0 {
+                if *pins == 0 && !*evicting {
                     self.free_slot(slot);
                 }
                 Ok(())
@@ -297,6 +299,15 @@ impl SlotPool {
 
     /// Ends an eviction: frees the slot if `copied` and nobody pinned it meanwhile.
     pub fn finish_evict(&mut self, slot: u32, copied: bool) -> Result<EvictOutcome, PoolError> {
+        if let SlotState::Orphan { pins, evicting: true } = self.state(slot) {
+            // Cleared while its copy ran: free it now unless someone still holds it.
+            if pins == 0 {
+                self.free_slot(slot);
+            } else {
+                self.slots[slot as usize] = SlotState::Orphan { pins, evicting: false };
+            }
+            return Ok(EvictOutcome::Freed);
+        }
         let SlotState::Ready { hash, pins, evicting: true, .. } = self.state(slot) else {
             return Err(PoolError::NotFound);
         };
@@ -351,10 +362,10 @@ impl SlotPool {
         let hashes: Vec<SequenceHash> = self.index.keys().copied().collect();
         for (_, slot) in std::mem::take(&mut self.index) {
             match self.state(slot) {
-                SlotState::Ready { pins: 0, .. } => self.free_slot(slot),
-                SlotState::Ready { pins, .. } => {
+                SlotState::Ready { pins: 0, evicting: false, .. } => self.free_slot(slot),
+                SlotState::Ready { pins, evicting, .. } => {
                     self.policy.remove(slot);
-                    self.slots[slot as usize] = SlotState::Orphan { pins };
+                    self.slots[slot as usize] = SlotState::Orphan { pins, evicting };
                 }
                 _ => {}
             }
@@ -443,7 +454,7 @@ mod tests {
         p.unpin(b).unwrap();
         p.check_invariants().unwrap();
         assert_eq!(p.clear().len(), 2);
-        assert_eq!(p.state(a), SlotState::Orphan { pins: 1 });
+        assert_eq!(p.state(a), SlotState::Orphan { pins: 1, evicting: false });
         assert_eq!(p.used(), 1);
         p.unpin(a).unwrap();
         assert_eq!(p.used(), 0);

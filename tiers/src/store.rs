@@ -537,8 +537,9 @@ impl Inner {
 
     /// Completes an eviction begun under the lock: offloads when admitted, then frees.
     async fn evict_host(&self, v: Victim, admitted: bool) -> Result<(), StoreError> {
+        // Only a block readable on disk counts as there: one still being written may fail.
         let offload = match &self.disk {
-            Some(d) => admitted && !d.contains(v.hash),
+            Some(d) => admitted && !d.has(v.hash),
             None => false,
         };
         if offload {
@@ -679,7 +680,22 @@ impl Inner {
         }
         let n = slots.len();
         let locs: Vec<_> = slots.iter().map(|&s| (self.region.id(), self.slot_offset(s))).collect();
-        let served = remote.get(&hashes[..n], &locs).await.unwrap_or_else(|_| vec![false; n]);
+        let served = match remote.get(&hashes[..n], &locs).await {
+            Ok(served) => served,
+            Err(_) => {
+                // The node may still be writing into these slots (a timed-out call): keep
+                // them reserved well past its transfer deadline before reusing them.
+                let (inner, quarantine) = (self.clone(), remote.deadline() * 4);
+                tokio::spawn(async move {
+                    tokio::time::sleep(quarantine).await;
+                    let mut host = inner.host.lock();
+                    for s in slots {
+                        let _ = host.pool.abort(s);
+                    }
+                });
+                return Ok(Vec::new());
+            }
+        };
         let run = served.iter().take_while(|&&s| s).count();
         let mut refs = Vec::with_capacity(run);
         for (i, &slot) in slots.iter().enumerate() {
@@ -756,16 +772,17 @@ impl WriteSlot {
         } else {
             0
         };
+        let write_through = inner.cfg.write_through && inner.disk.is_some();
         {
             let mut host = inner.host.lock();
             host.checksums[self.slot as usize] = checksum;
-            let _ = host.pool.commit(self.slot, pins);
+            // The background write-through holds a pin of its own, taken in the same critical
+            // section as the commit so that the block cannot be evicted in between.
+            let _ = host.pool.commit(self.slot, pins + u32::from(write_through));
             add(&inner.metrics.stored_blocks, 1);
             inner.events.stored(self.hash, self.parent, TierKind::Host);
         }
-        if inner.cfg.write_through && inner.disk.is_some() {
-            // Pin for the background write; it unpins when done.
-            let _ = inner.host.lock().pool.pin(self.slot);
+        if write_through {
             let (inner, slot, hash, parent) = (inner.clone(), self.slot, self.hash, self.parent);
             inner.runtime.clone().spawn(async move {
                 let _ = inner.offload_slot(slot, hash, parent).await;

@@ -67,7 +67,8 @@ impl EtcdDiscovery {
         value: &[u8],
         ttl: Duration,
     ) -> Result<i64, ControlError> {
-        let ttl_s = ttl.as_secs().max(1) as i64;
+        // etcd leases are whole seconds: round up, never shorten the TTL asked for.
+        let ttl_s = ttl.as_millis().div_ceil(1000).max(1) as i64;
         let lease = timed("etcd lease grant", client.lease_grant(ttl_s, None)).await?.id();
         timed("etcd put", client.put(key, value, Some(PutOptions::new().with_lease(lease))))
             .await?;
@@ -124,8 +125,9 @@ impl Discovery for EtcdDiscovery {
                                     return;
                                 }
                                 _ = tokio::time::sleep(period) => {
-                                    if keeper.keep_alive().await.is_err() {
-                                        break;
+                                    match tokio::time::timeout(CALL_TIMEOUT, keeper.keep_alive()).await {
+                                        Ok(Ok(())) => {}
+                                        _ => break,
                                     }
                                     match tokio::time::timeout(CALL_TIMEOUT, responses.message()).await {
                                         // ttl 0: the lease is gone (expired, or etcd lost it).

@@ -80,7 +80,14 @@ struct NatsAck(jetstream::Message);
 
 impl Acker for NatsAck {
     fn ack(self: Box<Self>) -> ControlFuture<'static, ()> {
-        Box::pin(async move { self.0.ack().await.map_err(backend) })
+        // Acknowledged by the server before returning: an ack lost on the way would mean a
+        // redelivery of work that was done.
+        Box::pin(async move {
+            tokio::time::timeout(CALL_TIMEOUT, self.0.double_ack())
+                .await
+                .map_err(|_| ControlError::Timeout("nats ack"))?
+                .map_err(backend)
+        })
     }
 }
 
@@ -141,11 +148,14 @@ impl EventBus for NatsBus {
         Box::pin(async move {
             check_name(queue)?;
             let stream = self.stream(queue).await?;
+            // One durable consumer per acknowledgement deadline: an existing consumer keeps
+            // the ack_wait it was created with.
+            let name = format!("workers-{}ms", ack_wait.as_millis());
             let consumer: consumer::PullConsumer = stream
                 .get_or_create_consumer(
-                    "workers",
+                    &name,
                     consumer::pull::Config {
-                        durable_name: Some("workers".into()),
+                        durable_name: Some(name.clone()),
                         ack_policy: consumer::AckPolicy::Explicit,
                         ack_wait,
                         ..Default::default()

@@ -24,7 +24,12 @@ impl Transport for LocalTransport {
 
     fn execute<'a>(&'a self, job: &'a Job) -> TransportFuture<'a> {
         Box::pin(async move {
-            copy_all(job)?;
+            // Large jobs (past the inline limit): one piece at a time, yielding between
+            // pieces so the runtime keeps serving and a dropped transfer stops there.
+            for i in 0..job.pieces.len() {
+                copy_piece(job, i)?;
+                tokio::task::yield_now().await;
+            }
             if let Some(message) = &job.notify {
                 let agent = job.agent()?;
                 let n = Notification {
@@ -41,8 +46,14 @@ impl Transport for LocalTransport {
 
 /// Copies every piece (verifying checksums when asked).
 fn copy_all(job: &Job) -> Result<(), TransferError> {
+    (0..job.pieces.len()).try_for_each(|i| copy_piece(job, i))
+}
+
+/// Copies piece `i` (verifying its checksum when asked).
+fn copy_piece(job: &Job, i: usize) -> Result<(), TransferError> {
     let agent = job.agent()?;
-    for (i, p) in job.pieces.iter().enumerate() {
+    {
+        let p = &job.pieces[i];
         let remote = RegionLease::new(agent.regions.get(p.remote.region)?);
         let (src, src_off, dst, dst_off) = match job.op {
             TransferOp::Write => (job.region(p), p.local_offset, remote.region(), p.remote.offset),

@@ -17,8 +17,10 @@ use crate::wire::WireDesc;
 use super::tcp::{commit, remote_checksums};
 use super::{Job, Transport, TransportFuture};
 
-/// Copies larger than this run on the blocking pool so that they do not stall the runtime.
-const INLINE_COPY_BYTES: u64 = 1 << 20;
+/// Large copies yield to the runtime after every this many bytes: other tasks keep running,
+/// and a dropped (timed-out, cancelled) transfer stops at the next yield — no byte lands
+/// after the drop completes.
+const COPY_SLICE_BYTES: u64 = 4 << 20;
 
 /// Moves bytes through shared memory.
 #[derive(Debug)]
@@ -32,9 +34,27 @@ struct Copy {
     len: u64,
 }
 
-fn run_copies(copies: &[Copy], to_peer: bool) -> Result<(), TransferError> {
+async fn run_copies(copies: &[Copy], to_peer: bool) -> Result<(), TransferError> {
+    let mut since_yield = 0u64;
     for c in copies {
-        copy_with_peer(c.local.region(), c.local_offset, &c.map, c.remote_offset, c.len, to_peer)?;
+        let mut done = 0;
+        while done < c.len {
+            let n = (c.len - done).min(COPY_SLICE_BYTES);
+            copy_with_peer(
+                c.local.region(),
+                c.local_offset + done,
+                &c.map,
+                c.remote_offset + done,
+                n,
+                to_peer,
+            )?;
+            done += n;
+            since_yield += n;
+            if since_yield >= COPY_SLICE_BYTES {
+                tokio::task::yield_now().await;
+                since_yield = 0;
+            }
+        }
     }
     Ok(())
 }
@@ -106,17 +126,7 @@ impl Transport for ShmTransport {
             } else {
                 None
             };
-            let total: u64 = copies.iter().map(|c| c.len).sum();
-            let copies = if total <= INLINE_COPY_BYTES {
-                run_copies(&copies, to_peer)?;
-                copies
-            } else {
-                // The copies own their leases and mappings: a dropped future leaves the
-                // blocking copy to finish into memory that stays alive.
-                tokio::task::spawn_blocking(move || run_copies(&copies, to_peer).map(|()| copies))
-                    .await
-                    .map_err(|e| TransferError::Local(format!("copy task failed: {e}")))??
-            };
+            run_copies(&copies, to_peer).await?;
             match job.op {
                 TransferOp::Write => {
                     let verify = if job.checksum {

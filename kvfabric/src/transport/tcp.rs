@@ -91,14 +91,18 @@ impl std::fmt::Display for FrameReadError {
     }
 }
 
-/// Writes every byte of `bufs` with vectored writes.
+/// Writes every byte of `bufs` with vectored writes; each call must make progress within
+/// `stall` (an inactivity bound, not a bound on the whole payload).
 async fn write_all_vectored(
     stream: &mut TcpStream,
     mut bufs: &mut [IoSlice<'_>],
+    stall: Duration,
 ) -> std::io::Result<()> {
     while !bufs.is_empty() {
         let batch = bufs.len().min(IOV_BATCH);
-        let n = stream.write_vectored(&bufs[..batch]).await?;
+        let n = tokio::time::timeout(stall, stream.write_vectored(&bufs[..batch])).await.map_err(
+            |_| std::io::Error::new(std::io::ErrorKind::TimedOut, "peer stopped reading"),
+        )??;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
@@ -343,7 +347,7 @@ async fn write_request(
         // region, which the job keeps alive; the slice lives only for this vectored write.
         iov.push(IoSlice::new(unsafe { c.region.slice(c.local_offset, c.len) }));
     }
-    let sent = write_all_vectored(&mut conn.stream, &mut iov).await;
+    let sent = write_all_vectored(&mut conn.stream, &mut iov, peer.frame_timeout).await;
     // Even if our write failed, the server may have refused the request with a typed error
     // before closing: read it.
     let reply = peer.expect_ack(conn).await;
@@ -436,8 +440,9 @@ pub(crate) async fn call(
             c.keep();
             Ok(body)
         }
-        // A refusal is a clean answer: the connection stays usable.
-        Err(e @ TransferError::Remote { .. }) => {
+        // A handler's refusal is a clean answer: the connection stays usable. Other
+        // refusals (malformed, unavailable) come with the server closing it.
+        Err(e @ TransferError::Remote { code: ErrorCode::Internal, .. }) => {
             c.keep();
             Err(e)
         }
@@ -578,8 +583,14 @@ fn verify(targets: &[Target]) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// Server replies are bounded in time: a client that stops reading cannot pin the task (and
+/// the leases it may hold).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
 async fn send(stream: &mut TcpStream, msg: Message, request_id: u64) -> std::io::Result<()> {
-    stream.write_all(&msg.encode(request_id)).await
+    tokio::time::timeout(REPLY_TIMEOUT, stream.write_all(&msg.encode(request_id)))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "client stopped reading"))?
 }
 
 async fn refuse(
@@ -680,20 +691,17 @@ async fn serve_connection(mut stream: TcpStream, weak: Weak<AgentInner>) -> std:
                     }
                 };
                 drop(agent);
-                let received = tokio::time::timeout(frame_timeout, async {
-                    for t in &targets {
-                        // SAFETY: the range was checked against the exported region, which the
-                        // lease keeps registered and mapped; this connection makes no other
-                        // view of these bytes during the read.
-                        let dst = unsafe { t.lease.region().slice_mut(t.offset, t.len) };
-                        stream.read_exact(dst).await?;
+                // The deadline is per descriptor (an inactivity bound), not for the whole
+                // payload, so that slow links can still move large requests.
+                for t in &targets {
+                    // SAFETY: the range was checked against the exported region, which the
+                    // lease keeps registered and mapped; this connection makes no other view
+                    // of these bytes during the read.
+                    let dst = unsafe { t.lease.region().slice_mut(t.offset, t.len) };
+                    match tokio::time::timeout(frame_timeout, stream.read_exact(dst)).await {
+                        Ok(Ok(_)) => {}
+                        _ => return Ok(()),
                     }
-                    Ok::<(), std::io::Error>(())
-                })
-                .await;
-                match received {
-                    Ok(Ok(())) => {}
-                    _ => return Ok(()),
                 }
                 match verify(&targets) {
                     Ok(()) => send(&mut stream, Message::Ack, id).await?,
@@ -724,11 +732,8 @@ async fn serve_connection(mut stream: TcpStream, weak: Weak<AgentInner>) -> std:
                     // SAFETY: checked range of a leased exported region, read for this write.
                     iov.push(IoSlice::new(unsafe { t.lease.region().slice(t.offset, t.len) }));
                 }
-                match tokio::time::timeout(frame_timeout, write_all_vectored(&mut stream, &mut iov))
-                    .await
-                {
-                    Ok(Ok(())) => {}
-                    _ => return Ok(()),
+                if write_all_vectored(&mut stream, &mut iov, frame_timeout).await.is_err() {
+                    return Ok(());
                 }
             }
             Message::Commit { transfer_id, verify: descs, notify } => {

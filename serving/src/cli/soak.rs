@@ -45,10 +45,15 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     for i in 0u64.. {
         let h = SequenceHash(SOAK_BASE + i);
         kvfabric_tiers::synthetic::fill(h, &mut buf);
-        match store.put(h, i.checked_sub(1).map(|p| SequenceHash(SOAK_BASE + p)), &buf).await {
-            // Every host block pinned by in-flight write-through: let them finish.
-            Err(StoreError::Full(_)) => tokio::task::yield_now().await,
-            other => other?,
+        loop {
+            match store.put(h, i.checked_sub(1).map(|p| SequenceHash(SOAK_BASE + p)), &buf).await {
+                // Every host block pinned by in-flight write-through: let them finish, then
+                // store this same block.
+                Err(StoreError::Full(_)) => {
+                    tokio::time::sleep(std::time::Duration::from_micros(100)).await
+                }
+                other => break other?,
+            }
         }
         if i % 64 == 63 {
             let mut out = std::io::stdout().lock();

@@ -253,7 +253,7 @@ fn uring_loop(
     let mut in_flight = 0usize;
     let mut closed = false;
     // The eventfd read lands here; the buffer lives as long as the loop (and the ring).
-    let mut bell_buf = [0u8; 8];
+    let bell_buf: &'static mut [u8; 8] = Box::leak(Box::new([0u8; 8]));
     let mut bell_armed = false;
     let ring_capacity = (depth + 1).next_power_of_two();
     loop {
@@ -313,12 +313,19 @@ fn uring_loop(
                 if e.raw_os_error() == Some(libc::EINTR)
                     || e.raw_os_error() == Some(libc::EBUSY) => {}
             Err(e) => {
-                // The ring is unusable: fail everything in flight.
+                // The ring is unusable: fail everything in flight. The kernel may still DMA
+                // into their buffers, so their keep values are leaked, never freed; so is the
+                // ring (with the pending eventfd read's buffer).
                 for slot in slots.iter_mut() {
                     if let Some(req) = slot.take() {
-                        let _ = req.done.send(Err(std::io::Error::new(e.kind(), e.to_string())));
+                        let Request { done, _keep, iov, .. } = req;
+                        let _ = done.send(Err(std::io::Error::new(e.kind(), e.to_string())));
+                        std::mem::forget(_keep);
+                        std::mem::forget(iov);
                     }
                 }
+                std::mem::forget(ring);
+                std::mem::forget(bell);
                 return;
             }
         }

@@ -79,6 +79,9 @@ pub enum DiskError {
     /// Every slot is pinned or being written.
     #[error("disk tier has no evictable block")]
     NoEvictable,
+    /// The same block is being written by someone else right now.
+    #[error("block is being written to disk by another request")]
+    Busy,
 }
 
 /// What a read found.
@@ -269,9 +272,12 @@ impl DiskTier {
                     st.write_seq += 1;
                     return Ok(Reservation::Slot { slot, seq, evicted });
                 }
-                Err(PoolError::Present(_) | PoolError::BeingWritten) => {
+                Err(PoolError::Present(_)) => {
                     return Ok(Reservation::Done(WriteOutcome { already_present: true, evicted }))
                 }
+                // Another write of the same block is in flight: not stored yet, and it may
+                // still fail; the caller keeps its copy.
+                Err(PoolError::BeingWritten) => return Err(DiskError::Busy),
                 Err(PoolError::Full) => match st.pool.begin_evict() {
                     Some(v) => {
                         let _ = st.pool.finish_evict(v.slot, true);
