@@ -351,7 +351,9 @@ impl TieredStore {
         // G4: what no local tier holds, fetched from the fabric straight into host slots.
         if !broken && first_err.is_none() && refs.len() < hashes.len() && inner.cfg.remote.is_some()
         {
-            refs.extend(inner.onboard_remote(&hashes[refs.len()..]).await?);
+            // `hashes` is a chain: each block's parent is the one before it.
+            let parent = refs.len().checked_sub(1).map(|i| hashes[i]);
+            refs.extend(inner.onboard_remote(parent, &hashes[refs.len()..]).await?);
         }
         match (refs.is_empty(), first_err) {
             (true, Some(e)) => Err(e),
@@ -668,12 +670,14 @@ impl Inner {
     /// Fetches the leading run of `hashes` that the fabric holds into new host slots, pinned.
     async fn onboard_remote(
         self: &Arc<Self>,
+        first_parent: Option<SequenceHash>,
         hashes: &[SequenceHash],
     ) -> Result<Vec<BlockRef>, StoreError> {
         let Some(remote) = &self.cfg.remote else { return Ok(Vec::new()) };
         let mut slots = Vec::new();
-        for &h in hashes.iter().take(crate::fabric::BLOCKS_PER_CALL_MAX) {
-            match self.reserve_host(h, None).await {
+        let parent_of = |i: usize| if i == 0 { first_parent } else { Some(hashes[i - 1]) };
+        for (i, &h) in hashes.iter().take(crate::fabric::BLOCKS_PER_CALL_MAX).enumerate() {
+            match self.reserve_host(h, parent_of(i)).await {
                 Ok(slot) => slots.push(slot),
                 Err(_) => break,
             }
@@ -705,7 +709,7 @@ impl Inner {
                 let mut host = self.host.lock();
                 host.checksums[slot as usize] = checksum;
                 let _ = host.pool.commit(slot, 1);
-                self.events.stored(hashes[i], None, TierKind::Host);
+                self.events.stored(hashes[i], parent_of(i), TierKind::Host);
                 drop(host);
                 refs.push(BlockRef { store: self.clone(), slot, hash: hashes[i] });
             } else {
