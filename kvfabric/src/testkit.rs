@@ -42,10 +42,29 @@ fn wait_ready(addr: SocketAddr, child: &mut Child, what: &str) -> std::io::Resul
     Err(std::io::Error::other(format!("{what} not ready on {addr} after 30 s")))
 }
 
+/// A server process, killed (SIGKILL) when dropped.
+#[derive(Debug, Default)]
+struct ServerProcess(Option<Child>);
+
+impl ServerProcess {
+    fn kill(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 /// A real etcd server.
 #[derive(Debug)]
 pub struct EtcdServer {
-    child: Option<Child>,
+    child: ServerProcess,
     dir: tempfile::TempDir,
     client_port: u16,
     peer_port: u16,
@@ -55,7 +74,7 @@ impl EtcdServer {
     /// Starts etcd on free loopback ports.
     pub fn start() -> std::io::Result<Self> {
         let mut s = EtcdServer {
-            child: None,
+            child: ServerProcess::default(),
             dir: tempfile::tempdir()?,
             client_port: free_port()?,
             peer_port: free_port()?,
@@ -77,7 +96,7 @@ impl EtcdServer {
             .stderr(Stdio::null())
             .spawn()?;
         wait_ready(SocketAddr::from(([127, 0, 0, 1], self.client_port)), &mut child, "etcd")?;
-        self.child = Some(child);
+        self.child = ServerProcess(Some(child));
         Ok(())
     }
 
@@ -88,10 +107,7 @@ impl EtcdServer {
 
     /// Kills the server (SIGKILL).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child.kill();
     }
 
     /// Kills and starts it again on the same ports and data.
@@ -101,16 +117,10 @@ impl EtcdServer {
     }
 }
 
-impl Drop for EtcdServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 /// A real NATS server with JetStream.
 #[derive(Debug)]
 pub struct NatsServer {
-    child: Option<Child>,
+    child: ServerProcess,
     dir: tempfile::TempDir,
     port: u16,
 }
@@ -118,7 +128,11 @@ pub struct NatsServer {
 impl NatsServer {
     /// Starts nats-server with JetStream on a free loopback port.
     pub fn start() -> std::io::Result<Self> {
-        let mut s = NatsServer { child: None, dir: tempfile::tempdir()?, port: free_port()? };
+        let mut s = NatsServer {
+            child: ServerProcess::default(),
+            dir: tempfile::tempdir()?,
+            port: free_port()?,
+        };
         s.spawn()?;
         Ok(s)
     }
@@ -131,7 +145,7 @@ impl NatsServer {
             .stderr(Stdio::null())
             .spawn()?;
         wait_ready(SocketAddr::from(([127, 0, 0, 1], self.port)), &mut child, "nats-server")?;
-        self.child = Some(child);
+        self.child = ServerProcess(Some(child));
         Ok(())
     }
 
@@ -142,21 +156,12 @@ impl NatsServer {
 
     /// Kills the server (SIGKILL).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child.kill();
     }
 
     /// Kills and starts it again on the same port and store directory.
     pub fn restart(&mut self) -> std::io::Result<()> {
         self.kill();
         self.spawn()
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
