@@ -22,6 +22,9 @@ fn backend(e: etcd_client::Error) -> ControlError {
 /// Time allowed for one etcd call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// A watch that saw nothing for this long is re-established.
+const WATCH_REFRESH: Duration = Duration::from_secs(30);
+
 async fn timed<T>(
     what: &'static str,
     f: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
@@ -187,7 +190,11 @@ impl Discovery for EtcdDiscovery {
                     if let Ok(mut stream) =
                         timed("etcd watch", client.watch(prefix.clone(), Some(opts))).await
                     {
-                        while let Ok(Some(resp)) = stream.message().await {
+                        // A quiet watch is re-established (list, diff, resume) every
+                        // WATCH_REFRESH, so a half-open connection cannot hide leaves for long.
+                        while let Ok(Ok(Some(resp))) =
+                            tokio::time::timeout(WATCH_REFRESH, stream.message()).await
+                        {
                             if resp.canceled() {
                                 break;
                             }
