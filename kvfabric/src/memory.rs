@@ -286,20 +286,6 @@ impl Region {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len as usize) }
     }
 
-    /// A mutable view of `offset..offset+len` for one I/O call (a socket read straight into
-    /// the region).
-    ///
-    /// # Safety
-    /// As [`Region::slice`], and no other view of the same bytes may exist in this process
-    /// while it lives.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice_mut(&self, offset: u64, len: u64) -> &mut [u8] {
-        // SAFETY: per the caller's contract the range is inside the live mapping and unaliased.
-        unsafe {
-            std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize), len as usize)
-        }
-    }
-
     /// Raw pointer to `offset` (checked), for copies between two regions.
     pub fn ptr_at(&self, offset: u64, len: u64) -> Result<*mut u8, MemoryError> {
         self.check(offset, len)?;

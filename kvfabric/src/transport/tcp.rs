@@ -111,6 +111,53 @@ async fn write_all_vectored(
     Ok(())
 }
 
+/// A destination address in registered memory.
+#[derive(Clone, Copy)]
+struct RawDst(*mut u8);
+
+// SAFETY: a plain address; every use goes through `recv_into`'s contract.
+unsafe impl Send for RawDst {}
+
+/// Receives exactly `len` bytes from the socket straight into `dst` with `recv(2)`, without
+/// forming a Rust reference to the destination (other peers may write the same registered
+/// memory concurrently; with raw copies that is unspecified bytes, not undefined behaviour).
+/// Each wait for data is bounded by `stall`.
+///
+/// # Safety
+/// `dst..dst+len` must stay valid for writes until the future completes or is dropped.
+async unsafe fn recv_into(
+    stream: &TcpStream,
+    dst: RawDst,
+    len: usize,
+    stall: Duration,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut done = 0usize;
+    while done < len {
+        tokio::time::timeout(stall, stream.readable()).await.map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::TimedOut, "peer stopped sending")
+        })??;
+        let fd = stream.as_raw_fd();
+        let result = stream.try_io(tokio::io::Interest::READABLE, || {
+            // SAFETY: `dst + done .. dst + len` lies in memory valid for writes (the caller's
+            // contract), and recv writes at most `len - done` bytes there.
+            let n = unsafe { libc::recv(fd, dst.0.add(done).cast(), len - done, 0) };
+            if n < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
+            }
+        });
+        match result {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Client side.
 
@@ -380,13 +427,11 @@ async fn read_request(
         return Err(TransferError::Protocol("wrong number of checksums".into()));
     }
     for c in group {
-        // SAFETY: the chunk's range was bounds-checked at post time and the region is leased
-        // by the job; this process makes no other view of these bytes during the read (the
-        // caller must not post overlapping transfers, as with RDMA).
-        let dst = unsafe { c.region.slice_mut(c.local_offset, c.len) };
-        tokio::time::timeout(peer.frame_timeout, conn.stream.read_exact(dst))
+        let dst = c.region.ptr_at(c.local_offset, c.len)?;
+        // SAFETY: the range was bounds-checked (ptr_at) in a region the job leases, so it
+        // stays mapped for the whole read; bytes go in through raw pointers, no reference.
+        unsafe { recv_into(&conn.stream, RawDst(dst), c.len as usize, peer.frame_timeout) }
             .await
-            .map_err(|_| disconnected(&peer.peer_name, "read data timed out"))?
             .map_err(|e| disconnected(&peer.peer_name, e))?;
     }
     if job.checksum {
@@ -694,13 +739,15 @@ async fn serve_connection(mut stream: TcpStream, weak: Weak<AgentInner>) -> std:
                 // The deadline is per descriptor (an inactivity bound), not for the whole
                 // payload, so that slow links can still move large requests.
                 for t in &targets {
+                    let Ok(dst) = t.lease.region().ptr_at(t.offset, t.len) else { return Ok(()) };
                     // SAFETY: the range was checked against the exported region, which the
-                    // lease keeps registered and mapped; this connection makes no other view
-                    // of these bytes during the read.
-                    let dst = unsafe { t.lease.region().slice_mut(t.offset, t.len) };
-                    match tokio::time::timeout(frame_timeout, stream.read_exact(dst)).await {
-                        Ok(Ok(_)) => {}
-                        _ => return Ok(()),
+                    // lease keeps registered and mapped for the whole read; bytes go in
+                    // through raw pointers, no reference to region memory is formed.
+                    if unsafe { recv_into(&stream, RawDst(dst), t.len as usize, frame_timeout) }
+                        .await
+                        .is_err()
+                    {
+                        return Ok(());
                     }
                 }
                 match verify(&targets) {
