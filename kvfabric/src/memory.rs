@@ -420,27 +420,33 @@ impl RegionTable {
         &self,
         make: impl FnOnce(RegionId) -> Result<Region, MemoryError>,
     ) -> Result<Arc<Region>, MemoryError> {
-        let mut slots = self.slots.write();
-        let index = match slots.free.pop() {
-            Some(i) => i,
-            None => {
-                if slots.entries.len() >= self.regions_max {
-                    return Err(MemoryError::TooManyRegions(self.regions_max));
+        // Reserve a slot under the lock (off the free list, still without a region, so
+        // lookups miss it), build the region — mapping and pre-faulting may take long —
+        // without the lock, then install it.
+        let id = {
+            let mut slots = self.slots.write();
+            let index = match slots.free.pop() {
+                Some(i) => i,
+                None => {
+                    if slots.entries.len() >= self.regions_max {
+                        return Err(MemoryError::TooManyRegions(self.regions_max));
+                    }
+                    slots.entries.push(Slot::default());
+                    (slots.entries.len() - 1) as u32
                 }
-                slots.entries.push(Slot::default());
-                (slots.entries.len() - 1) as u32
-            }
+            };
+            RegionId::new(index, slots.entries[index as usize].generation)
         };
-        let slot = &mut slots.entries[index as usize];
-        let id = RegionId::new(index, slot.generation);
-        match make(id) {
+        let made = make(id);
+        let mut slots = self.slots.write();
+        match made {
             Ok(region) => {
                 let region = Arc::new(region);
-                slot.region = Some(region.clone());
+                slots.entries[id.index()].region = Some(region.clone());
                 Ok(region)
             }
             Err(e) => {
-                slots.free.push(index);
+                slots.free.push(id.index() as u32);
                 Err(e)
             }
         }
