@@ -10,7 +10,6 @@
 //! else, checks every descriptor against the exported bounds of its own regions, leases the
 //! regions for the duration of the I/O, and verifies checksums before acknowledging.
 
-use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Weak;
@@ -91,22 +90,76 @@ impl std::fmt::Display for FrameReadError {
     }
 }
 
-/// Writes every byte of `bufs` with vectored writes; each call must make progress within
+/// Memory to send: an address and a length (a frame header, or a checked range of
+/// registered memory kept alive by a lease).
+#[derive(Clone, Copy)]
+struct RawSrc(*const u8, usize);
+
+// SAFETY: a plain address; every use goes through `send_all`'s contract.
+unsafe impl Send for RawSrc {}
+// SAFETY: as above; sharing the address grants nothing by itself.
+unsafe impl Sync for RawSrc {}
+
+/// Sends every byte of `bufs` with `writev(2)` on raw iovecs — no Rust reference to region
+/// memory is formed, so a peer writing the same registered bytes concurrently makes the sent
+/// bytes unspecified, never undefined behaviour. Each wait for the socket is bounded by
 /// `stall` (an inactivity bound, not a bound on the whole payload).
-async fn write_all_vectored(
-    stream: &mut TcpStream,
-    mut bufs: &mut [IoSlice<'_>],
+///
+/// # Safety
+/// Every buffer must stay valid for reads until the future completes or is dropped.
+async unsafe fn send_all(
+    stream: &TcpStream,
+    bufs: &[RawSrc],
     stall: Duration,
 ) -> std::io::Result<()> {
-    while !bufs.is_empty() {
-        let batch = bufs.len().min(IOV_BATCH);
-        let n = tokio::time::timeout(stall, stream.write_vectored(&bufs[..batch])).await.map_err(
-            |_| std::io::Error::new(std::io::ErrorKind::TimedOut, "peer stopped reading"),
-        )??;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
+    use std::os::fd::AsRawFd;
+    let (mut first, mut skip) = (0usize, 0usize);
+    while first < bufs.len() {
+        tokio::time::timeout(stall, stream.writable()).await.map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::TimedOut, "peer stopped reading")
+        })??;
+        let fd = stream.as_raw_fd();
+        let iov: Vec<libc::iovec> = bufs[first..]
+            .iter()
+            .take(IOV_BATCH)
+            .enumerate()
+            .map(|(k, b)| {
+                let off = if k == 0 { skip } else { 0 };
+                // SAFETY: `off` < b.1 (a fully sent buffer is skipped below), inside the buffer.
+                let base = unsafe { b.0.add(off) };
+                libc::iovec { iov_base: base as *mut libc::c_void, iov_len: b.1 - off }
+            })
+            .collect();
+        let result = stream.try_io(tokio::io::Interest::WRITABLE, || {
+            // SAFETY: the iovecs describe memory valid for reads (the caller's contract).
+            let n = unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as i32) };
+            if n < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
+            }
+        });
+        let mut n = match result {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        // Advance past what was sent.
+        while n > 0 && first < bufs.len() {
+            let left = bufs[first].1 - skip;
+            if n >= left {
+                n -= left;
+                first += 1;
+                skip = 0;
+            } else {
+                skip += n;
+                n = 0;
+            }
         }
-        IoSlice::advance_slices(&mut bufs, n);
+        while first < bufs.len() && bufs[first].1 == 0 {
+            first += 1;
+        }
     }
     Ok(())
 }
@@ -387,14 +440,14 @@ async fn write_request(
     let request_id = conn.next_request;
     conn.next_request += 1;
     let frame = Message::Write { transfer_id, descs }.encode(request_id);
-    let mut iov = Vec::with_capacity(group.len() + 1);
-    iov.push(IoSlice::new(&frame));
+    let mut bufs = Vec::with_capacity(group.len() + 1);
+    bufs.push(RawSrc(frame.as_ptr(), frame.len()));
     for c in group {
-        // SAFETY: the chunk's range was bounds-checked at post time against the leased
-        // region, which the job keeps alive; the slice lives only for this vectored write.
-        iov.push(IoSlice::new(unsafe { c.region.slice(c.local_offset, c.len) }));
+        bufs.push(RawSrc(c.region.ptr_at(c.local_offset, c.len)?, c.len as usize));
     }
-    let sent = write_all_vectored(&mut conn.stream, &mut iov, peer.frame_timeout).await;
+    // SAFETY: the frame lives in this function; the ranges were bounds-checked (ptr_at) in
+    // regions the job leases until it ends, which is after this future.
+    let sent = unsafe { send_all(&conn.stream, &bufs, peer.frame_timeout) }.await;
     // Even if our write failed, the server may have refused the request with a typed error
     // before closing: read it.
     let reply = peer.expect_ack(conn).await;
@@ -773,13 +826,15 @@ async fn serve_connection(mut stream: TcpStream, weak: Weak<AgentInner>) -> std:
                     Vec::new()
                 };
                 let frame = Message::ReadData { checksums: sums }.encode(id);
-                let mut iov = Vec::with_capacity(targets.len() + 1);
-                iov.push(IoSlice::new(&frame));
+                let mut bufs = Vec::with_capacity(targets.len() + 1);
+                bufs.push(RawSrc(frame.as_ptr(), frame.len()));
                 for t in &targets {
-                    // SAFETY: checked range of a leased exported region, read for this write.
-                    iov.push(IoSlice::new(unsafe { t.lease.region().slice(t.offset, t.len) }));
+                    let Ok(p) = t.lease.region().ptr_at(t.offset, t.len) else { return Ok(()) };
+                    bufs.push(RawSrc(p, t.len as usize));
                 }
-                if write_all_vectored(&mut stream, &mut iov, frame_timeout).await.is_err() {
+                // SAFETY: the frame lives in this scope; the ranges were checked against
+                // exported regions that `targets` keeps leased past this call.
+                if unsafe { send_all(&stream, &bufs, frame_timeout) }.await.is_err() {
                     return Ok(());
                 }
             }
