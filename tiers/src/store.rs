@@ -415,16 +415,18 @@ impl TieredStore {
     }
 
     /// Removes a block from every tier (pinned copies stay until unpinned).
-    pub fn remove(&self, hash: SequenceHash) -> bool {
+    pub async fn remove(&self, hash: SequenceHash) -> bool {
         let inner = &self.inner;
         let mut any = false;
         if inner.host.lock().pool.remove(hash).is_ok() {
             inner.events.removed(vec![hash], TierKind::Host);
             any = true;
         }
-        if inner.disk.as_ref().is_some_and(|d| d.remove(hash)) {
-            inner.events.removed(vec![hash], TierKind::Disk);
-            any = true;
+        if let Some(d) = &inner.disk {
+            if d.remove(hash).await {
+                inner.events.removed(vec![hash], TierKind::Disk);
+                any = true;
+            }
         }
         any
     }

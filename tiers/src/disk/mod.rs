@@ -438,8 +438,28 @@ impl DiskTier {
     }
 
     /// Forgets a block (its slot is reused later).
-    pub fn remove(&self, hash: SequenceHash) -> bool {
-        self.state.lock().pool.remove(hash).is_ok()
+    ///
+    /// Its header is zeroed on disk first (a tombstone), so a restart does not bring it back.
+    /// If someone pins it meanwhile it stays indexed until read, when its zeroed header makes
+    /// it a miss that is dropped.
+    pub async fn remove(&self, hash: SequenceHash) -> bool {
+        let slot = {
+            let mut st = self.state.lock();
+            let Some(slot) = st.pool.lookup(hash) else { return false };
+            if st.pool.pin(slot).is_err() {
+                return false;
+            }
+            slot
+        };
+        let header = AlignedBuf::zeroed(HEADER_BYTES as usize);
+        let buf = header.io_buf();
+        // SAFETY: the zeroed header buffer is owned by the request.
+        let _ =
+            unsafe { self.io.writev(u64::from(slot) * self.slot_bytes, &[buf], Box::new(header)) }
+                .await;
+        let mut st = self.state.lock();
+        let _ = st.pool.unpin(slot);
+        st.pool.remove(hash).is_ok()
     }
 
     /// Forgets every block and empties the file. Returns the blocks that were on disk.
