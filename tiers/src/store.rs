@@ -295,9 +295,8 @@ impl TieredStore {
             self.inner.runtime.spawn(async move {
                 for h in to_prefetch {
                     // Onboard and release: the block stays resident in host memory.
-                    if let Ok(Some(slot)) = inner.onboard(h).await {
-                        drop(BlockRef { store: inner.clone(), slot, hash: h });
-                    }
+                    // Onboarded and released at once (the ref drops).
+                    let _ = inner.onboard(h).await;
                 }
             });
         }
@@ -309,13 +308,15 @@ impl TieredStore {
     /// corrupt).
     pub async fn get(&self, hashes: &[SequenceHash]) -> Result<Vec<BlockRef>, StoreError> {
         let inner = &self.inner;
-        let mut plan: Vec<Option<(u32, Option<SequenceHash>)>> = Vec::new();
+        // Pins are owned by BlockRefs from the moment they are taken: a caller that drops
+        // this future leaks none.
+        let mut plan: Vec<Option<BlockRef>> = Vec::new();
         {
             let mut host = inner.host.lock();
             for &h in hashes {
                 if let Some(slot) = host.pool.lookup(h) {
                     let _ = host.pool.pin(slot);
-                    plan.push(Some((slot, None)));
+                    plan.push(Some(BlockRef { store: inner.clone(), slot, hash: h }));
                 } else if inner.disk.as_ref().is_some_and(|d| d.has(h)) {
                     plan.push(None);
                 } else {
@@ -323,9 +324,9 @@ impl TieredStore {
                 }
             }
         }
-        let loads = plan.iter().zip(hashes).map(|(p, &h)| async move {
+        let loads = plan.into_iter().zip(hashes).map(|(p, &h)| async move {
             match p {
-                Some((slot, _)) => Ok(Some(*slot)),
+                Some(r) => Ok(Some(r)),
                 None => inner.onboard(h).await,
             }
         });
@@ -333,10 +334,9 @@ impl TieredStore {
         let mut refs = Vec::with_capacity(results.len());
         let mut first_err = None;
         let mut broken = false;
-        for (r, &h) in results.into_iter().zip(hashes) {
+        for r in results {
             match r {
-                Ok(Some(slot)) => {
-                    let r = BlockRef { store: inner.clone(), slot, hash: h };
+                Ok(Some(r)) => {
                     if !broken {
                         refs.push(r);
                     }
@@ -395,7 +395,7 @@ impl TieredStore {
     pub async fn offload(&self, hashes: &[SequenceHash]) -> Result<usize, StoreError> {
         let mut written = 0;
         for &h in hashes {
-            let (slot, parent) = {
+            let (pinned, parent) = {
                 let mut host = self.inner.host.lock();
                 let Some(slot) = host.pool.lookup(h) else { continue };
                 let _ = host.pool.pin(slot);
@@ -403,10 +403,18 @@ impl TieredStore {
                     crate::pool::SlotState::Ready { parent, .. } => parent,
                     _ => None,
                 };
-                (slot, parent)
+                // Owned by a BlockRef: unpinned even if this future is dropped.
+                (BlockRef { store: self.inner.clone(), slot, hash: h }, parent)
             };
-            let r = self.inner.offload_slot(slot, h, parent).await;
-            let _ = self.inner.host.lock().pool.unpin(slot);
+            // The write and its bookkeeping run to completion in their own task.
+            let inner = self.inner.clone();
+            let r = tokio::spawn(async move {
+                let r = inner.offload_slot(pinned.slot, h, parent).await;
+                drop(pinned);
+                r
+            })
+            .await
+            .map_err(|e| StoreError::Invalid(format!("offload task failed: {e}")))?;
             if r? {
                 written += 1;
             }
@@ -515,7 +523,7 @@ impl Inner {
 
     /// Reserves a host slot, evicting (and offloading) victims until one is free.
     async fn reserve_host(
-        &self,
+        self: &Arc<Self>,
         hash: SequenceHash,
         parent: Option<SequenceHash>,
     ) -> Result<u32, StoreError> {
@@ -535,7 +543,12 @@ impl Inner {
                     },
                 }
             };
-            self.evict_host(victim, admitted).await?;
+            // The eviction (an offload, then freeing the slot) completes in its own task even
+            // if this future is dropped, so no slot stays marked evicting.
+            let inner = self.clone();
+            tokio::spawn(async move { inner.evict_host(victim, admitted).await })
+                .await
+                .map_err(|e| StoreError::Invalid(format!("eviction task failed: {e}")))??;
         }
     }
 
@@ -606,7 +619,20 @@ impl Inner {
 
     /// Reads a disk block into a new host slot and pins it. Ok(None) if no tier has it (or
     /// it was corrupt and dropped).
-    async fn onboard(&self, hash: SequenceHash) -> Result<Option<u32>, StoreError> {
+    async fn onboard(self: &Arc<Self>, hash: SequenceHash) -> Result<Option<BlockRef>, StoreError> {
+        // The read and its bookkeeping (the reserved host slot, the disk pin) complete in their
+        // own task: a caller that drops this future leaves nothing half-done; an unclaimed
+        // result just unpins.
+        let inner = self.clone();
+        tokio::spawn(async move { inner.onboard_task(hash).await })
+            .await
+            .map_err(|e| StoreError::Invalid(format!("onboard task failed: {e}")))?
+    }
+
+    async fn onboard_task(
+        self: Arc<Self>,
+        hash: SequenceHash,
+    ) -> Result<Option<BlockRef>, StoreError> {
         let Some(disk) = &self.disk else { return Ok(None) };
         let start = Instant::now();
         let parent = disk.blocks_parent(hash);
@@ -624,7 +650,7 @@ impl Inner {
                     let mut host = self.host.lock();
                     if let Some(slot) = host.pool.lookup(hash) {
                         let _ = host.pool.pin(slot);
-                        return Ok(Some(slot));
+                        return Ok(Some(BlockRef { store: self.clone(), slot, hash }));
                     }
                 }
                 Err(StoreError::BeingWritten(_)) => {
@@ -649,7 +675,7 @@ impl Inner {
                 add(&self.metrics.onboard_blocks, 1);
                 add(&self.metrics.onboard_bytes, self.cfg.block_bytes);
                 self.metrics.onboard_latency.observe(start.elapsed());
-                Ok(Some(slot))
+                Ok(Some(BlockRef { store: self.clone(), slot, hash }))
             }
             Ok(ReadOutcome::Miss) => {
                 let _ = host.pool.abort(slot);
