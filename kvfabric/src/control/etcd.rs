@@ -78,6 +78,19 @@ impl EtcdDiscovery {
         Ok(lease)
     }
 
+    /// Whether `lease` still exists (one keep-alive round trip with a positive TTL).
+    async fn lease_alive(client: &mut Client, lease: i64) -> bool {
+        let Ok((mut keeper, mut responses)) =
+            timed("etcd keep-alive", client.lease_keep_alive(lease)).await
+        else {
+            return false;
+        };
+        if !matches!(tokio::time::timeout(CALL_TIMEOUT, keeper.keep_alive()).await, Ok(Ok(()))) {
+            return false;
+        }
+        matches!(tokio::time::timeout(CALL_TIMEOUT, responses.message()).await, Ok(Ok(Some(r))) if r.ttl() > 0)
+    }
+
     async fn snapshot(
         &self,
         kind: &str,
@@ -151,6 +164,12 @@ impl Discovery for EtcdDiscovery {
                                 return;
                             }
                             _ = tokio::time::sleep(period) => {
+                                // A transient error (a dropped stream) leaves the lease alive:
+                                // keep it, so watchers see no spurious leave and join.
+                                if Self::lease_alive(&mut client, lease).await {
+                                    break;
+                                }
+                                // The lease is gone (expired, or etcd lost it): register again.
                                 if let Ok(l) = Self::put_with_lease(&mut client, &key, &value, ttl).await {
                                     lease = l;
                                     break;
