@@ -275,13 +275,12 @@ impl Region {
         Ok(xxhash_rust::xxh3::xxh3_64(bytes))
     }
 
-    /// A view of `offset..offset+len` for one I/O call.
+    /// A short-lived view of `offset..offset+len` (for hashing).
     ///
     /// # Safety
     /// The range must have been checked with [`Region::check`], and the caller must not hold
-    /// the slice past the I/O call it was made for, nor alongside a mutable view of the same
-    /// bytes made by this process.
-    pub unsafe fn slice(&self, offset: u64, len: u64) -> &[u8] {
+    /// the slice past the call it was made for.
+    unsafe fn slice(&self, offset: u64, len: u64) -> &[u8] {
         // SAFETY: per the caller's contract the range is inside the live mapping.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len as usize) }
     }

@@ -226,11 +226,6 @@ impl DiskTier {
         self.io.backend()
     }
 
-    /// Whether the block is on disk (or being written).
-    pub fn contains(&self, hash: SequenceHash) -> bool {
-        self.state.lock().pool.knows(hash)
-    }
-
     /// Whether the block is on disk and readable now.
     pub fn has(&self, hash: SequenceHash) -> bool {
         self.state.lock().pool.lookup(hash).is_some()

@@ -64,6 +64,12 @@ pub struct TransferArgs {
     json: bool,
 }
 
+/// The stopping rule of every measurement: at least 5 iterations and `min_time`, at most
+/// 2000 iterations or 4 × `min_time`.
+fn keep_measuring(done: usize, start: Instant, min_time: Duration) -> bool {
+    (done < 5 || start.elapsed() < min_time) && done < 2000 && start.elapsed() < 4 * min_time
+}
+
 /// Runs `f` (one iteration) until `min_time` and at least 5 iterations (at most 2000 or
 /// 4 × min_time), after one warm-up; returns the per-iteration latencies.
 fn measure_sync(
@@ -73,10 +79,7 @@ fn measure_sync(
     f()?;
     let mut lat = Vec::new();
     let start = Instant::now();
-    while (lat.len() < 5 || start.elapsed() < min_time)
-        && lat.len() < 2000
-        && start.elapsed() < 4 * min_time
-    {
+    while keep_measuring(lat.len(), start, min_time) {
         let t = Instant::now();
         f()?;
         lat.push(t.elapsed());
@@ -252,10 +255,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
                 agent.post(req.clone())?.wait().await?;
                 let mut lat = Vec::new();
                 let start = Instant::now();
-                while (lat.len() < 5 || start.elapsed() < min_time)
-                    && lat.len() < 2000
-                    && start.elapsed() < 4 * min_time
-                {
+                while keep_measuring(lat.len(), start, min_time) {
                     let t = Instant::now();
                     agent.post(req.clone())?.wait().await?;
                     lat.push(t.elapsed());
