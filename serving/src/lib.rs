@@ -1,9 +1,13 @@
 //! kvfabric-serving — the serving layer and the `kvfabric` command-line binary.
 //!
-//! So far it holds capacity planning ([`plan`]) and benchmark statistics ([`stats`]); the
-//! OpenAI-compatible frontend, the engines and the workers come with the serving issues. Like
-//! every library crate of kvfabric, it installs no tracing subscriber and reads no
-//! environment variables: the binary does.
+//! [`engine`] holds the engines (a real llama model on CPU, a mock) and the continuous
+//! batching loop that serves them from the tiered block store; [`http`] the OpenAI-compatible
+//! frontend; [`plan`] capacity planning; [`stats`] benchmark statistics. Like every library
+//! crate of kvfabric, it installs no tracing subscriber and reads no environment variables:
+//! the binary does.
 
+pub mod engine;
+pub mod http;
+pub mod metrics;
 pub mod plan;
 pub mod stats;

@@ -10,6 +10,7 @@ mod hash;
 pub mod peer;
 mod plan;
 mod soak;
+mod up;
 
 /// kvfabric — a KV-cache data plane for LLM inference.
 #[derive(Debug, Parser)]
@@ -26,6 +27,9 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Serve a model in one process: OpenAI-compatible API, engine, tiered KV store,
+    /// embedded control plane.
+    Up(up::UpArgs),
     /// Capacity planning: KV bytes per token and per sequence, tier sizes, transfer times.
     Plan(plan::PlanArgs),
     /// Block and sequence hashes of a token sequence (Dynamo-compatible XXH3).
@@ -46,6 +50,7 @@ enum Command {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Up(args) => runtime()?.block_on(up::run(args)),
         Command::Plan(args) => plan::run(args),
         Command::Hash(args) => hash::run(args),
         Command::Bench(args) => runtime()?.block_on(bench::run(args)),

@@ -1,0 +1,459 @@
+//! The llama engine: a llama-architecture model from a GGUF file, run on CPU with candle.
+//!
+//! The linear layers, norms and activations are candle's; attention and rotary embeddings
+//! are written out here because the KV cache is ours: each sequence keeps, per layer, its K
+//! and V rows (`[token][kv_heads × head_dim]`, f32) exactly as the block store lays them out,
+//! so exporting a full block to the store and importing one back are plain copies, and a
+//! ragged batch (decodes and prefill chunks of different sequences) runs as one matrix per
+//! linear layer. Weights stay quantized (fast, approximate) or are dequantized to f32 at load
+//! (the default: with f32 weights a prompt computed in one pass and one continued from cached
+//! blocks give the same greedy tokens).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+
+use candle_core::quantized::{gguf_file, QMatMul};
+use candle_core::{Device, Module, Tensor};
+use kvfabric::layout::{AttentionKind, BlockLayout, KvDtype, KvShape};
+
+use super::{Engine, EngineError, ModelInfo, StepInput, TextCodec};
+
+/// How the weights are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Weights {
+    /// Dequantized to f32 at load: exact and reproducible, 4× the memory.
+    #[default]
+    F32,
+    /// As stored in the GGUF (Q4_1, Q8_0, ...): faster, approximate.
+    Quantized,
+}
+
+/// Options of [`LlamaEngine::load`].
+#[derive(Debug, Clone)]
+pub struct LlamaOptions {
+    /// Weights in f32 or quantized.
+    pub weights: Weights,
+    /// Tokens per KV block.
+    pub block_tokens: u32,
+    /// Cap on the context length (the model's own is used when smaller).
+    pub max_context: usize,
+    /// A tokenizer.json to use instead of the GGUF's vocabulary.
+    pub tokenizer_json: Option<std::path::PathBuf>,
+    /// The model id to serve under (default: the file name without `.gguf`).
+    pub name: Option<String>,
+}
+
+impl Default for LlamaOptions {
+    fn default() -> Self {
+        LlamaOptions {
+            weights: Weights::F32,
+            block_tokens: 16,
+            max_context: 8192,
+            tokenizer_json: None,
+            name: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Tensor,
+    wq: QMatMul,
+    wk: QMatMul,
+    wv: QMatMul,
+    wo: QMatMul,
+    ffn_norm: Tensor,
+    w_gate: QMatMul,
+    w_up: QMatMul,
+    w_down: QMatMul,
+}
+
+/// Per sequence, per layer: K and V rows.
+#[derive(Debug, Default)]
+struct SeqKv {
+    len: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+/// The llama engine.
+#[derive(Debug)]
+pub struct LlamaEngine {
+    info: ModelInfo,
+    codec: TextCodec,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    output: QMatMul,
+    n_head: usize,
+    n_kv: usize,
+    head_dim: usize,
+    eps: f32,
+    /// cos and sin of every position × frequency, `[pos][head_dim / 2]`.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    seqs: HashMap<u64, SeqKv>,
+    dev: Device,
+}
+
+fn model_err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Model(e.to_string())
+}
+
+impl LlamaEngine {
+    /// Loads a GGUF file; `progress(done, total)` is called as tensors load.
+    pub fn load(
+        path: &Path,
+        opts: &LlamaOptions,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self, EngineError> {
+        let file = File::open(path)
+            .map_err(|e| EngineError::Model(format!("opening {}: {e}", path.display())))?;
+        let mut r = BufReader::with_capacity(1 << 20, file);
+        let content = gguf_file::Content::read(&mut r)
+            .map_err(|e| EngineError::Model(format!("reading {}: {e}", path.display())))?;
+        let md = &content.metadata;
+        let arch = md
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default();
+        if arch != "llama" {
+            return Err(EngineError::Model(format!(
+                "architecture {arch:?} is not supported (llama only)"
+            )));
+        }
+        let get_u32 = |k: &str| -> Result<usize, EngineError> {
+            md.get(&format!("llama.{k}"))
+                .and_then(|v| v.to_u32().ok().or_else(|| v.to_u64().ok().map(|x| x as u32)))
+                .map(|v| v as usize)
+                .ok_or_else(|| EngineError::Model(format!("GGUF lacks llama.{k}")))
+        };
+        let n_head = get_u32("attention.head_count")?;
+        let n_kv = get_u32("attention.head_count_kv").unwrap_or(n_head);
+        let n_layer = get_u32("block_count")?;
+        let hidden = get_u32("embedding_length")?;
+        let ctx = get_u32("context_length").unwrap_or(4096).min(opts.max_context).max(1);
+        let eps = md
+            .get("llama.attention.layer_norm_rms_epsilon")
+            .and_then(|v| v.to_f32().ok())
+            .unwrap_or(1e-5);
+        let base = md.get("llama.rope.freq_base").and_then(|v| v.to_f32().ok()).unwrap_or(10_000.0);
+        if n_head == 0 || n_kv == 0 || hidden % n_head != 0 || n_head % n_kv != 0 {
+            return Err(model_err("inconsistent head counts in the GGUF metadata"));
+        }
+        let head_dim = hidden / n_head;
+        if head_dim % 2 != 0 {
+            return Err(model_err("odd head dimension"));
+        }
+        let codec = TextCodec::from_gguf(&content, opts.tokenizer_json.as_deref())?;
+
+        let dev = Device::Cpu;
+        let tied = !content.tensor_infos.contains_key("output.weight");
+        let total = 2 + usize::from(!tied) + n_layer * 9;
+        let mut done = 0;
+        let mut tensor = |name: &str| {
+            let t = content
+                .tensor(&mut r, name, &dev)
+                .map_err(|e| EngineError::Model(format!("tensor {name}: {e}")));
+            done += 1;
+            progress(done.min(total), total);
+            t
+        };
+        let mm = |qt: candle_core::quantized::QTensor| -> Result<QMatMul, EngineError> {
+            match opts.weights {
+                Weights::F32 => {
+                    Ok(QMatMul::Tensor(qt.dequantize(&Device::Cpu).map_err(model_err)?))
+                }
+                Weights::Quantized => QMatMul::from_qtensor(qt).map_err(model_err),
+            }
+        };
+        let embed_q = tensor("token_embd.weight")?;
+        let embed = embed_q.dequantize(&dev).map_err(model_err)?;
+        let norm = tensor("output_norm.weight")?.dequantize(&dev).map_err(model_err)?;
+        let output = match !tied {
+            true => mm(tensor("output.weight")?)?,
+            false => {
+                // Tied to the embeddings.
+                match opts.weights {
+                    Weights::F32 => QMatMul::Tensor(embed.clone()),
+                    Weights::Quantized => QMatMul::from_qtensor(embed_q).map_err(model_err)?,
+                }
+            }
+        };
+        let mut layers = Vec::with_capacity(n_layer);
+        for i in 0..n_layer {
+            let p = format!("blk.{i}");
+            let mut t = |n: &str| tensor(&format!("{p}.{n}.weight"));
+            layers.push(Layer {
+                attn_norm: t("attn_norm")?.dequantize(&dev).map_err(model_err)?,
+                wq: mm(t("attn_q")?)?,
+                wk: mm(t("attn_k")?)?,
+                wv: mm(t("attn_v")?)?,
+                wo: mm(t("attn_output")?)?,
+                ffn_norm: t("ffn_norm")?.dequantize(&dev).map_err(model_err)?,
+                w_gate: mm(t("ffn_gate")?)?,
+                w_up: mm(t("ffn_up")?)?,
+                w_down: mm(t("ffn_down")?)?,
+            });
+        }
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(ctx * half);
+        let mut sin = Vec::with_capacity(ctx * half);
+        let freqs: Vec<f32> =
+            (0..half).map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32)).collect();
+        for pos in 0..ctx {
+            for f in &freqs {
+                let a = pos as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let kv = KvShape {
+            num_layers: n_layer as u32,
+            attention: AttentionKind::Mha { num_kv_heads: n_kv as u32, head_dim: head_dim as u32 },
+            dtype: KvDtype::F32,
+        };
+        let layout = BlockLayout::new(kv, opts.block_tokens).map_err(model_err)?;
+        let id = opts.name.clone().unwrap_or_else(|| {
+            let stem = path.file_name().and_then(|s| s.to_str()).unwrap_or("model");
+            stem.strip_suffix(".gguf").unwrap_or(stem).to_string()
+        });
+        Ok(LlamaEngine {
+            info: ModelInfo { id, context_len: ctx, layout },
+            codec,
+            embed,
+            layers,
+            norm,
+            output,
+            n_head,
+            n_kv,
+            head_dim,
+            eps,
+            cos,
+            sin,
+            seqs: HashMap::new(),
+            dev,
+        })
+    }
+
+    fn width(&self) -> usize {
+        self.n_kv * self.head_dim
+    }
+
+    /// Rotates every head of `rows` (`[token][heads × head_dim]`) by its token's position
+    /// (interleaved pairs, as GGUF llama weights expect).
+    fn rope(&self, rows: &mut [f32], positions: &[usize], heads: usize) {
+        let (hd, half) = (self.head_dim, self.head_dim / 2);
+        for (row, &pos) in rows.chunks_exact_mut(heads * hd).zip(positions) {
+            let (c, s) = (&self.cos[pos * half..][..half], &self.sin[pos * half..][..half]);
+            for head in row.chunks_exact_mut(hd) {
+                for i in 0..half {
+                    let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = x0 * c[i] - x1 * s[i];
+                    head[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                }
+            }
+        }
+    }
+
+    /// Causal attention of `q` (`[n][heads × head_dim]`, positions `start..start+n`) over
+    /// the first `start + n` rows of `k` and `v`; writes `[n][heads × head_dim]` into `out`.
+    fn attend(&self, q: &[f32], k: &[f32], v: &[f32], start: usize, out: &mut [f32]) {
+        let (hd, nh, w) = (self.head_dim, self.n_head, self.width());
+        let group = nh / self.n_kv;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let n = q.len() / (nh * hd);
+        let work = |(idx, o): (usize, &mut [f32])| {
+            let (i, h) = (idx / nh, idx % nh);
+            let g = h / group;
+            let qh = &q[(i * nh + h) * hd..][..hd];
+            let len = start + i + 1;
+            let mut scores: Vec<f32> =
+                (0..len).map(|t| dot(qh, &k[t * w + g * hd..][..hd]) * scale).collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for s in &mut scores {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            o.fill(0.0);
+            for (t, &p) in scores.iter().enumerate() {
+                let p = p / sum;
+                let vr = &v[t * w + g * hd..][..hd];
+                for (a, b) in o.iter_mut().zip(vr) {
+                    *a += p * b;
+                }
+            }
+        };
+        if n * (start + n) * nh >= 1 << 16 {
+            use rayon::prelude::*;
+            out.par_chunks_mut(hd).enumerate().for_each(work);
+        } else {
+            out.chunks_mut(hd).enumerate().for_each(work);
+        }
+    }
+}
+
+/// Dot product with eight accumulators (vectorizes; a fixed order, so reproducible).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for j in 0..8 {
+            acc[j] += x[j] * y[j];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+impl Engine for LlamaEngine {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn codec(&self) -> &TextCodec {
+        &self.codec
+    }
+
+    fn add_sequence(&mut self, seq: u64) {
+        let n = self.layers.len();
+        self.seqs.insert(seq, SeqKv { len: 0, k: vec![Vec::new(); n], v: vec![Vec::new(); n] });
+    }
+
+    fn remove_sequence(&mut self, seq: u64) {
+        self.seqs.remove(&seq);
+    }
+
+    fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError> {
+        let layout = self.info.layout;
+        let bt = layout.block_tokens as usize;
+        let s = self.seqs.get_mut(&seq).ok_or(EngineError::Invalid("unknown sequence".into()))?;
+        if s.len != block * bt || bytes.len() as u64 != layout.bytes_per_block() {
+            return Err(EngineError::Invalid(
+                "block imported out of order or of a wrong size".into(),
+            ));
+        }
+        for l in 0..self.layers.len() {
+            for (plane, rows) in [(0, &mut s.k[l]), (1, &mut s.v[l])] {
+                let range = layout.plane_range(l as u32, plane).ok_or(model_err("bad layout"))?;
+                let src = &bytes[range.start as usize..range.end as usize];
+                rows.extend(
+                    src.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                );
+            }
+        }
+        s.len += bt;
+        Ok(())
+    }
+
+    fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError> {
+        let layout = self.info.layout;
+        let (bt, w) = (layout.block_tokens as usize, self.width());
+        let s = self.seqs.get(&seq).ok_or(EngineError::Invalid("unknown sequence".into()))?;
+        if s.len < (block + 1) * bt || out.len() as u64 != layout.bytes_per_block() {
+            return Err(EngineError::Invalid(format!("block {block} is not computed")));
+        }
+        for l in 0..self.layers.len() {
+            for (plane, rows) in [(0, &s.k[l]), (1, &s.v[l])] {
+                let range = layout.plane_range(l as u32, plane).ok_or(model_err("bad layout"))?;
+                let dst = &mut out[range.start as usize..range.end as usize];
+                let src = &rows[block * bt * w..(block + 1) * bt * w];
+                for (d, x) in dst.chunks_exact_mut(4).zip(src) {
+                    d.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let ctx = self.info.context_len;
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        for input in batch {
+            let s =
+                self.seqs.get(&input.seq).ok_or(EngineError::Invalid("unknown sequence".into()))?;
+            if s.len != input.start || input.start + input.tokens.len() > ctx {
+                return Err(EngineError::Invalid(format!(
+                    "step at position {} of a sequence holding {} tokens",
+                    input.start, s.len
+                )));
+            }
+            ids.extend_from_slice(input.tokens);
+            positions.extend(input.start..input.start + input.tokens.len());
+        }
+        let total = ids.len();
+        if total == 0 {
+            return Ok(Vec::new());
+        }
+        let (nh, hd, w) = (self.n_head, self.head_dim, self.width());
+        let ids_t = Tensor::from_vec(ids, total, &self.dev).map_err(model_err)?;
+        let mut x = self.embed.index_select(&ids_t, 0).map_err(model_err)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.eps).map_err(model_err)?;
+            let flat = |m: &QMatMul| -> Result<Vec<f32>, EngineError> {
+                m.forward(&h).and_then(|t| t.flatten_all()?.to_vec1::<f32>()).map_err(model_err)
+            };
+            let mut q = flat(&layer.wq)?;
+            let mut k = flat(&layer.wk)?;
+            let v = flat(&layer.wv)?;
+            self.rope(&mut q, &positions, nh);
+            self.rope(&mut k, &positions, self.n_kv);
+            let mut attn = vec![0f32; total * nh * hd];
+            let mut row = 0;
+            for input in batch {
+                let n = input.tokens.len();
+                let s = self.seqs.get_mut(&input.seq).ok_or(model_err("sequence vanished"))?;
+                s.k[l].extend_from_slice(&k[row * w..(row + n) * w]);
+                s.v[l].extend_from_slice(&v[row * w..(row + n) * w]);
+                let s = &self.seqs[&input.seq];
+                self.attend(
+                    &q[row * nh * hd..(row + n) * nh * hd],
+                    &s.k[l],
+                    &s.v[l],
+                    input.start,
+                    &mut attn[row * nh * hd..(row + n) * nh * hd],
+                );
+                row += n;
+            }
+            let attn = Tensor::from_vec(attn, (total, nh * hd), &self.dev).map_err(model_err)?;
+            let o = layer.wo.forward(&attn).map_err(model_err)?;
+            x = (x + o).map_err(model_err)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.eps).map_err(model_err)?;
+            let gate = layer.w_gate.forward(&h).and_then(|g| g.silu()).map_err(model_err)?;
+            let up = layer.w_up.forward(&h).map_err(model_err)?;
+            let down = layer.w_down.forward(&(gate * up).map_err(model_err)?).map_err(model_err)?;
+            x = (x + down).map_err(model_err)?;
+        }
+        for input in batch {
+            if let Some(s) = self.seqs.get_mut(&input.seq) {
+                s.len += input.tokens.len();
+            }
+        }
+        // Logits of the last token of each input that asks for them.
+        let mut rows = Vec::new();
+        let mut end = 0u32;
+        for input in batch {
+            end += input.tokens.len() as u32;
+            if input.logits {
+                rows.push(end - 1);
+            }
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows_t = Tensor::from_vec(rows.clone(), rows.len(), &self.dev).map_err(model_err)?;
+        let last = x.index_select(&rows_t, 0).map_err(model_err)?;
+        let last = candle_nn::ops::rms_norm(&last, &self.norm, self.eps).map_err(model_err)?;
+        let logits = self.output.forward(&last).map_err(model_err)?;
+        logits.to_vec2::<f32>().map_err(model_err)
+    }
+}

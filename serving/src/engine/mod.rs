@@ -1,0 +1,673 @@
+//! Engines and the batching loop that serves them.
+//!
+//! An [`Engine`] runs a model one step at a time over a ragged batch of sequences and keeps
+//! their KV rows; [`Scheduler`] owns one engine on its own thread and does everything around
+//! it: admission with prefix reuse from the tiered block store, continuous batching (decodes
+//! and prefill chunks in the same step), sampling, stop conditions, detokenization, storing
+//! each newly full block back into the store (which offloads and events it), cancellation
+//! and deadlines. Two engines implement the trait: [`llama`] (a real model on CPU with
+//! candle) and [`mock`] (a timing model with synthetic, verifiable KV).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvfabric::events::TierKind;
+use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
+use kvfabric::layout::BlockLayout;
+use kvfabric_tiers::{StoreError, TieredStore};
+use tokio::sync::mpsc;
+
+pub mod llama;
+pub mod mock;
+pub mod sampling;
+pub mod text;
+
+pub use sampling::{Sampler, SamplingParams};
+pub use text::{ChatMessage, TextCodec, TextStream};
+
+/// Why a request or an engine failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    /// The request is malformed (bad parameters, untokenizable prompt).
+    #[error("{0}")]
+    Invalid(String),
+    /// The prompt (plus the tokens asked for) does not fit the model's context.
+    #[error("this model's maximum context length is {limit} tokens; the request needs {needed} ({prompt} in the prompt)")]
+    ContextLength {
+        /// The model's context.
+        limit: usize,
+        /// Prompt plus requested completion tokens.
+        needed: usize,
+        /// Prompt tokens.
+        prompt: usize,
+    },
+    /// Too many requests are waiting.
+    #[error("the engine is overloaded ({0} requests waiting); retry later")]
+    Overloaded(usize),
+    /// The request ran past its deadline.
+    #[error("the request ran past its deadline of {0:?}")]
+    Deadline(Duration),
+    /// The engine stopped.
+    #[error("the engine is not running")]
+    Stopped,
+    /// The model could not be loaded or run.
+    #[error("model: {0}")]
+    Model(String),
+}
+
+/// What a model is, as the frontend shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelInfo {
+    /// The served model's id.
+    pub id: String,
+    /// Context length, tokens.
+    pub context_len: usize,
+    /// The layout of its KV blocks in the store.
+    pub layout: BlockLayout,
+}
+
+/// One sequence's share of a step: `tokens` at positions `start..start + tokens.len()`.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInput<'a> {
+    /// The sequence.
+    pub seq: u64,
+    /// Position of the first token (KV for `0..start` is present).
+    pub start: usize,
+    /// New tokens.
+    pub tokens: &'a [u32],
+    /// Return the logits of the last token.
+    pub logits: bool,
+}
+
+/// A model that runs steps over a ragged batch and holds each sequence's KV, block by block
+/// in the store's layout. Used from one thread.
+pub trait Engine: Send + 'static {
+    /// The model.
+    fn info(&self) -> &ModelInfo;
+    /// Its tokenizer and chat template.
+    fn codec(&self) -> &TextCodec;
+    /// Starts a sequence with no KV.
+    fn add_sequence(&mut self, seq: u64);
+    /// Forgets a sequence and frees its KV.
+    fn remove_sequence(&mut self, seq: u64);
+    /// Sets the KV of block `block` (tokens `block*bt..(block+1)*bt`) from bytes in the
+    /// store's layout; blocks are imported in order from 0, before any step.
+    fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError>;
+    /// Copies the KV of a full, computed block out in the store's layout.
+    fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError>;
+    /// Runs one step; returns the logits of each input that asked for them, in order.
+    fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError>;
+}
+
+/// A generation request, tokens in.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// Prompt tokens.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Keep going past EOS (benchmarks).
+    pub ignore_eos: bool,
+    /// When the request fails with [`EngineError::Deadline`].
+    pub timeout: Duration,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS, an end-of-turn token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+/// Prompt tokens served from the store, per tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CacheHits {
+    /// Tokens whose KV came from host memory.
+    pub host_tokens: usize,
+    /// From disk.
+    pub disk_tokens: usize,
+    /// From a remote fabric node.
+    pub remote_tokens: usize,
+}
+
+impl CacheHits {
+    /// All cached tokens.
+    pub fn total(&self) -> usize {
+        self.host_tokens + self.disk_tokens + self.remote_tokens
+    }
+}
+
+/// What a generation reports, in order: `Started`, `Token`s, then `Done` or `Error`.
+#[derive(Debug, Clone)]
+pub enum GenEvent {
+    /// Admitted: prompt KV reused from the store.
+    Started {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Prompt tokens whose KV came from the store.
+        cached: CacheHits,
+    },
+    /// A token and the text it completes (may be empty).
+    Token {
+        /// The token.
+        id: u32,
+        /// New text.
+        text: String,
+    },
+    /// The end.
+    Done {
+        /// Why.
+        reason: FinishReason,
+        /// Tokens generated.
+        completion_tokens: usize,
+        /// Text held back until the end (a partial stop-string match that never completed).
+        text: String,
+    },
+    /// The generation failed.
+    Error(EngineError),
+}
+
+/// Scheduler limits.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Sequences decoded together at most.
+    pub max_batch: usize,
+    /// Requests waiting for a batch slot at most; more are refused as overloaded.
+    pub max_waiting: usize,
+    /// Prompt tokens computed per step at most (long prompts are chunked).
+    pub step_tokens: usize,
+    /// Block hashing seed (LoRA / salt).
+    pub hash_seed: HashSeed,
+    /// Store computed blocks (prompt and generated) in the block store.
+    pub store_blocks: bool,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_batch: 16,
+            max_waiting: 256,
+            step_tokens: 512,
+            hash_seed: HashSeed::default(),
+            store_blocks: true,
+        }
+    }
+}
+
+/// Counters of the scheduler, read by `/metrics`.
+#[derive(Debug, Default)]
+pub struct SchedulerStats {
+    /// Requests waiting for a batch slot.
+    pub waiting: AtomicU64,
+    /// Requests in the batch.
+    pub running: AtomicU64,
+    /// Prompt tokens admitted.
+    pub prompt_tokens: AtomicU64,
+    /// Prompt tokens served from host, disk and remote blocks.
+    pub cached_tokens: [AtomicU64; 3],
+    /// Prompt tokens computed.
+    pub prefill_tokens: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+    /// Blocks stored into the store.
+    pub stored_blocks: AtomicU64,
+    /// Steps run.
+    pub steps: AtomicU64,
+    /// Requests cancelled by their client.
+    pub cancelled: AtomicU64,
+    /// Requests failed by their deadline.
+    pub deadline_exceeded: AtomicU64,
+}
+
+fn bump(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+struct Submission {
+    req: GenerateRequest,
+    tx: mpsc::UnboundedSender<GenEvent>,
+    arrived: Instant,
+}
+
+/// The handle to a running engine: submit requests, read its model and counters. Cheap to
+/// clone; the engine thread ends when the last handle is dropped.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    tx: std::sync::mpsc::Sender<Submission>,
+    info: Arc<ModelInfo>,
+    codec: Arc<TextCodec>,
+    stats: Arc<SchedulerStats>,
+    max_waiting: usize,
+}
+
+impl std::fmt::Debug for Submission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Submission").field("prompt", &self.req.prompt.len()).finish()
+    }
+}
+
+impl Scheduler {
+    /// Starts `engine` on its own thread. Store operations run on `runtime`, which must not
+    /// be the engine thread's (it is a plain thread).
+    pub fn start<E: Engine>(
+        engine: E,
+        store: TieredStore,
+        cfg: SchedulerConfig,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Self, EngineError> {
+        let info = Arc::new(engine.info().clone());
+        let codec = Arc::new(engine.codec().clone());
+        if store.block_bytes() != info.layout.bytes_per_block() {
+            return Err(EngineError::Model(format!(
+                "store blocks are {} bytes, the model's are {}",
+                store.block_bytes(),
+                info.layout.bytes_per_block()
+            )));
+        }
+        let hasher = TokenBlockHasher::new(info.layout.block_tokens as usize, cfg.hash_seed)
+            .map_err(|e| EngineError::Model(e.to_string()))?;
+        let stats = Arc::new(SchedulerStats::default());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let max_waiting = cfg.max_waiting;
+        let lp = Loop {
+            engine,
+            store,
+            runtime,
+            hasher,
+            cfg,
+            rx,
+            stats: stats.clone(),
+            codec: codec.clone(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 1,
+            block_buf: vec![0u8; info.layout.bytes_per_block() as usize],
+        };
+        std::thread::Builder::new()
+            .name("kvfabric-engine".into())
+            .spawn(move || lp.run())
+            .map_err(|e| EngineError::Model(format!("starting the engine thread: {e}")))?;
+        Ok(Scheduler { tx, info, codec, stats, max_waiting })
+    }
+
+    /// The model.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// Its tokenizer and chat template.
+    pub fn codec(&self) -> &TextCodec {
+        &self.codec
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+
+    /// Checks a request against the model's context, then queues it. Events arrive on the
+    /// returned channel; dropping it cancels the generation and frees its KV.
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
+        let ctx = self.info.context_len;
+        if req.prompt.is_empty() {
+            return Err(EngineError::Invalid("the prompt is empty".into()));
+        }
+        let vocab = self.codec.vocab_size() as u32;
+        if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
+            return Err(EngineError::Invalid(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        let needed = req.prompt.len().saturating_add(req.max_tokens);
+        if req.prompt.len() >= ctx || needed > ctx {
+            return Err(EngineError::ContextLength {
+                limit: ctx,
+                needed,
+                prompt: req.prompt.len(),
+            });
+        }
+        if req.max_tokens == 0 {
+            return Err(EngineError::Invalid("max_tokens must be at least 1".into()));
+        }
+        let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
+        if waiting >= self.max_waiting {
+            return Err(EngineError::Overloaded(waiting));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        bump(&self.stats.waiting, 1);
+        self.tx.send(Submission { req, tx, arrived: Instant::now() }).map_err(|_| {
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            EngineError::Stopped
+        })?;
+        Ok(rx)
+    }
+}
+
+struct Seq {
+    id: u64,
+    req: GenerateRequest,
+    tx: mpsc::UnboundedSender<GenEvent>,
+    deadline: Instant,
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    /// Tokens whose KV the engine holds.
+    computed: usize,
+    /// Sequence hashes of the full blocks so far.
+    hashes: Vec<SequenceHash>,
+    /// Blocks already in the store (imported, or stored by us).
+    stored: usize,
+    generated: usize,
+    sampler: Sampler,
+    text: TextStream,
+    /// Storing stopped (store full of pinned blocks).
+    store_off: bool,
+}
+
+impl Seq {
+    fn prompt_left(&self) -> usize {
+        self.req.prompt.len().saturating_sub(self.computed)
+    }
+}
+
+struct Loop<E: Engine> {
+    engine: E,
+    store: TieredStore,
+    runtime: tokio::runtime::Handle,
+    hasher: TokenBlockHasher,
+    cfg: SchedulerConfig,
+    rx: std::sync::mpsc::Receiver<Submission>,
+    stats: Arc<SchedulerStats>,
+    codec: Arc<TextCodec>,
+    waiting: VecDeque<Submission>,
+    running: Vec<Seq>,
+    next_id: u64,
+    block_buf: Vec<u8>,
+}
+
+enum Outcome {
+    Continue,
+    Finished(FinishReason),
+    Failed(EngineError),
+    Cancelled,
+}
+
+impl<E: Engine> Loop<E> {
+    fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv() {
+                    Ok(s) => self.waiting.push_back(s),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(s) = self.rx.try_recv() {
+                self.waiting.push_back(s);
+            }
+            self.admit();
+            if self.running.is_empty() {
+                continue;
+            }
+            self.step();
+        }
+    }
+
+    fn admit(&mut self) {
+        while self.running.len() < self.cfg.max_batch {
+            let Some(sub) = self.waiting.pop_front() else { break };
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            if sub.tx.is_closed() {
+                bump(&self.stats.cancelled, 1);
+                continue;
+            }
+            let deadline = sub.arrived + sub.req.timeout;
+            if Instant::now() >= deadline {
+                bump(&self.stats.deadline_exceeded, 1);
+                let _ = sub.tx.send(GenEvent::Error(EngineError::Deadline(sub.req.timeout)));
+                continue;
+            }
+            let id = self.next_id;
+            self.next_id += 1;
+            self.engine.add_sequence(id);
+            let mut seq = Seq {
+                id,
+                sampler: Sampler::new(sub.req.sampling),
+                text: TextStream::new(sub.req.stop.clone()),
+                tokens: sub.req.prompt.clone(),
+                hashes: self.hasher.sequence_hashes(&sub.req.prompt),
+                computed: 0,
+                stored: 0,
+                generated: 0,
+                deadline,
+                tx: sub.tx,
+                req: sub.req,
+                store_off: false,
+            };
+            let cached = self.reuse_prefix(&mut seq);
+            bump(&self.stats.prompt_tokens, seq.req.prompt.len() as u64);
+            let _ = seq.tx.send(GenEvent::Started { prompt_tokens: seq.req.prompt.len(), cached });
+            bump(&self.stats.running, 1);
+            self.running.push(seq);
+        }
+    }
+
+    /// Imports the longest run of the prompt's full blocks that the store holds (leaving at
+    /// least one prompt token to compute, for its logits).
+    fn reuse_prefix(&mut self, seq: &mut Seq) -> CacheHits {
+        let bt = self.hasher.block_tokens();
+        let mut hits = CacheHits::default();
+        let reusable = seq.hashes.len().min((seq.req.prompt.len() - 1) / bt);
+        if reusable == 0 {
+            return hits;
+        }
+        let tiers = self.store.lookup_prefix(&seq.hashes[..reusable]);
+        if tiers.is_empty() {
+            return hits;
+        }
+        let store = self.store.clone();
+        let wanted = seq.hashes[..tiers.len()].to_vec();
+        let left = seq.deadline.saturating_duration_since(Instant::now());
+        let refs = match self
+            .runtime
+            .block_on(async { tokio::time::timeout(left, store.get(&wanted)).await })
+        {
+            Ok(Ok(refs)) => refs,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "prefix reuse failed; computing the prompt");
+                return hits;
+            }
+            Err(_) => return hits,
+        };
+        for (i, r) in refs.iter().enumerate() {
+            let ok = r.read(&mut self.block_buf).is_ok()
+                && self.engine.import_block(seq.id, i, &self.block_buf).is_ok();
+            if !ok {
+                // Drop what was imported: recompute from the start.
+                self.engine.remove_sequence(seq.id);
+                self.engine.add_sequence(seq.id);
+                return CacheHits::default();
+            }
+            match tiers.get(i) {
+                Some(TierKind::Disk) => hits.disk_tokens += bt,
+                Some(TierKind::Remote) => hits.remote_tokens += bt,
+                _ => hits.host_tokens += bt,
+            }
+        }
+        seq.computed = refs.len() * bt;
+        seq.stored = refs.len();
+        bump(&self.stats.cached_tokens[0], hits.host_tokens as u64);
+        bump(&self.stats.cached_tokens[1], hits.disk_tokens as u64);
+        bump(&self.stats.cached_tokens[2], hits.remote_tokens as u64);
+        hits
+    }
+
+    fn step(&mut self) {
+        // Decodes first (one token each), then prompt chunks within the token budget.
+        let mut budget = self.cfg.step_tokens.max(1);
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len)
+        for (i, s) in self.running.iter().enumerate() {
+            if s.prompt_left() == 0 {
+                plan.push((i, s.computed, 1));
+                budget = budget.saturating_sub(1);
+            }
+        }
+        for (i, s) in self.running.iter().enumerate() {
+            let left = s.prompt_left();
+            if left > 0 && budget > 0 {
+                let n = left.min(budget);
+                plan.push((i, s.computed, n));
+                budget -= n;
+            }
+        }
+        if plan.is_empty() {
+            return;
+        }
+        let inputs: Vec<StepInput<'_>> = plan
+            .iter()
+            .map(|&(i, start, n)| {
+                let s = &self.running[i];
+                StepInput {
+                    seq: s.id,
+                    start,
+                    tokens: &s.tokens[start..start + n],
+                    logits: start + n == s.tokens.len(),
+                }
+            })
+            .collect();
+        let wants: Vec<bool> = inputs.iter().map(|x| x.logits).collect();
+        let result = self.engine.step(&inputs);
+        drop(inputs);
+        bump(&self.stats.steps, 1);
+        let mut outcomes: Vec<Outcome> =
+            (0..self.running.len()).map(|_| Outcome::Continue).collect();
+        match result {
+            Err(e) => {
+                tracing::error!(error = %e, "engine step failed");
+                for &(i, _, _) in &plan {
+                    outcomes[i] = Outcome::Failed(e.clone());
+                }
+            }
+            Ok(logits) => {
+                let mut logits = logits.into_iter();
+                for (&(i, _, n), want) in plan.iter().zip(wants) {
+                    let s = &mut self.running[i];
+                    if s.prompt_left() > 0 {
+                        bump(&self.stats.prefill_tokens, n.min(s.prompt_left()) as u64);
+                    }
+                    s.computed += n;
+                    if !want {
+                        continue;
+                    }
+                    let Some(l) = logits.next() else {
+                        outcomes[i] = Outcome::Failed(EngineError::Model("missing logits".into()));
+                        continue;
+                    };
+                    outcomes[i] = Self::advance(s, &l, &self.codec, self.engine.info().context_len);
+                    bump(&self.stats.generated_tokens, 1);
+                }
+            }
+        }
+        self.store_full_blocks();
+        let now = Instant::now();
+        for (i, s) in self.running.iter().enumerate() {
+            if matches!(outcomes[i], Outcome::Continue) {
+                if s.tx.is_closed() {
+                    outcomes[i] = Outcome::Cancelled;
+                } else if now >= s.deadline {
+                    outcomes[i] = Outcome::Failed(EngineError::Deadline(s.req.timeout));
+                    bump(&self.stats.deadline_exceeded, 1);
+                }
+            }
+        }
+        // Retire finished sequences (in reverse, so indices stay valid).
+        for i in (0..self.running.len()).rev() {
+            let event = match std::mem::replace(&mut outcomes[i], Outcome::Continue) {
+                Outcome::Continue => continue,
+                Outcome::Finished(reason) => {
+                    let s = &mut self.running[i];
+                    GenEvent::Done { reason, completion_tokens: s.generated, text: s.text.flush() }
+                }
+                Outcome::Failed(e) => GenEvent::Error(e),
+                Outcome::Cancelled => {
+                    bump(&self.stats.cancelled, 1);
+                    GenEvent::Error(EngineError::Invalid("cancelled".into()))
+                }
+            };
+            let s = self.running.swap_remove(i);
+            let _ = s.tx.send(event);
+            self.engine.remove_sequence(s.id);
+            self.stats.running.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Samples the next token of `s` and decides whether it goes on.
+    fn advance(s: &mut Seq, logits: &[f32], codec: &TextCodec, ctx: usize) -> Outcome {
+        let tok = s.sampler.sample(logits);
+        s.generated += 1;
+        if !s.req.ignore_eos && codec.stop_tokens().contains(&tok) {
+            return Outcome::Finished(FinishReason::Stop);
+        }
+        s.tokens.push(tok);
+        let (text, stopped) = s.text.push(codec, tok);
+        if s.tx.send(GenEvent::Token { id: tok, text }).is_err() {
+            return Outcome::Cancelled;
+        }
+        if stopped {
+            return Outcome::Finished(FinishReason::Stop);
+        }
+        if s.generated >= s.req.max_tokens || s.tokens.len() >= ctx {
+            return Outcome::Finished(FinishReason::Length);
+        }
+        Outcome::Continue
+    }
+
+    /// Stores every block whose KV is now complete and that the store does not have yet.
+    fn store_full_blocks(&mut self) {
+        if !self.cfg.store_blocks {
+            return;
+        }
+        let bt = self.hasher.block_tokens();
+        for s in &mut self.running {
+            // Hashes of blocks completed by generated tokens.
+            let full = s.tokens.len() / bt;
+            if full > s.hashes.len() {
+                let parent = s.hashes.last().copied();
+                let more = self.hasher.extend(parent, &s.tokens[s.hashes.len() * bt..full * bt]);
+                s.hashes.extend(more);
+            }
+            while !s.store_off && s.stored < s.computed / bt {
+                let b = s.stored;
+                let hash = s.hashes[b];
+                let parent = b.checked_sub(1).map(|p| s.hashes[p]);
+                if let Err(e) = self.engine.export_block(s.id, b, &mut self.block_buf) {
+                    tracing::warn!(error = %e, "exporting a block failed");
+                    s.store_off = true;
+                    break;
+                }
+                let store = self.store.clone();
+                let buf = &self.block_buf;
+                match self.runtime.block_on(store.put(hash, parent, buf)) {
+                    Ok(()) => bump(&self.stats.stored_blocks, 1),
+                    Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "storing a block failed; this sequence stores no more");
+                        s.store_off = true;
+                        break;
+                    }
+                }
+                s.stored += 1;
+            }
+        }
+    }
+}
