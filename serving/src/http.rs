@@ -526,9 +526,19 @@ enum Endpoint {
 
 type Parsed = (Vec<u32>, usize, Checked);
 
-async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+/// An unreadable or oversize body, in OpenAI's shape.
+fn read_body(body: Body) -> Result<Bytes, ApiError> {
+    body.map_err(|e| ApiError {
+        param: Some("body"),
+        ..ApiError::new(e.status(), e.body_text(), "invalid_request_error")
+    })
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
     let started = Instant::now();
-    let r = parse_completion(&st, &body);
+    let r = read_body(body).and_then(|b| parse_completion(&st, &b));
     run(st, Endpoint::Completions, r, started).await
 }
 
@@ -553,9 +563,9 @@ fn parse_completion(st: &AppState, body: &Bytes) -> Result<Parsed, ApiError> {
     }
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
     let started = Instant::now();
-    let r = parse_chat(&st, &body);
+    let r = read_body(body).and_then(|b| parse_chat(&st, &b));
     run(st, Endpoint::Chat, r, started).await
 }
 

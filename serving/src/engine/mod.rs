@@ -278,6 +278,7 @@ impl Scheduler {
         let stats = Arc::new(SchedulerStats::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let max_waiting = cfg.max_waiting;
+        let store_capacity = store.metrics().host_capacity_blocks;
         let lp = Loop {
             engine,
             store,
@@ -291,6 +292,7 @@ impl Scheduler {
             running: Vec::new(),
             next_id: 1,
             block_buf: vec![0u8; info.layout.bytes_per_block() as usize],
+            host_capacity: store_capacity as usize,
         };
         std::thread::Builder::new()
             .name("kvfabric-engine".into())
@@ -394,6 +396,7 @@ struct Loop<E: Engine> {
     running: Vec<Seq>,
     next_id: u64,
     block_buf: Vec<u8>,
+    host_capacity: usize,
 }
 
 enum Outcome {
@@ -475,37 +478,47 @@ impl<E: Engine> Loop<E> {
         if tiers.is_empty() {
             return hits;
         }
-        let store = self.store.clone();
-        let wanted = seq.hashes[..tiers.len()].to_vec();
-        let left = seq.deadline.saturating_duration_since(Instant::now());
-        let refs = match self
-            .runtime
-            .block_on(async { tokio::time::timeout(left, store.get(&wanted)).await })
-        {
-            Ok(Ok(refs)) => refs,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "prefix reuse failed; computing the prompt");
-                return hits;
+        // In chunks that leave room in the host tier for others: each chunk's blocks are
+        // pinned in host memory only while they are copied into the engine.
+        let chunk = (self.host_capacity / 4).clamp(1, 64);
+        let mut imported = 0;
+        'chunks: for part in seq.hashes[..tiers.len()].chunks(chunk) {
+            let left = seq.deadline.saturating_duration_since(Instant::now());
+            let store = self.store.clone();
+            let refs = match self
+                .runtime
+                .block_on(async { tokio::time::timeout(left, store.get(part)).await })
+            {
+                Ok(Ok(refs)) => refs,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "prefix reuse stopped early; computing the rest");
+                    break;
+                }
+                Err(_) => break,
+            };
+            for r in &refs {
+                let ok = r.read(&mut self.block_buf).is_ok()
+                    && self.engine.import_block(seq.id, imported, &self.block_buf).is_ok();
+                if !ok {
+                    // The engine may hold part of the block: recompute from the start.
+                    tracing::warn!("importing a cached block failed; computing the prompt");
+                    self.engine.remove_sequence(seq.id);
+                    self.engine.add_sequence(seq.id);
+                    return CacheHits::default();
+                }
+                match tiers.get(imported) {
+                    Some(TierKind::Disk) => hits.disk_tokens += bt,
+                    Some(TierKind::Remote) => hits.remote_tokens += bt,
+                    _ => hits.host_tokens += bt,
+                }
+                imported += 1;
             }
-            Err(_) => return hits,
-        };
-        for (i, r) in refs.iter().enumerate() {
-            let ok = r.read(&mut self.block_buf).is_ok()
-                && self.engine.import_block(seq.id, i, &self.block_buf).is_ok();
-            if !ok {
-                // Drop what was imported: recompute from the start.
-                self.engine.remove_sequence(seq.id);
-                self.engine.add_sequence(seq.id);
-                return CacheHits::default();
-            }
-            match tiers.get(i) {
-                Some(TierKind::Disk) => hits.disk_tokens += bt,
-                Some(TierKind::Remote) => hits.remote_tokens += bt,
-                _ => hits.host_tokens += bt,
+            if refs.len() < part.len() {
+                break 'chunks;
             }
         }
-        seq.computed = refs.len() * bt;
-        seq.stored = refs.len();
+        seq.computed = imported * bt;
+        seq.stored = imported;
         bump(&self.stats.cached_tokens[0], hits.host_tokens as u64);
         bump(&self.stats.cached_tokens[1], hits.disk_tokens as u64);
         bump(&self.stats.cached_tokens[2], hits.remote_tokens as u64);

@@ -218,6 +218,8 @@ impl TextStream {
         self.text = full;
         if let Some(at) = self.stop_at() {
             let out = self.text.get(self.sent..at).unwrap_or_default().to_string();
+            // Nothing after the stop string is ever sent, not even by `flush`.
+            self.text.truncate(at);
             self.sent = at;
             return (out, true);
         }
@@ -300,6 +302,14 @@ mod tests {
         assert_eq!(stream_all(&c, "abc STO", &["STOP"]), ("abc STO".into(), false));
         assert_eq!(stream_all(&c, "a\n\nb", &["\n\n", "b"]), ("a".into(), true));
         assert_eq!(stream_all(&c, "no stop here", &[]), ("no stop here".into(), false));
+        let mut s = TextStream::new(vec!["ww".into()]);
+        let got: String =
+            c.encode("abwwcd").unwrap().into_iter().map(|t| s.push(&c, t).0).collect();
+        assert_eq!(
+            (got.as_str(), s.flush().as_str()),
+            ("ab", ""),
+            "flush after a stop sends nothing"
+        );
     }
 
     #[test]

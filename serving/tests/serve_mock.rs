@@ -1,0 +1,356 @@
+//! The OpenAI-compatible frontend over the mock engine, in process, over real sockets:
+//! response shapes (streaming and not), errors and their status codes, a client hanging up
+//! mid-stream, overload and deadlines, prefix reuse from host and disk blocks, batching.
+//!
+//! The mock engine checks every imported block against the chain of blocks before it and
+//! derives each token from all tokens before it, so equal outputs with and without cached
+//! blocks prove that the store returned exactly the bytes that were stored. What the mock
+//! cannot prove: anything about real model numerics (`serve_llama.rs` covers those).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::{get, metric, post, post_json, streamed_text};
+use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::events::NullSink;
+use kvfabric::layout::{KvDtype, ModelSpec};
+use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
+use kvfabric_serving::engine::{Scheduler, SchedulerConfig};
+use kvfabric_serving::http::{router, ServerConfig};
+use kvfabric_tiers::disk::DiskConfig;
+use kvfabric_tiers::{StoreConfig, TieredStore};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+struct Server {
+    addr: SocketAddr,
+    sched: Scheduler,
+    _dir: tempfile::TempDir,
+    _agent: Agent,
+}
+
+struct Opts {
+    mock: MockConfig,
+    sched: SchedulerConfig,
+    host_blocks: u32,
+    disk_blocks: u32,
+    server: ServerConfig,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            mock: MockConfig {
+                decode_step_us: 1000.0,
+                prefill_us_per_token: 5.0,
+                ..MockConfig::default()
+            },
+            sched: SchedulerConfig::default(),
+            host_blocks: 64,
+            disk_blocks: 0,
+            server: ServerConfig::default(),
+        }
+    }
+}
+
+async fn serve(o: Opts) -> Server {
+    let layout = ModelSpec::preset("smollm2-135m")
+        .unwrap()
+        .with_dtype(KvDtype::F32)
+        .block_layout(16)
+        .unwrap();
+    let engine = MockEngine::new("mock", layout, o.mock).unwrap();
+    let agent = Agent::start(AgentConfig::new("serve-test", b"secret".to_vec())).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = StoreConfig::new(layout.bytes_per_block(), o.host_blocks);
+    cfg.disk_admit_min_hits = 0;
+    if o.disk_blocks > 0 {
+        cfg.disk = Some(DiskConfig::new(dir.path().join("kv.slots"), o.disk_blocks));
+    }
+    let store = TieredStore::open(cfg, &agent, std::sync::Arc::new(NullSink)).await.unwrap();
+    let sched = Scheduler::start(engine, store.clone(), o.sched, tokio::runtime::Handle::current())
+        .unwrap();
+    let app = router(sched.clone(), store, o.server);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Server { addr, sched, _dir: dir, _agent: agent }
+}
+
+fn chat(content: &str, extra: serde_json::Value) -> serde_json::Value {
+    let mut v = json!({
+        "model": "mock", "messages": [{"role": "user", "content": content}],
+        "temperature": 0, "max_tokens": 12,
+    });
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
+async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_and_response_shapes() {
+    let s = serve(Opts::default()).await;
+    let m = get(s.addr, "/v1/models").await.json();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], "mock");
+    assert_eq!(get(s.addr, "/v1/models/mock").await.status, 200);
+    assert_eq!(get(s.addr, "/health").await.json()["status"], "ok");
+
+    let whole = post_json(s.addr, "/v1/chat/completions", &chat("Hello there", json!({}))).await;
+    assert_eq!(whole.status, 200, "{}", whole.text());
+    let w = whole.json();
+    assert_eq!(w["object"], "chat.completion");
+    assert_eq!(w["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(w["choices"][0]["finish_reason"], "length");
+    let text = w["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    assert_eq!(text.len(), 12, "one byte per mock token: {text:?}");
+    assert_eq!(w["usage"]["completion_tokens"], 12);
+    let prompt_tokens = w["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 11, "the chat template wraps the message");
+
+    // Streaming: a role chunk, content chunks, a finish chunk, the usage chunk, [DONE].
+    let streamed = post_json(
+        s.addr,
+        "/v1/chat/completions",
+        &chat("Hello there", json!({"stream": true, "stream_options": {"include_usage": true}})),
+    )
+    .await;
+    assert_eq!(streamed.status, 200);
+    assert!(streamed.header("content-type").unwrap().starts_with("text/event-stream"));
+    let data = streamed.sse();
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let (stext, chunks) = streamed_text(&streamed);
+    assert_eq!(stext, text, "streamed and whole greedy outputs differ");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(usage["usage"]["completion_tokens"], 12);
+    assert_eq!(usage["usage"]["prompt_tokens"], prompt_tokens);
+
+    // Completions, whole and streamed, and a stop string cutting the text.
+    let body =
+        json!({"model": "mock", "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0});
+    let c = post_json(s.addr, "/v1/completions", &body).await.json();
+    assert_eq!(c["object"], "text_completion");
+    let ctext = c["choices"][0]["text"].as_str().unwrap().to_string();
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let (cstream, _) = streamed_text(&post_json(s.addr, "/v1/completions", &sbody).await);
+    assert_eq!(cstream, ctext);
+    let stop = &ctext[8..10];
+    let first = ctext.find(stop).unwrap();
+    let mut stopped = body.clone();
+    stopped["stop"] = json!([stop]);
+    let c = post_json(s.addr, "/v1/completions", &stopped).await.json();
+    assert_eq!(c["choices"][0]["text"], &ctext[..first]);
+    assert_eq!(c["choices"][0]["finish_reason"], "stop");
+    // Token-id prompts are accepted as they are.
+    let ids = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": [79, 110, 99, 101], "max_tokens": 3, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(ids.json()["usage"]["prompt_tokens"], 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors_with_the_right_status() {
+    let s = serve(Opts {
+        mock: MockConfig { context_len: 256, ..MockConfig::zero_delay() },
+        server: ServerConfig { max_body_bytes: 64 << 10, ..ServerConfig::default() },
+        ..Opts::default()
+    })
+    .await;
+    let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
+        ("/v1/chat/completions", "{\"model\": \"mock\", \"messages\": [".into(), 400, None),
+        ("/v1/chat/completions", "[1, 2]".into(), 400, None),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}]}).to_string(), 400, None),
+        ("/v1/chat/completions", chat("x", json!({"model": "gpt-9"})).to_string(), 404, Some("model_not_found")),
+        ("/v1/chat/completions", chat("x", json!({"n": 2})).to_string(), 400, None),
+        ("/v1/chat/completions", chat("x", json!({"temperature": 2.5})).to_string(), 400, None),
+        ("/v1/chat/completions", chat("x", json!({"top_p": 0})).to_string(), 400, None),
+        ("/v1/chat/completions", chat("x", json!({"max_tokens": 0})).to_string(), 400, None),
+        ("/v1/chat/completions", chat("x", json!({"max_tokens": "many"})).to_string(), 400, None),
+        ("/v1/chat/completions", chat("x", json!({"stop": ["a", "b", "c", "d", "e"]})).to_string(), 400, None),
+        ("/v1/chat/completions", chat("x", json!({"logprobs": true})).to_string(), 400, None),
+        ("/v1/chat/completions", json!({"model": "mock", "messages": []}).to_string(), 400, None),
+        ("/v1/chat/completions", json!({"model": "mock", "messages": [{"role": "wizard", "content": "x"}]}).to_string(), 400, None),
+        ("/v1/chat/completions", json!({"model": "mock", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).to_string(), 400, None),
+        ("/v1/chat/completions", chat(&"long ".repeat(100), json!({})).to_string(), 400, Some("context_length_exceeded")),
+        ("/v1/chat/completions", chat("x", json!({"max_tokens": 1000})).to_string(), 400, Some("context_length_exceeded")),
+        ("/v1/completions", json!({"model": "mock", "max_tokens": 2}).to_string(), 400, None),
+        ("/v1/completions", json!({"model": "mock", "prompt": ""}).to_string(), 400, None),
+        ("/v1/completions", json!({"model": "mock", "prompt": [1, 999999]}).to_string(), 400, None),
+        ("/v1/completions", json!({"model": "mock", "prompt": ["a", "b"]}).to_string(), 400, None),
+        ("/v1/completions", json!({"model": "mock", "prompt": "x".repeat(70 << 10)}).to_string(), 413, None),
+    ];
+    for (path, body, status, code) in cases {
+        let r = post(s.addr, path, &body).await;
+        let shown: String = body.chars().take(80).collect();
+        assert_eq!(r.status, status, "{shown}: {}", r.text());
+        let e = r.json();
+        let err = &e["error"];
+        assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()), "{shown}: {e}");
+        assert!(err["type"].is_string(), "{shown}: {e}");
+        if let Some(code) = code {
+            assert_eq!(err["code"], code, "{shown}");
+        }
+    }
+    let r = get(s.addr, "/v1/nope").await;
+    assert_eq!((r.status, r.json()["error"]["type"].as_str()), (404, Some("not_found")));
+    assert_eq!(get(s.addr, "/v1/chat/completions").await.status, 405);
+    assert_eq!(get(s.addr, "/v1/models/gpt-9").await.status, 404);
+    // Every refusal is counted; nothing reached the engine.
+    let m = get(s.addr, "/metrics").await.text();
+    assert!(metric(&m, "kvfabric_requests_total{outcome=\"client_error\"}") >= 20.0);
+    assert_eq!(s.sched.stats().prompt_tokens.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_mid_stream_cancels_its_generation() {
+    let s = serve(Opts {
+        mock: MockConfig { decode_step_us: 5_000.0, ..MockConfig::zero_delay() },
+        ..Opts::default()
+    })
+    .await;
+    let body = chat("tell me everything", json!({"stream": true, "max_tokens": 4000})).to_string();
+    let mut conn = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    conn.write_all(&common::request_bytes("POST", "/v1/chat/completions", Some(&body)))
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("\"content\":\"") || seen.len() < 600 {
+        let n = conn.read(&mut buf).await.unwrap();
+        assert!(n > 0, "stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(s.sched.stats().running.load(Ordering::Relaxed), 1);
+    drop(conn);
+    let stats = s.sched.stats();
+    wait_until("the engine to drop the sequence", || stats.running.load(Ordering::Relaxed) == 0)
+        .await;
+    assert_eq!(stats.cancelled.load(Ordering::Relaxed), 1);
+    assert!(stats.generated_tokens.load(Ordering::Relaxed) < 4000);
+    let m = get(s.addr, "/metrics").await.text();
+    assert_eq!(metric(&m, "kvfabric_requests_total{outcome=\"cancelled\"}"), 1.0);
+    // The engine still serves.
+    let r = post_json(s.addr, "/v1/chat/completions", &chat("again", json!({}))).await;
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_429_and_a_late_request_504() {
+    let s = serve(Opts {
+        mock: MockConfig { decode_step_us: 20_000.0, ..MockConfig::zero_delay() },
+        sched: SchedulerConfig { max_batch: 1, max_waiting: 1, ..SchedulerConfig::default() },
+        server: ServerConfig {
+            request_timeout: Duration::from_millis(1500),
+            ..ServerConfig::default()
+        },
+        ..Opts::default()
+    })
+    .await;
+    let addr = s.addr;
+    let long = chat("first", json!({"max_tokens": 1000}));
+    let running = tokio::spawn(async move { post_json(addr, "/v1/chat/completions", &long).await });
+    let stats = s.sched.stats();
+    wait_until("the first request to run", || stats.running.load(Ordering::Relaxed) == 1).await;
+    let waiting = chat("second", json!({"max_tokens": 5}));
+    let queued =
+        tokio::spawn(async move { post_json(addr, "/v1/chat/completions", &waiting).await });
+    wait_until("the second request to wait", || stats.waiting.load(Ordering::Relaxed) == 1).await;
+    let r = post_json(addr, "/v1/chat/completions", &chat("third", json!({}))).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+    // 1000 tokens at 20 ms each cannot finish within the 1.5 s deadline.
+    let started = Instant::now();
+    let r = running.await.unwrap();
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // The queued one then runs and completes.
+    let q = queued.await.unwrap();
+    assert!(q.status == 200 || q.status == 504, "{}", q.text());
+    wait_until("the engine to go idle", || stats.running.load(Ordering::Relaxed) == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_reuses_blocks_from_host_and_from_disk() {
+    let s = serve(Opts {
+        mock: MockConfig::zero_delay(),
+        host_blocks: 4,
+        disk_blocks: 128,
+        ..Opts::default()
+    })
+    .await;
+    // About 150 tokens: 9 full blocks of 16, more than the host tier holds.
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(3);
+    let body = json!({"model": "mock", "prompt": prompt, "max_tokens": 24, "temperature": 0});
+    let cold = post_json(s.addr, "/v1/completions", &body).await.json();
+    assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let warm = post_json(s.addr, "/v1/completions", &body).await.json();
+    assert_eq!(warm["choices"][0]["text"], cold["choices"][0]["text"]);
+    let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let prompt_tokens = warm["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(cached, (prompt_tokens - 1) / 16 * 16, "every full prompt block but a last token's");
+    let m = get(s.addr, "/metrics").await.text();
+    assert!(metric(&m, "kvfabric_kv_hit_tokens_total{tier=\"disk\"}") > 0.0, "{m}");
+    assert!(metric(&m, "kvfabric_kv_onboard_bytes_total") > 0.0);
+    assert_eq!(metric(&m, "kvfabric_cached_prompt_tokens_total"), cached as f64);
+    // A different prompt sharing the first blocks reuses just those.
+    let mut other = body.clone();
+    other["prompt"] =
+        json!(format!("{}{}", &prompt[..70], "and then something else entirely happens here"));
+    let o = post_json(s.addr, "/v1/completions", &other).await.json();
+    let c = o["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert_eq!(c, 64, "70 shared bytes are 4 full blocks");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_share_steps_and_each_gets_its_own_answer() {
+    let s = serve(Opts {
+        mock: MockConfig { decode_step_us: 2_000.0, ..MockConfig::zero_delay() },
+        ..Opts::default()
+    })
+    .await;
+    let prompts: Vec<String> = (0..8).map(|i| format!("question number {i}")).collect();
+    let mut solo = Vec::new();
+    for p in &prompts {
+        solo.push(
+            post_json(s.addr, "/v1/chat/completions", &chat(p, json!({"max_tokens": 30})))
+                .await
+                .json(),
+        );
+    }
+    let steps_before = s.sched.stats().steps.load(Ordering::Relaxed);
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (addr, body) = (s.addr, chat(p, json!({"max_tokens": 30})));
+            tokio::spawn(async move { post_json(addr, "/v1/chat/completions", &body).await.json() })
+        })
+        .collect();
+    for (t, solo) in tasks.into_iter().zip(&solo) {
+        let r = t.await.unwrap();
+        assert_eq!(r["choices"][0]["message"]["content"], solo["choices"][0]["message"]["content"]);
+    }
+    let steps = s.sched.stats().steps.load(Ordering::Relaxed) - steps_before;
+    // 8 × 30 tokens one by one would take 240 steps.
+    assert!(steps < 120, "{steps} steps for 8 concurrent requests: not batched");
+}
