@@ -66,7 +66,10 @@ fn chat(messages: Value, max_tokens: u32) -> Value {
 }
 
 fn content(v: &Value) -> String {
-    v["choices"][0]["message"]["content"].as_str().unwrap_or_else(|| panic!("no content: {v}")).to_string()
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no content: {v}"))
+        .to_string()
 }
 
 fn cached(v: &Value) -> u64 {
@@ -135,7 +138,9 @@ async fn a_repeated_prompt_is_served_from_cached_blocks_and_answers_like_the_col
     // The next turn of the conversation reuses the blocks of the first (prompt and answer).
     let mut next = long_conversation("the history of Paris");
     next.as_array_mut().unwrap().push(json!({"role": "assistant", "content": content(&cold)}));
-    next.as_array_mut().unwrap().push(json!({"role": "user", "content": "Thanks! And what about its museums?"}));
+    next.as_array_mut()
+        .unwrap()
+        .push(json!({"role": "user", "content": "Thanks! And what about its museums?"}));
     let turn2 = post_json(s.addr, "/v1/chat/completions", &chat(next, 8)).await.json();
     assert!(cached(&turn2) >= cached(&warm), "{} < {}", cached(&turn2), cached(&warm));
 }

@@ -297,6 +297,72 @@ impl LlamaEngine {
     }
 }
 
+/// The model run the plain candle way, for comparison: batch 1, a per-layer KV cache of
+/// tensors grown by concatenation, attention by `matmul` with a causal mask and softmax,
+/// candle's interleaved rotary kernel. Shares the engine's weights.
+#[derive(Debug)]
+pub struct ReferenceLoop<'a> {
+    m: &'a LlamaEngine,
+    cache: Vec<Option<(Tensor, Tensor)>>,
+    pos: usize,
+}
+
+impl<'a> ReferenceLoop<'a> {
+    /// An empty sequence.
+    pub fn new(m: &'a LlamaEngine) -> Self {
+        ReferenceLoop { m, cache: vec![None; m.layers.len()], pos: 0 }
+    }
+
+    /// Feeds `tokens` (all at once) and returns the logits of the last one.
+    pub fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        self.forward_inner(tokens).map_err(model_err)
+    }
+
+    fn forward_inner(&mut self, tokens: &[u32]) -> candle_core::Result<Vec<f32>> {
+        let m = self.m;
+        let (t, p, nh, nkv, hd) = (tokens.len(), self.pos, m.n_head, m.n_kv, m.head_dim);
+        let half = hd / 2;
+        let dev = &m.dev;
+        let ids = Tensor::from_slice(tokens, t, dev)?;
+        let mut x = m.embed.index_select(&ids, 0)?.unsqueeze(0)?;
+        let cos = Tensor::from_slice(&m.cos[p * half..(p + t) * half], (t, half), dev)?;
+        let sin = Tensor::from_slice(&m.sin[p * half..(p + t) * half], (t, half), dev)?;
+        let len = p + t;
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| (0..len).map(move |j| if j > p + i { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, len), dev)?;
+        for (l, layer) in m.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, m.eps)?;
+            let heads = |w: &QMatMul, n: usize| -> candle_core::Result<Tensor> {
+                w.forward(&h)?.reshape((1, t, n, hd))?.transpose(1, 2)?.contiguous()
+            };
+            let q = candle_nn::rotary_emb::rope_i(&heads(&layer.wq, nh)?, &cos, &sin)?;
+            let k = candle_nn::rotary_emb::rope_i(&heads(&layer.wk, nkv)?, &cos, &sin)?;
+            let v = heads(&layer.wv, nkv)?;
+            let (k, v) = match &self.cache[l] {
+                Some((ck, cv)) => (Tensor::cat(&[ck, &k], 2)?, Tensor::cat(&[cv, &v], 2)?),
+                None => (k, v),
+            };
+            self.cache[l] = Some((k.clone(), v.clone()));
+            let rep = |x: &Tensor| -> candle_core::Result<Tensor> {
+                x.unsqueeze(2)?.expand((1, nkv, nh / nkv, len, hd))?.reshape((1, nh, len, hd))
+            };
+            let att = (q.matmul(&rep(&k)?.t()?)? / (hd as f64).sqrt())?;
+            let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(&mask)?)?;
+            let y = att.matmul(&rep(&v)?)?.transpose(1, 2)?.reshape((1, t, nh * hd))?;
+            x = (x + layer.wo.forward(&y)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, m.eps)?;
+            let g = layer.w_gate.forward(&h)?.silu()?;
+            x = (&x + layer.w_down.forward(&(g * layer.w_up.forward(&h)?)?)?)?;
+        }
+        self.pos += t;
+        let last = x.narrow(1, t - 1, 1)?.reshape((1, x.dim(2)?))?;
+        let last = candle_nn::ops::rms_norm(&last, &m.norm, m.eps)?;
+        m.output.forward(&last)?.flatten_all()?.to_vec1::<f32>()
+    }
+}
+
 /// Dot product with eight accumulators (vectorizes; a fixed order, so reproducible).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
