@@ -3,8 +3,10 @@
 
 use clap::{Args, Subcommand};
 
+mod engine;
 mod fabric;
 mod router;
+mod serve;
 mod tier;
 mod transfer;
 
@@ -25,6 +27,12 @@ enum Which {
     Router(router::RouterArgs),
     /// Remote get throughput from a fabric node against a plain transfer of the same bytes.
     Fabric(fabric::FabricArgs),
+    /// Decode speed of the llama engine and of the whole serving loop against a plain candle
+    /// generation loop on the same weights.
+    Engine(engine::EngineArgs),
+    /// Load on any OpenAI-compatible endpoint: TTFT, ITL, latency and throughput per
+    /// concurrency level.
+    Serve(serve::ServeArgs),
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -33,6 +41,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Which::Tier(a) => tier::run(a).await,
         Which::Router(a) => router::run(a),
         Which::Fabric(a) => fabric::run(a).await,
+        Which::Engine(a) => engine::run(a).await,
+        Which::Serve(a) => serve::run(a).await,
     }
 }
 

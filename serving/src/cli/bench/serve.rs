@@ -1,0 +1,408 @@
+//! `kvfabric bench serve`: a load generator for any OpenAI-compatible endpoint. Streams
+//! completions at fixed concurrency levels (or a Poisson request rate), with synthetic prompts
+//! of a given length, optionally sharing prefixes; reports TTFT, inter-token latency and
+//! end-to-end latency percentiles, request and token throughput, cached prompt tokens and
+//! errors. Token counts come from the server's `usage`, so no tokenizer is needed.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use kvfabric_serving::engine::sampling::SplitMix64;
+use kvfabric_serving::stats::Percentiles;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Base URL of the server (`http://HOST:PORT`, with or without `/v1`).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// Model id (default: the first one `/v1/models` lists).
+    #[arg(long)]
+    model: Option<String>,
+    /// Concurrency levels to run, one after the other.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    concurrency: Vec<usize>,
+    /// Requests per level.
+    #[arg(long, default_value_t = 16)]
+    requests: usize,
+    /// Poisson arrivals at this many requests/s (concurrency then caps the requests in
+    /// flight); without it, each of the `concurrency` clients sends its next request as soon
+    /// as the previous one ends.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Words in each prompt's unique part (about one token each).
+    #[arg(long, default_value_t = 128)]
+    input_words: usize,
+    /// Tokens to generate per request (sent with `ignore_eos`).
+    #[arg(long, default_value_t = 64)]
+    output_tokens: usize,
+    /// Words of a shared prefix before each prompt (0: none).
+    #[arg(long, default_value_t = 0)]
+    prefix_words: usize,
+    /// Distinct shared prefixes (requests pick one at random).
+    #[arg(long, default_value_t = 4)]
+    prefixes: usize,
+    /// Seed of the prompts and arrivals.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Per-request timeout, seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout_s: u64,
+    /// Print JSON rows.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    concurrency: usize,
+    rate: Option<f64>,
+    requests: usize,
+    errors: usize,
+    duration_s: f64,
+    requests_per_s: f64,
+    output_tokens_per_s: f64,
+    prompt_tokens_per_s: f64,
+    cached_prompt_share: f64,
+    ttft_ms: [f64; 3],
+    itl_ms: [f64; 3],
+    e2e_ms: [f64; 3],
+}
+
+#[derive(Debug, Default)]
+struct Outcome {
+    ttft: Option<Duration>,
+    gaps: Vec<Duration>,
+    e2e: Duration,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached_tokens: u64,
+    error: Option<String>,
+}
+
+const WORDS: &[&str] = &[
+    "time", "people", "river", "market", "garden", "window", "music", "history", "science",
+    "mountain", "city", "winter", "summer", "story", "letter", "friend", "table", "question",
+    "answer", "light", "water", "forest", "road", "train", "paper", "school", "family", "morning",
+    "evening", "journey", "idea", "number", "color", "language", "animal", "ocean",
+];
+
+fn words(rng: &mut SplitMix64, n: usize) -> String {
+    let mut s = String::with_capacity(n * 7);
+    for i in 0..n {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(WORDS[(rng.next_u64() % WORDS.len() as u64) as usize]);
+    }
+    s
+}
+
+struct Target {
+    addr: SocketAddr,
+    host: String,
+    prefix: String,
+}
+
+async fn target(url: &str) -> anyhow::Result<Target> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| anyhow::anyhow!("--url must start with http:// (got {url:?})"))?;
+    let (hostport, path) = rest.split_once('/').map_or((rest, ""), |(h, p)| (h, p));
+    let path = path.trim_end_matches('/');
+    let prefix =
+        if path.is_empty() || path == "v1" { "/v1".to_string() } else { format!("/{path}") };
+    let addr = tokio::net::lookup_host(hostport)
+        .await
+        .with_context(|| format!("resolving {hostport}"))?
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("{hostport} does not resolve"))?;
+    Ok(Target { addr, host: hostport.to_string(), prefix })
+}
+
+/// One HTTP/1.1 exchange; `on_data` sees each decoded body piece as it arrives.
+async fn exchange(
+    t: &Target,
+    method: &str,
+    path: &str,
+    body: &str,
+    mut on_data: impl FnMut(&[u8]),
+) -> anyhow::Result<u16> {
+    let mut s = TcpStream::connect(t.addr).await?;
+    s.set_nodelay(true)?;
+    let req = format!(
+        "{method} {}{path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Type: application/json\r\nAccept: text/event-stream, application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        t.prefix,
+        t.host,
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await?;
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 16 << 10];
+    let (status, chunked) = loop {
+        let n = s.read(&mut chunk).await?;
+        anyhow::ensure!(n > 0, "connection closed before the response headers");
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let status: u16 = head
+                .split_whitespace()
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| anyhow::anyhow!("malformed status line"))?;
+            let chunked = head.contains("transfer-encoding: chunked");
+            buf.drain(..end + 4);
+            break (status, chunked);
+        }
+        anyhow::ensure!(buf.len() < 64 << 10, "response headers too large");
+    };
+    // Body: plain until EOF, or chunked.
+    let mut pending = buf;
+    loop {
+        if chunked {
+            loop {
+                let Some(eol) = pending.windows(2).position(|w| w == b"\r\n") else { break };
+                let size_text = String::from_utf8_lossy(&pending[..eol]).to_string();
+                let size =
+                    usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+                        .map_err(|_| anyhow::anyhow!("bad chunk size {size_text:?}"))?;
+                if size == 0 {
+                    return Ok(status);
+                }
+                if pending.len() < eol + 2 + size + 2 {
+                    break;
+                }
+                on_data(&pending[eol + 2..eol + 2 + size]);
+                pending.drain(..eol + 2 + size + 2);
+            }
+        } else if !pending.is_empty() {
+            on_data(&pending);
+            pending.clear();
+        }
+        let n = s.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(status);
+        }
+        pending.extend_from_slice(&chunk[..n]);
+    }
+}
+
+async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome {
+    let start = Instant::now();
+    let mut out = Outcome::default();
+    let mut sse = Vec::<u8>::new();
+    let mut last: Option<Instant> = None;
+    let mut body_text = Vec::new();
+    let r = tokio::time::timeout(
+        timeout,
+        exchange(t, "POST", "/completions", &body, |data| {
+            body_text.extend_from_slice(data);
+            sse.extend_from_slice(data);
+            while let Some(end) = sse.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = sse.drain(..end + 2).collect();
+                let text = String::from_utf8_lossy(&event);
+                for line in text.lines() {
+                    let Some(d) = line.strip_prefix("data: ") else { continue };
+                    if d == "[DONE]" {
+                        continue;
+                    }
+                    let Ok(v) = serde_json::from_str::<Value>(d) else {
+                        out.error = Some(format!("unparsable event {d:?}"));
+                        continue;
+                    };
+                    if let Some(e) = v.get("error") {
+                        out.error =
+                            Some(e["message"].as_str().unwrap_or("error event").to_string());
+                    }
+                    if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                        out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+                        out.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+                        out.cached_tokens =
+                            u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+                    }
+                    let has_text = v["choices"]
+                        .get(0)
+                        .and_then(|c| c["text"].as_str())
+                        .is_some_and(|s| !s.is_empty());
+                    if has_text {
+                        let now = Instant::now();
+                        match last {
+                            None => out.ttft = Some(now - start),
+                            Some(l) => out.gaps.push(now - l),
+                        }
+                        last = Some(now);
+                    }
+                }
+            }
+        }),
+    )
+    .await;
+    out.e2e = start.elapsed();
+    match r {
+        Err(_) => out.error = Some(format!("timed out after {timeout:?}")),
+        Ok(Err(e)) => out.error = Some(e.to_string()),
+        Ok(Ok(status)) if status != 200 => {
+            out.error = Some(format!("HTTP {status}: {}", String::from_utf8_lossy(&body_text)))
+        }
+        Ok(Ok(_)) if out.ttft.is_none() && out.error.is_none() => {
+            out.error = Some("no tokens".into())
+        }
+        Ok(Ok(_)) => {}
+    }
+    out
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let t = target(&args.url).await?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => {
+            let mut body = Vec::new();
+            let status = exchange(&t, "GET", "/models", "", |d| body.extend_from_slice(d))
+                .await
+                .with_context(|| format!("GET {}/models", args.url))?;
+            anyhow::ensure!(status == 200, "GET /models answered {status}");
+            let v: Value = serde_json::from_slice(&body).context("/models is not JSON")?;
+            v["data"][0]["id"]
+                .as_str()
+                .ok_or_else(|| anyhow::anyhow!("no model listed"))?
+                .to_string()
+        }
+    };
+    let mut rng = SplitMix64(args.seed);
+    let prefixes: Vec<String> =
+        (0..args.prefixes.max(1)).map(|_| words(&mut rng, args.prefix_words)).collect();
+    let mut rows = Vec::new();
+    for &conc in &args.concurrency {
+        let conc = conc.max(1);
+        let bodies: Vec<String> = (0..args.requests.max(1))
+            .map(|_| {
+                let p = &prefixes[(rng.next_u64() % prefixes.len() as u64) as usize];
+                let unique = words(&mut rng, args.input_words);
+                let prompt = if p.is_empty() { unique } else { format!("{p} {unique}") };
+                json!({
+                    "model": model, "prompt": prompt, "max_tokens": args.output_tokens,
+                    "temperature": 0, "ignore_eos": true, "stream": true,
+                    "stream_options": {"include_usage": true},
+                })
+                .to_string()
+            })
+            .collect();
+        let bar = if args.json {
+            indicatif::ProgressBar::hidden()
+        } else {
+            indicatif::ProgressBar::new(bodies.len() as u64)
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "concurrency {msg} [{bar:30}] {pos}/{len} {elapsed}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        bar.set_message(conc.to_string());
+        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(conc));
+        let t = std::sync::Arc::new(Target {
+            addr: t.addr,
+            host: t.host.clone(),
+            prefix: t.prefix.clone(),
+        });
+        let timeout = Duration::from_secs(args.timeout_s.max(1));
+        let start = Instant::now();
+        let mut tasks = Vec::new();
+        let mut next_at = Instant::now();
+        for body in bodies {
+            if let Some(rate) = args.rate.filter(|r| *r > 0.0) {
+                // Exponential gaps: a Poisson process.
+                let u = rng.next_f64().max(1e-12);
+                next_at += Duration::from_secs_f64(-u.ln() / rate);
+                tokio::time::sleep_until(tokio::time::Instant::from_std(next_at)).await;
+            }
+            let permit = sem.clone().acquire_owned().await?;
+            let (t, bar) = (t.clone(), bar.clone());
+            tasks.push(tokio::spawn(async move {
+                let o = one_request(&t, body, timeout).await;
+                drop(permit);
+                bar.inc(1);
+                o
+            }));
+        }
+        let mut outs = Vec::new();
+        for task in tasks {
+            outs.push(task.await?);
+        }
+        let duration = start.elapsed().as_secs_f64();
+        bar.finish_and_clear();
+        let ok: Vec<&Outcome> = outs.iter().filter(|o| o.error.is_none()).collect();
+        let errors: Vec<&String> = outs.iter().filter_map(|o| o.error.as_ref()).collect();
+        if let Some(e) = errors.first() {
+            eprintln!("{} of {} requests failed; first error: {e}", errors.len(), outs.len());
+        }
+        let p3 = |d: &[Duration]| {
+            let p = Percentiles::of(d);
+            [p.p50_us / 1e3, p.p90_us / 1e3, p.p99_us / 1e3]
+        };
+        let ttfts: Vec<Duration> = ok.iter().filter_map(|o| o.ttft).collect();
+        let gaps: Vec<Duration> = ok.iter().flat_map(|o| o.gaps.iter().copied()).collect();
+        let e2es: Vec<Duration> = ok.iter().map(|o| o.e2e).collect();
+        let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
+        let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
+        let completion: u64 = ok.iter().map(|o| o.completion_tokens).sum();
+        rows.push(Row {
+            concurrency: conc,
+            rate: args.rate,
+            requests: outs.len(),
+            errors: errors.len(),
+            duration_s: duration,
+            requests_per_s: ok.len() as f64 / duration,
+            output_tokens_per_s: completion as f64 / duration,
+            prompt_tokens_per_s: prompt as f64 / duration,
+            cached_prompt_share: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+            ttft_ms: p3(&ttfts),
+            itl_ms: p3(&gaps),
+            e2e_ms: p3(&e2es),
+        });
+    }
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "{} at {} — {} requests per level, ~{}+{} prompt words, {} output tokens",
+        model, args.url, args.requests, args.prefix_words, args.input_words, args.output_tokens
+    );
+    println!(
+        "{:>5} {:>6} {:>7} {:>9} {:>9} {:>7} {:>24} {:>24} {:>24}",
+        "conc",
+        "errors",
+        "req/s",
+        "out tok/s",
+        "in tok/s",
+        "cached",
+        "TTFT ms p50/p90/p99",
+        "ITL ms p50/p90/p99",
+        "e2e ms p50/p90/p99"
+    );
+    let f = |x: [f64; 3]| format!("{:.1}/{:.1}/{:.1}", x[0], x[1], x[2]);
+    for r in &rows {
+        println!(
+            "{:>5} {:>6} {:>7.2} {:>9.1} {:>9.1} {:>6.0}% {:>24} {:>24} {:>24}",
+            r.concurrency,
+            r.errors,
+            r.requests_per_s,
+            r.output_tokens_per_s,
+            r.prompt_tokens_per_s,
+            r.cached_prompt_share * 100.0,
+            f(r.ttft_ms),
+            f(r.itl_ms),
+            f(r.e2e_ms)
+        );
+    }
+    Ok(())
+}
