@@ -179,3 +179,24 @@ fn config_file_is_the_lowest_layer() {
     let e = one_line_error(&kvfabric(&["plan", "--config", c]));
     assert!(e.contains("config file"), "{e}");
 }
+
+#[test]
+fn up_refuses_a_missing_or_broken_model_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.gguf");
+    let out = kvfabric(&["up", "--port", "0", "--model", missing.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not found") && err.contains("fetch-model.sh"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"GGUF\x03\x00\x00\x00 definitely not a model").unwrap();
+    let out = kvfabric(&["up", "--port", "0", "--model", junk.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("error: ") && err.contains("junk.gguf"), "{err}");
+
+    let out = kvfabric(&["up", "--engine", "gpt"]);
+    assert_eq!(out.status.code(), Some(2));
+}
