@@ -19,14 +19,13 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvfabric_tiers::TieredStore;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::backend::{Backend, ModelEntry};
 use crate::engine::{
     CacheHits, ChatMessage, EngineError, FinishReason, GenEvent, GenerateRequest, SamplingParams,
-    Scheduler,
 };
 use crate::metrics::{self, Histogram};
 
@@ -85,18 +84,17 @@ impl Default for HttpMetrics {
 
 #[derive(Debug)]
 struct AppState {
-    sched: Scheduler,
-    store: TieredStore,
+    backend: Arc<dyn Backend>,
     cfg: ServerConfig,
     metrics: HttpMetrics,
     created: u64,
 }
 
-/// The frontend's routes over a running engine and its store.
-pub fn router(sched: Scheduler, store: TieredStore, cfg: ServerConfig) -> Router {
+/// The frontend's routes over a backend (a local engine, or remote workers).
+pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let limit = cfg.max_body_bytes;
-    let state = Arc::new(AppState { sched, store, cfg, metrics: HttpMetrics::default(), created });
+    let state = Arc::new(AppState { backend, cfg, metrics: HttpMetrics::default(), created });
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
@@ -178,21 +176,21 @@ impl IntoResponse for ApiError {
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({ "object": "list", "data": [model_card(&st)] }))
+    let data: Vec<Value> = st.backend.models().iter().map(|m| model_card(&st, m)).collect();
+    Json(json!({ "object": "list", "data": data }))
 }
 
 async fn model(
     State(st): State<Arc<AppState>>,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    if id != st.sched.info().id {
-        return Err(unknown_model(&id));
+    match st.backend.model(&id) {
+        Some(m) => Ok(Json(model_card(&st, &m.info))),
+        None => Err(unknown_model(&id)),
     }
-    Ok(Json(model_card(&st)))
 }
 
-fn model_card(st: &AppState) -> Value {
-    let info = st.sched.info();
+fn model_card(st: &AppState, info: &crate::engine::ModelInfo) -> Value {
     json!({
         "id": info.id, "object": "model", "created": st.created, "owned_by": "kvfabric",
         "max_model_len": info.context_len,
@@ -212,19 +210,11 @@ fn unknown_model(id: &str) -> ApiError {
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
-    let s = st.sched.stats();
-    Json(json!({
-        "status": "ok",
-        "model": st.sched.info().id,
-        "running": s.running.load(Ordering::Relaxed),
-        "waiting": s.waiting.load(Ordering::Relaxed),
-    }))
+    Json(st.backend.health())
 }
 
 async fn prometheus(State(st): State<Arc<AppState>>) -> impl IntoResponse {
     let m = &st.metrics;
-    let s = st.sched.stats();
-    let t = st.store.metrics();
     let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let mut out = String::new();
     metrics::labelled(
@@ -264,99 +254,7 @@ async fn prometheus(State(st): State<Arc<AppState>>) -> impl IntoResponse {
         "Prompt tokens whose KV came from the block store.",
         ld(&m.cached_tokens),
     );
-    metrics::labelled(
-        &mut out,
-        "kvfabric_kv_hit_tokens_total",
-        "counter",
-        "Prompt tokens served from KV blocks, per tier.",
-        "tier",
-        &[
-            ("host", ld(&s.cached_tokens[0])),
-            ("disk", ld(&s.cached_tokens[1])),
-            ("remote", ld(&s.cached_tokens[2])),
-        ],
-    );
-    metrics::sample(
-        &mut out,
-        "kvfabric_prefill_tokens_total",
-        "counter",
-        "Prompt tokens computed.",
-        ld(&s.prefill_tokens),
-    );
-    metrics::labelled(
-        &mut out,
-        "kvfabric_kv_block_hits_total",
-        "counter",
-        "Block lookups that hit, per tier.",
-        "tier",
-        &[("host", t.host_hits), ("disk", t.disk_hits)],
-    );
-    metrics::labelled(
-        &mut out,
-        "kvfabric_kv_block_misses_total",
-        "counter",
-        "Block lookups that missed, per tier.",
-        "tier",
-        &[("host", t.host_misses), ("disk", t.disk_misses)],
-    );
-    metrics::labelled(
-        &mut out,
-        "kvfabric_kv_blocks",
-        "gauge",
-        "Blocks held, per tier.",
-        "tier",
-        &[("host", u64::from(t.host_used_blocks)), ("disk", u64::from(t.disk_used_blocks))],
-    );
-    metrics::labelled(
-        &mut out,
-        "kvfabric_kv_capacity_blocks",
-        "gauge",
-        "Block capacity, per tier.",
-        "tier",
-        &[("host", u64::from(t.host_capacity_blocks)), ("disk", u64::from(t.disk_capacity_blocks))],
-    );
-    metrics::sample(
-        &mut out,
-        "kvfabric_kv_stored_blocks_total",
-        "counter",
-        "Blocks stored by the engine.",
-        ld(&s.stored_blocks),
-    );
-    metrics::sample(
-        &mut out,
-        "kvfabric_kv_offload_bytes_total",
-        "counter",
-        "Bytes offloaded host to disk.",
-        t.offload_bytes,
-    );
-    metrics::sample(
-        &mut out,
-        "kvfabric_kv_onboard_bytes_total",
-        "counter",
-        "Bytes onboarded disk to host.",
-        t.onboard_bytes,
-    );
-    metrics::sample(
-        &mut out,
-        "kvfabric_queue_depth",
-        "gauge",
-        "Requests waiting for a batch slot.",
-        ld(&s.waiting),
-    );
-    metrics::sample(
-        &mut out,
-        "kvfabric_running_requests",
-        "gauge",
-        "Requests in the batch.",
-        ld(&s.running),
-    );
-    metrics::sample(
-        &mut out,
-        "kvfabric_engine_steps_total",
-        "counter",
-        "Engine steps.",
-        ld(&s.steps),
-    );
+    st.backend.render_metrics(&mut out);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
 }
 
@@ -450,6 +348,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 
 /// What a request asks the engine for, checked.
 struct Checked {
+    entry: ModelEntry,
     max_tokens: Option<usize>,
     sampling: SamplingParams,
     stop: Vec<String>,
@@ -459,11 +358,10 @@ struct Checked {
 }
 
 fn check_common(st: &AppState, c: &Common) -> Result<Checked, ApiError> {
-    match &c.model {
+    let entry = match &c.model {
         None => return Err(ApiError::invalid("you must provide a model parameter", "model")),
-        Some(m) if *m != st.sched.info().id => return Err(unknown_model(m)),
-        Some(_) => {}
-    }
+        Some(m) => st.backend.model(m).ok_or_else(|| unknown_model(m))?,
+    };
     if c.n.is_some_and(|n| n != 1) || c.best_of.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only n = 1 is supported", "n"));
     }
@@ -501,6 +399,7 @@ fn check_common(st: &AppState, c: &Common) -> Result<Checked, ApiError> {
             ^ NEXT_ID.fetch_add(1, Ordering::Relaxed).rotate_left(32)
     });
     Ok(Checked {
+        entry,
         max_tokens,
         sampling: SamplingParams { temperature, top_p, seed },
         stop,
@@ -546,7 +445,7 @@ fn parse_completion(st: &AppState, body: &Bytes) -> Result<Parsed, ApiError> {
     {
         let req: CompletionRequest = parse(body)?;
         let checked = check_common(st, &req.common)?;
-        let codec = st.sched.codec();
+        let codec = checked.entry.codec.clone();
         let prompt = match req.prompt {
             None => return Err(ApiError::invalid("you must provide a prompt", "prompt")),
             Some(Prompt::Text(s)) => codec.encode(&s)?,
@@ -603,10 +502,10 @@ fn parse_chat(st: &AppState, body: &Bytes) -> Result<Parsed, ApiError> {
             let role = if m.role == "developer" { "system".into() } else { m.role };
             msgs.push(ChatMessage { role, content });
         }
-        let codec = st.sched.codec();
+        let codec = &checked.entry.codec;
         let text = codec.render_chat(&msgs)?;
         let prompt = codec.encode(&text)?;
-        let left = st.sched.info().context_len.saturating_sub(prompt.len());
+        let left = checked.entry.info.context_len.saturating_sub(prompt.len());
         let max_tokens =
             checked.max_tokens.unwrap_or(st.cfg.default_chat_max_tokens.min(left.max(1)));
         Ok((prompt, max_tokens, checked))
@@ -628,16 +527,18 @@ async fn run(
             ignore_eos: c.ignore_eos,
             timeout: st.cfg.request_timeout,
         };
-        let rx = st.sched.submit(req)?;
+        let rx = st.backend.submit(&c.entry.info.id, req)?;
         Ok((rx, c))
     });
     let (rx, c) = match submitted {
         Ok(x) => x,
         Err(e) => return st.fail(e),
     };
-    let gen = Generation {
+    let mut gen = Generation {
         st: st.clone(),
         rx,
+        model: c.entry.info.id.clone(),
+        worker: None,
         id: request_id(if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }),
         endpoint,
         started,
@@ -648,11 +549,18 @@ async fn run(
         deadline: tokio::time::Instant::from_std(started + st.cfg.request_timeout),
         finished: false,
     };
-    if c.stream {
-        stream_response(gen, c.include_usage)
-    } else {
-        whole_response(gen).await
+    // The status is decided by the first event: admitted, or refused (429, 400, ...).
+    if let Err(e) = gen.admitted().await {
+        gen.finish(false);
+        return st.fail(e);
     }
+    let worker = gen.worker.clone();
+    let mut response =
+        if c.stream { stream_response(gen, c.include_usage) } else { whole_response(gen).await };
+    if let Some(w) = worker.and_then(|w| axum::http::HeaderValue::from_str(&w).ok()) {
+        response.headers_mut().insert("x-kvfabric-worker", w);
+    }
+    response
 }
 
 impl AppState {
@@ -671,6 +579,9 @@ impl AppState {
 struct Generation {
     st: Arc<AppState>,
     rx: UnboundedReceiver<GenEvent>,
+    model: String,
+    /// The worker that serves it (remote backends).
+    worker: Option<String>,
     id: String,
     endpoint: Endpoint,
     started: Instant,
@@ -690,6 +601,29 @@ enum Next {
 }
 
 impl Generation {
+    /// Waits for the backend to admit the request.
+    async fn admitted(&mut self) -> Result<(), ApiError> {
+        let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
+            Err(_) => return Err(EngineError::Deadline(self.st.cfg.request_timeout).into()),
+            Ok(None) => return Err(EngineError::Stopped.into()),
+            Ok(Some(ev)) => ev,
+        };
+        match ev {
+            GenEvent::Started { prompt_tokens, cached, worker } => {
+                self.prompt_tokens = prompt_tokens;
+                self.cached = cached;
+                self.worker = worker;
+                Ok(())
+            }
+            GenEvent::Error(e) => Err(e.into()),
+            other => Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("backend sent {other:?} before admitting the request"),
+                "server_error",
+            )),
+        }
+    }
+
     async fn next(&mut self) -> Next {
         loop {
             let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
@@ -700,10 +634,7 @@ impl Generation {
                 Ok(Some(ev)) => ev,
             };
             match ev {
-                GenEvent::Started { prompt_tokens, cached } => {
-                    self.prompt_tokens = prompt_tokens;
-                    self.cached = cached;
-                }
+                GenEvent::Started { .. } => {}
                 GenEvent::Token { text, .. } => {
                     let now = Instant::now();
                     let m = &self.st.metrics;
@@ -736,7 +667,7 @@ impl Generation {
     }
 
     fn model(&self) -> &str {
-        &self.st.sched.info().id
+        &self.model
     }
 
     /// Counts a finished request.

@@ -6,6 +6,7 @@
 //! crate of kvfabric, it installs no tracing subscriber and reads no environment variables:
 //! the binary does.
 
+pub mod backend;
 pub mod engine;
 pub mod http;
 pub mod metrics;

@@ -17,6 +17,7 @@ use common::{get, metric, post, post_json, streamed_text};
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
 use kvfabric::layout::{KvDtype, ModelSpec};
+use kvfabric_serving::backend::LocalBackend;
 use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
 use kvfabric_serving::engine::{Scheduler, SchedulerConfig};
 use kvfabric_serving::http::{router, ServerConfig};
@@ -73,7 +74,7 @@ async fn serve(o: Opts) -> Server {
     let store = TieredStore::open(cfg, &agent, std::sync::Arc::new(NullSink)).await.unwrap();
     let sched = Scheduler::start(engine, store.clone(), o.sched, tokio::runtime::Handle::current())
         .unwrap();
-    let app = router(sched.clone(), store, o.server);
+    let app = router(std::sync::Arc::new(LocalBackend::new(sched.clone(), store)), o.server);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });

@@ -15,6 +15,7 @@ use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::{Discovery, EventBus, Instance};
 use kvfabric::events::ChannelSink;
 use kvfabric::layout::KvDtype;
+use kvfabric_serving::backend::LocalBackend;
 use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, Weights};
 use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
 use kvfabric_serving::engine::{Scheduler, SchedulerConfig};
@@ -234,7 +235,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         ..ServerConfig::default()
     };
-    let app = http::router(sched.clone(), store.clone(), server_cfg);
+    let app = http::router(Arc::new(LocalBackend::new(sched.clone(), store.clone())), server_cfg);
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
         .await
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;

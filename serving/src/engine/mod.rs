@@ -155,6 +155,8 @@ pub enum GenEvent {
         prompt_tokens: usize,
         /// Prompt tokens whose KV came from the store.
         cached: CacheHits,
+        /// The worker serving it (set by remote backends).
+        worker: Option<String>,
     },
     /// A token and the text it completes (may be empty).
     Token {
@@ -459,7 +461,11 @@ impl<E: Engine> Loop<E> {
             };
             let cached = self.reuse_prefix(&mut seq);
             bump(&self.stats.prompt_tokens, seq.req.prompt.len() as u64);
-            let _ = seq.tx.send(GenEvent::Started { prompt_tokens: seq.req.prompt.len(), cached });
+            let _ = seq.tx.send(GenEvent::Started {
+                prompt_tokens: seq.req.prompt.len(),
+                cached,
+                worker: None,
+            });
             bump(&self.stats.running, 1);
             self.running.push(seq);
         }
