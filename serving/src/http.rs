@@ -147,22 +147,22 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         let msg = e.to_string();
         match e {
-            EngineError::Invalid(_) => {
+            EngineError::Invalid { .. } => {
                 ApiError::new(StatusCode::BAD_REQUEST, msg, "invalid_request_error")
             }
             EngineError::ContextLength { .. } => ApiError {
                 code: Some("context_length_exceeded"),
                 ..ApiError::new(StatusCode::BAD_REQUEST, msg, "invalid_request_error")
             },
-            EngineError::Overloaded(_) => ApiError {
+            EngineError::Overloaded { .. } => ApiError {
                 code: Some("rate_limit_exceeded"),
                 ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, msg, "rate_limit_error")
             },
-            EngineError::Deadline(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, msg, "timeout"),
-            EngineError::Stopped => {
+            EngineError::Deadline { .. } => ApiError::new(StatusCode::GATEWAY_TIMEOUT, msg, "timeout"),
+            EngineError::Stopped | EngineError::Unavailable { .. } => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg, "server_error")
             }
-            EngineError::Model(_) => {
+            EngineError::Model { .. } => {
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg, "server_error")
             }
         }
@@ -604,7 +604,7 @@ impl Generation {
     /// Waits for the backend to admit the request.
     async fn admitted(&mut self) -> Result<(), ApiError> {
         let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
-            Err(_) => return Err(EngineError::Deadline(self.st.cfg.request_timeout).into()),
+            Err(_) => return Err(EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into()),
             Ok(None) => return Err(EngineError::Stopped.into()),
             Ok(Some(ev)) => ev,
         };
@@ -628,7 +628,7 @@ impl Generation {
         loop {
             let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
                 Err(_) => {
-                    return Next::Failed(EngineError::Deadline(self.st.cfg.request_timeout).into())
+                    return Next::Failed(EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into())
                 }
                 Ok(None) => return Next::Failed(EngineError::Stopped.into()),
                 Ok(Some(ev)) => ev,

@@ -8,7 +8,9 @@
 
 pub mod backend;
 pub mod engine;
+pub mod frontend;
 pub mod http;
 pub mod metrics;
 pub mod plan;
 pub mod stats;
+pub mod worker;

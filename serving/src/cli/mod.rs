@@ -9,8 +9,10 @@ mod fabric;
 mod hash;
 pub mod peer;
 mod plan;
+mod frontend;
 mod soak;
 mod up;
+mod worker;
 
 /// kvfabric — a KV-cache data plane for LLM inference.
 #[derive(Debug, Parser)]
@@ -30,6 +32,11 @@ enum Command {
     /// Serve a model in one process: OpenAI-compatible API, engine, tiered KV store,
     /// embedded control plane.
     Up(up::UpArgs),
+    /// A worker process: an engine and its block store, registered in discovery (etcd, or
+    /// embedded), publishing KV events and load (NATS, or embedded), serving frontends.
+    Worker(worker::WorkerArgs),
+    /// The OpenAI-compatible frontend in front of the workers in discovery, with KV routing.
+    Frontend(frontend::FrontendArgs),
     /// Capacity planning: KV bytes per token and per sequence, tier sizes, transfer times.
     Plan(plan::PlanArgs),
     /// Block and sequence hashes of a token sequence (Dynamo-compatible XXH3).
@@ -51,6 +58,8 @@ enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Up(args) => runtime()?.block_on(up::run(args)),
+        Command::Worker(args) => runtime()?.block_on(worker::run(args)),
+        Command::Frontend(args) => runtime()?.block_on(frontend::run(args)),
         Command::Plan(args) => plan::run(args),
         Command::Hash(args) => hash::run(args),
         Command::Bench(args) => runtime()?.block_on(bench::run(args)),

@@ -1,10 +1,15 @@
 //! `kvfabric up`: everything in one process. The OpenAI-compatible frontend, one engine
-//! (the real model by default, or the mock), its tiered block store (host memory over a disk
-//! tier under the data directory), and the embedded control plane (discovery and the event
-//! bus, where the worker registers and publishes its KV events).
+//! (the real model by default, or the mock) or `--workers N` of them behind KV routing, each
+//! with its tiered block store (host memory over a disk tier under the data directory), and
+//! the embedded control plane (discovery and the event bus, where workers register and
+//! publish their KV events and load).
+//!
+//! The engine options ([`EngineOpts`]) and the worker stack ([`start_stack`]) are shared with
+//! `kvfabric worker`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,13 +17,15 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
-use kvfabric::control::{Discovery, EventBus, Instance};
-use kvfabric::events::ChannelSink;
+use kvfabric::control::{Discovery, EventBus, Instance, Registration};
+use kvfabric::events::{ChannelSink, TierKind};
 use kvfabric::layout::KvDtype;
-use kvfabric_serving::backend::LocalBackend;
+use kvfabric_router::{Load, RoutingMode};
+use kvfabric_serving::backend::{Backend, LocalBackend};
 use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, Weights};
 use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
-use kvfabric_serving::engine::{Scheduler, SchedulerConfig};
+use kvfabric_serving::engine::{Engine, Scheduler, SchedulerConfig};
+use kvfabric_serving::frontend::{CodecSpec, FrontendConfig, RemoteBackend, WorkerMetadata, WORKER_KIND};
 use kvfabric_serving::http::{self, ServerConfig};
 use kvfabric_tiers::disk::DiskConfig;
 use kvfabric_tiers::{StoreConfig, TieredStore};
@@ -39,68 +46,86 @@ pub enum WeightsArg {
     Quantized,
 }
 
-#[derive(Debug, Args)]
-pub struct UpArgs {
+/// What runs in a worker: the engine, its model and its block store.
+#[derive(Debug, Clone, Args)]
+pub struct EngineOpts {
     /// The engine.
     #[arg(long, env = "KVFABRIC_ENGINE", value_enum, default_value = "llama")]
-    engine: EngineKind,
+    pub engine: EngineKind,
     /// A GGUF model file (default: the model scripts/fetch-model.sh caches).
     #[arg(long, env = "KVFABRIC_MODEL")]
-    model: Option<PathBuf>,
+    pub model: Option<PathBuf>,
     /// A tokenizer.json to use instead of the GGUF's vocabulary.
     #[arg(long, env = "KVFABRIC_TOKENIZER")]
-    tokenizer: Option<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
     /// The id the model is served under (default: the file name; `mock` for the mock).
     #[arg(long, env = "KVFABRIC_SERVED_MODEL_NAME")]
-    served_model_name: Option<String>,
+    pub served_model_name: Option<String>,
     /// Weights of the llama engine.
     #[arg(long, env = "KVFABRIC_WEIGHTS", value_enum, default_value = "f32")]
-    weights: WeightsArg,
+    pub weights: WeightsArg,
+    /// Directory of the disk tier (default: ~/.cache/kvfabric/data).
+    #[arg(long, env = "KVFABRIC_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Host tier capacity per worker, blocks.
+    #[arg(long, env = "KVFABRIC_HOST_BLOCKS", default_value_t = 512)]
+    pub host_blocks: u32,
+    /// Disk tier capacity per worker, blocks (0: no disk tier). The file grows as blocks
+    /// arrive.
+    #[arg(long, env = "KVFABRIC_DISK_BLOCKS", default_value_t = 4096)]
+    pub disk_blocks: u32,
+    /// Tokens per KV block.
+    #[arg(long, env = "KVFABRIC_BLOCK_TOKENS", default_value_t = 16)]
+    pub block_tokens: u32,
+    /// Context length cap, tokens.
+    #[arg(long, env = "KVFABRIC_CONTEXT", default_value_t = 8192)]
+    pub context: usize,
+    /// Sequences batched together at most.
+    #[arg(long, env = "KVFABRIC_MAX_BATCH", default_value_t = 8)]
+    pub max_batch: usize,
+    /// Requests waiting at most; more are refused (429).
+    #[arg(long, env = "KVFABRIC_MAX_WAITING", default_value_t = 128)]
+    pub max_waiting: usize,
+    /// Prompt tokens computed per step at most.
+    #[arg(long, env = "KVFABRIC_STEP_TOKENS", default_value_t = 256)]
+    pub step_tokens: usize,
+    /// Mock: prefill cost per uncached prompt token, microseconds.
+    #[arg(long, env = "KVFABRIC_MOCK_PREFILL_US", default_value_t = 40.0)]
+    pub mock_prefill_us: f64,
+    /// Mock: fixed cost of a decode step, microseconds.
+    #[arg(long, env = "KVFABRIC_MOCK_DECODE_US", default_value_t = 8000.0)]
+    pub mock_decode_us: f64,
+    /// Mock: decode cost per token of active KV, microseconds.
+    #[arg(long, env = "KVFABRIC_MOCK_DECODE_KV_US", default_value_t = 0.2)]
+    pub mock_decode_kv_us: f64,
+}
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    #[command(flatten)]
+    engine: EngineOpts,
     /// Address to listen on.
     #[arg(long, env = "KVFABRIC_HOST", default_value = "127.0.0.1")]
     host: std::net::IpAddr,
     /// Port to listen on (0: any free port).
     #[arg(long, env = "KVFABRIC_PORT", default_value_t = 8000)]
     port: u16,
-    /// Directory of the disk tier.
-    #[arg(long, env = "KVFABRIC_DATA_DIR")]
-    data_dir: Option<PathBuf>,
-    /// Host tier capacity, blocks.
-    #[arg(long, env = "KVFABRIC_HOST_BLOCKS", default_value_t = 512)]
-    host_blocks: u32,
-    /// Disk tier capacity, blocks (0: no disk tier). The file grows as blocks arrive.
-    #[arg(long, env = "KVFABRIC_DISK_BLOCKS", default_value_t = 4096)]
-    disk_blocks: u32,
-    /// Tokens per KV block.
-    #[arg(long, env = "KVFABRIC_BLOCK_TOKENS", default_value_t = 16)]
-    block_tokens: u32,
-    /// Context length cap, tokens.
-    #[arg(long, env = "KVFABRIC_CONTEXT", default_value_t = 8192)]
-    context: usize,
-    /// Sequences batched together at most.
-    #[arg(long, env = "KVFABRIC_MAX_BATCH", default_value_t = 8)]
-    max_batch: usize,
-    /// Requests waiting at most; more get 429.
-    #[arg(long, env = "KVFABRIC_MAX_WAITING", default_value_t = 128)]
-    max_waiting: usize,
-    /// Prompt tokens computed per step at most.
-    #[arg(long, env = "KVFABRIC_STEP_TOKENS", default_value_t = 256)]
-    step_tokens: usize,
+    /// Workers (engines) in this process; more than one puts KV routing in front of them.
+    #[arg(long, env = "KVFABRIC_WORKERS", default_value_t = 1)]
+    workers: usize,
+    /// Routing with several workers: kv, round-robin, random, least-loaded.
+    #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
+    router: RoutingMode,
     /// Request deadline, seconds.
     #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300)]
     request_timeout_s: u64,
-    /// Mock: prefill cost per uncached prompt token, microseconds.
-    #[arg(long, env = "KVFABRIC_MOCK_PREFILL_US", default_value_t = 40.0)]
-    mock_prefill_us: f64,
-    /// Mock: fixed cost of a decode step, microseconds.
-    #[arg(long, env = "KVFABRIC_MOCK_DECODE_US", default_value_t = 8000.0)]
-    mock_decode_us: f64,
-    /// Mock: decode cost per token of active KV, microseconds.
-    #[arg(long, env = "KVFABRIC_MOCK_DECODE_KV_US", default_value_t = 0.2)]
-    mock_decode_kv_us: f64,
-    /// Worker name in discovery.
-    #[arg(long, env = "KVFABRIC_NAME", default_value = "worker-0")]
+    /// Worker name in discovery (with several workers, the prefix of their names).
+    #[arg(long, env = "KVFABRIC_NAME", default_value = "worker")]
     name: String,
+}
+
+pub fn parse_mode(s: &str) -> Result<RoutingMode, String> {
+    s.parse()
 }
 
 /// Where scripts/fetch-model.sh caches the default model.
@@ -112,38 +137,85 @@ pub fn default_model_path() -> PathBuf {
     dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-pub async fn run(args: UpArgs) -> anyhow::Result<()> {
-    let (engine, describe): (
-        Box<dyn FnOnce(TieredStore) -> anyhow::Result<Scheduler> + Send>,
-        String,
-    );
+/// One worker's engine, store and agent, publishing its KV events, load and dumps on a bus.
+pub struct Stack {
+    pub sched: Scheduler,
+    pub store: TieredStore,
+    pub agent: Agent,
+    pub describe: String,
+    pub codec: CodecSpec,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Stack {
+    /// The metadata a worker registers, with its request port.
+    pub fn metadata(&self, addr: SocketAddr) -> WorkerMetadata {
+        WorkerMetadata { model: self.sched.info().clone(), codec: self.codec.clone(), addr }
+    }
+
+    /// Stops publishing; keeps host blocks across restarts by writing them to disk (bounded
+    /// in time).
+    pub async fn shutdown(self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        if self.store.disk().is_some() {
+            let hosted: Vec<_> = self
+                .store
+                .snapshot()
+                .into_iter()
+                .filter(|(t, _, _)| *t == TierKind::Host)
+                .map(|(_, h, _)| h)
+                .collect();
+            let _ = tokio::time::timeout(Duration::from_secs(10), self.store.offload(&hosted)).await;
+        }
+        self.agent.shutdown();
+    }
+}
+
+/// Loads the engine, opens the store and starts the publishers of `name`'s KV events, load
+/// and (on request) dumps on `bus`.
+pub async fn start_stack(
+    opts: &EngineOpts,
+    name: &str,
+    bus: Arc<dyn EventBus>,
+    show_progress: bool,
+) -> anyhow::Result<Stack> {
     let sched_cfg = SchedulerConfig {
-        max_batch: args.max_batch.max(1),
-        max_waiting: args.max_waiting,
-        step_tokens: args.step_tokens.max(1),
+        max_batch: opts.max_batch.max(1),
+        max_waiting: opts.max_waiting,
+        step_tokens: opts.step_tokens.max(1),
         ..SchedulerConfig::default()
     };
     let rt = tokio::runtime::Handle::current();
-    let block_bytes;
-    match args.engine {
+    let (start, block_bytes, describe, codec): (
+        Box<dyn FnOnce(TieredStore) -> anyhow::Result<Scheduler> + Send>,
+        u64,
+        String,
+        CodecSpec,
+    ) = match opts.engine {
         EngineKind::Llama => {
-            let path = args.model.clone().unwrap_or_else(default_model_path);
+            let path = opts.model.clone().unwrap_or_else(default_model_path);
             anyhow::ensure!(
                 path.is_file(),
                 "model file {} not found (scripts/fetch-model.sh fetches the default model; --model takes any llama GGUF)",
                 path.display()
             );
-            let opts = LlamaOptions {
-                weights: match args.weights {
+            let lopts = LlamaOptions {
+                weights: match opts.weights {
                     WeightsArg::F32 => Weights::F32,
                     WeightsArg::Quantized => Weights::Quantized,
                 },
-                block_tokens: args.block_tokens,
-                max_context: args.context,
-                tokenizer_json: args.tokenizer.clone(),
-                name: args.served_model_name.clone(),
+                block_tokens: opts.block_tokens,
+                max_context: opts.context,
+                tokenizer_json: opts.tokenizer.clone(),
+                name: opts.served_model_name.clone(),
             };
-            let bar = indicatif::ProgressBar::new(1);
+            let bar = if show_progress {
+                indicatif::ProgressBar::new(1)
+            } else {
+                indicatif::ProgressBar::hidden()
+            };
             bar.set_style(
                 indicatif::ProgressStyle::with_template(
                     "loading {msg} [{bar:40}] {pos}/{len} tensors {elapsed}",
@@ -151,138 +223,225 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
                 .progress_chars("=> "),
             );
-            bar.set_message(
-                path.file_name().and_then(|s| s.to_str()).unwrap_or("model").to_string(),
-            );
-            let b = bar.clone();
-            let p = path.clone();
+            bar.set_message(path.file_name().and_then(|s| s.to_str()).unwrap_or("model").to_string());
+            let (b, p) = (bar.clone(), path.clone());
             let llama = tokio::task::spawn_blocking(move || {
-                LlamaEngine::load(&p, &opts, |done, total| {
+                LlamaEngine::load(&p, &lopts, |done, total| {
                     b.set_length(total as u64);
                     b.set_position(done as u64);
                 })
             })
             .await??;
             bar.finish_and_clear();
-            block_bytes = kvfabric_serving::engine::Engine::info(&llama).layout.bytes_per_block();
-            describe = format!(
+            let info = llama.info().clone();
+            let describe = format!(
                 "{} (llama, {} weights, {} layers of KV in {} B blocks)",
-                kvfabric_serving::engine::Engine::info(&llama).id,
-                if args.weights == WeightsArg::F32 { "f32" } else { "quantized" },
-                kvfabric_serving::engine::Engine::info(&llama).layout.kv.num_layers,
-                block_bytes,
+                info.id,
+                if opts.weights == WeightsArg::F32 { "f32" } else { "quantized" },
+                info.layout.kv.num_layers,
+                info.layout.bytes_per_block(),
             );
+            let codec = CodecSpec::Gguf {
+                path: std::fs::canonicalize(&path).unwrap_or(path),
+                tokenizer: opts.tokenizer.clone(),
+            };
             let cfg = sched_cfg.clone();
-            engine = Box::new(move |store| Ok(Scheduler::start(llama, store, cfg, rt)?));
+            (
+                Box::new(move |store| Ok(Scheduler::start(llama, store, cfg, rt)?)),
+                info.layout.bytes_per_block(),
+                describe,
+                codec,
+            )
         }
         EngineKind::Mock => {
-            let spec =
-                kvfabric_serving::plan::resolve_model("smollm2-135m")?.with_dtype(KvDtype::F32);
-            let layout = spec.block_layout(args.block_tokens)?;
-            block_bytes = layout.bytes_per_block();
+            let spec = kvfabric_serving::plan::resolve_model("smollm2-135m")?.with_dtype(KvDtype::F32);
+            let layout = spec.block_layout(opts.block_tokens)?;
             let mock_cfg = MockConfig {
-                prefill_us_per_token: args.mock_prefill_us,
-                decode_step_us: args.mock_decode_us,
-                decode_us_per_kv_token: args.mock_decode_kv_us,
-                context_len: args.context,
+                prefill_us_per_token: opts.mock_prefill_us,
+                decode_step_us: opts.mock_decode_us,
+                decode_us_per_kv_token: opts.mock_decode_kv_us,
+                context_len: opts.context,
             };
-            let name = args.served_model_name.clone().unwrap_or_else(|| "mock".into());
-            let mock = MockEngine::new(&name, layout, mock_cfg)?;
-            describe = format!("{name} (mock engine, {block_bytes} B blocks)");
+            let model = opts.served_model_name.clone().unwrap_or_else(|| "mock".into());
+            let mock = MockEngine::new(&model, layout, mock_cfg)?;
+            let bytes = layout.bytes_per_block();
             let cfg = sched_cfg.clone();
-            engine = Box::new(move |store| Ok(Scheduler::start(mock, store, cfg, rt)?));
+            (
+                Box::new(move |store| Ok(Scheduler::start(mock, store, cfg, rt)?)),
+                bytes,
+                format!("{model} (mock engine, {bytes} B blocks)"),
+                CodecSpec::Bytes,
+            )
         }
-    }
+    };
 
     // The data plane: an agent owning the store's host region.
-    let secret: Vec<u8> = {
-        let mut b = [0u8; 32];
-        getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("random secret: {e}"))?;
-        b.to_vec()
-    };
-    let agent = Agent::start(AgentConfig::new(args.name.clone(), secret)).await?;
-    let discovery = Arc::new(MemoryDiscovery::new());
-    let bus = Arc::new(MemoryBus::new());
+    let mut secret = [0u8; 32];
+    getrandom::fill(&mut secret).map_err(|e| anyhow::anyhow!("random secret: {e}"))?;
+    let agent = Agent::start(AgentConfig::new(name.to_string(), secret.to_vec())).await?;
     let (sink, mut events) = ChannelSink::new(65_536);
-    let publisher = {
-        let (bus, name) = (bus.clone(), args.name.clone());
-        tokio::spawn(async move {
+    let mut tasks = Vec::new();
+    {
+        let (bus, name) = (bus.clone(), name.to_string());
+        tasks.push(tokio::spawn(async move {
             while let Some(e) = events.recv().await {
                 let msg = serde_json::json!({ "source": name, "event": e });
                 let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
             }
-        })
-    };
-    let mut store_cfg = StoreConfig::new(block_bytes, args.host_blocks.max(1));
+        }));
+    }
+    let mut store_cfg = StoreConfig::new(block_bytes, opts.host_blocks.max(1));
     store_cfg.disk_admit_min_hits = 0;
-    if args.disk_blocks > 0 {
-        let dir = args.data_dir.clone().unwrap_or_else(|| {
+    if opts.disk_blocks > 0 {
+        let dir = opts.data_dir.clone().unwrap_or_else(|| {
             let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| ".".into());
             home.join(".cache/kvfabric/data")
         });
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        // One file per block size: a restart with another model does not read foreign blocks.
-        store_cfg.disk = Some(DiskConfig::new(
-            dir.join(format!("{}-{block_bytes}.slots", args.name)),
-            args.disk_blocks,
-        ));
+        // One file per worker and block size: a restart with another model reads no
+        // foreign blocks.
+        store_cfg.disk =
+            Some(DiskConfig::new(dir.join(format!("{name}-{block_bytes}.slots")), opts.disk_blocks));
     }
-    let store =
-        TieredStore::open(store_cfg, &agent, sink).await.context("opening the block store")?;
-    let sched = engine(store.clone())?;
+    let store = TieredStore::open(store_cfg, &agent, sink).await.context("opening the block store")?;
+    let sched = start(store.clone())?;
 
+    // Load reports for the routers, a few times a second.
+    {
+        let (bus, name, sched) = (bus.clone(), name.to_string(), sched.clone());
+        let bt = u64::from(opts.block_tokens.max(1));
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            loop {
+                tick.tick().await;
+                let s = sched.stats();
+                let load = Load {
+                    active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(bt),
+                    queued_prefill_tokens: s.queued_prefill_tokens.load(Ordering::Relaxed),
+                };
+                let msg = serde_json::json!({ "source": name, "load": load });
+                let _ = bus.publish("load", msg.to_string().into_bytes()).await;
+            }
+        }));
+    }
+    // Consumers that lost events ask for a full dump of this worker's blocks.
+    if let Ok(mut requests) = bus.subscribe("kv-dump-request").await {
+        let (bus, name, store) = (bus.clone(), name.to_string(), store.clone());
+        tasks.push(tokio::spawn(async move {
+            while requests.recv().await.is_some() {
+                let last_event_id = store.last_event_id();
+                let blocks: Vec<_> = store
+                    .snapshot()
+                    .into_iter()
+                    .map(|(tier, hash, parent)| serde_json::json!({ "tier": tier, "hash": hash, "parent": parent }))
+                    .collect();
+                let msg = serde_json::json!({ "source": name, "dump": blocks, "last_event_id": last_event_id });
+                let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
+            }
+        }));
+    }
+    Ok(Stack { sched, store, agent, describe, codec, tasks })
+}
+
+/// Serves `stack`'s requests from frontends on `listen` and registers it in discovery.
+pub async fn serve_worker(
+    stack: &Stack,
+    name: &str,
+    listen: SocketAddr,
+    discovery: &Arc<dyn Discovery>,
+    lease_ttl: Duration,
+) -> anyhow::Result<(SocketAddr, Registration, tokio::task::JoinHandle<()>)> {
+    let listener =
+        tokio::net::TcpListener::bind(listen).await.with_context(|| format!("listening on {listen}"))?;
+    let addr = listener.local_addr()?;
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
+    let server = kvfabric_serving::worker::serve(listener, backend);
+    let registration = discovery
+        .register(
+            Instance {
+                kind: WORKER_KIND.into(),
+                id: name.to_string(),
+                metadata: serde_json::to_value(stack.metadata(addr))?,
+            },
+            lease_ttl,
+        )
+        .await?;
+    Ok((addr, registration, server))
+}
+
+pub async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(t) => t,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
     let server_cfg = ServerConfig {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         ..ServerConfig::default()
     };
-    let app = http::router(Arc::new(LocalBackend::new(sched.clone(), store.clone())), server_cfg);
+    let n = args.workers.max(1);
+    let mut stacks = Vec::new();
+    let mut registrations = Vec::new();
+    let mut servers = Vec::new();
+    let (backend, describe): (Arc<dyn Backend>, String) = if n == 1 {
+        let stack = start_stack(&args.engine, &args.name, bus.clone(), true).await?;
+        let backend = Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
+        let describe = stack.describe.clone();
+        stacks.push(stack);
+        (backend, describe)
+    } else {
+        for i in 0..n {
+            let name = format!("{}-{i}", args.name);
+            let stack = start_stack(&args.engine, &name, bus.clone(), i == 0).await?;
+            let (_, reg, server) = serve_worker(
+                &stack,
+                &name,
+                SocketAddr::from(([127, 0, 0, 1], 0)),
+                &discovery,
+                Duration::from_secs(10),
+            )
+            .await?;
+            registrations.push(reg);
+            servers.push(server);
+            stacks.push(stack);
+        }
+        let cfg = FrontendConfig {
+            router: kvfabric_router::RouterConfig { mode: args.router, ..Default::default() },
+            name: format!("{}-frontend", args.name),
+            ..FrontendConfig::default()
+        };
+        let remote = RemoteBackend::start(discovery.clone(), bus.clone(), cfg).await?;
+        let describe = format!("{} on {n} workers, {:?} routing", stacks[0].describe, args.router);
+        (Arc::new(remote), describe)
+    };
+    let id = backend.models().first().map(|m| m.id.clone()).unwrap_or_default();
+    let app = http::router(backend, server_cfg);
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
         .await
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
-    let registration = discovery
-        .register(
-            Instance {
-                kind: "worker".into(),
-                id: args.name.clone(),
-                metadata: serde_json::json!({
-                    "model": sched.info().id, "url": format!("http://{addr}"),
-                    "agent": agent.name(), "block_tokens": args.block_tokens,
-                }),
-            },
-            Duration::from_secs(10),
-        )
-        .await?;
-    let id = sched.info().id.clone();
     println!("kvfabric is serving {describe} at http://{addr}/v1");
     println!(
         "try:\n  curl http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 64}}'"
     );
-    let shutdown = async {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(t) => t,
-                Err(_) => return std::future::pending().await,
-            };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    };
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
-    // Keep the cache across restarts: write host blocks to disk (bounded in time).
-    if store.disk().is_some() {
-        let hosted: Vec<_> = store
-            .snapshot()
-            .into_iter()
-            .filter(|(t, _, _)| *t == kvfabric::events::TierKind::Host)
-            .map(|(_, h, _)| h)
-            .collect();
-        let _ = tokio::time::timeout(Duration::from_secs(10), store.offload(&hosted)).await;
+    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
+    for r in registrations {
+        r.revoke().await;
     }
-    registration.revoke().await;
-    publisher.abort();
-    agent.shutdown();
+    for s in servers {
+        s.abort();
+    }
+    for s in stacks {
+        s.shutdown().await;
+    }
     eprintln!("kvfabric stopped");
     Ok(())
 }

@@ -99,7 +99,7 @@ pub struct LlamaEngine {
 }
 
 fn model_err(e: impl std::fmt::Display) -> EngineError {
-    EngineError::Model(e.to_string())
+    EngineError::model(e.to_string())
 }
 
 impl LlamaEngine {
@@ -110,10 +110,10 @@ impl LlamaEngine {
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self, EngineError> {
         let file = File::open(path)
-            .map_err(|e| EngineError::Model(format!("opening {}: {e}", path.display())))?;
+            .map_err(|e| EngineError::model(format!("opening {}: {e}", path.display())))?;
         let mut r = BufReader::with_capacity(1 << 20, file);
         let content = gguf_file::Content::read(&mut r)
-            .map_err(|e| EngineError::Model(format!("reading {}: {e}", path.display())))?;
+            .map_err(|e| EngineError::model(format!("reading {}: {e}", path.display())))?;
         let md = &content.metadata;
         let arch = md
             .get("general.architecture")
@@ -121,7 +121,7 @@ impl LlamaEngine {
             .cloned()
             .unwrap_or_default();
         if arch != "llama" {
-            return Err(EngineError::Model(format!(
+            return Err(EngineError::model(format!(
                 "architecture {arch:?} is not supported (llama only)"
             )));
         }
@@ -129,7 +129,7 @@ impl LlamaEngine {
             md.get(&format!("llama.{k}"))
                 .and_then(|v| v.to_u32().ok().or_else(|| v.to_u64().ok().map(|x| x as u32)))
                 .map(|v| v as usize)
-                .ok_or_else(|| EngineError::Model(format!("GGUF lacks llama.{k}")))
+                .ok_or_else(|| EngineError::model(format!("GGUF lacks llama.{k}")))
         };
         let n_head = get_u32("attention.head_count")?;
         let n_kv = get_u32("attention.head_count_kv").unwrap_or(n_head);
@@ -157,7 +157,7 @@ impl LlamaEngine {
         let mut tensor = |name: &str| {
             let t = content
                 .tensor(&mut r, name, &dev)
-                .map_err(|e| EngineError::Model(format!("tensor {name}: {e}")));
+                .map_err(|e| EngineError::model(format!("tensor {name}: {e}")));
             done += 1;
             progress(done.min(total), total);
             t
@@ -401,10 +401,10 @@ impl Engine for LlamaEngine {
     fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError> {
         let layout = self.info.layout;
         let bt = layout.block_tokens as usize;
-        let s = self.seqs.get_mut(&seq).ok_or(EngineError::Invalid("unknown sequence".into()))?;
+        let s = self.seqs.get_mut(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
         if s.len != block * bt || bytes.len() as u64 != layout.bytes_per_block() {
-            return Err(EngineError::Invalid(
-                "block imported out of order or of a wrong size".into(),
+            return Err(EngineError::invalid(
+                "block imported out of order or of a wrong size",
             ));
         }
         for l in 0..self.layers.len() {
@@ -423,9 +423,9 @@ impl Engine for LlamaEngine {
     fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError> {
         let layout = self.info.layout;
         let (bt, w) = (layout.block_tokens as usize, self.width());
-        let s = self.seqs.get(&seq).ok_or(EngineError::Invalid("unknown sequence".into()))?;
+        let s = self.seqs.get(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
         if s.len < (block + 1) * bt || out.len() as u64 != layout.bytes_per_block() {
-            return Err(EngineError::Invalid(format!("block {block} is not computed")));
+            return Err(EngineError::invalid(format!("block {block} is not computed")));
         }
         for l in 0..self.layers.len() {
             for (plane, rows) in [(0, &s.k[l]), (1, &s.v[l])] {
@@ -446,9 +446,9 @@ impl Engine for LlamaEngine {
         let mut positions = Vec::new();
         for input in batch {
             let s =
-                self.seqs.get(&input.seq).ok_or(EngineError::Invalid("unknown sequence".into()))?;
+                self.seqs.get(&input.seq).ok_or(EngineError::invalid("unknown sequence"))?;
             if s.len != input.start || input.start + input.tokens.len() > ctx {
-                return Err(EngineError::Invalid(format!(
+                return Err(EngineError::invalid(format!(
                     "step at position {} of a sequence holding {} tokens",
                     input.start, s.len
                 )));

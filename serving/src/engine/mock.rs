@@ -79,7 +79,7 @@ impl MockEngine {
     /// A mock model with KV blocks of `layout` (which must hold a block's tokens).
     pub fn new(name: &str, layout: BlockLayout, cfg: MockConfig) -> Result<Self, EngineError> {
         if layout.bytes_per_block() < u64::from(layout.block_tokens) * 4 + 8 {
-            return Err(EngineError::Model("mock blocks are too small for their tokens".into()));
+            return Err(EngineError::model("mock blocks are too small for their tokens"));
         }
         Ok(MockEngine {
             info: ModelInfo { id: name.to_string(), context_len: cfg.context_len, layout },
@@ -147,11 +147,11 @@ impl Engine for MockEngine {
 
     fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError> {
         let bt = self.block_tokens();
-        let s = self.seqs.get_mut(&seq).ok_or(EngineError::Invalid("unknown sequence".into()))?;
+        let s = self.seqs.get_mut(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
         if s.tokens.len() != block * bt || bytes.len() as u64 != self.info.layout.bytes_per_block()
         {
-            return Err(EngineError::Invalid(
-                "block imported out of order or of a wrong size".into(),
+            return Err(EngineError::invalid(
+                "block imported out of order or of a wrong size",
             ));
         }
         let tokens: Vec<u32> = bytes[..bt * 4]
@@ -162,7 +162,7 @@ impl Engine for MockEngine {
         let mut expect = vec![0u8; bytes.len()];
         Self::fill(&mut expect, &tokens, Self::chain(prev, &tokens));
         if expect != bytes {
-            return Err(EngineError::Model(format!(
+            return Err(EngineError::model(format!(
                 "imported block {block} does not match its chain"
             )));
         }
@@ -174,9 +174,9 @@ impl Engine for MockEngine {
 
     fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError> {
         let bt = self.block_tokens();
-        let s = self.seqs.get(&seq).ok_or(EngineError::Invalid("unknown sequence".into()))?;
+        let s = self.seqs.get(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
         if s.chain.len() <= block || out.len() as u64 != self.info.layout.bytes_per_block() {
-            return Err(EngineError::Invalid(format!("block {block} is not computed")));
+            return Err(EngineError::invalid(format!("block {block} is not computed")));
         }
         Self::fill(out, &s.tokens[block * bt..(block + 1) * bt], s.chain[block]);
         Ok(())
@@ -191,9 +191,9 @@ impl Engine for MockEngine {
             let s = self
                 .seqs
                 .get_mut(&input.seq)
-                .ok_or(EngineError::Invalid("unknown sequence".into()))?;
+                .ok_or(EngineError::invalid("unknown sequence"))?;
             if s.tokens.len() != input.start {
-                return Err(EngineError::Invalid(format!(
+                return Err(EngineError::invalid(format!(
                     "step at position {} of a sequence holding {} tokens",
                     input.start,
                     s.tokens.len()

@@ -28,11 +28,15 @@ pub use sampling::{Sampler, SamplingParams};
 pub use text::{ChatMessage, TextCodec, TextStream};
 
 /// Why a request or an engine failed.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum EngineError {
     /// The request is malformed (bad parameters, untokenizable prompt).
-    #[error("{0}")]
-    Invalid(String),
+    #[error("{message}")]
+    Invalid {
+        /// What is wrong.
+        message: String,
+    },
     /// The prompt (plus the tokens asked for) does not fit the model's context.
     #[error("this model's maximum context length is {limit} tokens; the request needs {needed} ({prompt} in the prompt)")]
     ContextLength {
@@ -44,21 +48,48 @@ pub enum EngineError {
         prompt: usize,
     },
     /// Too many requests are waiting.
-    #[error("the engine is overloaded ({0} requests waiting); retry later")]
-    Overloaded(usize),
+    #[error("the engine is overloaded ({waiting} requests waiting); retry later")]
+    Overloaded {
+        /// Requests waiting.
+        waiting: usize,
+    },
     /// The request ran past its deadline.
-    #[error("the request ran past its deadline of {0:?}")]
-    Deadline(Duration),
+    #[error("the request ran past its deadline of {timeout:?}")]
+    Deadline {
+        /// The request's timeout.
+        timeout: Duration,
+    },
     /// The engine stopped.
     #[error("the engine is not running")]
     Stopped,
+    /// No worker can serve the request now.
+    #[error("{message}")]
+    Unavailable {
+        /// Why.
+        message: String,
+    },
     /// The model could not be loaded or run.
-    #[error("model: {0}")]
-    Model(String),
+    #[error("model: {message}")]
+    Model {
+        /// What failed.
+        message: String,
+    },
+}
+
+impl EngineError {
+    /// A bad request.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        EngineError::Invalid { message: message.into() }
+    }
+
+    /// A model or engine failure.
+    pub fn model(message: impl Into<String>) -> Self {
+        EngineError::Model { message: message.into() }
+    }
 }
 
 /// What a model is, as the frontend shows it.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ModelInfo {
     /// The served model's id.
     pub id: String,
@@ -102,7 +133,7 @@ pub trait Engine: Send + 'static {
 }
 
 /// A generation request, tokens in.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {
     /// Prompt tokens.
     pub prompt: Vec<u32>,
@@ -119,7 +150,7 @@ pub struct GenerateRequest {
 }
 
 /// Why a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// EOS, an end-of-turn token or a stop string.
@@ -129,7 +160,7 @@ pub enum FinishReason {
 }
 
 /// Prompt tokens served from the store, per tier.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CacheHits {
     /// Tokens whose KV came from host memory.
     pub host_tokens: usize,
@@ -147,7 +178,8 @@ impl CacheHits {
 }
 
 /// What a generation reports, in order: `Started`, `Token`s, then `Done` or `Error`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum GenEvent {
     /// Admitted: prompt KV reused from the store.
     Started {
@@ -212,6 +244,10 @@ pub struct SchedulerStats {
     pub waiting: AtomicU64,
     /// Requests in the batch.
     pub running: AtomicU64,
+    /// Tokens of KV held by the requests in the batch (decode load).
+    pub active_tokens: AtomicU64,
+    /// Prompt tokens not computed yet, waiting or running (prefill load).
+    pub queued_prefill_tokens: AtomicU64,
     /// Prompt tokens admitted.
     pub prompt_tokens: AtomicU64,
     /// Prompt tokens served from host, disk and remote blocks.
@@ -269,14 +305,14 @@ impl Scheduler {
         let info = Arc::new(engine.info().clone());
         let codec = Arc::new(engine.codec().clone());
         if store.block_bytes() != info.layout.bytes_per_block() {
-            return Err(EngineError::Model(format!(
+            return Err(EngineError::model(format!(
                 "store blocks are {} bytes, the model's are {}",
                 store.block_bytes(),
                 info.layout.bytes_per_block()
             )));
         }
         let hasher = TokenBlockHasher::new(info.layout.block_tokens as usize, cfg.hash_seed)
-            .map_err(|e| EngineError::Model(e.to_string()))?;
+            .map_err(|e| EngineError::model(e.to_string()))?;
         let stats = Arc::new(SchedulerStats::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let max_waiting = cfg.max_waiting;
@@ -299,7 +335,7 @@ impl Scheduler {
         std::thread::Builder::new()
             .name("kvfabric-engine".into())
             .spawn(move || lp.run())
-            .map_err(|e| EngineError::Model(format!("starting the engine thread: {e}")))?;
+            .map_err(|e| EngineError::model(format!("starting the engine thread: {e}")))?;
         Ok(Scheduler { tx, info, codec, stats, max_waiting })
     }
 
@@ -326,11 +362,11 @@ impl Scheduler {
     ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
         let ctx = self.info.context_len;
         if req.prompt.is_empty() {
-            return Err(EngineError::Invalid("the prompt is empty".into()));
+            return Err(EngineError::invalid("the prompt is empty"));
         }
         let vocab = self.codec.vocab_size() as u32;
         if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
-            return Err(EngineError::Invalid(format!(
+            return Err(EngineError::invalid(format!(
                 "token id {bad} is outside the vocabulary (size {vocab})"
             )));
         }
@@ -343,11 +379,11 @@ impl Scheduler {
             });
         }
         if req.max_tokens == 0 {
-            return Err(EngineError::Invalid("max_tokens must be at least 1".into()));
+            return Err(EngineError::invalid("max_tokens must be at least 1"));
         }
         let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
         if waiting >= self.max_waiting {
-            return Err(EngineError::Overloaded(waiting));
+            return Err(EngineError::Overloaded { waiting: waiting });
         }
         let (tx, rx) = mpsc::unbounded_channel();
         bump(&self.stats.waiting, 1);
@@ -421,11 +457,19 @@ impl<E: Engine> Loop<E> {
                 self.waiting.push_back(s);
             }
             self.admit();
-            if self.running.is_empty() {
-                continue;
+            if !self.running.is_empty() {
+                self.step();
             }
-            self.step();
+            self.report_load();
         }
+    }
+
+    fn report_load(&self) {
+        let active: usize = self.running.iter().map(|s| s.computed).sum();
+        let queued: usize = self.running.iter().map(Seq::prompt_left).sum::<usize>()
+            + self.waiting.iter().map(|w| w.req.prompt.len()).sum::<usize>();
+        self.stats.active_tokens.store(active as u64, Ordering::Relaxed);
+        self.stats.queued_prefill_tokens.store(queued as u64, Ordering::Relaxed);
     }
 
     fn admit(&mut self) {
@@ -439,7 +483,7 @@ impl<E: Engine> Loop<E> {
             let deadline = sub.arrived + sub.req.timeout;
             if Instant::now() >= deadline {
                 bump(&self.stats.deadline_exceeded, 1);
-                let _ = sub.tx.send(GenEvent::Error(EngineError::Deadline(sub.req.timeout)));
+                let _ = sub.tx.send(GenEvent::Error(EngineError::Deadline { timeout: sub.req.timeout }));
                 continue;
             }
             let id = self.next_id;
@@ -589,7 +633,7 @@ impl<E: Engine> Loop<E> {
                         continue;
                     }
                     let Some(l) = logits.next() else {
-                        outcomes[i] = Outcome::Failed(EngineError::Model("missing logits".into()));
+                        outcomes[i] = Outcome::Failed(EngineError::model("missing logits"));
                         continue;
                     };
                     outcomes[i] = Self::advance(s, &l, &self.codec, self.engine.info().context_len);
@@ -604,7 +648,7 @@ impl<E: Engine> Loop<E> {
                 if s.tx.is_closed() {
                     outcomes[i] = Outcome::Cancelled;
                 } else if now >= s.deadline {
-                    outcomes[i] = Outcome::Failed(EngineError::Deadline(s.req.timeout));
+                    outcomes[i] = Outcome::Failed(EngineError::Deadline { timeout: s.req.timeout });
                     bump(&self.stats.deadline_exceeded, 1);
                 }
             }
@@ -620,7 +664,7 @@ impl<E: Engine> Loop<E> {
                 Outcome::Failed(e) => GenEvent::Error(e),
                 Outcome::Cancelled => {
                     bump(&self.stats.cancelled, 1);
-                    GenEvent::Error(EngineError::Invalid("cancelled".into()))
+                    GenEvent::Error(EngineError::invalid("cancelled"))
                 }
             };
             let s = self.running.swap_remove(i);

@@ -1,7 +1,7 @@
 //! Next-token choice: greedy (temperature 0) or seeded sampling with temperature and top-p.
 
 /// How to pick tokens.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 = greedy (argmax, lowest id on ties).
     pub temperature: f32,

@@ -52,10 +52,10 @@ impl TextCodec {
         let meta_u32 = |k: &str| content.metadata.get(k).and_then(|v| v.to_u32().ok());
         let mut tok = match tokenizer_json {
             Some(p) => tokenizers::Tokenizer::from_file(p)
-                .map_err(|e| EngineError::Model(format!("tokenizer {}: {e}", p.display())))?,
+                .map_err(|e| EngineError::model(format!("tokenizer {}: {e}", p.display())))?,
             None => {
                 let mut tok = tokenizers::Tokenizer::from_gguf(content)
-                    .map_err(|e| EngineError::Model(format!("GGUF tokenizer: {e}")))?;
+                    .map_err(|e| EngineError::model(format!("GGUF tokenizer: {e}")))?;
                 if meta_str("tokenizer.ggml.pre").as_deref() == Some("smollm") {
                     // SmolLM's tokenizer.json: digits one by one, then GPT-2 byte-level
                     // without a prefix space. candle's GGUF reader does not know this
@@ -75,7 +75,7 @@ impl TextCodec {
                 tok
             }
         };
-        tok.with_truncation(None).map_err(|e| EngineError::Model(e.to_string()))?;
+        tok.with_truncation(None).map_err(|e| EngineError::model(e.to_string()))?;
         tok.with_padding(None);
         let id_text = |id: Option<u32>| id.and_then(|id| tok.id_to_token(id));
         let bos = id_text(meta_u32("tokenizer.ggml.bos_token_id"));
@@ -97,6 +97,16 @@ impl TextCodec {
         // Fail at load, not at the first request, on a template minijinja cannot parse.
         codec.render_chat(&[ChatMessage { role: "user".into(), content: "hi".into() }])?;
         Ok(codec)
+    }
+
+    /// [`TextCodec::from_gguf`] of a file: reads its metadata only, not its weights.
+    pub fn from_gguf_path(path: &Path, tokenizer_json: Option<&Path>) -> Result<Self, EngineError> {
+        let file = std::fs::File::open(path)
+            .map_err(|e| EngineError::model(format!("opening {}: {e}", path.display())))?;
+        let mut r = std::io::BufReader::new(file);
+        let content = gguf_file::Content::read(&mut r)
+            .map_err(|e| EngineError::model(format!("reading {}: {e}", path.display())))?;
+        Self::from_gguf(&content, tokenizer_json)
     }
 
     /// The byte codec of the mock engine: ids 0..=255 are bytes; `<|im_start|>`,
@@ -132,7 +142,7 @@ impl TextCodec {
             CodecKind::Hf(t) => t
                 .encode(text, false)
                 .map(|e| e.get_ids().to_vec())
-                .map_err(|e| EngineError::Invalid(format!("tokenizing the prompt: {e}"))),
+                .map_err(|e| EngineError::invalid(format!("tokenizing the prompt: {e}"))),
             CodecKind::Bytes { specials } => {
                 let mut out = Vec::with_capacity(text.len());
                 let mut rest = text;
@@ -175,15 +185,15 @@ impl TextCodec {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
         env.add_template("chat", &self.template)
-            .map_err(|e| EngineError::Model(format!("chat template: {e}")))?;
-        let tmpl = env.get_template("chat").map_err(|e| EngineError::Model(e.to_string()))?;
+            .map_err(|e| EngineError::model(format!("chat template: {e}")))?;
+        let tmpl = env.get_template("chat").map_err(|e| EngineError::model(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => true,
             bos_token => self.bos.clone().unwrap_or_default(),
             eos_token => self.eos.clone().unwrap_or_default(),
         })
-        .map_err(|e| EngineError::Invalid(format!("chat template: {e}")))
+        .map_err(|e| EngineError::invalid(format!("chat template: {e}")))
     }
 }
 

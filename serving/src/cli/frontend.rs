@@ -1,0 +1,79 @@
+//! `kvfabric frontend`: the OpenAI-compatible HTTP API in front of the workers that discovery
+//! knows, routing each request with the router crate and relaying its tokens. Prints
+//! `kvfabric frontend at http://ADDR/v1` when ready.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use kvfabric_router::{RouterConfig, RoutingMode};
+use kvfabric_serving::frontend::{FrontendConfig, RemoteBackend};
+use kvfabric_serving::http::{self, ServerConfig};
+
+use super::up::{parse_mode, shutdown_signal};
+use super::worker::connect;
+
+#[derive(Debug, Args)]
+pub struct FrontendArgs {
+    /// Address to listen on.
+    #[arg(long, env = "KVFABRIC_HOST", default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// Port to listen on (0: any free port).
+    #[arg(long, env = "KVFABRIC_PORT", default_value_t = 8000)]
+    port: u16,
+    /// Routing: kv, round-robin, random, least-loaded.
+    #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
+    router: RoutingMode,
+    /// Softmax temperature of kv routing (0: always the cheapest worker).
+    #[arg(long, env = "KVFABRIC_ROUTER_TEMPERATURE", default_value_t = 0.0)]
+    router_temperature: f64,
+    /// etcd endpoints, comma-separated (without: embedded discovery, which no worker process
+    /// can reach).
+    #[arg(long, env = "KVFABRIC_ETCD", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// NATS URL.
+    #[arg(long, env = "KVFABRIC_NATS")]
+    nats: Option<String>,
+    /// Namespace of keys and subjects.
+    #[arg(long, env = "KVFABRIC_NAMESPACE", default_value = "default")]
+    namespace: String,
+    /// Request deadline, seconds.
+    #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300)]
+    request_timeout_s: u64,
+    /// Workers tried per request at most (a failed one before any token is retried).
+    #[arg(long, env = "KVFABRIC_MAX_ATTEMPTS", default_value_t = 3)]
+    max_attempts: usize,
+    /// Frontend name.
+    #[arg(long, env = "KVFABRIC_NAME", default_value = "frontend-0")]
+    name: String,
+}
+
+pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
+    let (discovery, bus) = connect(&args.etcd, args.nats.as_deref(), &args.namespace).await?;
+    let cfg = FrontendConfig {
+        router: RouterConfig {
+            mode: args.router,
+            temperature: args.router_temperature,
+            ..RouterConfig::default()
+        },
+        max_attempts: args.max_attempts.max(1),
+        name: args.name.clone(),
+        ..FrontendConfig::default()
+    };
+    let backend = Arc::new(RemoteBackend::start(discovery, bus, cfg).await?);
+    let server_cfg = ServerConfig {
+        request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
+        ..ServerConfig::default()
+    };
+    let app = http::router(backend.clone(), server_cfg);
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
+        .await
+        .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
+    println!("kvfabric frontend at http://{}/v1", listener.local_addr()?);
+    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
+    backend.stop();
+    eprintln!("frontend {} stopped", args.name);
+    Ok(())
+}

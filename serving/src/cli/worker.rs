@@ -1,0 +1,76 @@
+//! `kvfabric worker`: one engine with its block store, registered in discovery (etcd, or
+//! embedded) under a lease, publishing its KV events and load on the event bus (NATS, or
+//! embedded), serving generation requests from frontends on its request port. Prints one
+//! JSON line (`{"worker": NAME, "addr": ..., "model": ...}`) on stdout when ready. On
+//! SIGINT/SIGTERM it leaves discovery, stops and keeps its host blocks on disk.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use kvfabric::control::etcd::EtcdDiscovery;
+use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
+use kvfabric::control::nats::NatsBus;
+use kvfabric::control::{Discovery, EventBus};
+
+use super::up::{serve_worker, shutdown_signal, start_stack, EngineOpts};
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    engine: EngineOpts,
+    /// Worker name (unique in the namespace).
+    #[arg(long, env = "KVFABRIC_NAME", default_value = "worker-0")]
+    name: String,
+    /// Request port for frontends.
+    #[arg(long, env = "KVFABRIC_LISTEN", default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// etcd endpoints, comma-separated (without: embedded discovery, this process only).
+    #[arg(long, env = "KVFABRIC_ETCD", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// NATS URL (without: embedded event bus, this process only).
+    #[arg(long, env = "KVFABRIC_NATS")]
+    nats: Option<String>,
+    /// Namespace of keys and subjects.
+    #[arg(long, env = "KVFABRIC_NAMESPACE", default_value = "default")]
+    namespace: String,
+    /// Discovery lease TTL, seconds.
+    #[arg(long, env = "KVFABRIC_LEASE_TTL_S", default_value_t = 10)]
+    lease_ttl_s: u64,
+}
+
+pub async fn connect(
+    etcd: &[String],
+    nats: Option<&str>,
+    namespace: &str,
+) -> anyhow::Result<(Arc<dyn Discovery>, Arc<dyn EventBus>)> {
+    let discovery: Arc<dyn Discovery> = if etcd.is_empty() {
+        Arc::new(MemoryDiscovery::new())
+    } else {
+        Arc::new(EtcdDiscovery::connect(etcd, namespace).await?)
+    };
+    let bus: Arc<dyn EventBus> = match nats {
+        Some(url) => Arc::new(NatsBus::connect(url, namespace).await?),
+        None => Arc::new(MemoryBus::new()),
+    };
+    Ok((discovery, bus))
+}
+
+pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let (discovery, bus) = connect(&args.etcd, args.nats.as_deref(), &args.namespace).await?;
+    let stack = start_stack(&args.engine, &args.name, bus, false).await?;
+    let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
+    let (addr, registration, server) =
+        serve_worker(&stack, &args.name, args.listen, &discovery, ttl).await?;
+    println!(
+        "{}",
+        serde_json::json!({ "worker": args.name, "addr": addr, "model": stack.sched.info().id })
+    );
+    shutdown_signal().await;
+    registration.revoke().await;
+    server.abort();
+    stack.shutdown().await;
+    eprintln!("worker {} stopped", args.name);
+    Ok(())
+}

@@ -1,0 +1,557 @@
+//! The distributed frontend's backend: workers found in discovery, routed by the router crate.
+//!
+//! Discovery (`worker` instances) tells which workers exist, what model each serves, where
+//! its request port is and how to tokenize for it; a model appears with its first worker and
+//! disappears with its last. KV events (`kv-events`) feed one prefix index shared by all
+//! models; load reports (`load`) and the requests this frontend routed feed each model's
+//! routing policy. A request is routed (kv, round-robin, random or least-loaded), sent to the
+//! worker over the framed TCP transport ([`crate::worker`]) and its events relayed. When the
+//! worker cannot be reached or fails before any token was sent, the request is retried on
+//! another worker; after a token it fails with a clear error. Every wait has the request's
+//! deadline.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvfabric::control::{Discovery, DiscoveryEvent, EventBus, Instance};
+use kvfabric::events::KvEvent;
+use kvfabric::hash::{HashSeed, TokenBlockHasher};
+use kvfabric_router::service::worker_id;
+use kvfabric_router::{Ingest, Load, PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
+
+use crate::backend::{Backend, ModelEntry};
+use crate::engine::sampling::SplitMix64;
+use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
+use crate::metrics;
+use crate::worker::{self, WorkerRequest};
+
+/// The discovery kind of workers.
+pub const WORKER_KIND: &str = "worker";
+
+/// How a worker's prompts are tokenized, as it registers it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum CodecSpec {
+    /// The vocabulary and chat template of a GGUF file (a path the frontend can read), or a
+    /// tokenizer.json next to it.
+    Gguf {
+        /// The GGUF file.
+        path: std::path::PathBuf,
+        /// A tokenizer.json overriding the GGUF's vocabulary.
+        tokenizer: Option<std::path::PathBuf>,
+    },
+    /// One token per byte (the mock engine).
+    Bytes,
+}
+
+impl CodecSpec {
+    /// Loads the codec (reads the GGUF's metadata, not its weights).
+    pub fn load(&self) -> Result<TextCodec, EngineError> {
+        match self {
+            CodecSpec::Bytes => Ok(TextCodec::bytes()),
+            CodecSpec::Gguf { path, tokenizer } => {
+                TextCodec::from_gguf_path(path, tokenizer.as_deref())
+            }
+        }
+    }
+}
+
+/// What a worker registers in discovery.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct WorkerMetadata {
+    /// The model it serves.
+    pub model: ModelInfo,
+    /// How to tokenize for it.
+    pub codec: CodecSpec,
+    /// Its request port.
+    pub addr: SocketAddr,
+}
+
+/// Frontend settings.
+#[derive(Debug, Clone)]
+pub struct FrontendConfig {
+    /// Routing policy settings (the mode among them); `block_tokens` is taken from each model.
+    pub router: RouterConfig,
+    /// Connecting to a worker gives up after this long (then the next worker is tried).
+    pub connect_timeout: Duration,
+    /// Workers tried per request at most.
+    pub max_attempts: usize,
+    /// This frontend's name (in dump requests).
+    pub name: String,
+}
+
+impl Default for FrontendConfig {
+    fn default() -> Self {
+        FrontendConfig {
+            router: RouterConfig::default(),
+            connect_timeout: Duration::from_secs(2),
+            max_attempts: 3,
+            name: "frontend".into(),
+        }
+    }
+}
+
+/// Counters of the frontend.
+#[derive(Debug, Default)]
+pub struct FrontendStats {
+    /// Requests routed (attempts).
+    pub routed: AtomicU64,
+    /// Attempts retried on another worker.
+    pub retries: AtomicU64,
+    /// Requests that failed after tokens were sent.
+    pub failed_mid_stream: AtomicU64,
+    /// Requests for which no worker was available.
+    pub no_worker: AtomicU64,
+    /// KV events applied to the index.
+    pub events: AtomicU64,
+}
+
+#[derive(Debug)]
+struct WorkerEntry {
+    wid: WorkerId,
+    addr: SocketAddr,
+    model: String,
+    /// Requests sent to it.
+    served: u64,
+}
+
+#[derive(Debug)]
+struct ModelState {
+    entry: ModelEntry,
+    router: Router,
+    hasher: TokenBlockHasher,
+    workers: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    workers: HashMap<String, WorkerEntry>,
+    by_id: HashMap<WorkerId, String>,
+    models: HashMap<String, ModelState>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    cfg: FrontendConfig,
+    index: Arc<PrefixIndex>,
+    state: Mutex<State>,
+    codecs: Mutex<HashMap<CodecSpec, Arc<TextCodec>>>,
+    next_id: AtomicU64,
+    rng: Mutex<SplitMix64>,
+    stats: FrontendStats,
+    epoch: Instant,
+}
+
+/// Workers in discovery behind one routing frontend. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct RemoteBackend {
+    inner: Arc<Inner>,
+    task: Arc<tokio::task::JoinHandle<()>>,
+}
+
+impl RemoteBackend {
+    /// Watches discovery and subscribes to KV events and loads; returns once the workers
+    /// registered now are known.
+    pub async fn start(
+        discovery: Arc<dyn Discovery>,
+        bus: Arc<dyn EventBus>,
+        cfg: FrontendConfig,
+    ) -> Result<Self, EngineError> {
+        let ctl = |e: kvfabric::control::ControlError| EngineError::model(format!("control plane: {e}"));
+        let mut events = bus.subscribe("kv-events").await.map_err(ctl)?;
+        let mut loads = bus.subscribe("load").await.map_err(ctl)?;
+        let (initial, mut watch) = discovery.watch(WORKER_KIND).await.map_err(ctl)?;
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        let inner = Arc::new(Inner {
+            cfg,
+            index: Arc::new(PrefixIndex::new()),
+            state: Mutex::new(State::default()),
+            codecs: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            rng: Mutex::new(SplitMix64(seed)),
+            stats: FrontendStats::default(),
+            epoch: Instant::now(),
+        });
+        for inst in initial {
+            inner.join(inst).await;
+        }
+        let i = inner.clone();
+        let task = tokio::spawn(async move {
+            let (mut ev_open, mut load_open, mut watch_open) = (true, true, true);
+            while ev_open || load_open || watch_open {
+                tokio::select! {
+                    biased;
+                    d = watch.recv(), if watch_open => match d {
+                        Some(DiscoveryEvent::Joined(inst)) => i.join(inst).await,
+                        Some(DiscoveryEvent::Left { id, .. }) => i.leave(&id),
+                        None => watch_open = false,
+                    },
+                    m = events.recv(), if ev_open => match m {
+                        Some(bytes) => {
+                            if let Some(gap) = i.on_event(&bytes) {
+                                let msg = json!({ "from": i.cfg.name, "worker": gap });
+                                let _ = bus.publish("kv-dump-request", msg.to_string().into_bytes()).await;
+                            }
+                        }
+                        None => ev_open = false,
+                    },
+                    m = loads.recv(), if load_open => match m {
+                        Some(bytes) => i.on_load(&bytes),
+                        None => load_open = false,
+                    },
+                }
+            }
+        });
+        Ok(RemoteBackend { inner, task: Arc::new(task) })
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &FrontendStats {
+        &self.inner.stats
+    }
+
+    /// Requests sent to each worker so far.
+    pub fn served(&self) -> Vec<(String, u64)> {
+        let st = self.inner.state.lock();
+        let mut v: Vec<_> = st.workers.iter().map(|(n, w)| (n.clone(), w.served)).collect();
+        v.sort();
+        v
+    }
+
+    /// Stops following the control plane.
+    pub fn stop(&self) {
+        self.task.abort();
+    }
+}
+
+impl Inner {
+    async fn join(&self, inst: Instance) {
+        let md: WorkerMetadata = match serde_json::from_value(inst.metadata.clone()) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(worker = %inst.id, error = %e, "ignoring a worker with unreadable metadata");
+                return;
+            }
+        };
+        let cached = self.codecs.lock().get(&md.codec).cloned();
+        let codec = match cached {
+            Some(c) => c,
+            None => {
+                let spec = md.codec.clone();
+                match tokio::task::spawn_blocking(move || spec.load()).await {
+                    Ok(Ok(c)) => {
+                        let c = Arc::new(c);
+                        self.codecs.lock().insert(md.codec.clone(), c.clone());
+                        c
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(worker = %inst.id, error = %e, "ignoring a worker whose tokenizer cannot be loaded");
+                        return;
+                    }
+                    Err(_) => return,
+                }
+            }
+        };
+        let wid = worker_id(&inst.id);
+        self.index.add_worker(wid);
+        let mut st = self.state.lock();
+        if let Some(old) = st.workers.remove(&inst.id) {
+            // Re-registered (new address or model): forget the old routing entry.
+            if let Some(m) = st.models.get_mut(&old.model) {
+                m.router.remove_worker(old.wid);
+                m.workers -= 1;
+            }
+        }
+        let bt = md.model.layout.block_tokens;
+        let Ok(hasher) = TokenBlockHasher::new(bt as usize, HashSeed::default()) else {
+            tracing::warn!(worker = %inst.id, "ignoring a worker with 0 tokens per block");
+            return;
+        };
+        let model = st.models.entry(md.model.id.clone()).or_insert_with(|| {
+            let cfg = RouterConfig { block_tokens: bt, ..self.cfg.router.clone() };
+            ModelState {
+                entry: ModelEntry { info: md.model.clone(), codec },
+                router: Router::new(cfg),
+                hasher,
+                workers: 0,
+            }
+        });
+        model.router.add_worker(wid);
+        model.workers += 1;
+        st.by_id.insert(wid, inst.id.clone());
+        st.workers.insert(inst.id, WorkerEntry { wid, addr: md.addr, model: md.model.id, served: 0 });
+    }
+
+    fn leave(&self, name: &str) {
+        let mut st = self.state.lock();
+        let Some(w) = st.workers.remove(name) else { return };
+        st.by_id.remove(&w.wid);
+        self.index.remove_worker(w.wid);
+        let gone = match st.models.get_mut(&w.model) {
+            Some(m) => {
+                m.router.remove_worker(w.wid);
+                m.workers -= 1;
+                m.workers == 0
+            }
+            None => false,
+        };
+        if gone {
+            st.models.remove(&w.model);
+        }
+    }
+
+    /// Applies a KV event or a dump; returns the worker's name when events were lost.
+    fn on_event(&self, bytes: &[u8]) -> Option<String> {
+        let v: Value = serde_json::from_slice(bytes).ok()?;
+        let source = v["source"].as_str()?;
+        let w = worker_id(source);
+        if let Some(blocks) = v.get("dump") {
+            #[derive(serde::Deserialize)]
+            struct DumpBlock {
+                tier: kvfabric::events::TierKind,
+                hash: kvfabric::hash::SequenceHash,
+            }
+            let blocks: Vec<DumpBlock> = serde_json::from_value(blocks.clone()).ok()?;
+            let list: Vec<_> = blocks.into_iter().map(|b| (b.hash, b.tier)).collect();
+            self.index.reset_worker(w, &list, v["last_event_id"].as_u64().unwrap_or(0));
+            return None;
+        }
+        let e: KvEvent = serde_json::from_value(v["event"].clone()).ok()?;
+        match self.index.ingest(w, &e) {
+            Ingest::Gap { .. } => {
+                self.stats.events.fetch_add(1, Ordering::Relaxed);
+                Some(source.to_string())
+            }
+            Ingest::Applied => {
+                self.stats.events.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            _ => None,
+        }
+    }
+
+    fn on_load(&self, bytes: &[u8]) {
+        let Ok(v) = serde_json::from_slice::<Value>(bytes) else { return };
+        let (Some(source), Ok(load)) =
+            (v["source"].as_str(), serde_json::from_value::<Load>(v["load"].clone()))
+        else {
+            return;
+        };
+        let mut st = self.state.lock();
+        let Some(model) = st.workers.get(source).map(|w| w.model.clone()) else { return };
+        if let Some(m) = st.models.get_mut(&model) {
+            m.router.report_load(worker_id(source), load);
+        }
+    }
+
+    /// Picks a worker for a request, avoiding `tried`.
+    fn route(
+        &self,
+        model: &str,
+        request_id: u64,
+        prompt: &[u32],
+        tried: &[WorkerId],
+    ) -> Option<(String, SocketAddr)> {
+        let draw = self.rng.lock().next_f64();
+        let now = self.epoch.elapsed().as_secs_f64();
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let m = st.models.get_mut(model)?;
+        let hashes = m.hasher.sequence_hashes(prompt);
+        let d = m.router.route(&self.index, request_id, &hashes, prompt.len() as u64, now, draw)?;
+        let mut wid = d.worker;
+        if tried.contains(&wid) {
+            // The policy's choice failed already: the least-tried other worker instead.
+            m.router.free(request_id);
+            wid = *m.router.workers().iter().find(|w| !tried.contains(w))?;
+        }
+        let name = st.by_id.get(&wid)?.clone();
+        let w = st.workers.get_mut(&name)?;
+        w.served += 1;
+        Some((name, w.addr))
+    }
+
+    fn with_router(&self, model: &str, f: impl FnOnce(&mut Router)) {
+        if let Some(m) = self.state.lock().models.get_mut(model) {
+            f(&mut m.router);
+        }
+    }
+
+    async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: UnboundedSender<GenEvent>) {
+        let deadline = tokio::time::Instant::now() + req.timeout;
+        let mut tried: Vec<WorkerId> = Vec::new();
+        let mut last_err: Option<String> = None;
+        let wreq = WorkerRequest { model: model.clone(), request: req };
+        for attempt in 0..self.cfg.max_attempts.max(1) {
+            let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let Some((name, addr)) = self.route(&model, rid, &wreq.request.prompt, &tried) else {
+                break;
+            };
+            self.stats.routed.fetch_add(1, Ordering::Relaxed);
+            if attempt > 0 {
+                self.stats.retries.fetch_add(1, Ordering::Relaxed);
+            }
+            let outcome = self.relay(&model, rid, &name, addr, &wreq, &tx, deadline).await;
+            self.with_router(&model, |r| r.free(rid));
+            match outcome {
+                Relay::Finished => return,
+                Relay::Retry(why) => {
+                    tracing::info!(worker = %name, reason = %why, "retrying on another worker");
+                    tried.push(worker_id(&name));
+                    last_err = Some(format!("worker {name}: {why}"));
+                }
+                Relay::Failed(why) => {
+                    self.stats.failed_mid_stream.fetch_add(1, Ordering::Relaxed);
+                    let e = EngineError::model(format!(
+                        "worker {name} failed after streaming had started: {why}"
+                    ));
+                    let _ = tx.send(GenEvent::Error(e));
+                    return;
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let _ = tx.send(GenEvent::Error(EngineError::Deadline { timeout: wreq.request.timeout }));
+                return;
+            }
+        }
+        self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
+        let msg = match last_err {
+            Some(e) => format!("no worker could serve {model:?} ({e})"),
+            None => format!("no worker serves {model:?} now"),
+        };
+        let _ = tx.send(GenEvent::Error(EngineError::Unavailable { message: msg }));
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn relay(
+        &self,
+        model: &str,
+        rid: u64,
+        name: &str,
+        addr: SocketAddr,
+        wreq: &WorkerRequest,
+        tx: &UnboundedSender<GenEvent>,
+        deadline: tokio::time::Instant,
+    ) -> Relay {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let mut conn = match worker::connect(addr, wreq, self.cfg.connect_timeout.min(left)).await {
+            Ok(c) => c,
+            Err(e) => return Relay::Retry(e.to_string()),
+        };
+        let mut sent_token = false;
+        loop {
+            let frame = tokio::select! {
+                f = tokio::time::timeout_at(deadline, worker::read_frame::<_, GenEvent>(&mut conn)) => f,
+                // The client went away: closing the connection cancels the worker's work.
+                _ = tx.closed() => return Relay::Finished,
+            };
+            let ev = match frame {
+                Err(_) => {
+                    let _ = tx.send(GenEvent::Error(EngineError::Deadline { timeout: wreq.request.timeout }));
+                    return Relay::Finished;
+                }
+                Ok(Ok(Some(ev))) => ev,
+                Ok(Ok(None)) => {
+                    let why = "the worker closed the connection".to_string();
+                    return if sent_token { Relay::Failed(why) } else { Relay::Retry(why) };
+                }
+                Ok(Err(e)) => {
+                    return if sent_token { Relay::Failed(e.to_string()) } else { Relay::Retry(e.to_string()) };
+                }
+            };
+            match ev {
+                GenEvent::Started { prompt_tokens, cached, .. } => {
+                    let _ = tx.send(GenEvent::Started { prompt_tokens, cached, worker: Some(name.to_string()) });
+                }
+                GenEvent::Token { .. } => {
+                    if !sent_token {
+                        sent_token = true;
+                        self.with_router(model, |r| r.prefill_done(rid));
+                    }
+                    if tx.send(ev).is_err() {
+                        return Relay::Finished;
+                    }
+                }
+                GenEvent::Done { .. } => {
+                    let _ = tx.send(ev);
+                    return Relay::Finished;
+                }
+                GenEvent::Error(e) => {
+                    let retryable = matches!(e, EngineError::Overloaded { .. } | EngineError::Stopped);
+                    if retryable && !sent_token {
+                        return Relay::Retry(e.to_string());
+                    }
+                    let _ = tx.send(GenEvent::Error(e));
+                    return Relay::Finished;
+                }
+            }
+        }
+    }
+}
+
+enum Relay {
+    Finished,
+    Retry(String),
+    Failed(String),
+}
+
+impl Backend for RemoteBackend {
+    fn models(&self) -> Vec<ModelInfo> {
+        let st = self.inner.state.lock();
+        let mut v: Vec<ModelInfo> = st.models.values().map(|m| m.entry.info.clone()).collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    fn model(&self, id: &str) -> Option<ModelEntry> {
+        self.inner.state.lock().models.get(id).map(|m| m.entry.clone())
+    }
+
+    fn submit(
+        &self,
+        model: &str,
+        req: GenerateRequest,
+    ) -> Result<UnboundedReceiver<GenEvent>, EngineError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(self.inner.clone().drive(model.to_string(), req, tx));
+        Ok(rx)
+    }
+
+    fn health(&self) -> Value {
+        let st = self.inner.state.lock();
+        let mut workers: Vec<&String> = st.workers.keys().collect();
+        workers.sort();
+        json!({
+            "status": if st.workers.is_empty() { "no workers" } else { "ok" },
+            "workers": workers,
+            "models": st.models.keys().collect::<Vec<_>>(),
+        })
+    }
+
+    fn render_metrics(&self, out: &mut String) {
+        let s = &self.inner.stats;
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        metrics::sample(out, "kvfabric_frontend_routed_total", "counter", "Requests routed to workers (attempts).", ld(&s.routed));
+        metrics::sample(out, "kvfabric_frontend_retries_total", "counter", "Attempts retried on another worker.", ld(&s.retries));
+        metrics::sample(out, "kvfabric_frontend_failed_mid_stream_total", "counter", "Requests failed after tokens were sent.", ld(&s.failed_mid_stream));
+        metrics::sample(out, "kvfabric_frontend_no_worker_total", "counter", "Requests no worker could serve.", ld(&s.no_worker));
+        metrics::sample(out, "kvfabric_frontend_kv_events_total", "counter", "KV events applied to the prefix index.", ld(&s.events));
+        let served = self.served();
+        let pairs: Vec<(&str, u64)> = served.iter().map(|(n, c)| (n.as_str(), *c)).collect();
+        metrics::labelled(out, "kvfabric_frontend_worker_requests_total", "counter", "Requests sent to each worker.", "worker", &pairs);
+        metrics::sample(out, "kvfabric_frontend_workers", "gauge", "Workers known.", pairs.len());
+    }
+}
+
+/// The routing mode from its name.
+pub fn parse_mode(s: &str) -> Result<RoutingMode, String> {
+    s.parse()
+}
