@@ -1,0 +1,258 @@
+//! Distributed serving over real etcd and NATS servers: `kvfabric worker` processes (the mock
+//! engine, and the real model in one test) behind a routing frontend in this process.
+//! Requests sharing a long prefix land on the worker that caches it; a worker killed -9
+//! under load leaves no request hanging and leaves routing within its lease TTL; a worker
+//! added under load starts receiving requests.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{get, post_json};
+use kvfabric::control::etcd::EtcdDiscovery;
+use kvfabric::control::nats::NatsBus;
+use kvfabric::testkit::{EtcdServer, NatsServer};
+use kvfabric_router::{RouterConfig, RoutingMode};
+use kvfabric_serving::frontend::{FrontendConfig, RemoteBackend};
+use kvfabric_serving::http::{router, ServerConfig};
+use serde_json::json;
+
+struct Worker {
+    child: Child,
+    name: String,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn worker(name: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&str]) -> Worker {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["worker", "--name", name, "--namespace", "dist", "--lease-ttl-s", "2"])
+        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url()])
+        .args(extra)
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvfabric worker");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("worker printed nothing").unwrap();
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["worker"], name);
+    std::thread::spawn(move || for _ in lines {});
+    Worker { child, name: name.to_string() }
+}
+
+fn mock_worker(name: &str, etcd: &EtcdServer, nats: &NatsServer, decode_us: &str) -> Worker {
+    worker(
+        name,
+        etcd,
+        nats,
+        &["--engine", "mock", "--disk-blocks", "0", "--mock-decode-us", decode_us, "--mock-prefill-us", "5"],
+    )
+}
+
+struct Frontend {
+    addr: SocketAddr,
+    backend: Arc<RemoteBackend>,
+}
+
+async fn frontend(etcd: &EtcdServer, nats: &NatsServer, mode: RoutingMode) -> Frontend {
+    let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
+    let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
+    let cfg = FrontendConfig {
+        router: RouterConfig { mode, ..RouterConfig::default() },
+        connect_timeout: Duration::from_millis(500),
+        ..FrontendConfig::default()
+    };
+    let backend = Arc::new(RemoteBackend::start(discovery, bus, cfg).await.unwrap());
+    let server = ServerConfig { request_timeout: Duration::from_secs(60), ..ServerConfig::default() };
+    let app = router(backend.clone(), server);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Frontend { addr, backend }
+}
+
+async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !f().await {
+        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn workers_known(f: &Frontend) -> Vec<String> {
+    let h = get(f.addr, "/health").await.json();
+    h["workers"].as_array().map(|a| a.iter().map(|w| w.as_str().unwrap().to_string()).collect()).unwrap_or_default()
+}
+
+fn completion(prompt: &str, max_tokens: u32) -> serde_json::Value {
+    json!({"model": "mock", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_sharing_a_long_prefix_land_on_the_worker_that_caches_it() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let _w: Vec<Worker> = (0..3).map(|i| mock_worker(&format!("w{i}"), &etcd, &nats, "2000")).collect();
+    let f = frontend(&etcd, &nats, RoutingMode::Kv).await;
+    wait_for("3 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 3).await;
+
+    let prefix = "A long shared system prompt that many requests start with. ".repeat(8);
+    let first = post_json(f.addr, "/v1/completions", &completion(&format!("{prefix}question 0"), 4)).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let home = first.header("x-kvfabric-worker").unwrap().to_string();
+    // The worker's Stored events reach the frontend's index over NATS.
+    let b = f.backend.clone();
+    wait_for("the prefix's KV events", Duration::from_secs(10), async || {
+        b.stats().events.load(std::sync::atomic::Ordering::Relaxed) >= 30
+    })
+    .await;
+    for i in 1..6 {
+        let r = post_json(f.addr, "/v1/completions", &completion(&format!("{prefix}question {i}"), 4)).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-kvfabric-worker"), Some(home.as_str()), "request {i} left the cache");
+        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        assert!(cached >= (prefix.len() as u64 / 16) * 16 - 16, "only {cached} tokens cached");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_under_load_hangs_no_request_and_leaves_routing() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let mut ws: Vec<Worker> = (0..3).map(|i| mock_worker(&format!("w{i}"), &etcd, &nats, "4000")).collect();
+    let f = frontend(&etcd, &nats, RoutingMode::RoundRobin).await;
+    wait_for("3 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 3).await;
+
+    let addr = f.addr;
+    let load: Vec<_> = (0..18)
+        .map(|i| {
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let r = post_json(addr, "/v1/completions", &completion(&format!("load {i}"), 150)).await;
+                (r, started.elapsed())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let victim = ws.remove(1);
+    let dead = victim.name.clone();
+    drop(victim); // kill -9
+    // Until its lease expires the dead worker is still in discovery: requests routed to it
+    // are retried on another worker before any token was sent, and succeed.
+    for i in 0..6 {
+        let r = post_json(addr, "/v1/completions", &completion(&format!("during {i}"), 3)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_ne!(r.header("x-kvfabric-worker"), Some(dead.as_str()));
+    }
+    assert!(f.backend.stats().retries.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    let mut ok = 0;
+    for t in load {
+        let (r, took) = tokio::time::timeout(Duration::from_secs(30), t).await.expect("a request hung").unwrap();
+        assert!(took < Duration::from_secs(30));
+        match r.status {
+            200 => ok += 1,
+            // Tokens had been produced by the dead worker: a clear error, not a hang.
+            500 => {
+                let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+                assert!(msg.contains(&dead) && msg.contains("after streaming had started"), "{msg}");
+            }
+            s => panic!("unexpected status {s}: {}", r.text()),
+        }
+    }
+    assert!(ok >= 12, "only {ok} of 18 requests completed");
+    // Within the lease TTL (2 s) the dead worker leaves discovery and routing.
+    wait_for("the dead worker to leave", Duration::from_secs(8), async || {
+        !workers_known(&f).await.contains(&dead)
+    })
+    .await;
+    for i in 0..8 {
+        let r = post_json(f.addr, "/v1/completions", &completion(&format!("after {i}"), 3)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_ne!(r.header("x-kvfabric-worker"), Some(dead.as_str()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_added_under_load_starts_receiving_requests() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let _w0 = mock_worker("w0", &etcd, &nats, "2000");
+    let f = frontend(&etcd, &nats, RoutingMode::RoundRobin).await;
+    wait_for("the first worker", Duration::from_secs(10), async || workers_known(&f).await.len() == 1).await;
+    let addr = f.addr;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let served = Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let (stop, served) = (stop.clone(), served.clone());
+            tokio::spawn(async move {
+                let mut i = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let r = post_json(addr, "/v1/completions", &completion(&format!("c{c} r{i}"), 10)).await;
+                    assert_eq!(r.status, 200, "{}", r.text());
+                    served.lock().push(r.header("x-kvfabric-worker").unwrap().to_string());
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _w1 = mock_worker("w1", &etcd, &nats, "2000");
+    let s = served.clone();
+    wait_for("the new worker to serve", Duration::from_secs(15), async || {
+        s.lock().iter().any(|w| w == "w1")
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for c in clients {
+        c.await.unwrap();
+    }
+    assert!(served.lock().iter().any(|w| w == "w0"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_model_across_two_worker_processes_with_kv_routing() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let model = std::env::var("KVFABRIC_TEST_MODEL").unwrap_or_else(|_| {
+        format!("{}/.cache/kvfabric/models/SmolLM2-135M-Instruct.Q4_1.gguf", std::env::var("HOME").unwrap())
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let _ws: Vec<Worker> = (0..2)
+        .map(|i| worker(&format!("llama{i}"), &etcd, &nats, &["--model", &model, "--data-dir", data, "--disk-blocks", "64"]))
+        .collect();
+    let f = frontend(&etcd, &nats, RoutingMode::Kv).await;
+    wait_for("2 workers", Duration::from_secs(20), async || workers_known(&f).await.len() == 2).await;
+    let models = get(f.addr, "/v1/models").await.json();
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
+    let q = json!({
+        "model": "SmolLM2-135M-Instruct.Q4_1", "temperature": 0, "max_tokens": 12,
+        "messages": [
+            {"role": "system", "content": "You are a geography teacher who answers briefly and precisely, in one sentence."},
+            {"role": "user", "content": "What is the capital of France?"}
+        ],
+    });
+    let a = post_json(f.addr, "/v1/chat/completions", &q).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let home = a.header("x-kvfabric-worker").unwrap().to_string();
+    let b = f.backend.clone();
+    wait_for("the KV events", Duration::from_secs(10), async || {
+        b.stats().events.load(std::sync::atomic::Ordering::Relaxed) >= 2
+    })
+    .await;
+    let again = post_json(f.addr, "/v1/chat/completions", &q).await;
+    assert_eq!(again.header("x-kvfabric-worker"), Some(home.as_str()));
+    let (a, again) = (a.json(), again.json());
+    assert_eq!(again["choices"][0]["message"]["content"], a["choices"][0]["message"]["content"]);
+    assert!(again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() >= 32);
+    let text = a["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text:?}");
+}
