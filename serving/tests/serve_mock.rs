@@ -355,3 +355,82 @@ async fn concurrent_requests_share_steps_and_each_gets_its_own_answer() {
     // 8 × 30 tokens one by one would take 240 steps.
     assert!(steps < 120, "{steps} steps for 8 concurrent requests: not batched");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
+    use kvfabric_serving::engine::{GenEvent, GenerateRequest, SamplingParams};
+    use kvfabric_serving::worker::{self, read_frame, WorkerRequest};
+    let s = serve(Opts {
+        mock: MockConfig { decode_step_us: 5_000.0, ..MockConfig::zero_delay() },
+        ..Opts::default()
+    })
+    .await;
+    let store = {
+        // The worker serves the same scheduler through its own backend.
+        let agent = Agent::start(AgentConfig::new("wt", b"s".to_vec())).await.unwrap();
+        let st = TieredStore::open(
+            StoreConfig::new(s.sched.info().layout.bytes_per_block(), 8),
+            &agent,
+            std::sync::Arc::new(NullSink),
+        )
+        .await
+        .unwrap();
+        (agent, st)
+    };
+    let backend = std::sync::Arc::new(LocalBackend::new(s.sched.clone(), store.1.clone()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let _server = worker::serve(listener, backend);
+
+    async fn answer(addr: SocketAddr, bytes: &[u8]) -> Option<GenEvent> {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(bytes).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(15), read_frame::<_, GenEvent>(&mut c)).await.unwrap().unwrap()
+    }
+    // A length far over the limit, then a frame of garbage: each gets an error, no panic.
+    let e = answer(addr, &u32::MAX.to_le_bytes()).await;
+    assert!(matches!(e, Some(GenEvent::Error(_))), "{e:?}");
+    let mut garbage = 9u32.to_le_bytes().to_vec();
+    garbage.extend_from_slice(b"not json!");
+    assert!(matches!(answer(addr, &garbage).await, Some(GenEvent::Error(_))));
+    // Valid JSON of the wrong shape, and a model the worker does not serve.
+    let mut wrong = 2u32.to_le_bytes().to_vec();
+    wrong.extend_from_slice(b"{}");
+    assert!(matches!(answer(addr, &wrong).await, Some(GenEvent::Error(_))));
+    let req = |model: &str, max_tokens| WorkerRequest {
+        model: model.into(),
+        request: GenerateRequest {
+            prompt: vec![104, 105],
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            ignore_eos: false,
+            timeout: Duration::from_secs(30),
+        },
+    };
+    let mut c = worker::connect(addr, &req("gpt-9", 4), Duration::from_secs(1)).await.unwrap();
+    let e: Option<GenEvent> = read_frame(&mut c).await.unwrap();
+    assert!(matches!(e, Some(GenEvent::Error(_))), "{e:?}");
+    // A silent peer is dropped after the request timeout (10 s) with an error; we don't wait
+    // for it here. A valid request streams started, tokens, done.
+    let mut c = worker::connect(addr, &req("mock", 4), Duration::from_secs(1)).await.unwrap();
+    let mut kinds = Vec::new();
+    while let Some(ev) = read_frame::<_, GenEvent>(&mut c).await.unwrap() {
+        kinds.push(match ev {
+            GenEvent::Started { .. } => "started",
+            GenEvent::Token { .. } => "token",
+            GenEvent::Done { .. } => "done",
+            GenEvent::Error(_) => "error",
+        });
+    }
+    assert_eq!(kinds, ["started", "token", "token", "token", "token", "done"]);
+    // Hanging up mid-generation cancels it.
+    let mut c = worker::connect(addr, &req("mock", 4000), Duration::from_secs(1)).await.unwrap();
+    for _ in 0..3 {
+        read_frame::<_, GenEvent>(&mut c).await.unwrap();
+    }
+    drop(c);
+    let stats = s.sched.stats();
+    wait_until("the worker to cancel", || stats.running.load(Ordering::Relaxed) == 0).await;
+    assert_eq!(stats.cancelled.load(Ordering::Relaxed), 1);
+}

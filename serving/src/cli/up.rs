@@ -113,6 +113,10 @@ pub struct UpArgs {
     /// Workers (engines) in this process; more than one puts KV routing in front of them.
     #[arg(long, env = "KVFABRIC_WORKERS", default_value_t = 1)]
     workers: usize,
+    /// Put the routing frontend and the worker transport in front of a single worker too
+    /// (to measure their overhead).
+    #[arg(long, hide = true)]
+    via_frontend: bool,
     /// Routing with several workers: kv, round-robin, random, least-loaded.
     #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
     router: RoutingMode,
@@ -391,7 +395,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let mut stacks = Vec::new();
     let mut registrations = Vec::new();
     let mut servers = Vec::new();
-    let (backend, describe): (Arc<dyn Backend>, String) = if n == 1 {
+    let (backend, describe): (Arc<dyn Backend>, String) = if n == 1 && !args.via_frontend {
         let stack = start_stack(&args.engine, &args.name, bus.clone(), true).await?;
         let backend = Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
         let describe = stack.describe.clone();
