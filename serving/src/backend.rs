@@ -50,7 +50,8 @@ pub struct LocalBackend {
 impl LocalBackend {
     /// Serves `sched`, whose blocks live in `store`.
     pub fn new(sched: Scheduler, store: TieredStore) -> Self {
-        let entry = ModelEntry { info: sched.info().clone(), codec: Arc::new(sched.codec().clone()) };
+        let entry =
+            ModelEntry { info: sched.info().clone(), codec: Arc::new(sched.codec().clone()) };
         LocalBackend { sched, store, entry }
     }
 
@@ -109,7 +110,13 @@ pub fn render_engine_metrics(out: &mut String, sched: &Scheduler, store: &Tiered
             ("remote", ld(&s.cached_tokens[2])),
         ],
     );
-    metrics::sample(out, "kvfabric_prefill_tokens_total", "counter", "Prompt tokens computed.", ld(&s.prefill_tokens));
+    metrics::sample(
+        out,
+        "kvfabric_prefill_tokens_total",
+        "counter",
+        "Prompt tokens computed.",
+        ld(&s.prefill_tokens),
+    );
     metrics::labelled(
         out,
         "kvfabric_kv_block_hits_total",
@@ -142,10 +149,40 @@ pub fn render_engine_metrics(out: &mut String, sched: &Scheduler, store: &Tiered
         "tier",
         &[("host", u64::from(t.host_capacity_blocks)), ("disk", u64::from(t.disk_capacity_blocks))],
     );
-    metrics::sample(out, "kvfabric_kv_stored_blocks_total", "counter", "Blocks stored by the engine.", ld(&s.stored_blocks));
-    metrics::sample(out, "kvfabric_kv_offload_bytes_total", "counter", "Bytes offloaded host to disk.", t.offload_bytes);
-    metrics::sample(out, "kvfabric_kv_onboard_bytes_total", "counter", "Bytes onboarded disk to host.", t.onboard_bytes);
-    metrics::sample(out, "kvfabric_queue_depth", "gauge", "Requests waiting for a batch slot.", ld(&s.waiting));
-    metrics::sample(out, "kvfabric_running_requests", "gauge", "Requests in the batch.", ld(&s.running));
+    metrics::sample(
+        out,
+        "kvfabric_kv_stored_blocks_total",
+        "counter",
+        "Blocks stored by the engine.",
+        ld(&s.stored_blocks),
+    );
+    metrics::sample(
+        out,
+        "kvfabric_kv_offload_bytes_total",
+        "counter",
+        "Bytes offloaded host to disk.",
+        t.offload_bytes,
+    );
+    metrics::sample(
+        out,
+        "kvfabric_kv_onboard_bytes_total",
+        "counter",
+        "Bytes onboarded disk to host.",
+        t.onboard_bytes,
+    );
+    metrics::sample(
+        out,
+        "kvfabric_queue_depth",
+        "gauge",
+        "Requests waiting for a batch slot.",
+        ld(&s.waiting),
+    );
+    metrics::sample(
+        out,
+        "kvfabric_running_requests",
+        "gauge",
+        "Requests in the batch.",
+        ld(&s.running),
+    );
     metrics::sample(out, "kvfabric_engine_steps_total", "counter", "Engine steps.", ld(&s.steps));
 }

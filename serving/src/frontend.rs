@@ -163,7 +163,8 @@ impl RemoteBackend {
         bus: Arc<dyn EventBus>,
         cfg: FrontendConfig,
     ) -> Result<Self, EngineError> {
-        let ctl = |e: kvfabric::control::ControlError| EngineError::model(format!("control plane: {e}"));
+        let ctl =
+            |e: kvfabric::control::ControlError| EngineError::model(format!("control plane: {e}"));
         let mut events = bus.subscribe("kv-events").await.map_err(ctl)?;
         let mut loads = bus.subscribe("load").await.map_err(ctl)?;
         let (initial, mut watch) = discovery.watch(WORKER_KIND).await.map_err(ctl)?;
@@ -287,7 +288,8 @@ impl Inner {
         model.router.add_worker(wid);
         model.workers += 1;
         st.by_id.insert(wid, inst.id.clone());
-        st.workers.insert(inst.id, WorkerEntry { wid, addr: md.addr, model: md.model.id, served: 0 });
+        st.workers
+            .insert(inst.id, WorkerEntry { wid, addr: md.addr, model: md.model.id, served: 0 });
     }
 
     fn leave(&self, name: &str) {
@@ -385,7 +387,12 @@ impl Inner {
         }
     }
 
-    async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: UnboundedSender<GenEvent>) {
+    async fn drive(
+        self: Arc<Self>,
+        model: String,
+        req: GenerateRequest,
+        tx: UnboundedSender<GenEvent>,
+    ) {
         let deadline = tokio::time::Instant::now() + req.timeout;
         let mut tried: Vec<WorkerId> = Vec::new();
         let mut last_err: Option<String> = None;
@@ -418,7 +425,8 @@ impl Inner {
                 }
             }
             if tokio::time::Instant::now() >= deadline {
-                let _ = tx.send(GenEvent::Error(EngineError::Deadline { timeout: wreq.request.timeout }));
+                let _ = tx
+                    .send(GenEvent::Error(EngineError::Deadline { timeout: wreq.request.timeout }));
                 return;
             }
         }
@@ -455,7 +463,9 @@ impl Inner {
             };
             let ev = match frame {
                 Err(_) => {
-                    let _ = tx.send(GenEvent::Error(EngineError::Deadline { timeout: wreq.request.timeout }));
+                    let _ = tx.send(GenEvent::Error(EngineError::Deadline {
+                        timeout: wreq.request.timeout,
+                    }));
                     return Relay::Finished;
                 }
                 Ok(Ok(Some(ev))) => ev,
@@ -464,12 +474,20 @@ impl Inner {
                     return if sent_token { Relay::Failed(why) } else { Relay::Retry(why) };
                 }
                 Ok(Err(e)) => {
-                    return if sent_token { Relay::Failed(e.to_string()) } else { Relay::Retry(e.to_string()) };
+                    return if sent_token {
+                        Relay::Failed(e.to_string())
+                    } else {
+                        Relay::Retry(e.to_string())
+                    };
                 }
             };
             match ev {
                 GenEvent::Started { prompt_tokens, cached, .. } => {
-                    let _ = tx.send(GenEvent::Started { prompt_tokens, cached, worker: Some(name.to_string()) });
+                    let _ = tx.send(GenEvent::Started {
+                        prompt_tokens,
+                        cached,
+                        worker: Some(name.to_string()),
+                    });
                 }
                 GenEvent::Token { .. } => {
                     if !sent_token {
@@ -485,7 +503,8 @@ impl Inner {
                     return Relay::Finished;
                 }
                 GenEvent::Error(e) => {
-                    let retryable = matches!(e, EngineError::Overloaded { .. } | EngineError::Stopped);
+                    let retryable =
+                        matches!(e, EngineError::Overloaded { .. } | EngineError::Stopped);
                     if retryable && !sent_token {
                         return Relay::Retry(e.to_string());
                     }
@@ -539,14 +558,51 @@ impl Backend for RemoteBackend {
     fn render_metrics(&self, out: &mut String) {
         let s = &self.inner.stats;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        metrics::sample(out, "kvfabric_frontend_routed_total", "counter", "Requests routed to workers (attempts).", ld(&s.routed));
-        metrics::sample(out, "kvfabric_frontend_retries_total", "counter", "Attempts retried on another worker.", ld(&s.retries));
-        metrics::sample(out, "kvfabric_frontend_failed_mid_stream_total", "counter", "Requests failed after tokens were sent.", ld(&s.failed_mid_stream));
-        metrics::sample(out, "kvfabric_frontend_no_worker_total", "counter", "Requests no worker could serve.", ld(&s.no_worker));
-        metrics::sample(out, "kvfabric_frontend_kv_events_total", "counter", "KV events applied to the prefix index.", ld(&s.events));
+        metrics::sample(
+            out,
+            "kvfabric_frontend_routed_total",
+            "counter",
+            "Requests routed to workers (attempts).",
+            ld(&s.routed),
+        );
+        metrics::sample(
+            out,
+            "kvfabric_frontend_retries_total",
+            "counter",
+            "Attempts retried on another worker.",
+            ld(&s.retries),
+        );
+        metrics::sample(
+            out,
+            "kvfabric_frontend_failed_mid_stream_total",
+            "counter",
+            "Requests failed after tokens were sent.",
+            ld(&s.failed_mid_stream),
+        );
+        metrics::sample(
+            out,
+            "kvfabric_frontend_no_worker_total",
+            "counter",
+            "Requests no worker could serve.",
+            ld(&s.no_worker),
+        );
+        metrics::sample(
+            out,
+            "kvfabric_frontend_kv_events_total",
+            "counter",
+            "KV events applied to the prefix index.",
+            ld(&s.events),
+        );
         let served = self.served();
         let pairs: Vec<(&str, u64)> = served.iter().map(|(n, c)| (n.as_str(), *c)).collect();
-        metrics::labelled(out, "kvfabric_frontend_worker_requests_total", "counter", "Requests sent to each worker.", "worker", &pairs);
+        metrics::labelled(
+            out,
+            "kvfabric_frontend_worker_requests_total",
+            "counter",
+            "Requests sent to each worker.",
+            "worker",
+            &pairs,
+        );
         metrics::sample(out, "kvfabric_frontend_workers", "gauge", "Workers known.", pairs.len());
     }
 }

@@ -158,7 +158,9 @@ impl From<EngineError> for ApiError {
                 code: Some("rate_limit_exceeded"),
                 ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, msg, "rate_limit_error")
             },
-            EngineError::Deadline { .. } => ApiError::new(StatusCode::GATEWAY_TIMEOUT, msg, "timeout"),
+            EngineError::Deadline { .. } => {
+                ApiError::new(StatusCode::GATEWAY_TIMEOUT, msg, "timeout")
+            }
             EngineError::Stopped | EngineError::Unavailable { .. } => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg, "server_error")
             }
@@ -604,7 +606,9 @@ impl Generation {
     /// Waits for the backend to admit the request.
     async fn admitted(&mut self) -> Result<(), ApiError> {
         let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
-            Err(_) => return Err(EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into()),
+            Err(_) => {
+                return Err(EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into())
+            }
             Ok(None) => return Err(EngineError::Stopped.into()),
             Ok(Some(ev)) => ev,
         };
@@ -628,7 +632,9 @@ impl Generation {
         loop {
             let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
                 Err(_) => {
-                    return Next::Failed(EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into())
+                    return Next::Failed(
+                        EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into(),
+                    )
                 }
                 Ok(None) => return Next::Failed(EngineError::Stopped.into()),
                 Ok(Some(ev)) => ev,

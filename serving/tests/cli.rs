@@ -200,3 +200,53 @@ fn up_refuses_a_missing_or_broken_model_with_one_line() {
     let out = kvfabric(&["up", "--engine", "gpt"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn bench_serve_drives_a_mock_server_and_reports_json_rows() {
+    use std::io::{BufRead, BufReader};
+    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0", "--workers", "2"])
+        .args(["--mock-decode-us", "500", "--mock-prefill-us", "1"])
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
+    let out = kvfabric(&[
+        "bench",
+        "serve",
+        "--url",
+        &url,
+        "--concurrency",
+        "1,3",
+        "--requests",
+        "6",
+        "--turns",
+        "2",
+        "--input-words",
+        "20",
+        "--prefix-words",
+        "40",
+        "--output-tokens",
+        "8",
+        "--json",
+    ]);
+    let _ = up.kill();
+    let _ = up.wait();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert_eq!(r["errors"], 0, "{r}");
+        assert_eq!(r["requests"], 6);
+        assert!(r["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(r["ttft_ms"][0].as_f64().unwrap() > 0.0);
+        // Second turns repeat the first turn's prompt and answer: served from cache.
+        assert!(r["cached_prompt_share"].as_f64().unwrap() > 0.2, "{r}");
+    }
+}

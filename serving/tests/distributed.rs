@@ -56,7 +56,16 @@ fn mock_worker(name: &str, etcd: &EtcdServer, nats: &NatsServer, decode_us: &str
         name,
         etcd,
         nats,
-        &["--engine", "mock", "--disk-blocks", "0", "--mock-decode-us", decode_us, "--mock-prefill-us", "5"],
+        &[
+            "--engine",
+            "mock",
+            "--disk-blocks",
+            "0",
+            "--mock-decode-us",
+            decode_us,
+            "--mock-prefill-us",
+            "5",
+        ],
     )
 }
 
@@ -74,7 +83,8 @@ async fn frontend(etcd: &EtcdServer, nats: &NatsServer, mode: RoutingMode) -> Fr
         ..FrontendConfig::default()
     };
     let backend = Arc::new(RemoteBackend::start(discovery, bus, cfg).await.unwrap());
-    let server = ServerConfig { request_timeout: Duration::from_secs(60), ..ServerConfig::default() };
+    let server =
+        ServerConfig { request_timeout: Duration::from_secs(60), ..ServerConfig::default() };
     let app = router(backend.clone(), server);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -92,7 +102,10 @@ async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool)
 
 async fn workers_known(f: &Frontend) -> Vec<String> {
     let h = get(f.addr, "/health").await.json();
-    h["workers"].as_array().map(|a| a.iter().map(|w| w.as_str().unwrap().to_string()).collect()).unwrap_or_default()
+    h["workers"]
+        .as_array()
+        .map(|a| a.iter().map(|w| w.as_str().unwrap().to_string()).collect())
+        .unwrap_or_default()
 }
 
 fn completion(prompt: &str, max_tokens: u32) -> serde_json::Value {
@@ -102,12 +115,15 @@ fn completion(prompt: &str, max_tokens: u32) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_sharing_a_long_prefix_land_on_the_worker_that_caches_it() {
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
-    let _w: Vec<Worker> = (0..3).map(|i| mock_worker(&format!("w{i}"), &etcd, &nats, "2000")).collect();
+    let _w: Vec<Worker> =
+        (0..3).map(|i| mock_worker(&format!("w{i}"), &etcd, &nats, "2000")).collect();
     let f = frontend(&etcd, &nats, RoutingMode::Kv).await;
-    wait_for("3 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 3).await;
+    wait_for("3 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 3)
+        .await;
 
     let prefix = "A long shared system prompt that many requests start with. ".repeat(8);
-    let first = post_json(f.addr, "/v1/completions", &completion(&format!("{prefix}question 0"), 4)).await;
+    let first =
+        post_json(f.addr, "/v1/completions", &completion(&format!("{prefix}question 0"), 4)).await;
     assert_eq!(first.status, 200, "{}", first.text());
     let home = first.header("x-kvfabric-worker").unwrap().to_string();
     // The worker's Stored events reach the frontend's index over NATS.
@@ -117,9 +133,15 @@ async fn requests_sharing_a_long_prefix_land_on_the_worker_that_caches_it() {
     })
     .await;
     for i in 1..6 {
-        let r = post_json(f.addr, "/v1/completions", &completion(&format!("{prefix}question {i}"), 4)).await;
+        let r =
+            post_json(f.addr, "/v1/completions", &completion(&format!("{prefix}question {i}"), 4))
+                .await;
         assert_eq!(r.status, 200);
-        assert_eq!(r.header("x-kvfabric-worker"), Some(home.as_str()), "request {i} left the cache");
+        assert_eq!(
+            r.header("x-kvfabric-worker"),
+            Some(home.as_str()),
+            "request {i} left the cache"
+        );
         let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
         assert!(cached >= (prefix.len() as u64 / 16) * 16 - 16, "only {cached} tokens cached");
     }
@@ -128,16 +150,19 @@ async fn requests_sharing_a_long_prefix_land_on_the_worker_that_caches_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_under_load_hangs_no_request_and_leaves_routing() {
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
-    let mut ws: Vec<Worker> = (0..3).map(|i| mock_worker(&format!("w{i}"), &etcd, &nats, "4000")).collect();
+    let mut ws: Vec<Worker> =
+        (0..3).map(|i| mock_worker(&format!("w{i}"), &etcd, &nats, "4000")).collect();
     let f = frontend(&etcd, &nats, RoutingMode::RoundRobin).await;
-    wait_for("3 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 3).await;
+    wait_for("3 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 3)
+        .await;
 
     let addr = f.addr;
     let load: Vec<_> = (0..18)
         .map(|i| {
             tokio::spawn(async move {
                 let started = Instant::now();
-                let r = post_json(addr, "/v1/completions", &completion(&format!("load {i}"), 150)).await;
+                let r = post_json(addr, "/v1/completions", &completion(&format!("load {i}"), 150))
+                    .await;
                 (r, started.elapsed())
             })
         })
@@ -146,8 +171,8 @@ async fn a_worker_killed_under_load_hangs_no_request_and_leaves_routing() {
     let victim = ws.remove(1);
     let dead = victim.name.clone();
     drop(victim); // kill -9
-    // Until its lease expires the dead worker is still in discovery: requests routed to it
-    // are retried on another worker before any token was sent, and succeed.
+                  // Until its lease expires the dead worker is still in discovery: requests routed to it
+                  // are retried on another worker before any token was sent, and succeed.
     for i in 0..6 {
         let r = post_json(addr, "/v1/completions", &completion(&format!("during {i}"), 3)).await;
         assert_eq!(r.status, 200, "{}", r.text());
@@ -156,14 +181,20 @@ async fn a_worker_killed_under_load_hangs_no_request_and_leaves_routing() {
     assert!(f.backend.stats().retries.load(std::sync::atomic::Ordering::Relaxed) >= 1);
     let mut ok = 0;
     for t in load {
-        let (r, took) = tokio::time::timeout(Duration::from_secs(30), t).await.expect("a request hung").unwrap();
+        let (r, took) = tokio::time::timeout(Duration::from_secs(30), t)
+            .await
+            .expect("a request hung")
+            .unwrap();
         assert!(took < Duration::from_secs(30));
         match r.status {
             200 => ok += 1,
             // Tokens had been produced by the dead worker: a clear error, not a hang.
             500 => {
                 let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
-                assert!(msg.contains(&dead) && msg.contains("after streaming had started"), "{msg}");
+                assert!(
+                    msg.contains(&dead) && msg.contains("after streaming had started"),
+                    "{msg}"
+                );
             }
             s => panic!("unexpected status {s}: {}", r.text()),
         }
@@ -186,7 +217,10 @@ async fn a_worker_added_under_load_starts_receiving_requests() {
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
     let _w0 = mock_worker("w0", &etcd, &nats, "2000");
     let f = frontend(&etcd, &nats, RoutingMode::RoundRobin).await;
-    wait_for("the first worker", Duration::from_secs(10), async || workers_known(&f).await.len() == 1).await;
+    wait_for("the first worker", Duration::from_secs(10), async || {
+        workers_known(&f).await.len() == 1
+    })
+    .await;
     let addr = f.addr;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let served = Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
@@ -196,7 +230,9 @@ async fn a_worker_added_under_load_starts_receiving_requests() {
             tokio::spawn(async move {
                 let mut i = 0;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let r = post_json(addr, "/v1/completions", &completion(&format!("c{c} r{i}"), 10)).await;
+                    let r =
+                        post_json(addr, "/v1/completions", &completion(&format!("c{c} r{i}"), 10))
+                            .await;
                     assert_eq!(r.status, 200, "{}", r.text());
                     served.lock().push(r.header("x-kvfabric-worker").unwrap().to_string());
                     i += 1;
@@ -222,15 +258,26 @@ async fn a_worker_added_under_load_starts_receiving_requests() {
 async fn the_real_model_across_two_worker_processes_with_kv_routing() {
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
     let model = std::env::var("KVFABRIC_TEST_MODEL").unwrap_or_else(|_| {
-        format!("{}/.cache/kvfabric/models/SmolLM2-135M-Instruct.Q4_1.gguf", std::env::var("HOME").unwrap())
+        format!(
+            "{}/.cache/kvfabric/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+            std::env::var("HOME").unwrap()
+        )
     });
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap();
     let _ws: Vec<Worker> = (0..2)
-        .map(|i| worker(&format!("llama{i}"), &etcd, &nats, &["--model", &model, "--data-dir", data, "--disk-blocks", "64"]))
+        .map(|i| {
+            worker(
+                &format!("llama{i}"),
+                &etcd,
+                &nats,
+                &["--model", &model, "--data-dir", data, "--disk-blocks", "64"],
+            )
+        })
         .collect();
     let f = frontend(&etcd, &nats, RoutingMode::Kv).await;
-    wait_for("2 workers", Duration::from_secs(20), async || workers_known(&f).await.len() == 2).await;
+    wait_for("2 workers", Duration::from_secs(20), async || workers_known(&f).await.len() == 2)
+        .await;
     let models = get(f.addr, "/v1/models").await.json();
     assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
     let q = json!({

@@ -385,7 +385,10 @@ async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
     async fn answer(addr: SocketAddr, bytes: &[u8]) -> Option<GenEvent> {
         let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
         c.write_all(bytes).await.unwrap();
-        tokio::time::timeout(Duration::from_secs(15), read_frame::<_, GenEvent>(&mut c)).await.unwrap().unwrap()
+        tokio::time::timeout(Duration::from_secs(15), read_frame::<_, GenEvent>(&mut c))
+            .await
+            .unwrap()
+            .unwrap()
     }
     // A length far over the limit, then a frame of garbage: each gets an error, no panic.
     let e = answer(addr, &u32::MAX.to_le_bytes()).await;

@@ -6,10 +6,10 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod fabric;
+mod frontend;
 mod hash;
 pub mod peer;
 mod plan;
-mod frontend;
 mod soak;
 mod up;
 mod worker;

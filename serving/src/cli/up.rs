@@ -25,7 +25,9 @@ use kvfabric_serving::backend::{Backend, LocalBackend};
 use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, Weights};
 use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
 use kvfabric_serving::engine::{Engine, Scheduler, SchedulerConfig};
-use kvfabric_serving::frontend::{CodecSpec, FrontendConfig, RemoteBackend, WorkerMetadata, WORKER_KIND};
+use kvfabric_serving::frontend::{
+    CodecSpec, FrontendConfig, RemoteBackend, WorkerMetadata, WORKER_KIND,
+};
 use kvfabric_serving::http::{self, ServerConfig};
 use kvfabric_tiers::disk::DiskConfig;
 use kvfabric_tiers::{StoreConfig, TieredStore};
@@ -171,7 +173,8 @@ impl Stack {
                 .filter(|(t, _, _)| *t == TierKind::Host)
                 .map(|(_, h, _)| h)
                 .collect();
-            let _ = tokio::time::timeout(Duration::from_secs(10), self.store.offload(&hosted)).await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(10), self.store.offload(&hosted)).await;
         }
         self.agent.shutdown();
     }
@@ -227,7 +230,9 @@ pub async fn start_stack(
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
                 .progress_chars("=> "),
             );
-            bar.set_message(path.file_name().and_then(|s| s.to_str()).unwrap_or("model").to_string());
+            bar.set_message(
+                path.file_name().and_then(|s| s.to_str()).unwrap_or("model").to_string(),
+            );
             let (b, p) = (bar.clone(), path.clone());
             let llama = tokio::task::spawn_blocking(move || {
                 LlamaEngine::load(&p, &lopts, |done, total| {
@@ -258,7 +263,8 @@ pub async fn start_stack(
             )
         }
         EngineKind::Mock => {
-            let spec = kvfabric_serving::plan::resolve_model("smollm2-135m")?.with_dtype(KvDtype::F32);
+            let spec =
+                kvfabric_serving::plan::resolve_model("smollm2-135m")?.with_dtype(KvDtype::F32);
             let layout = spec.block_layout(opts.block_tokens)?;
             let mock_cfg = MockConfig {
                 prefill_us_per_token: opts.mock_prefill_us,
@@ -304,10 +310,13 @@ pub async fn start_stack(
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         // One file per worker and block size: a restart with another model reads no
         // foreign blocks.
-        store_cfg.disk =
-            Some(DiskConfig::new(dir.join(format!("{name}-{block_bytes}.slots")), opts.disk_blocks));
+        store_cfg.disk = Some(DiskConfig::new(
+            dir.join(format!("{name}-{block_bytes}.slots")),
+            opts.disk_blocks,
+        ));
     }
-    let store = TieredStore::open(store_cfg, &agent, sink).await.context("opening the block store")?;
+    let store =
+        TieredStore::open(store_cfg, &agent, sink).await.context("opening the block store")?;
     let sched = start(store.clone())?;
 
     // Load reports for the routers, a few times a second.
@@ -355,10 +364,12 @@ pub async fn serve_worker(
     discovery: &Arc<dyn Discovery>,
     lease_ttl: Duration,
 ) -> anyhow::Result<(SocketAddr, Registration, tokio::task::JoinHandle<()>)> {
-    let listener =
-        tokio::net::TcpListener::bind(listen).await.with_context(|| format!("listening on {listen}"))?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("listening on {listen}"))?;
     let addr = listener.local_addr()?;
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
+    let backend: Arc<dyn Backend> =
+        Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
     let server = kvfabric_serving::worker::serve(listener, backend);
     let registration = discovery
         .register(

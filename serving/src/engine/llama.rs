@@ -403,9 +403,7 @@ impl Engine for LlamaEngine {
         let bt = layout.block_tokens as usize;
         let s = self.seqs.get_mut(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
         if s.len != block * bt || bytes.len() as u64 != layout.bytes_per_block() {
-            return Err(EngineError::invalid(
-                "block imported out of order or of a wrong size",
-            ));
+            return Err(EngineError::invalid("block imported out of order or of a wrong size"));
         }
         for l in 0..self.layers.len() {
             for (plane, rows) in [(0, &mut s.k[l]), (1, &mut s.v[l])] {
@@ -445,8 +443,7 @@ impl Engine for LlamaEngine {
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         for input in batch {
-            let s =
-                self.seqs.get(&input.seq).ok_or(EngineError::invalid("unknown sequence"))?;
+            let s = self.seqs.get(&input.seq).ok_or(EngineError::invalid("unknown sequence"))?;
             if s.len != input.start || input.start + input.tokens.len() > ctx {
                 return Err(EngineError::invalid(format!(
                     "step at position {} of a sequence holding {} tokens",

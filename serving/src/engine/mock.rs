@@ -150,9 +150,7 @@ impl Engine for MockEngine {
         let s = self.seqs.get_mut(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
         if s.tokens.len() != block * bt || bytes.len() as u64 != self.info.layout.bytes_per_block()
         {
-            return Err(EngineError::invalid(
-                "block imported out of order or of a wrong size",
-            ));
+            return Err(EngineError::invalid("block imported out of order or of a wrong size"));
         }
         let tokens: Vec<u32> = bytes[..bt * 4]
             .chunks_exact(4)
@@ -188,10 +186,8 @@ impl Engine for MockEngine {
         let (mut prefill, mut decode_kv, mut decodes) = (0usize, 0usize, 0usize);
         let mut out = Vec::new();
         for input in batch {
-            let s = self
-                .seqs
-                .get_mut(&input.seq)
-                .ok_or(EngineError::invalid("unknown sequence"))?;
+            let s =
+                self.seqs.get_mut(&input.seq).ok_or(EngineError::invalid("unknown sequence"))?;
             if s.tokens.len() != input.start {
                 return Err(EngineError::invalid(format!(
                     "step at position {} of a sequence holding {} tokens",

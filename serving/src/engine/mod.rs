@@ -483,7 +483,9 @@ impl<E: Engine> Loop<E> {
             let deadline = sub.arrived + sub.req.timeout;
             if Instant::now() >= deadline {
                 bump(&self.stats.deadline_exceeded, 1);
-                let _ = sub.tx.send(GenEvent::Error(EngineError::Deadline { timeout: sub.req.timeout }));
+                let _ = sub
+                    .tx
+                    .send(GenEvent::Error(EngineError::Deadline { timeout: sub.req.timeout }));
                 continue;
             }
             let id = self.next_id;

@@ -46,6 +46,11 @@ pub struct ServeArgs {
     /// Distinct shared prefixes (requests pick one at random).
     #[arg(long, default_value_t = 4)]
     prefixes: usize,
+    /// Turns per conversation: each turn's prompt is the previous prompt, its answer and
+    /// `input_words` new words (the multi-turn workload); turns of one conversation run one
+    /// after the other.
+    #[arg(long, default_value_t = 1)]
+    turns: usize,
     /// Seed of the prompts and arrivals.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -81,6 +86,7 @@ struct Outcome {
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: u64,
+    text: String,
     error: Option<String>,
 }
 
@@ -224,11 +230,9 @@ async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome {
                         out.cached_tokens =
                             u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
                     }
-                    let has_text = v["choices"]
-                        .get(0)
-                        .and_then(|c| c["text"].as_str())
-                        .is_some_and(|s| !s.is_empty());
-                    if has_text {
+                    let text = v["choices"].get(0).and_then(|c| c["text"].as_str()).unwrap_or("");
+                    out.text.push_str(text);
+                    if !text.is_empty() {
                         let now = Instant::now();
                         match last {
                             None => out.ttft = Some(now - start),
@@ -279,23 +283,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &conc in &args.concurrency {
         let conc = conc.max(1);
-        let bodies: Vec<String> = (0..args.requests.max(1))
+        let turns = args.turns.max(1);
+        let sessions: Vec<(String, Vec<String>)> = (0..args.requests.max(1).div_ceil(turns))
             .map(|_| {
-                let p = &prefixes[(rng.next_u64() % prefixes.len() as u64) as usize];
-                let unique = words(&mut rng, args.input_words);
-                let prompt = if p.is_empty() { unique } else { format!("{p} {unique}") };
-                json!({
-                    "model": model, "prompt": prompt, "max_tokens": args.output_tokens,
-                    "temperature": 0, "ignore_eos": true, "stream": true,
-                    "stream_options": {"include_usage": true},
-                })
-                .to_string()
+                let p = prefixes[(rng.next_u64() % prefixes.len() as u64) as usize].clone();
+                (p, (0..turns).map(|_| words(&mut rng, args.input_words)).collect())
             })
             .collect();
+        let total = sessions.len() * turns;
         let bar = if args.json {
             indicatif::ProgressBar::hidden()
         } else {
-            indicatif::ProgressBar::new(bodies.len() as u64)
+            indicatif::ProgressBar::new(total as u64)
         };
         bar.set_style(
             indicatif::ProgressStyle::with_template(
@@ -312,28 +311,47 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             prefix: t.prefix.clone(),
         });
         let timeout = Duration::from_secs(args.timeout_s.max(1));
+        let (model, max_tokens) = (model.clone(), args.output_tokens);
         let start = Instant::now();
         let mut tasks = Vec::new();
         let mut next_at = Instant::now();
-        for body in bodies {
+        for (prefix, users) in sessions {
             if let Some(rate) = args.rate.filter(|r| *r > 0.0) {
-                // Exponential gaps: a Poisson process.
+                // Exponential gaps between conversations: a Poisson process.
                 let u = rng.next_f64().max(1e-12);
                 next_at += Duration::from_secs_f64(-u.ln() / rate);
                 tokio::time::sleep_until(tokio::time::Instant::from_std(next_at)).await;
             }
             let permit = sem.clone().acquire_owned().await?;
-            let (t, bar) = (t.clone(), bar.clone());
+            let (t, bar, model) = (t.clone(), bar.clone(), model.clone());
             tasks.push(tokio::spawn(async move {
-                let o = one_request(&t, body, timeout).await;
+                let mut outs = Vec::with_capacity(users.len());
+                let mut history = prefix;
+                for user in users {
+                    let prompt =
+                        if history.is_empty() { user } else { format!("{history} {user}") };
+                    let body = json!({
+                        "model": model, "prompt": prompt, "max_tokens": max_tokens,
+                        "temperature": 0, "ignore_eos": true, "stream": true,
+                        "stream_options": {"include_usage": true},
+                    })
+                    .to_string();
+                    let o = one_request(&t, body, timeout).await;
+                    history = format!("{prompt}{}", o.text);
+                    bar.inc(1);
+                    let failed = o.error.is_some();
+                    outs.push(o);
+                    if failed {
+                        break;
+                    }
+                }
                 drop(permit);
-                bar.inc(1);
-                o
+                outs
             }));
         }
         let mut outs = Vec::new();
         for task in tasks {
-            outs.push(task.await?);
+            outs.extend(task.await?);
         }
         let duration = start.elapsed().as_secs_f64();
         bar.finish_and_clear();
@@ -374,8 +392,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{} at {} — {} requests per level, ~{}+{} prompt words, {} output tokens",
-        model, args.url, args.requests, args.prefix_words, args.input_words, args.output_tokens
+        "{} at {} — {} requests per level, ~{}+{} prompt words, {} turn(s), {} output tokens",
+        model,
+        args.url,
+        args.requests,
+        args.prefix_words,
+        args.input_words,
+        args.turns,
+        args.output_tokens
     );
     println!(
         "{:>5} {:>6} {:>7} {:>9} {:>9} {:>7} {:>24} {:>24} {:>24}",
