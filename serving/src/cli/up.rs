@@ -180,6 +180,9 @@ impl Stack {
     }
 }
 
+/// Starts a scheduler over the store it is given.
+type StartFn = Box<dyn FnOnce(TieredStore) -> anyhow::Result<Scheduler> + Send>;
+
 /// Loads the engine, opens the store and starts the publishers of `name`'s KV events, load
 /// and (on request) dumps on `bus`.
 pub async fn start_stack(
@@ -195,12 +198,8 @@ pub async fn start_stack(
         ..SchedulerConfig::default()
     };
     let rt = tokio::runtime::Handle::current();
-    let (start, block_bytes, describe, codec): (
-        Box<dyn FnOnce(TieredStore) -> anyhow::Result<Scheduler> + Send>,
-        u64,
-        String,
-        CodecSpec,
-    ) = match opts.engine {
+    let (start, block_bytes, describe, codec): (StartFn, u64, String, CodecSpec) = match opts.engine
+    {
         EngineKind::Llama => {
             let path = opts.model.clone().unwrap_or_else(default_model_path);
             anyhow::ensure!(

@@ -383,7 +383,7 @@ impl Scheduler {
         }
         let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
         if waiting >= self.max_waiting {
-            return Err(EngineError::Overloaded { waiting: waiting });
+            return Err(EngineError::Overloaded { waiting });
         }
         let (tx, rx) = mpsc::unbounded_channel();
         bump(&self.stats.waiting, 1);

@@ -100,8 +100,7 @@ pub fn parse_response(buf: &[u8]) -> Response {
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else { break };
+    while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
         let size = std::str::from_utf8(&b[..eol])
             .ok()
             .and_then(|s| usize::from_str_radix(s.split(';').next().unwrap_or("").trim(), 16).ok())

@@ -170,8 +170,7 @@ async fn exchange(
     let mut pending = buf;
     loop {
         if chunked {
-            loop {
-                let Some(eol) = pending.windows(2).position(|w| w == b"\r\n") else { break };
+            while let Some(eol) = pending.windows(2).position(|w| w == b"\r\n") {
                 let size_text = String::from_utf8_lossy(&pending[..eol]).to_string();
                 let size =
                     usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
