@@ -71,6 +71,9 @@ pub struct WorkerMetadata {
     pub codec: CodecSpec,
     /// Its request port.
     pub addr: SocketAddr,
+    /// Its role.
+    #[serde(default)]
+    pub role: crate::disagg::Role,
 }
 
 /// Frontend settings.
@@ -84,6 +87,8 @@ pub struct FrontendConfig {
     pub max_attempts: usize,
     /// This frontend's name (in dump requests).
     pub name: String,
+    /// The discovery kind of the workers it routes to.
+    pub kind: String,
 }
 
 impl Default for FrontendConfig {
@@ -93,6 +98,7 @@ impl Default for FrontendConfig {
             connect_timeout: Duration::from_secs(2),
             max_attempts: 3,
             name: "frontend".into(),
+            kind: WORKER_KIND.into(),
         }
     }
 }
@@ -167,7 +173,7 @@ impl RemoteBackend {
             |e: kvfabric::control::ControlError| EngineError::model(format!("control plane: {e}"));
         let mut events = bus.subscribe("kv-events").await.map_err(ctl)?;
         let mut loads = bus.subscribe("load").await.map_err(ctl)?;
-        let (initial, mut watch) = discovery.watch(WORKER_KIND).await.map_err(ctl)?;
+        let (initial, mut watch) = discovery.watch(&cfg.kind).await.map_err(ctl)?;
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
@@ -225,6 +231,20 @@ impl RemoteBackend {
         let mut v: Vec<_> = st.workers.iter().map(|(n, w)| (n.clone(), w.served)).collect();
         v.sort();
         v
+    }
+
+    /// Routes a request of `prompt` for `model` without sending it: the chosen worker's name,
+    /// and the id to [`RemoteBackend::release`] when its work is done.
+    pub fn pick(&self, model: &str, prompt: &[u32]) -> Option<(u64, String)> {
+        let rid = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (name, _) = self.inner.route(model, rid, prompt, &[])?;
+        self.inner.stats.routed.fetch_add(1, Ordering::Relaxed);
+        Some((rid, name))
+    }
+
+    /// Ends the tracking of a request from [`RemoteBackend::pick`].
+    pub fn release(&self, model: &str, rid: u64, _completed: bool) {
+        self.inner.with_router(model, |r| r.free(rid));
     }
 
     /// Stops following the control plane.
@@ -482,11 +502,12 @@ impl Inner {
                 }
             };
             match ev {
-                GenEvent::Started { prompt_tokens, cached, .. } => {
+                GenEvent::Started { prompt_tokens, cached, remote_prefill, .. } => {
                     let _ = tx.send(GenEvent::Started {
                         prompt_tokens,
                         cached,
                         worker: Some(name.to_string()),
+                        remote_prefill,
                     });
                 }
                 GenEvent::Token { .. } => {

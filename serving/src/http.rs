@@ -541,6 +541,7 @@ async fn run(
         rx,
         model: c.entry.info.id.clone(),
         worker: None,
+        remote_prefill: None,
         id: request_id(if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }),
         endpoint,
         started,
@@ -584,6 +585,8 @@ struct Generation {
     model: String,
     /// The worker that serves it (remote backends).
     worker: Option<String>,
+    /// Its prompt's remote prefill, if any.
+    remote_prefill: Option<crate::engine::RemotePrefill>,
     id: String,
     endpoint: Endpoint,
     started: Instant,
@@ -613,10 +616,11 @@ impl Generation {
             Ok(Some(ev)) => ev,
         };
         match ev {
-            GenEvent::Started { prompt_tokens, cached, worker } => {
+            GenEvent::Started { prompt_tokens, cached, worker, remote_prefill } => {
                 self.prompt_tokens = prompt_tokens;
                 self.cached = cached;
                 self.worker = worker;
+                self.remote_prefill = remote_prefill;
                 Ok(())
             }
             GenEvent::Error(e) => Err(e.into()),
@@ -668,7 +672,23 @@ impl Generation {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": { "cached_tokens": self.cached.total() },
+            "prompt_tokens_details": { "cached_tokens": self.cached_tokens() },
+        })
+    }
+
+    /// Prompt tokens whose KV was reused, not counting those a prefill worker computed for
+    /// this request.
+    fn cached_tokens(&self) -> usize {
+        let remote = self.remote_prefill.as_ref().map_or(0, |r| r.tokens);
+        self.cached.total().saturating_sub(remote)
+    }
+
+    /// kvfabric's own details: where the prompt's KV came from and who served it.
+    fn details(&self) -> Value {
+        json!({
+            "worker": self.worker,
+            "cached_tokens": self.cached,
+            "remote_prefill": self.remote_prefill,
         })
     }
 
@@ -686,7 +706,7 @@ impl Generation {
         }
         m.prompt_tokens.fetch_add(self.prompt_tokens as u64, Ordering::Relaxed);
         m.completion_tokens.fetch_add(self.completion_tokens as u64, Ordering::Relaxed);
-        m.cached_tokens.fetch_add(self.cached.total() as u64, Ordering::Relaxed);
+        m.cached_tokens.fetch_add(self.cached_tokens() as u64, Ordering::Relaxed);
     }
 
     fn chunk(&self, delta: Value, finish: Option<FinishReason>, include_usage: bool) -> Value {
@@ -757,7 +777,7 @@ async fn whole_response(mut g: Generation) -> Response {
     let object = if g.endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
     Json(json!({
         "id": g.id, "object": object, "created": g.st.created_now(), "model": g.model(),
-        "choices": [choice], "usage": g.usage(),
+        "choices": [choice], "usage": g.usage(), "kvfabric": g.details(),
     }))
     .into_response()
 }
@@ -800,6 +820,7 @@ fn stream_response(g: Generation, include_usage: bool) -> Response {
                             let mut u = s.g.chunk(json!({}), None, false);
                             u["choices"] = json!([]);
                             u["usage"] = s.g.usage();
+                            u["kvfabric"] = s.g.details();
                             s.pending.push(u);
                         }
                         s.pending.push(s.g.chunk(json!({}), Some(reason), include_usage));

@@ -7,6 +7,7 @@
 //! the binary does.
 
 pub mod backend;
+pub mod disagg;
 pub mod engine;
 pub mod frontend;
 pub mod http;

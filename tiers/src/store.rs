@@ -379,6 +379,12 @@ impl TieredStore {
         tiers
     }
 
+    /// How many leading blocks of `hashes` some local tier holds, without counting hits or
+    /// prefetching (for planning, not serving).
+    pub fn held_prefix(&self, hashes: &[SequenceHash]) -> usize {
+        hashes.iter().take_while(|&&h| self.local_tier(h).is_some()).count()
+    }
+
     /// The fastest local tier holding a block, without counting a hit.
     fn local_tier(&self, h: SequenceHash) -> Option<TierKind> {
         if self.inner.host.lock().pool.lookup(h).is_some() {

@@ -20,8 +20,12 @@ use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::{Discovery, EventBus, Instance, Registration};
 use kvfabric::events::{ChannelSink, TierKind};
 use kvfabric::layout::KvDtype;
+use kvfabric::transfer::TransportKind;
 use kvfabric_router::{Load, RoutingMode};
 use kvfabric_serving::backend::{Backend, LocalBackend};
+use kvfabric_serving::disagg::{
+    run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats, Role, PREFILL_KIND,
+};
 use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, Weights};
 use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
 use kvfabric_serving::engine::{Engine, Scheduler, SchedulerConfig};
@@ -91,6 +95,23 @@ pub struct EngineOpts {
     /// Prompt tokens computed per step at most.
     #[arg(long, env = "KVFABRIC_STEP_TOKENS", default_value_t = 256)]
     pub step_tokens: usize,
+    /// Shared secret of the transfer engine's handshake (prefill and decode workers must
+    /// agree; default: random, which suits aggregated workers).
+    #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
+    pub secret: Option<String>,
+    /// Decode workers: prefill remotely when at least this many prompt tokens are uncached.
+    #[arg(long, env = "KVFABRIC_PREFILL_THRESHOLD", default_value_t = 256)]
+    pub prefill_threshold: usize,
+    /// Decode workers: remote prefills pending at most (beyond, prefill locally).
+    #[arg(long, env = "KVFABRIC_MAX_PREFILL_QUEUE", default_value_t = 8)]
+    pub max_prefill_queue: usize,
+    /// Decode workers: give up on a remote prefill after this long and prefill locally.
+    #[arg(long, env = "KVFABRIC_PREFILL_DEADLINE_MS", default_value_t = 30_000)]
+    pub prefill_deadline_ms: u64,
+    /// Decode workers: the transport prefill workers write KV with (auto: shm on one host,
+    /// tcp across hosts).
+    #[arg(long, env = "KVFABRIC_KV_TRANSPORT", value_enum, default_value = "auto")]
+    pub kv_transport: KvTransport,
     /// Mock: prefill cost per uncached prompt token, microseconds.
     #[arg(long, env = "KVFABRIC_MOCK_PREFILL_US", default_value_t = 40.0)]
     pub mock_prefill_us: f64,
@@ -115,6 +136,12 @@ pub struct UpArgs {
     /// Workers (engines) in this process; more than one puts KV routing in front of them.
     #[arg(long, env = "KVFABRIC_WORKERS", default_value_t = 1)]
     workers: usize,
+    /// Disaggregated serving: this many prefill workers (with --decode-workers).
+    #[arg(long, env = "KVFABRIC_PREFILL_WORKERS", default_value_t = 0)]
+    prefill_workers: usize,
+    /// Disaggregated serving: this many decode workers (with --prefill-workers).
+    #[arg(long, env = "KVFABRIC_DECODE_WORKERS", default_value_t = 0)]
+    decode_workers: usize,
     /// Put the routing frontend and the worker transport in front of a single worker too
     /// (to measure their overhead).
     #[arg(long, hide = true)]
@@ -132,6 +159,34 @@ pub struct UpArgs {
 
 pub fn parse_mode(s: &str) -> Result<RoutingMode, String> {
     s.parse()
+}
+
+/// The transport of KV writes from prefill to decode workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvTransport {
+    /// Shared memory on one host, TCP across hosts.
+    Auto,
+    /// Shared memory (same host only).
+    Shm,
+    /// Striped TCP.
+    Tcp,
+}
+
+impl EngineOpts {
+    /// The decode side's disaggregation settings.
+    pub fn disagg(&self) -> DisaggConfig {
+        DisaggConfig {
+            threshold_tokens: self.prefill_threshold,
+            max_queue: self.max_prefill_queue,
+            deadline: Duration::from_millis(self.prefill_deadline_ms.max(1)),
+            transport: match self.kv_transport {
+                KvTransport::Auto => None,
+                KvTransport::Shm => Some(TransportKind::Shm),
+                KvTransport::Tcp => Some(TransportKind::Tcp),
+            },
+            ..DisaggConfig::default()
+        }
+    }
 }
 
 /// Where scripts/fetch-model.sh caches the default model.
@@ -156,7 +211,12 @@ pub struct Stack {
 impl Stack {
     /// The metadata a worker registers, with its request port.
     pub fn metadata(&self, addr: SocketAddr) -> WorkerMetadata {
-        WorkerMetadata { model: self.sched.info().clone(), codec: self.codec.clone(), addr }
+        WorkerMetadata {
+            model: self.sched.info().clone(),
+            codec: self.codec.clone(),
+            addr,
+            role: Default::default(),
+        }
     }
 
     /// Stops publishing; keeps host blocks across restarts by writing them to disk (bounded
@@ -285,9 +345,15 @@ pub async fn start_stack(
     };
 
     // The data plane: an agent owning the store's host region.
-    let mut secret = [0u8; 32];
-    getrandom::fill(&mut secret).map_err(|e| anyhow::anyhow!("random secret: {e}"))?;
-    let agent = Agent::start(AgentConfig::new(name.to_string(), secret.to_vec())).await?;
+    let secret = match &opts.secret {
+        Some(s) => s.clone().into_bytes(),
+        None => {
+            let mut b = [0u8; 32];
+            getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("random secret: {e}"))?;
+            b.to_vec()
+        }
+    };
+    let agent = Agent::start(AgentConfig::new(name.to_string(), secret)).await?;
     let (sink, mut events) = ChannelSink::new(65_536);
     let mut tasks = Vec::new();
     {
@@ -356,26 +422,68 @@ pub async fn start_stack(
 }
 
 /// Serves `stack`'s requests from frontends on `listen` and registers it in discovery.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve_worker(
     stack: &Stack,
     name: &str,
+    role: Role,
     listen: SocketAddr,
     discovery: &Arc<dyn Discovery>,
+    bus: &Arc<dyn EventBus>,
+    opts: &EngineOpts,
     lease_ttl: Duration,
 ) -> anyhow::Result<(SocketAddr, Registration, tokio::task::JoinHandle<()>)> {
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("listening on {listen}"))?;
-    let addr = listener.local_addr()?;
-    let backend: Arc<dyn Backend> =
-        Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
-    let server = kvfabric_serving::worker::serve(listener, backend);
+    let local = LocalBackend::new(stack.sched.clone(), stack.store.clone());
+    let (addr, server, kind) = match role {
+        Role::Prefill => {
+            // No request port: jobs come from its queue; KV goes out through its agent.
+            let server = run_prefill_service(
+                stack.agent.clone(),
+                stack.sched.clone(),
+                stack.store.clone(),
+                bus.clone(),
+                opts.max_batch.max(1),
+                Arc::new(PrefillStats::default()),
+            );
+            (stack.agent.listen_addr(), server, PREFILL_KIND)
+        }
+        Role::Aggregated | Role::Decode => {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("listening on {listen}"))?;
+            let addr = listener.local_addr()?;
+            let backend: Arc<dyn Backend> = if role == Role::Decode {
+                let cfg = FrontendConfig {
+                    kind: PREFILL_KIND.into(),
+                    name: format!("{name}-prefill-router"),
+                    ..FrontendConfig::default()
+                };
+                let prefill = RemoteBackend::start(discovery.clone(), bus.clone(), cfg).await?;
+                Arc::new(
+                    DecodeBackend::start(
+                        local,
+                        stack.store.clone(),
+                        stack.agent.clone(),
+                        bus.clone(),
+                        prefill,
+                        opts.disagg(),
+                    )
+                    .await?,
+                )
+            } else {
+                Arc::new(local)
+            };
+            (addr, kvfabric_serving::worker::serve(listener, backend), WORKER_KIND)
+        }
+    };
+    let mut md = stack.metadata(addr);
+    md.role = role;
     let registration = discovery
         .register(
             Instance {
-                kind: WORKER_KIND.into(),
+                kind: kind.into(),
                 id: name.to_string(),
-                metadata: serde_json::to_value(stack.metadata(addr))?,
+                metadata: serde_json::to_value(md)?,
             },
             lease_ttl,
         )
@@ -401,25 +509,49 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         ..ServerConfig::default()
     };
-    let n = args.workers.max(1);
+    let disagg = args.prefill_workers > 0 || args.decode_workers > 0;
+    anyhow::ensure!(
+        !disagg || (args.prefill_workers > 0 && args.decode_workers > 0),
+        "disaggregated serving needs --prefill-workers and --decode-workers, both at least 1"
+    );
+    let mut engine = args.engine.clone();
+    if disagg && engine.secret.is_none() {
+        let mut b = [0u8; 16];
+        getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("random secret: {e}"))?;
+        engine.secret = Some(b.iter().map(|x| format!("{x:02x}")).collect());
+    }
+    let roles: Vec<(String, Role)> = if disagg {
+        (0..args.prefill_workers)
+            .map(|i| (format!("{}-prefill-{i}", args.name), Role::Prefill))
+            .chain(
+                (0..args.decode_workers)
+                    .map(|i| (format!("{}-decode-{i}", args.name), Role::Decode)),
+            )
+            .collect()
+    } else {
+        (0..args.workers.max(1)).map(|i| (format!("{}-{i}", args.name), Role::Aggregated)).collect()
+    };
+    let n = roles.len();
     let mut stacks = Vec::new();
     let mut registrations = Vec::new();
     let mut servers = Vec::new();
     let (backend, describe): (Arc<dyn Backend>, String) = if n == 1 && !args.via_frontend {
-        let stack = start_stack(&args.engine, &args.name, bus.clone(), true).await?;
+        let stack = start_stack(&engine, &args.name, bus.clone(), true).await?;
         let backend = Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
         let describe = stack.describe.clone();
         stacks.push(stack);
         (backend, describe)
     } else {
-        for i in 0..n {
-            let name = format!("{}-{i}", args.name);
-            let stack = start_stack(&args.engine, &name, bus.clone(), i == 0).await?;
+        for (i, (name, role)) in roles.iter().enumerate() {
+            let stack = start_stack(&engine, name, bus.clone(), i == 0).await?;
             let (_, reg, server) = serve_worker(
                 &stack,
-                &name,
+                name,
+                *role,
                 SocketAddr::from(([127, 0, 0, 1], 0)),
                 &discovery,
+                &bus,
+                &engine,
                 Duration::from_secs(10),
             )
             .await?;
@@ -433,7 +565,14 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             ..FrontendConfig::default()
         };
         let remote = RemoteBackend::start(discovery.clone(), bus.clone(), cfg).await?;
-        let describe = format!("{} on {n} workers, {:?} routing", stacks[0].describe, args.router);
+        let describe = if disagg {
+            format!(
+                "{} on {} prefill + {} decode workers, {:?} routing",
+                stacks[0].describe, args.prefill_workers, args.decode_workers, args.router
+            )
+        } else {
+            format!("{} on {n} workers, {:?} routing", stacks[0].describe, args.router)
+        };
         (Arc::new(remote), describe)
     };
     let id = backend.models().first().map(|m| m.id.clone()).unwrap_or_default();

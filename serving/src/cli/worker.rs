@@ -14,12 +14,27 @@ use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::nats::NatsBus;
 use kvfabric::control::{Discovery, EventBus};
 
+use kvfabric_serving::disagg::Role;
+
 use super::up::{serve_worker, shutdown_signal, start_stack, EngineOpts};
+
+fn parse_role(s: &str) -> Result<Role, String> {
+    match s {
+        "aggregated" => Ok(Role::Aggregated),
+        "prefill" => Ok(Role::Prefill),
+        "decode" => Ok(Role::Decode),
+        other => Err(format!("unknown role {other:?} (aggregated, prefill, decode)")),
+    }
+}
 
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
     #[command(flatten)]
     engine: EngineOpts,
+    /// Role: aggregated (prefill and decode), prefill (serves decode workers' prefill queue)
+    /// or decode (serves frontends, prefilling long prompts on prefill workers).
+    #[arg(long, env = "KVFABRIC_ROLE", default_value = "aggregated", value_parser = parse_role)]
+    role: Role,
     /// Worker name (unique in the namespace).
     #[arg(long, env = "KVFABRIC_NAME", default_value = "worker-0")]
     name: String,
@@ -59,13 +74,28 @@ pub async fn connect(
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let (discovery, bus) = connect(&args.etcd, args.nats.as_deref(), &args.namespace).await?;
-    let stack = start_stack(&args.engine, &args.name, bus, false).await?;
+    anyhow::ensure!(
+        args.role == Role::Aggregated || args.engine.secret.is_some(),
+        "prefill and decode workers need a shared --secret (KVFABRIC_SECRET)"
+    );
+    let stack = start_stack(&args.engine, &args.name, bus.clone(), false).await?;
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
-    let (addr, registration, server) =
-        serve_worker(&stack, &args.name, args.listen, &discovery, ttl).await?;
+    let (addr, registration, server) = serve_worker(
+        &stack,
+        &args.name,
+        args.role,
+        args.listen,
+        &discovery,
+        &bus,
+        &args.engine,
+        ttl,
+    )
+    .await?;
     println!(
         "{}",
-        serde_json::json!({ "worker": args.name, "addr": addr, "model": stack.sched.info().id })
+        serde_json::json!({
+            "worker": args.name, "addr": addr, "model": stack.sched.info().id, "role": args.role,
+        })
     );
     shutdown_signal().await;
     registration.revoke().await;

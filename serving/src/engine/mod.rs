@@ -177,6 +177,23 @@ impl CacheHits {
     }
 }
 
+/// A prompt prefilled by a prefill worker.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RemotePrefill {
+    /// The prefill worker.
+    pub worker: String,
+    /// Blocks it wrote.
+    pub blocks: usize,
+    /// Prompt tokens in them.
+    pub tokens: usize,
+    /// Bytes it wrote.
+    pub bytes: u64,
+    /// From enqueueing the job to the notification, microseconds (queue, compute, transfer).
+    pub wait_us: u64,
+    /// Its compute time, microseconds.
+    pub compute_us: u64,
+}
+
 /// What a generation reports, in order: `Started`, `Token`s, then `Done` or `Error`.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -188,7 +205,11 @@ pub enum GenEvent {
         /// Prompt tokens whose KV came from the store.
         cached: CacheHits,
         /// The worker serving it (set by remote backends).
+        #[serde(default)]
         worker: Option<String>,
+        /// The prompt's KV was computed by a prefill worker (disaggregated serving).
+        #[serde(default)]
+        remote_prefill: Option<RemotePrefill>,
     },
     /// A token and the text it completes (may be empty).
     Token {
@@ -511,6 +532,7 @@ impl<E: Engine> Loop<E> {
                 prompt_tokens: seq.req.prompt.len(),
                 cached,
                 worker: None,
+                remote_prefill: None,
             });
             bump(&self.stats.running, 1);
             self.running.push(seq);

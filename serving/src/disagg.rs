@@ -1,0 +1,638 @@
+//! Disaggregated prefill and decode.
+//!
+//! A decode worker ([`DecodeBackend`]) takes requests from frontends. For each, it counts the
+//! prompt's full blocks its own store already holds; when the rest reaches
+//! [`DisaggConfig::threshold_tokens`] and fewer than [`DisaggConfig::max_queue`] remote
+//! prefills are pending, it reserves host slots for the missing blocks, picks a prefill worker
+//! by KV routing among the prefill workers (so that their prefix caches help too), and
+//! enqueues a [`PrefillRequest`] on that worker's durable queue (`prefill-NAME`) with its
+//! agent's metadata and the slots' descriptors. The prefill worker ([`run_prefill_service`])
+//! computes the prompt's KV with its own engine (reusing its own cached blocks), WRITEs the
+//! requested blocks with the transfer engine straight into the decode worker's slots,
+//! checksummed per block, and notifies. The decode worker commits the slots, which makes them
+//! ordinary cached blocks, and serves the request as a cache hit: its engine imports the
+//! blocks and computes only the last partial block and the first token. Blocks the decode side
+//! already holds are never sent.
+//!
+//! Failures: a prefill worker that dies, errs or misses the deadline leaves the decode worker
+//! to prefill locally; the request completes either way. Reserved slots whose transfer did not
+//! complete are held for [`DisaggConfig::grace`] before they are reused, so that a write
+//! arriving late cannot land in another block.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvfabric::agent::{Agent, AgentMetadata};
+use kvfabric::control::EventBus;
+use kvfabric::hash::{HashSeed, TokenBlockHasher};
+use kvfabric::memory::RegionId;
+use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
+use kvfabric_tiers::{StoreError, TieredStore};
+use parking_lot::Mutex;
+use serde_json::Value;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::backend::{Backend, LocalBackend, ModelEntry};
+use crate::engine::{
+    EngineError, GenEvent, GenerateRequest, ModelInfo, RemotePrefill, SamplingParams, Scheduler,
+};
+use crate::frontend::RemoteBackend;
+use crate::metrics;
+
+/// The discovery kind of prefill workers.
+pub const PREFILL_KIND: &str = "prefill";
+
+/// A worker's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Prefill and decode (the default).
+    #[default]
+    Aggregated,
+    /// Computes prompts' KV for decode workers.
+    Prefill,
+    /// Serves requests, prefilling long prompts remotely.
+    Decode,
+}
+
+/// Where one block goes in the decode worker.
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+pub struct BlockTarget {
+    /// Index of the block in the prompt.
+    pub index: usize,
+    /// The decode worker's region.
+    pub region: RegionId,
+    /// Offset of the slot.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// A prefill job on a prefill worker's queue.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct PrefillRequest {
+    /// Unique per decode worker.
+    pub id: u64,
+    /// The decode worker's agent (the WRITE's peer).
+    pub decode: AgentMetadata,
+    /// The model.
+    pub model: String,
+    /// The prompt's full blocks' tokens.
+    pub tokens: Vec<u32>,
+    /// The blocks to send and where.
+    pub blocks: Vec<BlockTarget>,
+    /// Force a transport (else the agent chooses: shm on one host, tcp across).
+    pub transport: Option<TransportKind>,
+    /// Give up after this time (Unix milliseconds).
+    pub deadline_unix_ms: u64,
+}
+
+/// The message of the transfer's notification and of a failure report.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct PrefillResult {
+    /// The request.
+    pub id: u64,
+    /// Whether the blocks were written.
+    pub ok: bool,
+    /// Time computing the prompt's KV (prefill worker), microseconds.
+    pub compute_us: u64,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+/// Decode-side settings.
+#[derive(Debug, Clone)]
+pub struct DisaggConfig {
+    /// Remote prefill when at least this many prompt tokens are not cached locally.
+    pub threshold_tokens: usize,
+    /// Remote prefills pending at most; beyond, prefill locally.
+    pub max_queue: usize,
+    /// Wait this long for a remote prefill, then prefill locally.
+    pub deadline: Duration,
+    /// Keep slots of an unfinished transfer reserved this long after giving up on it.
+    pub grace: Duration,
+    /// Force a transport for the KV writes.
+    pub transport: Option<TransportKind>,
+}
+
+impl Default for DisaggConfig {
+    fn default() -> Self {
+        DisaggConfig {
+            threshold_tokens: 256,
+            max_queue: 8,
+            deadline: Duration::from_secs(30),
+            grace: Duration::from_secs(10),
+            transport: None,
+        }
+    }
+}
+
+/// Counters of a decode worker.
+#[derive(Debug, Default)]
+pub struct DisaggStats {
+    /// Prefills done remotely.
+    pub remote: AtomicU64,
+    /// Prefills done locally (short prompts, full queue, no prefill worker, or fallback).
+    pub local: AtomicU64,
+    /// Remote prefills that failed or timed out (then done locally).
+    pub fallbacks: AtomicU64,
+    /// KV bytes received from prefill workers.
+    pub bytes: AtomicU64,
+    /// Remote prefills pending now.
+    pub pending: AtomicU64,
+    /// Sum of remote prefill waits (enqueue to notification), microseconds.
+    pub wait_us: AtomicU64,
+}
+
+/// A decode worker: its engine, plus remote prefill.
+#[derive(Debug, Clone)]
+pub struct DecodeBackend {
+    inner: Arc<DecodeInner>,
+}
+
+#[derive(Debug)]
+struct DecodeInner {
+    local: LocalBackend,
+    store: TieredStore,
+    agent: Agent,
+    bus: Arc<dyn EventBus>,
+    prefill: RemoteBackend,
+    cfg: DisaggConfig,
+    stats: DisaggStats,
+    waiters: Mutex<HashMap<u64, oneshot::Sender<PrefillResult>>>,
+    next_id: AtomicU64,
+    hasher: TokenBlockHasher,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for DecodeInner {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl DecodeBackend {
+    /// A decode worker over `local` (whose store is `store`, owned by `agent`), choosing
+    /// prefill workers through `prefill` (a [`RemoteBackend`] of kind [`PREFILL_KIND`]).
+    pub async fn start(
+        local: LocalBackend,
+        store: TieredStore,
+        agent: Agent,
+        bus: Arc<dyn EventBus>,
+        prefill: RemoteBackend,
+        cfg: DisaggConfig,
+    ) -> Result<Self, EngineError> {
+        let bt = local.scheduler().info().layout.block_tokens as usize;
+        let hasher = TokenBlockHasher::new(bt, HashSeed::default())
+            .map_err(|e| EngineError::model(e.to_string()))?;
+        let failures = bus
+            .subscribe(&format!("prefill-failed-{}", agent.name()))
+            .await
+            .map_err(|e| EngineError::model(format!("control plane: {e}")))?;
+        let inner = Arc::new_cyclic(|weak: &std::sync::Weak<DecodeInner>| {
+            let mut tasks = Vec::new();
+            // Successes arrive as transfer notifications (after the last byte, verified);
+            // failures as bus messages. Either completes the waiter.
+            let (w1, a1) = (weak.clone(), agent.clone());
+            tasks.push(tokio::spawn(async move {
+                while let Some(n) = a1.next_notification().await {
+                    let Ok(r) = serde_json::from_slice::<PrefillResult>(&n.message) else {
+                        continue;
+                    };
+                    let Some(me) = w1.upgrade() else { return };
+                    let waiter = me.waiters.lock().remove(&r.id);
+                    if let Some(tx) = waiter {
+                        let _ = tx.send(r);
+                    }
+                }
+            }));
+            let w2 = weak.clone();
+            let mut failures = failures;
+            tasks.push(tokio::spawn(async move {
+                while let Some(m) = failures.recv().await {
+                    let Ok(r) = serde_json::from_slice::<PrefillResult>(&m) else { continue };
+                    let Some(me) = w2.upgrade() else { return };
+                    let waiter = me.waiters.lock().remove(&r.id);
+                    if let Some(tx) = waiter {
+                        let _ = tx.send(r);
+                    }
+                }
+            }));
+            DecodeInner {
+                local,
+                store,
+                agent,
+                bus,
+                prefill,
+                cfg,
+                stats: DisaggStats::default(),
+                waiters: Mutex::new(HashMap::new()),
+                next_id: AtomicU64::new(1),
+                hasher,
+                tasks,
+            }
+        });
+        Ok(DecodeBackend { inner })
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &DisaggStats {
+        &self.inner.stats
+    }
+}
+
+impl DecodeInner {
+    /// Prefills the prompt's missing full blocks on a prefill worker, if worth it; returns
+    /// what was done remotely, or None when the engine should prefill (the rest) itself.
+    async fn remote_prefill(&self, model: &str, req: &GenerateRequest) -> Option<RemotePrefill> {
+        let bt = self.hasher.block_tokens();
+        let prompt = &req.prompt;
+        let hashes = self.hasher.sequence_hashes(prompt);
+        let reusable = hashes.len().min(prompt.len().saturating_sub(1) / bt);
+        let held = self.store.held_prefix(&hashes[..reusable]);
+        if prompt.len() - held * bt < self.cfg.threshold_tokens || held == reusable {
+            return None;
+        }
+        if self.stats.pending.load(Ordering::Relaxed) as usize >= self.cfg.max_queue {
+            return None;
+        }
+        let (rid, worker) = self.prefill.pick(model, &prompt[..reusable * bt])?;
+        let release = |outcome| self.prefill.release(model, rid, outcome);
+        // Reserve the missing blocks' slots (invisible until committed).
+        let mut slots = Vec::with_capacity(reusable - held);
+        for i in held..reusable {
+            let parent = i.checked_sub(1).map(|p| hashes[p]);
+            match self.store.allocate(hashes[i], parent).await {
+                Ok(s) => slots.push(s),
+                Err(e) => {
+                    if !matches!(e, StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) {
+                        tracing::warn!(error = %e, "no slots for a remote prefill");
+                    }
+                    release(false);
+                    return None;
+                }
+            }
+        }
+        let blocks: Vec<BlockTarget> = slots
+            .iter()
+            .enumerate()
+            .map(|(k, s)| BlockTarget {
+                index: held + k,
+                region: s.region().id(),
+                offset: s.offset(),
+                len: s.len(),
+            })
+            .collect();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiters.lock().insert(id, tx);
+        let item = PrefillRequest {
+            id,
+            decode: self.agent.metadata(),
+            model: model.to_string(),
+            tokens: prompt[..reusable * bt].to_vec(),
+            blocks,
+            transport: self.cfg.transport,
+            deadline_unix_ms: unix_ms() + self.cfg.deadline.as_millis() as u64,
+        };
+        let started = Instant::now();
+        self.stats.pending.fetch_add(1, Ordering::Relaxed);
+        let payload = serde_json::to_vec(&item).unwrap_or_default();
+        let queued = self.bus.enqueue(&format!("prefill-{worker}"), payload).await;
+        let result = match queued {
+            Ok(()) => tokio::time::timeout(self.cfg.deadline, rx).await.ok().and_then(Result::ok),
+            Err(e) => {
+                tracing::warn!(error = %e, "enqueueing a remote prefill failed");
+                None
+            }
+        };
+        self.waiters.lock().remove(&id);
+        self.stats.pending.fetch_sub(1, Ordering::Relaxed);
+        match result {
+            Some(r) if r.ok => {
+                let n = slots.len();
+                for s in slots {
+                    s.commit_unpinned();
+                }
+                let wait_us = started.elapsed().as_micros() as u64;
+                let bytes = n as u64 * self.store.block_bytes();
+                self.stats.remote.fetch_add(1, Ordering::Relaxed);
+                self.stats.bytes.fetch_add(bytes, Ordering::Relaxed);
+                self.stats.wait_us.fetch_add(wait_us, Ordering::Relaxed);
+                release(true);
+                Some(RemotePrefill {
+                    worker,
+                    blocks: n,
+                    tokens: n * bt,
+                    bytes,
+                    wait_us,
+                    compute_us: r.compute_us,
+                })
+            }
+            other => {
+                if let Some(r) = other {
+                    tracing::warn!(worker = %worker, error = ?r.error, "remote prefill failed; prefilling locally");
+                } else {
+                    tracing::warn!(worker = %worker, "remote prefill timed out; prefilling locally");
+                }
+                self.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
+                release(false);
+                // A late write must not land in a reused slot: hold them a while.
+                let grace = self.cfg.grace;
+                tokio::spawn(async move {
+                    tokio::time::sleep(grace).await;
+                    drop(slots);
+                });
+                None
+            }
+        }
+    }
+
+    async fn drive(
+        self: Arc<Self>,
+        model: String,
+        req: GenerateRequest,
+        tx: mpsc::UnboundedSender<GenEvent>,
+    ) {
+        let remote = tokio::select! {
+            r = self.remote_prefill(&model, &req) => r,
+            _ = tx.closed() => return,
+        };
+        if remote.is_none() {
+            self.stats.local.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut rx = match self.local.submit(&model, req) {
+            Ok(rx) => rx,
+            Err(e) => {
+                let _ = tx.send(GenEvent::Error(e));
+                return;
+            }
+        };
+        let mut remote = remote;
+        loop {
+            tokio::select! {
+                ev = rx.recv() => {
+                    let Some(mut ev) = ev else { return };
+                    if let GenEvent::Started { remote_prefill, .. } = &mut ev {
+                        *remote_prefill = remote.take();
+                    }
+                    let last = matches!(ev, GenEvent::Done { .. } | GenEvent::Error(_));
+                    if tx.send(ev).is_err() || last {
+                        return;
+                    }
+                }
+                // The client left: dropping `rx` cancels the generation.
+                _ = tx.closed() => return,
+            }
+        }
+    }
+}
+
+impl Backend for DecodeBackend {
+    fn models(&self) -> Vec<ModelInfo> {
+        self.inner.local.models()
+    }
+
+    fn model(&self, id: &str) -> Option<ModelEntry> {
+        self.inner.local.model(id)
+    }
+
+    fn submit(
+        &self,
+        model: &str,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
+        if self.inner.local.model(model).is_none() {
+            return Err(EngineError::invalid(format!("this worker does not serve {model:?}")));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(self.inner.clone().drive(model.to_string(), req, tx));
+        Ok(rx)
+    }
+
+    fn health(&self) -> Value {
+        let mut h = self.inner.local.health();
+        h["role"] = "decode".into();
+        h["prefill_pending"] = self.inner.stats.pending.load(Ordering::Relaxed).into();
+        h
+    }
+
+    fn render_metrics(&self, out: &mut String) {
+        self.inner.local.render_metrics(out);
+        let s = &self.inner.stats;
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        metrics::labelled(
+            out,
+            "kvfabric_prefills_total",
+            "counter",
+            "Prefills by where they ran.",
+            "where",
+            &[("remote", ld(&s.remote)), ("local", ld(&s.local))],
+        );
+        metrics::sample(
+            out,
+            "kvfabric_remote_prefill_fallbacks_total",
+            "counter",
+            "Remote prefills that failed or timed out.",
+            ld(&s.fallbacks),
+        );
+        metrics::sample(
+            out,
+            "kvfabric_remote_prefill_bytes_total",
+            "counter",
+            "KV bytes written by prefill workers.",
+            ld(&s.bytes),
+        );
+        metrics::sample(
+            out,
+            "kvfabric_remote_prefill_wait_seconds_total",
+            "counter",
+            "Time waiting for remote prefills.",
+            ld(&s.wait_us) as f64 / 1e6,
+        );
+        metrics::sample(
+            out,
+            "kvfabric_prefill_queue_depth",
+            "gauge",
+            "Remote prefills pending.",
+            ld(&s.pending),
+        );
+    }
+}
+
+/// Counters of a prefill worker.
+#[derive(Debug, Default)]
+pub struct PrefillStats {
+    /// Jobs done (blocks written).
+    pub done: AtomicU64,
+    /// Jobs failed or expired.
+    pub failed: AtomicU64,
+    /// Bytes written to decode workers.
+    pub bytes: AtomicU64,
+    /// Sum of transfer times, microseconds.
+    pub transfer_us: AtomicU64,
+}
+
+/// Serves the queue `prefill-NAME` of a prefill worker until aborted: at most `parallel`
+/// jobs at once.
+pub fn run_prefill_service(
+    agent: Agent,
+    sched: Scheduler,
+    store: TieredStore,
+    bus: Arc<dyn EventBus>,
+    parallel: usize,
+    stats: Arc<PrefillStats>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let queue = format!("prefill-{}", agent.name());
+        let sem = Arc::new(tokio::sync::Semaphore::new(parallel.max(1)));
+        let peers: Arc<Mutex<HashMap<String, AgentMetadata>>> = Arc::default();
+        loop {
+            let Ok(permit) = sem.clone().acquire_owned().await else { return };
+            let item =
+                match bus.dequeue(&queue, Duration::from_secs(1), Duration::from_secs(60)).await {
+                    Ok(Some(item)) => item,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "prefill queue");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                };
+            let (agent, sched, store, bus, stats, peers) = (
+                agent.clone(),
+                sched.clone(),
+                store.clone(),
+                bus.clone(),
+                stats.clone(),
+                peers.clone(),
+            );
+            tokio::spawn(async move {
+                let parsed = serde_json::from_slice::<PrefillRequest>(&item.payload);
+                // Acknowledged whatever happens: a job is never redone after a crash of this
+                // worker, because its decode worker has long fallen back by then.
+                let _ = item.ack().await;
+                let req = match parsed {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "dropping a malformed prefill job");
+                        stats.failed.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                };
+                let decode = req.decode.name.clone();
+                let (id, started) = (req.id, Instant::now());
+                let r = prefill_job(&agent, &sched, &store, &peers, req, &stats).await;
+                drop(permit);
+                if let Err(e) = r {
+                    stats.failed.fetch_add(1, Ordering::Relaxed);
+                    let msg = PrefillResult {
+                        id,
+                        ok: false,
+                        compute_us: started.elapsed().as_micros() as u64,
+                        error: Some(e),
+                    };
+                    let _ = bus
+                        .publish(
+                            &format!("prefill-failed-{decode}"),
+                            serde_json::to_vec(&msg).unwrap_or_default(),
+                        )
+                        .await;
+                }
+            });
+        }
+    })
+}
+
+async fn prefill_job(
+    agent: &Agent,
+    sched: &Scheduler,
+    store: &TieredStore,
+    peers: &Mutex<HashMap<String, AgentMetadata>>,
+    req: PrefillRequest,
+    stats: &PrefillStats,
+) -> Result<(), String> {
+    let left = Duration::from_millis(req.deadline_unix_ms.saturating_sub(unix_ms()));
+    if left.is_zero() {
+        return Err("the job expired in the queue".into());
+    }
+    if sched.info().id != req.model {
+        return Err(format!(
+            "this prefill worker serves {:?}, not {:?}",
+            sched.info().id,
+            req.model
+        ));
+    }
+    let bt = sched.info().layout.block_tokens as usize;
+    if req.tokens.is_empty() || req.tokens.len() % bt != 0 {
+        return Err("the job's tokens are not whole blocks".into());
+    }
+    let n = req.tokens.len() / bt;
+    if req.blocks.iter().any(|b| b.index >= n || b.len != store.block_bytes()) {
+        return Err("a block target is out of range".into());
+    }
+    {
+        let mut known = peers.lock();
+        if known.get(&req.decode.name) != Some(&req.decode) {
+            agent.load_peer(req.decode.clone()).map_err(|e| e.to_string())?;
+            known.insert(req.decode.name.clone(), req.decode.clone());
+        }
+    }
+    // Compute the KV (the engine reuses this worker's own cached blocks and stores the new
+    // ones), then read the blocks back pinned.
+    let compute = Instant::now();
+    let mut rx = sched
+        .submit(GenerateRequest {
+            prompt: req.tokens.clone(),
+            max_tokens: 1,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            ignore_eos: true,
+            timeout: left,
+        })
+        .map_err(|e| e.to_string())?;
+    loop {
+        match rx.recv().await {
+            Some(GenEvent::Done { .. }) => break,
+            Some(GenEvent::Error(e)) => return Err(e.to_string()),
+            Some(_) => {}
+            None => return Err("the engine stopped".into()),
+        }
+    }
+    let compute_us = compute.elapsed().as_micros() as u64;
+    let hasher = TokenBlockHasher::new(bt, HashSeed::default()).map_err(|e| e.to_string())?;
+    let hashes = hasher.sequence_hashes(&req.tokens);
+    let refs = store.get(&hashes).await.map_err(|e| e.to_string())?;
+    let mut local = Vec::with_capacity(req.blocks.len());
+    let mut remote = Vec::with_capacity(req.blocks.len());
+    for b in &req.blocks {
+        let r = refs.get(b.index).ok_or("a computed block was evicted before it was sent")?;
+        local.push(Desc::new(r.region().id(), r.offset(), r.len()));
+        remote.push(Desc::new(b.region, b.offset, b.len));
+    }
+    let note = PrefillResult { id: req.id, ok: true, compute_us, error: None };
+    let left = Duration::from_millis(req.deadline_unix_ms.saturating_sub(unix_ms()));
+    let mut t = TransferRequest::new(TransferOp::Write, req.decode.name.clone(), local, remote)
+        .with_checksum()
+        .with_notify(serde_json::to_vec(&note).unwrap_or_default())
+        .with_deadline(left.max(Duration::from_millis(1)));
+    if let Some(kind) = req.transport {
+        t = t.with_transport(kind);
+    }
+    let bytes = t.bytes();
+    let sent = Instant::now();
+    agent.post(t).map_err(|e| e.to_string())?.wait().await.map_err(|e| e.to_string())?;
+    drop(refs);
+    stats.done.fetch_add(1, Ordering::Relaxed);
+    stats.bytes.fetch_add(bytes, Ordering::Relaxed);
+    stats.transfer_us.fetch_add(sent.elapsed().as_micros() as u64, Ordering::Relaxed);
+    Ok(())
+}
