@@ -320,6 +320,10 @@ impl Agent {
             .local_addr()
             .map_err(|source| AgentError::Bind { addr: config.listen, source })?;
         let (notify_tx, notify_rx) = mpsc::channel(config.limits.notifications_queued_max.max(1));
+        let stale = RegionTable::remove_stale_shm_files();
+        if stale > 0 {
+            tracing::info!(files = stale, "removed /dev/shm files of dead processes");
+        }
         let shm_prefix = format!(
             "kvfabric.{}.{}.{}",
             sanitize(&config.name),

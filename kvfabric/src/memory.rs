@@ -406,6 +406,28 @@ struct Slot {
 }
 
 impl RegionTable {
+    /// Removes `/dev/shm/kvfabric.{name}.{pid}.*` files whose process is gone (a process
+    /// killed with SIGKILL never unlinks its files). Returns how many were removed.
+    pub fn remove_stale_shm_files() -> usize {
+        let Ok(dir) = std::fs::read_dir("/dev/shm") else { return 0 };
+        let mut removed = 0;
+        for entry in dir.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let mut parts = name.split('.');
+            if parts.next() != Some("kvfabric") {
+                continue;
+            }
+            let Some(pid) = parts.nth(1).and_then(|p| p.parse::<u32>().ok()) else { continue };
+            if !Path::new(&format!("/proc/{pid}")).exists()
+                && std::fs::remove_file(entry.path()).is_ok()
+            {
+                removed += 1;
+            }
+        }
+        removed
+    }
+
     /// A table whose shared regions are named `/dev/shm/{shm_prefix}.{index}.{generation}`.
     pub fn new(shm_prefix: impl Into<String>, regions_max: usize) -> Self {
         RegionTable {
@@ -477,6 +499,15 @@ impl RegionTable {
                     .map_err(shm_err)?;
                 let map = (|| {
                     file.set_len(len as u64)?;
+                    // Reserve the pages now: a full /dev/shm is an error here, not a SIGBUS
+                    // at the first touch of an unbacked page.
+                    use std::os::fd::AsRawFd;
+                    // SAFETY: plain syscall on a file descriptor we own; no memory is passed.
+                    let rc =
+                        unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+                    if rc != 0 {
+                        return Err(std::io::Error::from_raw_os_error(rc));
+                    }
                     // SAFETY: the file was just created by us with create_new and is sized to
                     // `len`; peers map it but never truncate it.
                     unsafe { memmap2::MmapOptions::new().len(len).populate().map_mut(&file) }

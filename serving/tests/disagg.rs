@@ -1,0 +1,232 @@
+//! Disaggregated prefill/decode across processes over real etcd and NATS: with the real model
+//! and greedy decoding, a decode worker whose long prompts are prefilled by a prefill worker
+//! (over tcp, and over shm) answers token for token like an aggregated worker, below and above
+//! the threshold; a prefill worker killed -9 mid-prefill leaves every request completing
+//! (local fallback). KV writes are checksummed per block by the transfer engine and verified
+//! by the decode worker's agent before it is notified.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{get, post_json};
+use kvfabric::control::etcd::EtcdDiscovery;
+use kvfabric::control::nats::NatsBus;
+use kvfabric::testkit::{EtcdServer, NatsServer};
+use kvfabric_router::{RouterConfig, RoutingMode};
+use kvfabric_serving::frontend::{FrontendConfig, RemoteBackend};
+use kvfabric_serving::http::{router, ServerConfig};
+use serde_json::{json, Value};
+
+const SECRET: &str = "disagg-test-secret";
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn worker(name: &str, ns: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&str]) -> Proc {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args([
+            "worker",
+            "--name",
+            name,
+            "--namespace",
+            ns,
+            "--lease-ttl-s",
+            "2",
+            "--secret",
+            SECRET,
+        ])
+        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url(), "--disk-blocks", "0"])
+        .args(extra)
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvfabric worker");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("worker printed nothing").unwrap();
+    assert!(line.contains(name), "{line}");
+    std::thread::spawn(move || for _ in lines {});
+    Proc(child)
+}
+
+async fn frontend(ns: &str, etcd: &EtcdServer, nats: &NatsServer) -> SocketAddr {
+    let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], ns).await.unwrap());
+    let bus = Arc::new(NatsBus::connect(&nats.url(), ns).await.unwrap());
+    let cfg = FrontendConfig {
+        router: RouterConfig { mode: RoutingMode::Kv, ..RouterConfig::default() },
+        ..FrontendConfig::default()
+    };
+    let backend = Arc::new(RemoteBackend::start(discovery, bus, cfg).await.unwrap());
+    let app = router(
+        backend,
+        ServerConfig { request_timeout: Duration::from_secs(120), ..ServerConfig::default() },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+async fn wait_workers(addr: SocketAddr, n: usize) {
+    let start = Instant::now();
+    loop {
+        let h = get(addr, "/health").await.json();
+        if h["workers"].as_array().is_some_and(|w| w.len() == n) {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "workers did not register: {h}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Prefill workers register under their own kind: wait until a decode worker could see them
+/// by giving discovery a moment after they printed their line.
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(500)).await;
+}
+
+fn model_path() -> String {
+    std::env::var("KVFABRIC_TEST_MODEL").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/kvfabric/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+            std::env::var("HOME").unwrap()
+        )
+    })
+}
+
+fn chat(user: &str) -> Value {
+    json!({
+        "model": "SmolLM2-135M-Instruct.Q4_1", "temperature": 0, "max_tokens": 16,
+        "messages": [
+            {"role": "system", "content": "You are a patient teacher. Explain things step by step, in plain words, with one short example each time, and never use lists."},
+            {"role": "user", "content": user},
+        ],
+    })
+}
+
+fn text(v: &Value) -> String {
+    v["choices"][0]["message"]["content"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_output_equals_aggregated_over_tcp_and_over_shm() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let model = model_path();
+    let llama = ["--model", model.as_str()];
+    let _agg = worker("agg", "agg", &etcd, &nats, &llama);
+    let mut procs = Vec::new();
+    for transport in ["tcp", "shm"] {
+        procs.push(worker(
+            &format!("p-{transport}"),
+            transport,
+            &etcd,
+            &nats,
+            &[&llama[..], &["--role", "prefill"]].concat(),
+        ));
+    }
+    settle().await;
+    for transport in ["tcp", "shm"] {
+        let extra = [
+            &llama[..],
+            &["--role", "decode", "--prefill-threshold", "64", "--kv-transport", transport],
+        ]
+        .concat();
+        procs.push(worker(&format!("d-{transport}"), transport, &etcd, &nats, &extra));
+    }
+    let agg = frontend("agg", &etcd, &nats).await;
+    let tcp = frontend("tcp", &etcd, &nats).await;
+    let shm = frontend("shm", &etcd, &nats).await;
+    for f in [agg, tcp, shm] {
+        wait_workers(f, 1).await;
+    }
+    let short = "Why is the sky blue?";
+    let long = "I am learning about the water cycle for a school project. Can you tell me how rain forms, starting from the ocean, and what role the sun plays in it? My teacher also asked us to explain why clouds do not fall down, and where snow comes from in winter.";
+    for q in [short, long] {
+        let want = post_json(agg, "/v1/chat/completions", &chat(q)).await.json();
+        for (name, f) in [("tcp", tcp), ("shm", shm)] {
+            let got = post_json(f, "/v1/chat/completions", &chat(q)).await;
+            assert_eq!(got.status, 200, "{}", got.text());
+            let got = got.json();
+            assert_eq!(text(&got), text(&want), "{name}: disaggregated answer differs for {q:?}");
+            let remote = &got["kvfabric"]["remote_prefill"];
+            let prompt = got["usage"]["prompt_tokens"].as_u64().unwrap();
+            let cached = got["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+            if q == long {
+                // The system prompt's blocks are held from the short question: only the rest
+                // is prefilled remotely and sent.
+                assert_eq!(remote["worker"], format!("p-{name}"), "{name}: {got}");
+                assert_eq!(cached, 32, "{got}");
+                let blocks = remote["blocks"].as_u64().unwrap();
+                assert_eq!(blocks, (prompt - 1) / 16 - 2, "{got}");
+                assert_eq!(remote["bytes"].as_u64().unwrap(), blocks * 737_280);
+            } else {
+                assert!(remote.is_null(), "{name}: a short prompt went remote: {got}");
+            }
+        }
+    }
+    // The same long prompt again: the decode worker holds its blocks now, nothing is sent.
+    let again = post_json(tcp, "/v1/chat/completions", &chat(long)).await.json();
+    assert!(again["kvfabric"]["remote_prefill"].is_null(), "{again}");
+    assert!(again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_killed_mid_prefill_leaves_every_request_completing() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    // Slow mock prefill: a 600-token prompt takes 1.2 s on the prefill worker.
+    let mock = ["--engine", "mock", "--mock-prefill-us", "2000", "--mock-decode-us", "2000"];
+    let prefill = worker("p0", "kill", &etcd, &nats, &[&mock[..], &["--role", "prefill"]].concat());
+    settle().await;
+    let decode_args = [
+        &mock[..],
+        &["--role", "decode", "--prefill-threshold", "64", "--prefill-deadline-ms", "2500"],
+    ]
+    .concat();
+    let _decode = worker("d0", "kill", &etcd, &nats, &decode_args);
+    let f = frontend("kill", &etcd, &nats).await;
+    wait_workers(f, 1).await;
+
+    // One request prefilled remotely while the prefill worker is alive.
+    let body = |i: usize| json!({"model": "mock", "prompt": format!("{i:03} {}", "x".repeat(600)), "max_tokens": 8, "temperature": 0});
+    let ok = post_json(f, "/v1/completions", &body(999)).await.json();
+    assert_eq!(ok["kvfabric"]["remote_prefill"]["worker"], "p0", "{ok}");
+
+    let tasks: Vec<_> = (0..4)
+        .map(|i| tokio::spawn(async move { post_json(f, "/v1/completions", &body(i)).await }))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(prefill); // kill -9, mid-prefill
+    let start = Instant::now();
+    for t in tasks {
+        let r = tokio::time::timeout(Duration::from_secs(30), t)
+            .await
+            .expect("a request hung")
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["usage"]["completion_tokens"], 8);
+        assert!(v["kvfabric"]["remote_prefill"].is_null(), "prefilled by a dead worker? {v}");
+    }
+    assert!(start.elapsed() < Duration::from_secs(20));
+    // Later requests do not wait on the dead worker once its lease is gone.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let t = Instant::now();
+    let r = post_json(f, "/v1/completions", &body(7)).await;
+    assert_eq!(r.status, 200);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "waited {:?} for a dead prefill worker",
+        t.elapsed()
+    );
+}
