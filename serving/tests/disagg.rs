@@ -230,3 +230,138 @@ async fn a_prefill_worker_killed_mid_prefill_leaves_every_request_completing() {
         t.elapsed()
     );
 }
+
+/// In one process on the embedded control plane: a prefill worker whose transfers get a
+/// corrupted checksum is caught by the decode worker's agent; the decode worker falls back to
+/// local prefill and answers exactly as with a clean transfer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
+    use kvfabric::agent::{Agent, AgentConfig};
+    use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
+    use kvfabric::control::{Discovery, EventBus, Instance};
+    use kvfabric::events::NullSink;
+    use kvfabric::layout::{KvDtype, ModelSpec};
+    use kvfabric::transport::fault::FaultInjector;
+    use kvfabric_serving::backend::{Backend, LocalBackend};
+    use kvfabric_serving::disagg::{
+        run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats, Role, PREFILL_KIND,
+    };
+    use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
+    use kvfabric_serving::engine::{
+        GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig,
+    };
+    use kvfabric_serving::frontend::{CodecSpec, WorkerMetadata};
+    use kvfabric_tiers::{StoreConfig, TieredStore};
+
+    let layout = ModelSpec::preset("smollm2-135m")
+        .unwrap()
+        .with_dtype(KvDtype::F32)
+        .block_layout(16)
+        .unwrap();
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    let rt = tokio::runtime::Handle::current();
+    let node = |name: &str, faults: Option<Arc<FaultInjector>>| {
+        let (name, rt) = (name.to_string(), rt.clone());
+        async move {
+            let mut cfg = AgentConfig::new(name, SECRET.as_bytes().to_vec());
+            cfg.faults = faults;
+            let agent = Agent::start(cfg).await.unwrap();
+            let store = TieredStore::open(
+                StoreConfig::new(layout.bytes_per_block(), 128),
+                &agent,
+                Arc::new(NullSink),
+            )
+            .await
+            .unwrap();
+            let engine = MockEngine::new("mock", layout, MockConfig::zero_delay()).unwrap();
+            let sched =
+                Scheduler::start(engine, store.clone(), SchedulerConfig::default(), rt).unwrap();
+            (agent, store, sched)
+        }
+    };
+    let faults = FaultInjector::new();
+    let (pa, ps, psched) = node("prefill-0", Some(faults.clone())).await;
+    let _service = run_prefill_service(
+        pa.clone(),
+        psched.clone(),
+        ps,
+        bus.clone(),
+        2,
+        Arc::new(PrefillStats::default()),
+    );
+    let md = WorkerMetadata {
+        model: psched.info().clone(),
+        codec: CodecSpec::Bytes,
+        addr: pa.listen_addr(),
+        role: Role::Prefill,
+    };
+    let _reg = discovery
+        .register(
+            Instance {
+                kind: PREFILL_KIND.into(),
+                id: "prefill-0".into(),
+                metadata: serde_json::to_value(md).unwrap(),
+            },
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    let (da, ds, dsched) = node("decode-0", None).await;
+    let cfg = FrontendConfig { kind: PREFILL_KIND.into(), ..FrontendConfig::default() };
+    let router = RemoteBackend::start(discovery.clone(), bus.clone(), cfg).await.unwrap();
+    let decode = DecodeBackend::start(
+        LocalBackend::new(dsched.clone(), ds.clone()),
+        ds,
+        da,
+        bus.clone(),
+        router,
+        DisaggConfig {
+            threshold_tokens: 64,
+            deadline: Duration::from_secs(5),
+            ..DisaggConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let run = |prompt: String| {
+        let decode = decode.clone();
+        async move {
+            let req = GenerateRequest {
+                prompt: prompt.bytes().map(u32::from).collect(),
+                max_tokens: 6,
+                sampling: SamplingParams::default(),
+                stop: vec![],
+                ignore_eos: false,
+                timeout: Duration::from_secs(20),
+            };
+            let mut rx = decode.submit("mock", req).unwrap();
+            let (mut remote, mut tokens) = (None, Vec::new());
+            while let Some(ev) = rx.recv().await {
+                match ev {
+                    GenEvent::Started { remote_prefill, .. } => remote = remote_prefill,
+                    GenEvent::Token { id, .. } => tokens.push(id),
+                    GenEvent::Done { .. } => break,
+                    GenEvent::Error(e) => panic!("{e}"),
+                }
+            }
+            (remote, tokens)
+        }
+    };
+    // Clean: prefilled remotely, 12 blocks of a 200-token prompt written.
+    let (remote, clean) = run(format!("A {}", "y".repeat(198))).await;
+    let remote = remote.expect("prefilled remotely");
+    assert_eq!((remote.worker.as_str(), remote.blocks), ("prefill-0", 12));
+    // Corrupted: the decode agent refuses the write; the request is prefilled locally and
+    // gives what the clean one gives for the same prompt shape.
+    faults.corrupt_checksums_next(1);
+    let (remote, corrupted) = run(format!("B {}", "y".repeat(198))).await;
+    assert!(remote.is_none(), "a corrupted transfer was accepted");
+    let (_, local) = {
+        // The same prompt once more is a plain cache hit of the locally computed blocks.
+        run(format!("B {}", "y".repeat(198))).await
+    };
+    assert_eq!(corrupted, local);
+    assert_eq!(clean.len(), 6);
+    assert_eq!(decode.stats().fallbacks.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
