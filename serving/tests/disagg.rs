@@ -34,6 +34,16 @@ impl Drop for Proc {
 }
 
 fn worker(name: &str, ns: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&str]) -> Proc {
+    worker_line(name, ns, etcd, nats, extra).0
+}
+
+fn worker_line(
+    name: &str,
+    ns: &str,
+    etcd: &EtcdServer,
+    nats: &NatsServer,
+    extra: &[&str],
+) -> (Proc, Value) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
         .args([
             "worker",
@@ -57,7 +67,7 @@ fn worker(name: &str, ns: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&
     let line = lines.next().expect("worker printed nothing").unwrap();
     assert!(line.contains(name), "{line}");
     std::thread::spawn(move || for _ in lines {});
-    Proc(child)
+    (Proc(child), serde_json::from_str(&line).unwrap())
 }
 
 async fn frontend(ns: &str, etcd: &EtcdServer, nats: &NatsServer) -> SocketAddr {

@@ -432,20 +432,22 @@ pub async fn serve_worker(
     bus: &Arc<dyn EventBus>,
     opts: &EngineOpts,
     lease_ttl: Duration,
-) -> anyhow::Result<(SocketAddr, Registration, tokio::task::JoinHandle<()>)> {
+) -> anyhow::Result<(SocketAddr, Registration, tokio::task::JoinHandle<()>, MetricsSource)> {
     let local = LocalBackend::new(stack.sched.clone(), stack.store.clone());
-    let (addr, server, kind) = match role {
+    let (addr, server, kind, source) = match role {
         Role::Prefill => {
             // No request port: jobs come from its queue; KV goes out through its agent.
+            let stats = Arc::new(PrefillStats::default());
             let server = run_prefill_service(
                 stack.agent.clone(),
                 stack.sched.clone(),
                 stack.store.clone(),
                 bus.clone(),
                 opts.max_batch.max(1),
-                Arc::new(PrefillStats::default()),
+                stats.clone(),
             );
-            (stack.agent.listen_addr(), server, PREFILL_KIND)
+            let source = MetricsSource::Prefill(Arc::new(local), stats);
+            (stack.agent.listen_addr(), server, PREFILL_KIND, source)
         }
         Role::Aggregated | Role::Decode => {
             let listener = tokio::net::TcpListener::bind(listen)
@@ -473,7 +475,8 @@ pub async fn serve_worker(
             } else {
                 Arc::new(local)
             };
-            (addr, kvfabric_serving::worker::serve(listener, backend), WORKER_KIND)
+            let server = kvfabric_serving::worker::serve(listener, backend.clone());
+            (addr, server, WORKER_KIND, MetricsSource::Backend(backend))
         }
     };
     let mut md = stack.metadata(addr);
@@ -488,7 +491,60 @@ pub async fn serve_worker(
             lease_ttl,
         )
         .await?;
-    Ok((addr, registration, server))
+    Ok((addr, registration, server, source))
+}
+
+/// What a worker's `/metrics` shows.
+#[derive(Clone)]
+pub enum MetricsSource {
+    /// A serving backend (aggregated or decode).
+    Backend(Arc<dyn Backend>),
+    /// A prefill worker: its engine and its job counters.
+    Prefill(Arc<LocalBackend>, Arc<PrefillStats>),
+}
+
+impl MetricsSource {
+    /// Prometheus text.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        match self {
+            MetricsSource::Backend(b) => b.render_metrics(&mut out),
+            MetricsSource::Prefill(b, s) => {
+                b.render_metrics(&mut out);
+                let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+                use kvfabric_serving::metrics::sample;
+                sample(
+                    &mut out,
+                    "kvfabric_prefill_jobs_done_total",
+                    "counter",
+                    "Prefill jobs whose blocks were written.",
+                    ld(&s.done),
+                );
+                sample(
+                    &mut out,
+                    "kvfabric_prefill_jobs_failed_total",
+                    "counter",
+                    "Prefill jobs failed or expired.",
+                    ld(&s.failed),
+                );
+                sample(
+                    &mut out,
+                    "kvfabric_prefill_sent_bytes_total",
+                    "counter",
+                    "KV bytes written to decode workers.",
+                    ld(&s.bytes),
+                );
+                sample(
+                    &mut out,
+                    "kvfabric_prefill_transfer_seconds_total",
+                    "counter",
+                    "Time in KV writes.",
+                    ld(&s.transfer_us) as f64 / 1e6,
+                );
+            }
+        }
+        out
+    }
 }
 
 pub async fn shutdown_signal() {
@@ -544,7 +600,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     } else {
         for (i, (name, role)) in roles.iter().enumerate() {
             let stack = start_stack(&engine, name, bus.clone(), i == 0).await?;
-            let (_, reg, server) = serve_worker(
+            let (_, reg, server, _) = serve_worker(
                 &stack,
                 name,
                 *role,

@@ -50,6 +50,9 @@ pub struct WorkerArgs {
     /// Namespace of keys and subjects.
     #[arg(long, env = "KVFABRIC_NAMESPACE", default_value = "default")]
     namespace: String,
+    /// Serve `/metrics` (Prometheus) on this address.
+    #[arg(long, env = "KVFABRIC_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
     /// Discovery lease TTL, seconds.
     #[arg(long, env = "KVFABRIC_LEASE_TTL_S", default_value_t = 10)]
     lease_ttl_s: u64,
@@ -80,7 +83,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     );
     let stack = start_stack(&args.engine, &args.name, bus.clone(), false).await?;
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
-    let (addr, registration, server) = serve_worker(
+    let (addr, registration, server, source) = serve_worker(
         &stack,
         &args.name,
         args.role,
@@ -91,15 +94,37 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         ttl,
     )
     .await?;
+    let mut metrics_addr = None;
+    let metrics = match args.metrics_listen {
+        Some(at) => {
+            let listener = tokio::net::TcpListener::bind(at).await?;
+            metrics_addr = Some(listener.local_addr()?);
+            let app = axum::Router::new().route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let source = source.clone();
+                    async move { source.render() }
+                }),
+            );
+            Some(tokio::spawn(async move {
+                let _ = axum::serve(listener, app).await;
+            }))
+        }
+        None => None,
+    };
     println!(
         "{}",
         serde_json::json!({
             "worker": args.name, "addr": addr, "model": stack.sched.info().id, "role": args.role,
+            "metrics": metrics_addr,
         })
     );
     shutdown_signal().await;
     registration.revoke().await;
     server.abort();
+    if let Some(m) = metrics {
+        m.abort();
+    }
     stack.shutdown().await;
     eprintln!("worker {} stopped", args.name);
     Ok(())
