@@ -567,13 +567,18 @@ async fn run(
 }
 
 impl AppState {
-    fn fail(&self, e: ApiError) -> Response {
+    /// Counts a failed request by the side at fault.
+    fn count_failure(&self, e: &ApiError) {
         let counter = if e.status.is_client_error() {
             &self.metrics.requests_client_error
         } else {
             &self.metrics.requests_server_error
         };
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn fail(&self, e: ApiError) -> Response {
+        self.count_failure(&e);
         e.into_response()
     }
 }
@@ -834,12 +839,7 @@ fn stream_response(g: Generation, include_usage: bool) -> Response {
                     }
                     Next::Failed(e) => {
                         s.g.finish(false);
-                        let counter = if e.status.is_client_error() {
-                            &s.g.st.metrics.requests_client_error
-                        } else {
-                            &s.g.st.metrics.requests_server_error
-                        };
-                        counter.fetch_add(1, Ordering::Relaxed);
+                        s.g.st.count_failure(&e);
                         s.phase = 2;
                         return Some((Ok(Event::default().data(e.body().to_string())), s));
                     }

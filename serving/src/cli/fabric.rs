@@ -5,16 +5,12 @@
 //! drains (stops accepting connections), revokes its lease and exits.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 use kvfabric::agent::{Agent, AgentConfig};
-use kvfabric::control::etcd::EtcdDiscovery;
-use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
-use kvfabric::control::nats::NatsBus;
-use kvfabric::control::{Discovery, EventBus, Instance};
+use kvfabric::control::Instance;
 use kvfabric::events::ChannelSink;
 use kvfabric_tiers::disk::DiskConfig;
 use kvfabric_tiers::fabric::{FabricNode, FABRIC_KIND};
@@ -68,28 +64,12 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     cfg.listen = args.listen;
     let agent = Agent::start(cfg).await?;
 
-    let discovery: Arc<dyn Discovery> = if args.etcd.is_empty() {
-        Arc::new(MemoryDiscovery::new())
-    } else {
-        Arc::new(EtcdDiscovery::connect(&args.etcd, &args.namespace).await?)
-    };
-    let bus: Arc<dyn EventBus> = match &args.nats {
-        Some(url) => Arc::new(NatsBus::connect(url, &args.namespace).await?),
-        None => Arc::new(MemoryBus::new()),
-    };
+    let (discovery, bus) =
+        super::publish::connect(&args.etcd, args.nats.as_deref(), &args.namespace).await?;
 
     // KV events: the store's sink feeds a task that publishes them on the bus.
-    let (sink, mut events) = ChannelSink::new(65_536);
-    let node_name = args.name.clone();
-    let publisher = {
-        let bus = bus.clone();
-        tokio::spawn(async move {
-            while let Some(e) = events.recv().await {
-                let msg = serde_json::json!({ "source": node_name, "event": e });
-                let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
-            }
-        })
-    };
+    let (sink, events) = ChannelSink::new(65_536);
+    let publisher = super::publish::publish_events(bus.clone(), args.name.clone(), events);
 
     let mut store_cfg = StoreConfig::new(block_bytes, args.host_blocks);
     store_cfg.disk_admit_min_hits = 0;
@@ -114,41 +94,8 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
         .await?;
     println!("{}", serde_json::json!({ "fabric": info }));
 
-    // Consumers that missed events (a gap in ids, or the bus restarted) resynchronize from a
-    // full dump of this node's blocks, current as of an event id. The node publishes one
-    // after its own reconnection, and on request on the `kv-dump-request` topic.
-    let publish_dump = {
-        let (bus, store, name) = (bus.clone(), node.store().clone(), args.name.clone());
-        move || {
-            let (bus, store, name) = (bus.clone(), store.clone(), name.clone());
-            async move {
-                let last_event_id = store.last_event_id();
-                let blocks: Vec<_> = store
-                    .snapshot()
-                    .into_iter()
-                    .map(|(tier, hash, parent)| serde_json::json!({ "tier": tier, "hash": hash, "parent": parent }))
-                    .collect();
-                let msg = serde_json::json!({ "source": name, "dump": blocks, "last_event_id": last_event_id });
-                let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
-            }
-        }
-    };
-    let mut resync = Vec::new();
-    if let Some(mut conns) = bus.connections() {
-        let dump = publish_dump.clone();
-        resync.push(tokio::spawn(async move {
-            conns.borrow_and_update();
-            while conns.changed().await.is_ok() {
-                dump().await;
-            }
-        }));
-    }
-    let mut requests = bus.subscribe("kv-dump-request").await?;
-    resync.push(tokio::spawn(async move {
-        while requests.recv().await.is_some() {
-            publish_dump().await;
-        }
-    }));
+    let resync =
+        super::publish::serve_dumps(bus.clone(), node.store().clone(), args.name.clone()).await?;
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {

@@ -12,8 +12,8 @@ use kvfabric_router::{RouterConfig, RoutingMode};
 use kvfabric_serving::frontend::{FrontendConfig, RemoteBackend};
 use kvfabric_serving::http::{self, ServerConfig};
 
+use super::publish::connect;
 use super::up::{parse_mode, shutdown_signal};
-use super::worker::connect;
 
 #[derive(Debug, Args)]
 pub struct FrontendArgs {

@@ -10,6 +10,7 @@ mod frontend;
 mod hash;
 pub mod peer;
 mod plan;
+mod publish;
 mod soak;
 mod up;
 mod worker;

@@ -354,17 +354,8 @@ pub async fn start_stack(
         }
     };
     let agent = Agent::start(AgentConfig::new(name.to_string(), secret)).await?;
-    let (sink, mut events) = ChannelSink::new(65_536);
-    let mut tasks = Vec::new();
-    {
-        let (bus, name) = (bus.clone(), name.to_string());
-        tasks.push(tokio::spawn(async move {
-            while let Some(e) = events.recv().await {
-                let msg = serde_json::json!({ "source": name, "event": e });
-                let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
-            }
-        }));
-    }
+    let (sink, events) = ChannelSink::new(65_536);
+    let mut tasks = vec![super::publish::publish_events(bus.clone(), name.to_string(), events)];
     let mut store_cfg = StoreConfig::new(block_bytes, opts.host_blocks.max(1));
     store_cfg.disk_admit_min_hits = 0;
     if opts.disk_blocks > 0 {
@@ -402,22 +393,7 @@ pub async fn start_stack(
             }
         }));
     }
-    // Consumers that lost events ask for a full dump of this worker's blocks.
-    if let Ok(mut requests) = bus.subscribe("kv-dump-request").await {
-        let (bus, name, store) = (bus.clone(), name.to_string(), store.clone());
-        tasks.push(tokio::spawn(async move {
-            while requests.recv().await.is_some() {
-                let last_event_id = store.last_event_id();
-                let blocks: Vec<_> = store
-                    .snapshot()
-                    .into_iter()
-                    .map(|(tier, hash, parent)| serde_json::json!({ "tier": tier, "hash": hash, "parent": parent }))
-                    .collect();
-                let msg = serde_json::json!({ "source": name, "dump": blocks, "last_event_id": last_event_id });
-                let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
-            }
-        }));
-    }
+    tasks.extend(super::publish::serve_dumps(bus, store.clone(), name.to_string()).await?);
     Ok(Stack { sched, store, agent, describe, codec, tasks })
 }
 

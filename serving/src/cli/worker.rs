@@ -5,14 +5,9 @@
 //! SIGINT/SIGTERM it leaves discovery, stops and keeps its host blocks on disk.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use kvfabric::control::etcd::EtcdDiscovery;
-use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
-use kvfabric::control::nats::NatsBus;
-use kvfabric::control::{Discovery, EventBus};
 
 use kvfabric_serving::disagg::Role;
 
@@ -58,25 +53,9 @@ pub struct WorkerArgs {
     lease_ttl_s: u64,
 }
 
-pub async fn connect(
-    etcd: &[String],
-    nats: Option<&str>,
-    namespace: &str,
-) -> anyhow::Result<(Arc<dyn Discovery>, Arc<dyn EventBus>)> {
-    let discovery: Arc<dyn Discovery> = if etcd.is_empty() {
-        Arc::new(MemoryDiscovery::new())
-    } else {
-        Arc::new(EtcdDiscovery::connect(etcd, namespace).await?)
-    };
-    let bus: Arc<dyn EventBus> = match nats {
-        Some(url) => Arc::new(NatsBus::connect(url, namespace).await?),
-        None => Arc::new(MemoryBus::new()),
-    };
-    Ok((discovery, bus))
-}
-
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
-    let (discovery, bus) = connect(&args.etcd, args.nats.as_deref(), &args.namespace).await?;
+    let (discovery, bus) =
+        super::publish::connect(&args.etcd, args.nats.as_deref(), &args.namespace).await?;
     anyhow::ensure!(
         args.role == Role::Aggregated || args.engine.secret.is_some(),
         "prefill and decode workers need a shared --secret (KVFABRIC_SECRET)"
