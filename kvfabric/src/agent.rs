@@ -616,6 +616,12 @@ impl Agent {
         *self.inner.rpc_handler.write() = Some(handler);
     }
 
+    /// Removes the service (peers' RPCs are refused from now on). A handler that holds this
+    /// agent must be removed for the agent to be dropped.
+    pub fn clear_rpc_handler(&self) {
+        *self.inner.rpc_handler.write() = None;
+    }
+
     /// Calls a peer's service: sends `body` for `method` and waits for its reply, up to
     /// `deadline`. Fails typed if the peer is unknown, dead, slow or refuses.
     pub async fn call(

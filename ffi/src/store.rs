@@ -1,0 +1,753 @@
+//! `kvf_store`: a tiered block store (host, optional disk, optional remote fabric nodes) on
+//! an agent, addressed by token prefixes; blocks move between the store and the caller's
+//! registered memory in the caller's own paged layout.
+
+use std::ffi::c_char;
+use std::sync::Arc;
+
+use kvfabric::control::{DiscoveryEvent, Instance, Registration};
+use kvfabric::events::{ChannelSink, KvEvent, KvEventData, KvEventSink, TierKind};
+use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
+use kvfabric::layout::ModelSpec;
+use kvfabric::memory::{copy_between, Region, RegionId};
+use kvfabric_tiers::disk::DiskConfig;
+use kvfabric_tiers::fabric::{FabricNode, NodeInfo, RemoteTier, FABRIC_KIND};
+use kvfabric_tiers::{StoreConfig, StoreError, TieredStore};
+use parking_lot::Mutex;
+use tokio::task::JoinHandle;
+
+use crate::agent::{copy_bytes, kvf_agent, Ctx};
+use crate::config::kvf_config;
+use crate::error::{guard, guard_recording, kvf_result, FfiError, LastError};
+use crate::op::kvf_op;
+use crate::ptr::{self, Out, OutBuf};
+
+/// Tier code: accelerator memory (G1; the engine's own blocks).
+pub const KVF_TIER_DEVICE: u8 = 0;
+/// Tier code: host memory (G2).
+pub const KVF_TIER_HOST: u8 = 1;
+/// Tier code: local disk (G3).
+pub const KVF_TIER_DISK: u8 = 2;
+/// Tier code: a remote fabric node (G4).
+pub const KVF_TIER_REMOTE: u8 = 3;
+
+fn tier_code(t: TierKind) -> u8 {
+    match t {
+        TierKind::Device => KVF_TIER_DEVICE,
+        TierKind::Host => KVF_TIER_HOST,
+        TierKind::Disk => KVF_TIER_DISK,
+        TierKind::Remote => KVF_TIER_REMOTE,
+    }
+}
+
+fn tier_of(code: u32) -> Result<TierKind, FfiError> {
+    match code {
+        0 => Ok(TierKind::Device),
+        1 => Ok(TierKind::Host),
+        2 => Ok(TierKind::Disk),
+        3 => Ok(TierKind::Remote),
+        c => Err(FfiError::invalid(format!("unknown tier {c}"))),
+    }
+}
+
+/// One piece of a block in the caller's memory. Block `b` of the caller's cache has this
+/// piece at `offset + b * block_stride` in `region`, `bytes` long. A block is its segments
+/// in order; their `bytes` add up to the store's block size. For a paged cache with one
+/// tensor per layer of shape [2][blocks][block_tokens][heads][head_dim] (vLLM's layout),
+/// that is two segments per layer: K at offset 0 and V at offset `blocks * block_stride`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct kvf_segment {
+    /// Region id from `kvf_agent_register`.
+    pub region: u64,
+    /// Offset of block 0's piece in the region.
+    pub offset: u64,
+    /// Bytes from one block's piece to the next block's.
+    pub block_stride: u64,
+    /// Bytes of the piece.
+    pub bytes: u64,
+}
+
+/// A store. All functions taking a `const kvf_store *` are thread-safe.
+#[derive(Debug)]
+pub struct kvf_store {
+    ctx: Arc<Ctx>,
+    store: TieredStore,
+    hasher: TokenBlockHasher,
+    remote: Option<RemoteTier>,
+    node: Option<Arc<FabricNode>>,
+    sink: Arc<ChannelSink>,
+    registration: Mutex<Option<Registration>>,
+    tasks: Vec<JoinHandle<()>>,
+    last_error: LastError,
+}
+
+impl Drop for kvf_store {
+    fn drop(&mut self) {
+        let _entered = self.ctx.rt().enter();
+        if self.node.take().is_some() {
+            // The node holds the agent and is held by it: break the cycle.
+            self.ctx.agent.clear_rpc_handler();
+        }
+        for t in &self.tasks {
+            t.abort();
+        }
+        if let Some(r) = self.registration.lock().take() {
+            self.ctx.rt().block_on(r.revoke());
+        }
+    }
+}
+
+fn config_error(m: impl Into<String>) -> FfiError {
+    FfiError::new(kvf_result::KVF_INVALID_CONFIG, m)
+}
+
+/// Bytes per block: `block_bytes`, or the layout of `model` (a preset, config.json or GGUF).
+fn block_bytes(cfg: &kvf_config, block_tokens: u32) -> Result<u64, FfiError> {
+    if let Some(b) = cfg.str("block_bytes") {
+        let b: u64 = b.parse().map_err(|_| config_error("block_bytes"))?;
+        return if b == 0 { Err(config_error("block_bytes must be at least 1")) } else { Ok(b) };
+    }
+    let model = cfg.str("model").ok_or_else(|| {
+        config_error("set \"block_bytes\" or \"model\" to size the store's blocks")
+    })?;
+    let path = std::path::Path::new(model);
+    let spec = if path.is_file() {
+        let gguf =
+            std::fs::read(path).ok().is_some_and(|b| b.starts_with(&kvfabric::gguf::GGUF_MAGIC));
+        if gguf {
+            ModelSpec::from_gguf_path(path)
+        } else {
+            ModelSpec::from_hf_config_path(path)
+        }
+    } else {
+        ModelSpec::preset(model)
+    }
+    .map_err(|e| config_error(format!("model {model:?}: {e}")))?;
+    let layout = spec.block_layout(block_tokens).map_err(|e| config_error(e.to_string()))?;
+    Ok(layout.bytes_per_block())
+}
+
+impl kvf_store {
+    /// Opens a store on `agent` (Rust entry point of `kvf_store_new`).
+    pub fn new(agent: &kvf_agent, cfg: &kvf_config) -> Result<kvf_store, FfiError> {
+        let ctx = agent.ctx.clone();
+        let block_tokens = cfg.num::<u32>("block_tokens", 16);
+        if block_tokens == 0 {
+            return Err(config_error("block_tokens must be at least 1"));
+        }
+        let bytes = block_bytes(cfg, block_tokens)?;
+        let seed = HashSeed::new(cfg.str("lora"), cfg.str("salt"));
+        let hasher = TokenBlockHasher::new(block_tokens as usize, seed)
+            .map_err(|e| config_error(e.to_string()))?;
+        let mut scfg = StoreConfig::new(bytes, cfg.num::<u32>("host_blocks", 1024));
+        scfg.shared_host = cfg.bool("shared_host", true);
+        scfg.disk_admit_min_hits = cfg.num::<u32>("disk_admit_min_hits", 0);
+        scfg.write_through = cfg.bool("write_through", false);
+        if let Some(path) = cfg.str("disk_path") {
+            scfg.disk = Some(DiskConfig::new(path, cfg.num::<u32>("disk_blocks", 4096)));
+        }
+        let remote =
+            cfg.bool("remote", false).then(|| RemoteTier::new(ctx.agent.clone(), ctx.deadline));
+        scfg.remote = remote.clone();
+        let name = ctx.agent.name().to_string();
+        let (sink, mut events) = ChannelSink::new(65_536);
+        let rt = ctx.rt();
+        let store = rt.block_on(TieredStore::open(scfg, &ctx.agent, sink.clone()))?;
+        let mut tasks = Vec::new();
+        // One id sequence for the store's own events and those the engine publishes.
+        let bus = ctx.bus.clone();
+        let source = name.clone();
+        tasks.push(rt.spawn(async move {
+            let mut next = 0u64;
+            while let Some(mut e) = events.recv().await {
+                next += 1;
+                e.event_id = next;
+                let msg = serde_json::json!({ "source": source, "event": e });
+                let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
+            }
+        }));
+        let node = cfg
+            .bool("serve", false)
+            .then(|| FabricNode::serve(ctx.agent.clone(), store.clone(), ctx.deadline));
+        let mut registration = None;
+        if let Some(node) = &node {
+            let metadata = serde_json::to_value(node.info())
+                .map_err(|e| FfiError::new(kvf_result::KVF_IO, e.to_string()))?;
+            let instance = Instance { kind: FABRIC_KIND.into(), id: name.clone(), metadata };
+            registration = Some(rt.block_on(ctx.discovery.register(instance, ctx.lease_ttl))?);
+        }
+        if let Some(remote) = &remote {
+            let (now, mut changes) = rt.block_on(ctx.discovery.watch(FABRIC_KIND))?;
+            let remote = remote.clone();
+            let own = name.clone();
+            tasks.push(rt.spawn(async move {
+                let join = |inst: Instance| {
+                    let remote = remote.clone();
+                    let own = own.clone();
+                    async move {
+                        if inst.id == own {
+                            return;
+                        }
+                        if let Ok(info) = serde_json::from_value::<NodeInfo>(inst.metadata) {
+                            if info.block_bytes == bytes {
+                                let _ = remote.add_node(&info).await;
+                            }
+                        }
+                    }
+                };
+                for inst in now {
+                    join(inst).await;
+                }
+                while let Some(change) = changes.recv().await {
+                    match change {
+                        DiscoveryEvent::Joined(inst) => join(inst).await,
+                        DiscoveryEvent::Left { id, .. } => remote.remove_node(&id),
+                    }
+                }
+            }));
+        }
+        Ok(kvf_store {
+            ctx,
+            store,
+            hasher,
+            remote,
+            node,
+            sink,
+            registration: Mutex::new(registration),
+            tasks,
+            last_error: LastError::default(),
+        })
+    }
+
+    /// The store (Rust tests and benchmarks).
+    pub fn store(&self) -> &TieredStore {
+        &self.store
+    }
+
+    fn hashes(&self, tokens: &[u32], blocks: usize) -> Vec<SequenceHash> {
+        let bt = self.hasher.block_tokens();
+        self.hasher.sequence_hashes(&tokens[..(blocks * bt).min(tokens.len())])
+    }
+
+    /// The leading run of `tokens`' full blocks held in some tier, with the tier of each.
+    pub fn lookup(&self, tokens: &[u32]) -> Vec<TierKind> {
+        let hashes = self.hasher.sequence_hashes(tokens);
+        match &self.remote {
+            None => self.store.lookup_prefix(&hashes),
+            Some(_) => {
+                let fut = self.store.lookup_prefix_with_remote(&hashes);
+                let d = self.ctx.deadline;
+                self.ctx
+                    .rt()
+                    .block_on(async { tokio::time::timeout(d, fut).await })
+                    .unwrap_or_else(|_| self.store.lookup_prefix(&hashes))
+            }
+        }
+    }
+
+    /// Checks a block range and the caller's segments; returns the regions of the segments.
+    fn plan(
+        &self,
+        tokens: &[u32],
+        first_block: usize,
+        block_ids: &[u32],
+        segments: &[kvf_segment],
+    ) -> Result<Vec<Arc<Region>>, FfiError> {
+        let full = tokens.len() / self.hasher.block_tokens();
+        if block_ids.is_empty() {
+            return Err(FfiError::invalid("no blocks given"));
+        }
+        if first_block.checked_add(block_ids.len()).is_none_or(|end| end > full) {
+            return Err(FfiError::invalid(format!(
+                "blocks {first_block}..{} asked, the tokens hold {full} full blocks",
+                first_block.saturating_add(block_ids.len())
+            )));
+        }
+        if segments.is_empty() {
+            return Err(FfiError::invalid("no segments given"));
+        }
+        let total = segments.iter().try_fold(0u64, |acc, s| acc.checked_add(s.bytes));
+        if total != Some(self.store.block_bytes()) {
+            return Err(FfiError::invalid(format!(
+                "segments add up to {:?} bytes, store blocks are {}",
+                total,
+                self.store.block_bytes()
+            )));
+        }
+        let max_id = u64::from(*block_ids.iter().max().unwrap_or(&0));
+        let mut regions = Vec::with_capacity(segments.len());
+        for (i, s) in segments.iter().enumerate() {
+            let region = self.ctx.agent.region(RegionId(s.region))?;
+            // The highest block's piece in bounds means every piece is (strides are >= 0).
+            let end = max_id
+                .checked_mul(s.block_stride)
+                .and_then(|o| o.checked_add(s.offset))
+                .ok_or_else(|| {
+                    FfiError::new(
+                        kvf_result::KVF_OUT_OF_BOUNDS,
+                        format!("segment {i}: address overflows"),
+                    )
+                })?;
+            region.check(end, s.bytes)?;
+            region.check(s.offset, s.bytes)?;
+            regions.push(region);
+        }
+        Ok(regions)
+    }
+
+    /// Starts storing blocks `first_block..` of `tokens` from the caller's blocks `block_ids`.
+    pub fn save(
+        &self,
+        tokens: &[u32],
+        first_block: usize,
+        block_ids: &[u32],
+        segments: &[kvf_segment],
+    ) -> Result<kvf_op, FfiError> {
+        let regions = self.plan(tokens, first_block, block_ids, segments)?;
+        let hashes = self.hashes(tokens, first_block + block_ids.len());
+        let (store, segs, ids, regs) =
+            (self.store.clone(), segments.to_vec(), block_ids.to_vec(), regions.clone());
+        let fut = async move {
+            // Reserve every slot first: a save larger than what the host tier can free
+            // fails whole (KVF_FULL) instead of evicting its own first blocks.
+            let mut slots = Vec::with_capacity(ids.len());
+            for (k, i) in (first_block..first_block + ids.len()).enumerate() {
+                let parent = i.checked_sub(1).map(|p| hashes[p]);
+                match store.allocate(hashes[i], parent).await {
+                    Ok(slot) => slots.push((k, slot)),
+                    Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {}
+                    Err(e) => return Err(FfiError::from(e)),
+                }
+            }
+            let stored = slots.len() as u64;
+            for (k, slot) in slots {
+                let mut at = 0;
+                for (s, region) in segs.iter().zip(&regs) {
+                    let src = s.offset + u64::from(ids[k]) * s.block_stride;
+                    copy_between(region, src, slot.region(), slot.offset() + at, s.bytes)?;
+                    at += s.bytes;
+                }
+                slot.commit_unpinned();
+            }
+            Ok(stored)
+        };
+        Ok(kvf_op::spawn(self.ctx.rt().handle(), regions, fut))
+    }
+
+    /// Starts loading blocks `first_block..` of `tokens` into the caller's blocks `block_ids`.
+    pub fn load(
+        &self,
+        tokens: &[u32],
+        first_block: usize,
+        block_ids: &[u32],
+        segments: &[kvf_segment],
+    ) -> Result<kvf_op, FfiError> {
+        let regions = self.plan(tokens, first_block, block_ids, segments)?;
+        let hashes = self.hashes(tokens, first_block + block_ids.len());
+        let (store, segs, ids, regs) =
+            (self.store.clone(), segments.to_vec(), block_ids.to_vec(), regions.clone());
+        let deadline = self.ctx.deadline;
+        let fut = async move {
+            let refs = tokio::time::timeout(deadline, store.get(&hashes))
+                .await
+                .map_err(|_| FfiError::new(kvf_result::KVF_TIMED_OUT, "load timed out"))??;
+            let loaded = refs.len().saturating_sub(first_block).min(ids.len());
+            for (k, r) in refs.iter().skip(first_block).take(loaded).enumerate() {
+                let mut at = 0;
+                for (s, region) in segs.iter().zip(&regs) {
+                    let dst = s.offset + u64::from(ids[k]) * s.block_stride;
+                    copy_between(r.region(), r.offset() + at, region, dst, s.bytes)?;
+                    at += s.bytes;
+                }
+            }
+            Ok(loaded as u64)
+        };
+        Ok(kvf_op::spawn(self.ctx.rt().handle(), regions, fut))
+    }
+}
+
+/// Opens a block store on `agent` into `*store_out`. Reads: block_tokens, block_bytes or
+/// model, host_blocks, shared_host, disk_path, disk_blocks, disk_admit_min_hits,
+/// write_through, lora, salt, serve, remote. With `serve`, the store answers peers as a
+/// fabric node (and registers in discovery); with `remote`, fabric nodes found in discovery
+/// or added with `kvf_store_add_node` are its remote tier. Errors are also recorded as the
+/// config's last error.
+///
+/// # Safety
+/// `agent` is a live agent; `config` a live config; `store_out` valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_new(
+    agent: *const kvf_agent,
+    config: *const kvf_config,
+    store_out: *mut *mut kvf_store,
+) -> kvf_result {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let cfg = unsafe { ptr::handle(config, "config") }?;
+        let r = (|| {
+            // SAFETY: as above.
+            let agent = unsafe { ptr::handle(agent, "agent") }?;
+            // SAFETY: as above.
+            let out = unsafe { Out::new(store_out, "store_out") }?;
+            out.set(ptr::into_raw(kvf_store::new(agent, cfg)?));
+            Ok(())
+        })();
+        if let Err(e) = &r {
+            cfg.last_error_set(e);
+        }
+        r
+    })
+}
+
+/// Frees a store; NULL is allowed. It leaves discovery; operations still running finish.
+///
+/// # Safety
+/// `store` is NULL or a live store, not used again after this call by any thread.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_free(store: *mut kvf_store) {
+    // SAFETY: the caller gives the handle back once.
+    crate::error::guard_void(|| unsafe { ptr::free(store) })
+}
+
+/// Copies the text of the last failed call on `store` (NUL-terminated, truncated to fit).
+///
+/// # Safety
+/// `store` is a live store; `buf` is valid for `cap` writes; `len_out` for one.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_last_error(
+    store: *const kvf_store,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvf_result {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let s = unsafe { ptr::handle(store, "store") }?;
+        // SAFETY: as above.
+        let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
+        // SAFETY: as above.
+        let out = unsafe { Out::new(len_out, "len_out") }?;
+        out.set(crate::error::copy_text(&s.last_error.get(), buf));
+        Ok(())
+    })
+}
+
+/// Writes the store's tokens per block and bytes per block.
+///
+/// # Safety
+/// `store` is a live store; the out-parameters are valid for one write each.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_block_info(
+    store: *const kvf_store,
+    block_tokens_out: *mut u32,
+    block_bytes_out: *mut u64,
+) -> kvf_result {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let s = unsafe { ptr::handle(store, "store") }?;
+        // SAFETY: as above.
+        let t = unsafe { Out::new(block_tokens_out, "block_tokens_out") }?;
+        // SAFETY: as above.
+        let b = unsafe { Out::new(block_bytes_out, "block_bytes_out") }?;
+        t.set(s.hasher.block_tokens() as u32);
+        b.set(s.store.block_bytes());
+        Ok(())
+    })
+}
+
+/// The sequence hashes of the full blocks of `tokens` (what KV events and the router use)
+/// into `hashes` (`cap` entries); their count into `*n_out`. `KVF_BUFFER_TOO_SMALL` writes
+/// the count needed.
+///
+/// # Safety
+/// `store` is a live store; `tokens` valid for `n_tokens` reads; `hashes` for `cap` writes;
+/// `n_out` for one.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_hashes(
+    store: *const kvf_store,
+    tokens: *const u32,
+    n_tokens: usize,
+    hashes: *mut u64,
+    cap: usize,
+    n_out: *mut usize,
+) -> kvf_result {
+    // SAFETY: the caller's contract (NULL is checked).
+    let s = unsafe { store.as_ref() };
+    guard_recording(s.map(|s| &s.last_error), || {
+        let s = s.ok_or_else(|| FfiError::null("store"))?;
+        // SAFETY: as above.
+        let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
+        // SAFETY: as above.
+        let buf = unsafe { OutBuf::new(hashes, cap, "hashes") }?;
+        // SAFETY: as above.
+        let out = unsafe { Out::new(n_out, "n_out") }?;
+        let h: Vec<u64> = s.hasher.sequence_hashes(tokens).into_iter().map(|h| h.0).collect();
+        out.set(h.len());
+        if h.len() > buf.cap() {
+            return Err(FfiError::new(
+                kvf_result::KVF_BUFFER_TOO_SMALL,
+                format!("{} hashes, room for {}", h.len(), buf.cap()),
+            ));
+        }
+        buf.write(&h);
+        Ok(())
+    })
+}
+
+/// Looks up the full blocks of `tokens` (hashed here, as the store hashes them): the length
+/// of the leading run held in some tier into `*hits_out`, and the tier of each (`KVF_TIER_*`)
+/// into `tiers` (at most `tiers_cap`; NULL with 0 to get the count only). Asks the remote
+/// tier too when configured (within the deadline). Counts hits and prefetches disk blocks
+/// into host memory.
+///
+/// # Safety
+/// `store` is a live store; `tokens` valid for `n_tokens` reads; `tiers` for `tiers_cap`
+/// writes; `hits_out` for one.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_lookup(
+    store: *const kvf_store,
+    tokens: *const u32,
+    n_tokens: usize,
+    tiers: *mut u8,
+    tiers_cap: usize,
+    hits_out: *mut usize,
+) -> kvf_result {
+    // SAFETY: the caller's contract (NULL is checked).
+    let s = unsafe { store.as_ref() };
+    guard_recording(s.map(|s| &s.last_error), || {
+        let s = s.ok_or_else(|| FfiError::null("store"))?;
+        // SAFETY: as above.
+        let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
+        // SAFETY: as above.
+        let buf = unsafe { OutBuf::new(tiers, tiers_cap, "tiers") }?;
+        // SAFETY: as above.
+        let out = unsafe { Out::new(hits_out, "hits_out") }?;
+        let found: Vec<u8> = s.lookup(tokens).into_iter().map(tier_code).collect();
+        buf.write(&found[..found.len().min(buf.cap())]);
+        out.set(found.len());
+        Ok(())
+    })
+}
+
+/// Starts storing the full blocks `first_block .. first_block + n_blocks` of `tokens` from
+/// the caller's blocks `block_ids[0..n_blocks]`, laid out as `segments` describe. Blocks
+/// already stored are skipped; the op's count is the blocks newly stored. Their addresses
+/// are checked now (`KVF_NOT_FOUND`, `KVF_OUT_OF_BOUNDS`, `KVF_INVALID_ARGUMENT`); more
+/// blocks than the host tier can free fails with `KVF_FULL` and stores none. The caller's
+/// blocks must not change until the op finished.
+///
+/// # Safety
+/// `store` is a live store; `tokens` valid for `n_tokens` reads, `block_ids` for `n_blocks`,
+/// `segments` for `n_segments`; `op_out` for one write.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_save(
+    store: *const kvf_store,
+    tokens: *const u32,
+    n_tokens: usize,
+    first_block: usize,
+    block_ids: *const u32,
+    n_blocks: usize,
+    segments: *const kvf_segment,
+    n_segments: usize,
+    op_out: *mut *mut kvf_op,
+) -> kvf_result {
+    // SAFETY: the caller's contract (NULL is checked).
+    let s = unsafe { store.as_ref() };
+    guard_recording(s.map(|s| &s.last_error), || {
+        let s = s.ok_or_else(|| FfiError::null("store"))?;
+        // SAFETY: as above.
+        let out = unsafe { Out::new(op_out, "op_out") }?;
+        // SAFETY: as above.
+        let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
+        // SAFETY: as above.
+        let ids = unsafe { ptr::slice(block_ids, n_blocks, "block_ids") }?;
+        // SAFETY: as above.
+        let segs = unsafe { ptr::slice(segments, n_segments, "segments") }?;
+        out.set(ptr::into_raw(s.save(tokens, first_block, ids, segs)?));
+        Ok(())
+    })
+}
+
+/// Starts loading the full blocks `first_block .. first_block + n_blocks` of `tokens` into
+/// the caller's blocks `block_ids[0..n_blocks]`, laid out as `segments` describe, from
+/// whichever tier holds them (disk and remote blocks pass through host memory). The op's
+/// count is the blocks loaded: the leading run found, which is fewer than `n_blocks` when
+/// some were evicted since the lookup. Addresses are checked now.
+///
+/// # Safety
+/// As `kvf_store_save`.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_load(
+    store: *const kvf_store,
+    tokens: *const u32,
+    n_tokens: usize,
+    first_block: usize,
+    block_ids: *const u32,
+    n_blocks: usize,
+    segments: *const kvf_segment,
+    n_segments: usize,
+    op_out: *mut *mut kvf_op,
+) -> kvf_result {
+    // SAFETY: the caller's contract (NULL is checked).
+    let s = unsafe { store.as_ref() };
+    guard_recording(s.map(|s| &s.last_error), || {
+        let s = s.ok_or_else(|| FfiError::null("store"))?;
+        // SAFETY: as above.
+        let out = unsafe { Out::new(op_out, "op_out") }?;
+        // SAFETY: as above.
+        let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
+        // SAFETY: as above.
+        let ids = unsafe { ptr::slice(block_ids, n_blocks, "block_ids") }?;
+        // SAFETY: as above.
+        let segs = unsafe { ptr::slice(segments, n_segments, "segments") }?;
+        out.set(ptr::into_raw(s.load(tokens, first_block, ids, segs)?));
+        Ok(())
+    })
+}
+
+/// Publishes a `Stored` KV event for blocks the engine holds itself (in `tier`, usually
+/// `KVF_TIER_DEVICE`): the full blocks `first_block .. first_block + n_blocks` of `tokens`,
+/// with their parent. Events go to the bus (`kv-events`) under the agent's name, in one id
+/// sequence with the store's own events, so routers index the engine's blocks too.
+///
+/// # Safety
+/// `store` is a live store; `tokens` valid for `n_tokens` reads.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_publish_stored(
+    store: *const kvf_store,
+    tokens: *const u32,
+    n_tokens: usize,
+    first_block: usize,
+    n_blocks: usize,
+    tier: u32,
+) -> kvf_result {
+    // SAFETY: the caller's contract (NULL is checked).
+    let s = unsafe { store.as_ref() };
+    guard_recording(s.map(|s| &s.last_error), || {
+        let s = s.ok_or_else(|| FfiError::null("store"))?;
+        // SAFETY: as above.
+        let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
+        let tier = tier_of(tier)?;
+        let full = tokens.len() / s.hasher.block_tokens();
+        let end = first_block.saturating_add(n_blocks);
+        if n_blocks == 0 || end > full {
+            return Err(FfiError::invalid(format!(
+                "blocks {first_block}..{end} asked, the tokens hold {full} full blocks"
+            )));
+        }
+        let hashes = s.hashes(tokens, end);
+        let parent = first_block.checked_sub(1).map(|p| hashes[p]);
+        s.sink.publish(KvEvent {
+            event_id: 0,
+            data: KvEventData::Stored {
+                sequence_hashes: hashes[first_block..].to_vec(),
+                parent,
+                tier,
+            },
+        });
+        Ok(())
+    })
+}
+
+/// Publishes a `Removed` KV event for blocks (by sequence hash, see `kvf_store_hashes`) the
+/// engine no longer holds in `tier`.
+///
+/// # Safety
+/// `store` is a live store; `hashes` valid for `n` reads.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_publish_removed(
+    store: *const kvf_store,
+    hashes: *const u64,
+    n: usize,
+    tier: u32,
+) -> kvf_result {
+    // SAFETY: the caller's contract (NULL is checked).
+    let s = unsafe { store.as_ref() };
+    guard_recording(s.map(|s| &s.last_error), || {
+        let s = s.ok_or_else(|| FfiError::null("store"))?;
+        // SAFETY: as above.
+        let hashes = unsafe { ptr::slice(hashes, n, "hashes") }?;
+        let tier = tier_of(tier)?;
+        if hashes.is_empty() {
+            return Err(FfiError::invalid("no hashes given"));
+        }
+        s.sink.publish(KvEvent {
+            event_id: 0,
+            data: KvEventData::Removed {
+                sequence_hashes: hashes.iter().map(|&h| SequenceHash(h)).collect(),
+                tier,
+            },
+        });
+        Ok(())
+    })
+}
+
+/// Copies the fabric-node info of a store opened with `serve` (what another store passes to
+/// `kvf_store_add_node`; opaque bytes) into `buf`. `KVF_BUFFER_TOO_SMALL` writes the size
+/// needed; a store that does not serve: `KVF_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `store` is a live store; `buf` valid for `cap` writes; `len_out` for one.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_node_info(
+    store: *const kvf_store,
+    buf: *mut u8,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvf_result {
+    // SAFETY: the caller's contract (NULL is checked).
+    let s = unsafe { store.as_ref() };
+    guard_recording(s.map(|s| &s.last_error), || {
+        let s = s.ok_or_else(|| FfiError::null("store"))?;
+        // SAFETY: as above.
+        let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
+        // SAFETY: as above.
+        let out = unsafe { Out::new(len_out, "len_out") }?;
+        let node = s.node.as_ref().ok_or_else(|| {
+            FfiError::invalid("this store does not serve peers (config key \"serve\")")
+        })?;
+        let bytes = serde_json::to_vec(&node.info())
+            .map_err(|e| FfiError::new(kvf_result::KVF_IO, e.to_string()))?;
+        copy_bytes(&bytes, buf, out)
+    })
+}
+
+/// Adds a fabric node (bytes from its `kvf_store_node_info`) to a store opened with `remote`
+/// (without discovery, or before discovery reports it). Malformed info or another block
+/// size: `KVF_INVALID_ARGUMENT`; an unreachable node: `KVF_TRANSFER`.
+///
+/// # Safety
+/// `store` is a live store; `info` valid for `len` reads.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_add_node(
+    store: *const kvf_store,
+    info: *const u8,
+    len: usize,
+) -> kvf_result {
+    // SAFETY: the caller's contract (NULL is checked).
+    let s = unsafe { store.as_ref() };
+    guard_recording(s.map(|s| &s.last_error), || {
+        let s = s.ok_or_else(|| FfiError::null("store"))?;
+        // SAFETY: as above.
+        let bytes = unsafe { ptr::slice(info, len, "info") }?;
+        let remote = s.remote.as_ref().ok_or_else(|| {
+            FfiError::invalid("this store has no remote tier (config key \"remote\")")
+        })?;
+        let info: NodeInfo = serde_json::from_slice(bytes)
+            .map_err(|e| FfiError::invalid(format!("malformed node info: {e}")))?;
+        if info.block_bytes != s.store.block_bytes() {
+            return Err(FfiError::invalid(format!(
+                "node stores {}-byte blocks, this store {}",
+                info.block_bytes,
+                s.store.block_bytes()
+            )));
+        }
+        let d = s.ctx.deadline;
+        s.ctx
+            .rt()
+            .block_on(async { tokio::time::timeout(d, remote.add_node(&info)).await })
+            .map_err(|_| FfiError::new(kvf_result::KVF_TIMED_OUT, "adding the node timed out"))??;
+        Ok(())
+    })
+}
