@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of the workspace on a fresh Debian 12 machine of this kind, installing what
 # the tests need when it is missing: the apt packages (protobuf-compiler, etcd-server,
-# nats-server, build libraries), cargo-nextest if absent, and the default model.
+# nats-server, build libraries), cargo-nextest if absent, and the default model; then the
+# Python binding's tests in a virtual environment (numpy, pytest).
 #   CARGO_TARGET_DIR   reused when set (CI points it outside the clone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,10 +26,15 @@ fi
 KVFABRIC_TEST_MODEL="$(scripts/fetch-model.sh)"
 export KVFABRIC_TEST_MODEL
 
+status=0
 if cargo nextest --version >/dev/null 2>&1; then
   # nextest does not run doctests: run them first, so that nextest's summary closes the log.
   cargo test --workspace --doc --quiet
-  cargo nextest run --workspace --no-fail-fast --failure-output final "$@"
+  cargo nextest run --workspace --no-fail-fast --failure-output final "$@" || status=$?
 else
-  cargo test --workspace --no-fail-fast "$@"
+  cargo test --workspace --no-fail-fast "$@" || status=$?
 fi
+
+# The Python binding over the C ABI (the C tests themselves run under cargo: ffi/tests).
+scripts/test-python.sh || status=$?
+exit $status

@@ -1,0 +1,177 @@
+//! The C ABI with real etcd and NATS servers: a serving store registers in discovery and a
+//! `remote` store finds it there (and forgets it when it leaves), blocks move between them,
+//! and KV events (the store's and the engine's) reach NATS in one id sequence.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvfabric::control::nats::NatsBus;
+use kvfabric::control::EventBus;
+use kvfabric::testkit::{EtcdServer, NatsServer};
+use kvfabric_ffi::{kvf_agent, kvf_config, kvf_segment, kvf_store, KVF_TIER_DEVICE};
+
+const BLOCK: usize = 4096;
+const BT: usize = 4;
+
+fn config(pairs: &[(&str, &str)]) -> kvf_config {
+    let mut c = kvf_config::default();
+    for (k, v) in pairs {
+        c.set(k, v).unwrap();
+    }
+    c
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(15), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn discovery_remote_tier_and_events_over_etcd_and_nats() {
+    let etcd = EtcdServer::start().unwrap();
+    let nats = NatsServer::start().unwrap();
+    let (e, n) = (etcd.endpoint(), nats.url());
+    let common = [
+        ("secret", "ffi-cp"),
+        ("etcd", e.as_str()),
+        ("nats", n.as_str()),
+        ("namespace", "ffi_test"),
+        ("block_tokens", "4"),
+        ("block_bytes", "4096"),
+        ("host_blocks", "32"),
+        ("lease_ttl_ms", "2000"),
+    ];
+    let mut ca = config(&common);
+    ca.set("name", "ffi-a").unwrap();
+    ca.set("serve", "1").unwrap();
+    let mut cb = config(&common);
+    cb.set("name", "ffi-b").unwrap();
+    cb.set("remote", "1").unwrap();
+
+    // Subscribe to the events before anything is stored.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut events = rt.block_on(async {
+        let bus = NatsBus::connect(&n, "ffi_test").await.unwrap();
+        let sub = bus.subscribe("kv-events").await.unwrap();
+        (Arc::new(bus), sub)
+    });
+
+    let agent_a = kvf_agent::new(&ca).unwrap();
+    let store_a = kvf_store::new(&agent_a, &ca).unwrap();
+    let agent_b = kvf_agent::new(&cb).unwrap();
+    let store_b = kvf_store::new(&agent_b, &cb).unwrap();
+
+    // A stores 3 blocks from its memory (one segment per block).
+    let tokens: Vec<u32> = (0..(3 * BT + 1) as u32).map(|i| 500 + i * 3).collect();
+    let mut src: Vec<u8> = (0..3 * BLOCK).map(|i| (i * 13 % 251) as u8).collect();
+    // SAFETY: `src` outlives the registration (deregistered below) and is not moved.
+    let rs = unsafe {
+        agent_a.agent().register_external(
+            std::ptr::NonNull::new(src.as_mut_ptr()).unwrap(),
+            src.len(),
+            false,
+        )
+    }
+    .unwrap()
+    .id();
+    let seg =
+        [kvf_segment { region: rs.0, offset: 0, block_stride: BLOCK as u64, bytes: BLOCK as u64 }];
+    let op = store_a.save(&tokens, 0, &[0, 1, 2], &seg).unwrap();
+    assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 3);
+    drop(op);
+    // And one block of another prompt, which B never loads.
+    let alt: Vec<u32> = (0..BT as u32).map(|i| 90_000 + i).collect();
+    let op = store_a.save(&alt, 0, &[2], &seg).unwrap();
+    assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 1);
+    drop(op);
+
+    // B finds A in discovery and sees A's blocks as remote hits.
+    wait_until("B to see A's blocks", || store_b.lookup(&tokens).len() == 3);
+    assert!(store_b.lookup(&tokens).iter().all(|t| *t == kvfabric::events::TierKind::Remote));
+    let mut dst = vec![0u8; 8 * BLOCK];
+    // SAFETY: as above, for `dst`.
+    let rd = unsafe {
+        agent_b.agent().register_external(
+            std::ptr::NonNull::new(dst.as_mut_ptr()).unwrap(),
+            dst.len(),
+            false,
+        )
+    }
+    .unwrap()
+    .id();
+    let dseg =
+        [kvf_segment { region: rd.0, offset: 0, block_stride: BLOCK as u64, bytes: BLOCK as u64 }];
+    let op = store_b.load(&tokens, 0, &[7, 5, 3], &dseg).unwrap();
+    assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 3);
+    drop(op);
+    for (k, id) in [7usize, 5, 3].into_iter().enumerate() {
+        assert_eq!(&dst[id * BLOCK..(id + 1) * BLOCK], &src[k * BLOCK..(k + 1) * BLOCK]);
+    }
+
+    // The engine publishes its own (device) blocks through A: same source, next ids.
+    // SAFETY: the handle and the token array are live for the call.
+    let r = unsafe {
+        kvfabric_ffi::kvf_store_publish_stored(
+            &store_a,
+            tokens.as_ptr(),
+            tokens.len(),
+            0,
+            2,
+            u32::from(KVF_TIER_DEVICE),
+        )
+    };
+    assert_eq!(r, kvfabric_ffi::kvf_result::KVF_OK);
+    let mut hashes = vec![0u64; 3];
+    let mut n = 0usize;
+    // SAFETY: as above; `hashes` holds 3 entries.
+    let r = unsafe {
+        kvfabric_ffi::kvf_store_hashes(
+            &store_a,
+            tokens.as_ptr(),
+            tokens.len(),
+            hashes.as_mut_ptr(),
+            3,
+            &mut n,
+        )
+    };
+    assert_eq!((r, n), (kvfabric_ffi::kvf_result::KVF_OK, 3));
+
+    // A's events: 3 host Stored (ids 1..3), the alt block (4), the device Stored (5).
+    let mut from_a = Vec::new();
+    rt.block_on(async {
+        while from_a.len() < 5 {
+            let msg = tokio::time::timeout(Duration::from_secs(10), events.1.recv())
+                .await
+                .expect("events arrive")
+                .unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&msg).unwrap();
+            if v["source"] == "ffi-a" {
+                from_a.push(v["event"].clone());
+            }
+        }
+    });
+    let ids: Vec<u64> = from_a.iter().map(|e| e["event_id"].as_u64().unwrap()).collect();
+    assert_eq!(ids, vec![1, 2, 3, 4, 5], "{from_a:?}");
+    for (i, e) in from_a[..3].iter().enumerate() {
+        assert_eq!(e["tier"], "host");
+        assert_eq!(e["sequence_hashes"][0].as_u64().unwrap(), hashes[i]);
+    }
+    assert_eq!(from_a[1]["parent"].as_u64().unwrap(), hashes[0]);
+    assert_eq!(from_a[4]["tier"], "device");
+    assert_eq!(from_a[4]["sequence_hashes"].as_array().unwrap().len(), 2);
+
+    // A leaves (store freed, registration revoked): B no longer finds A's other block, and
+    // still holds the blocks it loaded (onboarded into its host tier).
+    assert_eq!(store_b.lookup(&alt).len(), 1);
+    drop(store_a);
+    agent_a.agent().deregister(rs).unwrap();
+    drop(agent_a);
+    wait_until("A's blocks to leave B's view", || store_b.lookup(&alt).is_empty());
+    assert_eq!(store_b.lookup(&tokens), vec![kvfabric::events::TierKind::Host; 3]);
+    drop(store_b);
+    agent_b.agent().deregister(rd).unwrap();
+    drop(events);
+}
