@@ -121,10 +121,11 @@ pub unsafe extern "C" fn kvf_op_wait(
     guard(|| {
         // SAFETY: the caller's contract.
         let op = unsafe { ptr::handle(op, "op") }?;
-        // SAFETY: as above; NULL means "not wanted".
+        // NULL means "not wanted".
         let out = if count_out.is_null() {
             None
         } else {
+            // SAFETY: the caller's contract.
             Some(unsafe { Out::new(count_out, "count_out") }?)
         };
         match op.wait(timeout_of(timeout_ms)) {
