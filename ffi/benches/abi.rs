@@ -76,7 +76,7 @@ fn main() {
 
     // The engine's paged cache: one region per layer, [2][CACHE_BLOCKS][SEG bytes].
     let mut layers: Vec<Vec<u8>> = (0..LAYERS)
-        .map(|l| (0..2 * CACHE_BLOCKS * SEG).map(|i| (i as u64 * 7 + l) as u8).collect())
+        .map(|l| (0..2 * CACHE_BLOCKS * SEG).map(|i| (i * 7 + l) as u8).collect())
         .collect();
     let mut segs = Vec::new();
     let mut regions = Vec::new();
