@@ -434,6 +434,15 @@ struct Seq {
     text: TextStream,
     /// Storing stopped (store full of pinned blocks).
     store_off: bool,
+    /// Tier of each leading prompt block found in the store at admission; they are imported
+    /// over the next iterations, a bounded number per iteration.
+    import_tiers: Vec<TierKind>,
+    /// Blocks imported so far.
+    imported: usize,
+    /// Where the imported blocks came from.
+    hits: CacheHits,
+    /// `Started` was sent: the imports are done and the sequence takes part in steps.
+    started: bool,
 }
 
 impl Seq {
@@ -478,6 +487,7 @@ impl<E: Engine> Loop<E> {
                 self.waiting.push_back(s);
             }
             self.admit();
+            self.import_some();
             if !self.running.is_empty() {
                 self.step();
             }
@@ -525,78 +535,120 @@ impl<E: Engine> Loop<E> {
                 tx: sub.tx,
                 req: sub.req,
                 store_off: false,
+                import_tiers: Vec::new(),
+                imported: 0,
+                hits: CacheHits::default(),
+                started: false,
             };
-            let cached = self.reuse_prefix(&mut seq);
+            seq.import_tiers = self.cached_prefix(&seq);
             bump(&self.stats.prompt_tokens, seq.req.prompt.len() as u64);
-            let _ = seq.tx.send(GenEvent::Started {
-                prompt_tokens: seq.req.prompt.len(),
-                cached,
-                worker: None,
-                remote_prefill: None,
-            });
             bump(&self.stats.running, 1);
+            if seq.import_tiers.is_empty() {
+                self.start(&mut seq);
+            }
             self.running.push(seq);
         }
     }
 
-    /// Imports the longest run of the prompt's full blocks that the store holds (leaving at
-    /// least one prompt token to compute, for its logits).
-    fn reuse_prefix(&mut self, seq: &mut Seq) -> CacheHits {
+    /// The sequence takes part in steps from now on: its cached blocks are in the engine.
+    fn start(&self, seq: &mut Seq) {
         let bt = self.hasher.block_tokens();
-        let mut hits = CacheHits::default();
+        seq.computed = seq.imported * bt;
+        seq.stored = seq.imported;
+        seq.started = true;
+        bump(&self.stats.cached_tokens[0], seq.hits.host_tokens as u64);
+        bump(&self.stats.cached_tokens[1], seq.hits.disk_tokens as u64);
+        bump(&self.stats.cached_tokens[2], seq.hits.remote_tokens as u64);
+        let _ = seq.tx.send(GenEvent::Started {
+            prompt_tokens: seq.req.prompt.len(),
+            cached: seq.hits,
+            worker: None,
+            remote_prefill: None,
+        });
+    }
+
+    /// The tiers of the longest run of the prompt's full blocks that the store holds,
+    /// leaving at least one prompt token to compute (for its logits).
+    fn cached_prefix(&self, seq: &Seq) -> Vec<TierKind> {
+        let bt = self.hasher.block_tokens();
         let reusable = seq.hashes.len().min((seq.req.prompt.len() - 1) / bt);
         if reusable == 0 {
-            return hits;
+            return Vec::new();
         }
-        let tiers = self.store.lookup_prefix(&seq.hashes[..reusable]);
-        if tiers.is_empty() {
-            return hits;
-        }
-        // In chunks that leave room in the host tier for others: each chunk's blocks are
-        // pinned in host memory only while they are copied into the engine.
-        let chunk = (self.host_capacity / 4).clamp(1, 64);
-        let mut imported = 0;
-        'chunks: for part in seq.hashes[..tiers.len()].chunks(chunk) {
-            let left = seq.deadline.saturating_duration_since(Instant::now());
-            let store = self.store.clone();
-            let refs = match self
-                .runtime
-                .block_on(async { tokio::time::timeout(left, store.get(part)).await })
-            {
-                Ok(Ok(refs)) => refs,
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "prefix reuse stopped early; computing the rest");
-                    break;
-                }
-                Err(_) => break,
-            };
-            for r in &refs {
-                let ok = r.read(&mut self.block_buf).is_ok()
-                    && self.engine.import_block(seq.id, imported, &self.block_buf).is_ok();
-                if !ok {
-                    // The engine may hold part of the block: recompute from the start.
-                    tracing::warn!("importing a cached block failed; computing the prompt");
-                    self.engine.remove_sequence(seq.id);
-                    self.engine.add_sequence(seq.id);
-                    return CacheHits::default();
-                }
-                match tiers.get(imported) {
-                    Some(TierKind::Disk) => hits.disk_tokens += bt,
-                    Some(TierKind::Remote) => hits.remote_tokens += bt,
-                    _ => hits.host_tokens += bt,
-                }
-                imported += 1;
+        self.store.lookup_prefix(&seq.hashes[..reusable])
+    }
+
+    /// Imports cached blocks of admitted sequences, at most a prompt chunk's worth of blocks
+    /// (`step_tokens / block_tokens`) per iteration in all, so that a long cached (or
+    /// remotely prefilled) prompt never stalls the batch's decodes for longer than a prompt
+    /// chunk would. A sequence starts once its blocks are in.
+    fn import_some(&mut self) {
+        let bt = self.hasher.block_tokens();
+        let mut budget = (self.cfg.step_tokens / bt).max(1);
+        for i in 0..self.running.len() {
+            if budget == 0 {
+                break;
             }
-            if refs.len() < part.len() {
-                break 'chunks;
+            if self.running[i].started {
+                continue;
             }
+            // Out of the batch while it is worked on (the batch is small: the shift is cheap).
+            let mut seq = self.running.remove(i);
+            budget -= self.import_blocks(&mut seq, budget);
+            if seq.imported >= seq.import_tiers.len() {
+                self.start(&mut seq);
+            }
+            self.running.insert(i, seq);
         }
-        seq.computed = imported * bt;
-        seq.stored = imported;
-        bump(&self.stats.cached_tokens[0], hits.host_tokens as u64);
-        bump(&self.stats.cached_tokens[1], hits.disk_tokens as u64);
-        bump(&self.stats.cached_tokens[2], hits.remote_tokens as u64);
-        hits
+    }
+
+    /// Imports up to `max` of the sequence's cached blocks; returns how many it tried. A
+    /// block the store no longer has ends the imports (the rest is computed); a block the
+    /// engine refuses restarts the sequence from scratch.
+    fn import_blocks(&mut self, seq: &mut Seq, max: usize) -> usize {
+        // Each chunk's blocks are pinned in host memory only while they are copied in, in
+        // chunks that leave room in the host tier for others.
+        let n = (seq.import_tiers.len() - seq.imported)
+            .min(max)
+            .min((self.host_capacity / 4).clamp(1, 64));
+        let part = &seq.hashes[seq.imported..seq.imported + n];
+        let left = seq.deadline.saturating_duration_since(Instant::now());
+        let store = self.store.clone();
+        let refs = match self
+            .runtime
+            .block_on(async { tokio::time::timeout(left, store.get(part)).await })
+        {
+            Ok(Ok(refs)) => refs,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "prefix reuse stopped early; computing the rest");
+                Vec::new()
+            }
+            Err(_) => Vec::new(),
+        };
+        for r in &refs {
+            let ok = r.read(&mut self.block_buf).is_ok()
+                && self.engine.import_block(seq.id, seq.imported, &self.block_buf).is_ok();
+            if !ok {
+                // The engine may hold part of the block: recompute from the start.
+                tracing::warn!("importing a cached block failed; computing the prompt");
+                self.engine.remove_sequence(seq.id);
+                self.engine.add_sequence(seq.id);
+                seq.imported = 0;
+                seq.hits = CacheHits::default();
+                seq.import_tiers.clear();
+                return n;
+            }
+            match seq.import_tiers[seq.imported] {
+                TierKind::Disk => seq.hits.disk_tokens += self.hasher.block_tokens(),
+                TierKind::Remote => seq.hits.remote_tokens += self.hasher.block_tokens(),
+                _ => seq.hits.host_tokens += self.hasher.block_tokens(),
+            }
+            seq.imported += 1;
+        }
+        if refs.len() < n {
+            seq.import_tiers.truncate(seq.imported);
+        }
+        n
     }
 
     fn step(&mut self) {
@@ -604,14 +656,14 @@ impl<E: Engine> Loop<E> {
         let mut budget = self.cfg.step_tokens.max(1);
         let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len)
         for (i, s) in self.running.iter().enumerate() {
-            if s.prompt_left() == 0 {
+            if s.started && s.prompt_left() == 0 {
                 plan.push((i, s.computed, 1));
                 budget = budget.saturating_sub(1);
             }
         }
         for (i, s) in self.running.iter().enumerate() {
             let left = s.prompt_left();
-            if left > 0 && budget > 0 {
+            if s.started && left > 0 && budget > 0 {
                 let n = left.min(budget);
                 plan.push((i, s.computed, n));
                 budget -= n;
