@@ -552,6 +552,62 @@ pub fn run_prefill_service(
     })
 }
 
+/// How often a prefill job looks for newly stored blocks to stream.
+const STREAM_POLL: Duration = Duration::from_millis(2);
+/// Blocks streamed per early transfer at least (fewer wait for the next poll).
+const STREAM_MIN_BLOCKS: usize = 8;
+
+/// Posts one WRITE of the requested blocks whose index is in `range` (pinned until the
+/// transfer ends) into the decode worker's slots, with checksums and an optional
+/// notification. None when no requested block is in the range and there is no notification
+/// to deliver.
+async fn send_blocks(
+    agent: &Agent,
+    store: &TieredStore,
+    req: &PrefillRequest,
+    hashes: &[kvfabric::hash::SequenceHash],
+    range: std::ops::Range<usize>,
+    notify: Option<Vec<u8>>,
+) -> Result<Option<(kvfabric::transfer::TransferHandle, u64, Vec<kvfabric_tiers::BlockRef>)>, String>
+{
+    let wanted: Vec<_> = req.blocks.iter().filter(|b| range.contains(&b.index)).collect();
+    let (mut local, mut remote) = (Vec::new(), Vec::new());
+    let refs;
+    if !wanted.is_empty() {
+        refs = store.get(&hashes[range.clone()]).await.map_err(|e| e.to_string())?;
+        for b in &wanted {
+            let r = refs
+                .get(b.index - range.start)
+                .ok_or("a computed block was evicted before it was sent")?;
+            local.push(Desc::new(r.region().id(), r.offset(), r.len()));
+            remote.push(Desc::new(b.region, b.offset, b.len));
+        }
+    } else if notify.is_none() {
+        return Ok(None);
+    } else {
+        // Only the notification is left: a zero-byte transfer cannot carry it, so resend the
+        // last requested block (the same bytes into the same slot).
+        let Some(b) = req.blocks.last() else { return Ok(None) };
+        refs = store.get(&hashes[b.index..b.index + 1]).await.map_err(|e| e.to_string())?;
+        let r = refs.first().ok_or("a computed block was evicted before it was sent")?;
+        local.push(Desc::new(r.region().id(), r.offset(), r.len()));
+        remote.push(Desc::new(b.region, b.offset, b.len));
+    }
+    let left = Duration::from_millis(req.deadline_unix_ms.saturating_sub(unix_ms()));
+    let mut t = TransferRequest::new(TransferOp::Write, req.decode.name.clone(), local, remote)
+        .with_checksum()
+        .with_deadline(left.max(Duration::from_millis(1)));
+    if let Some(note) = notify {
+        t = t.with_notify(note);
+    }
+    if let Some(kind) = req.transport {
+        t = t.with_transport(kind);
+    }
+    let bytes = t.bytes();
+    let handle = agent.post(t).map_err(|e| e.to_string())?;
+    Ok(Some((handle, bytes, refs)))
+}
+
 async fn prefill_job(
     agent: &Agent,
     sched: &Scheduler,
@@ -587,8 +643,12 @@ async fn prefill_job(
         }
     }
     // Compute the KV (the engine reuses this worker's own cached blocks and stores the new
-    // ones), then read the blocks back pinned.
+    // ones). Blocks are streamed to the decode worker as the engine stores them, chunk by
+    // chunk, while the rest of the prompt computes; the last transfer carries the
+    // notification, posted once every earlier one has landed.
     let compute = Instant::now();
+    let hasher = TokenBlockHasher::new(bt, HashSeed::default()).map_err(|e| e.to_string())?;
+    let hashes = hasher.sequence_hashes(&req.tokens);
     let mut rx = sched
         .submit(GenerateRequest {
             prompt: req.tokens.clone(),
@@ -599,40 +659,48 @@ async fn prefill_job(
             timeout: left,
         })
         .map_err(|e| e.to_string())?;
+    let mut early = Vec::new();
+    let (mut sent, mut bytes) = (0usize, 0u64);
+    let mut tick = tokio::time::interval(STREAM_POLL);
     loop {
-        match rx.recv().await {
-            Some(GenEvent::Done { .. }) => break,
-            Some(GenEvent::Error(e)) => return Err(e.to_string()),
-            Some(_) => {}
-            None => return Err("the engine stopped".into()),
+        tokio::select! {
+            ev = rx.recv() => match ev {
+                Some(GenEvent::Done { .. }) => break,
+                Some(GenEvent::Error(e)) => return Err(e.to_string()),
+                Some(_) => {}
+                None => return Err("the engine stopped".into()),
+            },
+            _ = tick.tick() => {
+                let held = store.held_prefix(&hashes);
+                if held >= sent + STREAM_MIN_BLOCKS {
+                    if let Some(t) = send_blocks(agent, store, &req, &hashes, sent..held, None).await? {
+                        bytes += t.1;
+                        early.push(t);
+                    }
+                    sent = held;
+                }
+            }
         }
     }
     let compute_us = compute.elapsed().as_micros() as u64;
-    let hasher = TokenBlockHasher::new(bt, HashSeed::default()).map_err(|e| e.to_string())?;
-    let hashes = hasher.sequence_hashes(&req.tokens);
-    let refs = store.get(&hashes).await.map_err(|e| e.to_string())?;
-    let mut local = Vec::with_capacity(req.blocks.len());
-    let mut remote = Vec::with_capacity(req.blocks.len());
-    for b in &req.blocks {
-        let r = refs.get(b.index).ok_or("a computed block was evicted before it was sent")?;
-        local.push(Desc::new(r.region().id(), r.offset(), r.len()));
-        remote.push(Desc::new(b.region, b.offset, b.len));
+    let sent_at = Instant::now();
+    for (handle, _, refs) in early {
+        handle.wait().await.map_err(|e| e.to_string())?;
+        drop(refs);
     }
     let note = PrefillResult { id: req.id, ok: true, compute_us, error: None };
-    let left = Duration::from_millis(req.deadline_unix_ms.saturating_sub(unix_ms()));
-    let mut t = TransferRequest::new(TransferOp::Write, req.decode.name.clone(), local, remote)
-        .with_checksum()
-        .with_notify(serde_json::to_vec(&note).unwrap_or_default())
-        .with_deadline(left.max(Duration::from_millis(1)));
-    if let Some(kind) = req.transport {
-        t = t.with_transport(kind);
+    let note = serde_json::to_vec(&note).unwrap_or_default();
+    match send_blocks(agent, store, &req, &hashes, sent..n, Some(note)).await? {
+        Some((handle, b, refs)) => {
+            bytes += b;
+            handle.wait().await.map_err(|e| e.to_string())?;
+            drop(refs);
+        }
+        None => return Err("nothing left to notify with".into()),
     }
-    let bytes = t.bytes();
-    let sent = Instant::now();
-    agent.post(t).map_err(|e| e.to_string())?.wait().await.map_err(|e| e.to_string())?;
-    drop(refs);
     stats.done.fetch_add(1, Ordering::Relaxed);
     stats.bytes.fetch_add(bytes, Ordering::Relaxed);
-    stats.transfer_us.fetch_add(sent.elapsed().as_micros() as u64, Ordering::Relaxed);
+    // The part of the transfer that compute did not hide.
+    stats.transfer_us.fetch_add(sent_at.elapsed().as_micros() as u64, Ordering::Relaxed);
     Ok(())
 }

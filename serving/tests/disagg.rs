@@ -200,7 +200,7 @@ async fn a_prefill_worker_killed_mid_prefill_leaves_every_request_completing() {
     settle().await;
     let decode_args = [
         &mock[..],
-        &["--role", "decode", "--prefill-threshold", "64", "--prefill-deadline-ms", "2500"],
+        &["--role", "decode", "--prefill-threshold", "64", "--prefill-deadline-ms", "4000"],
     ]
     .concat();
     let _decode = worker("d0", "kill", &etcd, &nats, &decode_args);

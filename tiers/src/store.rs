@@ -52,6 +52,10 @@ pub struct StoreConfig {
     pub prefetch_blocks: u32,
     /// Put host slots in a `/dev/shm` region that same-host peers can map.
     pub shared_host: bool,
+    /// Host slots kept free by evicting (and offloading) least recently used blocks in the
+    /// background after commits, so that allocations seldom wait for a disk write (0: evict
+    /// only when an allocation needs a slot). Only with a disk or remote tier to evict to.
+    pub host_free_target: u32,
     /// G4: fabric nodes. Host evictions go there when no disk tier takes them, and `get`
     /// fetches blocks no local tier holds straight into host slots. Its agent must be the one
     /// the store is opened with.
@@ -70,6 +74,7 @@ impl StoreConfig {
             write_through: false,
             prefetch_blocks: 32,
             shared_host: true,
+            host_free_target: 0,
             remote: None,
         }
     }
@@ -151,6 +156,8 @@ struct Inner {
     events: EventLog,
     metrics: StoreMetrics,
     runtime: tokio::runtime::Handle,
+    /// A background eviction (toward `host_free_target`) is running.
+    freeing: std::sync::atomic::AtomicBool,
 }
 
 /// The tiered store. Cheap to clone.
@@ -211,6 +218,7 @@ impl TieredStore {
             events,
             metrics: StoreMetrics::default(),
             runtime: tokio::runtime::Handle::current(),
+            freeing: std::sync::atomic::AtomicBool::new(false),
             cfg,
         };
         Ok(TieredStore { inner: Arc::new(inner) })
@@ -558,6 +566,45 @@ impl Inner {
         }
     }
 
+    /// Starts a background eviction when fewer than `host_free_target` host slots are free
+    /// (one at a time; it stops at the target, when nothing is evictable, or on an error).
+    fn keep_free(self: &Arc<Self>) {
+        let target = self.cfg.host_free_target;
+        if target == 0 || (self.disk.is_none() && self.cfg.remote.is_none()) {
+            return;
+        }
+        let free = |host: &HostState| host.pool.usable().saturating_sub(host.pool.used());
+        if free(&self.host.lock()) >= target {
+            return;
+        }
+        use std::sync::atomic::Ordering;
+        if self.freeing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let inner = self.clone();
+        self.runtime.spawn(async move {
+            loop {
+                let (victim, admitted) = {
+                    let mut host = inner.host.lock();
+                    if free(&host) >= target {
+                        break;
+                    }
+                    match host.pool.begin_evict() {
+                        Some(v) => {
+                            let admitted = host.filter.admits(v.hash);
+                            (v, admitted)
+                        }
+                        None => break,
+                    }
+                };
+                if inner.evict_host(victim, admitted).await.is_err() {
+                    break;
+                }
+            }
+            inner.freeing.store(false, Ordering::Release);
+        });
+    }
+
     /// Completes an eviction begun under the lock: offloads when admitted, then frees.
     async fn evict_host(&self, v: Victim, admitted: bool) -> Result<(), StoreError> {
         // Only a block readable on disk counts as there: one still being written may fail.
@@ -827,6 +874,7 @@ impl WriteSlot {
                 inner.unpin(slot);
             });
         }
+        inner.keep_free();
         self.slot
     }
 

@@ -370,6 +370,9 @@ pub async fn start_stack(
             dir.join(format!("{name}-{block_bytes}.slots")),
             opts.disk_blocks,
         ));
+        // A quarter of the host tier stays free, written back to disk in the background:
+        // new blocks (computed, or written by a prefill worker) seldom wait for the disk.
+        store_cfg.host_free_target = store_cfg.host_blocks / 4;
     }
     let store =
         TieredStore::open(store_cfg, &agent, sink).await.context("opening the block store")?;

@@ -496,8 +496,24 @@ impl<E: Engine> Loop<E> {
     }
 
     fn report_load(&self) {
-        let active: usize = self.running.iter().map(|s| s.computed).sum();
-        let queued: usize = self.running.iter().map(Seq::prompt_left).sum::<usize>()
+        // A sequence still importing counts its cached blocks as held, not as prefill work.
+        let bt = self.hasher.block_tokens();
+        let active: usize = self
+            .running
+            .iter()
+            .map(|s| if s.started { s.computed } else { s.import_tiers.len() * bt })
+            .sum();
+        let queued: usize = self
+            .running
+            .iter()
+            .map(|s| {
+                if s.started {
+                    s.prompt_left()
+                } else {
+                    s.req.prompt.len().saturating_sub(s.import_tiers.len() * bt)
+                }
+            })
+            .sum::<usize>()
             + self.waiting.iter().map(|w| w.req.prompt.len()).sum::<usize>();
         self.stats.active_tokens.store(active as u64, Ordering::Relaxed);
         self.stats.queued_prefill_tokens.store(queued as u64, Ordering::Relaxed);
