@@ -189,6 +189,41 @@ async fn write_through_puts_every_block_on_disk() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_target_writes_back_in_the_background_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let sink = RecordingSink::new();
+    let mut cfg = StoreConfig::new(BLOCK, 8);
+    cfg.disk = Some(disk(dir.path(), 64));
+    cfg.disk_admit_min_hits = 0;
+    cfg.host_free_target = 3;
+    cfg.shared_host = false;
+    let s = TieredStore::open(cfg, &a, sink).await.unwrap();
+    for i in 0..8 {
+        put(&s, i).await;
+    }
+    // The oldest blocks leave host memory for disk without any allocation asking.
+    let in_host = |s: &TieredStore| s.lookup_prefix(&(0..8).map(h).collect::<Vec<_>>());
+    for _ in 0..300 {
+        if s.metrics().offload_blocks >= 3 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let tiers = in_host(&s);
+    assert_eq!(tiers.len(), 8, "every block is still held: {tiers:?}");
+    let on_disk = tiers.iter().filter(|t| **t == TierKind::Disk).count();
+    assert!(on_disk >= 3, "at least 3 written back: {tiers:?}");
+    assert!(
+        tiers[..3].iter().all(|t| *t == TierKind::Disk),
+        "the least recently used go first: {tiers:?}"
+    );
+    for i in 0..8 {
+        assert_bytes(&s, i).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_rebuilds_the_index_and_corrupt_blocks_are_never_served() {
     let dir = tempfile::tempdir().unwrap();
     let a = agent().await;
