@@ -256,13 +256,9 @@ pub unsafe extern "C" fn kvf_agent_last_error(
 ) -> kvf_result {
     guard(|| {
         // SAFETY: the caller's contract.
-        let a = unsafe { ptr::handle(agent, "agent") }?;
-        // SAFETY: as above.
-        let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
-        // SAFETY: as above.
-        let out = unsafe { Out::new(len_out, "len_out") }?;
-        out.set(crate::error::copy_text(&a.last_error.get(), buf));
-        Ok(())
+        let h = unsafe { ptr::handle(agent, "agent") }?;
+        // SAFETY: the caller's contract.
+        unsafe { crate::error::write_text(&h.last_error.get(), buf, cap, len_out) }
     })
 }
 

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 
 use crate::error::{guard, kvf_result, FfiError, LastError};
-use crate::ptr::{self, Out, OutBuf};
+use crate::ptr::{self, Out};
 
 #[derive(Debug, Clone, Copy)]
 enum Kind {
@@ -185,13 +185,9 @@ pub unsafe extern "C" fn kvf_config_last_error(
 ) -> kvf_result {
     guard(|| {
         // SAFETY: the caller's contract.
-        let cfg = unsafe { ptr::handle(config, "config") }?;
-        // SAFETY: as above.
-        let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
-        // SAFETY: as above.
-        let out = unsafe { Out::new(len_out, "len_out") }?;
-        out.set(crate::error::copy_text(&cfg.last_error.get(), buf));
-        Ok(())
+        let h = unsafe { ptr::handle(config, "config") }?;
+        // SAFETY: the caller's contract.
+        unsafe { crate::error::write_text(&h.last_error.get(), buf, cap, len_out) }
     })
 }
 

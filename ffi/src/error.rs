@@ -269,3 +269,22 @@ pub(crate) fn copy_text(text: &str, buf: crate::ptr::OutBuf<c_char>) -> usize {
     buf.write(&bytes);
     n
 }
+
+/// Copies `text` to a caller buffer and its length to `len_out` (the `kvf_*_last_error`,
+/// `kvf_op_error` and `kvf_result_text` contract).
+///
+/// # Safety
+/// `buf` is valid for `cap` writes (or NULL with `cap` 0); `len_out` for one write.
+pub(crate) unsafe fn write_text(
+    text: &str,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> Result<(), FfiError> {
+    // SAFETY: forwarded contract.
+    let buf = unsafe { crate::ptr::OutBuf::new(buf, cap, "buf") }?;
+    // SAFETY: forwarded contract.
+    let out = unsafe { crate::ptr::Out::new(len_out, "len_out") }?;
+    out.set(copy_text(text, buf));
+    Ok(())
+}

@@ -70,14 +70,10 @@ pub unsafe extern "C" fn kvf_result_text(
     len_out: *mut usize,
 ) -> kvf_result {
     error::guard(|| {
-        // SAFETY: the caller's contract.
-        let buf = unsafe { ptr::OutBuf::new(buf, cap, "buf") }?;
-        // SAFETY: as above.
-        let out = unsafe { ptr::Out::new(len_out, "len_out") }?;
         let r = kvf_result::from_u32(code)
             .ok_or_else(|| FfiError::invalid(format!("unknown result code {code}")))?;
-        out.set(error::copy_text(r.describe(), buf));
-        Ok(())
+        // SAFETY: the caller's contract.
+        unsafe { error::write_text(r.describe(), buf, cap, len_out) }
     })
 }
 

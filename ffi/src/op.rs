@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use kvfabric::memory::Region;
 use parking_lot::{Condvar, Mutex};
 
-use crate::error::{copy_text, guard, kvf_result, FfiError};
-use crate::ptr::{self, Out, OutBuf};
+use crate::error::{guard, kvf_result, FfiError};
+use crate::ptr::{self, Out};
 
 /// `timeout_ms` of `kvf_op_wait` and `kvf_agent_wait_notification` that waits without end
 /// (operations still end at their own deadlines).
@@ -172,16 +172,12 @@ pub unsafe extern "C" fn kvf_op_error(
     guard(|| {
         // SAFETY: the caller's contract.
         let op = unsafe { ptr::handle(op, "op") }?;
-        // SAFETY: as above.
-        let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
-        // SAFETY: as above.
-        let out = unsafe { Out::new(len_out, "len_out") }?;
         let text = match &*op.shared.state.lock() {
             Some(Err(e)) => e.message.clone(),
             _ => String::new(),
         };
-        out.set(copy_text(&text, buf));
-        Ok(())
+        // SAFETY: the caller's contract.
+        unsafe { crate::error::write_text(&text, buf, cap, len_out) }
     })
 }
 

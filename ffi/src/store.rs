@@ -423,13 +423,9 @@ pub unsafe extern "C" fn kvf_store_last_error(
 ) -> kvf_result {
     guard(|| {
         // SAFETY: the caller's contract.
-        let s = unsafe { ptr::handle(store, "store") }?;
-        // SAFETY: as above.
-        let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
-        // SAFETY: as above.
-        let out = unsafe { Out::new(len_out, "len_out") }?;
-        out.set(crate::error::copy_text(&s.last_error.get(), buf));
-        Ok(())
+        let h = unsafe { ptr::handle(store, "store") }?;
+        // SAFETY: the caller's contract.
+        unsafe { crate::error::write_text(&h.last_error.get(), buf, cap, len_out) }
     })
 }
 
@@ -530,6 +526,42 @@ pub unsafe extern "C" fn kvf_store_lookup(
     })
 }
 
+type Move = fn(&kvf_store, &[u32], usize, &[u32], &[kvf_segment]) -> Result<kvf_op, FfiError>;
+
+/// The body of `kvf_store_save` and `kvf_store_load`.
+///
+/// # Safety
+/// As `kvf_store_save`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn start_move(
+    store: *const kvf_store,
+    tokens: *const u32,
+    n_tokens: usize,
+    first_block: usize,
+    block_ids: *const u32,
+    n_blocks: usize,
+    segments: *const kvf_segment,
+    n_segments: usize,
+    op_out: *mut *mut kvf_op,
+    start: Move,
+) -> kvf_result {
+    // SAFETY: the caller's contract (NULL is checked).
+    let s = unsafe { store.as_ref() };
+    guard_recording(s.map(|s| &s.last_error), || {
+        let s = s.ok_or_else(|| FfiError::null("store"))?;
+        // SAFETY: as above.
+        let out = unsafe { Out::new(op_out, "op_out") }?;
+        // SAFETY: as above.
+        let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
+        // SAFETY: as above.
+        let ids = unsafe { ptr::slice(block_ids, n_blocks, "block_ids") }?;
+        // SAFETY: as above.
+        let segs = unsafe { ptr::slice(segments, n_segments, "segments") }?;
+        out.set(ptr::into_raw(start(s, tokens, first_block, ids, segs)?));
+        Ok(())
+    })
+}
+
 /// Starts storing the full blocks `first_block .. first_block + n_blocks` of `tokens` from
 /// the caller's blocks `block_ids[0..n_blocks]`, laid out as `segments` describe. Blocks
 /// already stored are skipped; the op's count is the blocks newly stored. Their addresses
@@ -552,21 +584,21 @@ pub unsafe extern "C" fn kvf_store_save(
     n_segments: usize,
     op_out: *mut *mut kvf_op,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let s = unsafe { store.as_ref() };
-    guard_recording(s.map(|s| &s.last_error), || {
-        let s = s.ok_or_else(|| FfiError::null("store"))?;
-        // SAFETY: as above.
-        let out = unsafe { Out::new(op_out, "op_out") }?;
-        // SAFETY: as above.
-        let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
-        // SAFETY: as above.
-        let ids = unsafe { ptr::slice(block_ids, n_blocks, "block_ids") }?;
-        // SAFETY: as above.
-        let segs = unsafe { ptr::slice(segments, n_segments, "segments") }?;
-        out.set(ptr::into_raw(s.save(tokens, first_block, ids, segs)?));
-        Ok(())
-    })
+    // SAFETY: forwarded contract.
+    unsafe {
+        start_move(
+            store,
+            tokens,
+            n_tokens,
+            first_block,
+            block_ids,
+            n_blocks,
+            segments,
+            n_segments,
+            op_out,
+            kvf_store::save,
+        )
+    }
 }
 
 /// Starts loading the full blocks `first_block .. first_block + n_blocks` of `tokens` into
@@ -589,21 +621,21 @@ pub unsafe extern "C" fn kvf_store_load(
     n_segments: usize,
     op_out: *mut *mut kvf_op,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let s = unsafe { store.as_ref() };
-    guard_recording(s.map(|s| &s.last_error), || {
-        let s = s.ok_or_else(|| FfiError::null("store"))?;
-        // SAFETY: as above.
-        let out = unsafe { Out::new(op_out, "op_out") }?;
-        // SAFETY: as above.
-        let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
-        // SAFETY: as above.
-        let ids = unsafe { ptr::slice(block_ids, n_blocks, "block_ids") }?;
-        // SAFETY: as above.
-        let segs = unsafe { ptr::slice(segments, n_segments, "segments") }?;
-        out.set(ptr::into_raw(s.load(tokens, first_block, ids, segs)?));
-        Ok(())
-    })
+    // SAFETY: forwarded contract.
+    unsafe {
+        start_move(
+            store,
+            tokens,
+            n_tokens,
+            first_block,
+            block_ids,
+            n_blocks,
+            segments,
+            n_segments,
+            op_out,
+            kvf_store::load,
+        )
+    }
 }
 
 /// Publishes a `Stored` KV event for blocks the engine holds itself (in `tier`, usually

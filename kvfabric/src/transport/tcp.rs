@@ -803,7 +803,11 @@ async fn serve_connection(mut stream: TcpStream, weak: Weak<AgentInner>) -> std:
                         return Ok(());
                     }
                 }
-                match verify(&targets) {
+                let verdict = verify(&targets);
+                // Release the regions before the Ack: once the client has every Ack it may
+                // notify (on another stripe), and the receiver may then deregister at once.
+                drop(targets);
+                match verdict {
                     Ok(()) => send(&mut stream, Message::Ack, id).await?,
                     Err(refusal) => refuse(&mut stream, refusal, id).await?,
                 }
@@ -837,6 +841,8 @@ async fn serve_connection(mut stream: TcpStream, weak: Weak<AgentInner>) -> std:
                 if unsafe { send_all(&stream, &bufs, frame_timeout) }.await.is_err() {
                     return Ok(());
                 }
+                drop(bufs);
+                drop(targets);
             }
             Message::Commit { transfer_id, verify: descs, notify } => {
                 let checked = validate(&agent, &descs).and_then(|t| verify(&t));

@@ -121,7 +121,7 @@ impl MockEngine {
         }
         let mut rng = SplitMix64(seed);
         let mut chunks = rest.chunks_exact(8);
-        if !(&mut chunks).all(|c| c == rng.next_u64().to_le_bytes()) {
+        if !chunks.all(|c| c == rng.next_u64().to_le_bytes()) {
             return false;
         }
         let tail = chunks.remainder();
