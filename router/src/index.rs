@@ -65,7 +65,7 @@ pub enum Ingest {
 struct WorkerState {
     last_event_id: u64,
     /// Every block the worker holds, with its tiers (to apply removals and to leave).
-    blocks: HashMap<SequenceHash, TierMask>,
+    blocks: HashMap<SequenceHash, TierMask, SeqBuild>,
 }
 
 /// The holders of one block, sorted by worker id; one or two inline (most blocks have few
@@ -92,7 +92,56 @@ fn share(w: WorkerId, m: TierMask) -> u64 {
     x ^ (x >> 31)
 }
 
-type Shard = HashMap<SequenceHash, Node>;
+type Shard = HashMap<SequenceHash, Node, SeqBuild>;
+
+/// Hashing for maps keyed by sequence hashes, which are already uniform 64-bit values: a
+/// keyed SplitMix64 finalizer (two multiplies) instead of SipHash. The key is random per map,
+/// so a worker that chooses its hashes cannot aim them at one bucket.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SeqBuild {
+    key: u64,
+}
+
+impl Default for SeqBuild {
+    fn default() -> Self {
+        use std::hash::BuildHasher;
+        SeqBuild { key: std::collections::hash_map::RandomState::new().hash_one(0x6b76_u64) }
+    }
+}
+
+impl std::hash::BuildHasher for SeqBuild {
+    type Hasher = SeqHasher;
+    fn build_hasher(&self) -> SeqHasher {
+        SeqHasher { key: self.key, h: 0 }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct SeqHasher {
+    key: u64,
+    h: u64,
+}
+
+impl std::hash::Hasher for SeqHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(b));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        let mut z = self.h ^ x ^ self.key;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        self.h = z ^ (z >> 31);
+    }
+
+    fn finish(&self) -> u64 {
+        self.h
+    }
+}
 
 /// A worker's leading run of cached blocks: how many, and how many of them are held in each
 /// tier at best (device, host, disk, remote).
@@ -161,7 +210,7 @@ impl PrefixIndex {
     /// An empty index.
     pub fn new() -> Self {
         PrefixIndex {
-            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::default())).collect(),
             workers: RwLock::new(HashMap::new()),
         }
     }
