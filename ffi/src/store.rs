@@ -167,21 +167,31 @@ impl kvf_store {
                 let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
             }
         }));
-        let node = cfg
-            .bool("serve", false)
-            .then(|| FabricNode::serve(ctx.agent.clone(), store.clone(), ctx.deadline));
-        let mut registration = None;
-        if let Some(node) = &node {
+        // From here on, a failure drops `this`, whose Drop undoes what was set up.
+        let mut this = kvf_store {
+            ctx: ctx.clone(),
+            store: store.clone(),
+            hasher,
+            remote: remote.clone(),
+            node: None,
+            sink,
+            registration: Mutex::new(None),
+            tasks,
+            last_error: LastError::default(),
+        };
+        if cfg.bool("serve", false) {
+            let node = FabricNode::serve(ctx.agent.clone(), store.clone(), ctx.deadline);
             let metadata = serde_json::to_value(node.info())
                 .map_err(|e| FfiError::new(kvf_result::KVF_IO, e.to_string()))?;
+            this.node = Some(node);
             let instance = Instance { kind: FABRIC_KIND.into(), id: name.clone(), metadata };
-            registration = Some(rt.block_on(ctx.discovery.register(instance, ctx.lease_ttl))?);
+            *this.registration.lock() =
+                Some(rt.block_on(ctx.discovery.register(instance, ctx.lease_ttl))?);
         }
-        if let Some(remote) = &remote {
+        if let Some(remote) = remote {
             let (now, mut changes) = rt.block_on(ctx.discovery.watch(FABRIC_KIND))?;
-            let remote = remote.clone();
             let own = name.clone();
-            tasks.push(rt.spawn(async move {
+            this.tasks.push(rt.spawn(async move {
                 let join = |inst: Instance| {
                     let remote = remote.clone();
                     let own = own.clone();
@@ -207,17 +217,7 @@ impl kvf_store {
                 }
             }));
         }
-        Ok(kvf_store {
-            ctx,
-            store,
-            hasher,
-            remote,
-            node,
-            sink,
-            registration: Mutex::new(registration),
-            tasks,
-            last_error: LastError::default(),
-        })
+        Ok(this)
     }
 
     /// The store (Rust tests and benchmarks).
