@@ -671,7 +671,8 @@ async fn prefill_job(
                 None => return Err("the engine stopped".into()),
             },
             _ = tick.tick() => {
-                let held = store.held_prefix(&hashes);
+                // Blocks before `sent` are stored already: look only past them.
+                let held = sent + store.held_prefix(&hashes[sent..]);
                 if held >= sent + STREAM_MIN_BLOCKS {
                     if let Some(t) = send_blocks(agent, store, &req, &hashes, sent..held, None).await? {
                         bytes += t.1;

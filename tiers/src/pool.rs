@@ -124,6 +124,11 @@ impl SlotPool {
             as u32
     }
 
+    /// Free slots (O(1): the free list).
+    pub fn free_slots(&self) -> u32 {
+        self.free.len() as u32
+    }
+
     /// Visible blocks.
     pub fn len(&self) -> usize {
         self.index.len()

@@ -573,8 +573,7 @@ impl Inner {
         if target == 0 || (self.disk.is_none() && self.cfg.remote.is_none()) {
             return;
         }
-        let free = |host: &HostState| host.pool.usable().saturating_sub(host.pool.used());
-        if free(&self.host.lock()) >= target {
+        if self.host.lock().pool.free_slots() >= target {
             return;
         }
         use std::sync::atomic::Ordering;
@@ -586,7 +585,7 @@ impl Inner {
             loop {
                 let (victim, admitted) = {
                     let mut host = inner.host.lock();
-                    if free(&host) >= target {
+                    if host.pool.free_slots() >= target {
                         break;
                     }
                     match host.pool.begin_evict() {
