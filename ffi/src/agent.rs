@@ -18,7 +18,7 @@ use kvfabric_tiers::fabric::FABRIC_KIND;
 use parking_lot::Mutex;
 
 use crate::config::kvf_config;
-use crate::error::{guard, guard_recording, kvf_result, FfiError, LastError};
+use crate::error::{guard, kvf_result, recorded, FfiError, LastError, Recorded};
 use crate::op::{kvf_op, timeout_of};
 use crate::ptr::{self, Out, OutBuf};
 
@@ -101,6 +101,12 @@ impl Drop for Ctx {
 pub struct kvf_agent {
     pub(crate) ctx: Arc<Ctx>,
     pub(crate) last_error: LastError,
+}
+
+impl Recorded for kvf_agent {
+    fn last_error(&self) -> &LastError {
+        &self.last_error
+    }
 }
 
 fn io(e: std::io::Error) -> FfiError {
@@ -275,10 +281,9 @@ pub unsafe extern "C" fn kvf_agent_metadata(
     cap: usize,
     len_out: *mut usize,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let a = unsafe { agent.as_ref() };
-    guard_recording(a.map(|a| &a.last_error), || {
-        let a = a.ok_or_else(|| FfiError::null("agent"))?;
+    // SAFETY: the caller's contract.
+    let agent = unsafe { agent.as_ref() };
+    recorded(agent, "agent", |a| {
         // SAFETY: as above.
         let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
         // SAFETY: as above.
@@ -323,10 +328,9 @@ pub unsafe extern "C" fn kvf_agent_load_peer(
     metadata: *const u8,
     len: usize,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let a = unsafe { agent.as_ref() };
-    guard_recording(a.map(|a| &a.last_error), || {
-        let a = a.ok_or_else(|| FfiError::null("agent"))?;
+    // SAFETY: the caller's contract.
+    let agent = unsafe { agent.as_ref() };
+    recorded(agent, "agent", |a| {
         // SAFETY: as above.
         let bytes = unsafe { ptr::slice(metadata, len, "metadata") }?;
         let md = AgentMetadata::from_bytes(bytes)?;
@@ -343,10 +347,9 @@ pub unsafe extern "C" fn kvf_agent_remove_peer(
     agent: *const kvf_agent,
     name: *const c_char,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let a = unsafe { agent.as_ref() };
-    guard_recording(a.map(|a| &a.last_error), || {
-        let a = a.ok_or_else(|| FfiError::null("agent"))?;
+    // SAFETY: the caller's contract.
+    let agent = unsafe { agent.as_ref() };
+    recorded(agent, "agent", |a| {
         // SAFETY: as above.
         let name = unsafe { ptr::cstr(name, "name") }?;
         if a.ctx.agent.remove_peer(name) {
@@ -374,10 +377,9 @@ pub unsafe extern "C" fn kvf_agent_register(
     exported: bool,
     region_out: *mut u64,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let a = unsafe { agent.as_ref() };
-    guard_recording(a.map(|a| &a.last_error), || {
-        let a = a.ok_or_else(|| FfiError::null("agent"))?;
+    // SAFETY: the caller's contract.
+    let agent = unsafe { agent.as_ref() };
+    recorded(agent, "agent", |a| {
         // SAFETY: as above.
         let out = unsafe { Out::new(region_out, "region_out") }?;
         match kind {
@@ -406,12 +408,9 @@ pub unsafe extern "C" fn kvf_agent_register(
 /// `agent` is a live agent.
 #[no_mangle]
 pub unsafe extern "C" fn kvf_agent_deregister(agent: *const kvf_agent, region: u64) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let a = unsafe { agent.as_ref() };
-    guard_recording(a.map(|a| &a.last_error), || {
-        let a = a.ok_or_else(|| FfiError::null("agent"))?;
-        Ok(a.ctx.agent.deregister(RegionId(region))?)
-    })
+    // SAFETY: the caller's contract.
+    let agent = unsafe { agent.as_ref() };
+    recorded(agent, "agent", |a| Ok(a.ctx.agent.deregister(RegionId(region))?))
 }
 
 /// Posts a transfer of `n` descriptor pairs with the peer named `peer`: `KVF_OP_WRITE`
@@ -438,10 +437,9 @@ pub unsafe extern "C" fn kvf_agent_transfer(
     timeout_ms: u32,
     op_out: *mut *mut kvf_op,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let a = unsafe { agent.as_ref() };
-    guard_recording(a.map(|a| &a.last_error), || {
-        let a = a.ok_or_else(|| FfiError::null("agent"))?;
+    // SAFETY: the caller's contract.
+    let agent = unsafe { agent.as_ref() };
+    recorded(agent, "agent", |a| {
         // SAFETY: as above.
         let out = unsafe { Out::new(op_out, "op_out") }?;
         // SAFETY: as above.
@@ -508,10 +506,9 @@ pub unsafe extern "C" fn kvf_agent_wait_notification(
     msg_cap: usize,
     msg_len: *mut usize,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let a = unsafe { agent.as_ref() };
-    guard_recording(a.map(|a| &a.last_error), || {
-        let a = a.ok_or_else(|| FfiError::null("agent"))?;
+    // SAFETY: the caller's contract.
+    let agent = unsafe { agent.as_ref() };
+    recorded(agent, "agent", |a| {
         // SAFETY: as above; c_char and u8 have the same size and alignment.
         let from = unsafe { OutBuf::new(from.cast::<u8>(), from_cap, "from") }?;
         // SAFETY: as above.

@@ -248,6 +248,21 @@ pub(crate) fn code(r: Result<(), FfiError>, last: Option<&LastError>) -> kvf_res
     }
 }
 
+/// A handle that keeps the text of its last failed call.
+pub(crate) trait Recorded {
+    fn last_error(&self) -> &LastError;
+}
+
+/// Runs `f` on a handle behind the panic boundary, recording a failure as the handle's last
+/// error; no handle (NULL) is `KVF_NULL_PARAMETER`, named `what` in the text.
+pub(crate) fn recorded<H: Recorded>(
+    h: Option<&H>,
+    what: &str,
+    f: impl FnOnce(&H) -> Result<(), FfiError>,
+) -> kvf_result {
+    guard_recording(h.map(Recorded::last_error), || f(h.ok_or_else(|| FfiError::null(what))?))
+}
+
 /// Runs a `void` export (the `_free` functions) behind the panic boundary.
 pub(crate) fn guard_void(f: impl FnOnce()) {
     let _ = catch_unwind(AssertUnwindSafe(f));

@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 
 use crate::agent::{copy_bytes, kvf_agent, Ctx};
 use crate::config::kvf_config;
-use crate::error::{guard, guard_recording, kvf_result, FfiError, LastError};
+use crate::error::{guard, kvf_result, recorded, FfiError, LastError, Recorded};
 use crate::op::kvf_op;
 use crate::ptr::{self, Out, OutBuf};
 
@@ -80,6 +80,12 @@ pub struct kvf_store {
     registration: Mutex<Option<Registration>>,
     tasks: Vec<JoinHandle<()>>,
     last_error: LastError,
+}
+
+impl Recorded for kvf_store {
+    fn last_error(&self) -> &LastError {
+        &self.last_error
+    }
 }
 
 impl Drop for kvf_store {
@@ -468,10 +474,9 @@ pub unsafe extern "C" fn kvf_store_hashes(
     cap: usize,
     n_out: *mut usize,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let s = unsafe { store.as_ref() };
-    guard_recording(s.map(|s| &s.last_error), || {
-        let s = s.ok_or_else(|| FfiError::null("store"))?;
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
         // SAFETY: as above.
         let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
         // SAFETY: as above.
@@ -509,10 +514,9 @@ pub unsafe extern "C" fn kvf_store_lookup(
     tiers_cap: usize,
     hits_out: *mut usize,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let s = unsafe { store.as_ref() };
-    guard_recording(s.map(|s| &s.last_error), || {
-        let s = s.ok_or_else(|| FfiError::null("store"))?;
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
         // SAFETY: as above.
         let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
         // SAFETY: as above.
@@ -545,10 +549,9 @@ unsafe fn start_move(
     op_out: *mut *mut kvf_op,
     start: Move,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let s = unsafe { store.as_ref() };
-    guard_recording(s.map(|s| &s.last_error), || {
-        let s = s.ok_or_else(|| FfiError::null("store"))?;
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
         // SAFETY: as above.
         let out = unsafe { Out::new(op_out, "op_out") }?;
         // SAFETY: as above.
@@ -654,10 +657,9 @@ pub unsafe extern "C" fn kvf_store_publish_stored(
     n_blocks: usize,
     tier: u32,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let s = unsafe { store.as_ref() };
-    guard_recording(s.map(|s| &s.last_error), || {
-        let s = s.ok_or_else(|| FfiError::null("store"))?;
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
         // SAFETY: as above.
         let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
         let tier = tier_of(tier)?;
@@ -694,10 +696,9 @@ pub unsafe extern "C" fn kvf_store_publish_removed(
     n: usize,
     tier: u32,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let s = unsafe { store.as_ref() };
-    guard_recording(s.map(|s| &s.last_error), || {
-        let s = s.ok_or_else(|| FfiError::null("store"))?;
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
         // SAFETY: as above.
         let hashes = unsafe { ptr::slice(hashes, n, "hashes") }?;
         let tier = tier_of(tier)?;
@@ -728,10 +729,9 @@ pub unsafe extern "C" fn kvf_store_node_info(
     cap: usize,
     len_out: *mut usize,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let s = unsafe { store.as_ref() };
-    guard_recording(s.map(|s| &s.last_error), || {
-        let s = s.ok_or_else(|| FfiError::null("store"))?;
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
         // SAFETY: as above.
         let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
         // SAFETY: as above.
@@ -757,10 +757,9 @@ pub unsafe extern "C" fn kvf_store_add_node(
     info: *const u8,
     len: usize,
 ) -> kvf_result {
-    // SAFETY: the caller's contract (NULL is checked).
-    let s = unsafe { store.as_ref() };
-    guard_recording(s.map(|s| &s.last_error), || {
-        let s = s.ok_or_else(|| FfiError::null("store"))?;
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
         // SAFETY: as above.
         let bytes = unsafe { ptr::slice(info, len, "info") }?;
         let remote = s.remote.as_ref().ok_or_else(|| {
