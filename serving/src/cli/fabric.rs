@@ -27,15 +27,8 @@ pub struct FabricArgs {
     /// Shared secret of the transfer handshake.
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
     secret: String,
-    /// etcd endpoints, comma-separated (without: embedded discovery, this process only).
-    #[arg(long, env = "KVFABRIC_ETCD", value_delimiter = ',')]
-    etcd: Vec<String>,
-    /// NATS URL (without: embedded event bus, this process only).
-    #[arg(long, env = "KVFABRIC_NATS")]
-    nats: Option<String>,
-    /// Namespace of keys and subjects.
-    #[arg(long, env = "KVFABRIC_NAMESPACE", default_value = "default")]
-    namespace: String,
+    #[command(flatten)]
+    control: super::publish::ControlArgs,
     /// Model whose block size to store (preset, config.json or GGUF).
     #[arg(long, env = "KVFABRIC_MODEL", default_value = "smollm2-135m")]
     model: String,
@@ -64,8 +57,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     cfg.listen = args.listen;
     let agent = Agent::start(cfg).await?;
 
-    let (discovery, bus) =
-        super::publish::connect(&args.etcd, args.nats.as_deref(), &args.namespace).await?;
+    let (discovery, bus) = args.control.connect().await?;
 
     // KV events: the store's sink feeds a task that publishes them on the bus.
     let (sink, events) = ChannelSink::new(65_536);

@@ -12,7 +12,6 @@ use kvfabric_router::{RouterConfig, RoutingMode};
 use kvfabric_serving::frontend::{FrontendConfig, RemoteBackend};
 use kvfabric_serving::http::{self, ServerConfig};
 
-use super::publish::connect;
 use super::up::{parse_mode, shutdown_signal};
 
 #[derive(Debug, Args)]
@@ -29,16 +28,8 @@ pub struct FrontendArgs {
     /// Softmax temperature of kv routing (0: always the cheapest worker).
     #[arg(long, env = "KVFABRIC_ROUTER_TEMPERATURE", default_value_t = 0.0)]
     router_temperature: f64,
-    /// etcd endpoints, comma-separated (without: embedded discovery, which no worker process
-    /// can reach).
-    #[arg(long, env = "KVFABRIC_ETCD", value_delimiter = ',')]
-    etcd: Vec<String>,
-    /// NATS URL.
-    #[arg(long, env = "KVFABRIC_NATS")]
-    nats: Option<String>,
-    /// Namespace of keys and subjects.
-    #[arg(long, env = "KVFABRIC_NAMESPACE", default_value = "default")]
-    namespace: String,
+    #[command(flatten)]
+    control: super::publish::ControlArgs,
     /// Request deadline, seconds.
     #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300)]
     request_timeout_s: u64,
@@ -51,7 +42,7 @@ pub struct FrontendArgs {
 }
 
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
-    let (discovery, bus) = connect(&args.etcd, args.nats.as_deref(), &args.namespace).await?;
+    let (discovery, bus) = args.control.connect().await?;
     let cfg = FrontendConfig {
         router: RouterConfig {
             mode: args.router,

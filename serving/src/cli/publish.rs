@@ -13,6 +13,27 @@ use kvfabric_tiers::TieredStore;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+/// Where the control plane is, as every command that joins one takes it.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ControlArgs {
+    /// etcd endpoints, comma-separated (without: embedded discovery, this process only).
+    #[arg(long, env = "KVFABRIC_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// NATS URL (without: embedded event bus, this process only).
+    #[arg(long, env = "KVFABRIC_NATS")]
+    pub nats: Option<String>,
+    /// Namespace of keys and subjects.
+    #[arg(long, env = "KVFABRIC_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+}
+
+impl ControlArgs {
+    /// Connects as [`connect`] does.
+    pub async fn connect(&self) -> anyhow::Result<(Arc<dyn Discovery>, Arc<dyn EventBus>)> {
+        connect(&self.etcd, self.nats.as_deref(), &self.namespace).await
+    }
+}
+
 /// etcd discovery when endpoints are given (else embedded, this process only), and the NATS
 /// bus when a URL is given (else embedded).
 pub async fn connect(

@@ -36,15 +36,8 @@ pub struct WorkerArgs {
     /// Request port for frontends.
     #[arg(long, env = "KVFABRIC_LISTEN", default_value = "127.0.0.1:0")]
     listen: SocketAddr,
-    /// etcd endpoints, comma-separated (without: embedded discovery, this process only).
-    #[arg(long, env = "KVFABRIC_ETCD", value_delimiter = ',')]
-    etcd: Vec<String>,
-    /// NATS URL (without: embedded event bus, this process only).
-    #[arg(long, env = "KVFABRIC_NATS")]
-    nats: Option<String>,
-    /// Namespace of keys and subjects.
-    #[arg(long, env = "KVFABRIC_NAMESPACE", default_value = "default")]
-    namespace: String,
+    #[command(flatten)]
+    control: super::publish::ControlArgs,
     /// Serve `/metrics` (Prometheus) on this address.
     #[arg(long, env = "KVFABRIC_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
@@ -54,8 +47,7 @@ pub struct WorkerArgs {
 }
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
-    let (discovery, bus) =
-        super::publish::connect(&args.etcd, args.nats.as_deref(), &args.namespace).await?;
+    let (discovery, bus) = args.control.connect().await?;
     anyhow::ensure!(
         args.role == Role::Aggregated || args.engine.secret.is_some(),
         "prefill and decode workers need a shared --secret (KVFABRIC_SECRET)"
