@@ -7,13 +7,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{get, post_json};
+use common::{get, post_json, spawn_worker, Proc};
 use kvfabric::control::etcd::EtcdDiscovery;
 use kvfabric::control::nats::NatsBus;
 use kvfabric::testkit::{EtcdServer, NatsServer};
@@ -24,50 +22,15 @@ use serde_json::{json, Value};
 
 const SECRET: &str = "disagg-test-secret";
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn worker(name: &str, ns: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&str]) -> Proc {
-    worker_line(name, ns, etcd, nats, extra).0
-}
-
-fn worker_line(
-    name: &str,
-    ns: &str,
-    etcd: &EtcdServer,
-    nats: &NatsServer,
-    extra: &[&str],
-) -> (Proc, Value) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args([
-            "worker",
-            "--name",
-            name,
-            "--namespace",
-            ns,
-            "--lease-ttl-s",
-            "2",
-            "--secret",
-            SECRET,
-        ])
-        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url(), "--disk-blocks", "0"])
-        .args(extra)
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn kvfabric worker");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("worker printed nothing").unwrap();
-    assert!(line.contains(name), "{line}");
-    std::thread::spawn(move || for _ in lines {});
-    (Proc(child), serde_json::from_str(&line).unwrap())
+    let (etcd, nats) = (etcd.endpoint(), nats.url());
+    let args = [
+        &["--namespace", ns, "--lease-ttl-s", "2", "--secret", SECRET][..],
+        &["--etcd", &etcd, "--nats", &nats, "--disk-blocks", "0"],
+        extra,
+    ]
+    .concat();
+    spawn_worker(name, &args).0
 }
 
 async fn frontend(ns: &str, etcd: &EtcdServer, nats: &NatsServer) -> SocketAddr {

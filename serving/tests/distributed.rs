@@ -6,13 +6,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{get, post_json};
+use common::{get, post_json, spawn_worker, Proc};
 use kvfabric::control::etcd::EtcdDiscovery;
 use kvfabric::control::nats::NatsBus;
 use kvfabric::testkit::{EtcdServer, NatsServer};
@@ -22,33 +20,18 @@ use kvfabric_serving::http::{router, ServerConfig};
 use serde_json::json;
 
 struct Worker {
-    child: Child,
+    _proc: Proc,
     name: String,
 }
 
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn worker(name: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&str]) -> Worker {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["worker", "--name", name, "--namespace", "dist", "--lease-ttl-s", "2"])
-        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url()])
-        .args(extra)
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn kvfabric worker");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("worker printed nothing").unwrap();
-    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-    assert_eq!(v["worker"], name);
-    std::thread::spawn(move || for _ in lines {});
-    Worker { child, name: name.to_string() }
+    let (etcd, nats) = (etcd.endpoint(), nats.url());
+    let args = [
+        &["--namespace", "dist", "--lease-ttl-s", "2", "--etcd", &etcd, "--nats", &nats][..],
+        extra,
+    ]
+    .concat();
+    Worker { _proc: spawn_worker(name, &args).0, name: name.to_string() }
 }
 
 fn mock_worker(name: &str, etcd: &EtcdServer, nats: &NatsServer, decode_us: &str) -> Worker {
