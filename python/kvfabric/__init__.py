@@ -91,10 +91,40 @@ def _bytes_out(fn, *args) -> bytes:
         return r, bytes(buf[: n.value])
 
 
-class Config:
-    """A ``kvf_config`` built from a mapping (values are turned into strings)."""
+class _Handle:
+    """Owns one library handle: freed by ``close()``, on leaving a ``with`` block, or when
+    collected. Subclasses name their ``_free`` function."""
 
     _h = None  # no handle until __init__ succeeds; close() and __del__ allow that
+    _free = ""
+
+    @property
+    def handle(self):
+        return self._h
+
+    def _closing(self):
+        """What a subclass releases with its handle."""
+
+    def close(self):
+        if self._h is not None and self._h:
+            getattr(lib(), self._free)(self._h)
+            self._h = _ffi.H()
+            self._closing()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
+class Config(_Handle):
+    """A ``kvf_config`` built from a mapping (values are turned into strings)."""
+
+    _free = "kvf_config_free"
 
     def __init__(self, values: Mapping[str, object]):
         self._h = _ffi.H()
@@ -106,26 +136,14 @@ class Config:
                 v = ",".join(map(str, v))
             _check(lib().kvf_config_set(self._h, str(k).encode(), str(v).encode()), lib().kvf_config_last_error, self._h)
 
-    @property
-    def handle(self):
-        return self._h
-
     def last_error(self) -> str:
         return _text(lib().kvf_config_last_error, self._h)
 
-    def close(self):
-        if self._h is not None and self._h:
-            lib().kvf_config_free(self._h)
-            self._h = _ffi.H()
 
-    def __del__(self):
-        self.close()
-
-
-class Op:
+class Op(_Handle):
     """An asynchronous operation: ``wait()`` returns its count (bytes or blocks)."""
 
-    _h = None  # no handle until __init__ succeeds; close() and __del__ allow that
+    _free = "kvf_op_free"
 
     def __init__(self, handle):
         self._h = handle
@@ -140,19 +158,6 @@ class Op:
         _check(lib().kvf_op_poll(self._h, byref(d)))
         return d.value
 
-    def close(self):
-        if self._h is not None and self._h:
-            lib().kvf_op_free(self._h)
-            self._h = _ffi.H()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
 
 
 def _buffer_address(buf) -> tuple[int, int]:
@@ -172,20 +177,16 @@ def _buffer_address(buf) -> tuple[int, int]:
     return ctypes.addressof(c), mv.nbytes
 
 
-class Agent:
+class Agent(_Handle):
     """A transfer agent (``kvf_agent``): registered memory, peers, transfers, notifications."""
 
-    _h = None  # no handle until __init__ succeeds; close() and __del__ allow that
+    _free = "kvf_agent_free"
 
     def __init__(self, config: Mapping[str, object]):
         cfg = Config(config)
         self._h = _ffi.H()
         _check(lib().kvf_agent_new(cfg.handle, byref(self._h)), lib().kvf_config_last_error, cfg.handle)
         self._regions: dict[int, object] = {}
-
-    @property
-    def handle(self):
-        return self._h
 
     def _err(self, code):
         _check(code, lib().kvf_agent_last_error, self._h)
@@ -244,20 +245,8 @@ class Agent:
             self._err(r)
             return frm.value.decode(), bytes(msg[: ml.value])
 
-    def close(self):
-        if self._h is not None and self._h:
-            lib().kvf_agent_free(self._h)
-            self._h = _ffi.H()
-            self._regions.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
+    def _closing(self):
+        self._regions.clear()
 
 
 def segments(parts: Iterable[tuple[int, int, int, int]]):
@@ -266,10 +255,10 @@ def segments(parts: Iterable[tuple[int, int, int, int]]):
     return (kvf_segment * len(parts))(*[kvf_segment(*p) for p in parts]), len(parts)
 
 
-class Store:
+class Store(_Handle):
     """A tiered block store (``kvf_store``) on an agent, addressed by token prefixes."""
 
-    _h = None  # no handle until __init__ succeeds; close() and __del__ allow that
+    _free = "kvf_store_free"
 
     def __init__(self, agent: Agent, config: Mapping[str, object]):
         cfg = Config(config)
@@ -333,19 +322,6 @@ class Store:
         buf = (c_uint8 * len(info)).from_buffer_copy(info)
         self._err(lib().kvf_store_add_node(self._h, buf, len(info)))
 
-    def close(self):
-        if self._h is not None and self._h:
-            lib().kvf_store_free(self._h)
-            self._h = _ffi.H()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
 
 
 def version() -> str:
