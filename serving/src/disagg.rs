@@ -559,8 +559,7 @@ const STREAM_MIN_BLOCKS: usize = 8;
 
 /// Posts one WRITE of the requested blocks whose index is in `range` (pinned until the
 /// transfer ends) into the decode worker's slots, with checksums and an optional
-/// notification. None when no requested block is in the range and there is no notification
-/// to deliver.
+/// notification. None when no requested block is in the range.
 async fn send_blocks(
     agent: &Agent,
     store: &TieredStore,
@@ -571,25 +570,15 @@ async fn send_blocks(
 ) -> Result<Option<(kvfabric::transfer::TransferHandle, u64, Vec<kvfabric_tiers::BlockRef>)>, String>
 {
     let wanted: Vec<_> = req.blocks.iter().filter(|b| range.contains(&b.index)).collect();
-    let (mut local, mut remote) = (Vec::new(), Vec::new());
-    let refs;
-    if !wanted.is_empty() {
-        refs = store.get(&hashes[range.clone()]).await.map_err(|e| e.to_string())?;
-        for b in &wanted {
-            let r = refs
-                .get(b.index - range.start)
-                .ok_or("a computed block was evicted before it was sent")?;
-            local.push(Desc::new(r.region().id(), r.offset(), r.len()));
-            remote.push(Desc::new(b.region, b.offset, b.len));
-        }
-    } else if notify.is_none() {
+    if wanted.is_empty() {
         return Ok(None);
-    } else {
-        // Only the notification is left: a zero-byte transfer cannot carry it, so resend the
-        // last requested block (the same bytes into the same slot).
-        let Some(b) = req.blocks.last() else { return Ok(None) };
-        refs = store.get(&hashes[b.index..b.index + 1]).await.map_err(|e| e.to_string())?;
-        let r = refs.first().ok_or("a computed block was evicted before it was sent")?;
+    }
+    let refs = store.get(&hashes[range.clone()]).await.map_err(|e| e.to_string())?;
+    let (mut local, mut remote) = (Vec::new(), Vec::new());
+    for b in &wanted {
+        let r = refs
+            .get(b.index - range.start)
+            .ok_or("a computed block was evicted before it was sent")?;
         local.push(Desc::new(r.region().id(), r.offset(), r.len()));
         remote.push(Desc::new(b.region, b.offset, b.len));
     }
@@ -635,6 +624,7 @@ async fn prefill_job(
     if req.blocks.iter().any(|b| b.index >= n || b.len != store.block_bytes()) {
         return Err("a block target is out of range".into());
     }
+    let last_wanted = req.blocks.iter().map(|b| b.index).max().ok_or("no block requested")?;
     {
         let mut known = peers.lock();
         if known.get(&req.decode.name) != Some(&req.decode) {
@@ -671,8 +661,10 @@ async fn prefill_job(
                 None => return Err("the engine stopped".into()),
             },
             _ = tick.tick() => {
-                // Blocks before `sent` are stored already: look only past them.
-                let held = sent + store.held_prefix(&hashes[sent..]);
+                // Blocks before `sent` are stored already: look only past them. The last
+                // requested block is kept for the final transfer, which carries the
+                // notification (a transfer needs at least one byte).
+                let held = (sent + store.held_prefix(&hashes[sent..])).min(last_wanted);
                 if held >= sent + STREAM_MIN_BLOCKS {
                     if let Some(t) = send_blocks(agent, store, &req, &hashes, sent..held, None).await? {
                         bytes += t.1;
