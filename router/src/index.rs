@@ -18,10 +18,19 @@ use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::SequenceHash;
 use parking_lot::RwLock;
 
+use crate::table::{mix, random_seed, Table};
+
 /// A worker (or fabric node) id.
 pub type WorkerId = u64;
 
 const SHARDS: usize = 64;
+
+/// A worker's block log is compacted when it holds more than twice its live blocks plus
+/// this. (Tiny in unit tests, so that the reference tests compact often.)
+const LOG_SLACK: usize = if cfg!(test) { 1 } else { 64 };
+
+/// How many blocks ahead a query prefetches.
+const PREFETCH_AHEAD: usize = 8;
 
 /// The tiers a block is held in on one worker: bit i = `TierKind::ALL[i]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -61,11 +70,20 @@ pub enum Ingest {
     UnknownWorker,
 }
 
+/// What the index keeps per worker besides its blocks' holder entries.
+///
+/// The worker's tiers per block live only in the holder lists; the worker keeps a log of the
+/// blocks it came to hold, so that a clear or a departure can find them. A removal does not
+/// touch the log (an append per new block and nothing per removal keep ingestion at one
+/// table lookup per block); the log is compacted when it outgrows twice the blocks held.
 #[derive(Debug, Default)]
 struct WorkerState {
     last_event_id: u64,
-    /// Every block the worker holds, with its tiers (to apply removals and to leave).
-    blocks: HashMap<SequenceHash, TierMask, SeqBuild>,
+    /// Blocks the worker holds now.
+    live: usize,
+    /// Every block the worker held at some point since the last compaction (a superset of
+    /// what it holds; may repeat a block that was removed and stored again).
+    log: Vec<SequenceHash>,
 }
 
 /// The holders of one block, sorted by worker id; one or two inline (most blocks have few
@@ -92,56 +110,7 @@ fn share(w: WorkerId, m: TierMask) -> u64 {
     x ^ (x >> 31)
 }
 
-type Shard = HashMap<SequenceHash, Node, SeqBuild>;
-
-/// Hashing for maps keyed by sequence hashes, which are already uniform 64-bit values: a
-/// keyed SplitMix64 finalizer (two multiplies) instead of SipHash. The key is random per map,
-/// so a worker that chooses its hashes cannot aim them at one bucket.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct SeqBuild {
-    key: u64,
-}
-
-impl Default for SeqBuild {
-    fn default() -> Self {
-        use std::hash::BuildHasher;
-        SeqBuild { key: std::collections::hash_map::RandomState::new().hash_one(0x6b76_u64) }
-    }
-}
-
-impl std::hash::BuildHasher for SeqBuild {
-    type Hasher = SeqHasher;
-    fn build_hasher(&self) -> SeqHasher {
-        SeqHasher { key: self.key, h: 0 }
-    }
-}
-
-#[derive(Debug)]
-pub(crate) struct SeqHasher {
-    key: u64,
-    h: u64,
-}
-
-impl std::hash::Hasher for SeqHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(b));
-        }
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        let mut z = self.h ^ x ^ self.key;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        self.h = z ^ (z >> 31);
-    }
-
-    fn finish(&self) -> u64 {
-        self.h
-    }
-}
+type Shard = Table<Node>;
 
 /// A worker's leading run of cached blocks: how many, and how many of them are held in each
 /// tier at best (device, host, disk, remote).
@@ -191,6 +160,8 @@ impl Overlap {
 /// The concurrent prefix index.
 #[derive(Debug)]
 pub struct PrefixIndex {
+    /// Mixes sequence hashes into shard and slot positions.
+    seed: u64,
     shards: Vec<RwLock<Shard>>,
     workers: RwLock<HashMap<WorkerId, parking_lot::Mutex<WorkerState>>>,
 }
@@ -201,18 +172,20 @@ impl Default for PrefixIndex {
     }
 }
 
-fn shard_of(h: SequenceHash) -> usize {
-    // Sequence hashes are uniformly distributed: the low bits pick the shard.
-    (h.0 as usize) % SHARDS
-}
-
 impl PrefixIndex {
     /// An empty index.
     pub fn new() -> Self {
+        let seed = random_seed();
         PrefixIndex {
-            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::default())).collect(),
+            seed,
+            shards: (0..SHARDS).map(|_| RwLock::new(Table::with_seed(seed))).collect(),
             workers: RwLock::new(HashMap::new()),
         }
+    }
+
+    /// The shard of a block: the top bits of its mixed hash (the table slot uses the low ones).
+    fn shard(&self, h: SequenceHash) -> &RwLock<Shard> {
+        &self.shards[(mix(h.0, self.seed) >> (64 - SHARDS.trailing_zeros())) as usize]
     }
 
     /// Adds a worker (discovery said it joined). Idempotent.
@@ -223,9 +196,8 @@ impl PrefixIndex {
     /// Removes a worker and every block it held (discovery said it left).
     pub fn remove_worker(&self, w: WorkerId) -> bool {
         let Some(state) = self.workers.write().remove(&w) else { return false };
-        let state = state.into_inner();
-        for h in state.blocks.keys() {
-            self.unlink(*h, w, TierMask(0xff));
+        for h in state.into_inner().log {
+            self.unlink(h, w, TierMask(0xff));
         }
         true
     }
@@ -239,40 +211,68 @@ impl PrefixIndex {
 
     /// Blocks a worker holds.
     pub fn worker_blocks(&self, w: WorkerId) -> usize {
-        self.workers.read().get(&w).map_or(0, |s| s.lock().blocks.len())
+        self.workers.read().get(&w).map_or(0, |s| s.lock().live)
     }
 
-    fn link(&self, h: SequenceHash, w: WorkerId, mask: TierMask) {
-        let mut shard = self.shards[shard_of(h)].write();
-        let node = shard.entry(h).or_default();
+    /// Adds tiers of block `h` to worker `w`; true if `w` did not hold `h` before.
+    fn link(&self, h: SequenceHash, w: WorkerId, mask: TierMask) -> bool {
+        let mut shard = self.shard(h).write();
+        let node = shard.entry(h.0);
         match node.holders.binary_search_by_key(&w, |(id, _)| *id) {
             Ok(i) => {
                 let old = node.holders[i].1;
                 node.holders[i].1 .0 |= mask.0;
                 node.digest ^= share(w, old) ^ share(w, node.holders[i].1);
+                false
             }
             Err(i) => {
                 node.holders.insert(i, (w, mask));
                 node.digest ^= share(w, mask);
+                true
             }
         }
     }
 
-    fn unlink(&self, h: SequenceHash, w: WorkerId, mask: TierMask) {
-        let mut shard = self.shards[shard_of(h)].write();
-        if let Some(node) = shard.get_mut(&h) {
-            if let Ok(i) = node.holders.binary_search_by_key(&w, |(id, _)| *id) {
-                let old = node.holders[i].1;
-                node.holders[i].1 .0 &= !mask.0;
-                node.digest ^= share(w, old) ^ share(w, node.holders[i].1);
-                if node.holders[i].1.is_empty() {
-                    node.holders.remove(i);
-                }
-            }
-            if node.holders.is_empty() {
-                shard.remove(&h);
-            }
+    /// Takes tiers of block `h` from worker `w`; true if `w` held `h` and now holds it in no
+    /// tier.
+    fn unlink(&self, h: SequenceHash, w: WorkerId, mask: TierMask) -> bool {
+        let mut shard = self.shard(h).write();
+        let Some(node) = shard.get_mut(h.0) else { return false };
+        let Ok(i) = node.holders.binary_search_by_key(&w, |(id, _)| *id) else { return false };
+        let old = node.holders[i].1;
+        node.holders[i].1 .0 &= !mask.0;
+        node.digest ^= share(w, old) ^ share(w, node.holders[i].1);
+        if !node.holders[i].1.is_empty() {
+            return false;
         }
+        node.holders.remove(i);
+        if node.holders.is_empty() {
+            shard.remove(h.0);
+        }
+        true
+    }
+
+    /// Whether worker `w` holds block `h` in some tier.
+    fn holds(&self, h: SequenceHash, w: WorkerId) -> bool {
+        self.shard(h)
+            .read()
+            .get(h.0)
+            .is_some_and(|n| n.holders.binary_search_by_key(&w, |(id, _)| *id).is_ok())
+    }
+
+    fn store(&self, st: &mut WorkerState, w: WorkerId, h: SequenceHash, mask: TierMask) {
+        if self.link(h, w, mask) {
+            st.live += 1;
+            st.log.push(h);
+        }
+    }
+
+    /// Drops every block of `w`.
+    fn clear(&self, st: &mut WorkerState, w: WorkerId) {
+        for h in std::mem::take(&mut st.log) {
+            self.unlink(h, w, TierMask(0xff));
+        }
+        st.live = 0;
     }
 
     /// Applies one event from worker `w`.
@@ -294,28 +294,25 @@ impl PrefixIndex {
             KvEventData::Stored { sequence_hashes, tier, .. } => {
                 let m = TierMask(bit(*tier));
                 for &h in sequence_hashes {
-                    let e = st.blocks.entry(h).or_default();
-                    e.0 |= m.0;
-                    self.link(h, w, m);
+                    self.store(&mut st, w, h, m);
                 }
             }
             KvEventData::Removed { sequence_hashes, tier } => {
                 let m = TierMask(bit(*tier));
                 for &h in sequence_hashes {
-                    if let Some(e) = st.blocks.get_mut(&h) {
-                        e.0 &= !m.0;
-                        if e.is_empty() {
-                            st.blocks.remove(&h);
-                        }
-                        self.unlink(h, w, m);
+                    if self.unlink(h, w, m) {
+                        st.live -= 1;
                     }
                 }
-            }
-            KvEventData::Cleared => {
-                for (h, _) in std::mem::take(&mut st.blocks) {
-                    self.unlink(h, w, TierMask(0xff));
+                if st.log.len() > 2 * st.live + LOG_SLACK {
+                    // Amortized: the log grew by at least `live + LOG_SLACK` appends since
+                    // the last compaction.
+                    st.log.sort_unstable();
+                    st.log.dedup();
+                    st.log.retain(|&h| self.holds(h, w));
                 }
             }
+            KvEventData::Cleared => self.clear(&mut st, w),
         }
         outcome
     }
@@ -331,12 +328,9 @@ impl PrefixIndex {
         let workers = self.workers.read();
         let Some(state) = workers.get(&w) else { return Ingest::UnknownWorker };
         let mut st = state.lock();
-        for (h, _) in std::mem::take(&mut st.blocks) {
-            self.unlink(h, w, TierMask(0xff));
-        }
+        self.clear(&mut st, w);
         for &(h, t) in blocks {
-            st.blocks.entry(h).or_default().0 |= bit(t);
-            self.link(h, w, TierMask(bit(t)));
+            self.store(&mut st, w, h, TierMask(bit(t)));
         }
         st.last_event_id = last_event_id;
         Ingest::Applied
@@ -345,8 +339,9 @@ impl PrefixIndex {
     /// For a request's sequence hashes, each worker's leading run of held blocks, with the
     /// fastest tier of each block.
     ///
-    /// Cost: one hash lookup per block of the matched prefix, and a merge of two sorted
-    /// worker lists (the workers still matching, the block's holders) per block.
+    /// Cost: one hash lookup per block of the matched prefix (prefetched a few blocks ahead),
+    /// and a merge of two sorted worker lists (the workers still matching, the block's
+    /// holders) wherever the holders change from one block to the next.
     pub fn overlap(&self, hashes: &[SequenceHash]) -> Overlap {
         // `runs[..live]` are the workers still matching, sorted by id; the rest ended.
         let mut runs: Vec<(WorkerId, Run)> = Vec::new();
@@ -355,13 +350,34 @@ impl PrefixIndex {
         let mut live = 0;
         // The previous block's holder digest and count: consecutive blocks of a shared prefix
         // mostly have the same holders (and tiers), and then every live run grows by the tier
-        // it added last, without touching the holder list.
+        // it added last. Such steps are only counted (`pending`) and added to the live runs
+        // when their holders change or the query ends, so a long shared prefix held by many
+        // workers costs O(1) per block.
         let mut prev: Option<(u64, usize)> = None;
+        let mut pending = 0u32;
+        let flush = |runs: &mut [(WorkerId, Run)], last: &[TierKind], pending: u32| {
+            if pending > 0 {
+                for (r, &t) in runs.iter_mut().zip(last) {
+                    r.1.blocks += pending;
+                    r.1.per_tier[t as usize] += pending;
+                }
+            }
+        };
+        // The lookups of a prefix are independent: prefetching the slots of the blocks a few
+        // places ahead overlaps their cache misses (most of a query's time on a large index).
+        for &h in hashes.iter().take(PREFETCH_AHEAD) {
+            self.shard(h).read().prefetch(h.0);
+        }
         for (i, &h) in hashes.iter().enumerate() {
-            let shard = self.shards[shard_of(h)].read();
-            let Some(node) = shard.get(&h) else { break };
+            if let Some(&ahead) = hashes.get(i + PREFETCH_AHEAD) {
+                self.shard(ahead).read().prefetch(ahead.0);
+            }
+            let shard = self.shard(h).read();
+            let Some(node) = shard.get(h.0) else { break };
             let holders = &node.holders;
             if i == 0 {
+                runs.reserve(holders.len());
+                last.reserve(holders.len());
                 for &(w, m) in holders.iter() {
                     if let Some(t) = m.best() {
                         let mut r = Run::default();
@@ -372,10 +388,10 @@ impl PrefixIndex {
                 }
                 live = runs.len();
             } else if prev == Some((node.digest, holders.len())) && live == holders.len() {
-                for (r, &t) in runs[..live].iter_mut().zip(&last) {
-                    r.1.push(t);
-                }
+                pending += 1;
             } else {
+                flush(&mut runs[..live], &last, pending);
+                pending = 0;
                 // Merge join of two sorted lists, compacting the live prefix in place.
                 let (mut j, mut k) = (0, 0);
                 for idx in 0..live {
@@ -400,6 +416,7 @@ impl PrefixIndex {
             }
             prev = Some((node.digest, holders.len()));
         }
+        flush(&mut runs[..live], &last, pending);
         runs.sort_unstable_by_key(|(w, _)| *w);
         Overlap { workers: runs }
     }

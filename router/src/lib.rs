@@ -24,6 +24,7 @@ pub mod index;
 pub mod policy;
 pub mod service;
 pub mod sim;
+mod table;
 
 pub use index::{Ingest, Overlap, PrefixIndex, Run, WorkerId};
 pub use policy::{Decision, Load, Router, RouterConfig, RoutingMode};
