@@ -145,7 +145,7 @@ impl<V: Default> Table<V> {
     fn grow(&mut self) {
         let capacity = (self.keys.len() * 2).max(MIN_CAPACITY);
         let keys = std::mem::replace(&mut self.keys, vec![0; capacity]);
-        let vals = std::mem::replace(&mut self.vals, Vec::new());
+        let vals = std::mem::take(&mut self.vals);
         self.vals.resize_with(capacity, V::default);
         let mask = self.mask();
         for (k, v) in keys.into_iter().zip(vals) {
