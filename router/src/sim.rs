@@ -217,6 +217,11 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
         t += -(1.0 - rng.unit()).ln() / cfg.arrival_rate.max(1e-9);
         queue.push(Reverse((Time(t), Ev::Arrival { conv: c })));
     }
+    // Each conversation draws its messages from its own generator, and routing from another,
+    // so that every router sees the same workload whatever order its events come in.
+    let mut conv_rng: Vec<SplitMix> =
+        (0..cfg.conversations).map(|c| SplitMix::new(rng.next_u64() ^ c as u64)).collect();
+    let mut route_rng = SplitMix::new(rng.next_u64());
     let index = PrefixIndex::new();
     let mut router = Router::new(router_cfg);
     let mut workers: Vec<SimWorker> =
@@ -260,6 +265,7 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
         router.expire(now);
         match ev {
             Ev::Arrival { conv } => {
+                let rng = &mut conv_rng[conv];
                 let user = rng.range(cfg.user_tokens.0, cfg.user_tokens.1);
                 let reusable = history[conv].len() as u64 / block * block;
                 history[conv].extend((0..user).map(|_| (rng.next_u64() % 49_152) as u32));
@@ -268,7 +274,7 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
                 let hashes = hasher.sequence_hashes(prompt);
                 let id = reqs.len();
                 let d = router
-                    .route(&index, id as u64, &hashes, prompt.len() as u64, now, rng.unit())
+                    .route(&index, id as u64, &hashes, prompt.len() as u64, now, route_rng.unit())
                     .unwrap_or_else(|| unreachable!("the router has workers"));
                 let w = &mut workers[d.worker as usize];
                 let cached = w.cached_prefix(&hashes) as u64 * u64::from(cfg.block_tokens);
@@ -279,7 +285,7 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
                 let end = start + uncached as f64 * cfg.prefill_s_per_token;
                 w.busy_until = end;
                 first = first.min(now);
-                let output = rng.range(cfg.output_tokens.0, cfg.output_tokens.1);
+                let output = conv_rng[conv].range(cfg.output_tokens.0, cfg.output_tokens.1);
                 reqs.push(Req { conv, worker: d.worker, hashes, arrival: now, output });
                 queue.push(Reverse((Time(end), Ev::PrefillDone { req: id })));
             }
@@ -298,6 +304,7 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
                 router.free(req as u64);
                 out_tokens += u64::from(output);
                 last = last.max(now);
+                let rng = &mut conv_rng[conv];
                 history[conv].extend((0..output).map(|_| (rng.next_u64() % 49_152) as u32));
                 let hashes = hasher.sequence_hashes(&history[conv]);
                 let w = &mut workers[worker as usize];
