@@ -420,15 +420,14 @@ impl TieredStore {
                 // Owned by a BlockRef: unpinned even if this future is dropped.
                 (BlockRef { store: self.inner.clone(), slot, hash: h }, parent)
             };
-            // The write and its bookkeeping run to completion in their own task.
+            // The write and its bookkeeping run to completion even if this future is dropped.
             let inner = self.inner.clone();
-            let r = tokio::spawn(async move {
+            let r = to_completion(&self.inner.runtime, async move {
                 let r = inner.offload_slot(pinned.slot, h, parent).await;
                 drop(pinned);
                 r
             })
-            .await
-            .map_err(|e| StoreError::Invalid(format!("offload task failed: {e}")))?;
+            .await;
             if r? {
                 written += 1;
             }
@@ -557,12 +556,11 @@ impl Inner {
                     },
                 }
             };
-            // The eviction (an offload, then freeing the slot) completes in its own task even
-            // if this future is dropped, so no slot stays marked evicting.
+            // The eviction (an offload, then freeing the slot) completes even if this future
+            // is dropped, so no slot stays marked evicting.
             let inner = self.clone();
-            tokio::spawn(async move { inner.evict_host(victim, admitted).await })
-                .await
-                .map_err(|e| StoreError::Invalid(format!("eviction task failed: {e}")))??;
+            to_completion(&self.runtime, async move { inner.evict_host(victim, admitted).await })
+                .await?;
         }
     }
 
@@ -672,13 +670,10 @@ impl Inner {
     /// Reads a disk block into a new host slot and pins it. Ok(None) if no tier has it (or
     /// it was corrupt and dropped).
     async fn onboard(self: &Arc<Self>, hash: SequenceHash) -> Result<Option<BlockRef>, StoreError> {
-        // The read and its bookkeeping (the reserved host slot, the disk pin) complete in their
-        // own task: a caller that drops this future leaves nothing half-done; an unclaimed
-        // result just unpins.
+        // The read and its bookkeeping (the reserved host slot, the disk pin) run to
+        // completion even if the caller drops this future; an unclaimed result just unpins.
         let inner = self.clone();
-        tokio::spawn(async move { inner.onboard_task(hash).await })
-            .await
-            .map_err(|e| StoreError::Invalid(format!("onboard task failed: {e}")))?
+        to_completion(&self.runtime, async move { inner.onboard_task(hash).await }).await
     }
 
     async fn onboard_task(
@@ -802,6 +797,40 @@ impl Inner {
     fn unpin(&self, slot: u32) {
         let _ = self.host.lock().pool.unpin(slot);
     }
+}
+
+/// Runs `fut` inline, in the caller's task (no spawn, no cross-thread wake on the data path);
+/// if the caller drops the returned future before `fut` finished, the rest of `fut` runs to
+/// completion in a task on `runtime`, so that its bookkeeping (a reserved slot, a pin, an
+/// eviction in progress) is never left half-done.
+async fn to_completion<T: Send + 'static>(
+    runtime: &tokio::runtime::Handle,
+    fut: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    type Task<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+    struct Finish<T: Send + 'static> {
+        fut: Option<Task<T>>,
+        runtime: tokio::runtime::Handle,
+    }
+    impl<T: Send + 'static> Drop for Finish<T> {
+        fn drop(&mut self) {
+            if let Some(fut) = self.fut.take() {
+                // After a runtime shutdown the task is dropped unrun: its reservation stays
+                // (the store is going away with the runtime anyway).
+                self.runtime.spawn(async move {
+                    let _ = fut.await;
+                });
+            }
+        }
+    }
+    let mut guard = Finish { fut: Some(Box::pin(fut)), runtime: runtime.clone() };
+    let out = std::future::poll_fn(|cx| match guard.fut.as_mut() {
+        Some(f) => f.as_mut().poll(cx),
+        None => std::task::Poll::Pending,
+    })
+    .await;
+    guard.fut = None;
+    out
 }
 
 /// A reserved host slot being filled. Invisible until committed; dropped uncommitted, the

@@ -111,6 +111,56 @@ async fn host_tier_stores_pins_and_evicts_lru() {
     assert_eq!((m.host_used_blocks, m.host_capacity_blocks), (4, 4));
 }
 
+/// Polls `f` once (its I/O is then submitted) and drops it; whether it was done.
+fn poll_once_then_drop<F: std::future::Future>(f: F) -> bool {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    f.as_mut().poll(&mut cx).is_ready()
+}
+
+/// Onboard and offload run in the caller's task (no spawn on the data path); a caller that
+/// gives up mid-way (drops its future after the first poll, as a timeout would) must leave nothing
+/// half-done: the I/O and its bookkeeping finish on their own, no slot stays reserved or
+/// pinned, and the blocks are served afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_drops_an_onboard_or_offload_leaves_nothing_half_done() {
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let (s, _sink) = open(&a, 4, Some(disk(dir.path(), 64)), 0).await;
+    for i in 0..8 {
+        put(&s, i).await;
+    }
+    // Blocks 0..4 are on disk only; give up on reading 0 and 1 after one poll.
+    assert_eq!(s.metrics().onboard_blocks, 0);
+    for i in 0..2 {
+        assert!(!poll_once_then_drop(s.get(&[h(i)])), "a disk read completes in one poll");
+    }
+    // Give up on writing block 6 (in host memory) to disk, too.
+    assert!(!poll_once_then_drop(s.offload(&[h(6)])), "a disk write completes in one poll");
+    // Everything completes in the background.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while (s.metrics().onboard_blocks < 2 || !s.disk().unwrap().has(h(6)))
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let m = s.metrics();
+    assert_eq!(m.onboard_blocks, 2, "both abandoned reads finished");
+    assert!(s.disk().unwrap().has(h(6)), "the abandoned write finished");
+    // Nothing stayed reserved or pinned: every block is served, and the host tier can still
+    // evict all of its slots to make room for four new blocks.
+    for i in 0..8 {
+        assert_bytes(&s, i).await;
+    }
+    for i in 100..104 {
+        put(&s, i).await;
+    }
+    for i in 100..104 {
+        assert_bytes(&s, i).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_working_set_larger_than_host_spills_to_disk_and_comes_back() {
     let dir = tempfile::tempdir().unwrap();
