@@ -173,6 +173,12 @@ impl DiskTier {
             allocated: tokio::sync::Mutex::new(existing),
         };
         let recovered = tier.rebuild(existing, cfg.queue_depth.max(1)).await?;
+        // Preallocate the first growth step now, so that the first writes do not wait for
+        // the filesystem; a disk that is already full is found (and handled) by the writes.
+        let first = tier.grow_blocks.min(cfg.capacity_blocks);
+        if first > existing {
+            let _ = tier.ensure_allocated(first - 1).await;
+        }
         Ok((tier, recovered))
     }
 

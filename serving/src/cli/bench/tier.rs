@@ -61,6 +61,8 @@ struct Row {
     p99_us: f64,
     limit_gbps: f64,
     ratio_to_limit: f64,
+    /// Each repetition's store rate / plain rate.
+    ratio_reps: Vec<f64>,
     io_backend: &'static str,
 }
 
@@ -75,10 +77,14 @@ async fn plain(
     prefer: IoPreference,
     memory: &Arc<kvfabric::memory::Region>,
 ) -> anyhow::Result<f64> {
+    if write {
+        // A new file each time, as the store's slot file is (reusing one would rewrite
+        // blocks the backing store already holds, which can be much faster than new ones).
+        let _ = std::fs::remove_file(path);
+    }
     let file = Arc::new(open_direct(path)?);
     if write {
         // Preallocated, as the store's slot file is.
-        file.set_len(0)?;
         use std::os::fd::AsRawFd;
         // SAFETY: fallocate on our open descriptor; no memory involved.
         let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, (req * n) as libc::off_t) };
@@ -308,6 +314,7 @@ fn row(
         p99_us: p.p99_us,
         limit_gbps: median(limits),
         ratio_to_limit: median(&ratios),
+        ratio_reps: ratios,
         io_backend: backend,
     }
 }
