@@ -149,7 +149,7 @@ impl EventLog {
 #[derive(Debug)]
 struct Inner {
     cfg: StoreConfig,
-    region: Arc<Region>,
+    region: HostRegion,
     stride: u64,
     host: Mutex<HostState>,
     disk: Option<DiskTier>,
@@ -158,6 +158,37 @@ struct Inner {
     runtime: tokio::runtime::Handle,
     /// A background eviction (toward `host_free_target`) is running.
     freeing: std::sync::atomic::AtomicBool,
+}
+
+/// The host tier's region, registered with the agent for as long as the store lives.
+#[derive(Debug)]
+struct HostRegion {
+    region: Option<Arc<Region>>,
+    agent: Agent,
+}
+
+impl std::ops::Deref for HostRegion {
+    type Target = Arc<Region>;
+    fn deref(&self) -> &Arc<Region> {
+        // Only `drop` takes it out.
+        self.region.as_ref().unwrap_or_else(|| unreachable!("the host region is taken on drop"))
+    }
+}
+
+impl Drop for HostRegion {
+    /// Deregisters the region when the store goes away (else every store opened and dropped
+    /// in a process would keep its whole host tier allocated). A handle still held elsewhere
+    /// (a caller's clone, a peer's in-flight transfer lease) keeps it registered; it is then
+    /// freed with the agent.
+    fn drop(&mut self) {
+        if let Some(region) = self.region.take() {
+            let id = region.id();
+            drop(region);
+            if let Err(e) = self.agent.deregister(id) {
+                tracing::debug!(error = %e, "host region still in use; left registered");
+            }
+        }
+    }
 }
 
 /// The tiered store. Cheap to clone.
@@ -212,7 +243,7 @@ impl TieredStore {
                 ),
                 checksums: vec![0; cfg.host_blocks as usize],
             }),
-            region,
+            region: HostRegion { region: Some(region), agent: agent.clone() },
             stride,
             disk,
             events,

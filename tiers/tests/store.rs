@@ -111,6 +111,26 @@ async fn host_tier_stores_pins_and_evicts_lru() {
     assert_eq!((m.host_used_blocks, m.host_capacity_blocks), (4, 4));
 }
 
+/// A dropped store gives its host tier back: the region is deregistered from the agent (a
+/// process that opens and closes stores, as the C ABI's users do, does not grow).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_store_deregisters_its_host_region() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let (s, _sink) = open(&a, 4, Some(disk(dir.path(), 16)), 0).await;
+    for i in 0..6 {
+        put(&s, i).await;
+    }
+    assert_bytes(&s, 0).await; // a disk block read through the region
+    let id = s.host_region().id();
+    assert!(a.region(id).is_ok());
+    let clone = s.clone();
+    drop(s);
+    assert!(a.region(id).is_ok(), "a clone keeps the store");
+    drop(clone);
+    assert!(a.region(id).is_err(), "the last handle deregisters the region");
+}
+
 /// Polls `f` once (its I/O is then submitted) and drops it; whether it was done.
 fn poll_once_then_drop<F: std::future::Future>(f: F) -> bool {
     let mut f = std::pin::pin!(f);
