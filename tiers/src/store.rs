@@ -743,7 +743,7 @@ impl Inner {
         let lease = RegionLease::new(self.region.clone());
         // SAFETY: the reserved slot lies inside the host region kept alive by the lease; it is
         // invisible (writing) until committed, so no one else touches it.
-        let outcome = unsafe { disk.read(hash, self.slot_buf(slot), Box::new(lease)) }.await;
+        let outcome = unsafe { disk.read(hash, self.slot_buf(slot), Arc::new(lease)) }.await;
         let mut host = self.host.lock();
         match outcome {
             Ok(ReadOutcome::Hit { parent, checksum }) => {

@@ -341,6 +341,50 @@ async fn restart_rebuilds_the_index_and_corrupt_blocks_are_never_served() {
     }
 }
 
+/// Blocks of 1 MiB and more are verified on the blocking pool when other reads are in flight:
+/// a batch of concurrent reads with one corrupt block in the middle serves the good ones,
+/// byte for byte, and never the corrupt one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_blocks_read_concurrently_are_verified_and_a_corrupt_one_is_dropped() {
+    const BIG: u64 = (3 << 19) + 1000; // 1.5 MiB and change: the parallel path, padded
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let mut cfg = StoreConfig::new(BIG, 8);
+    cfg.disk = Some(disk(dir.path(), 32));
+    cfg.disk_admit_min_hits = 0;
+    cfg.shared_host = false;
+    let (s, slot5) = {
+        let s = TieredStore::open(cfg.clone(), &a, RecordingSink::new()).await.unwrap();
+        for i in 0..20 {
+            s.put(h(i), i.checked_sub(1).map(h), &content(h(i), BIG)).await.unwrap();
+        }
+        let d = s.disk().unwrap();
+        let slot5 = d.slot_offset(d.slot_of(h(5)).unwrap());
+        (s, slot5)
+    };
+    drop(s);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(dir.path().join("g3.slots")).unwrap();
+        f.write_at(&[0x5a; 64], slot5 + 4096 + BIG - 64).unwrap();
+    }
+    let s = TieredStore::open(cfg, &a, RecordingSink::new()).await.unwrap();
+    // Blocks 0..8 are read at once: eight reads in flight, verified in parallel.
+    let hashes: Vec<_> = (0..8).map(h).collect();
+    let refs = s.get(&hashes).await.unwrap();
+    assert_eq!(refs.len(), 5, "the leading run stops at the corrupt block 5");
+    for (i, r) in refs.iter().enumerate() {
+        assert!(r.to_vec() == content(h(i as u64), BIG), "block {i} bytes");
+    }
+    drop(refs);
+    assert_eq!(s.metrics().disk_corrupt_blocks, 1);
+    assert!(!s.disk().unwrap().has(h(5)));
+    for i in [6u64, 7] {
+        let r = s.get(&[h(i)]).await.unwrap();
+        assert!(r.len() == 1 && r[0].to_vec() == content(h(i), BIG), "block {i} bytes");
+    }
+}
+
 /// A full filesystem: a real tmpfs of a few MiB. The offload that cannot grow the file fails
 /// with a typed error and the block stays in host memory; afterwards the disk tier makes room
 /// by evicting its own blocks.

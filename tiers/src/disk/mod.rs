@@ -142,7 +142,31 @@ pub struct DiskTier {
     grow_blocks: u32,
     state: Mutex<DiskState>,
     allocated: tokio::sync::Mutex<u32>,
+    /// Reads submitted and not yet completed.
+    reads_in_flight: std::sync::atomic::AtomicUsize,
 }
+
+/// Counts a read in flight until dropped (also when its future is).
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn new(n: &'a std::sync::atomic::AtomicUsize) -> Self {
+        n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Blocks at least this large are verified off the caller's task when other reads are in
+/// flight. The hop to a blocking-pool thread costs 10–20 µs; XXH3 runs at about 20 GB/s on
+/// freshly read (uncached) bytes, so below ~1 MiB the hop costs as much as the hash (measured:
+/// no gain for 360 KiB blocks, 0.85→0.95 of the plain read rate for 2 MiB blocks at depth 8-32).
+const PARALLEL_VERIFY_MIN_BYTES: u64 = 1 << 20;
 
 impl DiskTier {
     /// Opens (or creates) the slot file and rebuilds the index from its headers.
@@ -171,6 +195,7 @@ impl DiskTier {
                 write_seq: 1,
             }),
             allocated: tokio::sync::Mutex::new(existing),
+            reads_in_flight: std::sync::atomic::AtomicUsize::new(0),
         };
         let recovered = tier.rebuild(existing, cfg.queue_depth.max(1)).await?;
         // Preallocate the first growth step now, so that the first writes do not wait for
@@ -385,13 +410,20 @@ impl DiskTier {
     /// Reads a block into `dst` (at least [`DiskTier::data_bytes`] long, 4 KiB aligned),
     /// verifying its checksum; a corrupt block is dropped from the tier.
     ///
+    /// The checksum is computed in the caller's task when this is the only read in flight
+    /// (no thread hop on the latency path), and on the blocking pool when others are (the
+    /// caller's task, which may be driving those reads, keeps submitting and completing them
+    /// while this block is hashed, and the hashing spreads over the cores).
+    ///
     /// # Safety
-    /// `dst` must stay valid for writes until the read completes: `keep` must own or lease it.
+    /// `dst` must stay valid for writes until the read completes, and unwritten by anyone
+    /// else until `keep` is dropped: `keep` must own or lease it (it is held by the I/O and
+    /// by the verification).
     pub async unsafe fn read(
         &self,
         hash: SequenceHash,
         dst: IoBuf,
-        keep: Box<dyn Send>,
+        keep: Arc<dyn Send + Sync>,
     ) -> Result<ReadOutcome, DiskError> {
         let slot = {
             let mut st = self.state.lock();
@@ -402,22 +434,39 @@ impl DiskTier {
         };
         let header = Arc::new(AlignedBuf::zeroed(HEADER_BYTES as usize));
         let bufs = [header.io_buf(), IoBuf { ptr: dst.ptr, len: self.data_bytes as usize }];
+        let in_flight = InFlight::new(&self.reads_in_flight);
         // SAFETY: the header is kept by the request; `dst` by the caller's keep value.
         let n = unsafe {
             self.io.readv(
                 u64::from(slot) * self.slot_bytes,
                 &bufs,
-                Box::new((header.clone(), keep)),
+                Box::new((header.clone(), keep.clone())),
             )
         }
         .await;
+        drop(in_flight);
+        let parallel = self.block_bytes >= PARALLEL_VERIFY_MIN_BYTES
+            && self.reads_in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0;
         let verdict = match n {
             Ok(n) if n as u64 == self.slot_bytes => match SlotHeader::decode(header.as_slice()) {
                 Some(h) if h.hash == hash && h.block_bytes == self.block_bytes => {
-                    // SAFETY: the read completed into `dst`, valid for data_bytes bytes.
-                    let data =
-                        unsafe { std::slice::from_raw_parts(dst.ptr, self.block_bytes as usize) };
-                    if xxhash_rust::xxh3::xxh3_64(data) == h.data_checksum {
+                    let len = self.block_bytes as usize;
+                    let sum = move || {
+                        // Capture the whole IoBuf (Send), not its raw-pointer field.
+                        let dst: IoBuf = dst;
+                        let _keep = keep;
+                        // SAFETY: the read completed into `dst`, valid for data_bytes >= len
+                        // bytes and unwritten while `keep` (moved here) lives.
+                        xxhash_rust::xxh3::xxh3_64(unsafe {
+                            std::slice::from_raw_parts(dst.ptr, len)
+                        })
+                    };
+                    let sum = if parallel {
+                        tokio::task::spawn_blocking(sum).await.ok()
+                    } else {
+                        Some(sum())
+                    };
+                    if sum == Some(h.data_checksum) {
                         Ok(ReadOutcome::Hit { parent: h.parent, checksum: h.data_checksum })
                     } else {
                         Ok(ReadOutcome::Corrupt)
