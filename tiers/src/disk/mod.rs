@@ -462,14 +462,22 @@ impl DiskTier {
                         })
                     };
                     let sum = if parallel {
-                        tokio::task::spawn_blocking(sum).await.ok()
+                        // Only a runtime shutting down cancels it: an error, not a verdict on
+                        // the block, which stays on disk.
+                        tokio::task::spawn_blocking(sum).await.map_err(|e| {
+                            DiskError::Io(std::io::Error::other(format!(
+                                "checksum verification did not run: {e}"
+                            )))
+                        })
                     } else {
-                        Some(sum())
+                        Ok(sum())
                     };
-                    if sum == Some(h.data_checksum) {
-                        Ok(ReadOutcome::Hit { parent: h.parent, checksum: h.data_checksum })
-                    } else {
-                        Ok(ReadOutcome::Corrupt)
+                    match sum {
+                        Ok(sum) if sum == h.data_checksum => {
+                            Ok(ReadOutcome::Hit { parent: h.parent, checksum: h.data_checksum })
+                        }
+                        Ok(_) => Ok(ReadOutcome::Corrupt),
+                        Err(e) => Err(e),
                     }
                 }
                 _ => Ok(ReadOutcome::Corrupt),
