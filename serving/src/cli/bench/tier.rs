@@ -63,20 +63,37 @@ struct Row {
     ratio_to_limit: f64,
     /// Each repetition's store rate / plain rate.
     ratio_reps: Vec<f64>,
+    /// Onboard only: plain reads that also hash every block with XXH3-64 once read, as the
+    /// store must to verify it (the limit for a store that never serves a corrupt block).
+    verified_limit_gbps: Option<f64>,
+    /// Onboard only: median of store rate / verified plain rate per repetition.
+    ratio_to_verified_limit: Option<f64>,
     io_backend: &'static str,
+}
+
+/// What a plain run does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Plain {
+    Write,
+    Read,
+    /// Read, then XXH3-64 each request's bytes once they are in (what the store's verification
+    /// costs on top of the I/O).
+    ReadHash,
 }
 
 /// Plain sequential O_DIRECT I/O of `n` requests of `req` bytes at `depth`, to and from
 /// `memory` (allocated like the store's host tier, request i at offset i × req): GB/s.
+#[allow(clippy::too_many_arguments)]
 async fn plain(
     path: &std::path::Path,
-    write: bool,
+    op: Plain,
     req: u64,
     n: u64,
     depth: usize,
     prefer: IoPreference,
     memory: &Arc<kvfabric::memory::Region>,
 ) -> anyhow::Result<f64> {
+    let write = op == Plain::Write;
     if write {
         // A new file each time, as the store's slot file is (reusing one would rewrite
         // blocks the backing store already holds, which can be much faster than new ones).
@@ -98,7 +115,7 @@ async fn plain(
             async move {
                 let ptr = memory.ptr_at(i * req, req)?;
                 let b = IoBuf { ptr, len: req as usize };
-                let keep = Box::new(kvfabric::memory::RegionLease::new(memory));
+                let keep = Box::new(kvfabric::memory::RegionLease::new(memory.clone()));
                 // SAFETY: the range was bounds-checked and the lease keeps the region alive
                 // until the request completes; requests use disjoint ranges.
                 let n = unsafe {
@@ -108,6 +125,9 @@ async fn plain(
                         io.readv(i * req, &[b], keep).await
                     }
                 }?;
+                if op == Plain::ReadHash {
+                    std::hint::black_box(memory.checksum(i * req, req)?);
+                }
                 Ok(n)
             }
         })
@@ -119,6 +139,20 @@ async fn plain(
         anyhow::ensure!(r? as u64 == req, "short plain I/O");
     }
     Ok(gbps(req * n, elapsed))
+}
+
+/// A plain read run and a plain read-and-hash run, back to back: GB/s of each.
+async fn plain_reads(
+    path: &std::path::Path,
+    req: u64,
+    n: u64,
+    depth: usize,
+    prefer: IoPreference,
+    memory: &Arc<kvfabric::memory::Region>,
+) -> anyhow::Result<(f64, f64)> {
+    let raw = plain(path, Plain::Read, req, n, depth, prefer, memory).await?;
+    let hashed = plain(path, Plain::ReadHash, req, n, depth, prefer, memory).await?;
+    Ok((raw, hashed))
 }
 
 /// Runs on a runtime worker, as the store's callers (the serving engine's tasks) do: calls
@@ -172,8 +206,8 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 }
             }
             let mut backend = "none";
-            let (mut off, mut on, mut w_lim, mut r_lim) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut off, mut on, mut w_lim, mut r_lim, mut v_lim) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let mut lats = (Vec::new(), Vec::new());
             // Repetitions interleave the store and the plain I/O, so that both see the same
             // machine; the medians are reported.
@@ -184,7 +218,8 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 let plain_first = rep % 2 == 1;
                 if plain_first {
                     w_lim.push(
-                        plain(&limit_path, true, data, n, depth, prefer, &plain_memory).await?,
+                        plain(&limit_path, Plain::Write, data, n, depth, prefer, &plain_memory)
+                            .await?,
                     );
                 }
                 let _ = std::fs::remove_file(&slots);
@@ -210,13 +245,15 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 lats.0.extend(lat);
                 if !plain_first {
                     w_lim.push(
-                        plain(&limit_path, true, data, n, depth, prefer, &plain_memory).await?,
+                        plain(&limit_path, Plain::Write, data, n, depth, prefer, &plain_memory)
+                            .await?,
                     );
                 }
                 if plain_first {
-                    r_lim.push(
-                        plain(&limit_path, false, data, n, depth, prefer, &plain_memory).await?,
-                    );
+                    let (raw, hashed) =
+                        plain_reads(&limit_path, data, n, depth, prefer, &plain_memory).await?;
+                    r_lim.push(raw);
+                    v_lim.push(hashed);
                 }
 
                 // Onboard: a restarted store rebuilds its index, then disk → host at `depth`.
@@ -243,13 +280,19 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 on.push(gbps(block_bytes * n, elapsed));
                 lats.1.extend(lat);
                 if !plain_first {
-                    r_lim.push(
-                        plain(&limit_path, false, data, n, depth, prefer, &plain_memory).await?,
-                    );
+                    let (raw, hashed) =
+                        plain_reads(&limit_path, data, n, depth, prefer, &plain_memory).await?;
+                    r_lim.push(raw);
+                    v_lim.push(hashed);
                 }
             }
             rows.push(row("offload", model, block_bytes, depth, n, &lats.0, &off, &w_lim, backend));
-            rows.push(row("onboard", model, block_bytes, depth, n, &lats.1, &on, &r_lim, backend));
+            let mut onboard =
+                row("onboard", model, block_bytes, depth, n, &lats.1, &on, &r_lim, backend);
+            let verified: Vec<f64> = on.iter().zip(&v_lim).map(|(r, l)| r / l).collect();
+            onboard.verified_limit_gbps = Some(median(&v_lim));
+            onboard.ratio_to_verified_limit = Some(median(&verified));
+            rows.push(onboard);
             let _ = std::fs::remove_file(&slots);
             let _ = std::fs::remove_file(&limit_path);
             let plain_id = plain_memory.id();
@@ -264,12 +307,23 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:>8} {:>14} {:>9} {:>5} {:>6} {:>7} {:>10} {:>10} {:>10} {:>6}",
-        "op", "model", "block", "depth", "blocks", "GB/s", "p50", "p99", "limit GB/s", "ratio"
+        "{:>8} {:>14} {:>9} {:>5} {:>6} {:>7} {:>10} {:>10} {:>10} {:>6} {:>12} {:>8}",
+        "op",
+        "model",
+        "block",
+        "depth",
+        "blocks",
+        "GB/s",
+        "p50",
+        "p99",
+        "limit GB/s",
+        "ratio",
+        "+XXH3 GB/s",
+        "ratio"
     );
     for r in &rows {
         println!(
-            "{:>8} {:>14} {:>7}Ki {:>5} {:>6} {:>7.2} {:>8.0}µs {:>8.0}µs {:>10.2} {:>5.2}×",
+            "{:>8} {:>14} {:>7}Ki {:>5} {:>6} {:>7.2} {:>8.0}µs {:>8.0}µs {:>10.2} {:>5.2}× {:>12} {:>8}",
             r.op,
             r.model,
             r.block_bytes >> 10,
@@ -279,10 +333,12 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
             r.p50_us,
             r.p99_us,
             r.limit_gbps,
-            r.ratio_to_limit
+            r.ratio_to_limit,
+            r.verified_limit_gbps.map_or("-".into(), |g| format!("{g:.2}")),
+            r.ratio_to_verified_limit.map_or("-".into(), |x| format!("{x:.2}×")),
         );
     }
-    println!("limit: plain O_DIRECT sequential I/O of the same bytes, same request size, same depth, same run ({}); ratio: median over repetitions of store rate / plain rate, each pair back to back", rows.first().map_or("", |r| r.io_backend));
+    println!("limit: plain O_DIRECT sequential I/O of the same bytes, same request size, same depth, same run ({}); ratio: median over repetitions of store rate / plain rate, each pair back to back; +XXH3: plain reads that also hash each block, as the store's verification does", rows.first().map_or("", |r| r.io_backend));
     Ok(())
 }
 
@@ -315,6 +371,8 @@ fn row(
         limit_gbps: median(limits),
         ratio_to_limit: median(&ratios),
         ratio_reps: ratios,
+        verified_limit_gbps: None,
+        ratio_to_verified_limit: None,
         io_backend: backend,
     }
 }
