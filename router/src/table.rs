@@ -40,6 +40,33 @@ fn prefetch<T>(p: &T) {
     let _ = p;
 }
 
+/// A vector of `n` default values whose large middle is backed by transparent huge pages
+/// where the kernel allows them: a big index touches a random slot per lookup, and with 4 KiB
+/// pages each of those is also a TLB miss and a page walk (itself a cache miss or two).
+fn huge_vec<T: Default>(n: usize) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    advise_huge_pages(v.as_ptr().cast(), n * std::mem::size_of::<T>());
+    v.resize_with(n, T::default);
+    v
+}
+
+/// Advises the kernel to back the 2 MiB-aligned part of `p..p+len` (not yet touched) with
+/// huge pages; a hint, ignored where unsupported or below 4 MiB.
+fn advise_huge_pages(p: *const u8, len: usize) {
+    const HUGE: usize = 2 << 20;
+    if len < 2 * HUGE {
+        return;
+    }
+    let start = (p as usize).next_multiple_of(HUGE);
+    let end = (p as usize + len) / HUGE * HUGE;
+    #[cfg(target_os = "linux")]
+    if end > start {
+        // SAFETY: advice on whole pages inside our own live allocation; MADV_HUGEPAGE changes
+        // no contents and cannot fail in a way that affects memory safety.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+}
+
 /// Key 0 marks an empty slot; a real key 0 is kept aside in `zero`.
 #[derive(Debug)]
 pub(crate) struct Table<V> {
@@ -144,9 +171,8 @@ impl<V: Default> Table<V> {
 
     fn grow(&mut self) {
         let capacity = (self.keys.len() * 2).max(MIN_CAPACITY);
-        let keys = std::mem::replace(&mut self.keys, vec![0; capacity]);
-        let vals = std::mem::take(&mut self.vals);
-        self.vals.resize_with(capacity, V::default);
+        let keys = std::mem::replace(&mut self.keys, huge_vec(capacity));
+        let vals = std::mem::replace(&mut self.vals, huge_vec(capacity));
         let mask = self.mask();
         for (k, v) in keys.into_iter().zip(vals) {
             if k != 0 {
