@@ -845,6 +845,10 @@ async fn to_completion<T: Send + 'static>(
     }
     impl<T: Send + 'static> Drop for Finish<T> {
         fn drop(&mut self) {
+            // A future that panicked while polled cannot be resumed.
+            if std::thread::panicking() {
+                return;
+            }
             if let Some(fut) = self.fut.take() {
                 // After a runtime shutdown the task is dropped unrun: its reservation stays
                 // (the store is going away with the runtime anyway).
