@@ -104,10 +104,7 @@ fn share(w: WorkerId, m: TierMask) -> u64 {
     if m.is_empty() {
         return 0;
     }
-    let mut x = w ^ (u64::from(m.0) << 56) ^ 0x9e37_79b9_7f4a_7c15;
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+    mix(w ^ (u64::from(m.0) << 56), 0x9e37_79b9_7f4a_7c15)
 }
 
 type Shard = Table<Node>;

@@ -289,9 +289,8 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
             rows.push(row("offload", model, block_bytes, depth, n, &lats.0, &off, &w_lim, backend));
             let mut onboard =
                 row("onboard", model, block_bytes, depth, n, &lats.1, &on, &r_lim, backend);
-            let verified: Vec<f64> = on.iter().zip(&v_lim).map(|(r, l)| r / l).collect();
             onboard.verified_limit_gbps = Some(median(&v_lim));
-            onboard.ratio_to_verified_limit = Some(median(&verified));
+            onboard.ratio_to_verified_limit = Some(median(&paired_ratios(&on, &v_lim)));
             rows.push(onboard);
             let _ = std::fs::remove_file(&slots);
             let _ = std::fs::remove_file(&limit_path);
@@ -354,10 +353,7 @@ fn row(
     limits: &[f64],
     backend: &'static str,
 ) -> Row {
-    // The ratio is taken per repetition (the store and the plain I/O ran back to back, on
-    // the same machine state), then the median: the disk's rate drifts by tens of percent
-    // between repetitions on a shared VM, and a ratio of medians would mix states.
-    let ratios: Vec<f64> = rates.iter().zip(limits).map(|(r, l)| r / l).collect();
+    let ratios = paired_ratios(rates, limits);
     let p = Percentiles::of(lat);
     Row {
         op,
@@ -375,6 +371,14 @@ fn row(
         ratio_to_verified_limit: None,
         io_backend: backend,
     }
+}
+
+/// Each repetition's store rate / limit rate. Ratios are taken per repetition (the store and
+/// the plain I/O ran back to back, on the same machine state) and then their median is
+/// reported: the disk's rate drifts by tens of percent between repetitions on a shared VM, and
+/// a ratio of medians would mix states.
+fn paired_ratios(rates: &[f64], limits: &[f64]) -> Vec<f64> {
+    rates.iter().zip(limits).map(|(r, l)| r / l).collect()
 }
 
 fn median(v: &[f64]) -> f64 {
