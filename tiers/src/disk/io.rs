@@ -236,6 +236,14 @@ impl Drop for DiskIo {
     }
 }
 
+/// Reports a finished request. Its buffers (and the leases that keep them) are released
+/// first: whoever sees the completion may at once reuse or deregister that memory.
+fn complete(req: Request, out: std::io::Result<usize>) {
+    let Request { done, _keep, iov, .. } = req;
+    drop((_keep, iov));
+    let _ = done.send(out);
+}
+
 /// user_data of the pending eventfd read.
 const BELL: u64 = u64::MAX;
 
@@ -342,7 +350,7 @@ fn uring_loop(
                 } else {
                     Ok(res as usize)
                 };
-                let _ = req.done.send(out);
+                complete(req, out);
                 free.push(i);
                 in_flight -= 1;
             }
@@ -366,7 +374,7 @@ fn pread_loop(fd: i32, rx: Arc<Mutex<mpsc::Receiver<Request>>>) {
             }
         };
         let out = if res < 0 { Err(std::io::Error::last_os_error()) } else { Ok(res as usize) };
-        let _ = req.done.send(out);
+        complete(req, out);
     }
 }
 
