@@ -207,7 +207,10 @@ impl kvf_store {
                         }
                         if let Ok(info) = serde_json::from_value::<NodeInfo>(inst.metadata) {
                             if info.block_bytes == bytes {
-                                let _ = remote.add_node(&info).await;
+                                match remote.add_node(&info).await {
+                                    Ok(()) => tracing::info!(node = %inst.id, "fabric node joined"),
+                                    Err(e) => tracing::warn!(node = %inst.id, error = %e, "cannot reach a fabric node"),
+                                }
                             }
                         }
                     }
@@ -218,7 +221,10 @@ impl kvf_store {
                 while let Some(change) = changes.recv().await {
                     match change {
                         DiscoveryEvent::Joined(inst) => join(inst).await,
-                        DiscoveryEvent::Left { id, .. } => remote.remove_node(&id),
+                        DiscoveryEvent::Left { id, .. } => {
+                            tracing::info!(node = %id, "fabric node left");
+                            remote.remove_node(&id)
+                        }
                     }
                 }
             }));

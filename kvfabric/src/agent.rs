@@ -347,6 +347,7 @@ impl Agent {
         });
         let server = TcpServer::spawn(listener, Arc::downgrade(&inner));
         *inner.server.lock() = Some(server);
+        tracing::debug!(agent = %inner.config.name, addr = %listen_addr, "transfer agent listening");
         Ok(Agent { inner })
     }
 

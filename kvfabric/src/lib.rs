@@ -18,6 +18,8 @@
 //!   NATS implementations.
 //! - [`events`]: KV events (`Stored`/`Removed`/`Cleared` per tier, with monotonic ids) and
 //!   the sink trait stores publish them to.
+//! - [`contract`]: the control plane's topics and typed, versioned messages (KV events and
+//!   dumps, loads, dump requests) that every publisher and consumer uses.
 //! - [`wire`]: the authenticated, length-prefixed binary protocol between agents.
 //!
 //! What it guarantees:
@@ -34,6 +36,7 @@
 //! `unsafe` lives in [`memory`] and the transports, each block with its `SAFETY` argument.
 
 pub mod agent;
+pub mod contract;
 pub mod control;
 pub mod events;
 pub mod gguf;

@@ -307,6 +307,7 @@ impl Inner {
         });
         model.router.add_worker(wid);
         model.workers += 1;
+        tracing::info!(worker = %inst.id, addr = %md.addr, model = %md.model.id, role = ?md.role, "worker joined");
         st.by_id.insert(wid, inst.id.clone());
         st.workers
             .insert(inst.id, WorkerEntry { wid, addr: md.addr, model: md.model.id, served: 0 });
@@ -315,6 +316,7 @@ impl Inner {
     fn leave(&self, name: &str) {
         let mut st = self.state.lock();
         let Some(w) = st.workers.remove(name) else { return };
+        tracing::info!(worker = %name, "worker left");
         st.by_id.remove(&w.wid);
         self.index.remove_worker(w.wid);
         let gone = match st.models.get_mut(&w.model) {

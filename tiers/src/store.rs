@@ -217,10 +217,22 @@ impl TieredStore {
             bytes as usize,
             RegionOptions { shared: cfg.shared_host, export: true, huge_pages: false },
         )?;
+        tracing::info!(
+            block_bytes = cfg.block_bytes,
+            host_blocks = cfg.host_blocks,
+            host_bytes = bytes,
+            "block store: host tier allocated"
+        );
         let events = EventLog { sink, next: Mutex::new(0) };
         let disk = match &cfg.disk {
             Some(d) => {
                 let (tier, recovered) = DiskTier::open(d, cfg.block_bytes).await?;
+                tracing::info!(
+                    path = %d.path.display(),
+                    capacity = d.capacity_blocks,
+                    recovered = recovered.blocks.len(),
+                    "disk tier open"
+                );
                 for (hash, parent) in recovered.blocks {
                     events.stored(hash, parent, TierKind::Disk);
                 }

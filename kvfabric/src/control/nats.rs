@@ -43,8 +43,25 @@ impl NatsBus {
         let options = async_nats::ConnectOptions::new().event_callback(move |event| {
             let tx = tx.clone();
             async move {
-                if matches!(event, async_nats::Event::Connected) {
-                    tx.send_modify(|n| *n += 1);
+                match event {
+                    async_nats::Event::Connected => {
+                        // The first connection is the caller's to report; later ones are
+                        // recoveries.
+                        if *tx.borrow() > 0 {
+                            tracing::info!("NATS connection regained");
+                        }
+                        tx.send_modify(|n| *n += 1);
+                    }
+                    async_nats::Event::Disconnected => {
+                        tracing::warn!("NATS connection lost; reconnecting");
+                    }
+                    async_nats::Event::ServerError(e) => {
+                        tracing::warn!(error = %e, "NATS server error");
+                    }
+                    async_nats::Event::ClientError(e) => {
+                        tracing::warn!(error = %e, "NATS client error");
+                    }
+                    _ => {}
                 }
             }
         });
@@ -53,6 +70,7 @@ impl NatsBus {
             .map_err(|_| ControlError::Timeout("nats connect"))?
             .map_err(backend)?;
         let js = jetstream::new(client.clone());
+        tracing::debug!(%url, "connected to NATS");
         Ok(NatsBus { client, js, namespace: namespace.to_string(), connections })
     }
 

@@ -84,6 +84,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
             Duration::from_secs(args.lease_ttl_s.max(1)),
         )
         .await?;
+    tracing::info!(node = %args.name, addr = %agent.listen_addr(), "fabric node listening and registered in discovery");
     println!("{}", serde_json::json!({ "fabric": info }));
 
     let resync =
@@ -101,6 +102,6 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     for t in resync {
         t.abort();
     }
-    eprintln!("fabric node {} stopped", args.name);
+    tracing::info!(node = %args.name, "fabric node stopped");
     Ok(())
 }

@@ -62,9 +62,11 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
         .await
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
-    println!("kvfabric frontend at http://{}/v1", listener.local_addr()?);
+    let addr = listener.local_addr()?;
+    tracing::info!(frontend = %args.name, %addr, "frontend listening");
+    println!("kvfabric frontend at http://{addr}/v1");
     axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
     backend.stop();
-    eprintln!("frontend {} stopped", args.name);
+    tracing::info!(frontend = %args.name, "frontend stopped");
     Ok(())
 }

@@ -24,6 +24,14 @@ pub struct Cli {
     /// environment variables, which win over the file.
     #[arg(long, global = true, env = "KVFABRIC_CONFIG")]
     config: Option<std::path::PathBuf>,
+    /// What to log to stderr: a level (`error`, `warn`, `info`, `debug`, `trace`) or
+    /// per-module directives (`info,kvfabric_tiers=debug`). Without it, `RUST_LOG` decides,
+    /// and `info` without that.
+    #[arg(long, global = true, env = "KVFABRIC_LOG_LEVEL")]
+    log_level: Option<String>,
+    /// How log lines look: `text` for people, `json` (one object a line) for log collectors.
+    #[arg(long, global = true, env = "KVFABRIC_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -55,8 +63,42 @@ enum Command {
     TierSoak(soak::SoakArgs),
 }
 
+/// The format of log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object a line.
+    Json,
+}
+
+/// Installs the process's log subscriber: every `tracing` event of the libraries, filtered by
+/// `--log-level` (or `RUST_LOG`, or `info`), to stderr.
+fn init_logging(level: Option<&str>, format: LogFormat) -> anyhow::Result<()> {
+    use tracing_subscriber::EnvFilter;
+    let filter = match level {
+        Some(l) => EnvFilter::try_new(l).with_context(|| format!("--log-level {l:?}"))?,
+        None => match std::env::var("RUST_LOG") {
+            Ok(v) if !v.trim().is_empty() => {
+                EnvFilter::try_new(&v).with_context(|| format!("RUST_LOG={v:?}"))?
+            }
+            _ => EnvFilter::new("info"),
+        },
+    };
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let installed = match format {
+        LogFormat::Text => {
+            use std::io::IsTerminal;
+            builder.with_ansi(std::io::stderr().is_terminal()).try_init()
+        }
+        LogFormat::Json => builder.json().with_current_span(false).try_init(),
+    };
+    installed.map_err(|e| anyhow::anyhow!("installing the log subscriber: {e}"))
+}
+
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
+    init_logging(cli.log_level.as_deref(), cli.log_format)?;
     match cli.command {
         Command::Up(args) => runtime()?.block_on(up::run(args)),
         Command::Worker(args) => runtime()?.block_on(worker::run(args)),

@@ -42,13 +42,23 @@ pub async fn connect(
     namespace: &str,
 ) -> anyhow::Result<(Arc<dyn Discovery>, Arc<dyn EventBus>)> {
     let discovery: Arc<dyn Discovery> = if etcd.is_empty() {
+        tracing::info!("discovery: embedded (this process only)");
         Arc::new(MemoryDiscovery::new())
     } else {
-        Arc::new(EtcdDiscovery::connect(etcd, namespace).await?)
+        let d = EtcdDiscovery::connect(etcd, namespace).await?;
+        tracing::info!(endpoints = ?etcd, namespace, "discovery: etcd");
+        Arc::new(d)
     };
     let bus: Arc<dyn EventBus> = match nats {
-        Some(url) => Arc::new(NatsBus::connect(url, namespace).await?),
-        None => Arc::new(MemoryBus::new()),
+        Some(url) => {
+            let b = NatsBus::connect(url, namespace).await?;
+            tracing::info!(url, namespace, "event bus: NATS");
+            Arc::new(b)
+        }
+        None => {
+            tracing::info!("event bus: embedded (this process only)");
+            Arc::new(MemoryBus::new())
+        }
     };
     Ok((discovery, bus))
 }

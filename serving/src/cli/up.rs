@@ -470,6 +470,7 @@ pub async fn serve_worker(
             lease_ttl,
         )
         .await?;
+    tracing::info!(worker = %name, %addr, ?role, kind, "worker registered in discovery");
     Ok((addr, registration, server, source))
 }
 
@@ -540,6 +541,7 @@ pub async fn shutdown_signal() {
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    tracing::info!("control plane: embedded discovery and event bus (this process only)");
     let server_cfg = ServerConfig {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         ..ServerConfig::default()
@@ -616,6 +618,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
+    tracing::info!(%addr, "listening: kvfabric is serving {describe}");
     println!("kvfabric is serving {describe} at http://{addr}/v1");
     println!(
         "try:\n  curl http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 64}}'"
@@ -630,6 +633,6 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     for s in stacks {
         s.shutdown().await;
     }
-    eprintln!("kvfabric stopped");
+    tracing::info!("kvfabric stopped");
     Ok(())
 }

@@ -90,13 +90,15 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             "metrics": metrics_addr,
         })
     );
+    tracing::info!(worker = %args.name, %addr, metrics = ?metrics_addr, "worker listening");
     shutdown_signal().await;
+    tracing::info!(worker = %args.name, "shutting down: leaving discovery");
     registration.revoke().await;
     server.abort();
     if let Some(m) = metrics {
         m.abort();
     }
     stack.shutdown().await;
-    eprintln!("worker {} stopped", args.name);
+    tracing::info!(worker = %args.name, "worker stopped");
     Ok(())
 }

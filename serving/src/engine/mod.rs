@@ -557,6 +557,13 @@ impl<E: Engine> Loop<E> {
                 started: false,
             };
             seq.import_tiers = self.cached_prefix(&seq);
+            tracing::debug!(
+                seq = id,
+                prompt_tokens = seq.req.prompt.len(),
+                cached_blocks = seq.import_tiers.len(),
+                max_tokens = seq.req.max_tokens,
+                "request admitted"
+            );
             bump(&self.stats.prompt_tokens, seq.req.prompt.len() as u64);
             bump(&self.stats.running, 1);
             if seq.import_tiers.is_empty() {
@@ -639,8 +646,21 @@ impl<E: Engine> Loop<E> {
                 tracing::warn!(error = %e, "prefix reuse stopped early; computing the rest");
                 Vec::new()
             }
-            Err(_) => Vec::new(),
+            Err(_) => {
+                tracing::debug!(
+                    seq = seq.id,
+                    "request deadline passed while importing cached blocks"
+                );
+                Vec::new()
+            }
         };
+        tracing::debug!(
+            seq = seq.id,
+            asked = n,
+            got = refs.len(),
+            from_block = seq.imported,
+            "cached blocks onboarded from the store"
+        );
         for r in &refs {
             let ok = r.read(&mut self.block_buf).is_ok()
                 && self.engine.import_block(seq.id, seq.imported, &self.block_buf).is_ok();

@@ -174,3 +174,13 @@ pub fn spawn_worker(name: &str, args: &[&str]) -> (Proc, Value) {
     std::thread::spawn(move || for _ in lines {});
     (Proc(child), v)
 }
+
+/// Polls `cond` until it holds; panics after `limit` (a test waits on a condition, never on
+/// a guessed sleep).
+pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "condition not met within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,415 @@
+//! A minimal client of etcd's v3 API over its HTTP/JSON gateway (`POST /v3/...`), which every
+//! etcd server since 3.4 serves on its client port next to gRPC.
+//!
+//! Why not gRPC: the gRPC client crates generate their code from etcd's `.proto` files at
+//! build time, which needs `protoc` and protobuf's well-known types installed on the building
+//! machine. kvfabric uses six unary calls and one stream; over HTTP/1.1 with hyper (already in
+//! the tree) they need no system package to build.
+//!
+//! The JSON mapping is protobuf's: `bytes` fields are base64, 64-bit integers are strings,
+//! fields holding their default value are omitted. A server stream (`/v3/watch`,
+//! `/v3/lease/keepalive`) is a sequence of `{"result": ...}` objects.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::control::ControlError;
+
+/// The most bytes one response (or one message of a stream) may hold.
+const MAX_MESSAGE: usize = 32 << 20;
+
+fn backend(message: impl Into<String>) -> ControlError {
+    ControlError::Backend { backend: "etcd", message: message.into() }
+}
+
+fn malformed(message: impl std::fmt::Display) -> ControlError {
+    ControlError::Malformed { what: "etcd response", message: message.to_string() }
+}
+
+/// Base64, as protobuf's JSON mapping writes `bytes`.
+pub(crate) fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The key just past every key that starts with `prefix` (etcd's `range_end` for a prefix).
+pub(crate) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0] // every key
+}
+
+/// An int64 field: protobuf's JSON mapping writes it as a string, but accepts a number.
+fn de_i64<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Int {
+        S(String),
+        N(i64),
+    }
+    match Int::deserialize(d)? {
+        Int::N(n) => Ok(n),
+        Int::S(s) => s.parse().map_err(serde::de::Error::custom),
+    }
+}
+
+/// A `bytes` field, base64.
+fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+    let s = String::deserialize(d)?;
+    base64::engine::general_purpose::STANDARD.decode(s).map_err(serde::de::Error::custom)
+}
+
+/// The header of every response.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct Header {
+    #[serde(default, deserialize_with = "de_i64")]
+    pub revision: i64,
+}
+
+/// A key and its value.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct KeyValue {
+    #[serde(default, deserialize_with = "de_bytes")]
+    pub key: Vec<u8>,
+    #[serde(default, deserialize_with = "de_bytes")]
+    pub value: Vec<u8>,
+    #[serde(default, deserialize_with = "de_i64")]
+    pub mod_revision: i64,
+}
+
+/// `/v3/kv/range`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RangeResponse {
+    #[serde(default)]
+    pub header: Header,
+    #[serde(default)]
+    pub kvs: Vec<KeyValue>,
+}
+
+/// `/v3/lease/grant` and `/v3/lease/keepalive`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct LeaseResponse {
+    #[serde(default, rename = "ID", deserialize_with = "de_i64")]
+    pub id: i64,
+    /// Seconds left; 0 or less when the lease does not exist.
+    #[serde(default, rename = "TTL", deserialize_with = "de_i64")]
+    pub ttl: i64,
+    /// Set by a grant the server refused.
+    #[serde(default)]
+    pub error: String,
+}
+
+/// One event of a watch.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct WatchEvent {
+    /// `DELETE`, or absent (the default, `PUT`).
+    #[serde(default, rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub kv: KeyValue,
+}
+
+/// One message of `/v3/watch`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct WatchResponse {
+    #[serde(default)]
+    pub canceled: bool,
+    #[serde(default, deserialize_with = "de_i64")]
+    pub compact_revision: i64,
+    #[serde(default)]
+    pub events: Vec<WatchEvent>,
+}
+
+/// `/v3/maintenance/status`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct StatusResponse {
+    #[serde(default)]
+    pub version: String,
+}
+
+/// A stream's envelope: a result, or the error that ended it.
+#[derive(Debug, Deserialize)]
+struct StreamItem<T> {
+    result: Option<T>,
+    error: Option<serde_json::Value>,
+}
+
+/// The error body of a failed call.
+#[derive(Debug, Deserialize)]
+struct ErrorBody {
+    #[serde(default)]
+    message: String,
+    #[serde(default)]
+    error: String,
+}
+
+/// Client endpoints (`host:port` authorities), tried in turn from the last that answered.
+#[derive(Debug, Clone)]
+pub(crate) struct Gateway {
+    endpoints: Arc<[String]>,
+    current: Arc<AtomicUsize>,
+    timeout: Duration,
+}
+
+impl Gateway {
+    /// `endpoints` as `http://host:port` or `host:port`; https needs a TLS client that this
+    /// build does not have, so it is refused rather than tried in the clear.
+    pub fn new(endpoints: &[String], timeout: Duration) -> Result<Self, ControlError> {
+        let mut out = Vec::new();
+        for e in endpoints {
+            let e = e.trim();
+            if e.starts_with("https://") {
+                return Err(backend(format!(
+                    "{e}: https endpoints are not supported; reach etcd over http (a local TLS proxy)"
+                )));
+            }
+            let authority = e.strip_prefix("http://").unwrap_or(e).trim_end_matches('/');
+            if authority.is_empty() || authority.contains('/') {
+                return Err(backend(format!("{e:?} is not an etcd endpoint (http://host:port)")));
+            }
+            out.push(authority.to_string());
+        }
+        if out.is_empty() {
+            return Err(backend("no etcd endpoint given"));
+        }
+        Ok(Gateway { endpoints: out.into(), current: Arc::new(AtomicUsize::new(0)), timeout })
+    }
+
+    async fn send(
+        &self,
+        authority: &str,
+        path: &str,
+        body: Bytes,
+    ) -> Result<(hyper::Response<Incoming>, tokio::task::JoinHandle<()>), ControlError> {
+        let tcp = tokio::net::TcpStream::connect(authority)
+            .await
+            .map_err(|e| backend(format!("{authority}: {e}")))?;
+        let _ = tcp.set_nodelay(true);
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+            .await
+            .map_err(|e| backend(format!("{authority}: {e}")))?;
+        let conn = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let req = hyper::Request::post(path)
+            .header(hyper::header::HOST, authority)
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|e| backend(e.to_string()))?;
+        match sender.send_request(req).await {
+            Ok(resp) => Ok((resp, conn)),
+            Err(e) => {
+                conn.abort();
+                Err(backend(format!("{authority}{path}: {e}")))
+            }
+        }
+    }
+
+    /// Posts `req` to `path` on the first endpoint that answers; a response that is not 200
+    /// becomes the server's error message.
+    async fn open(
+        &self,
+        path: &str,
+        req: &impl Serialize,
+    ) -> Result<(hyper::Response<Incoming>, tokio::task::JoinHandle<()>), ControlError> {
+        let body = Bytes::from(serde_json::to_vec(req).map_err(|e| backend(e.to_string()))?);
+        let n = self.endpoints.len();
+        let first = self.current.load(Ordering::Relaxed) % n;
+        let mut last = backend("no etcd endpoint");
+        for i in 0..n {
+            let at = (first + i) % n;
+            match self.send(&self.endpoints[at], path, body.clone()).await {
+                Ok((resp, conn)) => {
+                    self.current.store(at, Ordering::Relaxed);
+                    if resp.status() != hyper::StatusCode::OK {
+                        let status = resp.status();
+                        let bytes = read_limited(resp.into_body()).await;
+                        conn.abort();
+                        let text = bytes
+                            .ok()
+                            .and_then(|b| serde_json::from_slice::<ErrorBody>(&b).ok())
+                            .map(|e| if e.message.is_empty() { e.error } else { e.message })
+                            .unwrap_or_default();
+                        return Err(backend(format!("{path}: {status} {text}")));
+                    }
+                    return Ok((resp, conn));
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// A unary call, bounded by the gateway's timeout.
+    pub async fn call<T: DeserializeOwned>(
+        &self,
+        what: &'static str,
+        path: &str,
+        req: &impl Serialize,
+    ) -> Result<T, ControlError> {
+        tokio::time::timeout(self.timeout, async {
+            let (resp, conn) = self.open(path, req).await?;
+            let bytes = read_limited(resp.into_body()).await;
+            conn.abort();
+            serde_json::from_slice(&bytes?).map_err(malformed)
+        })
+        .await
+        .map_err(|_| ControlError::Timeout(what))?
+    }
+
+    /// Opens a server stream; the first message is awaited by the caller.
+    pub async fn stream(
+        &self,
+        what: &'static str,
+        path: &str,
+        req: &impl Serialize,
+    ) -> Result<JsonStream, ControlError> {
+        let (resp, conn) = tokio::time::timeout(self.timeout, self.open(path, req))
+            .await
+            .map_err(|_| ControlError::Timeout(what))??;
+        Ok(JsonStream { body: resp.into_body(), buf: Vec::new(), conn })
+    }
+}
+
+async fn read_limited(body: Incoming) -> Result<Bytes, ControlError> {
+    let limited = http_body_util::Limited::new(body, MAX_MESSAGE);
+    Ok(limited.collect().await.map_err(|e| backend(e.to_string()))?.to_bytes())
+}
+
+/// The messages of a server stream: JSON objects one after another.
+#[derive(Debug)]
+pub(crate) struct JsonStream {
+    body: Incoming,
+    buf: Vec<u8>,
+    conn: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for JsonStream {
+    fn drop(&mut self) {
+        self.conn.abort();
+    }
+}
+
+impl JsonStream {
+    /// The next result; None when the server ended the stream.
+    pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, ControlError> {
+        loop {
+            if let Some(item) = next_value::<StreamItem<T>>(&mut self.buf)? {
+                if let Some(err) = item.error {
+                    return Err(backend(format!("stream ended: {err}")));
+                }
+                return item
+                    .result
+                    .map(Some)
+                    .ok_or_else(|| malformed("stream item without result"));
+            }
+            match self.body.frame().await {
+                None => return Ok(None),
+                Some(Err(e)) => return Err(backend(e.to_string())),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        if self.buf.len() + data.len() > MAX_MESSAGE {
+                            return Err(malformed(format!(
+                                "a stream message over {MAX_MESSAGE} bytes"
+                            )));
+                        }
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Takes the first complete JSON value off `buf`; None while it is incomplete.
+fn next_value<T: DeserializeOwned>(buf: &mut Vec<u8>) -> Result<Option<T>, ControlError> {
+    let mut values = serde_json::Deserializer::from_slice(buf).into_iter::<T>();
+    match values.next() {
+        None => {
+            buf.clear(); // whitespace only
+            Ok(None)
+        }
+        Some(Err(e)) if e.is_eof() => Ok(None),
+        Some(Err(e)) => Err(malformed(e)),
+        Some(Ok(v)) => {
+            let used = values.byte_offset();
+            buf.drain(..used);
+            Ok(Some(v))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_end_increments_the_last_byte_below_0xff() {
+        assert_eq!(prefix_end(b"/a/"), b"/a0");
+        assert_eq!(prefix_end(b"a\xff\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff"), vec![0]);
+    }
+
+    #[test]
+    fn stream_values_are_split_whatever_the_chunking() {
+        let text = br#"{"result":{"created":true}}
+{"result":{"events":[{"kv":{"key":"L2EveA==","mod_revision":"2","value":"aGk="}},{"type":"DELETE","kv":{"key":"L2EveA==","mod_revision":"3"}}]}}
+{"result":{"canceled":true,"compact_revision":"7"}}"#;
+        for chunk in [1, 2, 7, 64, text.len()] {
+            let mut buf = Vec::new();
+            let mut got: Vec<WatchResponse> = Vec::new();
+            for piece in text.chunks(chunk) {
+                buf.extend_from_slice(piece);
+                while let Some(item) = next_value::<StreamItem<WatchResponse>>(&mut buf).unwrap() {
+                    got.push(item.result.unwrap());
+                }
+            }
+            assert_eq!(got.len(), 3, "chunk {chunk}");
+            assert_eq!(got[1].events[0].kv.key, b"/a/x");
+            assert_eq!(got[1].events[0].kv.value, b"hi");
+            assert_eq!(got[1].events[0].kv.mod_revision, 2);
+            assert_eq!(got[1].events[0].kind, "");
+            assert_eq!(got[1].events[1].kind, "DELETE");
+            assert!(got[2].canceled);
+            assert_eq!(got[2].compact_revision, 7);
+        }
+    }
+
+    #[test]
+    fn hostile_values_are_typed_errors() {
+        let mut buf = b"{\"result\": nope}".to_vec();
+        assert!(matches!(
+            next_value::<StreamItem<WatchResponse>>(&mut buf),
+            Err(ControlError::Malformed { .. })
+        ));
+        let mut buf = br#"{"result":{"events":[{"kv":{"key":"***"}}]}}"#.to_vec();
+        assert!(next_value::<StreamItem<WatchResponse>>(&mut buf).is_err());
+        let mut buf = br#"{"header":{"revision":"99999999999999999999"}}"#.to_vec();
+        assert!(next_value::<RangeResponse>(&mut buf).is_err());
+        let mut buf = br#"{"ID":"12","TTL":5}"#.to_vec();
+        let lease = next_value::<LeaseResponse>(&mut buf).unwrap().unwrap();
+        assert_eq!((lease.id, lease.ttl), (12, 5));
+    }
+
+    #[test]
+    fn endpoints_are_checked() {
+        assert!(Gateway::new(&["http://127.0.0.1:2379".into()], Duration::from_secs(1)).is_ok());
+        assert!(Gateway::new(&["127.0.0.1:2379".into()], Duration::from_secs(1)).is_ok());
+        assert!(Gateway::new(&["https://etcd:2379".into()], Duration::from_secs(1)).is_err());
+        assert!(Gateway::new(&["http://etcd:2379/v3".into()], Duration::from_secs(1)).is_err());
+        assert!(Gateway::new(&[], Duration::from_secs(1)).is_err());
+    }
+}

@@ -1,0 +1,277 @@
+//! Discovery on etcd (feature `etcd`), through etcd's HTTP/JSON gateway ([`gateway`]: no
+//! protoc at build time): an instance is the key
+//! `/kvfabric/v1/{namespace}/{kind}/{id}` holding its JSON, attached to a lease of its TTL
+//! that a keep-alive task refreshes every third of the TTL. If etcd restarts or the lease is
+//! lost, the task grants a new lease and puts the key again (re-registration, no restart of
+//! the instance). Watches list the prefix, then follow it from the next revision; when the
+//! watch breaks, they list again, report the difference as joins and leaves, and resume.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use super::{
+    check_name, ControlError, ControlFuture, Discovery, DiscoveryEvent, Instance, Registration,
+};
+
+mod gateway;
+
+use gateway::{
+    b64, prefix_end, Gateway, LeaseResponse, RangeResponse, StatusResponse, WatchResponse,
+};
+
+/// Time allowed for one etcd call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A watch that saw nothing for this long is re-established.
+const WATCH_REFRESH: Duration = Duration::from_secs(30);
+
+/// Discovery backed by an etcd cluster (v3 API, through etcd's HTTP/JSON gateway).
+#[derive(Debug, Clone)]
+pub struct EtcdDiscovery {
+    etcd: Gateway,
+    namespace: String,
+}
+
+impl EtcdDiscovery {
+    /// Connects to `endpoints` (such as `http://127.0.0.1:2379`): checks that one answers.
+    pub async fn connect(endpoints: &[String], namespace: &str) -> Result<Self, ControlError> {
+        check_name(namespace)?;
+        let etcd = Gateway::new(endpoints, CALL_TIMEOUT)?;
+        let status: StatusResponse =
+            etcd.call("etcd connect", "/v3/maintenance/status", &json!({})).await?;
+        tracing::debug!(version = %status.version, ?endpoints, "connected to etcd");
+        Ok(EtcdDiscovery { etcd, namespace: namespace.to_string() })
+    }
+
+    fn prefix(&self, kind: &str) -> String {
+        format!("/kvfabric/v1/{}/{}/", self.namespace, kind)
+    }
+
+    fn key(&self, kind: &str, id: &str) -> String {
+        format!("{}{}", self.prefix(kind), id)
+    }
+
+    async fn put_with_lease(
+        etcd: &Gateway,
+        key: &str,
+        value: &[u8],
+        ttl: Duration,
+    ) -> Result<i64, ControlError> {
+        // etcd leases are whole seconds: round up, never shorten the TTL asked for.
+        let ttl_s = ttl.as_millis().div_ceil(1000).max(1) as i64;
+        let lease: LeaseResponse =
+            etcd.call("etcd lease grant", "/v3/lease/grant", &json!({ "TTL": ttl_s })).await?;
+        if !lease.error.is_empty() || lease.id == 0 {
+            return Err(ControlError::Backend {
+                backend: "etcd",
+                message: format!("lease grant refused: {}", lease.error),
+            });
+        }
+        let put = json!({ "key": b64(key.as_bytes()), "value": b64(value), "lease": lease.id.to_string() });
+        etcd.call::<serde_json::Value>("etcd put", "/v3/kv/put", &put).await?;
+        Ok(lease.id)
+    }
+
+    /// Refreshes `lease` once: the seconds it has left, 0 when it no longer exists.
+    async fn keep_alive(etcd: &Gateway, lease: i64) -> Result<i64, ControlError> {
+        let mut stream = etcd
+            .stream("etcd keep-alive", "/v3/lease/keepalive", &json!({ "ID": lease.to_string() }))
+            .await?;
+        let reply = tokio::time::timeout(CALL_TIMEOUT, stream.next::<LeaseResponse>())
+            .await
+            .map_err(|_| ControlError::Timeout("etcd keep-alive"))??;
+        Ok(reply.map_or(0, |r| r.ttl))
+    }
+
+    async fn snapshot(
+        &self,
+        kind: &str,
+    ) -> Result<(BTreeMap<String, Instance>, i64), ControlError> {
+        let prefix = self.prefix(kind);
+        let req = json!({ "key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix.as_bytes())) });
+        let resp: RangeResponse = self.etcd.call("etcd get", "/v3/kv/range", &req).await?;
+        let mut out = BTreeMap::new();
+        for kv in resp.kvs {
+            let inst: Instance = serde_json::from_slice(&kv.value).map_err(|e| {
+                ControlError::Malformed { what: "instance", message: e.to_string() }
+            })?;
+            out.insert(inst.id.clone(), inst);
+        }
+        Ok((out, resp.header.revision))
+    }
+}
+
+impl Discovery for EtcdDiscovery {
+    fn register(&self, instance: Instance, ttl: Duration) -> ControlFuture<'_, Registration> {
+        Box::pin(async move {
+            check_name(&instance.kind)?;
+            check_name(&instance.id)?;
+            let key = self.key(&instance.kind, &instance.id);
+            let value = serde_json::to_vec(&instance).map_err(|e| ControlError::Malformed {
+                what: "instance",
+                message: e.to_string(),
+            })?;
+            let etcd = self.etcd.clone();
+            let mut lease = Self::put_with_lease(&etcd, &key, &value, ttl).await?;
+            tracing::debug!(%key, lease, ttl_ms = ttl.as_millis() as u64, "registered in etcd");
+            let (revoke_tx, mut revoke_rx) =
+                tokio::sync::oneshot::channel::<tokio::sync::oneshot::Sender<()>>();
+            let keepalive = tokio::spawn(async move {
+                let period = (ttl / 3).max(Duration::from_millis(200));
+                // Set while etcd cannot be reached or the registration is being restored:
+                // the loss and the recovery are logged once each.
+                let mut lost: Option<ControlError> = None;
+                loop {
+                    tokio::select! {
+                        done = &mut revoke_rx => {
+                            let _ = etcd
+                                .call::<serde_json::Value>(
+                                    "etcd revoke",
+                                    "/v3/lease/revoke",
+                                    &json!({ "ID": lease.to_string() }),
+                                )
+                                .await;
+                            if let Ok(done) = done {
+                                let _ = done.send(());
+                            }
+                            return;
+                        }
+                        _ = tokio::time::sleep(period) => {}
+                    }
+                    let outcome = match Self::keep_alive(&etcd, lease).await {
+                        Ok(left) if left > 0 => Ok(()),
+                        // The lease is gone (expired, or etcd lost it): register again.
+                        Ok(_) => match Self::put_with_lease(&etcd, &key, &value, ttl).await {
+                            Ok(l) => {
+                                tracing::info!(%key, lease = l, "lease was lost; registered in etcd again");
+                                lease = l;
+                                Ok(())
+                            }
+                            Err(e) => Err(e),
+                        },
+                        // A transient error (etcd restarting, a dropped connection) leaves
+                        // the lease alive: keep it, so watchers see no spurious leave and join.
+                        Err(e) => Err(e),
+                    };
+                    match (outcome, lost.is_some()) {
+                        (Ok(()), true) => {
+                            tracing::info!(%key, "etcd reachable again; registration kept");
+                            lost = None;
+                        }
+                        (Err(e), false) => {
+                            tracing::warn!(%key, error = %e, "etcd keep-alive failed; retrying every {period:?}");
+                            lost = Some(e);
+                        }
+                        _ => {}
+                    }
+                }
+            });
+            Ok(Registration { revoke: Some(revoke_tx), keepalive })
+        })
+    }
+
+    fn list<'a>(&'a self, kind: &'a str) -> ControlFuture<'a, Vec<Instance>> {
+        Box::pin(async move {
+            check_name(kind)?;
+            Ok(self.snapshot(kind).await?.0.into_values().collect())
+        })
+    }
+
+    fn watch<'a>(
+        &'a self,
+        kind: &'a str,
+    ) -> ControlFuture<'a, (Vec<Instance>, mpsc::Receiver<DiscoveryEvent>)> {
+        Box::pin(async move {
+            check_name(kind)?;
+            let (mut known, mut revision) = self.snapshot(kind).await?;
+            let initial: Vec<Instance> = known.values().cloned().collect();
+            let (tx, rx) = mpsc::channel(super::memory::SUBSCRIBER_BUFFER);
+            let this = self.clone();
+            let kind = kind.to_string();
+            tokio::spawn(async move {
+                let prefix = this.prefix(&kind);
+                let range_end = b64(&prefix_end(prefix.as_bytes()));
+                let mut broken = false;
+                loop {
+                    let create = json!({ "create_request": {
+                        "key": b64(prefix.as_bytes()),
+                        "range_end": range_end,
+                        "start_revision": (revision + 1).to_string(),
+                    }});
+                    match this.etcd.stream("etcd watch", "/v3/watch", &create).await {
+                        Ok(mut stream) => {
+                            if broken {
+                                tracing::info!(%prefix, "etcd watch re-established");
+                                broken = false;
+                            }
+                            // A quiet watch is re-established (list, diff, resume) every
+                            // WATCH_REFRESH, so a half-open connection cannot hide leaves for
+                            // long.
+                            while let Ok(Ok(Some(resp))) =
+                                tokio::time::timeout(WATCH_REFRESH, stream.next::<WatchResponse>())
+                                    .await
+                            {
+                                if resp.canceled || resp.compact_revision > 0 {
+                                    break;
+                                }
+                                for ev in resp.events {
+                                    let kv = ev.kv;
+                                    revision = revision.max(kv.mod_revision);
+                                    let key = String::from_utf8_lossy(&kv.key);
+                                    let id = key.trim_start_matches(&prefix).to_string();
+                                    let out = if ev.kind == "DELETE" {
+                                        known.remove(&id);
+                                        DiscoveryEvent::Left { kind: kind.clone(), id }
+                                    } else {
+                                        match serde_json::from_slice::<Instance>(&kv.value) {
+                                            Ok(inst) => {
+                                                known.insert(id, inst.clone());
+                                                DiscoveryEvent::Joined(inst)
+                                            }
+                                            Err(e) => {
+                                                tracing::warn!(%key, error = %e, "ignoring a malformed instance in etcd");
+                                                continue;
+                                            }
+                                        }
+                                    };
+                                    if tx.send(out).await.is_err() {
+                                        return;
+                                    }
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            if !broken {
+                                tracing::warn!(%prefix, error = %e, "etcd watch failed; retrying");
+                                broken = true;
+                            }
+                        }
+                    }
+                    if tx.is_closed() {
+                        return;
+                    }
+                    // The watch broke (etcd restarted, or compacted past us): list again and
+                    // report the difference.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    let Ok((now, rev)) = this.snapshot(&kind).await else { continue };
+                    for (id, _) in known.iter().filter(|(id, _)| !now.contains_key(*id)) {
+                        let _ = tx
+                            .send(DiscoveryEvent::Left { kind: kind.clone(), id: id.clone() })
+                            .await;
+                    }
+                    for (id, inst) in now.iter() {
+                        if known.get(id) != Some(inst) {
+                            let _ = tx.send(DiscoveryEvent::Joined(inst.clone())).await;
+                        }
+                    }
+                    known = now;
+                    revision = rev;
+                }
+            });
+            Ok((initial, rx))
+        })
+    }
+}

