@@ -14,7 +14,7 @@ use kvfabric::control::nats::NatsBus;
 use kvfabric::control::{Discovery, EventBus};
 use kvfabric::memory::RegionId;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest};
-use kvfabric_tiers::fabric::FABRIC_KIND;
+use kvfabric_tiers::remote::protocol::FABRIC_KIND;
 use parking_lot::Mutex;
 
 use crate::config::kvf_config;

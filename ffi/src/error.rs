@@ -7,7 +7,7 @@ use kvfabric::agent::AgentError;
 use kvfabric::control::ControlError;
 use kvfabric::memory::MemoryError;
 use kvfabric::transfer::TransferError;
-use kvfabric_tiers::fabric::RemoteError;
+use kvfabric_tiers::remote::RemoteError;
 use kvfabric_tiers::StoreError;
 use parking_lot::Mutex;
 

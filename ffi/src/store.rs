@@ -5,13 +5,16 @@
 use std::ffi::c_char;
 use std::sync::Arc;
 
-use kvfabric::control::{DiscoveryEvent, Instance, Registration};
+use kvfabric::control::Registration;
 use kvfabric::events::{ChannelSink, KvEvent, KvEventData, KvEventSink, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric::layout::ModelSpec;
 use kvfabric::memory::{copy_between, Region, RegionId};
 use kvfabric_tiers::disk::DiskConfig;
-use kvfabric_tiers::fabric::{FabricNode, NodeInfo, RemoteTier, FABRIC_KIND};
+use kvfabric_tiers::fabric::FabricNode;
+use kvfabric_tiers::publish::StorePublisher;
+use kvfabric_tiers::remote::protocol::NodeInfo;
+use kvfabric_tiers::remote::RemoteTier;
 use kvfabric_tiers::{StoreConfig, StoreError, TieredStore};
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
@@ -78,6 +81,7 @@ pub struct kvf_store {
     node: Option<Arc<FabricNode>>,
     sink: Arc<ChannelSink>,
     registration: Mutex<Option<Registration>>,
+    publisher: Option<StorePublisher>,
     tasks: Vec<JoinHandle<()>>,
     last_error: LastError,
 }
@@ -98,6 +102,7 @@ impl Drop for kvf_store {
         for t in &self.tasks {
             t.abort();
         }
+        self.publisher.take();
         if let Some(r) = self.registration.lock().take() {
             self.ctx.rt().block_on(r.revoke());
         }
@@ -157,22 +162,18 @@ impl kvf_store {
             cfg.bool("remote", false).then(|| RemoteTier::new(ctx.agent.clone(), ctx.deadline));
         scfg.remote = remote.clone();
         let name = ctx.agent.name().to_string();
-        let (sink, mut events) = ChannelSink::new(65_536);
+        let (sink, events) = ChannelSink::new(65_536);
         let rt = ctx.rt();
         let store = rt.block_on(TieredStore::open(scfg, &ctx.agent, sink.clone()))?;
-        let mut tasks = Vec::new();
-        // One id sequence for the store's own events and those the engine publishes.
-        let bus = ctx.bus.clone();
-        let source = name.clone();
-        tasks.push(rt.spawn(async move {
-            let mut next = 0u64;
-            while let Some(mut e) = events.recv().await {
-                next += 1;
-                e.event_id = next;
-                let msg = serde_json::json!({ "source": source, "event": e });
-                let _ = bus.publish("kv-events", msg.to_string().into_bytes()).await;
-            }
-        }));
+        let tasks: Vec<JoinHandle<()>> = Vec::new();
+        // One id sequence for the store's own events and those the engine publishes; dumps
+        // for routers that lost some.
+        let publisher = rt.block_on(StorePublisher::start(
+            ctx.bus.clone(),
+            name.clone(),
+            store.clone(),
+            events,
+        ))?;
         // From here on, a failure drops `this`, whose Drop undoes what was set up.
         let mut this = kvf_store {
             ctx: ctx.clone(),
@@ -182,52 +183,19 @@ impl kvf_store {
             node: None,
             sink,
             registration: Mutex::new(None),
+            publisher: Some(publisher),
             tasks,
             last_error: LastError::default(),
         };
         if cfg.bool("serve", false) {
             let node = FabricNode::serve(ctx.agent.clone(), store.clone(), ctx.deadline);
-            let metadata = serde_json::to_value(node.info())
-                .map_err(|e| FfiError::new(kvf_result::KVF_IO, e.to_string()))?;
-            this.node = Some(node);
-            let instance = Instance { kind: FABRIC_KIND.into(), id: name.clone(), metadata };
+            this.node = Some(node.clone());
             *this.registration.lock() =
-                Some(rt.block_on(ctx.discovery.register(instance, ctx.lease_ttl))?);
+                Some(rt.block_on(node.register(&*ctx.discovery, &name, ctx.lease_ttl))?);
         }
         if let Some(remote) = remote {
-            let (now, mut changes) = rt.block_on(ctx.discovery.watch(FABRIC_KIND))?;
-            let own = name.clone();
-            this.tasks.push(rt.spawn(async move {
-                let join = |inst: Instance| {
-                    let remote = remote.clone();
-                    let own = own.clone();
-                    async move {
-                        if inst.id == own {
-                            return;
-                        }
-                        if let Ok(info) = serde_json::from_value::<NodeInfo>(inst.metadata) {
-                            if info.block_bytes == bytes {
-                                match remote.add_node(&info).await {
-                                    Ok(()) => tracing::info!(node = %inst.id, "fabric node joined"),
-                                    Err(e) => tracing::warn!(node = %inst.id, error = %e, "cannot reach a fabric node"),
-                                }
-                            }
-                        }
-                    }
-                };
-                for inst in now {
-                    join(inst).await;
-                }
-                while let Some(change) = changes.recv().await {
-                    match change {
-                        DiscoveryEvent::Joined(inst) => join(inst).await,
-                        DiscoveryEvent::Left { id, .. } => {
-                            tracing::info!(node = %id, "fabric node left");
-                            remote.remove_node(&id)
-                        }
-                    }
-                }
-            }));
+            let own = this.node.is_some().then(|| name.clone());
+            this.tasks.push(rt.block_on(remote.follow(&*ctx.discovery, bytes, own))?);
         }
         Ok(this)
     }

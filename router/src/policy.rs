@@ -84,14 +84,8 @@ impl Default for RouterConfig {
     }
 }
 
-/// A worker's load.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Load {
-    /// KV blocks of requests being decoded.
-    pub active_blocks: u64,
-    /// Prompt tokens waiting for prefill.
-    pub queued_prefill_tokens: u64,
-}
+/// A worker's load (its report on the control plane).
+pub use kvfabric::contract::Load;
 
 #[derive(Debug, Clone, Copy)]
 struct Tracked {

@@ -286,3 +286,56 @@ async fn the_real_model_across_two_worker_processes_with_kv_routing() {
     let text = a["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(text.contains("Paris"), "{text:?}");
 }
+
+/// Serving workers use the KV fabric as their G4 tier: a worker without a disk tier spills a
+/// prompt's blocks to a `kvfabric fabric` node under host pressure; a second worker process,
+/// started after the first is gone and which never saw the prompt, serves it from the fabric.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_share_blocks_through_a_fabric_node() {
+    use std::io::BufRead;
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    // The mock engine's blocks: SmolLM2-135M's layout in f32, 16 tokens.
+    let mut node = std::process::Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["fabric", "--name", "fabric-w", "--namespace", "dist", "--dtype", "f32"])
+        .args(["--model", "smollm2-135m", "--block-tokens", "16", "--host-blocks", "256"])
+        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url()])
+        .env("KVFABRIC_SECRET", "g4-secret")
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(node.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let node = Proc(node);
+    assert!(line.contains("\"fabric\""), "the node did not start: {line:?}");
+
+    let g4_worker = |name: &str| {
+        let extra = ["--engine", "mock", "--disk-blocks", "0", "--host-blocks", "4"];
+        let more = ["--secret", "g4-secret", "--mock-decode-us", "100", "--mock-prefill-us", "5"];
+        worker(name, &etcd, &nats, &[&extra[..], &more[..]].concat())
+    };
+    let f = frontend(&etcd, &nats, RoutingMode::Kv).await;
+    let prompt = "Blocks that travel between workers through the fabric. ".repeat(8);
+
+    let a = g4_worker("g4-a");
+    wait_for("worker a", Duration::from_secs(10), async || workers_known(&f).await == ["g4-a"])
+        .await;
+    let r = post_json(f.addr, "/v1/completions", &completion(&prompt, 4)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    drop(a);
+    wait_for("worker a gone", Duration::from_secs(10), async || workers_known(&f).await.is_empty())
+        .await;
+
+    let _b = g4_worker("g4-b");
+    wait_for("worker b", Duration::from_secs(10), async || workers_known(&f).await == ["g4-b"])
+        .await;
+    let r = post_json(f.addr, "/v1/completions", &completion(&prompt, 4)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvfabric-worker"), Some("g4-b"));
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    // Worker a kept its last 4 blocks in host memory (lost with it); the rest went to the
+    // fabric, which serves the leading run.
+    assert!(cached >= 16 * 8, "only {cached} prompt tokens came from the fabric");
+    drop(node);
+}

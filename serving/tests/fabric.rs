@@ -18,7 +18,9 @@ use kvfabric::events::NullSink;
 use kvfabric::hash::SequenceHash;
 use kvfabric::memory::{Region, RegionOptions};
 use kvfabric::testkit::{EtcdServer, NatsServer};
-use kvfabric_tiers::fabric::{FabricNode, NodeInfo, RemoteTier, FABRIC_KIND};
+use kvfabric_tiers::fabric::FabricNode;
+use kvfabric_tiers::remote::protocol::{NodeInfo, FABRIC_KIND};
+use kvfabric_tiers::remote::RemoteTier;
 use kvfabric_tiers::synthetic;
 use kvfabric_tiers::{StoreConfig, TieredStore};
 

@@ -1,96 +1,20 @@
-//! The KV fabric: standalone nodes (`kvfabric fabric`) that hold blocks in a tiered store
-//! behind the transfer engine, and the G4 remote tier, their client.
-//!
-//! A node answers four RPCs from authenticated peers (bodies are JSON):
-//! - `HELLO {metadata}`: the client's agent metadata, so the node can move bytes to and from
-//!   the client's registered memory;
-//! - `LOOKUP {hashes}` → which blocks it holds;
-//! - `GET {blocks: [(hash, region, offset)]}` → it WRITEs each block it holds straight into
-//!   the client's region (checksummed) and says which it served;
-//! - `PUT {blocks: [(hash, parent, region, offset)]}` → it READs each block it lacks
-//!   straight out of the client's region into a new slot (checksummed) and commits it.
-//!
-//! The client ([`RemoteTier`]) follows the nodes through discovery and places each block on
-//! a node by consistent hashing (64 virtual points per node on a 64-bit ring). A node that
-//! leaves is dropped from the ring at once; its blocks count as misses.
+//! A KV fabric node (`kvfabric fabric`): a tiered store behind the transfer engine, serving
+//! the fabric's protocol ([`crate::remote::protocol`]) to authenticated peers, registered in
+//! discovery for the G4 tiers ([`crate::remote::RemoteTier`]) of other processes to find.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvfabric::agent::{Agent, AgentMetadata, RpcHandler};
-use kvfabric::events::TierKind;
+use kvfabric::agent::{Agent, RpcHandler};
+use kvfabric::control::{ControlError, Discovery, Instance, Registration};
 use kvfabric::hash::SequenceHash;
-use kvfabric::memory::RegionId;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest};
-use parking_lot::RwLock;
-use xxhash_rust::xxh3::xxh3_64;
 
+use crate::remote::protocol::{
+    decode, encode, method, BlockLoc, Blocks, Hello, Lookup, NodeInfo, Present,
+    BLOCKS_PER_CALL_MAX, FABRIC_KIND,
+};
 use crate::store::{StoreError, TieredStore};
-
-/// RPC method numbers of a fabric node.
-pub mod method {
-    /// Client metadata.
-    pub const HELLO: u16 = 1;
-    /// Which blocks the node holds.
-    pub const LOOKUP: u16 = 2;
-    /// Write blocks into the client's memory.
-    pub const GET: u16 = 3;
-    /// Read blocks out of the client's memory.
-    pub const PUT: u16 = 4;
-}
-
-/// Kind of fabric nodes in discovery.
-pub const FABRIC_KIND: &str = "fabric";
-
-/// What a fabric node publishes in discovery.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct NodeInfo {
-    /// The node's agent metadata (transfer address, exported regions).
-    pub agent: AgentMetadata,
-    /// Bytes per block it stores.
-    pub block_bytes: u64,
-}
-
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Hello {
-    metadata: AgentMetadata,
-}
-
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Lookup {
-    hashes: Vec<SequenceHash>,
-}
-
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Present {
-    present: Vec<bool>,
-}
-
-#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
-struct BlockLoc {
-    hash: SequenceHash,
-    parent: Option<SequenceHash>,
-    region: RegionId,
-    offset: u64,
-}
-
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Blocks {
-    blocks: Vec<BlockLoc>,
-}
-
-/// Most blocks in one GET or PUT.
-pub const BLOCKS_PER_CALL_MAX: usize = 1024;
-
-fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
-    serde_json::from_slice(body).map_err(|e| format!("malformed request: {e}"))
-}
-
-fn encode<T: serde::Serialize>(v: &T) -> Vec<u8> {
-    // Plain data with string keys always serializes.
-    serde_json::to_vec(v).unwrap_or_default()
-}
 
 /// The server side: a store behind an agent.
 #[derive(Debug, Clone)]
@@ -116,6 +40,24 @@ impl FabricNode {
     /// The store.
     pub fn store(&self) -> &TieredStore {
         &self.store
+    }
+
+    /// Registers the node in discovery as `name` (kind [`FABRIC_KIND`]), under a lease of
+    /// `ttl` kept alive until the registration is dropped or revoked.
+    pub async fn register(
+        &self,
+        discovery: &dyn Discovery,
+        name: &str,
+        ttl: Duration,
+    ) -> Result<Registration, ControlError> {
+        let metadata = serde_json::to_value(self.info()).map_err(|e| ControlError::Malformed {
+            what: "fabric node info",
+            message: e.to_string(),
+        })?;
+        let instance = Instance { kind: FABRIC_KIND.into(), id: name.to_string(), metadata };
+        let registration = discovery.register(instance, ttl).await?;
+        tracing::info!(node = %name, addr = %self.agent.listen_addr(), "fabric node registered in discovery");
+        Ok(registration)
     }
 
     async fn get(&self, from: &str, blocks: Vec<BlockLoc>) -> Result<Vec<bool>, String> {
@@ -266,227 +208,5 @@ impl<T: Send + 'static> Drop for Quarantine<T> {
             }
             _ => drop(slots),
         }
-    }
-}
-
-/// Why a remote-tier operation failed.
-#[derive(Debug, thiserror::Error)]
-pub enum RemoteError {
-    /// No fabric node is known.
-    #[error("no fabric node available")]
-    NoNode,
-    /// A node failed the call (dead, slow, or refused).
-    #[error("fabric node {node}: {message}")]
-    Node {
-        /// The node.
-        node: String,
-        /// What went wrong.
-        message: String,
-    },
-    /// A node's answer is not what it should be.
-    #[error("malformed answer from {0}")]
-    Malformed(String),
-}
-
-const VIRTUAL_POINTS: u32 = 64;
-
-/// The G4 remote tier: a client of the fabric nodes.
-#[derive(Debug, Clone)]
-pub struct RemoteTier {
-    agent: Agent,
-    ring: Arc<RwLock<BTreeMap<u64, String>>>,
-    deadline: Duration,
-    /// Per node, a digest of the metadata we last introduced ourselves with: regions
-    /// registered later are announced again before the node must address them.
-    announced: Arc<RwLock<std::collections::HashMap<String, u64>>>,
-}
-
-impl RemoteTier {
-    /// A client with no nodes yet; `deadline` bounds every call.
-    pub fn new(agent: Agent, deadline: Duration) -> Self {
-        RemoteTier {
-            agent,
-            ring: Arc::new(RwLock::new(BTreeMap::new())),
-            deadline,
-            announced: Arc::new(RwLock::new(std::collections::HashMap::new())),
-        }
-    }
-
-    /// Adds a node (discovery said it joined): loads its metadata and introduces ourselves.
-    pub async fn add_node(&self, info: &NodeInfo) -> Result<(), RemoteError> {
-        let name = info.agent.name.clone();
-        let err = |m: String| RemoteError::Node { node: name.clone(), message: m };
-        self.agent.load_peer(info.agent.clone()).map_err(|e| err(e.to_string()))?;
-        let hello = encode(&Hello { metadata: self.agent.metadata() });
-        self.agent
-            .call(&name, method::HELLO, hello, self.deadline)
-            .await
-            .map_err(|e| err(e.to_string()))?;
-        let mut ring = self.ring.write();
-        for i in 0..VIRTUAL_POINTS {
-            ring.insert(xxh3_64(format!("{name}#{i}").as_bytes()), name.clone());
-        }
-        Ok(())
-    }
-
-    /// Introduces this agent (its current metadata) to a node, if not done since its last
-    /// change.
-    async fn hello(&self, node: &str) -> Result<(), RemoteError> {
-        let metadata = self.agent.metadata();
-        let digest = xxh3_64(&serde_json::to_vec(&metadata.regions).unwrap_or_default());
-        if self.announced.read().get(node) == Some(&digest) {
-            return Ok(());
-        }
-        let hello = encode(&Hello { metadata });
-        self.agent
-            .call(node, method::HELLO, hello, self.deadline)
-            .await
-            .map_err(|e| RemoteError::Node { node: node.to_string(), message: e.to_string() })?;
-        self.announced.write().insert(node.to_string(), digest);
-        Ok(())
-    }
-
-    /// Drops a node (discovery said it left): its blocks count as misses from now on.
-    pub fn remove_node(&self, name: &str) {
-        self.announced.write().remove(name);
-        self.ring.write().retain(|_, n| n != name);
-        self.agent.remove_peer(name);
-    }
-
-    /// The nodes on the ring.
-    pub fn nodes(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.ring.read().values().cloned().collect();
-        v.sort();
-        v.dedup();
-        v
-    }
-
-    /// The node responsible for a block: the first ring point at or after the block's
-    /// position (its sequence hash, mixed once more so that any key pattern spreads).
-    pub fn node_for(&self, hash: SequenceHash) -> Option<String> {
-        let pos = xxh3_64(&hash.0.to_le_bytes());
-        let ring = self.ring.read();
-        ring.range(pos..).next().or_else(|| ring.iter().next()).map(|(_, n)| n.clone())
-    }
-
-    fn group(
-        &self,
-        hashes: impl Iterator<Item = (usize, SequenceHash)>,
-    ) -> Result<BTreeMap<String, Vec<usize>>, RemoteError> {
-        let mut by_node: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-        for (i, h) in hashes {
-            by_node.entry(self.node_for(h).ok_or(RemoteError::NoNode)?).or_default().push(i);
-        }
-        Ok(by_node)
-    }
-
-    async fn call(
-        &self,
-        node: &str,
-        method: u16,
-        body: Vec<u8>,
-        n: usize,
-    ) -> Result<Vec<bool>, RemoteError> {
-        let reply =
-            self.agent.call(node, method, body, self.deadline).await.map_err(|e| {
-                RemoteError::Node { node: node.to_string(), message: e.to_string() }
-            })?;
-        let p: Present =
-            serde_json::from_slice(&reply).map_err(|_| RemoteError::Malformed(node.to_string()))?;
-        if p.present.len() != n {
-            return Err(RemoteError::Malformed(node.to_string()));
-        }
-        Ok(p.present)
-    }
-
-    /// Which blocks the fabric holds (a dead node's blocks are misses).
-    pub async fn lookup(&self, hashes: &[SequenceHash]) -> Result<Vec<bool>, RemoteError> {
-        let mut out = vec![false; hashes.len()];
-        for (node, idx) in self.group(hashes.iter().copied().enumerate())? {
-            let body = encode(&Lookup { hashes: idx.iter().map(|&i| hashes[i]).collect() });
-            if let Ok(present) = self.call(&node, method::LOOKUP, body, idx.len()).await {
-                for (k, &i) in idx.iter().enumerate() {
-                    out[i] = present[k];
-                }
-            }
-        }
-        Ok(out)
-    }
-
-    /// Fetches blocks into `dst` (this agent's region, offsets per block); says which were
-    /// served. A node that fails makes its blocks misses and reports the error if nothing
-    /// else was served.
-    pub async fn get(
-        &self,
-        hashes: &[SequenceHash],
-        dst: &[(RegionId, u64)],
-    ) -> Result<Vec<bool>, RemoteError> {
-        self.move_blocks(method::GET, hashes, None, dst).await
-    }
-
-    /// Stores blocks from `src` (this agent's region, offsets per block) with their parents;
-    /// says which the fabric now holds.
-    pub async fn put(
-        &self,
-        hashes: &[SequenceHash],
-        parents: &[Option<SequenceHash>],
-        src: &[(RegionId, u64)],
-    ) -> Result<Vec<bool>, RemoteError> {
-        self.move_blocks(method::PUT, hashes, Some(parents), src).await
-    }
-
-    async fn move_blocks(
-        &self,
-        method: u16,
-        hashes: &[SequenceHash],
-        parents: Option<&[Option<SequenceHash>]>,
-        locs: &[(RegionId, u64)],
-    ) -> Result<Vec<bool>, RemoteError> {
-        if locs.len() != hashes.len() || parents.is_some_and(|p| p.len() != hashes.len()) {
-            return Err(RemoteError::Malformed("caller: lengths differ".into()));
-        }
-        let mut out = vec![false; hashes.len()];
-        let mut first_err = None;
-        for (node, idx) in self.group(hashes.iter().copied().enumerate())? {
-            if let Err(e) = self.hello(&node).await {
-                first_err.get_or_insert(e);
-                continue;
-            }
-            for chunk in idx.chunks(BLOCKS_PER_CALL_MAX) {
-                let blocks: Vec<BlockLoc> = chunk
-                    .iter()
-                    .map(|&i| BlockLoc {
-                        hash: hashes[i],
-                        parent: parents.and_then(|p| p[i]),
-                        region: locs[i].0,
-                        offset: locs[i].1,
-                    })
-                    .collect();
-                match self.call(&node, method, encode(&Blocks { blocks }), chunk.len()).await {
-                    Ok(done) => {
-                        for (k, &i) in chunk.iter().enumerate() {
-                            out[i] = done[k];
-                        }
-                    }
-                    Err(e) => {
-                        first_err.get_or_insert(e);
-                    }
-                }
-            }
-        }
-        match first_err {
-            Some(e) if !out.iter().any(|&b| b) => Err(e),
-            _ => Ok(out),
-        }
-    }
-
-    /// The deadline of each call.
-    pub fn deadline(&self) -> Duration {
-        self.deadline
-    }
-
-    /// The tier this client is.
-    pub fn tier(&self) -> TierKind {
-        TierKind::Remote
     }
 }

@@ -8,8 +8,13 @@
 //! - [`disk`]: G3, a file of checksummed slots on O_DIRECT io_uring (pread fallback), whose
 //!   index is rebuilt from disk on restart.
 //! - [`store::TieredStore`]: G2 host slots in a registered, shareable region (so the
-//!   transfer engine moves blocks straight out of and into them) over G3, with offload under
-//!   pressure or write-through, onboard with prefetch, KV events and [`metrics`].
+//!   transfer engine moves blocks straight out of and into them) over G3 and G4, with offload
+//!   under pressure or write-through, onboard with prefetch, KV events and [`metrics`].
+//! - [`remote::RemoteTier`]: G4, a client of the KV fabric's nodes, which it follows through
+//!   discovery and spreads blocks over by consistent hashing.
+//! - [`fabric::FabricNode`]: a fabric node, a store served to peers over the transfer
+//!   engine and registered in discovery.
+//! - [`publish::StorePublisher`]: a store's KV events and dumps on the control plane.
 //!
 //! Guarantees: a pinned block is never evicted; a looked-up block's bytes are what was
 //! stored; a torn or corrupt block on disk is dropped, never served; a block that the disk
@@ -17,14 +22,15 @@
 //! with a monotonic id.
 //!
 //! Not here yet: G1 device memory (a [`pool::SlotPool`] over a device region, with the CUDA
-//! transport) and G4 remote fabric nodes (the control-plane issue); [`kvfabric::events::TierKind`]
-//! already names both.
+//! transport); [`kvfabric::events::TierKind`] already names it.
 
 pub mod disk;
 pub mod fabric;
 pub mod metrics;
 pub mod policy;
 pub mod pool;
+pub mod publish;
+pub mod remote;
 pub mod store;
 pub mod synthetic;
 

@@ -59,7 +59,7 @@ pub struct StoreConfig {
     /// G4: fabric nodes. Host evictions go there when no disk tier takes them, and `get`
     /// fetches blocks no local tier holds straight into host slots. Its agent must be the one
     /// the store is opened with.
-    pub remote: Option<crate::fabric::RemoteTier>,
+    pub remote: Option<crate::remote::RemoteTier>,
 }
 
 impl StoreConfig {
@@ -413,10 +413,10 @@ impl TieredStore {
     }
 
     /// Like [`TieredStore::lookup_prefix`], then asks the fabric (G4) about the blocks that
-    /// follow the local run.
+    /// follow the local run (no call when the store has no remote tier or it knows no node).
     pub async fn lookup_prefix_with_remote(&self, hashes: &[SequenceHash]) -> Vec<TierKind> {
         let mut tiers = self.lookup_prefix(hashes);
-        if let Some(remote) = &self.inner.cfg.remote {
+        if let Some(remote) = self.inner.cfg.remote.as_ref().filter(|r| !r.is_empty()) {
             let rest = &hashes[tiers.len()..];
             let present = remote.lookup(rest).await.unwrap_or_else(|_| vec![false; rest.len()]);
             for (h, remote_has) in rest.iter().zip(present) {
@@ -520,6 +520,11 @@ impl TieredStore {
             out.extend(d.blocks().into_iter().map(|(h, p)| (TierKind::Disk, h, p)));
         }
         out
+    }
+
+    /// Whether the store has a remote tier (G4) that knows at least one fabric node.
+    pub fn has_remote(&self) -> bool {
+        self.inner.cfg.remote.as_ref().is_some_and(|r| !r.is_empty())
     }
 
     /// The id of the last KV event emitted (a dump taken now is current as of this id).
@@ -792,9 +797,13 @@ impl Inner {
         hashes: &[SequenceHash],
     ) -> Result<Vec<BlockRef>, StoreError> {
         let Some(remote) = &self.cfg.remote else { return Ok(Vec::new()) };
+        if remote.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut slots = Vec::new();
         let parent_of = |i: usize| if i == 0 { first_parent } else { Some(hashes[i - 1]) };
-        for (i, &h) in hashes.iter().take(crate::fabric::BLOCKS_PER_CALL_MAX).enumerate() {
+        for (i, &h) in hashes.iter().take(crate::remote::protocol::BLOCKS_PER_CALL_MAX).enumerate()
+        {
             match self.reserve_host(h, parent_of(i)).await {
                 Ok(slot) => slots.push(slot),
                 Err(_) => break,

@@ -10,10 +10,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kvfabric::agent::{Agent, AgentConfig};
-use kvfabric::control::Instance;
 use kvfabric::events::ChannelSink;
 use kvfabric_tiers::disk::DiskConfig;
-use kvfabric_tiers::fabric::{FabricNode, FABRIC_KIND};
+use kvfabric_tiers::fabric::FabricNode;
+use kvfabric_tiers::publish::StorePublisher;
 use kvfabric_tiers::{StoreConfig, TieredStore};
 
 #[derive(Debug, Args)]
@@ -28,10 +28,14 @@ pub struct FabricArgs {
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
     secret: String,
     #[command(flatten)]
-    control: super::publish::ControlArgs,
+    control: super::control::ControlArgs,
     /// Model whose block size to store (preset, config.json or GGUF).
     #[arg(long, env = "KVFABRIC_MODEL", default_value = "smollm2-135m")]
     model: String,
+    /// KV dtype, overriding the model's (f32, f16, bf16, fp8, int8): the blocks of the
+    /// workers it serves must be of the same size.
+    #[arg(long, env = "KVFABRIC_DTYPE")]
+    dtype: Option<String>,
     /// Tokens per block.
     #[arg(long, env = "KVFABRIC_BLOCK_TOKENS", default_value_t = 16)]
     block_tokens: u32,
@@ -50,8 +54,11 @@ pub struct FabricArgs {
 }
 
 pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
-    let spec = kvfabric_serving::plan::resolve_model(&args.model)
+    let mut spec = kvfabric_serving::plan::resolve_model(&args.model)
         .with_context(|| format!("model {:?}", args.model))?;
+    if let Some(d) = &args.dtype {
+        spec = spec.with_dtype(kvfabric::layout::KvDtype::parse(d)?);
+    }
     let block_bytes = spec.block_layout(args.block_tokens)?.bytes_per_block();
     let mut cfg = AgentConfig::new(args.name.clone(), args.secret.into_bytes());
     cfg.listen = args.listen;
@@ -61,7 +68,6 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
 
     // KV events: the store's sink feeds a task that publishes them on the bus.
     let (sink, events) = ChannelSink::new(65_536);
-    let publisher = super::publish::publish_events(bus.clone(), args.name.clone(), events);
 
     let mut store_cfg = StoreConfig::new(block_bytes, args.host_blocks);
     store_cfg.disk_admit_min_hits = 0;
@@ -73,22 +79,12 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     }
     let store = TieredStore::open(store_cfg, &agent, sink).await?;
     let node = FabricNode::serve(agent.clone(), store, Duration::from_secs(30));
-    let info = node.info();
-    let registration = discovery
-        .register(
-            Instance {
-                kind: FABRIC_KIND.into(),
-                id: args.name.clone(),
-                metadata: serde_json::to_value(&info)?,
-            },
-            Duration::from_secs(args.lease_ttl_s.max(1)),
-        )
-        .await?;
-    tracing::info!(node = %args.name, addr = %agent.listen_addr(), "fabric node listening and registered in discovery");
-    println!("{}", serde_json::json!({ "fabric": info }));
+    let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
+    let registration = node.register(&*discovery, &args.name, ttl).await?;
+    println!("{}", serde_json::json!({ "fabric": node.info() }));
 
-    let resync =
-        super::publish::serve_dumps(bus.clone(), node.store().clone(), args.name.clone()).await?;
+    let publisher =
+        StorePublisher::start(bus.clone(), args.name.clone(), node.store().clone(), events).await?;
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -98,10 +94,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     // Graceful shutdown: no new connections, leave discovery at once.
     agent.shutdown();
     registration.revoke().await;
-    publisher.abort();
-    for t in resync {
-        t.abort();
-    }
+    drop(publisher);
     tracing::info!(node = %args.name, "fabric node stopped");
     Ok(())
 }

@@ -29,7 +29,7 @@ pub struct FrontendArgs {
     #[arg(long, env = "KVFABRIC_ROUTER_TEMPERATURE", default_value_t = 0.0)]
     router_temperature: f64,
     #[command(flatten)]
-    control: super::publish::ControlArgs,
+    control: super::control::ControlArgs,
     /// Request deadline, seconds.
     #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300)]
     request_timeout_s: u64,

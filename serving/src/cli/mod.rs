@@ -5,12 +5,12 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod control;
 mod fabric;
 mod frontend;
 mod hash;
 pub mod peer;
 mod plan;
-mod publish;
 mod soak;
 mod up;
 mod worker;

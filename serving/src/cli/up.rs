@@ -16,6 +16,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::contract::Message;
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::{Discovery, EventBus, Instance, Registration};
 use kvfabric::events::{ChannelSink, TierKind};
@@ -34,6 +35,8 @@ use kvfabric_serving::frontend::{
 };
 use kvfabric_serving::http::{self, ServerConfig};
 use kvfabric_tiers::disk::DiskConfig;
+use kvfabric_tiers::publish::StorePublisher;
+use kvfabric_tiers::remote::RemoteTier;
 use kvfabric_tiers::{StoreConfig, TieredStore};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -112,6 +115,10 @@ pub struct EngineOpts {
     /// tcp across hosts).
     #[arg(long, env = "KVFABRIC_KV_TRANSPORT", value_enum, default_value = "auto")]
     pub kv_transport: KvTransport,
+    /// Use the KV fabric's nodes found in discovery (`kvfabric fabric`) as a remote tier
+    /// (G4): cached blocks no local tier holds are fetched from them.
+    #[arg(long, env = "KVFABRIC_REMOTE_TIER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub remote_tier: bool,
     /// Mock: prefill cost per uncached prompt token, microseconds.
     #[arg(long, env = "KVFABRIC_MOCK_PREFILL_US", default_value_t = 40.0)]
     pub mock_prefill_us: f64,
@@ -206,6 +213,7 @@ pub struct Stack {
     pub describe: String,
     pub codec: CodecSpec,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    publisher: StorePublisher,
 }
 
 impl Stack {
@@ -225,6 +233,7 @@ impl Stack {
         for t in &self.tasks {
             t.abort();
         }
+        drop(self.publisher);
         if self.store.disk().is_some() {
             let hosted: Vec<_> = self
                 .store
@@ -248,6 +257,7 @@ type StartFn = Box<dyn FnOnce(TieredStore) -> anyhow::Result<Scheduler> + Send>;
 pub async fn start_stack(
     opts: &EngineOpts,
     name: &str,
+    discovery: &Arc<dyn Discovery>,
     bus: Arc<dyn EventBus>,
     show_progress: bool,
 ) -> anyhow::Result<Stack> {
@@ -355,7 +365,7 @@ pub async fn start_stack(
     };
     let agent = Agent::start(AgentConfig::new(name.to_string(), secret)).await?;
     let (sink, events) = ChannelSink::new(65_536);
-    let mut tasks = vec![super::publish::publish_events(bus.clone(), name.to_string(), events)];
+    let mut tasks = Vec::new();
     let mut store_cfg = StoreConfig::new(block_bytes, opts.host_blocks.max(1));
     store_cfg.disk_admit_min_hits = 0;
     if opts.disk_blocks > 0 {
@@ -374,9 +384,15 @@ pub async fn start_stack(
         // new blocks (computed, or written by a prefill worker) seldom wait for the disk.
         store_cfg.host_free_target = store_cfg.host_blocks / 4;
     }
+    // G4: the fabric nodes in discovery, followed for as long as the worker runs.
+    let remote = opts.remote_tier.then(|| RemoteTier::new(agent.clone(), Duration::from_secs(10)));
+    store_cfg.remote = remote.clone();
     let store =
         TieredStore::open(store_cfg, &agent, sink).await.context("opening the block store")?;
     let sched = start(store.clone())?;
+    if let Some(remote) = remote {
+        tasks.push(remote.follow(&**discovery, block_bytes, None).await?);
+    }
 
     // Load reports for the routers, a few times a second.
     {
@@ -391,13 +407,13 @@ pub async fn start_stack(
                     active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(bt),
                     queued_prefill_tokens: s.queued_prefill_tokens.load(Ordering::Relaxed),
                 };
-                let msg = serde_json::json!({ "source": name, "load": load });
-                let _ = bus.publish("load", msg.to_string().into_bytes()).await;
+                let msg = Message::Load { source: name.clone(), load };
+                let _ = bus.publish(msg.topic(), msg.encode()).await;
             }
         }));
     }
-    tasks.extend(super::publish::serve_dumps(bus, store.clone(), name.to_string()).await?);
-    Ok(Stack { sched, store, agent, describe, codec, tasks })
+    let publisher = StorePublisher::start(bus, name.to_string(), store.clone(), events).await?;
+    Ok(Stack { sched, store, agent, describe, codec, tasks, publisher })
 }
 
 /// Serves `stack`'s requests from frontends on `listen` and registers it in discovery.
@@ -573,14 +589,14 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let mut registrations = Vec::new();
     let mut servers = Vec::new();
     let (backend, describe): (Arc<dyn Backend>, String) = if n == 1 && !args.via_frontend {
-        let stack = start_stack(&engine, &args.name, bus.clone(), true).await?;
+        let stack = start_stack(&engine, &args.name, &discovery, bus.clone(), true).await?;
         let backend = Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
         let describe = stack.describe.clone();
         stacks.push(stack);
         (backend, describe)
     } else {
         for (i, (name, role)) in roles.iter().enumerate() {
-            let stack = start_stack(&engine, name, bus.clone(), i == 0).await?;
+            let stack = start_stack(&engine, name, &discovery, bus.clone(), i == 0).await?;
             let (_, reg, server, _) = serve_worker(
                 &stack,
                 name,

@@ -37,7 +37,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "KVFABRIC_LISTEN", default_value = "127.0.0.1:0")]
     listen: SocketAddr,
     #[command(flatten)]
-    control: super::publish::ControlArgs,
+    control: super::control::ControlArgs,
     /// Serve `/metrics` (Prometheus) on this address.
     #[arg(long, env = "KVFABRIC_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
@@ -52,7 +52,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         args.role == Role::Aggregated || args.engine.secret.is_some(),
         "prefill and decode workers need a shared --secret (KVFABRIC_SECRET)"
     );
-    let stack = start_stack(&args.engine, &args.name, bus.clone(), false).await?;
+    let stack = start_stack(&args.engine, &args.name, &discovery, bus.clone(), false).await?;
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
     let (addr, registration, server, source) = serve_worker(
         &stack,

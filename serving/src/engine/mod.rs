@@ -27,6 +27,9 @@ pub mod text;
 pub use sampling::{Sampler, SamplingParams};
 pub use text::{ChatMessage, TextCodec, TextStream};
 
+/// The longest a request waits for the fabric to say which of its blocks it holds.
+const REMOTE_LOOKUP_MAX: Duration = Duration::from_secs(1);
+
 /// Why a request or an engine failed.
 #[derive(Debug, Clone, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -598,7 +601,23 @@ impl<E: Engine> Loop<E> {
         if reusable == 0 {
             return Vec::new();
         }
-        self.store.lookup_prefix(&seq.hashes[..reusable])
+        let hashes = &seq.hashes[..reusable];
+        let local = self.store.lookup_prefix(hashes);
+        if local.len() == reusable || !self.store.has_remote() {
+            return local;
+        }
+        // The fabric (G4) may hold what follows: one lookup round, bounded in time.
+        let limit = seq.deadline.saturating_duration_since(Instant::now()).min(REMOTE_LOOKUP_MAX);
+        let store = self.store.clone();
+        match self.runtime.block_on(async {
+            tokio::time::timeout(limit, store.lookup_prefix_with_remote(hashes)).await
+        }) {
+            Ok(tiers) => tiers,
+            Err(_) => {
+                tracing::debug!(seq = seq.id, "remote tier lookup timed out; local blocks only");
+                local
+            }
+        }
     }
 
     /// Imports cached blocks of admitted sequences, at most a prompt chunk's worth of blocks

@@ -14,7 +14,8 @@ use kvfabric::hash::SequenceHash;
 use kvfabric::memory::RegionOptions;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_serving::stats::{gbps, Percentiles};
-use kvfabric_tiers::fabric::{NodeInfo, RemoteTier};
+use kvfabric_tiers::remote::protocol::NodeInfo;
+use kvfabric_tiers::remote::RemoteTier;
 
 #[derive(Debug, Args)]
 pub struct FabricArgs {
