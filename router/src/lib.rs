@@ -11,18 +11,19 @@
 //!   least-loaded, request tracking between load reports, and an approximate mode that
 //!   predicts cache contents from its own decisions with a TTL.
 //!
-//! - [`service::RouterService`]: the thin async wrapper — a task that feeds the index from a
-//!   stream of KV events and membership changes (a worker leaves the index the moment its
-//!   `Left` arrives) and asks sources for a dump on gaps.
+//! - [`feed::IndexFeed`]: the thin async part — a task that keeps an index current from the
+//!   KV events and dumps on the control plane (`kvfabric::contract`) and asks a source for a
+//!   dump when its event ids show a gap; the routing frontend runs it.
 //! - [`sim`]: a deterministic routing simulation used by `kvfabric bench router`.
 //!
 //! The index and the policy are free of I/O and clock — the caller passes `now` and random draws — so they are
 //! tested exhaustively (the index against a brute-force reference over random event streams).
-//! The router depends on nothing but the `kvfabric` crate's hashes and KV event types.
+//! The router depends on nothing but the `kvfabric` crate (hashes, KV events, the
+//! control-plane contract).
 
+pub mod feed;
 pub mod index;
 pub mod policy;
-pub mod service;
 pub mod sim;
 mod table;
 

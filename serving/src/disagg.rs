@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvfabric::agent::{Agent, AgentMetadata};
+use kvfabric::contract;
 use kvfabric::control::EventBus;
 use kvfabric::hash::{HashSeed, TokenBlockHasher};
 use kvfabric::memory::RegionId;
@@ -194,7 +195,7 @@ impl DecodeBackend {
         let hasher = TokenBlockHasher::new(bt, HashSeed::default())
             .map_err(|e| EngineError::model(e.to_string()))?;
         let failures = bus
-            .subscribe(&format!("prefill-failed-{}", agent.name()))
+            .subscribe(&contract::prefill_failed(agent.name()))
             .await
             .map_err(|e| EngineError::model(format!("control plane: {e}")))?;
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<DecodeInner>| {
@@ -306,7 +307,7 @@ impl DecodeInner {
         let started = Instant::now();
         self.stats.pending.fetch_add(1, Ordering::Relaxed);
         let payload = serde_json::to_vec(&item).unwrap_or_default();
-        let queued = self.bus.enqueue(&format!("prefill-{worker}"), payload).await;
+        let queued = self.bus.enqueue(&contract::prefill_queue(&worker), payload).await;
         let result = match queued {
             Ok(()) => tokio::time::timeout(self.cfg.deadline, rx).await.ok().and_then(Result::ok),
             Err(e) => {
@@ -492,7 +493,7 @@ pub fn run_prefill_service(
     stats: Arc<PrefillStats>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let queue = format!("prefill-{}", agent.name());
+        let queue = contract::prefill_queue(agent.name());
         let sem = Arc::new(tokio::sync::Semaphore::new(parallel.max(1)));
         let peers: Arc<Mutex<HashMap<String, AgentMetadata>>> = Arc::default();
         loop {
@@ -542,7 +543,7 @@ pub fn run_prefill_service(
                     };
                     let _ = bus
                         .publish(
-                            &format!("prefill-failed-{decode}"),
+                            &contract::prefill_failed(&decode),
                             serde_json::to_vec(&msg).unwrap_or_default(),
                         )
                         .await;

@@ -16,11 +16,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvfabric::contract::{self, Message};
 use kvfabric::control::{Discovery, DiscoveryEvent, EventBus, Instance};
-use kvfabric::events::KvEvent;
 use kvfabric::hash::{HashSeed, TokenBlockHasher};
-use kvfabric_router::service::worker_id;
-use kvfabric_router::{Ingest, Load, PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
+use kvfabric_router::feed::{worker_id, FeedStats, IndexFeed};
+use kvfabric_router::{PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
@@ -114,8 +114,6 @@ pub struct FrontendStats {
     pub failed_mid_stream: AtomicU64,
     /// Requests for which no worker was available.
     pub no_worker: AtomicU64,
-    /// KV events applied to the index.
-    pub events: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -158,6 +156,7 @@ struct Inner {
 #[derive(Debug, Clone)]
 pub struct RemoteBackend {
     inner: Arc<Inner>,
+    feed: Arc<IndexFeed>,
     task: Arc<tokio::task::JoinHandle<()>>,
 }
 
@@ -171,8 +170,7 @@ impl RemoteBackend {
     ) -> Result<Self, EngineError> {
         let ctl =
             |e: kvfabric::control::ControlError| EngineError::model(format!("control plane: {e}"));
-        let mut events = bus.subscribe("kv-events").await.map_err(ctl)?;
-        let mut loads = bus.subscribe("load").await.map_err(ctl)?;
+        let mut loads = bus.subscribe(contract::LOAD).await.map_err(ctl)?;
         let (initial, mut watch) = discovery.watch(&cfg.kind).await.map_err(ctl)?;
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -190,25 +188,19 @@ impl RemoteBackend {
         for inst in initial {
             inner.join(inst).await;
         }
+        let feed = IndexFeed::start(bus.clone(), inner.index.clone(), inner.cfg.name.clone())
+            .await
+            .map_err(ctl)?;
         let i = inner.clone();
         let task = tokio::spawn(async move {
-            let (mut ev_open, mut load_open, mut watch_open) = (true, true, true);
-            while ev_open || load_open || watch_open {
+            let (mut load_open, mut watch_open) = (true, true);
+            while load_open || watch_open {
                 tokio::select! {
                     biased;
                     d = watch.recv(), if watch_open => match d {
                         Some(DiscoveryEvent::Joined(inst)) => i.join(inst).await,
                         Some(DiscoveryEvent::Left { id, .. }) => i.leave(&id),
                         None => watch_open = false,
-                    },
-                    m = events.recv(), if ev_open => match m {
-                        Some(bytes) => {
-                            if let Some(gap) = i.on_event(&bytes) {
-                                let msg = json!({ "from": i.cfg.name, "worker": gap });
-                                let _ = bus.publish("kv-dump-request", msg.to_string().into_bytes()).await;
-                            }
-                        }
-                        None => ev_open = false,
                     },
                     m = loads.recv(), if load_open => match m {
                         Some(bytes) => i.on_load(&bytes),
@@ -217,12 +209,17 @@ impl RemoteBackend {
                 }
             }
         });
-        Ok(RemoteBackend { inner, task: Arc::new(task) })
+        Ok(RemoteBackend { inner, feed: Arc::new(feed), task: Arc::new(task) })
     }
 
     /// The counters.
     pub fn stats(&self) -> &FrontendStats {
         &self.inner.stats
+    }
+
+    /// The counters of the index's feed (KV events applied, gaps, dumps).
+    pub fn feed_stats(&self) -> &FeedStats {
+        self.feed.stats()
     }
 
     /// Requests sent to each worker so far.
@@ -332,47 +329,12 @@ impl Inner {
         }
     }
 
-    /// Applies a KV event or a dump; returns the worker's name when events were lost.
-    fn on_event(&self, bytes: &[u8]) -> Option<String> {
-        let v: Value = serde_json::from_slice(bytes).ok()?;
-        let source = v["source"].as_str()?;
-        let w = worker_id(source);
-        if let Some(blocks) = v.get("dump") {
-            #[derive(serde::Deserialize)]
-            struct DumpBlock {
-                tier: kvfabric::events::TierKind,
-                hash: kvfabric::hash::SequenceHash,
-            }
-            let blocks: Vec<DumpBlock> = serde_json::from_value(blocks.clone()).ok()?;
-            let list: Vec<_> = blocks.into_iter().map(|b| (b.hash, b.tier)).collect();
-            self.index.reset_worker(w, &list, v["last_event_id"].as_u64().unwrap_or(0));
-            return None;
-        }
-        let e: KvEvent = serde_json::from_value(v["event"].clone()).ok()?;
-        match self.index.ingest(w, &e) {
-            Ingest::Gap { .. } => {
-                self.stats.events.fetch_add(1, Ordering::Relaxed);
-                Some(source.to_string())
-            }
-            Ingest::Applied => {
-                self.stats.events.fetch_add(1, Ordering::Relaxed);
-                None
-            }
-            _ => None,
-        }
-    }
-
     fn on_load(&self, bytes: &[u8]) {
-        let Ok(v) = serde_json::from_slice::<Value>(bytes) else { return };
-        let (Some(source), Ok(load)) =
-            (v["source"].as_str(), serde_json::from_value::<Load>(v["load"].clone()))
-        else {
-            return;
-        };
+        let Ok(Message::Load { source, load }) = Message::decode(bytes) else { return };
         let mut st = self.state.lock();
-        let Some(model) = st.workers.get(source).map(|w| w.model.clone()) else { return };
+        let Some(model) = st.workers.get(&source).map(|w| w.model.clone()) else { return };
         if let Some(m) = st.models.get_mut(&model) {
-            m.router.report_load(worker_id(source), load);
+            m.router.report_load(worker_id(&source), load);
         }
     }
 
@@ -609,13 +571,28 @@ impl Backend for RemoteBackend {
             "Requests no worker could serve.",
             ld(&s.no_worker),
         );
-        metrics::sample(
-            out,
-            "kvfabric_frontend_kv_events_total",
-            "counter",
-            "KV events applied to the prefix index.",
-            ld(&s.events),
-        );
+        let f = self.feed.stats();
+        for (name, help, c) in [
+            (
+                "kvfabric_frontend_kv_events_total",
+                "KV events applied to the prefix index.",
+                &f.applied,
+            ),
+            ("kvfabric_frontend_kv_event_gaps_total", "Gaps in a source's KV event ids.", &f.gaps),
+            ("kvfabric_frontend_kv_dumps_total", "KV dumps applied to the prefix index.", &f.dumps),
+            (
+                "kvfabric_frontend_kv_events_malformed_total",
+                "KV event messages dropped: malformed, or of another contract version.",
+                &f.malformed,
+            ),
+            (
+                "kvfabric_frontend_kv_events_unknown_worker_total",
+                "KV events of workers not in discovery, dropped.",
+                &f.unknown,
+            ),
+        ] {
+            metrics::sample(out, name, "counter", help, ld(c));
+        }
         let served = self.served();
         let pairs: Vec<(&str, u64)> = served.iter().map(|(n, c)| (n.as_str(), *c)).collect();
         metrics::labelled(

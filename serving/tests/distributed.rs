@@ -112,7 +112,7 @@ async fn requests_sharing_a_long_prefix_land_on_the_worker_that_caches_it() {
     // The worker's Stored events reach the frontend's index over NATS.
     let b = f.backend.clone();
     wait_for("the prefix's KV events", Duration::from_secs(10), async || {
-        b.stats().events.load(std::sync::atomic::Ordering::Relaxed) >= 30
+        b.feed_stats().applied.load(std::sync::atomic::Ordering::Relaxed) >= 30
     })
     .await;
     for i in 1..6 {
@@ -275,7 +275,7 @@ async fn the_real_model_across_two_worker_processes_with_kv_routing() {
     let home = a.header("x-kvfabric-worker").unwrap().to_string();
     let b = f.backend.clone();
     wait_for("the KV events", Duration::from_secs(10), async || {
-        b.stats().events.load(std::sync::atomic::Ordering::Relaxed) >= 2
+        b.feed_stats().applied.load(std::sync::atomic::Ordering::Relaxed) >= 2
     })
     .await;
     let again = post_json(f.addr, "/v1/chat/completions", &q).await;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::contract::{self, Message};
 use kvfabric::control::etcd::EtcdDiscovery;
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::nats::NatsBus;
@@ -263,15 +264,17 @@ async fn nodes_resynchronize_consumers_after_a_nats_restart() {
     // A consumer that lost its connection asks for dumps (the nodes also publish one on
     // their own reconnection, which a consumer may or may not be back in time to see).
     let bus = NatsBus::connect(&nats.url(), "default").await.unwrap();
-    let mut events = bus.subscribe("kv-events").await.unwrap();
+    let mut events = bus.subscribe(contract::KV_EVENTS).await.unwrap();
     let mut dumped = std::collections::HashMap::new();
     let deadline = Instant::now() + Duration::from_secs(20);
     while dumped.len() < 2 && Instant::now() < deadline {
-        let _ = bus.publish("kv-dump-request", b"{}".to_vec()).await;
+        for node in ["fabric-a", "fabric-b"] {
+            let req = Message::DumpRequest { from: "test".into(), worker: node.into() };
+            let _ = bus.publish(req.topic(), req.encode()).await;
+        }
         if let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(500), events.recv()).await {
-            let v: serde_json::Value = serde_json::from_slice(&m).unwrap();
-            if let Some(blocks) = v["dump"].as_array() {
-                dumped.insert(v["source"].as_str().unwrap().to_string(), blocks.len());
+            if let Message::KvDump { source, blocks, .. } = Message::decode(&m).unwrap() {
+                dumped.insert(source, blocks.len());
             }
         }
     }

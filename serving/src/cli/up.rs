@@ -557,7 +557,6 @@ pub async fn shutdown_signal() {
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
-    tracing::info!("control plane: embedded discovery and event bus (this process only)");
     let server_cfg = ServerConfig {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         ..ServerConfig::default()
@@ -634,6 +633,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
+    tracing::info!("control plane: embedded discovery and event bus (this process only)");
     tracing::info!(%addr, "listening: kvfabric is serving {describe}");
     println!("kvfabric is serving {describe} at http://{addr}/v1");
     println!(

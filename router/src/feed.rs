@@ -1,0 +1,212 @@
+//! The index's feed from the control plane: one task that applies the KV events and dumps
+//! published on [`contract::KV_EVENTS`] to a [`PrefixIndex`], and asks a source for a dump
+//! ([`Message::DumpRequest`]) when its event ids show a gap. The routing frontend runs it for
+//! its index; anything else that routes (a planner, a second frontend) runs its own.
+//!
+//! Membership is the caller's: it adds a worker to the index when discovery says it joined
+//! and removes it when it left (at once: routing never waits for a lease to expire). Events
+//! of workers the index does not know are dropped and counted; a worker that joins later is
+//! brought up to date by the dump its first gap asks for.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvfabric::contract::{self, Message};
+use kvfabric::control::{ControlError, EventBus};
+
+use crate::index::{Ingest, PrefixIndex, WorkerId};
+
+/// A source is asked for a dump at most this often (a burst of events after a gap would
+/// otherwise ask once per event).
+const DUMP_REQUEST_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Counters of a feed.
+#[derive(Debug, Default)]
+pub struct FeedStats {
+    /// Events applied (those after a gap included).
+    pub applied: AtomicU64,
+    /// Duplicates dropped.
+    pub duplicates: AtomicU64,
+    /// Gaps seen.
+    pub gaps: AtomicU64,
+    /// Events of workers the index does not know, dropped.
+    pub unknown: AtomicU64,
+    /// Dumps applied.
+    pub dumps: AtomicU64,
+    /// Dump requests published.
+    pub dump_requests: AtomicU64,
+    /// Messages that are not of this contract (malformed, or another version), dropped.
+    pub malformed: AtomicU64,
+}
+
+/// Keeps an index current from the control plane, until dropped.
+#[derive(Debug)]
+pub struct IndexFeed {
+    stats: Arc<FeedStats>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for IndexFeed {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl IndexFeed {
+    /// Subscribes to KV events on `bus` and applies them to `index`; dump requests go out
+    /// as coming from `requester`.
+    pub async fn start(
+        bus: Arc<dyn EventBus>,
+        index: Arc<PrefixIndex>,
+        requester: String,
+    ) -> Result<Self, ControlError> {
+        let mut sub = bus.subscribe(contract::KV_EVENTS).await?;
+        let stats = Arc::new(FeedStats::default());
+        let st = stats.clone();
+        let task = tokio::spawn(async move {
+            let mut asked: HashMap<WorkerId, Instant> = HashMap::new();
+            let mut warned_malformed = false;
+            while let Some(bytes) = sub.recv().await {
+                let count = |c: &AtomicU64| c.fetch_add(1, Ordering::Relaxed);
+                match Message::decode(&bytes) {
+                    Ok(Message::KvEvent { source, event }) => {
+                        let w = worker_id(&source);
+                        match index.ingest(w, &event) {
+                            Ingest::Applied => count(&st.applied),
+                            Ingest::Duplicate => count(&st.duplicates),
+                            Ingest::UnknownWorker => count(&st.unknown),
+                            Ingest::Gap { .. } => {
+                                count(&st.applied);
+                                count(&st.gaps);
+                                let now = Instant::now();
+                                if asked.get(&w).is_some_and(|t| now - *t < DUMP_REQUEST_INTERVAL) {
+                                    continue;
+                                }
+                                asked.insert(w, now);
+                                let req = Message::DumpRequest {
+                                    from: requester.clone(),
+                                    worker: source,
+                                };
+                                if bus.publish(req.topic(), req.encode()).await.is_ok() {
+                                    count(&st.dump_requests);
+                                }
+                                0
+                            }
+                        };
+                    }
+                    Ok(Message::KvDump { source, blocks, last_event_id }) => {
+                        let w = worker_id(&source);
+                        let list: Vec<_> = blocks.iter().map(|b| (b.hash, b.tier)).collect();
+                        index.reset_worker(w, &list, last_event_id);
+                        asked.remove(&w);
+                        count(&st.dumps);
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        count(&st.malformed);
+                        if !warned_malformed {
+                            tracing::warn!(error = %e, "dropping KV event messages this build cannot read");
+                            warned_malformed = true;
+                        }
+                    }
+                }
+            }
+        });
+        Ok(IndexFeed { stats, task })
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &FeedStats {
+        &self.stats
+    }
+}
+
+/// The worker id of an instance name: stable across processes (XXH3-64 of the name).
+pub fn worker_id(name: &str) -> WorkerId {
+    xxhash_rust::xxh3::xxh3_64(name.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfabric::contract::DumpBlock;
+    use kvfabric::control::memory::MemoryBus;
+    use kvfabric::events::{KvEvent, KvEventData, TierKind};
+    use kvfabric::hash::SequenceHash;
+
+    fn stored(source: &str, id: u64, h: u64) -> Vec<u8> {
+        Message::KvEvent {
+            source: source.into(),
+            event: KvEvent {
+                event_id: id,
+                data: KvEventData::Stored {
+                    sequence_hashes: vec![SequenceHash(h)],
+                    parent: None,
+                    tier: TierKind::Host,
+                },
+            },
+        }
+        .encode()
+    }
+
+    async fn until(mut f: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !f() {
+            assert!(start.elapsed() < Duration::from_secs(5), "condition not reached");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn events_feed_the_index_gaps_ask_for_one_dump_and_dumps_reset_a_source() {
+        let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+        let index = Arc::new(PrefixIndex::new());
+        let (a, b) = (worker_id("w-a"), worker_id("w-b"));
+        index.add_worker(a);
+        index.add_worker(b);
+        let mut requests = bus.subscribe(contract::KV_DUMP_REQUEST).await.unwrap();
+        let feed = IndexFeed::start(bus.clone(), index.clone(), "router-0".into()).await.unwrap();
+        let s = feed.stats();
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        for m in [stored("w-a", 1, 100), stored("w-b", 1, 100), stored("w-b", 1, 100)] {
+            bus.publish(contract::KV_EVENTS, m).await.unwrap();
+        }
+        // Ids 2..4 of w-b lost, twice over: one dump request.
+        bus.publish(contract::KV_EVENTS, stored("w-b", 5, 101)).await.unwrap();
+        bus.publish(contract::KV_EVENTS, stored("w-b", 9, 102)).await.unwrap();
+        bus.publish(contract::KV_EVENTS, stored("w-x", 1, 100)).await.unwrap();
+        bus.publish(contract::KV_EVENTS, b"{broken".to_vec()).await.unwrap();
+        let old = br#"{"source":"w-a","event":{"event_id":2,"data":{"type":"cleared"}}}"#;
+        bus.publish(contract::KV_EVENTS, old.to_vec()).await.unwrap();
+        until(|| n(&s.unknown) == 1 && n(&s.malformed) == 2).await;
+        assert_eq!((n(&s.applied), n(&s.duplicates), n(&s.gaps)), (4, 1, 2));
+        assert_eq!(n(&s.dump_requests), 1);
+        let req = Message::decode(&requests.recv().await.unwrap()).unwrap();
+        assert_eq!(req, Message::DumpRequest { from: "router-0".into(), worker: "w-b".into() });
+        assert_eq!(index.overlap(&[SequenceHash(100)]).workers.len(), 2);
+        assert_eq!(index.worker_blocks(worker_id("w-x")), 0);
+
+        // w-b's dump replaces what was known of it.
+        let dump = Message::KvDump {
+            source: "w-b".into(),
+            blocks: vec![DumpBlock { tier: TierKind::Disk, hash: SequenceHash(600), parent: None }],
+            last_event_id: 9,
+        };
+        bus.publish(contract::KV_EVENTS, dump.encode()).await.unwrap();
+        until(|| n(&s.dumps) == 1).await;
+        assert_eq!(index.worker_blocks(b), 1);
+        assert_eq!(index.overlap(&[SequenceHash(600)]).run(b).per_tier[2], 1, "on disk");
+        assert_eq!(index.overlap(&[SequenceHash(100)]).workers.len(), 1);
+        // The next event continues from the dump's id without a gap.
+        bus.publish(contract::KV_EVENTS, stored("w-b", 10, 601)).await.unwrap();
+        until(|| n(&s.applied) == 5).await;
+        assert_eq!(n(&s.gaps), 2);
+        // A worker that left is removed by its owner: its late events change nothing.
+        index.remove_worker(b);
+        bus.publish(contract::KV_EVENTS, stored("w-b", 11, 602)).await.unwrap();
+        until(|| n(&s.unknown) == 2).await;
+        assert_eq!(index.worker_blocks(b), 0);
+    }
+}
