@@ -5,7 +5,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use kvfabric::agent::AgentError;
 use kvfabric::control::ControlError;
-use kvfabric::memory::MemoryError;
+use kvfabric::memory::{MemoryError, MemoryErrorKind};
 use kvfabric::transfer::TransferError;
 use kvfabric_tiers::remote::RemoteError;
 use kvfabric_tiers::StoreError;
@@ -123,18 +123,23 @@ impl std::fmt::Display for FfiError {
     }
 }
 
+/// The code of a region problem, wherever it surfaced (a registration, a transfer's local
+/// descriptors): one mapping, by kind, never by message text.
+fn memory_code(kind: MemoryErrorKind) -> kvf_result {
+    use kvf_result::*;
+    match kind {
+        MemoryErrorKind::ZeroLength => KVF_INVALID_ARGUMENT,
+        MemoryErrorKind::UnknownRegion => KVF_NOT_FOUND,
+        MemoryErrorKind::RegionBusy => KVF_IN_USE,
+        MemoryErrorKind::OutOfBounds => KVF_OUT_OF_BOUNDS,
+        MemoryErrorKind::TooManyRegions => KVF_FULL,
+        MemoryErrorKind::OutOfMemory | MemoryErrorKind::SharedMemory => KVF_IO,
+    }
+}
+
 impl From<MemoryError> for FfiError {
     fn from(e: MemoryError) -> Self {
-        use kvf_result::*;
-        let code = match &e {
-            MemoryError::ZeroLength => KVF_INVALID_ARGUMENT,
-            MemoryError::UnknownRegion(_) => KVF_NOT_FOUND,
-            MemoryError::RegionBusy { .. } => KVF_IN_USE,
-            MemoryError::OutOfBounds { .. } => KVF_OUT_OF_BOUNDS,
-            MemoryError::TooManyRegions(_) => KVF_FULL,
-            _ => KVF_IO,
-        };
-        FfiError::new(code, e.to_string())
+        FfiError::new(memory_code(e.kind()), e.to_string())
     }
 }
 
@@ -154,9 +159,7 @@ impl From<TransferError> for FfiError {
         use kvf_result::*;
         let code = match &e {
             TransferError::Invalid(_) => KVF_INVALID_ARGUMENT,
-            TransferError::Local(m) if m.contains("outside region") => KVF_OUT_OF_BOUNDS,
-            TransferError::Local(m) if m.contains("unknown region") => KVF_NOT_FOUND,
-            TransferError::Local(_) => KVF_INVALID_ARGUMENT,
+            TransferError::Local { kind, .. } => memory_code(*kind),
             TransferError::RemoteDescriptor { .. } => KVF_OUT_OF_BOUNDS,
             TransferError::UnknownPeer(_) => KVF_NOT_FOUND,
             TransferError::TimedOut(_) => KVF_TIMED_OUT,
@@ -302,4 +305,29 @@ pub(crate) unsafe fn write_text(
     let out = unsafe { crate::ptr::Out::new(len_out, "len_out") }?;
     out.set(copy_text(text, buf));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Codes follow the kind of an error, never its text: a reworded message keeps its code.
+    #[test]
+    fn transfer_errors_keep_the_kind_of_their_memory_error() {
+        let cases = [
+            (MemoryErrorKind::OutOfBounds, kvf_result::KVF_OUT_OF_BOUNDS),
+            (MemoryErrorKind::UnknownRegion, kvf_result::KVF_NOT_FOUND),
+            (MemoryErrorKind::RegionBusy, kvf_result::KVF_IN_USE),
+            (MemoryErrorKind::TooManyRegions, kvf_result::KVF_FULL),
+            (MemoryErrorKind::ZeroLength, kvf_result::KVF_INVALID_ARGUMENT),
+            (MemoryErrorKind::OutOfMemory, kvf_result::KVF_IO),
+        ];
+        for (kind, code) in cases {
+            let e = TransferError::Local { kind, message: "any words at all".into() };
+            assert_eq!(FfiError::from(e).code, code, "{kind:?}");
+        }
+        let m = MemoryError::UnknownRegion(kvfabric::RegionId(7));
+        let t: TransferError = MemoryError::UnknownRegion(kvfabric::RegionId(7)).into();
+        assert_eq!(FfiError::from(m).code, FfiError::from(t).code);
+    }
 }

@@ -299,6 +299,14 @@ fn host_id() -> String {
         .unwrap_or_else(|_| format!("unknown-host-{}", std::process::id()))
 }
 
+/// What a transfer holds while it runs. Fields drop in declaration order: the leases on its
+/// regions, then its in-flight permit, then the guard that marks it quiesced.
+struct Running {
+    job: Job,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    exit: crate::transfer::ExitGuard,
+}
+
 impl Agent {
     /// Starts an agent: binds its listener and serves peers on the current tokio runtime.
     pub async fn start(config: AgentConfig) -> Result<Agent, AgentError> {
@@ -531,34 +539,38 @@ impl Agent {
             agent: Arc::downgrade(inner),
         };
         if let Some(outcome) = transport.execute_inline(&job) {
-            // Completed on this thread (a memcpy transport): no task, no wake-up.
+            // Completed on this thread (a memcpy transport): no task, no wake-up. What it
+            // held is released before the outcome is reported.
+            drop(job);
+            drop(permit);
             drop(crate::transfer::ExitGuard(shared.clone()));
             shared.apply(TransferEvent::Start);
             shared.apply(match outcome {
                 Ok(()) => TransferEvent::Complete,
                 Err(e) => TransferEvent::Fail(e),
             });
-            drop(job);
-            drop(permit);
             return Ok(TransferHandle { id, shared });
         }
         let task_shared = shared.clone();
-        // Created outside the task and moved in: dropped (marking the transfer quiesced) even
-        // if the task is aborted before its first poll.
-        let exit = crate::transfer::ExitGuard(shared.clone());
+        // Created outside the task and moved in: dropped even if the task is aborted before
+        // its first poll, in field order — the job's leases, then the permit, then the exit
+        // guard that marks the transfer quiesced.
+        let running = Running { job, permit, exit: crate::transfer::ExitGuard(shared.clone()) };
         let task = inner.runtime.spawn(async move {
-            let _exit = exit;
             task_shared.apply(TransferEvent::Start);
-            let outcome = tokio::time::timeout(deadline, transport.execute(&job)).await;
+            let outcome = tokio::time::timeout(deadline, transport.execute(&running.job)).await;
             let event = match outcome {
                 Ok(Ok(())) => TransferEvent::Complete,
                 Ok(Err(e)) => TransferEvent::Fail(e),
                 Err(_) => TransferEvent::Deadline,
             };
-            task_shared.apply(event);
-            // The job's leases and the permit drop here, after the last byte.
+            // Release first, then report: whoever sees the outcome can deregister the
+            // regions and post the next transfer at once.
+            let Running { job, permit, exit } = running;
             drop(job);
             drop(permit);
+            drop(exit);
+            task_shared.apply(event);
         });
         *shared.abort.lock() = Some(task.abort_handle());
         // A cancel that raced the spawn finds no abort handle; abort now.

@@ -83,6 +83,44 @@ pub enum MemoryError {
     TooManyRegions(usize),
 }
 
+/// What kind of region problem a [`MemoryError`] is: a `Copy` value that travels inside
+/// other errors (a transfer's) and that callers map to their own codes (the C ABI's) without
+/// reading the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryErrorKind {
+    /// [`MemoryError::ZeroLength`].
+    ZeroLength,
+    /// [`MemoryError::Alloc`] or [`MemoryError::HugePagesUnavailable`].
+    OutOfMemory,
+    /// [`MemoryError::Shm`].
+    SharedMemory,
+    /// [`MemoryError::UnknownRegion`].
+    UnknownRegion,
+    /// [`MemoryError::RegionBusy`].
+    RegionBusy,
+    /// [`MemoryError::OutOfBounds`].
+    OutOfBounds,
+    /// [`MemoryError::TooManyRegions`].
+    TooManyRegions,
+}
+
+impl MemoryError {
+    /// Its kind.
+    pub fn kind(&self) -> MemoryErrorKind {
+        match self {
+            MemoryError::ZeroLength => MemoryErrorKind::ZeroLength,
+            MemoryError::Alloc { .. } | MemoryError::HugePagesUnavailable { .. } => {
+                MemoryErrorKind::OutOfMemory
+            }
+            MemoryError::Shm { .. } => MemoryErrorKind::SharedMemory,
+            MemoryError::UnknownRegion(_) => MemoryErrorKind::UnknownRegion,
+            MemoryError::RegionBusy { .. } => MemoryErrorKind::RegionBusy,
+            MemoryError::OutOfBounds { .. } => MemoryErrorKind::OutOfBounds,
+            MemoryError::TooManyRegions(_) => MemoryErrorKind::TooManyRegions,
+        }
+    }
+}
+
 /// A region's handle: slab index in the low 32 bits, generation in the high 32 bits.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::memory::{MemoryError, RegionId};
+use crate::memory::{MemoryError, MemoryErrorKind, RegionId};
 use crate::wire::{ErrorCode, WireError};
 
 /// READ (peer → local) or WRITE (local → peer).
@@ -155,9 +155,14 @@ pub enum TransferError {
     /// The request itself is malformed (length mismatch, empty, over a limit).
     #[error("invalid transfer: {0}")]
     Invalid(String),
-    /// A local region problem (unknown, out of bounds).
-    #[error("local memory: {0}")]
-    Local(String),
+    /// A local region problem (unknown, out of bounds), of the kind the region table said.
+    #[error("local memory: {message}")]
+    Local {
+        /// What kind of region problem.
+        kind: MemoryErrorKind,
+        /// The region table's text.
+        message: String,
+    },
     /// A remote descriptor is outside what the peer exported in its metadata (checked before
     /// any byte moves; reload the peer's metadata after it registers new regions).
     #[error("remote descriptor {index}: {reason}")]
@@ -222,7 +227,7 @@ pub enum TransferError {
 
 impl From<MemoryError> for TransferError {
     fn from(e: MemoryError) -> Self {
-        TransferError::Local(e.to_string())
+        TransferError::Local { kind: e.kind(), message: e.to_string() }
     }
 }
 

@@ -14,15 +14,25 @@ use std::time::{Duration, Instant};
 use common::{get, post_json, spawn_worker, Proc};
 use kvfabric::control::etcd::EtcdDiscovery;
 use kvfabric::control::nats::NatsBus;
+use kvfabric::control::Discovery as _;
 use kvfabric::testkit::{EtcdServer, NatsServer};
 use kvfabric_router::{RouterConfig, RoutingMode};
+use kvfabric_serving::disagg::PREFILL_KIND;
 use kvfabric_serving::frontend::{FrontendConfig, RemoteBackend};
 use kvfabric_serving::http::{router, ServerConfig};
 use serde_json::{json, Value};
 
 const SECRET: &str = "disagg-test-secret";
 
-fn worker(name: &str, ns: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&str]) -> Proc {
+/// A worker process, once registered (its ready line comes after its registration), and its
+/// ready line.
+fn worker_line(
+    name: &str,
+    ns: &str,
+    etcd: &EtcdServer,
+    nats: &NatsServer,
+    extra: &[&str],
+) -> (Proc, Value) {
     let (etcd, nats) = (etcd.endpoint(), nats.url());
     let args = [
         &["--namespace", ns, "--lease-ttl-s", "2", "--secret", SECRET][..],
@@ -30,7 +40,11 @@ fn worker(name: &str, ns: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&
         extra,
     ]
     .concat();
-    spawn_worker(name, &args).0
+    spawn_worker(name, &args)
+}
+
+fn worker(name: &str, ns: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&str]) -> Proc {
+    worker_line(name, ns, etcd, nats, extra).0
 }
 
 async fn frontend(ns: &str, etcd: &EtcdServer, nats: &NatsServer) -> SocketAddr {
@@ -63,10 +77,24 @@ async fn wait_workers(addr: SocketAddr, n: usize) {
     }
 }
 
-/// Prefill workers register under their own kind: wait until a decode worker could see them
-/// by giving discovery a moment after they printed their line.
-async fn settle() {
-    tokio::time::sleep(Duration::from_millis(500)).await;
+/// Waits until discovery lists `ids` under `kind` in namespace `ns` (prefill workers register
+/// under their own kind, which decode workers list when they start).
+async fn registered(etcd: &EtcdServer, ns: &str, kind: &str, ids: &[&str]) {
+    let d = EtcdDiscovery::connect(&[etcd.endpoint()], ns).await.unwrap();
+    let start = Instant::now();
+    loop {
+        let listed = d.list(kind).await.unwrap();
+        if ids.iter().all(|id| listed.iter().any(|i| i.id == *id)) {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "{ids:?} not registered as {kind}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A counter of a worker's `/metrics`.
+async fn counter(metrics: SocketAddr, name: &str) -> f64 {
+    common::metric(&get(metrics, "/metrics").await.text(), name)
 }
 
 fn model_path() -> String {
@@ -108,7 +136,8 @@ async fn disaggregated_output_equals_aggregated_over_tcp_and_over_shm() {
             &[&llama[..], &["--role", "prefill"]].concat(),
         ));
     }
-    settle().await;
+    registered(&etcd, "tcp", PREFILL_KIND, &["p-tcp"]).await;
+    registered(&etcd, "shm", PREFILL_KIND, &["p-shm"]).await;
     for transport in ["tcp", "shm"] {
         let extra = [
             &llama[..],
@@ -159,8 +188,11 @@ async fn a_prefill_worker_killed_mid_prefill_leaves_every_request_completing() {
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
     // Slow mock prefill: a 600-token prompt takes 1.2 s on the prefill worker.
     let mock = ["--engine", "mock", "--mock-prefill-us", "2000", "--mock-decode-us", "2000"];
-    let prefill = worker("p0", "kill", &etcd, &nats, &[&mock[..], &["--role", "prefill"]].concat());
-    settle().await;
+    let prefill_args =
+        [&mock[..], &["--role", "prefill", "--metrics-listen", "127.0.0.1:0"]].concat();
+    let (prefill, line) = worker_line("p0", "kill", &etcd, &nats, &prefill_args);
+    let prefill_metrics: SocketAddr = line["metrics"].as_str().unwrap().parse().unwrap();
+    registered(&etcd, "kill", PREFILL_KIND, &["p0"]).await;
     let decode_args = [
         &mock[..],
         &["--role", "decode", "--prefill-threshold", "64", "--prefill-deadline-ms", "4000"],
@@ -175,10 +207,17 @@ async fn a_prefill_worker_killed_mid_prefill_leaves_every_request_completing() {
     let ok = post_json(f, "/v1/completions", &body(999)).await.json();
     assert_eq!(ok["kvfabric"]["remote_prefill"]["worker"], "p0", "{ok}");
 
+    let before = counter(prefill_metrics, "kvfabric_prefill_tokens_total").await;
     let tasks: Vec<_> = (0..4)
         .map(|i| tokio::spawn(async move { post_json(f, "/v1/completions", &body(i)).await }))
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Mid-prefill: the prefill worker has computed part of the new prompts (4 x 600 tokens
+    // take it about 5 s), not all.
+    let start = Instant::now();
+    while counter(prefill_metrics, "kvfabric_prefill_tokens_total").await <= before {
+        assert!(start.elapsed() < Duration::from_secs(20), "the prefill worker never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     drop(prefill); // kill -9, mid-prefill
     let start = Instant::now();
     for t in tasks {

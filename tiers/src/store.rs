@@ -146,6 +146,10 @@ impl EventLog {
     }
 }
 
+/// The longest an onboard waits for another task that is writing the same block into host
+/// memory; past it, the block counts as a miss.
+const ONBOARD_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
 #[derive(Debug)]
 struct Inner {
     cfg: StoreConfig,
@@ -158,6 +162,9 @@ struct Inner {
     runtime: tokio::runtime::Handle,
     /// A background eviction (toward `host_free_target`) is running.
     freeing: std::sync::atomic::AtomicBool,
+    /// Notified whenever a host slot being written is committed or aborted (onboards that
+    /// found their block being written wait on it).
+    written: tokio::sync::Notify,
 }
 
 /// The host tier's region, registered with the agent for as long as the store lives.
@@ -262,6 +269,7 @@ impl TieredStore {
             metrics: StoreMetrics::default(),
             runtime: tokio::runtime::Handle::current(),
             freeing: std::sync::atomic::AtomicBool::new(false),
+            written: tokio::sync::Notify::new(),
             cfg,
         };
         Ok(TieredStore { inner: Arc::new(inner) })
@@ -733,12 +741,14 @@ impl Inner {
         let parent = disk.blocks_parent(hash);
         // Someone else may store, onboard or evict the same block meanwhile: retry until we
         // either pin it in host memory or hold a reservation to read it into (bounded).
-        let mut attempts = 0;
         let slot = loop {
-            attempts += 1;
-            if attempts > 2000 {
+            if start.elapsed() > ONBOARD_WAIT_MAX {
                 return Ok(None);
             }
+            // Armed before the attempt, so that a commit or abort in between is not missed.
+            let written = self.written.notified();
+            tokio::pin!(written);
+            written.as_mut().enable();
             match self.reserve_host(hash, parent).await {
                 Ok(slot) => break slot,
                 Err(StoreError::AlreadyStored(_)) => {
@@ -749,7 +759,9 @@ impl Inner {
                     }
                 }
                 Err(StoreError::BeingWritten(_)) => {
-                    tokio::time::sleep(std::time::Duration::from_micros(200)).await;
+                    // Woken when the writer commits or aborts a slot; the timeout only bounds
+                    // a writer that is itself stuck.
+                    let _ = tokio::time::timeout(ONBOARD_WAIT_MAX, written).await;
                 }
                 Err(e) => return Err(e),
             }
@@ -766,6 +778,7 @@ impl Inner {
             Ok(ReadOutcome::Hit { parent, checksum }) => {
                 host.checksums[slot as usize] = checksum;
                 let _ = host.pool.commit(slot, 1);
+                self.written.notify_waiters();
                 self.events.stored(hash, parent, TierKind::Host);
                 add(&self.metrics.onboard_blocks, 1);
                 add(&self.metrics.onboard_bytes, self.cfg.block_bytes);
@@ -774,10 +787,12 @@ impl Inner {
             }
             Ok(ReadOutcome::Miss) => {
                 let _ = host.pool.abort(slot);
+                self.written.notify_waiters();
                 Ok(None)
             }
             Ok(ReadOutcome::Corrupt) => {
                 let _ = host.pool.abort(slot);
+                self.written.notify_waiters();
                 add(&self.metrics.disk_corrupt_blocks, 1);
                 self.events.removed(vec![hash], TierKind::Disk);
                 tracing::warn!(%hash, "corrupt block on disk dropped");
@@ -785,6 +800,7 @@ impl Inner {
             }
             Err(e) => {
                 let _ = host.pool.abort(slot);
+                self.written.notify_waiters();
                 Err(e.into())
             }
         }
@@ -823,6 +839,7 @@ impl Inner {
                     for s in slots {
                         let _ = host.pool.abort(s);
                     }
+                    inner.written.notify_waiters();
                 });
                 return Ok(Vec::new());
             }
@@ -836,11 +853,13 @@ impl Inner {
                 let mut host = self.host.lock();
                 host.checksums[slot as usize] = checksum;
                 let _ = host.pool.commit(slot, 1);
+                self.written.notify_waiters();
                 self.events.stored(hashes[i], parent_of(i), TierKind::Host);
                 drop(host);
                 refs.push(BlockRef { store: self.clone(), slot, hash: hashes[i] });
             } else {
                 let _ = self.host.lock().pool.abort(slot);
+                self.written.notify_waiters();
             }
         }
         Ok(refs)
@@ -948,6 +967,7 @@ impl WriteSlot {
             // The background write-through holds a pin of its own, taken in the same critical
             // section as the commit so that the block cannot be evicted in between.
             let _ = host.pool.commit(self.slot, pins + u32::from(write_through));
+            inner.written.notify_waiters();
             add(&inner.metrics.stored_blocks, 1);
             inner.events.stored(self.hash, self.parent, TierKind::Host);
         }
@@ -979,6 +999,7 @@ impl Drop for WriteSlot {
     fn drop(&mut self) {
         if !self.done {
             let _ = self.store.host.lock().pool.abort(self.slot);
+            self.store.written.notify_waiters();
         }
     }
 }
