@@ -8,6 +8,6 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh run
 model="$(scripts/fetch-model.sh)"
 echo "building kvfabric (release; the first build takes several minutes)..." >&2
-cargo build --release --quiet -p kvfabric-serving --bin kvfabric
+cargo build --release --quiet -p kvfabric-cli --bin kvfabric
 bin="${CARGO_TARGET_DIR:-target}/release/kvfabric"
 exec "$bin" up --model "$model" "$@"

@@ -1,5 +1,5 @@
 //! What the HTTP frontend serves from: one engine in this process ([`LocalBackend`]), or the
-//! workers that discovery knows (`crate::frontend::RemoteBackend`).
+//! workers that discovery knows (`crate::routed::RoutedBackend`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -39,24 +39,8 @@ use crate::backend::{Backend, LocalBackend, ModelEntry};
 use crate::engine::{
     EngineError, GenEvent, GenerateRequest, ModelInfo, RemotePrefill, SamplingParams, Scheduler,
 };
-use crate::frontend::RemoteBackend;
 use crate::metrics;
-
-/// The discovery kind of prefill workers.
-pub const PREFILL_KIND: &str = "prefill";
-
-/// A worker's role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Prefill and decode (the default).
-    #[default]
-    Aggregated,
-    /// Computes prompts' KV for decode workers.
-    Prefill,
-    /// Serves requests, prefilling long prompts remotely.
-    Decode,
-}
+use crate::routed::RoutedBackend;
 
 /// Where one block goes in the decode worker.
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
@@ -159,7 +143,7 @@ struct DecodeInner {
     store: TieredStore,
     agent: Agent,
     bus: Arc<dyn EventBus>,
-    prefill: RemoteBackend,
+    prefill: RoutedBackend,
     cfg: DisaggConfig,
     stats: DisaggStats,
     waiters: Mutex<HashMap<u64, oneshot::Sender<PrefillResult>>>,
@@ -182,13 +166,13 @@ fn unix_ms() -> u64 {
 
 impl DecodeBackend {
     /// A decode worker over `local` (whose store is `store`, owned by `agent`), choosing
-    /// prefill workers through `prefill` (a [`RemoteBackend`] of kind [`PREFILL_KIND`]).
+    /// prefill workers through `prefill` (a [`RoutedBackend`] of kind [`crate::worker::PREFILL_KIND`]).
     pub async fn start(
         local: LocalBackend,
         store: TieredStore,
         agent: Agent,
         bus: Arc<dyn EventBus>,
-        prefill: RemoteBackend,
+        prefill: RoutedBackend,
         cfg: DisaggConfig,
     ) -> Result<Self, EngineError> {
         let bt = local.scheduler().info().layout.block_tokens as usize;

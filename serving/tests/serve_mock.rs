@@ -359,7 +359,7 @@ async fn concurrent_requests_share_steps_and_each_gets_its_own_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
     use kvfabric_serving::engine::{GenEvent, GenerateRequest, SamplingParams};
-    use kvfabric_serving::worker::{self, read_frame, WorkerRequest};
+    use kvfabric_serving::protocol::{self, read_frame, WorkerRequest};
     let s = serve(Opts {
         mock: MockConfig { decode_step_us: 5_000.0, ..MockConfig::zero_delay() },
         ..Opts::default()
@@ -380,7 +380,7 @@ async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
     let backend = std::sync::Arc::new(LocalBackend::new(s.sched.clone(), store.1.clone()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let _server = worker::serve(listener, backend);
+    let _server = protocol::serve(listener, backend);
 
     async fn answer(addr: SocketAddr, bytes: &[u8]) -> Option<GenEvent> {
         let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -411,12 +411,12 @@ async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
             timeout: Duration::from_secs(30),
         },
     };
-    let mut c = worker::connect(addr, &req("gpt-9", 4), Duration::from_secs(1)).await.unwrap();
+    let mut c = protocol::connect(addr, &req("gpt-9", 4), Duration::from_secs(1)).await.unwrap();
     let e: Option<GenEvent> = read_frame(&mut c).await.unwrap();
     assert!(matches!(e, Some(GenEvent::Error(_))), "{e:?}");
     // A silent peer is dropped after the request timeout (10 s) with an error; we don't wait
     // for it here. A valid request streams started, tokens, done.
-    let mut c = worker::connect(addr, &req("mock", 4), Duration::from_secs(1)).await.unwrap();
+    let mut c = protocol::connect(addr, &req("mock", 4), Duration::from_secs(1)).await.unwrap();
     let mut kinds = Vec::new();
     while let Some(ev) = read_frame::<_, GenEvent>(&mut c).await.unwrap() {
         kinds.push(match ev {
@@ -428,7 +428,7 @@ async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
     }
     assert_eq!(kinds, ["started", "token", "token", "token", "token", "done"]);
     // Hanging up mid-generation cancels it.
-    let mut c = worker::connect(addr, &req("mock", 4000), Duration::from_secs(1)).await.unwrap();
+    let mut c = protocol::connect(addr, &req("mock", 4000), Duration::from_secs(1)).await.unwrap();
     for _ in 0..3 {
         read_frame::<_, GenEvent>(&mut c).await.unwrap();
     }

@@ -1,6 +1,6 @@
 //! Helpers of the serving tests: a minimal HTTP/1.1 client over real sockets (no client
 //! library: the tests also send what a library would refuse to, and hang up mid-stream), and
-//! `kvfabric worker` processes.
+//! waiting on a condition. The binary's tests (`serving/cli/tests`) include this file too.
 
 #![allow(dead_code)]
 
@@ -141,38 +141,6 @@ pub fn streamed_text(r: &Response) -> (String, Vec<Value>) {
         chunks.push(v);
     }
     (text, chunks)
-}
-
-/// A child process, killed (-9) and reaped when dropped.
-#[derive(Debug)]
-pub struct Proc(pub std::process::Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `kvfabric worker --name NAME ARGS...` and returns it with the JSON line it prints
-/// once it serves (its later output is drained).
-pub fn spawn_worker(name: &str, args: &[&str]) -> (Proc, Value) {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["worker", "--name", name])
-        .args(args)
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn kvfabric worker");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("worker printed nothing").unwrap();
-    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
-    assert_eq!(v["worker"], name, "{line}");
-    std::thread::spawn(move || for _ in lines {});
-    (Proc(child), v)
 }
 
 /// Polls `cond` until it holds; panics after `limit` (a test waits on a condition, never on

@@ -24,16 +24,13 @@ use kvfabric::layout::KvDtype;
 use kvfabric::transfer::TransportKind;
 use kvfabric_router::{Load, RoutingMode};
 use kvfabric_serving::backend::{Backend, LocalBackend};
-use kvfabric_serving::disagg::{
-    run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats, Role, PREFILL_KIND,
-};
+use kvfabric_serving::disagg::{run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats};
 use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, Weights};
 use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
 use kvfabric_serving::engine::{Engine, Scheduler, SchedulerConfig};
-use kvfabric_serving::frontend::{
-    CodecSpec, FrontendConfig, RemoteBackend, WorkerMetadata, WORKER_KIND,
-};
 use kvfabric_serving::http::{self, ServerConfig};
+use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
+use kvfabric_serving::worker::{CodecSpec, Role, WorkerMetadata, PREFILL_KIND, WORKER_KIND};
 use kvfabric_tiers::disk::DiskConfig;
 use kvfabric_tiers::publish::StorePublisher;
 use kvfabric_tiers::remote::RemoteTier;
@@ -450,12 +447,12 @@ pub async fn serve_worker(
                 .with_context(|| format!("listening on {listen}"))?;
             let addr = listener.local_addr()?;
             let backend: Arc<dyn Backend> = if role == Role::Decode {
-                let cfg = FrontendConfig {
+                let cfg = RoutedConfig {
                     kind: PREFILL_KIND.into(),
                     name: format!("{name}-prefill-router"),
-                    ..FrontendConfig::default()
+                    ..RoutedConfig::default()
                 };
-                let prefill = RemoteBackend::start(discovery.clone(), bus.clone(), cfg).await?;
+                let prefill = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
                 Arc::new(
                     DecodeBackend::start(
                         local,
@@ -470,7 +467,7 @@ pub async fn serve_worker(
             } else {
                 Arc::new(local)
             };
-            let server = kvfabric_serving::worker::serve(listener, backend.clone());
+            let server = kvfabric_serving::protocol::serve(listener, backend.clone());
             (addr, server, WORKER_KIND, MetricsSource::Backend(backend))
         }
     };
@@ -611,12 +608,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             servers.push(server);
             stacks.push(stack);
         }
-        let cfg = FrontendConfig {
+        let cfg = RoutedConfig {
             router: kvfabric_router::RouterConfig { mode: args.router, ..Default::default() },
             name: format!("{}-frontend", args.name),
-            ..FrontendConfig::default()
+            ..RoutedConfig::default()
         };
-        let remote = RemoteBackend::start(discovery.clone(), bus.clone(), cfg).await?;
+        let remote = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
         let describe = if disagg {
             format!(
                 "{} on {} prefill + {} decode workers, {:?} routing",

@@ -1,11 +1,12 @@
-//! The distributed frontend's backend: workers found in discovery, routed by the router crate.
+//! The routed backend behind a distributed frontend: workers found in discovery, routed by
+//! the router crate ([`RoutedBackend`]).
 //!
 //! Discovery (`worker` instances) tells which workers exist, what model each serves, where
 //! its request port is and how to tokenize for it; a model appears with its first worker and
-//! disappears with its last. KV events (`kv-events`) feed one prefix index shared by all
-//! models; load reports (`load`) and the requests this frontend routed feed each model's
+//! disappears with its last. KV events feed one prefix index shared by all models (the
+//! router's [`kvfabric_router::feed::IndexFeed`]); load reports (`load`) and the requests this frontend routed feed each model's
 //! routing policy. A request is routed (kv, round-robin, random or least-loaded), sent to the
-//! worker over the framed TCP transport ([`crate::worker`]) and its events relayed. When the
+//! worker over the framed TCP protocol ([`crate::protocol`]) and its events relayed. When the
 //! worker cannot be reached or fails before any token was sent, the request is retried on
 //! another worker; after a token it fails with a clear error. Every wait has the request's
 //! deadline.
@@ -29,56 +30,12 @@ use crate::backend::{Backend, ModelEntry};
 use crate::engine::sampling::SplitMix64;
 use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
 use crate::metrics;
-use crate::worker::{self, WorkerRequest};
-
-/// The discovery kind of workers.
-pub const WORKER_KIND: &str = "worker";
-
-/// How a worker's prompts are tokenized, as it registers it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum CodecSpec {
-    /// The vocabulary and chat template of a GGUF file (a path the frontend can read), or a
-    /// tokenizer.json next to it.
-    Gguf {
-        /// The GGUF file.
-        path: std::path::PathBuf,
-        /// A tokenizer.json overriding the GGUF's vocabulary.
-        tokenizer: Option<std::path::PathBuf>,
-    },
-    /// One token per byte (the mock engine).
-    Bytes,
-}
-
-impl CodecSpec {
-    /// Loads the codec (reads the GGUF's metadata, not its weights).
-    pub fn load(&self) -> Result<TextCodec, EngineError> {
-        match self {
-            CodecSpec::Bytes => Ok(TextCodec::bytes()),
-            CodecSpec::Gguf { path, tokenizer } => {
-                TextCodec::from_gguf_path(path, tokenizer.as_deref())
-            }
-        }
-    }
-}
-
-/// What a worker registers in discovery.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct WorkerMetadata {
-    /// The model it serves.
-    pub model: ModelInfo,
-    /// How to tokenize for it.
-    pub codec: CodecSpec,
-    /// Its request port.
-    pub addr: SocketAddr,
-    /// Its role.
-    #[serde(default)]
-    pub role: crate::disagg::Role,
-}
+use crate::protocol::{self, WorkerRequest};
+use crate::worker::{CodecSpec, WorkerMetadata, WORKER_KIND};
 
 /// Frontend settings.
 #[derive(Debug, Clone)]
-pub struct FrontendConfig {
+pub struct RoutedConfig {
     /// Routing policy settings (the mode among them); `block_tokens` is taken from each model.
     pub router: RouterConfig,
     /// Connecting to a worker gives up after this long (then the next worker is tried).
@@ -91,9 +48,9 @@ pub struct FrontendConfig {
     pub kind: String,
 }
 
-impl Default for FrontendConfig {
+impl Default for RoutedConfig {
     fn default() -> Self {
-        FrontendConfig {
+        RoutedConfig {
             router: RouterConfig::default(),
             connect_timeout: Duration::from_secs(2),
             max_attempts: 3,
@@ -105,7 +62,7 @@ impl Default for FrontendConfig {
 
 /// Counters of the frontend.
 #[derive(Debug, Default)]
-pub struct FrontendStats {
+pub struct RoutedStats {
     /// Requests routed (attempts).
     pub routed: AtomicU64,
     /// Attempts retried on another worker.
@@ -142,31 +99,31 @@ struct State {
 
 #[derive(Debug)]
 struct Inner {
-    cfg: FrontendConfig,
+    cfg: RoutedConfig,
     index: Arc<PrefixIndex>,
     state: Mutex<State>,
     codecs: Mutex<HashMap<CodecSpec, Arc<TextCodec>>>,
     next_id: AtomicU64,
     rng: Mutex<SplitMix64>,
-    stats: FrontendStats,
+    stats: RoutedStats,
     epoch: Instant,
 }
 
 /// Workers in discovery behind one routing frontend. Cheap to clone.
 #[derive(Debug, Clone)]
-pub struct RemoteBackend {
+pub struct RoutedBackend {
     inner: Arc<Inner>,
     feed: Arc<IndexFeed>,
     task: Arc<tokio::task::JoinHandle<()>>,
 }
 
-impl RemoteBackend {
+impl RoutedBackend {
     /// Watches discovery and subscribes to KV events and loads; returns once the workers
     /// registered now are known.
     pub async fn start(
         discovery: Arc<dyn Discovery>,
         bus: Arc<dyn EventBus>,
-        cfg: FrontendConfig,
+        cfg: RoutedConfig,
     ) -> Result<Self, EngineError> {
         let ctl =
             |e: kvfabric::control::ControlError| EngineError::model(format!("control plane: {e}"));
@@ -182,7 +139,7 @@ impl RemoteBackend {
             codecs: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             rng: Mutex::new(SplitMix64(seed)),
-            stats: FrontendStats::default(),
+            stats: RoutedStats::default(),
             epoch: Instant::now(),
         });
         for inst in initial {
@@ -209,11 +166,11 @@ impl RemoteBackend {
                 }
             }
         });
-        Ok(RemoteBackend { inner, feed: Arc::new(feed), task: Arc::new(task) })
+        Ok(RoutedBackend { inner, feed: Arc::new(feed), task: Arc::new(task) })
     }
 
     /// The counters.
-    pub fn stats(&self) -> &FrontendStats {
+    pub fn stats(&self) -> &RoutedStats {
         &self.inner.stats
     }
 
@@ -231,7 +188,7 @@ impl RemoteBackend {
     }
 
     /// Routes a request of `prompt` for `model` without sending it: the chosen worker's name,
-    /// and the id to [`RemoteBackend::release`] when its work is done.
+    /// and the id to [`RoutedBackend::release`] when its work is done.
     pub fn pick(&self, model: &str, prompt: &[u32]) -> Option<(u64, String)> {
         let rid = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (name, _) = self.inner.route(model, rid, prompt, &[])?;
@@ -239,7 +196,7 @@ impl RemoteBackend {
         Some((rid, name))
     }
 
-    /// Ends the tracking of a request from [`RemoteBackend::pick`].
+    /// Ends the tracking of a request from [`RoutedBackend::pick`].
     pub fn release(&self, model: &str, rid: u64, _completed: bool) {
         self.inner.with_router(model, |r| r.free(rid));
     }
@@ -434,14 +391,15 @@ impl Inner {
         deadline: tokio::time::Instant,
     ) -> Relay {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let mut conn = match worker::connect(addr, wreq, self.cfg.connect_timeout.min(left)).await {
+        let mut conn = match protocol::connect(addr, wreq, self.cfg.connect_timeout.min(left)).await
+        {
             Ok(c) => c,
             Err(e) => return Relay::Retry(e.to_string()),
         };
         let mut sent_token = false;
         loop {
             let frame = tokio::select! {
-                f = tokio::time::timeout_at(deadline, worker::read_frame::<_, GenEvent>(&mut conn)) => f,
+                f = tokio::time::timeout_at(deadline, protocol::read_frame::<_, GenEvent>(&mut conn)) => f,
                 // The client went away: closing the connection cancels the worker's work.
                 _ = tx.closed() => return Relay::Finished,
             };
@@ -507,7 +465,7 @@ enum Relay {
     Failed(String),
 }
 
-impl Backend for RemoteBackend {
+impl Backend for RoutedBackend {
     fn models(&self) -> Vec<ModelInfo> {
         let st = self.inner.state.lock();
         let mut v: Vec<ModelInfo> = st.models.values().map(|m| m.entry.info.clone()).collect();

@@ -9,8 +9,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kvfabric_router::{RouterConfig, RoutingMode};
-use kvfabric_serving::frontend::{FrontendConfig, RemoteBackend};
 use kvfabric_serving::http::{self, ServerConfig};
+use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
 
 use super::up::{parse_mode, shutdown_signal};
 
@@ -43,7 +43,7 @@ pub struct FrontendArgs {
 
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let (discovery, bus) = args.control.connect().await?;
-    let cfg = FrontendConfig {
+    let cfg = RoutedConfig {
         router: RouterConfig {
             mode: args.router,
             temperature: args.router_temperature,
@@ -51,9 +51,9 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         },
         max_attempts: args.max_attempts.max(1),
         name: args.name.clone(),
-        ..FrontendConfig::default()
+        ..RoutedConfig::default()
     };
-    let backend = Arc::new(RemoteBackend::start(discovery, bus, cfg).await?);
+    let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
     let server_cfg = ServerConfig {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         ..ServerConfig::default()

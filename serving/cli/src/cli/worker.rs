@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use kvfabric_serving::disagg::Role;
+use kvfabric_serving::worker::Role;
 
 use super::up::{serve_worker, shutdown_signal, start_stack, EngineOpts};
 

@@ -43,7 +43,7 @@ fn plan_json_has_the_documented_fields() {
 #[test]
 fn plan_reads_config_json_and_gguf() {
     let cfg =
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../kvfabric/tests/data/deepseek-r1.config.json");
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../kvfabric/tests/data/deepseek-r1.config.json");
     let v = stdout_json(&kvfabric(&["plan", "--model", cfg, "--json", "--block-tokens", "64"]));
     assert_eq!(v["kv_bytes_per_token"], 70_272);
     assert_eq!(v["kv_bytes_per_block"], 70_272 * 64);

@@ -15,8 +15,8 @@ use kvfabric::control::etcd::EtcdDiscovery;
 use kvfabric::control::nats::NatsBus;
 use kvfabric::testkit::{EtcdServer, NatsServer};
 use kvfabric_router::{RouterConfig, RoutingMode};
-use kvfabric_serving::frontend::{FrontendConfig, RemoteBackend};
 use kvfabric_serving::http::{router, ServerConfig};
+use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
 use serde_json::json;
 
 struct Worker {
@@ -54,18 +54,18 @@ fn mock_worker(name: &str, etcd: &EtcdServer, nats: &NatsServer, decode_us: &str
 
 struct Frontend {
     addr: SocketAddr,
-    backend: Arc<RemoteBackend>,
+    backend: Arc<RoutedBackend>,
 }
 
 async fn frontend(etcd: &EtcdServer, nats: &NatsServer, mode: RoutingMode) -> Frontend {
     let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
     let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
-    let cfg = FrontendConfig {
+    let cfg = RoutedConfig {
         router: RouterConfig { mode, ..RouterConfig::default() },
         connect_timeout: Duration::from_millis(500),
-        ..FrontendConfig::default()
+        ..RoutedConfig::default()
     };
-    let backend = Arc::new(RemoteBackend::start(discovery, bus, cfg).await.unwrap());
+    let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
     let server =
         ServerConfig { request_timeout: Duration::from_secs(60), ..ServerConfig::default() };
     let app = router(backend.clone(), server);

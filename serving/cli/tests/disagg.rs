@@ -17,9 +17,9 @@ use kvfabric::control::nats::NatsBus;
 use kvfabric::control::Discovery as _;
 use kvfabric::testkit::{EtcdServer, NatsServer};
 use kvfabric_router::{RouterConfig, RoutingMode};
-use kvfabric_serving::disagg::PREFILL_KIND;
-use kvfabric_serving::frontend::{FrontendConfig, RemoteBackend};
 use kvfabric_serving::http::{router, ServerConfig};
+use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
+use kvfabric_serving::worker::PREFILL_KIND;
 use serde_json::{json, Value};
 
 const SECRET: &str = "disagg-test-secret";
@@ -50,11 +50,11 @@ fn worker(name: &str, ns: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&
 async fn frontend(ns: &str, etcd: &EtcdServer, nats: &NatsServer) -> SocketAddr {
     let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], ns).await.unwrap());
     let bus = Arc::new(NatsBus::connect(&nats.url(), ns).await.unwrap());
-    let cfg = FrontendConfig {
+    let cfg = RoutedConfig {
         router: RouterConfig { mode: RoutingMode::Kv, ..RouterConfig::default() },
-        ..FrontendConfig::default()
+        ..RoutedConfig::default()
     };
-    let backend = Arc::new(RemoteBackend::start(discovery, bus, cfg).await.unwrap());
+    let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
     let app = router(
         backend,
         ServerConfig { request_timeout: Duration::from_secs(120), ..ServerConfig::default() },
@@ -256,13 +256,13 @@ async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
     use kvfabric::transport::fault::FaultInjector;
     use kvfabric_serving::backend::{Backend, LocalBackend};
     use kvfabric_serving::disagg::{
-        run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats, Role, PREFILL_KIND,
+        run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats,
     };
     use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
     use kvfabric_serving::engine::{
         GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig,
     };
-    use kvfabric_serving::frontend::{CodecSpec, WorkerMetadata};
+    use kvfabric_serving::worker::{CodecSpec, Role, WorkerMetadata};
     use kvfabric_tiers::{StoreConfig, TieredStore};
 
     let layout = ModelSpec::preset("smollm2-135m")
@@ -320,8 +320,8 @@ async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
         .await
         .unwrap();
     let (da, ds, dsched) = node("decode-0", None).await;
-    let cfg = FrontendConfig { kind: PREFILL_KIND.into(), ..FrontendConfig::default() };
-    let router = RemoteBackend::start(discovery.clone(), bus.clone(), cfg).await.unwrap();
+    let cfg = RoutedConfig { kind: PREFILL_KIND.into(), ..RoutedConfig::default() };
+    let router = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await.unwrap();
     let decode = DecodeBackend::start(
         LocalBackend::new(dsched.clone(), ds.clone()),
         ds,

@@ -1,0 +1,43 @@
+//! Helpers of the binary's tests: the serving tests' helpers (HTTP client, waits) and
+//! `kvfabric worker` processes.
+
+#![allow(dead_code)]
+
+#[path = "../../../tests/common/mod.rs"]
+mod serving;
+
+pub use serving::*;
+
+use serde_json::Value;
+
+/// A child process, killed (-9) and reaped when dropped.
+#[derive(Debug)]
+pub struct Proc(pub std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `kvfabric worker --name NAME ARGS...` and returns it with the JSON line it prints
+/// once it serves (its later output is drained).
+pub fn spawn_worker(name: &str, args: &[&str]) -> (Proc, Value) {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["worker", "--name", name])
+        .args(args)
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvfabric worker");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("worker printed nothing").unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert_eq!(v["worker"], name, "{line}");
+    std::thread::spawn(move || for _ in lines {});
+    (Proc(child), v)
+}
