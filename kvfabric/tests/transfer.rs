@@ -439,10 +439,16 @@ async fn a_dead_listener_fails_fast_with_a_typed_error() {
     let dst = b.alloc_region(4096, RegionOptions { export: true, ..Default::default() }).unwrap();
     link(&a, &b);
     let (s, d) = (src.id(), dst.id());
+    let b_addr = b.listen_addr();
     b.shutdown();
     drop(dst);
     drop(b);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The listener is closed once a connection is refused.
+    let closed = Instant::now();
+    while tokio::net::TcpStream::connect(b_addr).await.is_ok() {
+        assert!(closed.elapsed() < Duration::from_secs(5), "b still listens");
+        tokio::task::yield_now().await;
+    }
     let start = Instant::now();
     let req = TransferRequest::new(
         TransferOp::Write,

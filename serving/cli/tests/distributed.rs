@@ -150,7 +150,12 @@ async fn a_worker_killed_under_load_hangs_no_request_and_leaves_routing() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Under load: every request routed (round-robin: six on each worker), none finished.
+    let b = f.backend.clone();
+    wait_for("the load to be routed", Duration::from_secs(10), async || {
+        b.stats().routed.load(std::sync::atomic::Ordering::Relaxed) >= 18
+    })
+    .await;
     let victim = ws.remove(1);
     let dead = victim.name.clone();
     drop(victim); // kill -9
@@ -223,7 +228,9 @@ async fn a_worker_added_under_load_starts_receiving_requests() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Under load before the new worker comes.
+    let s = served.clone();
+    wait_for("the load to run", Duration::from_secs(10), async || s.lock().len() >= 4).await;
     let _w1 = mock_worker("w1", &etcd, &nats, "2000");
     let s = served.clone();
     wait_for("the new worker to serve", Duration::from_secs(15), async || {

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use kvfabric::agent::{Agent, AgentConfig, AgentMetadata};
 use kvfabric::memory::{Region, RegionOptions};
-use kvfabric::transfer::{Desc, TransferError, TransferOp, TransferRequest, TransportKind};
+use kvfabric::transfer::{
+    Desc, TransferError, TransferOp, TransferRequest, TransferStatus, TransportKind,
+};
 use kvfabric::wire::{handshake_mac, HandshakeRole, Message, WireLimits, HEADER_BYTES};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -225,7 +227,13 @@ async fn peer_killed_mid_transfer_fails_typed_within_the_deadline() {
         .with_deadline(deadline);
         handles.push(agent.post(req).unwrap());
     }
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    // Every transfer has started moving bytes (some shm copies may be done already) when
+    // the peer dies.
+    let started = Instant::now();
+    while handles.iter().any(|h| h.status() == TransferStatus::Posted) {
+        assert!(started.elapsed() < Duration::from_secs(10), "transfers did not start");
+        tokio::task::yield_now().await;
+    }
     let killed_at = Instant::now();
     peer.child.kill().unwrap(); // SIGKILL
     peer.child.wait().unwrap();
