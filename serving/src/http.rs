@@ -788,14 +788,25 @@ async fn whole_response(mut g: Generation) -> Response {
 }
 
 fn stream_response(g: Generation, include_usage: bool) -> Response {
-    // States: 0 = role chunk (chat) not sent yet, 1 = streaming, 2 = usage/[DONE] pending,
-    // 3 = over.
+    /// Where a stream is.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Phase {
+        /// Chat: the chunk with the assistant's role is not sent yet.
+        Role,
+        /// Text chunks as the engine makes them.
+        Streaming,
+        /// The final chunks are out (or queued in `pending`); `[DONE]` is next.
+        Done,
+        /// Over.
+        Closed,
+    }
     struct S {
         g: Generation,
-        phase: u8,
+        phase: Phase,
+        /// Chunks to send before moving on, last first.
         pending: Vec<Value>,
     }
-    let first_phase = if g.endpoint == Endpoint::Chat { 0 } else { 1 };
+    let first_phase = if g.endpoint == Endpoint::Chat { Phase::Role } else { Phase::Streaming };
     let init = S { g, phase: first_phase, pending: Vec::new() };
     let stream = futures_util::stream::unfold(init, move |mut s| async move {
         loop {
@@ -803,8 +814,8 @@ fn stream_response(g: Generation, include_usage: bool) -> Response {
                 return Some((Ok::<_, Infallible>(Event::default().data(v.to_string())), s));
             }
             match s.phase {
-                0 => {
-                    s.phase = 1;
+                Phase::Role => {
+                    s.phase = Phase::Streaming;
                     let v = s.g.chunk(
                         json!({ "role": "assistant", "content": "" }),
                         None,
@@ -812,14 +823,14 @@ fn stream_response(g: Generation, include_usage: bool) -> Response {
                     );
                     return Some((Ok(Event::default().data(v.to_string())), s));
                 }
-                1 => match s.g.next().await {
+                Phase::Streaming => match s.g.next().await {
                     Next::Text(t) => {
                         let v = s.g.chunk(json!({ "content": t }), None, include_usage);
                         return Some((Ok(Event::default().data(v.to_string())), s));
                     }
                     Next::Done(reason, tail) => {
                         s.g.finish(true);
-                        s.phase = 2;
+                        s.phase = Phase::Done;
                         // Pushed in reverse: popped from the end.
                         if include_usage {
                             let mut u = s.g.chunk(json!({}), None, false);
@@ -840,15 +851,15 @@ fn stream_response(g: Generation, include_usage: bool) -> Response {
                     Next::Failed(e) => {
                         s.g.finish(false);
                         s.g.st.count_failure(&e);
-                        s.phase = 2;
+                        s.phase = Phase::Done;
                         return Some((Ok(Event::default().data(e.body().to_string())), s));
                     }
                 },
-                2 => {
-                    s.phase = 3;
+                Phase::Done => {
+                    s.phase = Phase::Closed;
                     return Some((Ok(Event::default().data("[DONE]")), s));
                 }
-                _ => return None,
+                Phase::Closed => return None,
             }
         }
     });

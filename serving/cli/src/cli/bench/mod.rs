@@ -7,6 +7,7 @@ mod engine;
 mod fabric;
 mod router;
 mod serve;
+mod sse;
 mod tier;
 mod transfer;
 

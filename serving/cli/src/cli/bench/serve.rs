@@ -12,7 +12,8 @@ use clap::Args;
 use kvfabric_serving::engine::sampling::SplitMix64;
 use kvfabric_serving::stats::Percentiles;
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::sse::SseParser;
 use tokio::net::TcpStream;
 
 #[derive(Debug, Args)]
@@ -117,7 +118,11 @@ struct Target {
 async fn target(url: &str) -> anyhow::Result<Target> {
     let rest = url
         .strip_prefix("http://")
-        .ok_or_else(|| anyhow::anyhow!("--url must start with http:// (got {url:?})"))?;
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--url must start with http:// (got {url:?}; https needs a TLS client this build does not have: put a local TLS proxy in front)"
+            )
+        })?;
     let (hostport, path) = rest.split_once('/').map_or((rest, ""), |(h, p)| (h, p));
     let path = path.trim_end_matches('/');
     let prefix =
@@ -130,7 +135,17 @@ async fn target(url: &str) -> anyhow::Result<Target> {
     Ok(Target { addr, host: hostport.to_string(), prefix })
 }
 
-/// One HTTP/1.1 exchange; `on_data` sees each decoded body piece as it arrives.
+/// Aborts a task when dropped (the connection of an exchange that ended early).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// One HTTP/1.1 exchange (hyper); `on_data` sees each piece of the decoded body as it
+/// arrives.
 async fn exchange(
     t: &Target,
     method: &str,
@@ -138,107 +153,68 @@ async fn exchange(
     body: &str,
     mut on_data: impl FnMut(&[u8]),
 ) -> anyhow::Result<u16> {
-    let mut s = TcpStream::connect(t.addr).await?;
-    s.set_nodelay(true)?;
-    let req = format!(
-        "{method} {}{path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Type: application/json\r\nAccept: text/event-stream, application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        t.prefix,
-        t.host,
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await?;
-    let mut buf = Vec::new();
-    let mut chunk = vec![0u8; 16 << 10];
-    let (status, chunked) = loop {
-        let n = s.read(&mut chunk).await?;
-        anyhow::ensure!(n > 0, "connection closed before the response headers");
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-            let status: u16 = head
-                .split_whitespace()
-                .nth(1)
-                .and_then(|s| s.parse().ok())
-                .ok_or_else(|| anyhow::anyhow!("malformed status line"))?;
-            let chunked = head.contains("transfer-encoding: chunked");
-            buf.drain(..end + 4);
-            break (status, chunked);
+    use http_body_util::BodyExt;
+    let tcp = TcpStream::connect(t.addr).await?;
+    tcp.set_nodelay(true)?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp)).await?;
+    let _conn = AbortOnDrop(tokio::spawn(async move {
+        let _ = conn.await;
+    }));
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(format!("{}{path}", t.prefix))
+        .header(hyper::header::HOST, &t.host)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .header(hyper::header::ACCEPT, "text/event-stream, application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))?;
+    let resp = sender.send_request(req).await?;
+    let status = resp.status().as_u16();
+    let mut body = resp.into_body();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            on_data(&data);
         }
-        anyhow::ensure!(buf.len() < 64 << 10, "response headers too large");
-    };
-    // Body: plain until EOF, or chunked.
-    let mut pending = buf;
-    loop {
-        if chunked {
-            while let Some(eol) = pending.windows(2).position(|w| w == b"\r\n") {
-                let size_text = String::from_utf8_lossy(&pending[..eol]).to_string();
-                let size =
-                    usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
-                        .map_err(|_| anyhow::anyhow!("bad chunk size {size_text:?}"))?;
-                if size == 0 {
-                    return Ok(status);
-                }
-                if pending.len() < eol + 2 + size + 2 {
-                    break;
-                }
-                on_data(&pending[eol + 2..eol + 2 + size]);
-                pending.drain(..eol + 2 + size + 2);
-            }
-        } else if !pending.is_empty() {
-            on_data(&pending);
-            pending.clear();
-        }
-        let n = s.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(status);
-        }
-        pending.extend_from_slice(&chunk[..n]);
     }
+    Ok(status)
 }
 
 async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome {
     let start = Instant::now();
     let mut out = Outcome::default();
-    let mut sse = Vec::<u8>::new();
+    let mut sse = SseParser::default();
     let mut last: Option<Instant> = None;
     let mut body_text = Vec::new();
     let r = tokio::time::timeout(
         timeout,
         exchange(t, "POST", "/completions", &body, |data| {
             body_text.extend_from_slice(data);
-            sse.extend_from_slice(data);
-            while let Some(end) = sse.windows(2).position(|w| w == b"\n\n") {
-                let event: Vec<u8> = sse.drain(..end + 2).collect();
-                let text = String::from_utf8_lossy(&event);
-                for line in text.lines() {
-                    let Some(d) = line.strip_prefix("data: ") else { continue };
-                    if d == "[DONE]" {
-                        continue;
+            for d in sse.push(data) {
+                if d == "[DONE]" {
+                    continue;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(&d) else {
+                    out.error = Some(format!("unparsable event {d:?}"));
+                    continue;
+                };
+                if let Some(e) = v.get("error") {
+                    out.error = Some(e["message"].as_str().unwrap_or("error event").to_string());
+                }
+                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                    out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+                    out.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+                    out.cached_tokens =
+                        u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+                }
+                let text = v["choices"].get(0).and_then(|c| c["text"].as_str()).unwrap_or("");
+                out.text.push_str(text);
+                if !text.is_empty() {
+                    let now = Instant::now();
+                    match last {
+                        None => out.ttft = Some(now - start),
+                        Some(l) => out.gaps.push(now - l),
                     }
-                    let Ok(v) = serde_json::from_str::<Value>(d) else {
-                        out.error = Some(format!("unparsable event {d:?}"));
-                        continue;
-                    };
-                    if let Some(e) = v.get("error") {
-                        out.error =
-                            Some(e["message"].as_str().unwrap_or("error event").to_string());
-                    }
-                    if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                        out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
-                        out.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
-                        out.cached_tokens =
-                            u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
-                    }
-                    let text = v["choices"].get(0).and_then(|c| c["text"].as_str()).unwrap_or("");
-                    out.text.push_str(text);
-                    if !text.is_empty() {
-                        let now = Instant::now();
-                        match last {
-                            None => out.ttft = Some(now - start),
-                            Some(l) => out.gaps.push(now - l),
-                        }
-                        last = Some(now);
-                    }
+                    last = Some(now);
                 }
             }
         }),
