@@ -1,10 +1,30 @@
-//! What a serving worker is to the rest of the system: its kinds in discovery, its role, and
-//! the metadata it registers there (model, tokenizer, request address, role), which routing
-//! frontends and decode workers read.
+//! A serving worker: what it is to the rest of the system (its kinds in discovery, its role,
+//! the metadata it registers there, which routing frontends and decode workers read) and its
+//! assembly ([`WorkerStack`]: engine, tiered store, agent, publishers; serving and
+//! registration), shared by `kvfabric up` and `kvfabric worker`.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
 
-use crate::engine::{EngineError, ModelInfo, TextCodec};
+use kvfabric::agent::{Agent, AgentConfig, AgentError};
+use kvfabric::contract::{Load, Message};
+use kvfabric::control::{ControlError, Discovery, EventBus, Instance, Registration};
+use kvfabric::events::{ChannelSink, TierKind};
+use kvfabric::layout::KvDtype;
+use kvfabric_tiers::disk::DiskConfig;
+use kvfabric_tiers::publish::StorePublisher;
+use kvfabric_tiers::remote::RemoteTier;
+use kvfabric_tiers::{StoreConfig, StoreError, TieredStore};
+
+use crate::backend::{Backend, LocalBackend};
+use crate::disagg::{run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats};
+use crate::engine::llama::{LlamaEngine, LlamaOptions, Weights};
+use crate::engine::mock::{MockConfig, MockEngine};
+use crate::engine::{Engine, EngineError, ModelInfo, Scheduler, SchedulerConfig, TextCodec};
+use crate::routed::{RoutedBackend, RoutedConfig};
 
 /// The discovery kind of workers.
 pub const WORKER_KIND: &str = "worker";
@@ -64,5 +84,389 @@ impl CodecSpec {
                 TextCodec::from_gguf_path(path, tokenizer.as_deref())
             }
         }
+    }
+}
+
+/// The engine a worker runs.
+#[derive(Debug, Clone)]
+pub enum EngineSpec {
+    /// A llama-architecture GGUF model on CPU.
+    Llama {
+        /// The GGUF file.
+        path: PathBuf,
+        /// Its options (weights, block size, context, tokenizer, served name).
+        options: LlamaOptions,
+    },
+    /// The mock engine (a timing model over SmolLM2-135M's KV layout in f32).
+    Mock {
+        /// The id it is served under.
+        name: String,
+        /// Tokens per block.
+        block_tokens: u32,
+        /// Its timings.
+        config: MockConfig,
+    },
+}
+
+/// Everything a worker is made of, without its control plane.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Its name in discovery (and its agent's).
+    pub name: String,
+    /// The engine.
+    pub engine: EngineSpec,
+    /// The batching loop's settings.
+    pub scheduler: SchedulerConfig,
+    /// The transfer engine's shared secret (None: random, for workers that move no KV to
+    /// others).
+    pub secret: Option<Vec<u8>>,
+    /// Host tier capacity, blocks.
+    pub host_blocks: u32,
+    /// The disk tier: a directory and a capacity in blocks (None: no disk tier).
+    pub disk: Option<(PathBuf, u32)>,
+    /// Use the fabric nodes in discovery as a remote tier (G4).
+    pub remote_tier: bool,
+}
+
+/// Why a worker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The engine could not be loaded or started.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The block store could not be opened.
+    #[error("opening the block store: {0}")]
+    Store(#[from] StoreError),
+    /// The transfer agent could not start.
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    /// The control plane refused.
+    #[error("control plane: {0}")]
+    Control(#[from] ControlError),
+    /// A file or socket.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> WorkerError {
+    move |source| WorkerError::Io { what: what.into(), source }
+}
+
+/// One worker's engine, store and agent, publishing its KV events, load and dumps on a bus.
+#[derive(Debug)]
+pub struct WorkerStack {
+    /// The batching loop over the engine.
+    pub sched: Scheduler,
+    /// The tiered block store.
+    pub store: TieredStore,
+    /// The transfer agent owning the store's host region.
+    pub agent: Agent,
+    /// One line saying what it serves.
+    pub describe: String,
+    /// How to tokenize for it.
+    pub codec: CodecSpec,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    publisher: StorePublisher,
+}
+
+/// A worker serving requests (or prefill jobs) and registered in discovery.
+#[derive(Debug)]
+pub struct Served {
+    /// Its request address (a prefill worker's: its agent's).
+    pub addr: SocketAddr,
+    /// Its registration; revoke it to leave discovery at once.
+    pub registration: Registration,
+    /// The task serving requests or jobs.
+    pub server: tokio::task::JoinHandle<()>,
+    /// What its `/metrics` shows.
+    pub metrics: MetricsSource,
+}
+
+/// The worker's load reports: this often.
+const LOAD_PERIOD: Duration = Duration::from_millis(200);
+
+impl WorkerStack {
+    /// Loads the engine (`progress(done, total)` as tensors load), opens the store, follows
+    /// the fabric nodes in `discovery` when asked, and starts publishing the store's KV
+    /// events and dumps and the worker's load on `bus`.
+    pub async fn start(
+        cfg: &WorkerConfig,
+        discovery: &Arc<dyn Discovery>,
+        bus: Arc<dyn EventBus>,
+        progress: impl FnMut(usize, usize) + Send + 'static,
+    ) -> Result<Self, WorkerError> {
+        type StartFn = Box<dyn FnOnce(TieredStore) -> Result<Scheduler, EngineError> + Send>;
+        let rt = tokio::runtime::Handle::current();
+        let sched_cfg = cfg.scheduler.clone();
+        let (start, block_bytes, block_tokens, describe, codec): (
+            StartFn,
+            u64,
+            u32,
+            String,
+            CodecSpec,
+        ) = match &cfg.engine {
+            EngineSpec::Llama { path, options } => {
+                let (p, o) = (path.clone(), options.clone());
+                let llama =
+                    tokio::task::spawn_blocking(move || LlamaEngine::load(&p, &o, progress))
+                        .await
+                        .map_err(|e| EngineError::model(format!("loading the model: {e}")))??;
+                let info = llama.info().clone();
+                let describe = format!(
+                    "{} (llama, {} weights, {} layers of KV in {} B blocks)",
+                    info.id,
+                    if options.weights == Weights::F32 { "f32" } else { "quantized" },
+                    info.layout.kv.num_layers,
+                    info.layout.bytes_per_block(),
+                );
+                let codec = CodecSpec::Gguf {
+                    path: std::fs::canonicalize(path).unwrap_or_else(|_| path.clone()),
+                    tokenizer: options.tokenizer_json.clone(),
+                };
+                (
+                    Box::new(move |store| Scheduler::start(llama, store, sched_cfg, rt)),
+                    info.layout.bytes_per_block(),
+                    options.block_tokens,
+                    describe,
+                    codec,
+                )
+            }
+            EngineSpec::Mock { name, block_tokens, config } => {
+                let layout = crate::plan::resolve_model("smollm2-135m")
+                    .and_then(|s| Ok(s.with_dtype(KvDtype::F32).block_layout(*block_tokens)?))
+                    .map_err(|e| EngineError::model(e.to_string()))?;
+                let mock = MockEngine::new(name, layout, config.clone())?;
+                let bytes = layout.bytes_per_block();
+                (
+                    Box::new(move |store| Scheduler::start(mock, store, sched_cfg, rt)),
+                    bytes,
+                    *block_tokens,
+                    format!("{name} (mock engine, {bytes} B blocks)"),
+                    CodecSpec::Bytes,
+                )
+            }
+        };
+
+        // The data plane: an agent owning the store's host region.
+        let secret = match &cfg.secret {
+            Some(s) => s.clone(),
+            None => {
+                let mut b = [0u8; 32];
+                getrandom::fill(&mut b).map_err(|e| WorkerError::Io {
+                    what: "drawing a random secret".into(),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+                b.to_vec()
+            }
+        };
+        let agent = Agent::start(AgentConfig::new(cfg.name.clone(), secret)).await?;
+        let (sink, events) = ChannelSink::new(65_536);
+        let mut tasks = Vec::new();
+        let mut store_cfg = StoreConfig::new(block_bytes, cfg.host_blocks.max(1));
+        store_cfg.disk_admit_min_hits = 0;
+        if let Some((dir, blocks)) = cfg.disk.as_ref().filter(|(_, b)| *b > 0) {
+            std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+            // One file per worker and block size: a restart with another model reads no
+            // foreign blocks.
+            store_cfg.disk = Some(DiskConfig::new(
+                dir.join(format!("{}-{block_bytes}.slots", cfg.name)),
+                *blocks,
+            ));
+            // A quarter of the host tier stays free, written back to disk in the background:
+            // new blocks (computed, or written by a prefill worker) seldom wait for the disk.
+            store_cfg.host_free_target = store_cfg.host_blocks / 4;
+        }
+        // G4: the fabric nodes in discovery, followed for as long as the worker runs.
+        let remote =
+            cfg.remote_tier.then(|| RemoteTier::new(agent.clone(), Duration::from_secs(10)));
+        store_cfg.remote = remote.clone();
+        let store = TieredStore::open(store_cfg, &agent, sink).await?;
+        let sched = start(store.clone())?;
+        if let Some(remote) = remote {
+            tasks.push(remote.follow(&**discovery, block_bytes, None).await?);
+        }
+
+        // Load reports for the routers, a few times a second.
+        {
+            let (bus, name, sched) = (bus.clone(), cfg.name.clone(), sched.clone());
+            let bt = u64::from(block_tokens.max(1));
+            tasks.push(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(LOAD_PERIOD);
+                loop {
+                    tick.tick().await;
+                    let s = sched.stats();
+                    let load = Load {
+                        active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(bt),
+                        queued_prefill_tokens: s.queued_prefill_tokens.load(Ordering::Relaxed),
+                    };
+                    let msg = Message::Load { source: name.clone(), load };
+                    let _ = bus.publish(msg.topic(), msg.encode()).await;
+                }
+            }));
+        }
+        let publisher = StorePublisher::start(bus, cfg.name.clone(), store.clone(), events).await?;
+        Ok(WorkerStack { sched, store, agent, describe, codec, tasks, publisher })
+    }
+
+    /// The metadata a worker registers, with its request port.
+    pub fn metadata(&self, addr: SocketAddr) -> WorkerMetadata {
+        WorkerMetadata {
+            model: self.sched.info().clone(),
+            codec: self.codec.clone(),
+            addr,
+            role: Default::default(),
+        }
+    }
+
+    /// Serves requests from frontends on `listen` (a prefill worker: jobs from its queue,
+    /// `parallel` at once) and registers the worker in discovery as `name` under a lease of
+    /// `lease_ttl`. A decode worker prefills long prompts remotely as `disagg` says.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn serve(
+        &self,
+        name: &str,
+        role: Role,
+        listen: SocketAddr,
+        discovery: &Arc<dyn Discovery>,
+        bus: &Arc<dyn EventBus>,
+        parallel: usize,
+        disagg: DisaggConfig,
+        lease_ttl: Duration,
+    ) -> Result<Served, WorkerError> {
+        let local = LocalBackend::new(self.sched.clone(), self.store.clone());
+        let (addr, server, kind, metrics) = match role {
+            Role::Prefill => {
+                // No request port: jobs come from its queue; KV goes out through its agent.
+                let stats = Arc::new(PrefillStats::default());
+                let server = run_prefill_service(
+                    self.agent.clone(),
+                    self.sched.clone(),
+                    self.store.clone(),
+                    bus.clone(),
+                    parallel.max(1),
+                    stats.clone(),
+                );
+                let metrics = MetricsSource::Prefill(Arc::new(local), stats);
+                (self.agent.listen_addr(), server, PREFILL_KIND, metrics)
+            }
+            Role::Aggregated | Role::Decode => {
+                let listener = tokio::net::TcpListener::bind(listen)
+                    .await
+                    .map_err(io_err(format!("listening on {listen}")))?;
+                let addr = listener.local_addr().map_err(io_err("the listener's address"))?;
+                let backend: Arc<dyn Backend> = if role == Role::Decode {
+                    let cfg = RoutedConfig {
+                        kind: PREFILL_KIND.into(),
+                        name: format!("{name}-prefill-router"),
+                        ..RoutedConfig::default()
+                    };
+                    let prefill = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
+                    Arc::new(
+                        DecodeBackend::start(
+                            local,
+                            self.store.clone(),
+                            self.agent.clone(),
+                            bus.clone(),
+                            prefill,
+                            disagg,
+                        )
+                        .await?,
+                    )
+                } else {
+                    Arc::new(local)
+                };
+                let server = crate::protocol::serve(listener, backend.clone());
+                (addr, server, WORKER_KIND, MetricsSource::Backend(backend))
+            }
+        };
+        let mut md = self.metadata(addr);
+        md.role = role;
+        let metadata = serde_json::to_value(md).map_err(|e| ControlError::Malformed {
+            what: "worker metadata",
+            message: e.to_string(),
+        })?;
+        let instance = Instance { kind: kind.into(), id: name.to_string(), metadata };
+        let registration = discovery.register(instance, lease_ttl).await?;
+        tracing::info!(worker = %name, %addr, ?role, kind, "worker registered in discovery");
+        Ok(Served { addr, registration, server, metrics })
+    }
+
+    /// Stops publishing; keeps host blocks across restarts by writing them to disk (bounded
+    /// in time).
+    pub async fn shutdown(self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        drop(self.publisher);
+        if self.store.disk().is_some() {
+            let hosted: Vec<_> = self
+                .store
+                .snapshot()
+                .into_iter()
+                .filter(|(t, _, _)| *t == TierKind::Host)
+                .map(|(_, h, _)| h)
+                .collect();
+            let _ =
+                tokio::time::timeout(Duration::from_secs(10), self.store.offload(&hosted)).await;
+        }
+        self.agent.shutdown();
+    }
+}
+
+/// What a worker's `/metrics` shows.
+#[derive(Debug, Clone)]
+pub enum MetricsSource {
+    /// A serving backend (aggregated or decode).
+    Backend(Arc<dyn Backend>),
+    /// A prefill worker: its engine and its job counters.
+    Prefill(Arc<LocalBackend>, Arc<PrefillStats>),
+}
+
+impl MetricsSource {
+    /// Prometheus text.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        match self {
+            MetricsSource::Backend(b) => b.render_metrics(&mut out),
+            MetricsSource::Prefill(b, s) => {
+                b.render_metrics(&mut out);
+                let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+                use crate::metrics::sample;
+                sample(
+                    &mut out,
+                    "kvfabric_prefill_jobs_done_total",
+                    "counter",
+                    "Prefill jobs whose blocks were written.",
+                    ld(&s.done),
+                );
+                sample(
+                    &mut out,
+                    "kvfabric_prefill_jobs_failed_total",
+                    "counter",
+                    "Prefill jobs failed or expired.",
+                    ld(&s.failed),
+                );
+                sample(
+                    &mut out,
+                    "kvfabric_prefill_sent_bytes_total",
+                    "counter",
+                    "KV bytes written to decode workers.",
+                    ld(&s.bytes),
+                );
+                sample(
+                    &mut out,
+                    "kvfabric_prefill_transfer_seconds_total",
+                    "counter",
+                    "Time in KV writes.",
+                    ld(&s.transfer_us) as f64 / 1e6,
+                );
+            }
+        }
+        out
     }
 }

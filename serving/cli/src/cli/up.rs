@@ -4,37 +4,28 @@
 //! the embedded control plane (discovery and the event bus, where workers register and
 //! publish their KV events and load).
 //!
-//! The engine options ([`EngineOpts`]) and the worker stack ([`start_stack`]) are shared with
-//! `kvfabric worker`.
+//! The engine options ([`EngineOpts`]) and [`start_stack`] are shared with `kvfabric worker`;
+//! the worker itself is `kvfabric_serving::worker::WorkerStack`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use kvfabric::agent::{Agent, AgentConfig};
-use kvfabric::contract::Message;
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
-use kvfabric::control::{Discovery, EventBus, Instance, Registration};
-use kvfabric::events::{ChannelSink, TierKind};
-use kvfabric::layout::KvDtype;
+use kvfabric::control::{Discovery, EventBus};
 use kvfabric::transfer::TransportKind;
-use kvfabric_router::{Load, RoutingMode};
+use kvfabric_router::RoutingMode;
 use kvfabric_serving::backend::{Backend, LocalBackend};
-use kvfabric_serving::disagg::{run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats};
-use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, Weights};
-use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
-use kvfabric_serving::engine::{Engine, Scheduler, SchedulerConfig};
+use kvfabric_serving::disagg::DisaggConfig;
+use kvfabric_serving::engine::llama::{LlamaOptions, Weights};
+use kvfabric_serving::engine::mock::MockConfig;
+use kvfabric_serving::engine::SchedulerConfig;
 use kvfabric_serving::http::{self, ServerConfig};
 use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
-use kvfabric_serving::worker::{CodecSpec, Role, WorkerMetadata, PREFILL_KIND, WORKER_KIND};
-use kvfabric_tiers::disk::DiskConfig;
-use kvfabric_tiers::publish::StorePublisher;
-use kvfabric_tiers::remote::RemoteTier;
-use kvfabric_tiers::{StoreConfig, TieredStore};
+use kvfabric_serving::worker::{EngineSpec, Role, WorkerConfig, WorkerStack};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum EngineKind {
@@ -202,71 +193,10 @@ pub fn default_model_path() -> PathBuf {
     dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-/// One worker's engine, store and agent, publishing its KV events, load and dumps on a bus.
-pub struct Stack {
-    pub sched: Scheduler,
-    pub store: TieredStore,
-    pub agent: Agent,
-    pub describe: String,
-    pub codec: CodecSpec,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-    publisher: StorePublisher,
-}
-
-impl Stack {
-    /// The metadata a worker registers, with its request port.
-    pub fn metadata(&self, addr: SocketAddr) -> WorkerMetadata {
-        WorkerMetadata {
-            model: self.sched.info().clone(),
-            codec: self.codec.clone(),
-            addr,
-            role: Default::default(),
-        }
-    }
-
-    /// Stops publishing; keeps host blocks across restarts by writing them to disk (bounded
-    /// in time).
-    pub async fn shutdown(self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-        drop(self.publisher);
-        if self.store.disk().is_some() {
-            let hosted: Vec<_> = self
-                .store
-                .snapshot()
-                .into_iter()
-                .filter(|(t, _, _)| *t == TierKind::Host)
-                .map(|(_, h, _)| h)
-                .collect();
-            let _ =
-                tokio::time::timeout(Duration::from_secs(10), self.store.offload(&hosted)).await;
-        }
-        self.agent.shutdown();
-    }
-}
-
-/// Starts a scheduler over the store it is given.
-type StartFn = Box<dyn FnOnce(TieredStore) -> anyhow::Result<Scheduler> + Send>;
-
-/// Loads the engine, opens the store and starts the publishers of `name`'s KV events, load
-/// and (on request) dumps on `bus`.
-pub async fn start_stack(
-    opts: &EngineOpts,
-    name: &str,
-    discovery: &Arc<dyn Discovery>,
-    bus: Arc<dyn EventBus>,
-    show_progress: bool,
-) -> anyhow::Result<Stack> {
-    let sched_cfg = SchedulerConfig {
-        max_batch: opts.max_batch.max(1),
-        max_waiting: opts.max_waiting,
-        step_tokens: opts.step_tokens.max(1),
-        ..SchedulerConfig::default()
-    };
-    let rt = tokio::runtime::Handle::current();
-    let (start, block_bytes, describe, codec): (StartFn, u64, String, CodecSpec) = match opts.engine
-    {
+/// The worker's configuration from the command line: the engine (the model file must exist),
+/// the store under the data directory, the scheduler's settings.
+pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConfig> {
+    let engine = match opts.engine {
         EngineKind::Llama => {
             let path = opts.model.clone().unwrap_or_else(default_model_path);
             anyhow::ensure!(
@@ -274,7 +204,7 @@ pub async fn start_stack(
                 "model file {} not found (scripts/fetch-model.sh fetches the default model; --model takes any llama GGUF)",
                 path.display()
             );
-            let lopts = LlamaOptions {
+            let options = LlamaOptions {
                 weights: match opts.weights {
                     WeightsArg::F32 => Weights::F32,
                     WeightsArg::Quantized => Weights::Quantized,
@@ -284,260 +214,72 @@ pub async fn start_stack(
                 tokenizer_json: opts.tokenizer.clone(),
                 name: opts.served_model_name.clone(),
             };
-            let bar = if show_progress {
-                indicatif::ProgressBar::new(1)
-            } else {
-                indicatif::ProgressBar::hidden()
-            };
-            bar.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "loading {msg} [{bar:40}] {pos}/{len} tensors {elapsed}",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-                .progress_chars("=> "),
-            );
-            bar.set_message(
-                path.file_name().and_then(|s| s.to_str()).unwrap_or("model").to_string(),
-            );
-            let (b, p) = (bar.clone(), path.clone());
-            let llama = tokio::task::spawn_blocking(move || {
-                LlamaEngine::load(&p, &lopts, |done, total| {
-                    b.set_length(total as u64);
-                    b.set_position(done as u64);
-                })
-            })
-            .await??;
-            bar.finish_and_clear();
-            let info = llama.info().clone();
-            let describe = format!(
-                "{} (llama, {} weights, {} layers of KV in {} B blocks)",
-                info.id,
-                if opts.weights == WeightsArg::F32 { "f32" } else { "quantized" },
-                info.layout.kv.num_layers,
-                info.layout.bytes_per_block(),
-            );
-            let codec = CodecSpec::Gguf {
-                path: std::fs::canonicalize(&path).unwrap_or(path),
-                tokenizer: opts.tokenizer.clone(),
-            };
-            let cfg = sched_cfg.clone();
-            (
-                Box::new(move |store| Ok(Scheduler::start(llama, store, cfg, rt)?)),
-                info.layout.bytes_per_block(),
-                describe,
-                codec,
-            )
+            EngineSpec::Llama { path, options }
         }
-        EngineKind::Mock => {
-            let spec =
-                kvfabric_serving::plan::resolve_model("smollm2-135m")?.with_dtype(KvDtype::F32);
-            let layout = spec.block_layout(opts.block_tokens)?;
-            let mock_cfg = MockConfig {
+        EngineKind::Mock => EngineSpec::Mock {
+            name: opts.served_model_name.clone().unwrap_or_else(|| "mock".into()),
+            block_tokens: opts.block_tokens,
+            config: MockConfig {
                 prefill_us_per_token: opts.mock_prefill_us,
                 decode_step_us: opts.mock_decode_us,
                 decode_us_per_kv_token: opts.mock_decode_kv_us,
                 context_len: opts.context,
-            };
-            let model = opts.served_model_name.clone().unwrap_or_else(|| "mock".into());
-            let mock = MockEngine::new(&model, layout, mock_cfg)?;
-            let bytes = layout.bytes_per_block();
-            let cfg = sched_cfg.clone();
-            (
-                Box::new(move |store| Ok(Scheduler::start(mock, store, cfg, rt)?)),
-                bytes,
-                format!("{model} (mock engine, {bytes} B blocks)"),
-                CodecSpec::Bytes,
-            )
-        }
-    };
-
-    // The data plane: an agent owning the store's host region.
-    let secret = match &opts.secret {
-        Some(s) => s.clone().into_bytes(),
-        None => {
-            let mut b = [0u8; 32];
-            getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("random secret: {e}"))?;
-            b.to_vec()
-        }
-    };
-    let agent = Agent::start(AgentConfig::new(name.to_string(), secret)).await?;
-    let (sink, events) = ChannelSink::new(65_536);
-    let mut tasks = Vec::new();
-    let mut store_cfg = StoreConfig::new(block_bytes, opts.host_blocks.max(1));
-    store_cfg.disk_admit_min_hits = 0;
-    if opts.disk_blocks > 0 {
-        let dir = opts.data_dir.clone().unwrap_or_else(|| {
-            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| ".".into());
-            home.join(".cache/kvfabric/data")
-        });
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        // One file per worker and block size: a restart with another model reads no
-        // foreign blocks.
-        store_cfg.disk = Some(DiskConfig::new(
-            dir.join(format!("{name}-{block_bytes}.slots")),
-            opts.disk_blocks,
-        ));
-        // A quarter of the host tier stays free, written back to disk in the background:
-        // new blocks (computed, or written by a prefill worker) seldom wait for the disk.
-        store_cfg.host_free_target = store_cfg.host_blocks / 4;
-    }
-    // G4: the fabric nodes in discovery, followed for as long as the worker runs.
-    let remote = opts.remote_tier.then(|| RemoteTier::new(agent.clone(), Duration::from_secs(10)));
-    store_cfg.remote = remote.clone();
-    let store =
-        TieredStore::open(store_cfg, &agent, sink).await.context("opening the block store")?;
-    let sched = start(store.clone())?;
-    if let Some(remote) = remote {
-        tasks.push(remote.follow(&**discovery, block_bytes, None).await?);
-    }
-
-    // Load reports for the routers, a few times a second.
-    {
-        let (bus, name, sched) = (bus.clone(), name.to_string(), sched.clone());
-        let bt = u64::from(opts.block_tokens.max(1));
-        tasks.push(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(200));
-            loop {
-                tick.tick().await;
-                let s = sched.stats();
-                let load = Load {
-                    active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(bt),
-                    queued_prefill_tokens: s.queued_prefill_tokens.load(Ordering::Relaxed),
-                };
-                let msg = Message::Load { source: name.clone(), load };
-                let _ = bus.publish(msg.topic(), msg.encode()).await;
-            }
-        }));
-    }
-    let publisher = StorePublisher::start(bus, name.to_string(), store.clone(), events).await?;
-    Ok(Stack { sched, store, agent, describe, codec, tasks, publisher })
-}
-
-/// Serves `stack`'s requests from frontends on `listen` and registers it in discovery.
-#[allow(clippy::too_many_arguments)]
-pub async fn serve_worker(
-    stack: &Stack,
-    name: &str,
-    role: Role,
-    listen: SocketAddr,
-    discovery: &Arc<dyn Discovery>,
-    bus: &Arc<dyn EventBus>,
-    opts: &EngineOpts,
-    lease_ttl: Duration,
-) -> anyhow::Result<(SocketAddr, Registration, tokio::task::JoinHandle<()>, MetricsSource)> {
-    let local = LocalBackend::new(stack.sched.clone(), stack.store.clone());
-    let (addr, server, kind, source) = match role {
-        Role::Prefill => {
-            // No request port: jobs come from its queue; KV goes out through its agent.
-            let stats = Arc::new(PrefillStats::default());
-            let server = run_prefill_service(
-                stack.agent.clone(),
-                stack.sched.clone(),
-                stack.store.clone(),
-                bus.clone(),
-                opts.max_batch.max(1),
-                stats.clone(),
-            );
-            let source = MetricsSource::Prefill(Arc::new(local), stats);
-            (stack.agent.listen_addr(), server, PREFILL_KIND, source)
-        }
-        Role::Aggregated | Role::Decode => {
-            let listener = tokio::net::TcpListener::bind(listen)
-                .await
-                .with_context(|| format!("listening on {listen}"))?;
-            let addr = listener.local_addr()?;
-            let backend: Arc<dyn Backend> = if role == Role::Decode {
-                let cfg = RoutedConfig {
-                    kind: PREFILL_KIND.into(),
-                    name: format!("{name}-prefill-router"),
-                    ..RoutedConfig::default()
-                };
-                let prefill = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
-                Arc::new(
-                    DecodeBackend::start(
-                        local,
-                        stack.store.clone(),
-                        stack.agent.clone(),
-                        bus.clone(),
-                        prefill,
-                        opts.disagg(),
-                    )
-                    .await?,
-                )
-            } else {
-                Arc::new(local)
-            };
-            let server = kvfabric_serving::protocol::serve(listener, backend.clone());
-            (addr, server, WORKER_KIND, MetricsSource::Backend(backend))
-        }
-    };
-    let mut md = stack.metadata(addr);
-    md.role = role;
-    let registration = discovery
-        .register(
-            Instance {
-                kind: kind.into(),
-                id: name.to_string(),
-                metadata: serde_json::to_value(md)?,
             },
-            lease_ttl,
-        )
-        .await?;
-    tracing::info!(worker = %name, %addr, ?role, kind, "worker registered in discovery");
-    Ok((addr, registration, server, source))
+        },
+    };
+    let data_dir = opts.data_dir.clone().unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| ".".into());
+        home.join(".cache/kvfabric/data")
+    });
+    Ok(WorkerConfig {
+        name: name.to_string(),
+        engine,
+        scheduler: SchedulerConfig {
+            max_batch: opts.max_batch.max(1),
+            max_waiting: opts.max_waiting,
+            step_tokens: opts.step_tokens.max(1),
+            ..SchedulerConfig::default()
+        },
+        secret: opts.secret.clone().map(String::into_bytes),
+        host_blocks: opts.host_blocks,
+        disk: (opts.disk_blocks > 0).then_some((data_dir, opts.disk_blocks)),
+        remote_tier: opts.remote_tier,
+    })
 }
 
-/// What a worker's `/metrics` shows.
-#[derive(Clone)]
-pub enum MetricsSource {
-    /// A serving backend (aggregated or decode).
-    Backend(Arc<dyn Backend>),
-    /// A prefill worker: its engine and its job counters.
-    Prefill(Arc<LocalBackend>, Arc<PrefillStats>),
-}
-
-impl MetricsSource {
-    /// Prometheus text.
-    pub fn render(&self) -> String {
-        let mut out = String::new();
-        match self {
-            MetricsSource::Backend(b) => b.render_metrics(&mut out),
-            MetricsSource::Prefill(b, s) => {
-                b.render_metrics(&mut out);
-                let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-                use kvfabric_serving::metrics::sample;
-                sample(
-                    &mut out,
-                    "kvfabric_prefill_jobs_done_total",
-                    "counter",
-                    "Prefill jobs whose blocks were written.",
-                    ld(&s.done),
-                );
-                sample(
-                    &mut out,
-                    "kvfabric_prefill_jobs_failed_total",
-                    "counter",
-                    "Prefill jobs failed or expired.",
-                    ld(&s.failed),
-                );
-                sample(
-                    &mut out,
-                    "kvfabric_prefill_sent_bytes_total",
-                    "counter",
-                    "KV bytes written to decode workers.",
-                    ld(&s.bytes),
-                );
-                sample(
-                    &mut out,
-                    "kvfabric_prefill_transfer_seconds_total",
-                    "counter",
-                    "Time in KV writes.",
-                    ld(&s.transfer_us) as f64 / 1e6,
-                );
-            }
-        }
-        out
+/// Loads the engine (with a progress bar when `show_progress`), opens the store and starts
+/// the publishers of `name`'s KV events, load and dumps on `bus`.
+pub async fn start_stack(
+    opts: &EngineOpts,
+    name: &str,
+    discovery: &Arc<dyn Discovery>,
+    bus: Arc<dyn EventBus>,
+    show_progress: bool,
+) -> anyhow::Result<WorkerStack> {
+    let cfg = worker_config(opts, name)?;
+    let bar = if show_progress {
+        indicatif::ProgressBar::new(1)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    if let EngineSpec::Llama { path, .. } = &cfg.engine {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "loading {msg} [{bar:40}] {pos}/{len} tensors {elapsed}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        bar.set_message(path.file_name().and_then(|s| s.to_str()).unwrap_or("model").to_string());
     }
+    let b = bar.clone();
+    let stack = WorkerStack::start(&cfg, discovery, bus, move |done, total| {
+        b.set_length(total as u64);
+        b.set_position(done as u64);
+    })
+    .await;
+    bar.finish_and_clear();
+    Ok(stack?)
 }
 
 pub async fn shutdown_signal() {
@@ -593,19 +335,20 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     } else {
         for (i, (name, role)) in roles.iter().enumerate() {
             let stack = start_stack(&engine, name, &discovery, bus.clone(), i == 0).await?;
-            let (_, reg, server, _) = serve_worker(
-                &stack,
-                name,
-                *role,
-                SocketAddr::from(([127, 0, 0, 1], 0)),
-                &discovery,
-                &bus,
-                &engine,
-                Duration::from_secs(10),
-            )
-            .await?;
-            registrations.push(reg);
-            servers.push(server);
+            let served = stack
+                .serve(
+                    name,
+                    *role,
+                    SocketAddr::from(([127, 0, 0, 1], 0)),
+                    &discovery,
+                    &bus,
+                    engine.max_batch,
+                    engine.disagg(),
+                    Duration::from_secs(10),
+                )
+                .await?;
+            registrations.push(served.registration);
+            servers.push(served.server);
             stacks.push(stack);
         }
         let cfg = RoutedConfig {

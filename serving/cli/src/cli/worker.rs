@@ -11,7 +11,8 @@ use clap::Args;
 
 use kvfabric_serving::worker::Role;
 
-use super::up::{serve_worker, shutdown_signal, start_stack, EngineOpts};
+use super::up::{shutdown_signal, start_stack, EngineOpts};
+use kvfabric_serving::worker::Served;
 
 fn parse_role(s: &str) -> Result<Role, String> {
     match s {
@@ -54,17 +55,18 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     );
     let stack = start_stack(&args.engine, &args.name, &discovery, bus.clone(), false).await?;
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
-    let (addr, registration, server, source) = serve_worker(
-        &stack,
-        &args.name,
-        args.role,
-        args.listen,
-        &discovery,
-        &bus,
-        &args.engine,
-        ttl,
-    )
-    .await?;
+    let Served { addr, registration, server, metrics: source } = stack
+        .serve(
+            &args.name,
+            args.role,
+            args.listen,
+            &discovery,
+            &bus,
+            args.engine.max_batch,
+            args.engine.disagg(),
+            ttl,
+        )
+        .await?;
     let mut metrics_addr = None;
     let metrics = match args.metrics_listen {
         Some(at) => {
