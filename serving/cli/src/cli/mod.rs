@@ -50,7 +50,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Block and sequence hashes of a token sequence (Dynamo-compatible XXH3).
     Hash(hash::HashArgs),
-    /// Benchmarks (transfer, tier, router) with percentiles and ratios to this machine's limits.
+    /// Benchmarks (transfer, tier, router, fabric, engine, serve) with percentiles and ratios
+    /// to this machine's limits measured in the same run.
     Bench(bench::BenchArgs),
     /// A standalone KV fabric node: a tiered block store behind the transfer engine,
     /// registered in discovery (etcd, or embedded), publishing KV events (NATS, or embedded).
