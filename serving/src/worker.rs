@@ -240,7 +240,7 @@ impl WorkerStack {
                 let layout = crate::plan::resolve_model("smollm2-135m")
                     .and_then(|s| Ok(s.with_dtype(KvDtype::F32).block_layout(*block_tokens)?))
                     .map_err(|e| EngineError::model(e.to_string()))?;
-                let mock = MockEngine::new(name, layout, config.clone())?;
+                let mock = MockEngine::new(name, layout, *config)?;
                 let bytes = layout.bytes_per_block();
                 (
                     Box::new(move |store| Scheduler::start(mock, store, sched_cfg, rt)),
