@@ -1,0 +1,653 @@
+//! The continuous batching loop: one engine on its own thread, served from the tiered block
+//! store (admission with prefix reuse, decodes and prefill chunks in one step, sampling, stop
+//! conditions, storing newly full blocks, cancellation and deadlines).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvfabric::events::TierKind;
+use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
+use kvfabric_tiers::{StoreError, TieredStore};
+use tokio::sync::mpsc;
+
+use super::{
+    CacheHits, Engine, EngineError, FinishReason, GenEvent, GenerateRequest, ModelInfo, Sampler,
+    StepInput, TextCodec, TextStream,
+};
+
+/// The longest a request waits for the fabric to say which of its blocks it holds.
+const REMOTE_LOOKUP_MAX: Duration = Duration::from_secs(1);
+
+/// Scheduler limits.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Sequences decoded together at most.
+    pub max_batch: usize,
+    /// Requests waiting for a batch slot at most; more are refused as overloaded.
+    pub max_waiting: usize,
+    /// Prompt tokens computed per step at most (long prompts are chunked).
+    pub step_tokens: usize,
+    /// Block hashing seed (LoRA / salt).
+    pub hash_seed: HashSeed,
+    /// Store computed blocks (prompt and generated) in the block store.
+    pub store_blocks: bool,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_batch: 16,
+            max_waiting: 256,
+            step_tokens: 512,
+            hash_seed: HashSeed::default(),
+            store_blocks: true,
+        }
+    }
+}
+
+/// Counters of the scheduler, read by `/metrics`.
+#[derive(Debug, Default)]
+pub struct SchedulerStats {
+    /// Requests waiting for a batch slot.
+    pub waiting: AtomicU64,
+    /// Requests in the batch.
+    pub running: AtomicU64,
+    /// Tokens of KV held by the requests in the batch (decode load).
+    pub active_tokens: AtomicU64,
+    /// Prompt tokens not computed yet, waiting or running (prefill load).
+    pub queued_prefill_tokens: AtomicU64,
+    /// Prompt tokens admitted.
+    pub prompt_tokens: AtomicU64,
+    /// Prompt tokens served from host, disk and remote blocks.
+    pub cached_tokens: [AtomicU64; 3],
+    /// Prompt tokens computed.
+    pub prefill_tokens: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+    /// Blocks stored into the store.
+    pub stored_blocks: AtomicU64,
+    /// Steps run.
+    pub steps: AtomicU64,
+    /// Requests cancelled by their client.
+    pub cancelled: AtomicU64,
+    /// Requests failed by their deadline.
+    pub deadline_exceeded: AtomicU64,
+}
+
+fn bump(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+struct Submission {
+    req: GenerateRequest,
+    tx: mpsc::UnboundedSender<GenEvent>,
+    arrived: Instant,
+}
+
+/// The handle to a running engine: submit requests, read its model and counters. Cheap to
+/// clone; the engine thread ends when the last handle is dropped.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    tx: std::sync::mpsc::Sender<Submission>,
+    info: Arc<ModelInfo>,
+    codec: Arc<TextCodec>,
+    stats: Arc<SchedulerStats>,
+    max_waiting: usize,
+}
+
+impl std::fmt::Debug for Submission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Submission").field("prompt", &self.req.prompt.len()).finish()
+    }
+}
+
+impl Scheduler {
+    /// Starts `engine` on its own thread. Store operations run on `runtime`, which must not
+    /// be the engine thread's (it is a plain thread).
+    pub fn start<E: Engine>(
+        engine: E,
+        store: TieredStore,
+        cfg: SchedulerConfig,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Self, EngineError> {
+        let info = Arc::new(engine.info().clone());
+        let codec = Arc::new(engine.codec().clone());
+        if store.block_bytes() != info.layout.bytes_per_block() {
+            return Err(EngineError::model(format!(
+                "store blocks are {} bytes, the model's are {}",
+                store.block_bytes(),
+                info.layout.bytes_per_block()
+            )));
+        }
+        let hasher = TokenBlockHasher::new(info.layout.block_tokens as usize, cfg.hash_seed)
+            .map_err(|e| EngineError::model(e.to_string()))?;
+        let stats = Arc::new(SchedulerStats::default());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let max_waiting = cfg.max_waiting;
+        let store_capacity = store.metrics().host_capacity_blocks;
+        let lp = Loop {
+            engine,
+            store,
+            runtime,
+            hasher,
+            cfg,
+            rx,
+            stats: stats.clone(),
+            codec: codec.clone(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 1,
+            block_buf: vec![0u8; info.layout.bytes_per_block() as usize],
+            host_capacity: store_capacity as usize,
+        };
+        std::thread::Builder::new()
+            .name("kvfabric-engine".into())
+            .spawn(move || lp.run())
+            .map_err(|e| EngineError::model(format!("starting the engine thread: {e}")))?;
+        Ok(Scheduler { tx, info, codec, stats, max_waiting })
+    }
+
+    /// The model.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// Its tokenizer and chat template.
+    pub fn codec(&self) -> &TextCodec {
+        &self.codec
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+
+    /// Checks a request against the model's context, then queues it. Events arrive on the
+    /// returned channel; dropping it cancels the generation and frees its KV.
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
+        let ctx = self.info.context_len;
+        if req.prompt.is_empty() {
+            return Err(EngineError::invalid("the prompt is empty"));
+        }
+        let vocab = self.codec.vocab_size() as u32;
+        if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
+            return Err(EngineError::invalid(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        let needed = req.prompt.len().saturating_add(req.max_tokens);
+        if req.prompt.len() >= ctx || needed > ctx {
+            return Err(EngineError::ContextLength {
+                limit: ctx,
+                needed,
+                prompt: req.prompt.len(),
+            });
+        }
+        if req.max_tokens == 0 {
+            return Err(EngineError::invalid("max_tokens must be at least 1"));
+        }
+        let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
+        if waiting >= self.max_waiting {
+            return Err(EngineError::Overloaded { waiting });
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        bump(&self.stats.waiting, 1);
+        self.tx.send(Submission { req, tx, arrived: Instant::now() }).map_err(|_| {
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            EngineError::Stopped
+        })?;
+        Ok(rx)
+    }
+}
+
+struct Seq {
+    id: u64,
+    req: GenerateRequest,
+    tx: mpsc::UnboundedSender<GenEvent>,
+    deadline: Instant,
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    /// Tokens whose KV the engine holds.
+    computed: usize,
+    /// Sequence hashes of the full blocks so far.
+    hashes: Vec<SequenceHash>,
+    /// Blocks already in the store (imported, or stored by us).
+    stored: usize,
+    generated: usize,
+    sampler: Sampler,
+    text: TextStream,
+    /// Storing stopped (store full of pinned blocks).
+    store_off: bool,
+    /// Tier of each leading prompt block found in the store at admission; they are imported
+    /// over the next iterations, a bounded number per iteration.
+    import_tiers: Vec<TierKind>,
+    /// Blocks imported so far.
+    imported: usize,
+    /// Where the imported blocks came from.
+    hits: CacheHits,
+    /// `Started` was sent: the imports are done and the sequence takes part in steps.
+    started: bool,
+}
+
+impl Seq {
+    fn prompt_left(&self) -> usize {
+        self.req.prompt.len().saturating_sub(self.computed)
+    }
+}
+
+struct Loop<E: Engine> {
+    engine: E,
+    store: TieredStore,
+    runtime: tokio::runtime::Handle,
+    hasher: TokenBlockHasher,
+    cfg: SchedulerConfig,
+    rx: std::sync::mpsc::Receiver<Submission>,
+    stats: Arc<SchedulerStats>,
+    codec: Arc<TextCodec>,
+    waiting: VecDeque<Submission>,
+    running: Vec<Seq>,
+    next_id: u64,
+    block_buf: Vec<u8>,
+    host_capacity: usize,
+}
+
+enum Outcome {
+    Continue,
+    Finished(FinishReason),
+    Failed(EngineError),
+    Cancelled,
+}
+
+impl<E: Engine> Loop<E> {
+    fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv() {
+                    Ok(s) => self.waiting.push_back(s),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(s) = self.rx.try_recv() {
+                self.waiting.push_back(s);
+            }
+            self.admit();
+            self.import_some();
+            if !self.running.is_empty() {
+                self.step();
+            }
+            self.report_load();
+        }
+    }
+
+    fn report_load(&self) {
+        // A sequence still importing counts its cached blocks as held, not as prefill work.
+        let bt = self.hasher.block_tokens();
+        let active: usize = self
+            .running
+            .iter()
+            .map(|s| if s.started { s.computed } else { s.import_tiers.len() * bt })
+            .sum();
+        let queued: usize = self
+            .running
+            .iter()
+            .map(|s| {
+                if s.started {
+                    s.prompt_left()
+                } else {
+                    s.req.prompt.len().saturating_sub(s.import_tiers.len() * bt)
+                }
+            })
+            .sum::<usize>()
+            + self.waiting.iter().map(|w| w.req.prompt.len()).sum::<usize>();
+        self.stats.active_tokens.store(active as u64, Ordering::Relaxed);
+        self.stats.queued_prefill_tokens.store(queued as u64, Ordering::Relaxed);
+    }
+
+    fn admit(&mut self) {
+        while self.running.len() < self.cfg.max_batch {
+            let Some(sub) = self.waiting.pop_front() else { break };
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            if sub.tx.is_closed() {
+                bump(&self.stats.cancelled, 1);
+                continue;
+            }
+            let deadline = sub.arrived + sub.req.timeout;
+            if Instant::now() >= deadline {
+                bump(&self.stats.deadline_exceeded, 1);
+                let _ = sub
+                    .tx
+                    .send(GenEvent::Error(EngineError::Deadline { timeout: sub.req.timeout }));
+                continue;
+            }
+            let id = self.next_id;
+            self.next_id += 1;
+            self.engine.add_sequence(id);
+            let mut seq = Seq {
+                id,
+                sampler: Sampler::new(sub.req.sampling),
+                text: TextStream::new(sub.req.stop.clone()),
+                tokens: sub.req.prompt.clone(),
+                hashes: self.hasher.sequence_hashes(&sub.req.prompt),
+                computed: 0,
+                stored: 0,
+                generated: 0,
+                deadline,
+                tx: sub.tx,
+                req: sub.req,
+                store_off: false,
+                import_tiers: Vec::new(),
+                imported: 0,
+                hits: CacheHits::default(),
+                started: false,
+            };
+            seq.import_tiers = self.cached_prefix(&seq);
+            tracing::debug!(
+                seq = id,
+                prompt_tokens = seq.req.prompt.len(),
+                cached_blocks = seq.import_tiers.len(),
+                max_tokens = seq.req.max_tokens,
+                "request admitted"
+            );
+            bump(&self.stats.prompt_tokens, seq.req.prompt.len() as u64);
+            bump(&self.stats.running, 1);
+            if seq.import_tiers.is_empty() {
+                self.start(&mut seq);
+            }
+            self.running.push(seq);
+        }
+    }
+
+    /// The sequence takes part in steps from now on: its cached blocks are in the engine.
+    fn start(&self, seq: &mut Seq) {
+        let bt = self.hasher.block_tokens();
+        seq.computed = seq.imported * bt;
+        seq.stored = seq.imported;
+        seq.started = true;
+        bump(&self.stats.cached_tokens[0], seq.hits.host_tokens as u64);
+        bump(&self.stats.cached_tokens[1], seq.hits.disk_tokens as u64);
+        bump(&self.stats.cached_tokens[2], seq.hits.remote_tokens as u64);
+        let _ = seq.tx.send(GenEvent::Started {
+            prompt_tokens: seq.req.prompt.len(),
+            cached: seq.hits,
+            worker: None,
+            remote_prefill: None,
+        });
+    }
+
+    /// The tiers of the longest run of the prompt's full blocks that the store holds,
+    /// leaving at least one prompt token to compute (for its logits).
+    fn cached_prefix(&self, seq: &Seq) -> Vec<TierKind> {
+        let bt = self.hasher.block_tokens();
+        let reusable = seq.hashes.len().min((seq.req.prompt.len() - 1) / bt);
+        if reusable == 0 {
+            return Vec::new();
+        }
+        let hashes = &seq.hashes[..reusable];
+        let local = self.store.lookup_prefix(hashes);
+        if local.len() == reusable || !self.store.has_remote() {
+            return local;
+        }
+        // The fabric (G4) may hold what follows: one lookup round, bounded in time.
+        let limit = seq.deadline.saturating_duration_since(Instant::now()).min(REMOTE_LOOKUP_MAX);
+        let store = self.store.clone();
+        match self.runtime.block_on(async {
+            tokio::time::timeout(limit, store.lookup_prefix_with_remote(hashes)).await
+        }) {
+            Ok(tiers) => tiers,
+            Err(_) => {
+                tracing::debug!(seq = seq.id, "remote tier lookup timed out; local blocks only");
+                local
+            }
+        }
+    }
+
+    /// Imports cached blocks of admitted sequences, at most a prompt chunk's worth of blocks
+    /// (`step_tokens / block_tokens`) per iteration in all, so that a long cached (or
+    /// remotely prefilled) prompt never stalls the batch's decodes for longer than a prompt
+    /// chunk would. A sequence starts once its blocks are in.
+    fn import_some(&mut self) {
+        let bt = self.hasher.block_tokens();
+        let mut budget = (self.cfg.step_tokens / bt).max(1);
+        for i in 0..self.running.len() {
+            if budget == 0 {
+                break;
+            }
+            if self.running[i].started {
+                continue;
+            }
+            // Out of the batch while it is worked on (the batch is small: the shift is cheap).
+            let mut seq = self.running.remove(i);
+            budget -= self.import_blocks(&mut seq, budget);
+            if seq.imported >= seq.import_tiers.len() {
+                self.start(&mut seq);
+            }
+            self.running.insert(i, seq);
+        }
+    }
+
+    /// Imports up to `max` of the sequence's cached blocks; returns how many it tried. A
+    /// block the store no longer has ends the imports (the rest is computed); a block the
+    /// engine refuses restarts the sequence from scratch.
+    fn import_blocks(&mut self, seq: &mut Seq, max: usize) -> usize {
+        // Each chunk's blocks are pinned in host memory only while they are copied in, in
+        // chunks that leave room in the host tier for others.
+        let n = (seq.import_tiers.len() - seq.imported)
+            .min(max)
+            .min((self.host_capacity / 4).clamp(1, 64));
+        let part = &seq.hashes[seq.imported..seq.imported + n];
+        let left = seq.deadline.saturating_duration_since(Instant::now());
+        let store = self.store.clone();
+        let refs = match self
+            .runtime
+            .block_on(async { tokio::time::timeout(left, store.get(part)).await })
+        {
+            Ok(Ok(refs)) => refs,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "prefix reuse stopped early; computing the rest");
+                Vec::new()
+            }
+            Err(_) => {
+                tracing::debug!(
+                    seq = seq.id,
+                    "request deadline passed while importing cached blocks"
+                );
+                Vec::new()
+            }
+        };
+        tracing::debug!(
+            seq = seq.id,
+            asked = n,
+            got = refs.len(),
+            from_block = seq.imported,
+            "cached blocks onboarded from the store"
+        );
+        for r in &refs {
+            let ok = r.read(&mut self.block_buf).is_ok()
+                && self.engine.import_block(seq.id, seq.imported, &self.block_buf).is_ok();
+            if !ok {
+                // The engine may hold part of the block: recompute from the start.
+                tracing::warn!("importing a cached block failed; computing the prompt");
+                self.engine.remove_sequence(seq.id);
+                self.engine.add_sequence(seq.id);
+                seq.imported = 0;
+                seq.hits = CacheHits::default();
+                seq.import_tiers.clear();
+                return n;
+            }
+            match seq.import_tiers[seq.imported] {
+                TierKind::Disk => seq.hits.disk_tokens += self.hasher.block_tokens(),
+                TierKind::Remote => seq.hits.remote_tokens += self.hasher.block_tokens(),
+                _ => seq.hits.host_tokens += self.hasher.block_tokens(),
+            }
+            seq.imported += 1;
+        }
+        if refs.len() < n {
+            seq.import_tiers.truncate(seq.imported);
+        }
+        n
+    }
+
+    fn step(&mut self) {
+        // Decodes first (one token each), then prompt chunks within the token budget.
+        let mut budget = self.cfg.step_tokens.max(1);
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len)
+        for (i, s) in self.running.iter().enumerate() {
+            if s.started && s.prompt_left() == 0 {
+                plan.push((i, s.computed, 1));
+                budget = budget.saturating_sub(1);
+            }
+        }
+        for (i, s) in self.running.iter().enumerate() {
+            let left = s.prompt_left();
+            if s.started && left > 0 && budget > 0 {
+                let n = left.min(budget);
+                plan.push((i, s.computed, n));
+                budget -= n;
+            }
+        }
+        if plan.is_empty() {
+            return;
+        }
+        let inputs: Vec<StepInput<'_>> = plan
+            .iter()
+            .map(|&(i, start, n)| {
+                let s = &self.running[i];
+                StepInput {
+                    seq: s.id,
+                    start,
+                    tokens: &s.tokens[start..start + n],
+                    logits: start + n == s.tokens.len(),
+                }
+            })
+            .collect();
+        let wants: Vec<bool> = inputs.iter().map(|x| x.logits).collect();
+        let result = self.engine.step(&inputs);
+        drop(inputs);
+        bump(&self.stats.steps, 1);
+        let mut outcomes: Vec<Outcome> =
+            (0..self.running.len()).map(|_| Outcome::Continue).collect();
+        match result {
+            Err(e) => {
+                tracing::error!(error = %e, "engine step failed");
+                for &(i, _, _) in &plan {
+                    outcomes[i] = Outcome::Failed(e.clone());
+                }
+            }
+            Ok(logits) => {
+                let mut logits = logits.into_iter();
+                for (&(i, _, n), want) in plan.iter().zip(wants) {
+                    let s = &mut self.running[i];
+                    if s.prompt_left() > 0 {
+                        bump(&self.stats.prefill_tokens, n.min(s.prompt_left()) as u64);
+                    }
+                    s.computed += n;
+                    if !want {
+                        continue;
+                    }
+                    let Some(l) = logits.next() else {
+                        outcomes[i] = Outcome::Failed(EngineError::model("missing logits"));
+                        continue;
+                    };
+                    outcomes[i] = Self::advance(s, &l, &self.codec, self.engine.info().context_len);
+                    bump(&self.stats.generated_tokens, 1);
+                }
+            }
+        }
+        self.store_full_blocks();
+        let now = Instant::now();
+        for (i, s) in self.running.iter().enumerate() {
+            if matches!(outcomes[i], Outcome::Continue) {
+                if s.tx.is_closed() {
+                    outcomes[i] = Outcome::Cancelled;
+                } else if now >= s.deadline {
+                    outcomes[i] = Outcome::Failed(EngineError::Deadline { timeout: s.req.timeout });
+                    bump(&self.stats.deadline_exceeded, 1);
+                }
+            }
+        }
+        // Retire finished sequences (in reverse, so indices stay valid).
+        for i in (0..self.running.len()).rev() {
+            let event = match std::mem::replace(&mut outcomes[i], Outcome::Continue) {
+                Outcome::Continue => continue,
+                Outcome::Finished(reason) => {
+                    let s = &mut self.running[i];
+                    GenEvent::Done { reason, completion_tokens: s.generated, text: s.text.flush() }
+                }
+                Outcome::Failed(e) => GenEvent::Error(e),
+                Outcome::Cancelled => {
+                    bump(&self.stats.cancelled, 1);
+                    GenEvent::Error(EngineError::invalid("cancelled"))
+                }
+            };
+            let s = self.running.swap_remove(i);
+            let _ = s.tx.send(event);
+            self.engine.remove_sequence(s.id);
+            self.stats.running.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Samples the next token of `s` and decides whether it goes on.
+    fn advance(s: &mut Seq, logits: &[f32], codec: &TextCodec, ctx: usize) -> Outcome {
+        let tok = s.sampler.sample(logits);
+        s.generated += 1;
+        if !s.req.ignore_eos && codec.stop_tokens().contains(&tok) {
+            return Outcome::Finished(FinishReason::Stop);
+        }
+        s.tokens.push(tok);
+        let (text, stopped) = s.text.push(codec, tok);
+        if s.tx.send(GenEvent::Token { id: tok, text }).is_err() {
+            return Outcome::Cancelled;
+        }
+        if stopped {
+            return Outcome::Finished(FinishReason::Stop);
+        }
+        if s.generated >= s.req.max_tokens || s.tokens.len() >= ctx {
+            return Outcome::Finished(FinishReason::Length);
+        }
+        Outcome::Continue
+    }
+
+    /// Stores every block whose KV is now complete and that the store does not have yet.
+    fn store_full_blocks(&mut self) {
+        if !self.cfg.store_blocks {
+            return;
+        }
+        let bt = self.hasher.block_tokens();
+        for s in &mut self.running {
+            // Hashes of blocks completed by generated tokens.
+            let full = s.tokens.len() / bt;
+            if full > s.hashes.len() {
+                let parent = s.hashes.last().copied();
+                let more = self.hasher.extend(parent, &s.tokens[s.hashes.len() * bt..full * bt]);
+                s.hashes.extend(more);
+            }
+            while !s.store_off && s.stored < s.computed / bt {
+                let b = s.stored;
+                let hash = s.hashes[b];
+                let parent = b.checked_sub(1).map(|p| s.hashes[p]);
+                if let Err(e) = self.engine.export_block(s.id, b, &mut self.block_buf) {
+                    tracing::warn!(error = %e, "exporting a block failed");
+                    s.store_off = true;
+                    break;
+                }
+                let store = self.store.clone();
+                let buf = &self.block_buf;
+                match self.runtime.block_on(store.put(hash, parent, buf)) {
+                    Ok(()) => bump(&self.stats.stored_blocks, 1),
+                    Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "storing a block failed; this sequence stores no more");
+                        s.store_off = true;
+                        break;
+                    }
+                }
+                s.stored += 1;
+            }
+        }
+    }
+}
