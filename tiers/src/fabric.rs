@@ -10,10 +10,7 @@ use kvfabric::control::{ControlError, Discovery, Instance, Registration};
 use kvfabric::hash::SequenceHash;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest};
 
-use crate::remote::protocol::{
-    decode, encode, method, BlockLoc, Blocks, Hello, Lookup, NodeInfo, Present,
-    BLOCKS_PER_CALL_MAX, FABRIC_KIND,
-};
+use crate::remote::protocol::{encode, BlockLoc, NodeInfo, Present, Request, FABRIC_KIND};
 use crate::store::{StoreError, TieredStore};
 
 /// The server side: a store behind an agent.
@@ -61,9 +58,6 @@ impl FabricNode {
     }
 
     async fn get(&self, from: &str, blocks: Vec<BlockLoc>) -> Result<Vec<bool>, String> {
-        if blocks.len() > BLOCKS_PER_CALL_MAX {
-            return Err(format!("at most {BLOCKS_PER_CALL_MAX} blocks per call"));
-        }
         let mut served = vec![false; blocks.len()];
         let (mut local, mut remote) = (Vec::new(), Vec::new());
         // One pinning call for the leading run (the common case: every block held), then
@@ -103,9 +97,6 @@ impl FabricNode {
     }
 
     async fn put(&self, from: &str, blocks: Vec<BlockLoc>) -> Result<Vec<bool>, String> {
-        if blocks.len() > BLOCKS_PER_CALL_MAX {
-            return Err(format!("at most {BLOCKS_PER_CALL_MAX} blocks per call"));
-        }
         let mut stored = vec![false; blocks.len()];
         let mut slots = Vec::new();
         let (mut local, mut remote) = (Vec::new(), Vec::new());
@@ -155,17 +146,15 @@ impl RpcHandler for FabricNode {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>
     {
         Box::pin(async move {
-            match method {
-                method::HELLO => {
-                    let h: Hello = decode(&body)?;
+            match Request::decode(method, &body)? {
+                Request::Hello(h) => {
                     if h.metadata.name != from {
                         return Err(format!("metadata of {:?} sent by {from:?}", h.metadata.name));
                     }
                     self.agent.load_peer(h.metadata).map_err(|e| e.to_string())?;
                     Ok(Vec::new())
                 }
-                method::LOOKUP => {
-                    let l: Lookup = decode(&body)?;
+                Request::Lookup(l) => {
                     let present = l
                         .hashes
                         .iter()
@@ -173,15 +162,12 @@ impl RpcHandler for FabricNode {
                         .collect();
                     Ok(encode(&Present { present }))
                 }
-                method::GET => {
-                    let b: Blocks = decode(&body)?;
+                Request::Get(b) => {
                     Ok(encode(&Present { present: self.get(from, b.blocks).await? }))
                 }
-                method::PUT => {
-                    let b: Blocks = decode(&body)?;
+                Request::Put(b) => {
                     Ok(encode(&Present { present: self.put(from, b.blocks).await? }))
                 }
-                other => Err(format!("unknown fabric method {other}")),
             }
         })
     }

@@ -20,7 +20,7 @@ pub mod protocol;
 
 use protocol::{
     encode, method, BlockLoc, Blocks, Hello, Lookup, NodeInfo, Present, BLOCKS_PER_CALL_MAX,
-    FABRIC_KIND,
+    FABRIC_KIND, LOOKUP_HASHES_MAX,
 };
 
 /// Why a remote-tier operation failed.
@@ -162,10 +162,12 @@ impl RemoteTier {
     pub async fn lookup(&self, hashes: &[SequenceHash]) -> Result<Vec<bool>, RemoteError> {
         let mut out = vec![false; hashes.len()];
         for (node, idx) in self.group(hashes.iter().copied().enumerate())? {
-            let body = encode(&Lookup { hashes: idx.iter().map(|&i| hashes[i]).collect() });
-            if let Ok(present) = self.call(&node, method::LOOKUP, body, idx.len()).await {
-                for (k, &i) in idx.iter().enumerate() {
-                    out[i] = present[k];
+            for chunk in idx.chunks(LOOKUP_HASHES_MAX) {
+                let body = encode(&Lookup { hashes: chunk.iter().map(|&i| hashes[i]).collect() });
+                if let Ok(present) = self.call(&node, method::LOOKUP, body, chunk.len()).await {
+                    for (k, &i) in chunk.iter().enumerate() {
+                        out[i] = present[k];
+                    }
                 }
             }
         }

@@ -38,42 +38,127 @@ pub struct NodeInfo {
     pub block_bytes: u64,
 }
 
+/// `HELLO`: the client's agent metadata.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub(crate) struct Hello {
-    pub(crate) metadata: AgentMetadata,
+pub struct Hello {
+    /// The client's metadata.
+    pub metadata: AgentMetadata,
 }
 
+/// `LOOKUP`: which of these blocks the node holds.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub(crate) struct Lookup {
-    pub(crate) hashes: Vec<SequenceHash>,
+pub struct Lookup {
+    /// The blocks.
+    pub hashes: Vec<SequenceHash>,
 }
 
+/// The answer to `LOOKUP`, `GET` and `PUT`: one flag per block asked for.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub(crate) struct Present {
-    pub(crate) present: Vec<bool>,
+pub struct Present {
+    /// Per block asked for.
+    pub present: Vec<bool>,
 }
 
+/// A block and where it is (or goes) in the client's registered memory.
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
-pub(crate) struct BlockLoc {
-    pub(crate) hash: SequenceHash,
-    pub(crate) parent: Option<SequenceHash>,
-    pub(crate) region: RegionId,
-    pub(crate) offset: u64,
+pub struct BlockLoc {
+    /// The block.
+    pub hash: SequenceHash,
+    /// Its parent (PUT).
+    pub parent: Option<SequenceHash>,
+    /// The client's region.
+    pub region: RegionId,
+    /// Where in it.
+    pub offset: u64,
 }
 
+/// `GET` and `PUT`: the blocks and their places.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub(crate) struct Blocks {
-    pub(crate) blocks: Vec<BlockLoc>,
+pub struct Blocks {
+    /// The blocks.
+    pub blocks: Vec<BlockLoc>,
 }
 
 /// Most blocks in one GET or PUT.
 pub const BLOCKS_PER_CALL_MAX: usize = 1024;
 
-pub(crate) fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+/// Most blocks in one LOOKUP (a prompt of a million tokens in blocks of 16).
+pub const LOOKUP_HASHES_MAX: usize = 65_536;
+
+/// A request to a fabric node, decoded and checked: a known method, a well-formed body,
+/// counts within bounds. The node acts only on what this accepts.
+#[derive(Debug)]
+pub enum Request {
+    /// `HELLO`.
+    Hello(Hello),
+    /// `LOOKUP`.
+    Lookup(Lookup),
+    /// `GET`.
+    Get(Blocks),
+    /// `PUT`.
+    Put(Blocks),
+}
+
+impl Request {
+    /// Decodes the body of `method`.
+    pub fn decode(method: u16, body: &[u8]) -> Result<Request, String> {
+        let blocks = |b: Blocks| {
+            if b.blocks.len() > BLOCKS_PER_CALL_MAX {
+                return Err(format!("at most {BLOCKS_PER_CALL_MAX} blocks per call"));
+            }
+            Ok(b)
+        };
+        match method {
+            method::HELLO => Ok(Request::Hello(decode(body)?)),
+            method::LOOKUP => {
+                let l: Lookup = decode(body)?;
+                if l.hashes.len() > LOOKUP_HASHES_MAX {
+                    return Err(format!("at most {LOOKUP_HASHES_MAX} blocks per lookup"));
+                }
+                Ok(Request::Lookup(l))
+            }
+            method::GET => Ok(Request::Get(blocks(decode(body)?)?)),
+            method::PUT => Ok(Request::Put(blocks(decode(body)?)?)),
+            other => Err(format!("unknown fabric method {other}")),
+        }
+    }
+}
+
+fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
     serde_json::from_slice(body).map_err(|e| format!("malformed request: {e}"))
 }
 
 pub(crate) fn encode<T: serde::Serialize>(v: &T) -> Vec<u8> {
     // Plain data with string keys always serializes.
     serde_json::to_vec(v).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_checked_before_the_node_acts() {
+        let loc = |i: u64| BlockLoc {
+            hash: SequenceHash(i),
+            parent: None,
+            region: RegionId(1),
+            offset: 0,
+        };
+        let ok = encode(&Blocks { blocks: (0..BLOCKS_PER_CALL_MAX as u64).map(loc).collect() });
+        assert!(matches!(Request::decode(method::GET, &ok), Ok(Request::Get(_))));
+        assert!(matches!(Request::decode(method::PUT, &ok), Ok(Request::Put(_))));
+        let over = encode(&Blocks { blocks: (0..=BLOCKS_PER_CALL_MAX as u64).map(loc).collect() });
+        assert!(Request::decode(method::GET, &over).unwrap_err().contains("at most"));
+        let many = encode(&Lookup { hashes: vec![SequenceHash(1); LOOKUP_HASHES_MAX + 1] });
+        assert!(Request::decode(method::LOOKUP, &many).is_err());
+        for (m, body) in [
+            (method::HELLO, &b"{}"[..]),
+            (method::LOOKUP, b"[1,2]"),
+            (9, b"{}"),
+            (method::GET, b""),
+        ] {
+            assert!(Request::decode(m, body).is_err(), "method {m} body {body:?}");
+        }
+    }
 }
