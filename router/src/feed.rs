@@ -69,7 +69,9 @@ impl IndexFeed {
             let mut asked: HashMap<WorkerId, Instant> = HashMap::new();
             let mut warned_malformed = false;
             while let Some(bytes) = sub.recv().await {
-                let count = |c: &AtomicU64| c.fetch_add(1, Ordering::Relaxed);
+                let count = |c: &AtomicU64| {
+                    c.fetch_add(1, Ordering::Relaxed);
+                };
                 match Message::decode(&bytes) {
                     Ok(Message::KvEvent { source, event }) => {
                         let w = worker_id(&source);
@@ -92,9 +94,8 @@ impl IndexFeed {
                                 if bus.publish(req.topic(), req.encode()).await.is_ok() {
                                     count(&st.dump_requests);
                                 }
-                                0
                             }
-                        };
+                        }
                     }
                     Ok(Message::KvDump { source, blocks, last_event_id }) => {
                         let w = worker_id(&source);

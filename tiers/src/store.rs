@@ -423,7 +423,19 @@ impl TieredStore {
     /// Like [`TieredStore::lookup_prefix`], then asks the fabric (G4) about the blocks that
     /// follow the local run (no call when the store has no remote tier or it knows no node).
     pub async fn lookup_prefix_with_remote(&self, hashes: &[SequenceHash]) -> Vec<TierKind> {
-        let mut tiers = self.lookup_prefix(hashes);
+        let local = self.lookup_prefix(hashes);
+        self.extend_with_remote(hashes, local).await
+    }
+
+    /// Extends `tiers`, the result of [`TieredStore::lookup_prefix`] on `hashes`, with what
+    /// the fabric (G4) holds after the local run. For callers that bound the remote round
+    /// trip and keep the local run when it runs out: the local lookup (which counts hits and
+    /// starts prefetches) is done once.
+    pub async fn extend_with_remote(
+        &self,
+        hashes: &[SequenceHash],
+        mut tiers: Vec<TierKind>,
+    ) -> Vec<TierKind> {
         if let Some(remote) = self.inner.cfg.remote.as_ref().filter(|r| !r.is_empty()) {
             let rest = &hashes[tiers.len()..];
             let present = remote.lookup(rest).await.unwrap_or_else(|_| vec![false; rest.len()]);

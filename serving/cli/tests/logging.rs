@@ -51,8 +51,8 @@ impl Up {
 
     /// Stops it with SIGTERM (graceful) and returns its log lines, parsed.
     fn stop(mut self) -> Vec<Value> {
-        // SAFETY: kill(2) on our own child's pid; no memory is involved.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let term = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        assert!(term.unwrap().success());
         let status = self.child.wait().unwrap();
         assert!(status.success(), "up exited with {status}");
         // The reader thread sees EOF once the process is gone; give it a moment to drain.

@@ -396,7 +396,7 @@ impl<E: Engine> Loop<E> {
         let limit = seq.deadline.saturating_duration_since(Instant::now()).min(REMOTE_LOOKUP_MAX);
         let store = self.store.clone();
         match self.runtime.block_on(async {
-            tokio::time::timeout(limit, store.lookup_prefix_with_remote(hashes)).await
+            tokio::time::timeout(limit, store.extend_with_remote(hashes, local.clone())).await
         }) {
             Ok(tiers) => tiers,
             Err(_) => {
