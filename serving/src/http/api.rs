@@ -1,0 +1,332 @@
+//! The API's request types, its errors in OpenAI's shape, and the parsing and validation
+//! that turn a request body into what the engine is asked for.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::backend::ModelEntry;
+use crate::engine::{ChatMessage, EngineError, SamplingParams};
+
+use super::AppState;
+
+/// An error in OpenAI's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    pub(super) status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub(super) fn new(status: StatusCode, message: impl Into<String>, kind: &'static str) -> Self {
+        ApiError { status, message: message.into(), kind, param: None, code: None }
+    }
+
+    fn invalid(message: impl Into<String>, param: &'static str) -> Self {
+        ApiError {
+            param: Some(param),
+            ..Self::new(StatusCode::BAD_REQUEST, message, "invalid_request_error")
+        }
+    }
+
+    pub(super) fn body(&self) -> Value {
+        json!({ "error": {
+            "message": self.message, "type": self.kind, "param": self.param, "code": self.code
+        }})
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        let msg = e.to_string();
+        match e {
+            EngineError::Invalid { .. } => {
+                ApiError::new(StatusCode::BAD_REQUEST, msg, "invalid_request_error")
+            }
+            EngineError::ContextLength { .. } => ApiError {
+                code: Some("context_length_exceeded"),
+                ..ApiError::new(StatusCode::BAD_REQUEST, msg, "invalid_request_error")
+            },
+            EngineError::Overloaded { .. } => ApiError {
+                code: Some("rate_limit_exceeded"),
+                ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, msg, "rate_limit_error")
+            },
+            EngineError::Deadline { .. } => {
+                ApiError::new(StatusCode::GATEWAY_TIMEOUT, msg, "timeout")
+            }
+            EngineError::Stopped | EngineError::Unavailable { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg, "server_error")
+            }
+            EngineError::Model { .. } => {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg, "server_error")
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+pub(super) fn unknown_model(id: &str) -> ApiError {
+    ApiError {
+        code: Some("model_not_found"),
+        param: Some("model"),
+        ..ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("the model {id:?} does not exist"),
+            "invalid_request_error",
+        )
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Fields common to both endpoints. Unknown fields are ignored, as OpenAI's own server
+/// does; fields that would change the answer and are not supported are refused.
+#[derive(Debug, Deserialize)]
+struct Common {
+    model: Option<String>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+    stop: Option<OneOrMany>,
+    n: Option<i64>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    ignore_eos: bool,
+    logprobs: Option<Value>,
+    best_of: Option<i64>,
+    #[serde(default)]
+    echo: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    prompt: Option<Prompt>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct MessageIn {
+    role: String,
+    content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    messages: Option<Vec<MessageIn>>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        let what = if e.is_syntax() || e.is_eof() { "invalid JSON" } else { "invalid request" };
+        ApiError::invalid(format!("{what}: {e}"), "body")
+    })
+}
+
+/// What a request asks the engine for, checked.
+pub(super) struct Checked {
+    pub(super) entry: ModelEntry,
+    max_tokens: Option<usize>,
+    pub(super) sampling: SamplingParams,
+    pub(super) stop: Vec<String>,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    pub(super) ignore_eos: bool,
+}
+
+fn check_common(st: &AppState, c: &Common) -> Result<Checked, ApiError> {
+    let entry = match &c.model {
+        None => return Err(ApiError::invalid("you must provide a model parameter", "model")),
+        Some(m) => st.backend.model(m).ok_or_else(|| unknown_model(m))?,
+    };
+    if c.n.is_some_and(|n| n != 1) || c.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("only n = 1 is supported", "n"));
+    }
+    if c.logprobs.as_ref().is_some_and(|v| !v.is_null() && *v != json!(false)) {
+        return Err(ApiError::invalid("logprobs are not supported", "logprobs"));
+    }
+    if c.echo {
+        return Err(ApiError::invalid("echo is not supported", "echo"));
+    }
+    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+        Some(n) if n < 1 => {
+            return Err(ApiError::invalid("max_tokens must be at least 1", "max_tokens"))
+        }
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid("temperature must be between 0 and 2", "temperature"));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid("top_p must be in (0, 1]", "top_p"));
+    }
+    let stop = match &c.stop {
+        None => Vec::new(),
+        Some(OneOrMany::One(s)) => vec![s.clone()],
+        Some(OneOrMany::Many(v)) => v.clone(),
+    };
+    if stop.len() > 4 {
+        return Err(ApiError::invalid("at most 4 stop sequences", "stop"));
+    }
+    let seed = c.seed.unwrap_or_else(|| {
+        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+            ^ NEXT_ID.fetch_add(1, Ordering::Relaxed).rotate_left(32)
+    });
+    Ok(Checked {
+        entry,
+        max_tokens,
+        sampling: SamplingParams { temperature, top_p, seed },
+        stop,
+        stream: c.stream,
+        include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        ignore_eos: c.ignore_eos,
+    })
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(super) fn request_id(prefix: &str) -> String {
+    let n = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+    format!("{prefix}-{t:x}{n:04x}")
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Endpoint {
+    Completions,
+    Chat,
+}
+
+pub(super) type Parsed = (Vec<u32>, usize, Checked);
+
+pub(super) type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+/// An unreadable or oversize body, in OpenAI's shape.
+pub(super) fn read_body(body: Body) -> Result<Bytes, ApiError> {
+    body.map_err(|e| ApiError {
+        param: Some("body"),
+        ..ApiError::new(e.status(), e.body_text(), "invalid_request_error")
+    })
+}
+
+pub(super) fn parse_completion(st: &AppState, body: &Bytes) -> Result<Parsed, ApiError> {
+    {
+        let req: CompletionRequest = parse(body)?;
+        let checked = check_common(st, &req.common)?;
+        let codec = checked.entry.codec.clone();
+        let prompt = match req.prompt {
+            None => return Err(ApiError::invalid("you must provide a prompt", "prompt")),
+            Some(Prompt::Text(s)) => codec.encode(&s)?,
+            Some(Prompt::Texts(v)) if v.len() == 1 => codec.encode(&v[0])?,
+            Some(Prompt::Tokens(t)) => t,
+            Some(Prompt::TokenLists(v)) if v.len() == 1 => v.into_iter().next().unwrap_or_default(),
+            Some(_) => {
+                return Err(ApiError::invalid("batched prompts are not supported", "prompt"))
+            }
+        };
+        // OpenAI's default for completions.
+        let max_tokens = checked.max_tokens.unwrap_or(16);
+        Ok((prompt, max_tokens, checked))
+    }
+}
+
+pub(super) fn parse_chat(st: &AppState, body: &Bytes) -> Result<Parsed, ApiError> {
+    {
+        let req: ChatRequest = parse(body)?;
+        let checked = check_common(st, &req.common)?;
+        let Some(messages) = req.messages.filter(|m| !m.is_empty()) else {
+            return Err(ApiError::invalid("messages must be a non-empty array", "messages"));
+        };
+        let mut msgs = Vec::with_capacity(messages.len());
+        for m in messages {
+            if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                return Err(ApiError::invalid(format!("unknown role {:?}", m.role), "messages"));
+            }
+            let content = match m.content {
+                None => String::new(),
+                Some(Content::Text(s)) => s,
+                Some(Content::Parts(parts)) => {
+                    let mut s = String::new();
+                    for p in parts {
+                        match (p.kind.as_str(), p.text) {
+                            ("text", Some(t)) => s.push_str(&t),
+                            (k, _) => {
+                                return Err(ApiError::invalid(
+                                    format!("content parts of type {k:?} are not supported"),
+                                    "messages",
+                                ))
+                            }
+                        }
+                    }
+                    s
+                }
+            };
+            let role = if m.role == "developer" { "system".into() } else { m.role };
+            msgs.push(ChatMessage { role, content });
+        }
+        let codec = &checked.entry.codec;
+        let text = codec.render_chat(&msgs)?;
+        let prompt = codec.encode(&text)?;
+        let left = checked.entry.info.context_len.saturating_sub(prompt.len());
+        let max_tokens =
+            checked.max_tokens.unwrap_or(st.cfg.default_chat_max_tokens.min(left.max(1)));
+        Ok((prompt, max_tokens, checked))
+    }
+}

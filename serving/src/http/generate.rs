@@ -1,0 +1,273 @@
+//! Driving a generation: submitting a checked request to the backend, following its events
+//! (timing, usage, cancellation on drop) and answering in one piece when not streaming.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::engine::{CacheHits, EngineError, FinishReason, GenEvent, GenerateRequest};
+
+use super::api::{request_id, ApiError, Endpoint, Parsed};
+use super::sse::stream_response;
+use super::AppState;
+
+pub(super) async fn run(
+    st: Arc<AppState>,
+    endpoint: Endpoint,
+    parsed: Result<Parsed, ApiError>,
+    started: Instant,
+) -> Response {
+    let submitted = parsed.and_then(|(prompt, max_tokens, c)| {
+        let req = GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: c.sampling,
+            stop: c.stop.clone(),
+            ignore_eos: c.ignore_eos,
+            timeout: st.cfg.request_timeout,
+        };
+        let rx = st.backend.submit(&c.entry.info.id, req)?;
+        Ok((rx, c))
+    });
+    let (rx, c) = match submitted {
+        Ok(x) => x,
+        Err(e) => return st.fail(e),
+    };
+    let mut gen = Generation {
+        st: st.clone(),
+        rx,
+        model: c.entry.info.id.clone(),
+        worker: None,
+        remote_prefill: None,
+        id: request_id(if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }),
+        endpoint,
+        started,
+        last_token: None,
+        prompt_tokens: 0,
+        cached: CacheHits::default(),
+        completion_tokens: 0,
+        deadline: tokio::time::Instant::from_std(started + st.cfg.request_timeout),
+        finished: false,
+    };
+    // The status is decided by the first event: admitted, or refused (429, 400, ...).
+    if let Err(e) = gen.admitted().await {
+        gen.finish(false);
+        return st.fail(e);
+    }
+    let worker = gen.worker.clone();
+    let mut response =
+        if c.stream { stream_response(gen, c.include_usage) } else { whole_response(gen).await };
+    if let Some(w) = worker.and_then(|w| axum::http::HeaderValue::from_str(&w).ok()) {
+        response.headers_mut().insert("x-kvfabric-worker", w);
+    }
+    response
+}
+
+/// One generation as the frontend follows it: events, timing, usage.
+pub(super) struct Generation {
+    pub(super) st: Arc<AppState>,
+    rx: UnboundedReceiver<GenEvent>,
+    model: String,
+    /// The worker that serves it (remote backends).
+    worker: Option<String>,
+    /// Its prompt's remote prefill, if any.
+    remote_prefill: Option<crate::engine::RemotePrefill>,
+    id: String,
+    pub(super) endpoint: Endpoint,
+    started: Instant,
+    last_token: Option<Instant>,
+    prompt_tokens: usize,
+    cached: CacheHits,
+    completion_tokens: usize,
+    deadline: tokio::time::Instant,
+    finished: bool,
+}
+
+/// What the next engine event means for the client.
+pub(super) enum Next {
+    Text(String),
+    Done(FinishReason, String),
+    Failed(ApiError),
+}
+
+impl Generation {
+    /// Waits for the backend to admit the request.
+    async fn admitted(&mut self) -> Result<(), ApiError> {
+        let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
+            Err(_) => {
+                return Err(EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into())
+            }
+            Ok(None) => return Err(EngineError::Stopped.into()),
+            Ok(Some(ev)) => ev,
+        };
+        match ev {
+            GenEvent::Started { prompt_tokens, cached, worker, remote_prefill } => {
+                self.prompt_tokens = prompt_tokens;
+                self.cached = cached;
+                self.worker = worker;
+                self.remote_prefill = remote_prefill;
+                Ok(())
+            }
+            GenEvent::Error(e) => Err(e.into()),
+            other => Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("backend sent {other:?} before admitting the request"),
+                "server_error",
+            )),
+        }
+    }
+
+    pub(super) async fn next(&mut self) -> Next {
+        loop {
+            let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
+                Err(_) => {
+                    return Next::Failed(
+                        EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into(),
+                    )
+                }
+                Ok(None) => return Next::Failed(EngineError::Stopped.into()),
+                Ok(Some(ev)) => ev,
+            };
+            match ev {
+                GenEvent::Started { .. } => {}
+                GenEvent::Token { text, .. } => {
+                    let now = Instant::now();
+                    let m = &self.st.metrics;
+                    match self.last_token {
+                        None => m.ttft.observe(now - self.started),
+                        Some(t) => m.itl.observe(now - t),
+                    }
+                    self.last_token = Some(now);
+                    self.completion_tokens += 1;
+                    if !text.is_empty() {
+                        return Next::Text(text);
+                    }
+                }
+                GenEvent::Done { reason, completion_tokens, text } => {
+                    self.completion_tokens = completion_tokens;
+                    return Next::Done(reason, text);
+                }
+                GenEvent::Error(e) => return Next::Failed(e.into()),
+            }
+        }
+    }
+
+    pub(super) fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": { "cached_tokens": self.cached_tokens() },
+        })
+    }
+
+    /// Prompt tokens whose KV was reused, not counting those a prefill worker computed for
+    /// this request.
+    fn cached_tokens(&self) -> usize {
+        let remote = self.remote_prefill.as_ref().map_or(0, |r| r.tokens);
+        self.cached.total().saturating_sub(remote)
+    }
+
+    /// kvfabric's own details: where the prompt's KV came from and who served it.
+    pub(super) fn details(&self) -> Value {
+        json!({
+            "worker": self.worker,
+            "cached_tokens": self.cached,
+            "remote_prefill": self.remote_prefill,
+        })
+    }
+
+    fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// Counts a finished request.
+    pub(super) fn finish(&mut self, ok: bool) {
+        self.finished = true;
+        let m = &self.st.metrics;
+        if ok {
+            m.requests_ok.fetch_add(1, Ordering::Relaxed);
+            m.e2e.observe(self.started.elapsed());
+        }
+        m.prompt_tokens.fetch_add(self.prompt_tokens as u64, Ordering::Relaxed);
+        m.completion_tokens.fetch_add(self.completion_tokens as u64, Ordering::Relaxed);
+        m.cached_tokens.fetch_add(self.cached_tokens() as u64, Ordering::Relaxed);
+    }
+
+    pub(super) fn chunk(
+        &self,
+        delta: Value,
+        finish: Option<FinishReason>,
+        include_usage: bool,
+    ) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                json!({ "index": 0, "delta": delta, "finish_reason": finish, "logprobs": null })
+            }
+            Endpoint::Completions => json!({
+                "index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")),
+                "finish_reason": finish, "logprobs": null,
+            }),
+        };
+        let object = match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        };
+        let mut v = json!({
+            "id": self.id, "object": object, "created": self.st.created_now(),
+            "model": self.model(), "choices": [choice],
+        });
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if !self.finished {
+            // The client went away mid-generation: the receiver drops with us, which
+            // cancels the engine's work.
+            self.st.metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+            self.finished = true;
+        }
+    }
+}
+
+async fn whole_response(mut g: Generation) -> Response {
+    let mut text = String::new();
+    let (reason, tail) = loop {
+        match g.next().await {
+            Next::Text(t) => text.push_str(&t),
+            Next::Done(r, t) => break (r, t),
+            Next::Failed(e) => {
+                g.finish(false);
+                return g.st.fail(e);
+            }
+        }
+    };
+    text.push_str(&tail);
+    g.finish(true);
+    let choice = match g.endpoint {
+        Endpoint::Chat => json!({
+            "index": 0, "message": { "role": "assistant", "content": text },
+            "finish_reason": reason, "logprobs": null,
+        }),
+        Endpoint::Completions => json!({
+            "index": 0, "text": text, "finish_reason": reason, "logprobs": null,
+        }),
+    };
+    let object = if g.endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
+    Json(json!({
+        "id": g.id, "object": object, "created": g.st.created_now(), "model": g.model(),
+        "choices": [choice], "usage": g.usage(), "kvfabric": g.details(),
+    }))
+    .into_response()
+}

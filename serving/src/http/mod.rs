@@ -1,0 +1,224 @@
+//! The OpenAI-compatible HTTP frontend (axum): `/v1/models`, `/v1/completions`,
+//! `/v1/chat/completions` (streaming and not), `/health` and `/metrics`.
+//!
+//! Errors use OpenAI's JSON shape (`{"error": {"message", "type", "param", "code"}}`) with
+//! the matching status: 400 for malformed JSON and bad parameters, 404 for an unknown model
+//! or route, 413 for an oversize body, 429 when the engine's queue is full, 503 when it is
+//! not running, 504 past the request deadline. A streaming client that disconnects drops its
+//! event receiver, which cancels the generation and frees its KV.
+//!
+//! This file holds the configuration, the metrics, the shared state, the routes and the small
+//! handlers; `api.rs` the request and error types with parsing and validation, `generate.rs`
+//! the driving of a generation and whole responses, `sse.rs` streamed (SSE) responses.
+
+mod api;
+mod generate;
+mod sse;
+
+pub use api::ApiError;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::backend::Backend;
+use crate::metrics::{self, Histogram};
+
+use api::{parse_chat, parse_completion, read_body, unknown_model, Body, Endpoint};
+use generate::run;
+
+/// Frontend limits.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// A request fails after this long (504), streaming or not.
+    pub request_timeout: Duration,
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+    /// `max_tokens` of a chat completion that sets none (capped by the context left).
+    pub default_chat_max_tokens: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            request_timeout: Duration::from_secs(300),
+            max_body_bytes: 4 << 20,
+            default_chat_max_tokens: 1024,
+        }
+    }
+}
+
+/// Counters and histograms of the frontend.
+#[derive(Debug)]
+pub struct HttpMetrics {
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    requests_ok: AtomicU64,
+    requests_client_error: AtomicU64,
+    requests_server_error: AtomicU64,
+    requests_cancelled: AtomicU64,
+    prompt_tokens: AtomicU64,
+    completion_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
+}
+
+impl Default for HttpMetrics {
+    fn default() -> Self {
+        HttpMetrics {
+            ttft: Histogram::new(metrics::LATENCY_BUCKETS),
+            itl: Histogram::new(metrics::ITL_BUCKETS),
+            e2e: Histogram::new(metrics::LATENCY_BUCKETS),
+            requests_ok: AtomicU64::new(0),
+            requests_client_error: AtomicU64::new(0),
+            requests_server_error: AtomicU64::new(0),
+            requests_cancelled: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+            cached_tokens: AtomicU64::new(0),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct AppState {
+    backend: Arc<dyn Backend>,
+    cfg: ServerConfig,
+    metrics: HttpMetrics,
+    created: u64,
+}
+
+/// The frontend's routes over a backend (a local engine, or remote workers).
+pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let limit = cfg.max_body_bytes;
+    let state = Arc::new(AppState { backend, cfg, metrics: HttpMetrics::default(), created });
+    Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/health", get(health))
+        .route("/metrics", get(prometheus))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route", "not_found") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method not allowed",
+                "invalid_request_error",
+            )
+        })
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let data: Vec<Value> = st.backend.models().iter().map(|m| model_card(&st, m)).collect();
+    Json(json!({ "object": "list", "data": data }))
+}
+
+async fn model(
+    State(st): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    match st.backend.model(&id) {
+        Some(m) => Ok(Json(model_card(&st, &m.info))),
+        None => Err(unknown_model(&id)),
+    }
+}
+
+fn model_card(st: &AppState, info: &crate::engine::ModelInfo) -> Value {
+    json!({
+        "id": info.id, "object": "model", "created": st.created, "owned_by": "kvfabric",
+        "max_model_len": info.context_len,
+    })
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(st.backend.health())
+}
+
+async fn prometheus(State(st): State<Arc<AppState>>) -> impl IntoResponse {
+    let m = &st.metrics;
+    let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let mut out = String::new();
+    metrics::labelled(
+        &mut out,
+        "kvfabric_requests_total",
+        "counter",
+        "Requests by outcome.",
+        "outcome",
+        &[
+            ("ok", ld(&m.requests_ok)),
+            ("client_error", ld(&m.requests_client_error)),
+            ("server_error", ld(&m.requests_server_error)),
+            ("cancelled", ld(&m.requests_cancelled)),
+        ],
+    );
+    m.ttft.render(&mut out, "kvfabric_time_to_first_token_seconds", "Time to first token.");
+    m.itl.render(&mut out, "kvfabric_inter_token_latency_seconds", "Time between tokens.");
+    m.e2e.render(&mut out, "kvfabric_request_duration_seconds", "End-to-end request latency.");
+    metrics::sample(
+        &mut out,
+        "kvfabric_prompt_tokens_total",
+        "counter",
+        "Prompt tokens.",
+        ld(&m.prompt_tokens),
+    );
+    metrics::sample(
+        &mut out,
+        "kvfabric_generation_tokens_total",
+        "counter",
+        "Generated tokens.",
+        ld(&m.completion_tokens),
+    );
+    metrics::sample(
+        &mut out,
+        "kvfabric_cached_prompt_tokens_total",
+        "counter",
+        "Prompt tokens whose KV came from the block store.",
+        ld(&m.cached_tokens),
+    );
+    st.backend.render_metrics(&mut out);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
+    let started = Instant::now();
+    let r = read_body(body).and_then(|b| parse_completion(&st, &b));
+    run(st, Endpoint::Completions, r, started).await
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
+    let started = Instant::now();
+    let r = read_body(body).and_then(|b| parse_chat(&st, &b));
+    run(st, Endpoint::Chat, r, started).await
+}
+
+impl AppState {
+    /// Counts a failed request by the side at fault.
+    fn count_failure(&self, e: &ApiError) {
+        let counter = if e.status.is_client_error() {
+            &self.metrics.requests_client_error
+        } else {
+            &self.metrics.requests_server_error
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn fail(&self, e: ApiError) -> Response {
+        self.count_failure(&e);
+        e.into_response()
+    }
+
+    fn created_now(&self) -> u64 {
+        SystemTime::now().duration_since(UNIX_EPOCH).map_or(self.created, |d| d.as_secs())
+    }
+}

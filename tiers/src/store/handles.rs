@@ -1,0 +1,168 @@
+//! The handles on host slots: [`WriteSlot`], a slot being filled, and [`BlockRef`], a block
+//! pinned in host memory; dropping either releases its slot.
+
+use std::sync::Arc;
+
+use kvfabric::events::TierKind;
+use kvfabric::hash::SequenceHash;
+use kvfabric::memory::Region;
+
+use crate::metrics::add;
+
+use super::{Inner, StoreError};
+
+/// A reserved host slot being filled. Invisible until committed; dropped uncommitted, the
+/// slot is freed.
+#[derive(Debug)]
+pub struct WriteSlot {
+    pub(super) store: Arc<Inner>,
+    pub(super) slot: u32,
+    pub(super) hash: SequenceHash,
+    pub(super) parent: Option<SequenceHash>,
+    pub(super) done: bool,
+}
+
+impl WriteSlot {
+    /// The host region.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.store.region
+    }
+
+    /// Byte offset of the slot in the region.
+    pub fn offset(&self) -> u64 {
+        self.store.slot_offset(self.slot)
+    }
+
+    /// Bytes of the block.
+    pub fn len(&self) -> u64 {
+        self.store.cfg.block_bytes
+    }
+
+    /// Never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Copies `bytes` into the block at `at`.
+    pub fn write(&self, at: u64, bytes: &[u8]) -> Result<(), StoreError> {
+        if at.checked_add(bytes.len() as u64).is_none_or(|end| end > self.len()) {
+            return Err(StoreError::Invalid("write past the end of the block".into()));
+        }
+        self.store
+            .region
+            .write_at(self.offset() + at, bytes)
+            .map_err(|e| StoreError::Invalid(e.to_string()))
+    }
+
+    fn finish(mut self, pins: u32) -> u32 {
+        self.done = true;
+        let inner = &self.store;
+        // Hashed once here, outside the lock; offloads reuse it.
+        let checksum = if inner.disk.is_some() {
+            inner.region.checksum(self.offset(), self.len()).unwrap_or(0)
+        } else {
+            0
+        };
+        let write_through = inner.cfg.write_through && inner.disk.is_some();
+        {
+            let mut host = inner.host.lock();
+            host.checksums[self.slot as usize] = checksum;
+            // The background write-through holds a pin of its own, taken in the same critical
+            // section as the commit so that the block cannot be evicted in between.
+            let _ = host.pool.commit(self.slot, pins + u32::from(write_through));
+            inner.written.notify_waiters();
+            add(&inner.metrics.stored_blocks, 1);
+            inner.events.stored(self.hash, self.parent, TierKind::Host);
+        }
+        if write_through {
+            let (inner, slot, hash, parent) = (inner.clone(), self.slot, self.hash, self.parent);
+            inner.runtime.clone().spawn(async move {
+                let _ = inner.offload_slot(slot, hash, parent).await;
+                inner.unpin(slot);
+            });
+        }
+        inner.keep_free();
+        self.slot
+    }
+
+    /// Makes the block visible and returns it pinned.
+    pub fn commit(self) -> BlockRef {
+        let (store, hash) = (self.store.clone(), self.hash);
+        let slot = self.finish(1);
+        BlockRef { store, slot, hash }
+    }
+
+    /// Makes the block visible, unpinned.
+    pub fn commit_unpinned(self) {
+        self.finish(0);
+    }
+}
+
+impl Drop for WriteSlot {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.store.host.lock().pool.abort(self.slot);
+            self.store.written.notify_waiters();
+        }
+    }
+}
+
+/// A block pinned in host memory; dropping it unpins.
+#[derive(Debug)]
+pub struct BlockRef {
+    pub(super) store: Arc<Inner>,
+    pub(super) slot: u32,
+    pub(super) hash: SequenceHash,
+}
+
+impl BlockRef {
+    /// The block's sequence hash.
+    pub fn hash(&self) -> SequenceHash {
+        self.hash
+    }
+
+    /// The host region holding it.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.store.region
+    }
+
+    /// Its byte offset in the region.
+    pub fn offset(&self) -> u64 {
+        self.store.slot_offset(self.slot)
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.store.cfg.block_bytes
+    }
+
+    /// Never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Copies its bytes out.
+    pub fn read(&self, dst: &mut [u8]) -> Result<(), StoreError> {
+        if dst.len() as u64 > self.len() {
+            return Err(StoreError::Invalid("read past the end of the block".into()));
+        }
+        self.store
+            .region
+            .read_at(self.offset(), dst)
+            .map_err(|e| StoreError::Invalid(e.to_string()))
+    }
+
+    /// Its bytes.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len() as usize];
+        // In bounds by construction.
+        let _ = self.read(&mut v);
+        v
+    }
+}
+
+impl Drop for BlockRef {
+    fn drop(&mut self) {
+        self.store.unpin(self.slot);
+    }
+}

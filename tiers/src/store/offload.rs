@@ -1,0 +1,183 @@
+//! The offload path, from host memory to disk (G3) or the fabric (G4): slot reservation that
+//! evicts under pressure (write-back, admitted by the frequency filter), background eviction
+//! toward `host_free_target`, the disk write behind write-through, and explicit offloads.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvfabric::events::TierKind;
+use kvfabric::hash::SequenceHash;
+use kvfabric::memory::RegionLease;
+
+use crate::metrics::add;
+use crate::pool::{PoolError, Victim};
+
+use super::{to_completion, BlockRef, Inner, StoreError, TieredStore};
+
+impl TieredStore {
+    /// Writes blocks held in host memory to disk now (for example before a planned
+    /// shutdown), skipping those already there. On error the blocks stay in host memory.
+    pub async fn offload(&self, hashes: &[SequenceHash]) -> Result<usize, StoreError> {
+        let mut written = 0;
+        for &h in hashes {
+            let (pinned, parent) = {
+                let mut host = self.inner.host.lock();
+                let Some(slot) = host.pool.lookup(h) else { continue };
+                let _ = host.pool.pin(slot);
+                let parent = match host.pool.state(slot) {
+                    crate::pool::SlotState::Ready { parent, .. } => parent,
+                    _ => None,
+                };
+                // Owned by a BlockRef: unpinned even if this future is dropped.
+                (BlockRef { store: self.inner.clone(), slot, hash: h }, parent)
+            };
+            // The write and its bookkeeping run to completion even if this future is dropped.
+            let inner = self.inner.clone();
+            let r = to_completion(&self.inner.runtime, async move {
+                let r = inner.offload_slot(pinned.slot, h, parent).await;
+                drop(pinned);
+                r
+            })
+            .await;
+            if r? {
+                written += 1;
+            }
+        }
+        Ok(written)
+    }
+}
+
+impl Inner {
+    /// Reserves a host slot, evicting (and offloading) victims until one is free.
+    pub(super) async fn reserve_host(
+        self: &Arc<Self>,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+    ) -> Result<u32, StoreError> {
+        loop {
+            let (victim, admitted) = {
+                let mut host = self.host.lock();
+                match host.pool.reserve(hash, parent) {
+                    Ok(slot) => return Ok(slot),
+                    Err(PoolError::Present(_)) => return Err(StoreError::AlreadyStored(hash)),
+                    Err(PoolError::BeingWritten) => return Err(StoreError::BeingWritten(hash)),
+                    Err(_) => match host.pool.begin_evict() {
+                        Some(v) => {
+                            let admitted = host.filter.admits(v.hash);
+                            (v, admitted)
+                        }
+                        None => return Err(StoreError::Full(TierKind::Host)),
+                    },
+                }
+            };
+            // The eviction (an offload, then freeing the slot) completes even if this future
+            // is dropped, so no slot stays marked evicting.
+            let inner = self.clone();
+            to_completion(&self.runtime, async move { inner.evict_host(victim, admitted).await })
+                .await?;
+        }
+    }
+
+    /// Starts a background eviction when fewer than `host_free_target` host slots are free
+    /// (one at a time; it stops at the target, when nothing is evictable, or on an error).
+    pub(super) fn keep_free(self: &Arc<Self>) {
+        let target = self.cfg.host_free_target;
+        if target == 0 || (self.disk.is_none() && self.cfg.remote.is_none()) {
+            return;
+        }
+        if self.host.lock().pool.free_slots() >= target {
+            return;
+        }
+        use std::sync::atomic::Ordering;
+        if self.freeing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let inner = self.clone();
+        self.runtime.spawn(async move {
+            loop {
+                let (victim, admitted) = {
+                    let mut host = inner.host.lock();
+                    if host.pool.free_slots() >= target {
+                        break;
+                    }
+                    match host.pool.begin_evict() {
+                        Some(v) => {
+                            let admitted = host.filter.admits(v.hash);
+                            (v, admitted)
+                        }
+                        None => break,
+                    }
+                };
+                if inner.evict_host(victim, admitted).await.is_err() {
+                    break;
+                }
+            }
+            inner.freeing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Completes an eviction begun under the lock: offloads when admitted, then frees.
+    async fn evict_host(&self, v: Victim, admitted: bool) -> Result<(), StoreError> {
+        // Only a block readable on disk counts as there: one still being written may fail.
+        let offload = match &self.disk {
+            Some(d) => admitted && !d.has(v.hash),
+            None => false,
+        };
+        if offload {
+            if let Err(e) = self.offload_slot(v.slot, v.hash, v.parent).await {
+                let _ = self.host.lock().pool.finish_evict(v.slot, false);
+                return Err(e);
+            }
+        } else if let (None, true, Some(remote)) = (&self.disk, admitted, &self.cfg.remote) {
+            // No disk tier: the fabric (G4) takes the block, straight out of its host slot.
+            let loc = [(self.region.id(), self.slot_offset(v.slot))];
+            let stored = remote.put(&[v.hash], &[v.parent], &loc).await;
+            if !matches!(stored.as_deref(), Ok([true])) {
+                let _ = self.host.lock().pool.finish_evict(v.slot, false);
+                return Err(StoreError::Remote(match stored {
+                    Err(e) => e.to_string(),
+                    Ok(_) => "the fabric did not take the block".into(),
+                }));
+            }
+        }
+        let mut host = self.host.lock();
+        if host.pool.finish_evict(v.slot, true) == Ok(crate::pool::EvictOutcome::Freed) {
+            self.events.removed(vec![v.hash], TierKind::Host);
+        }
+        Ok(())
+    }
+
+    /// Writes the block in host `slot` (pinned or evicting) to disk; Ok(true) if written.
+    pub(super) async fn offload_slot(
+        &self,
+        slot: u32,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+    ) -> Result<bool, StoreError> {
+        let Some(disk) = &self.disk else { return Ok(false) };
+        let start = Instant::now();
+        let lease = RegionLease::new(self.region.clone());
+        let checksum = self.host.lock().checksums.get(slot as usize).copied();
+        // SAFETY: the slot lies inside the host region, which the lease keeps alive; the slot
+        // is pinned or evicting, so nothing reuses it during the write.
+        let r = unsafe { disk.write(hash, parent, self.slot_buf(slot), checksum, Box::new(lease)) }
+            .await;
+        match r {
+            Ok(out) => {
+                self.events.removed(out.evicted, TierKind::Disk);
+                if out.already_present {
+                    return Ok(false);
+                }
+                self.events.stored(hash, parent, TierKind::Disk);
+                add(&self.metrics.offload_blocks, 1);
+                add(&self.metrics.offload_bytes, self.cfg.block_bytes);
+                self.metrics.offload_latency.observe(start.elapsed());
+                Ok(true)
+            }
+            Err(e) => {
+                add(&self.metrics.offload_errors, 1);
+                Err(e.into())
+            }
+        }
+    }
+}
