@@ -333,7 +333,7 @@ pub unsafe extern "C" fn kvf_agent_load_peer(
     recorded(agent, "agent", |a| {
         // SAFETY: as above.
         let bytes = unsafe { ptr::slice(metadata, len, "metadata") }?;
-        let md = AgentMetadata::from_bytes(bytes)?;
+        let md = AgentMetadata::from_bytes(bytes).map_err(kvfabric::AgentError::from)?;
         Ok(a.ctx.agent.load_peer(md)?)
     })
 }

@@ -19,17 +19,23 @@ use std::time::Duration;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, Semaphore};
 
-use crate::memory::{
-    MemoryError, PeerMapping, Region, RegionId, RegionLease, RegionOptions, RegionTable,
-};
+use crate::endpoint::{check_remote, check_request, Endpoint, MetadataError};
+use crate::memory::{MemoryError, Region, RegionId, RegionOptions, RegionTable};
+use crate::peer::Peer;
+use crate::session::client::Session;
+use crate::session::proto::ServerParams;
+use crate::session::server::{ServerTimeouts, Services, SessionServer};
+use crate::session::SessionConfig;
 use crate::transfer::{
     TransferError, TransferEvent, TransferHandle, TransferOp, TransferRequest, TransferShared,
     TransportKind,
 };
 use crate::transport::fault::FaultInjector;
-use crate::transport::tcp::{TcpPeer, TcpServer};
-use crate::transport::{Job, Piece, Transport, Transports};
+use crate::transport::{Job, Transport, Transports};
 use crate::wire::WireLimits;
+
+pub use crate::endpoint::{AgentMetadata, ExportedRegion, Notification};
+pub use crate::session::RpcHandler;
 
 /// Limits of an agent, all documented with their units.
 #[derive(Debug, Clone)]
@@ -136,123 +142,18 @@ pub enum AgentError {
     Memory(#[from] MemoryError),
 }
 
-/// A region a peer may access, as published in metadata.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ExportedRegion {
-    /// Its id in the owner's table.
-    pub id: RegionId,
-    /// Its length.
-    pub len: u64,
-    /// The `/dev/shm` file of a shareable region.
-    pub shm_path: Option<String>,
-}
-
-/// What peers need to reach an agent.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct AgentMetadata {
-    /// The agent's name.
-    pub name: String,
-    /// Its TCP address.
-    pub tcp_addr: SocketAddr,
-    /// The kernel boot id of its host: equal boot ids mean the same host (shm possible).
-    pub host_id: String,
-    /// Its process id (diagnostics).
-    pub pid: u32,
-    /// Regions peers may access.
-    pub regions: Vec<ExportedRegion>,
-    /// Transports it accepts.
-    pub transports: Vec<TransportKind>,
-}
-
-impl AgentMetadata {
-    /// Serializes to bytes (JSON).
-    pub fn to_bytes(&self) -> Vec<u8> {
-        // Serializing plain data with string keys cannot fail.
-        serde_json::to_vec(self).unwrap_or_default()
-    }
-
-    /// Parses bytes from [`AgentMetadata::to_bytes`].
-    pub fn from_bytes(b: &[u8]) -> Result<Self, AgentError> {
-        serde_json::from_slice(b).map_err(|e| AgentError::BadMetadata(e.to_string()))
-    }
-}
-
-/// A notification delivered by a peer after its transfer's last byte.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Notification {
-    /// The authenticated name of the sender.
-    pub from: String,
-    /// The sender's transfer id.
-    pub transfer_id: u64,
-    /// The message.
-    pub message: Vec<u8>,
-}
-
-/// A loaded peer.
-#[derive(Debug)]
-pub struct Peer {
-    pub(crate) metadata: AgentMetadata,
-    pub(crate) tcp: TcpPeer,
-    shm_maps: Mutex<HashMap<RegionId, Arc<PeerMapping>>>,
-    same_host: bool,
-}
-
-impl Peer {
-    /// The peer's metadata.
-    pub fn metadata(&self) -> &AgentMetadata {
-        &self.metadata
-    }
-
-    /// Checks remote descriptors against the regions the peer exported in its metadata, so
-    /// that a transfer with one bad descriptor moves no byte at all. The owner checks again:
-    /// this is for atomicity and early errors, not for safety.
-    pub(crate) fn check_remote(
-        &self,
-        remote: &[crate::transfer::Desc],
-    ) -> Result<(), TransferError> {
-        for (index, d) in remote.iter().enumerate() {
-            let region =
-                self.metadata.regions.iter().find(|r| r.id == d.region).ok_or_else(|| {
-                    TransferError::RemoteDescriptor {
-                        index,
-                        reason: format!(
-                            "region {} is not in {}'s metadata",
-                            d.region, self.metadata.name
-                        ),
-                    }
-                })?;
-            if d.offset.checked_add(d.len).is_none_or(|end| end > region.len) {
-                return Err(TransferError::RemoteDescriptor {
-                    index,
-                    reason: format!(
-                        "range {}+{} is outside region {} of {} bytes",
-                        d.offset, d.len, d.region, region.len
-                    ),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// The peer's shareable region mapped here, mapping it on first use.
-    pub(crate) fn shm_map(&self, id: RegionId) -> Option<Arc<PeerMapping>> {
-        let mut maps = self.shm_maps.lock();
-        if let Some(m) = maps.get(&id) {
-            return Some(m.clone());
-        }
-        let r = self.metadata.regions.iter().find(|r| r.id == id)?;
-        let path = r.shm_path.as_ref()?;
-        let m = Arc::new(PeerMapping::open(std::path::Path::new(path), r.len as usize).ok()?);
-        maps.insert(id, m.clone());
-        Some(m)
+impl From<MetadataError> for AgentError {
+    fn from(e: MetadataError) -> Self {
+        AgentError::BadMetadata(e.0)
     }
 }
 
 pub(crate) struct AgentInner {
-    pub(crate) config: AgentConfig,
-    pub(crate) regions: RegionTable,
+    config: AgentConfig,
+    /// What the transports and the session server see of this agent.
+    services: Arc<Services>,
+    session: SessionConfig,
     peers: RwLock<HashMap<String, Arc<Peer>>>,
-    pub(crate) notify_tx: mpsc::Sender<Notification>,
     notify_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
     in_flight: Arc<Semaphore>,
     next_id: AtomicU64,
@@ -260,22 +161,17 @@ pub(crate) struct AgentInner {
     host_id: String,
     transports: Transports,
     runtime: tokio::runtime::Handle,
-    server: Mutex<Option<TcpServer>>,
-    pub(crate) rpc_handler: RwLock<Option<Arc<dyn RpcHandler>>>,
+    server: Mutex<Option<SessionServer>>,
 }
 
-/// A service on top of an agent (the fabric node, for example): it answers RPCs that
-/// authenticated peers send with [`Agent::call`]. Handlers run with the frame timeout as
-/// their deadline.
-pub trait RpcHandler: Send + Sync {
-    /// Answers `method` with `body` from the authenticated peer `from`; an `Err` reaches the
-    /// caller as a typed refusal with the text.
-    fn handle<'a>(
-        &'a self,
-        from: &'a str,
-        method: u16,
-        body: Vec<u8>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>;
+impl AgentInner {
+    fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.services.endpoint
+    }
+
+    fn regions(&self) -> &RegionTable {
+        self.services.endpoint.regions()
+    }
 }
 
 impl std::fmt::Debug for AgentInner {
@@ -338,10 +234,40 @@ impl Agent {
             std::process::id(),
             listen_addr.port()
         );
-        let inner = Arc::new(AgentInner {
-            regions: RegionTable::new(shm_prefix, config.limits.regions_max),
-            peers: RwLock::new(HashMap::new()),
+        let endpoint = Arc::new(Endpoint::new(
+            config.name.clone(),
+            RegionTable::new(shm_prefix, config.limits.regions_max),
             notify_tx,
+            config.limits.wire,
+            config.limits.frame_timeout,
+        ));
+        let services = Arc::new(Services { endpoint, rpc: RwLock::new(None) });
+        let session = SessionConfig {
+            name: config.name.clone(),
+            secret: config.secret.clone(),
+            limits: config.limits.wire,
+            handshake_timeout: config.limits.handshake_timeout,
+            frame_timeout: config.limits.frame_timeout,
+            connections: config.tcp_connections_per_peer,
+            stripe_bytes: config.tcp_stripe_bytes,
+        };
+        let server = SessionServer::spawn(
+            listener,
+            Arc::downgrade(&services),
+            ServerParams {
+                name: config.name.clone(),
+                secret: config.secret.clone(),
+                limits: config.limits.wire,
+            },
+            ServerTimeouts {
+                handshake: config.limits.handshake_timeout,
+                frame: config.limits.frame_timeout,
+            },
+        );
+        let inner = Arc::new(AgentInner {
+            services,
+            session,
+            peers: RwLock::new(HashMap::new()),
             notify_rx: tokio::sync::Mutex::new(notify_rx),
             in_flight: Arc::new(Semaphore::new(config.limits.transfers_in_flight_max)),
             next_id: AtomicU64::new(1),
@@ -349,12 +275,9 @@ impl Agent {
             host_id: host_id(),
             transports: Transports::new(config.faults.clone()),
             runtime,
-            server: Mutex::new(None),
-            rpc_handler: RwLock::new(None),
+            server: Mutex::new(Some(server)),
             config,
         });
-        let server = TcpServer::spawn(listener, Arc::downgrade(&inner));
-        *inner.server.lock() = Some(server);
         tracing::debug!(agent = %inner.config.name, addr = %listen_addr, "transfer agent listening");
         Ok(Agent { inner })
     }
@@ -371,7 +294,7 @@ impl Agent {
 
     /// Allocates and registers a host region (see [`RegionOptions`]).
     pub fn alloc_region(&self, len: usize, opts: RegionOptions) -> Result<Arc<Region>, AgentError> {
-        Ok(self.inner.regions.alloc(len, opts)?)
+        Ok(self.inner.regions().alloc(len, opts)?)
     }
 
     /// Registers memory the caller owns.
@@ -386,17 +309,17 @@ impl Agent {
         export: bool,
     ) -> Result<Arc<Region>, AgentError> {
         // SAFETY: forwarded contract.
-        Ok(unsafe { self.inner.regions.register_external(ptr, len, export) }?)
+        Ok(unsafe { self.inner.regions().register_external(ptr, len, export) }?)
     }
 
     /// The region with this id.
     pub fn region(&self, id: RegionId) -> Result<Arc<Region>, AgentError> {
-        Ok(self.inner.regions.get(id)?)
+        Ok(self.inner.regions().get(id)?)
     }
 
     /// Removes a region; fails while transfers use it.
     pub fn deregister(&self, id: RegionId) -> Result<(), AgentError> {
-        Ok(self.inner.regions.deregister(id)?)
+        Ok(self.inner.regions().deregister(id)?)
     }
 
     /// This agent's metadata, for peers to load. Regions registered later are not in it:
@@ -413,7 +336,7 @@ impl Agent {
             pid: std::process::id(),
             regions: self
                 .inner
-                .regions
+                .regions()
                 .all()
                 .into_iter()
                 .filter(|r| r.is_exported())
@@ -438,13 +361,9 @@ impl Agent {
         let same_host = md.host_id == self.inner.host_id
             && self.inner.config.shm
             && md.transports.contains(&TransportKind::Shm);
-        let peer = Arc::new(Peer {
-            tcp: TcpPeer::new(&md, &self.inner.config),
-            shm_maps: Mutex::new(HashMap::new()),
-            same_host,
-            metadata: md,
-        });
-        self.inner.peers.write().insert(peer.metadata.name.clone(), peer);
+        let session = Session::new(md.tcp_addr, &md.name, &self.inner.session);
+        let name = md.name.clone();
+        self.inner.peers.write().insert(name, Arc::new(Peer::new(md, session, same_host)));
         Ok(())
     }
 
@@ -462,61 +381,11 @@ impl Agent {
     pub fn post(&self, req: TransferRequest) -> Result<TransferHandle, TransferError> {
         let inner = &self.inner;
         let limits = &inner.config.limits;
-        if req.local.is_empty() || req.local.len() != req.remote.len() {
-            return Err(TransferError::Invalid(format!(
-                "{} local and {} remote descriptors: need equal, non-zero counts",
-                req.local.len(),
-                req.remote.len()
-            )));
-        }
-        if req.local.len() > limits.descs_per_transfer_max {
-            return Err(TransferError::Invalid(format!(
-                "{} descriptors exceed the limit of {}",
-                req.local.len(),
-                limits.descs_per_transfer_max
-            )));
-        }
-        if let Some((i, _)) = req
-            .local
-            .iter()
-            .zip(&req.remote)
-            .enumerate()
-            .find(|(_, (l, r))| l.len != r.len || l.len == 0)
-        {
-            return Err(TransferError::Invalid(format!(
-                "descriptor {i}: local and remote lengths must be equal and non-zero"
-            )));
-        }
-        if req.notify.as_ref().is_some_and(|n| n.len() > limits.wire.notify_bytes_max as usize) {
-            return Err(TransferError::Invalid(format!(
-                "notification exceeds {} bytes",
-                limits.wire.notify_bytes_max
-            )));
-        }
-        if req.op == TransferOp::Read && overlapping(&req.local) {
-            return Err(TransferError::Invalid(
-                "local descriptors of a READ overlap: bytes would land twice in the same memory"
-                    .into(),
-            ));
-        }
-        // Local memory: resolve and bounds-check every descriptor, lease each region once
-        // (transfers touch few regions: a linear scan beats hashing).
-        let mut leases: Vec<RegionLease> = Vec::new();
-        let mut pieces = Vec::with_capacity(req.local.len());
-        for (l, r) in req.local.iter().zip(&req.remote) {
-            let index = match leases.iter().rposition(|lease| lease.region().id() == l.region) {
-                Some(i) => i,
-                None => {
-                    leases.push(RegionLease::new(inner.regions.get(l.region)?));
-                    leases.len() - 1
-                }
-            };
-            leases[index].region().check(l.offset, l.len)?;
-            pieces.push(Piece { lease: index as u32, local_offset: l.offset, remote: *r });
-        }
+        check_request(&req, limits.descs_per_transfer_max, &limits.wire)?;
+        let (leases, pieces) = inner.endpoint().lease_local(&req.local, &req.remote)?;
         let (transport, peer) = self.choose_transport(&req)?;
         if let Some(peer) = &peer {
-            peer.check_remote(&req.remote)?;
+            check_remote(peer.metadata(), &req.remote)?;
         }
         let permit = inner
             .in_flight
@@ -536,7 +405,7 @@ impl Agent {
             notify: req.notify,
             inline_bytes_max: inner.config.inline_copy_bytes_max,
             corrupt_checksums: false,
-            agent: Arc::downgrade(inner),
+            endpoint: Arc::downgrade(inner.endpoint()),
         };
         if let Some(outcome) = transport.execute_inline(&job) {
             // Completed on this thread (a memcpy transport): no task, no wake-up. What it
@@ -602,7 +471,7 @@ impl Agent {
             .cloned()
             .ok_or_else(|| TransferError::UnknownPeer(req.peer.clone()))?;
         let shm_ok =
-            || peer.same_host && req.remote.iter().all(|d| peer.shm_map(d.region).is_some());
+            || peer.same_host() && req.remote.iter().all(|d| peer.shm_map(d.region).is_some());
         match req.transport {
             Some(TransportKind::Tcp) => Ok((t.tcp.clone(), Some(peer))),
             Some(TransportKind::Shm) => {
@@ -626,13 +495,13 @@ impl Agent {
 
     /// Installs the service that answers peers' RPCs.
     pub fn set_rpc_handler(&self, handler: Arc<dyn RpcHandler>) {
-        *self.inner.rpc_handler.write() = Some(handler);
+        *self.inner.services.rpc.write() = Some(handler);
     }
 
     /// Removes the service (peers' RPCs are refused from now on). A handler that holds this
     /// agent must be removed for the agent to be dropped.
     pub fn clear_rpc_handler(&self) {
-        *self.inner.rpc_handler.write() = None;
+        *self.inner.services.rpc.write() = None;
     }
 
     /// Calls a peer's service: sends `body` for `method` and waits for its reply, up to
@@ -658,7 +527,7 @@ impl Agent {
             .get(peer)
             .cloned()
             .ok_or_else(|| TransferError::UnknownPeer(peer.to_string()))?;
-        tokio::time::timeout(deadline, crate::transport::tcp::call(&p.tcp, method, body))
+        tokio::time::timeout(deadline, p.session.call(method, body))
             .await
             .map_err(|_| TransferError::TimedOut(deadline))?
     }
@@ -698,14 +567,6 @@ impl Drop for AgentInner {
             server.stop();
         }
     }
-}
-
-/// Whether two descriptors cover a common byte of one region.
-fn overlapping(descs: &[crate::transfer::Desc]) -> bool {
-    let mut sorted: Vec<(RegionId, u64, u64)> =
-        descs.iter().map(|d| (d.region, d.offset, d.offset.saturating_add(d.len))).collect();
-    sorted.sort_unstable();
-    sorted.windows(2).any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
 }
 
 /// The peer a transport reaches: None for this agent itself.

@@ -38,11 +38,14 @@
 pub mod agent;
 pub mod contract;
 pub mod control;
+pub mod endpoint;
 pub mod events;
 pub mod gguf;
 pub mod hash;
 pub mod layout;
 pub mod memory;
+pub mod peer;
+pub mod session;
 pub mod transfer;
 pub mod transport;
 pub mod wire;

@@ -1,7 +1,7 @@
 //! `local`: both sides in this agent; one memcpy per descriptor.
 
-use crate::agent::Notification;
-use crate::memory::{copy_between, RegionLease};
+use crate::endpoint::Notification;
+use crate::memory::copy_between;
 use crate::transfer::{TransferError, TransferOp, TransportKind};
 
 use super::{Job, Transport, TransportFuture};
@@ -31,13 +31,16 @@ impl Transport for LocalTransport {
                 tokio::task::yield_now().await;
             }
             if let Some(message) = &job.notify {
-                let agent = job.agent()?;
+                let endpoint = job.endpoint()?;
                 let n = Notification {
-                    from: agent.config.name.clone(),
+                    from: endpoint.name().to_string(),
                     transfer_id: job.id,
                     message: message.clone(),
                 };
-                agent.notify_tx.send(n).await.map_err(|_| TransferError::Shutdown)?;
+                endpoint
+                    .deliver(n)
+                    .await
+                    .map_err(|r| TransferError::Remote { code: r.code, message: r.message })?;
             }
             Ok(())
         })
@@ -51,10 +54,10 @@ fn copy_all(job: &Job) -> Result<(), TransferError> {
 
 /// Copies piece `i` (verifying its checksum when asked).
 fn copy_piece(job: &Job, i: usize) -> Result<(), TransferError> {
-    let agent = job.agent()?;
+    let endpoint = job.endpoint()?;
     {
         let p = &job.pieces[i];
-        let remote = RegionLease::new(agent.regions.get(p.remote.region)?);
+        let remote = endpoint.lease_registered(&p.remote)?;
         let (src, src_off, dst, dst_off) = match job.op {
             TransferOp::Write => (job.region(p), p.local_offset, remote.region(), p.remote.offset),
             TransferOp::Read => (remote.region(), p.remote.offset, job.region(p), p.local_offset),

@@ -1,19 +1,43 @@
-//! Transports behind one trait, chosen per peer, fastest first: `local` (same agent),
+//! Bulk transports behind one trait, chosen per peer, fastest first: `local` (same agent),
 //! `shm` (same host, other process), `tcp` (any host). A fault-injecting wrapper serves tests.
 //!
-//! A transport executes a [`Job`]: a transfer whose local descriptors are resolved, bounds
-//! checked and leased, and whose remote descriptors are still the peer's to check. The trait
-//! is shaped so that one-sided transports fit: RDMA (post READ/WRITE work requests on
-//! registered memory, complete on the completion queue, notify with immediate data) and CUDA
-//! (device regions, copies on streams) implement `execute` the same way.
+//! # Where a transport plugs in
+//!
+//! A transport moves the bytes of a [`Job`]: a transfer whose shape was checked, whose local
+//! descriptors are resolved, bounds-checked and leased ([`crate::endpoint`]), and whose remote
+//! descriptors were checked against the peer's metadata (the owner checks them again). It
+//! sees three things and nothing else:
+//! - the job: its leased local regions and descriptor pairs, READ or WRITE, whether to
+//!   checksum, the notification;
+//! - the peer ([`Job::peer`]): its metadata and its session — the authenticated control
+//!   connection with `commit` (the owner verifies checksums, then delivers the notification)
+//!   and `checksums` (the owner's hashes of its bytes, to verify a one-sided READ);
+//! - the local [`crate::endpoint::Endpoint`] ([`Job::endpoint`]): regions and notification
+//!   queue, for transfers within this agent.
+//!
+//! The contract of [`Transport::execute`]: every byte lands before the future resolves `Ok`;
+//! checksums are verified when asked (by the receiver); the notification is delivered after
+//! the last byte (through `commit`, which the owner acknowledges only after verifying);
+//! dropping the future stops the transfer — no byte lands after the drop completes (a
+//! one-sided transport waits for or cancels its outstanding work before it returns).
+//!
+//! The RDMA and CUDA transports of the next issues implement this trait the same way: RDMA
+//! posts one-sided READ/WRITE work requests on memory registered once per region, completes
+//! on the completion queue, and commits through the session (or with immediate data); CUDA
+//! copies device regions on streams (CUDA IPC across processes of one host) and commits the
+//! same way. Adding one means: a [`TransportKind`], a field in `Transports`, a rule in the
+//! agent's `choose_transport`, and the kind in the metadata the agent publishes.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
 
-use crate::agent::{AgentInner, Peer};
+use crate::endpoint::Endpoint;
 use crate::memory::{Region, RegionLease};
-use crate::transfer::{Desc, TransferError, TransferOp, TransportKind};
+use crate::peer::Peer;
+use crate::transfer::{TransferError, TransferOp, TransportKind};
+
+pub use crate::endpoint::Piece;
 
 pub mod fault;
 pub mod local;
@@ -39,29 +63,6 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// One local descriptor paired with its remote descriptor.
-#[derive(Debug, Clone, Copy)]
-pub struct Piece {
-    /// Index of the local region in [`Job::leases`].
-    pub lease: u32,
-    /// Offset in the local region (checked).
-    pub local_offset: u64,
-    /// The remote descriptor (checked by the owner).
-    pub remote: Desc,
-}
-
-impl Piece {
-    /// Bytes.
-    pub fn len(&self) -> u64 {
-        self.remote.len
-    }
-
-    /// Whether it is empty (never, `post` refuses empty descriptors).
-    pub fn is_empty(&self) -> bool {
-        self.remote.len == 0
-    }
-}
-
 /// A transfer ready for a transport.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -83,11 +84,12 @@ pub struct Job {
     pub inline_bytes_max: u64,
     /// Fault injection: send checksums that do not match (the receiver must refuse).
     pub(crate) corrupt_checksums: bool,
-    pub(crate) agent: Weak<AgentInner>,
+    pub(crate) endpoint: Weak<Endpoint>,
 }
 
 impl Job {
-    pub(crate) fn peer(&self) -> Result<&Arc<Peer>, TransferError> {
+    /// The peer of a remote transfer.
+    pub fn peer(&self) -> Result<&Arc<Peer>, TransferError> {
         self.peer
             .as_ref()
             .ok_or_else(|| TransferError::Invalid("remote transport without a peer".into()))
@@ -112,8 +114,9 @@ impl Job {
         }
     }
 
-    pub(crate) fn agent(&self) -> Result<Arc<AgentInner>, TransferError> {
-        self.agent.upgrade().ok_or(TransferError::Shutdown)
+    /// The local endpoint (gone once the agent shut down).
+    pub fn endpoint(&self) -> Result<Arc<Endpoint>, TransferError> {
+        self.endpoint.upgrade().ok_or(TransferError::Shutdown)
     }
 }
 

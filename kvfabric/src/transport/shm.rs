@@ -3,7 +3,7 @@
 //! enforced by the mapping itself, which covers exactly what the owner exported, and checked
 //! before every copy.
 //!
-//! The owner is told over the TCP control connection only when it has to act: a WRITE with
+//! The owner is told through the session only when it has to act: a WRITE with
 //! checksums or a notification ends with a `Commit` that the owner verifies against its own
 //! memory before it delivers the notification; a READ with checksums first asks the owner
 //! for the checksums of its bytes, then verifies the copy.
@@ -14,7 +14,6 @@ use crate::memory::{copy_with_peer, PeerMapping, RegionLease};
 use crate::transfer::{TransferError, TransferOp, TransportKind};
 use crate::wire::WireDesc;
 
-use super::tcp::{commit, remote_checksums};
 use super::{Job, Transport, TransportFuture};
 
 /// Large copies yield to the runtime after every this many bytes: other tasks keep running,
@@ -122,7 +121,7 @@ impl Transport for ShmTransport {
             let to_peer = job.op == TransferOp::Write;
             // For a checksummed READ, the owner hashes its bytes before we copy them.
             let expected = if job.checksum && !to_peer {
-                Some(remote_checksums(&peer.tcp, wire(None)).await?)
+                Some(peer.session.checksums(wire(None)).await?)
             } else {
                 None
             };
@@ -143,7 +142,7 @@ impl Transport for ShmTransport {
                         Vec::new()
                     };
                     if !verify.is_empty() || job.notify.is_some() {
-                        commit(&peer.tcp, job.id, verify, job.notify.clone()).await?;
+                        peer.session.commit(job.id, verify, job.notify.clone()).await?;
                     }
                 }
                 TransferOp::Read => {
@@ -157,7 +156,7 @@ impl Transport for ShmTransport {
                         }
                     }
                     if job.notify.is_some() {
-                        commit(&peer.tcp, job.id, Vec::new(), job.notify.clone()).await?;
+                        peer.session.commit(job.id, Vec::new(), job.notify.clone()).await?;
                     }
                 }
             }

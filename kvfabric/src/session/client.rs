@@ -1,0 +1,291 @@
+//! The client half: a peer's pool of authenticated connections (stripes), each driving a
+//! [`ClientProto`] over a socket, and the control requests every transport may need
+//! (commit, checksums) plus RPC.
+//!
+//! Each connection carries one request at a time. A request whose future is dropped mid-frame
+//! drops its connection too, so a half-sent frame is never followed by another; the next
+//! request opens a fresh connection.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+
+use crate::transfer::TransferError;
+use crate::wire::{ErrorCode, Message, WireDesc, WireLimits};
+
+use super::io::{self, RawDst, RawSrc};
+use super::proto::{ClientEvent, ClientParams, ClientProto, SessionError};
+use super::SessionConfig;
+
+fn disconnected(peer: &str, e: impl std::fmt::Display) -> TransferError {
+    TransferError::Disconnected { peer: peer.to_string(), reason: e.to_string() }
+}
+
+fn session_error(peer: &str, e: SessionError) -> TransferError {
+    match e {
+        SessionError::Auth => TransferError::Auth(peer.to_string()),
+        SessionError::Closed => disconnected(peer, e),
+        other => TransferError::Protocol(other.to_string()),
+    }
+}
+
+/// One authenticated connection.
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+    proto: ClientProto,
+}
+
+/// A peer's session: its connection stripes.
+#[derive(Debug)]
+pub(crate) struct Session {
+    addr: SocketAddr,
+    params: ClientParams,
+    handshake_timeout: Duration,
+    frame_timeout: Duration,
+    stripe_bytes: u64,
+    stripes: Vec<tokio::sync::Mutex<Option<Conn>>>,
+    next_stripe: AtomicUsize,
+}
+
+impl Session {
+    /// A session with the agent `peer` at `addr`; connections open on first use.
+    pub(crate) fn new(addr: SocketAddr, peer: &str, cfg: &SessionConfig) -> Self {
+        Session {
+            addr,
+            params: ClientParams {
+                me: cfg.name.clone(),
+                peer: peer.to_string(),
+                secret: cfg.secret.clone(),
+                limits: cfg.limits,
+            },
+            handshake_timeout: cfg.handshake_timeout,
+            frame_timeout: cfg.frame_timeout,
+            stripe_bytes: cfg.stripe_bytes,
+            stripes: (0..cfg.connections.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect(),
+            next_stripe: AtomicUsize::new(0),
+        }
+    }
+
+    /// The peer's name.
+    pub(crate) fn peer(&self) -> &str {
+        &self.params.peer
+    }
+
+    /// Wire limits of this session.
+    pub(crate) fn limits(&self) -> &WireLimits {
+        &self.params.limits
+    }
+
+    /// Bulk transfers are cut into pieces of at most this many bytes.
+    pub(crate) fn stripe_bytes(&self) -> u64 {
+        self.stripe_bytes
+    }
+
+    /// How many connections the session keeps.
+    pub(crate) fn stripes(&self) -> usize {
+        self.stripes.len()
+    }
+
+    /// Reserves `n` consecutive stripe indices (round robin across requests).
+    pub(crate) fn next_stripes(&self, n: usize) -> usize {
+        self.next_stripe.fetch_add(n, Ordering::Relaxed)
+    }
+
+    async fn connect(&self) -> Result<Conn, TransferError> {
+        let peer = self.peer();
+        let fut = async {
+            let mut stream =
+                TcpStream::connect(self.addr).await.map_err(|e| disconnected(peer, e))?;
+            stream.set_nodelay(true).map_err(|e| disconnected(peer, e))?;
+            let mut proto = ClientProto::new(self.params.clone(), io::random_nonce());
+            loop {
+                let event =
+                    read_event(&mut stream, &mut proto, peer, self.handshake_timeout).await?;
+                let hello = proto.take_transmit();
+                if !hello.is_empty() {
+                    io::write_all(&mut stream, &hello, self.handshake_timeout)
+                        .await
+                        .map_err(|e| disconnected(peer, e))?;
+                }
+                if event == Some(ClientEvent::Authenticated) {
+                    return Ok(Conn { stream, proto });
+                }
+            }
+        };
+        tokio::time::timeout(self.handshake_timeout, fut)
+            .await
+            .map_err(|_| disconnected(peer, "connect and handshake timed out"))?
+    }
+
+    /// Stripe `i`'s connection, connected first if needed. Call [`StripeConn::keep`] after a
+    /// clean request; a connection dropped otherwise is closed.
+    pub(crate) async fn conn(&self, i: usize) -> Result<StripeConn<'_>, TransferError> {
+        let mut slot = self.stripes[i % self.stripes.len()].lock().await;
+        let conn = match slot.take() {
+            Some(c) if c.proto.is_ready() => c,
+            _ => self.connect().await?,
+        };
+        Ok(StripeConn { session: self, slot, conn })
+    }
+
+    /// Sends a commit (checksums to verify, a notification) on stripe 0 and waits for its
+    /// acknowledgement: the owner verifies, then delivers the notification.
+    pub(crate) async fn commit(
+        &self,
+        transfer_id: u64,
+        verify: Vec<WireDesc>,
+        notify: Option<Vec<u8>>,
+    ) -> Result<(), TransferError> {
+        let mut c = self.conn(0).await?;
+        c.send(&Message::Commit { transfer_id, verify, notify }).await?;
+        match c.reply().await? {
+            Message::Ack => {
+                c.keep();
+                Ok(())
+            }
+            other => Err(TransferError::Protocol(format!("expected ack, got {other:?}"))),
+        }
+    }
+
+    /// Asks the owner for the checksums of its descriptors (to verify a one-sided READ).
+    pub(crate) async fn checksums(&self, descs: Vec<WireDesc>) -> Result<Vec<u64>, TransferError> {
+        let mut c = self.conn(0).await?;
+        c.send(&Message::Checksums { descs }).await?;
+        match c.reply().await? {
+            Message::ChecksumList { checksums } => {
+                c.keep();
+                Ok(checksums)
+            }
+            other => Err(TransferError::Protocol(format!("expected checksums, got {other:?}"))),
+        }
+    }
+
+    /// Calls the peer's RPC service.
+    pub(crate) async fn call(&self, method: u16, body: Vec<u8>) -> Result<Vec<u8>, TransferError> {
+        let mut c = self.conn(self.next_stripes(1)).await?;
+        c.send(&Message::Rpc { method, body }).await?;
+        match c.reply().await {
+            Ok(Message::RpcReply { body }) => {
+                c.keep();
+                Ok(body)
+            }
+            // A handler's refusal is a clean answer: the connection stays usable.
+            Err(e @ TransferError::Remote { code: ErrorCode::Internal, .. }) => {
+                c.keep();
+                Err(e)
+            }
+            Ok(other) => {
+                Err(TransferError::Protocol(format!("expected an RPC reply, got {other:?}")))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Reads until the state machine yields an event (`None`: the handshake went on and there
+/// may be bytes to send). The header of a reply may take as long as the request's deadline;
+/// the rest of a frame must follow within `frame_timeout`.
+async fn read_event(
+    stream: &mut TcpStream,
+    proto: &mut ClientProto,
+    peer: &str,
+    frame_timeout: Duration,
+) -> Result<Option<ClientEvent>, TransferError> {
+    let mut started = false;
+    loop {
+        let mut buf = vec![0u8; proto.need()];
+        let timeout = started.then_some(frame_timeout);
+        io::read_exact(stream, &mut buf, timeout).await.map_err(|e| disconnected(peer, e))?;
+        started = true;
+        let (_, event) = proto.recv(&buf).map_err(|e| session_error(peer, e))?;
+        if event.is_some() || proto.has_transmit() {
+            return Ok(event);
+        }
+    }
+}
+
+/// A connection taken out of its stripe for one request.
+pub(crate) struct StripeConn<'s> {
+    session: &'s Session,
+    slot: tokio::sync::MutexGuard<'s, Option<Conn>>,
+    conn: Conn,
+}
+
+impl StripeConn<'_> {
+    /// Puts the connection back for the next request (only after a clean exchange).
+    pub(crate) fn keep(self) {
+        let StripeConn { mut slot, conn, .. } = self;
+        *slot = Some(conn);
+    }
+
+    fn peer(&self) -> &str {
+        self.session.peer()
+    }
+
+    /// Sends a request frame.
+    pub(crate) async fn send(&mut self, msg: &Message) -> Result<(), TransferError> {
+        let frame = self.conn.proto.request(msg).map_err(|e| session_error(self.peer(), e))?;
+        io::write_all(&mut self.conn.stream, &frame, self.session.frame_timeout)
+            .await
+            .map_err(|e| disconnected(self.session.peer(), e))
+    }
+
+    /// Sends a request frame followed by its payload in one vectored write; I/O errors are
+    /// returned raw so the caller can still read the peer's typed refusal.
+    ///
+    /// # Safety
+    /// Every payload buffer must stay valid for reads until the future completes or drops.
+    pub(crate) async unsafe fn send_with_payload(
+        &mut self,
+        msg: &Message,
+        payload: &[RawSrc],
+    ) -> Result<std::io::Result<()>, TransferError> {
+        let frame = self.conn.proto.request(msg).map_err(|e| session_error(self.peer(), e))?;
+        let mut bufs = Vec::with_capacity(payload.len() + 1);
+        bufs.push(RawSrc(frame.as_ptr(), frame.len()));
+        bufs.extend_from_slice(payload);
+        // SAFETY: the frame lives in this function; the payload is the caller's contract.
+        Ok(unsafe { io::send_all(&self.conn.stream, &bufs, self.session.frame_timeout) }.await)
+    }
+
+    /// Reads the reply to the request; an `Error` frame becomes [`TransferError::Remote`].
+    pub(crate) async fn reply(&mut self) -> Result<Message, TransferError> {
+        let peer = self.session.peer();
+        let ev = read_event(
+            &mut self.conn.stream,
+            &mut self.conn.proto,
+            peer,
+            self.session.frame_timeout,
+        )
+        .await?;
+        match ev {
+            Some(ClientEvent::Reply(Message::Error { code, message })) => {
+                Err(TransferError::Remote { code, message })
+            }
+            Some(ClientEvent::Reply(m)) => Ok(m),
+            other => Err(TransferError::Protocol(format!("expected a reply, got {other:?}"))),
+        }
+    }
+
+    /// Receives `len` bytes of the reply's payload straight into `dst`.
+    ///
+    /// # Safety
+    /// `dst..dst+len` must stay valid for writes until the future completes or drops.
+    pub(crate) async unsafe fn recv_payload(
+        &mut self,
+        dst: RawDst,
+        len: u64,
+    ) -> Result<(), TransferError> {
+        if len > self.conn.proto.payload_remaining() {
+            return Err(TransferError::Protocol("more payload asked than the reply has".into()));
+        }
+        // SAFETY: the caller's contract.
+        unsafe { io::recv_into(&self.conn.stream, dst, len as usize, self.session.frame_timeout) }
+            .await
+            .map_err(|e| disconnected(self.session.peer(), e))?;
+        self.conn.proto.payload_received(len).map_err(|e| session_error(self.session.peer(), e))
+    }
+}
