@@ -166,7 +166,7 @@ fn unix_ms() -> u64 {
 
 impl DecodeBackend {
     /// A decode worker over `local` (whose store is `store`, owned by `agent`), choosing
-    /// prefill workers through `prefill` (a [`RoutedBackend`] of kind [`crate::worker::PREFILL_KIND`]).
+    /// prefill workers through `prefill` (a [`RoutedBackend`] of kind [`crate::protocol::PREFILL_KIND`]).
     pub async fn start(
         local: LocalBackend,
         store: TieredStore,

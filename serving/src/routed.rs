@@ -30,8 +30,7 @@ use crate::backend::{Backend, ModelEntry};
 use crate::engine::sampling::SplitMix64;
 use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
 use crate::metrics;
-use crate::protocol::{self, WorkerRequest};
-use crate::worker::{CodecSpec, WorkerMetadata, WORKER_KIND};
+use crate::protocol::{self, CodecSpec, WorkerMetadata, WorkerRequest, WORKER_KIND};
 
 /// Frontend settings.
 #[derive(Debug, Clone)]

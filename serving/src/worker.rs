@@ -1,7 +1,7 @@
-//! A serving worker: what it is to the rest of the system (its kinds in discovery, its role,
-//! the metadata it registers there, which routing frontends and decode workers read) and its
-//! assembly ([`WorkerStack`]: engine, tiered store, agent, publishers; serving and
-//! registration), shared by `kvfabric up` and `kvfabric worker`.
+//! A serving worker's assembly ([`WorkerStack`]: engine, tiered store, agent, publishers;
+//! serving and registration), shared by `kvfabric up` and `kvfabric worker`. What a worker
+//! is to the rest of the system (its kinds in discovery, its role, the metadata it registers
+//! there) is part of the frontend↔worker protocol, re-exported here.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -23,69 +23,10 @@ use crate::backend::{Backend, LocalBackend};
 use crate::disagg::{run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats};
 use crate::engine::llama::{LlamaEngine, LlamaOptions, Weights};
 use crate::engine::mock::{MockConfig, MockEngine};
-use crate::engine::{Engine, EngineError, ModelInfo, Scheduler, SchedulerConfig, TextCodec};
+use crate::engine::{Engine, EngineError, Scheduler, SchedulerConfig};
 use crate::routed::{RoutedBackend, RoutedConfig};
 
-/// The discovery kind of workers.
-pub const WORKER_KIND: &str = "worker";
-
-/// The discovery kind of prefill workers.
-pub const PREFILL_KIND: &str = "prefill";
-
-/// A worker's role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Prefill and decode (the default).
-    #[default]
-    Aggregated,
-    /// Computes prompts' KV for decode workers.
-    Prefill,
-    /// Serves requests, prefilling long prompts remotely.
-    Decode,
-}
-
-/// What a worker registers in discovery.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct WorkerMetadata {
-    /// The model it serves.
-    pub model: ModelInfo,
-    /// How to tokenize for it.
-    pub codec: CodecSpec,
-    /// Its request port.
-    pub addr: SocketAddr,
-    /// Its role.
-    #[serde(default)]
-    pub role: Role,
-}
-
-/// How a worker's prompts are tokenized, as it registers it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum CodecSpec {
-    /// The vocabulary and chat template of a GGUF file (a path the frontend can read), or a
-    /// tokenizer.json next to it.
-    Gguf {
-        /// The GGUF file.
-        path: std::path::PathBuf,
-        /// A tokenizer.json overriding the GGUF's vocabulary.
-        tokenizer: Option<std::path::PathBuf>,
-    },
-    /// One token per byte (the mock engine).
-    Bytes,
-}
-
-impl CodecSpec {
-    /// Loads the codec (reads the GGUF's metadata, not its weights).
-    pub fn load(&self) -> Result<TextCodec, EngineError> {
-        match self {
-            CodecSpec::Bytes => Ok(TextCodec::bytes()),
-            CodecSpec::Gguf { path, tokenizer } => {
-                TextCodec::from_gguf_path(path, tokenizer.as_deref())
-            }
-        }
-    }
-}
+pub use crate::protocol::{CodecSpec, Role, WorkerMetadata, PREFILL_KIND, WORKER_KIND};
 
 /// The engine a worker runs.
 #[derive(Debug, Clone)]

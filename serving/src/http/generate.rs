@@ -14,15 +14,21 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::engine::{CacheHits, EngineError, FinishReason, GenEvent, GenerateRequest};
 
 use super::api::{request_id, ApiError, Endpoint, Parsed};
-use super::sse::stream_response;
 use super::AppState;
 
-pub(super) async fn run(
+/// How the answer goes out: streamed (with a usage chunk or not) or whole.
+pub(super) struct Answer {
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+}
+
+/// Submits a checked request and waits for its admission; a refusal is the error response.
+pub(super) async fn start(
     st: Arc<AppState>,
     endpoint: Endpoint,
     parsed: Result<Parsed, ApiError>,
     started: Instant,
-) -> Response {
+) -> Result<(Generation, Answer), Response> {
     let submitted = parsed.and_then(|(prompt, max_tokens, c)| {
         let req = GenerateRequest {
             prompt,
@@ -37,7 +43,7 @@ pub(super) async fn run(
     });
     let (rx, c) = match submitted {
         Ok(x) => x,
-        Err(e) => return st.fail(e),
+        Err(e) => return Err(st.fail(e)),
     };
     let mut gen = Generation {
         st: st.clone(),
@@ -58,15 +64,9 @@ pub(super) async fn run(
     // The status is decided by the first event: admitted, or refused (429, 400, ...).
     if let Err(e) = gen.admitted().await {
         gen.finish(false);
-        return st.fail(e);
+        return Err(st.fail(e));
     }
-    let worker = gen.worker.clone();
-    let mut response =
-        if c.stream { stream_response(gen, c.include_usage) } else { whole_response(gen).await };
-    if let Some(w) = worker.and_then(|w| axum::http::HeaderValue::from_str(&w).ok()) {
-        response.headers_mut().insert("x-kvfabric-worker", w);
-    }
-    response
+    Ok((gen, Answer { stream: c.stream, include_usage: c.include_usage }))
 }
 
 /// One generation as the frontend follows it: events, timing, usage.
@@ -97,6 +97,11 @@ pub(super) enum Next {
 }
 
 impl Generation {
+    /// The worker that serves it (remote backends).
+    pub(super) fn worker(&self) -> Option<&str> {
+        self.worker.as_deref()
+    }
+
     /// Waits for the backend to admit the request.
     async fn admitted(&mut self) -> Result<(), ApiError> {
         let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
@@ -241,7 +246,7 @@ impl Drop for Generation {
     }
 }
 
-async fn whole_response(mut g: Generation) -> Response {
+pub(super) async fn whole_response(mut g: Generation) -> Response {
     let mut text = String::new();
     let (reason, tail) = loop {
         match g.next().await {

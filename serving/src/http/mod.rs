@@ -32,7 +32,6 @@ use crate::backend::Backend;
 use crate::metrics::{self, Histogram};
 
 use api::{parse_chat, parse_completion, read_body, unknown_model, Body, Endpoint};
-use generate::run;
 
 /// Frontend limits.
 #[derive(Debug, Clone)]
@@ -221,4 +220,27 @@ impl AppState {
     fn created_now(&self) -> u64 {
         SystemTime::now().duration_since(UNIX_EPOCH).map_or(self.created, |d| d.as_secs())
     }
+}
+
+/// Runs a parsed request: starts the generation, then answers streamed or whole.
+async fn run(
+    st: Arc<AppState>,
+    endpoint: Endpoint,
+    parsed: Result<api::Parsed, ApiError>,
+    started: Instant,
+) -> Response {
+    let (gen, answer) = match generate::start(st, endpoint, parsed, started).await {
+        Ok(x) => x,
+        Err(response) => return response,
+    };
+    let worker = gen.worker().and_then(|w| axum::http::HeaderValue::from_str(w).ok());
+    let mut response = if answer.stream {
+        sse::stream_response(gen, answer.include_usage)
+    } else {
+        generate::whole_response(gen).await
+    };
+    if let Some(w) = worker {
+        response.headers_mut().insert("x-kvfabric-worker", w);
+    }
+    response
 }
