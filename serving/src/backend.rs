@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, Scheduler, TextCodec};
-use crate::metrics;
+use crate::metrics::{EngineSnapshot, Snapshot, Source};
 
 /// A served model: what it is and how to turn text into its tokens.
 #[derive(Debug, Clone)]
@@ -35,8 +35,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<UnboundedReceiver<GenEvent>, EngineError>;
     /// A JSON summary for `/health`.
     fn health(&self) -> Value;
-    /// Appends the backend's own metrics (Prometheus text).
-    fn render_metrics(&self, out: &mut String);
+    /// Fills the backend's part of a metrics snapshot (read at scrape time).
+    fn metrics(&self, out: &mut Snapshot);
+}
+
+impl Source for Arc<dyn Backend> {
+    fn snapshot(&self, out: &mut Snapshot) {
+        self.metrics(out);
+    }
 }
 
 /// One engine and its block store in this process.
@@ -88,101 +94,22 @@ impl Backend for LocalBackend {
         })
     }
 
-    fn render_metrics(&self, out: &mut String) {
-        render_engine_metrics(out, &self.sched, &self.store);
+    fn metrics(&self, out: &mut Snapshot) {
+        out.engine = Some(engine_snapshot(&self.sched, &self.store));
     }
 }
 
-/// The engine's and the store's metrics.
-pub fn render_engine_metrics(out: &mut String, sched: &Scheduler, store: &TieredStore) {
+/// The engine's and the store's counters now.
+pub fn engine_snapshot(sched: &Scheduler, store: &TieredStore) -> EngineSnapshot {
     let s = sched.stats();
-    let t = store.metrics();
     let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    metrics::labelled(
-        out,
-        "kvfabric_kv_hit_tokens_total",
-        "counter",
-        "Prompt tokens served from KV blocks, per tier.",
-        "tier",
-        &[
-            ("host", ld(&s.cached_tokens[0])),
-            ("disk", ld(&s.cached_tokens[1])),
-            ("remote", ld(&s.cached_tokens[2])),
-        ],
-    );
-    metrics::sample(
-        out,
-        "kvfabric_prefill_tokens_total",
-        "counter",
-        "Prompt tokens computed.",
-        ld(&s.prefill_tokens),
-    );
-    metrics::labelled(
-        out,
-        "kvfabric_kv_block_hits_total",
-        "counter",
-        "Block lookups that hit, per tier.",
-        "tier",
-        &[("host", t.host_hits), ("disk", t.disk_hits)],
-    );
-    metrics::labelled(
-        out,
-        "kvfabric_kv_block_misses_total",
-        "counter",
-        "Block lookups that missed, per tier.",
-        "tier",
-        &[("host", t.host_misses), ("disk", t.disk_misses)],
-    );
-    metrics::labelled(
-        out,
-        "kvfabric_kv_blocks",
-        "gauge",
-        "Blocks held, per tier.",
-        "tier",
-        &[("host", u64::from(t.host_used_blocks)), ("disk", u64::from(t.disk_used_blocks))],
-    );
-    metrics::labelled(
-        out,
-        "kvfabric_kv_capacity_blocks",
-        "gauge",
-        "Block capacity, per tier.",
-        "tier",
-        &[("host", u64::from(t.host_capacity_blocks)), ("disk", u64::from(t.disk_capacity_blocks))],
-    );
-    metrics::sample(
-        out,
-        "kvfabric_kv_stored_blocks_total",
-        "counter",
-        "Blocks stored by the engine.",
-        ld(&s.stored_blocks),
-    );
-    metrics::sample(
-        out,
-        "kvfabric_kv_offload_bytes_total",
-        "counter",
-        "Bytes offloaded host to disk.",
-        t.offload_bytes,
-    );
-    metrics::sample(
-        out,
-        "kvfabric_kv_onboard_bytes_total",
-        "counter",
-        "Bytes onboarded disk to host.",
-        t.onboard_bytes,
-    );
-    metrics::sample(
-        out,
-        "kvfabric_queue_depth",
-        "gauge",
-        "Requests waiting for a batch slot.",
-        ld(&s.waiting),
-    );
-    metrics::sample(
-        out,
-        "kvfabric_running_requests",
-        "gauge",
-        "Requests in the batch.",
-        ld(&s.running),
-    );
-    metrics::sample(out, "kvfabric_engine_steps_total", "counter", "Engine steps.", ld(&s.steps));
+    EngineSnapshot {
+        hit_tokens: [ld(&s.cached_tokens[0]), ld(&s.cached_tokens[1]), ld(&s.cached_tokens[2])],
+        prefill_tokens: ld(&s.prefill_tokens),
+        stored_blocks: ld(&s.stored_blocks),
+        waiting: ld(&s.waiting),
+        running: ld(&s.running),
+        steps: ld(&s.steps),
+        store: Some(store.metrics()),
+    }
 }

@@ -39,7 +39,7 @@ use crate::backend::{Backend, LocalBackend, ModelEntry};
 use crate::engine::{
     EngineError, GenEvent, GenerateRequest, ModelInfo, RemotePrefill, SamplingParams, Scheduler,
 };
-use crate::metrics;
+use crate::metrics::{PrefillServiceSnapshot, RemotePrefillSnapshot, Snapshot};
 use crate::routed::RoutedBackend;
 
 /// Where one block goes in the decode worker.
@@ -410,46 +410,18 @@ impl Backend for DecodeBackend {
         h
     }
 
-    fn render_metrics(&self, out: &mut String) {
-        self.inner.local.render_metrics(out);
+    fn metrics(&self, out: &mut Snapshot) {
+        self.inner.local.metrics(out);
         let s = &self.inner.stats;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        metrics::labelled(
-            out,
-            "kvfabric_prefills_total",
-            "counter",
-            "Prefills by where they ran.",
-            "where",
-            &[("remote", ld(&s.remote)), ("local", ld(&s.local))],
-        );
-        metrics::sample(
-            out,
-            "kvfabric_remote_prefill_fallbacks_total",
-            "counter",
-            "Remote prefills that failed or timed out.",
-            ld(&s.fallbacks),
-        );
-        metrics::sample(
-            out,
-            "kvfabric_remote_prefill_bytes_total",
-            "counter",
-            "KV bytes written by prefill workers.",
-            ld(&s.bytes),
-        );
-        metrics::sample(
-            out,
-            "kvfabric_remote_prefill_wait_seconds_total",
-            "counter",
-            "Time waiting for remote prefills.",
-            ld(&s.wait_us) as f64 / 1e6,
-        );
-        metrics::sample(
-            out,
-            "kvfabric_prefill_queue_depth",
-            "gauge",
-            "Remote prefills pending.",
-            ld(&s.pending),
-        );
+        out.remote_prefill = Some(RemotePrefillSnapshot {
+            remote: ld(&s.remote),
+            local: ld(&s.local),
+            fallbacks: ld(&s.fallbacks),
+            bytes: ld(&s.bytes),
+            wait_seconds: ld(&s.wait_us) as f64 / 1e6,
+            pending: ld(&s.pending),
+        });
     }
 }
 
@@ -464,6 +436,19 @@ pub struct PrefillStats {
     pub bytes: AtomicU64,
     /// Sum of transfer times, microseconds.
     pub transfer_us: AtomicU64,
+}
+
+impl PrefillStats {
+    /// The counters now.
+    pub fn snapshot(&self) -> PrefillServiceSnapshot {
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PrefillServiceSnapshot {
+            done: ld(&self.done),
+            failed: ld(&self.failed),
+            bytes: ld(&self.bytes),
+            transfer_seconds: ld(&self.transfer_us) as f64 / 1e6,
+        }
+    }
 }
 
 /// Serves the queue `prefill-NAME` of a prefill worker until aborted: at most `parallel`

@@ -1,102 +1,778 @@
-//! Prometheus text exposition: counters and fixed-bucket histograms, lock-free.
+//! Every metric the serving layer exposes, named here and nowhere else, encoded with
+//! `prometheus-client` (OpenMetrics text: counters end in `_total`, units are part of the
+//! names: `_seconds`, `_bytes`).
+//!
+//! Two kinds of metrics:
+//! - the HTTP frontend's own, live ([`HttpMetrics`]: requests by outcome, latency
+//!   histograms, tokens), registered in the frontend's registry;
+//! - the components' counters, read at scrape time: each component fills its part of a
+//!   [`Snapshot`] (engine and store, routed backend, remote prefill, prefill service), and
+//!   [`Components`] encodes every family once, with a `worker` label per in-process worker
+//!   (`kvfabric up` shows its workers' counters beside the frontend's).
+//!
+//! Label values are escaped here ([`LabelValue`]): the encoder writes them verbatim.
 
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::Duration;
 
-/// A histogram of durations with fixed upper bounds (seconds).
-#[derive(Debug)]
-pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    sum_ns: AtomicU64,
-    count: AtomicU64,
-}
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelValue, LabelValueEncoder, NoLabelSet,
+};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
 
-/// Buckets for time to first token and end-to-end latency.
+use kvfabric_tiers::metrics::{HistogramSnapshot, MetricsSnapshot, LATENCY_BUCKETS_S};
+
+/// Buckets for time to first token and end-to-end latency, seconds.
 pub const LATENCY_BUCKETS: &[f64] =
     &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
-/// Buckets for inter-token latency.
+/// Buckets for inter-token latency, seconds.
 pub const ITL_BUCKETS: &[f64] =
     &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28];
 
-impl Histogram {
-    /// An empty histogram.
-    pub fn new(bounds: &'static [f64]) -> Self {
-        Histogram {
-            bounds,
-            counts: (0..bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_ns: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
-    }
+/// The content type of [`Components::render`] and the frontend's `/metrics`.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-    /// Records one observation.
-    pub fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        if let Some(i) = self.bounds.iter().position(|&b| s <= b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.sum_ns.fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
+/// A label value, escaped as the exposition format requires (`\\`, `\"`, `\n`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LabelValue(pub String);
 
-    /// Observations so far.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    /// Appends the histogram in Prometheus text format.
-    pub fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cum = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cum += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
+impl EncodeLabelValue for LabelValue {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+        for c in self.0.chars() {
+            match c {
+                '\\' => encoder.write_str("\\\\")?,
+                '"' => encoder.write_str("\\\"")?,
+                '\n' => encoder.write_str("\\n")?,
+                c => encoder.write_char(c)?,
+            }
         }
-        let count = self.count();
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+        Ok(())
     }
 }
 
-/// Appends one metric with a single sample.
-pub fn sample(out: &mut String, name: &str, kind: &str, help: &str, value: impl std::fmt::Display) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+impl From<&str> for LabelValue {
+    fn from(s: &str) -> Self {
+        LabelValue(s.to_string())
+    }
 }
 
-/// Appends one metric with labelled samples: `labels` are `(label value, value)` pairs.
-pub fn labelled(
-    out: &mut String,
+/// How a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Answered.
+    Ok,
+    /// Refused for the client's doing (4xx).
+    ClientError,
+    /// Failed on our side (5xx).
+    ServerError,
+    /// The client went away.
+    Cancelled,
+}
+
+type Labels = Vec<(&'static str, LabelValue)>;
+
+/// The frontend's live metrics.
+#[derive(Debug, Clone)]
+pub struct HttpMetrics {
+    requests: Family<Labels, Counter>,
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    cached_prompt_tokens: Counter,
+}
+
+impl Default for HttpMetrics {
+    fn default() -> Self {
+        HttpMetrics {
+            requests: Family::default(),
+            ttft: Histogram::new(LATENCY_BUCKETS.iter().copied()),
+            itl: Histogram::new(ITL_BUCKETS.iter().copied()),
+            e2e: Histogram::new(LATENCY_BUCKETS.iter().copied()),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            cached_prompt_tokens: Counter::default(),
+        }
+    }
+}
+
+impl HttpMetrics {
+    /// Counts a finished request.
+    pub fn request(&self, outcome: Outcome) {
+        let v = match outcome {
+            Outcome::Ok => "ok",
+            Outcome::ClientError => "client_error",
+            Outcome::ServerError => "server_error",
+            Outcome::Cancelled => "cancelled",
+        };
+        self.requests.get_or_create(&vec![("outcome", v.into())]).inc();
+    }
+
+    /// Time to the first token.
+    pub fn first_token(&self, d: Duration) {
+        self.ttft.observe(d.as_secs_f64());
+    }
+
+    /// Time between two tokens.
+    pub fn inter_token(&self, d: Duration) {
+        self.itl.observe(d.as_secs_f64());
+    }
+
+    /// A finished request's token counts.
+    pub fn tokens(&self, prompt: u64, generated: u64, cached: u64) {
+        self.prompt_tokens.inc_by(prompt);
+        self.generation_tokens.inc_by(generated);
+        self.cached_prompt_tokens.inc_by(cached);
+    }
+
+    /// A request's end-to-end duration.
+    pub fn duration(&self, d: Duration) {
+        self.e2e.observe(d.as_secs_f64());
+    }
+
+    /// Registers every metric of the frontend.
+    pub fn register(&self, r: &mut Registry) {
+        r.register("kvfabric_requests", "Requests by outcome.", self.requests.clone());
+        r.register_with_unit(
+            "kvfabric_time_to_first_token",
+            "Time to first token.",
+            Unit::Seconds,
+            self.ttft.clone(),
+        );
+        r.register_with_unit(
+            "kvfabric_inter_token_latency",
+            "Time between tokens.",
+            Unit::Seconds,
+            self.itl.clone(),
+        );
+        r.register_with_unit(
+            "kvfabric_request_duration",
+            "End-to-end request latency.",
+            Unit::Seconds,
+            self.e2e.clone(),
+        );
+        r.register("kvfabric_prompt_tokens", "Prompt tokens.", self.prompt_tokens.clone());
+        r.register(
+            "kvfabric_generation_tokens",
+            "Generated tokens.",
+            self.generation_tokens.clone(),
+        );
+        r.register(
+            "kvfabric_cached_prompt_tokens",
+            "Prompt tokens whose KV came from the block store.",
+            self.cached_prompt_tokens.clone(),
+        );
+    }
+}
+
+/// An engine's and its store's counters.
+#[derive(Debug, Clone, Default)]
+pub struct EngineSnapshot {
+    /// Prompt tokens served from host, disk and remote blocks.
+    pub hit_tokens: [u64; 3],
+    /// Prompt tokens computed.
+    pub prefill_tokens: u64,
+    /// Blocks stored by the engine.
+    pub stored_blocks: u64,
+    /// Requests waiting for a batch slot.
+    pub waiting: u64,
+    /// Requests in the batch.
+    pub running: u64,
+    /// Engine steps.
+    pub steps: u64,
+    /// The store.
+    pub store: Option<MetricsSnapshot>,
+}
+
+/// A routed backend's counters.
+#[derive(Debug, Clone, Default)]
+pub struct RoutedSnapshot {
+    /// Requests routed (attempts).
+    pub routed: u64,
+    /// Attempts retried on another worker.
+    pub retries: u64,
+    /// Requests failed after tokens were sent.
+    pub failed_mid_stream: u64,
+    /// Requests no worker could serve.
+    pub no_worker: u64,
+    /// KV events applied to the prefix index.
+    pub kv_events: u64,
+    /// Gaps in a source's KV event ids.
+    pub kv_event_gaps: u64,
+    /// KV dumps applied.
+    pub kv_dumps: u64,
+    /// KV event messages dropped as malformed or of another contract version.
+    pub kv_events_malformed: u64,
+    /// KV events of workers not in discovery, dropped.
+    pub kv_events_unknown_worker: u64,
+    /// Requests sent to each worker.
+    pub worker_requests: Vec<(String, u64)>,
+}
+
+/// A decode worker's remote prefill counters.
+#[derive(Debug, Clone, Default)]
+pub struct RemotePrefillSnapshot {
+    /// Prefills done remotely.
+    pub remote: u64,
+    /// Prefills done locally.
+    pub local: u64,
+    /// Remote prefills that failed or timed out.
+    pub fallbacks: u64,
+    /// KV bytes received from prefill workers.
+    pub bytes: u64,
+    /// Time waiting for remote prefills, seconds.
+    pub wait_seconds: f64,
+    /// Remote prefills pending now.
+    pub pending: u64,
+}
+
+/// A prefill worker's job counters.
+#[derive(Debug, Clone, Default)]
+pub struct PrefillServiceSnapshot {
+    /// Jobs whose blocks were written.
+    pub done: u64,
+    /// Jobs failed or expired.
+    pub failed: u64,
+    /// KV bytes written to decode workers.
+    pub bytes: u64,
+    /// Time in KV writes, seconds.
+    pub transfer_seconds: f64,
+}
+
+/// What one component shows at scrape time; each fills its part.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// Engine and store.
+    pub engine: Option<EngineSnapshot>,
+    /// Routed backend.
+    pub routed: Option<RoutedSnapshot>,
+    /// Remote prefill (decode workers).
+    pub remote_prefill: Option<RemotePrefillSnapshot>,
+    /// Prefill service (prefill workers).
+    pub prefill_service: Option<PrefillServiceSnapshot>,
+}
+
+/// A component whose counters are read at scrape time.
+pub trait Source: Send + Sync + std::fmt::Debug {
+    /// Fills its part of the snapshot.
+    fn snapshot(&self, out: &mut Snapshot);
+}
+
+/// The components of a process, each with its `worker` label (none for the process's own).
+#[derive(Debug, Clone, Default)]
+pub struct Components {
+    parts: Vec<(Option<String>, Arc<dyn Source>)>,
+}
+
+impl Components {
+    /// No components.
+    pub fn new() -> Self {
+        Components::default()
+    }
+
+    /// Adds a component, labelled `worker="name"` when a name is given.
+    pub fn with(mut self, worker: Option<String>, source: Arc<dyn Source>) -> Self {
+        self.parts.push((worker, source));
+        self
+    }
+
+    /// OpenMetrics text of these components alone (a worker's own `/metrics`).
+    pub fn render(&self) -> String {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(self.clone()));
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+        out
+    }
+}
+
+enum Value {
+    Int(u64),
+    Float(f64),
+    Histogram(HistogramSnapshot),
+}
+
+/// Encodes one family with the samples of every snapshot; nothing when none has any.
+fn family(
+    enc: &mut DescriptorEncoder<'_>,
+    snaps: &[(Option<LabelValue>, Snapshot)],
     name: &str,
-    kind: &str,
     help: &str,
-    label: &str,
-    values: &[(&str, u64)],
-) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    for (l, v) in values {
-        let _ = writeln!(out, "{name}{{{label}=\"{l}\"}} {v}");
+    unit: Option<Unit>,
+    kind: MetricType,
+    get: impl Fn(&Snapshot, &mut Vec<(Labels, Value)>),
+) -> Result<(), std::fmt::Error> {
+    let mut samples = Vec::new();
+    for (worker, s) in snaps {
+        let mut own = Vec::new();
+        get(s, &mut own);
+        for (mut labels, v) in own {
+            if let Some(w) = worker {
+                labels.insert(0, ("worker", w.clone()));
+            }
+            samples.push((labels, v));
+        }
     }
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let mut m = enc.encode_descriptor(name, help, unit.as_ref(), kind)?;
+    for (labels, v) in &samples {
+        // A sample without labels is written bare (`name 1`, not `name{} 1`).
+        if labels.is_empty() {
+            sample(&mut m, kind, v)?;
+        } else {
+            sample(&mut m.encode_family(labels)?, kind, v)?;
+        }
+    }
+    Ok(())
+}
+
+fn sample(
+    f: &mut prometheus_client::encoding::MetricEncoder<'_>,
+    kind: MetricType,
+    v: &Value,
+) -> Result<(), std::fmt::Error> {
+    match v {
+        Value::Int(n) if matches!(kind, MetricType::Counter) => {
+            f.encode_counter::<NoLabelSet, _, u64>(n, None)
+        }
+        Value::Float(x) if matches!(kind, MetricType::Counter) => {
+            f.encode_counter::<NoLabelSet, _, f64>(x, None)
+        }
+        Value::Int(n) => f.encode_gauge(&i64::try_from(*n).unwrap_or(i64::MAX)),
+        Value::Float(x) => f.encode_gauge(x),
+        Value::Histogram(h) => {
+            // Per-bucket counts (the encoder accumulates); f64::MAX is +Inf.
+            let mut prev = 0;
+            let mut buckets: Vec<(f64, u64)> = LATENCY_BUCKETS_S
+                .iter()
+                .zip(&h.cumulative)
+                .map(|(&b, &c)| {
+                    let n = c.saturating_sub(prev);
+                    prev = c;
+                    (b, n)
+                })
+                .collect();
+            buckets.push((f64::MAX, h.count.saturating_sub(prev)));
+            f.encode_histogram::<NoLabelSet>(h.sum_s, h.count, &buckets, None)
+        }
+    }
+}
+
+fn tiered(values: &[(&'static str, u64)]) -> Vec<(Labels, Value)> {
+    values.iter().map(|(t, v)| (vec![("tier", LabelValue::from(*t))], Value::Int(*v))).collect()
+}
+
+fn plain(v: u64) -> (Labels, Value) {
+    (Vec::new(), Value::Int(v))
+}
+
+impl Collector for Components {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        use MetricType::{Counter as C, Gauge as G, Histogram as H};
+        let snaps: Vec<(Option<LabelValue>, Snapshot)> = self
+            .parts
+            .iter()
+            .map(|(w, src)| {
+                let mut s = Snapshot::default();
+                src.snapshot(&mut s);
+                (w.as_deref().map(LabelValue::from), s)
+            })
+            .collect();
+        let e = &mut enc;
+        let s = &snaps;
+
+        // Engine and store.
+        family(
+            e,
+            s,
+            "kvfabric_kv_hit_tokens",
+            "Prompt tokens served from KV blocks, per tier.",
+            None,
+            C,
+            |s, o| {
+                if let Some(x) = &s.engine {
+                    let [h, d, r] = x.hit_tokens;
+                    o.extend(tiered(&[("host", h), ("disk", d), ("remote", r)]));
+                }
+            },
+        )?;
+        family(e, s, "kvfabric_prefill_tokens", "Prompt tokens computed.", None, C, |s, o| {
+            o.extend(s.engine.as_ref().map(|x| plain(x.prefill_tokens)))
+        })?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_stored_blocks",
+            "Blocks stored by the engine.",
+            None,
+            C,
+            |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.stored_blocks))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_queue_depth",
+            "Requests waiting for a batch slot.",
+            None,
+            G,
+            |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.waiting))),
+        )?;
+        family(e, s, "kvfabric_running_requests", "Requests in the batch.", None, G, |s, o| {
+            o.extend(s.engine.as_ref().map(|x| plain(x.running)))
+        })?;
+        family(e, s, "kvfabric_engine_steps", "Engine steps.", None, C, |s, o| {
+            o.extend(s.engine.as_ref().map(|x| plain(x.steps)))
+        })?;
+        let store = |s: &Snapshot| s.engine.as_ref().and_then(|x| x.store.clone());
+        family(
+            e,
+            s,
+            "kvfabric_kv_block_hits",
+            "Block lookups that hit, per tier.",
+            None,
+            C,
+            |s, o| {
+                if let Some(t) = store(s) {
+                    o.extend(tiered(&[("host", t.host_hits), ("disk", t.disk_hits)]));
+                }
+            },
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_block_misses",
+            "Block lookups that missed, per tier.",
+            None,
+            C,
+            |s, o| {
+                if let Some(t) = store(s) {
+                    o.extend(tiered(&[("host", t.host_misses), ("disk", t.disk_misses)]));
+                }
+            },
+        )?;
+        family(e, s, "kvfabric_kv_blocks", "Blocks held, per tier.", None, G, |s, o| {
+            if let Some(t) = store(s) {
+                let (h, d) = (t.host_used_blocks.into(), t.disk_used_blocks.into());
+                o.extend(tiered(&[("host", h), ("disk", d)]));
+            }
+        })?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_capacity_blocks",
+            "Block capacity, per tier.",
+            None,
+            G,
+            |s, o| {
+                if let Some(t) = store(s) {
+                    let (h, d) = (t.host_capacity_blocks.into(), t.disk_capacity_blocks.into());
+                    o.extend(tiered(&[("host", h), ("disk", d)]));
+                }
+            },
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_offload",
+            "Bytes offloaded host to disk.",
+            Some(Unit::Bytes),
+            C,
+            |s, o| o.extend(store(s).map(|t| plain(t.offload_bytes))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_onboard",
+            "Bytes onboarded disk to host.",
+            Some(Unit::Bytes),
+            C,
+            |s, o| o.extend(store(s).map(|t| plain(t.onboard_bytes))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_offload_errors",
+            "Offloads that failed (disk full, I/O error); the block stayed in host memory.",
+            None,
+            C,
+            |s, o| o.extend(store(s).map(|t| plain(t.offload_errors))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_disk_corrupt_blocks",
+            "Blocks found corrupt on disk and dropped.",
+            None,
+            C,
+            |s, o| o.extend(store(s).map(|t| plain(t.disk_corrupt_blocks))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_offload_duration",
+            "Time to write one block host to disk.",
+            Some(Unit::Seconds),
+            H,
+            |s, o| o.extend(store(s).map(|t| (Vec::new(), Value::Histogram(t.offload_latency)))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_onboard_duration",
+            "Time to read one block disk to host.",
+            Some(Unit::Seconds),
+            H,
+            |s, o| o.extend(store(s).map(|t| (Vec::new(), Value::Histogram(t.onboard_latency)))),
+        )?;
+
+        // Routed backend.
+        let routed = |s: &Snapshot| s.routed.clone();
+        for (name, help, get) in [
+            (
+                "kvfabric_frontend_routed",
+                "Requests routed to workers (attempts).",
+                (|r: &RoutedSnapshot| r.routed) as fn(&RoutedSnapshot) -> u64,
+            ),
+            ("kvfabric_frontend_retries", "Attempts retried on another worker.", |r| r.retries),
+            (
+                "kvfabric_frontend_failed_mid_stream",
+                "Requests failed after tokens were sent.",
+                |r| r.failed_mid_stream,
+            ),
+            ("kvfabric_frontend_no_worker", "Requests no worker could serve.", |r| r.no_worker),
+            ("kvfabric_frontend_kv_events", "KV events applied to the prefix index.", |r| {
+                r.kv_events
+            }),
+            ("kvfabric_frontend_kv_event_gaps", "Gaps in a source's KV event ids.", |r| {
+                r.kv_event_gaps
+            }),
+            ("kvfabric_frontend_kv_dumps", "KV dumps applied to the prefix index.", |r| r.kv_dumps),
+            (
+                "kvfabric_frontend_kv_events_malformed",
+                "KV event messages dropped: malformed, or of another contract version.",
+                |r| r.kv_events_malformed,
+            ),
+            (
+                "kvfabric_frontend_kv_events_unknown_worker",
+                "KV events of workers not in discovery, dropped.",
+                |r| r.kv_events_unknown_worker,
+            ),
+        ] {
+            family(e, s, name, help, None, C, |s, o| o.extend(routed(s).map(|r| plain(get(&r)))))?;
+        }
+        family(
+            e,
+            s,
+            "kvfabric_frontend_worker_requests",
+            "Requests sent to each worker.",
+            None,
+            C,
+            |s, o| {
+                if let Some(r) = &s.routed {
+                    o.extend(r.worker_requests.iter().map(|(w, n)| {
+                        (vec![("to_worker", LabelValue(w.clone()))], Value::Int(*n))
+                    }));
+                }
+            },
+        )?;
+        family(e, s, "kvfabric_frontend_workers", "Workers known.", None, G, |s, o| {
+            o.extend(s.routed.as_ref().map(|r| plain(r.worker_requests.len() as u64)))
+        })?;
+
+        // Remote prefill, decode side.
+        let rp = |s: &Snapshot| s.remote_prefill.clone();
+        family(e, s, "kvfabric_prefills", "Prefills by where they ran.", None, C, |s, o| {
+            if let Some(p) = rp(s) {
+                o.push((vec![("where", "remote".into())], Value::Int(p.remote)));
+                o.push((vec![("where", "local".into())], Value::Int(p.local)));
+            }
+        })?;
+        family(
+            e,
+            s,
+            "kvfabric_remote_prefill_fallbacks",
+            "Remote prefills that failed or timed out.",
+            None,
+            C,
+            |s, o| o.extend(rp(s).map(|p| plain(p.fallbacks))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_remote_prefill",
+            "KV bytes written by prefill workers.",
+            Some(Unit::Bytes),
+            C,
+            |s, o| o.extend(rp(s).map(|p| plain(p.bytes))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_remote_prefill_wait",
+            "Time waiting for remote prefills.",
+            Some(Unit::Seconds),
+            C,
+            |s, o| o.extend(rp(s).map(|p| (Vec::new(), Value::Float(p.wait_seconds)))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_prefill_queue_depth",
+            "Remote prefills pending.",
+            None,
+            G,
+            |s, o| o.extend(rp(s).map(|p| plain(p.pending))),
+        )?;
+
+        // Prefill service, prefill side.
+        let ps = |s: &Snapshot| s.prefill_service.clone();
+        family(
+            e,
+            s,
+            "kvfabric_prefill_jobs_done",
+            "Prefill jobs whose blocks were written.",
+            None,
+            C,
+            |s, o| o.extend(ps(s).map(|p| plain(p.done))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_prefill_jobs_failed",
+            "Prefill jobs failed or expired.",
+            None,
+            C,
+            |s, o| o.extend(ps(s).map(|p| plain(p.failed))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_prefill_sent",
+            "KV bytes written to decode workers.",
+            Some(Unit::Bytes),
+            C,
+            |s, o| o.extend(ps(s).map(|p| plain(p.bytes))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_prefill_transfer",
+            "Time in KV writes.",
+            Some(Unit::Seconds),
+            C,
+            |s, o| o.extend(ps(s).map(|p| (Vec::new(), Value::Float(p.transfer_seconds)))),
+        )?;
+        Ok(())
+    }
+}
+
+/// The registry of an HTTP frontend: its own metrics and its components'.
+pub fn registry(http: &HttpMetrics, components: Components) -> Registry {
+    let mut r = Registry::default();
+    http.register(&mut r);
+    r.register_collector(Box::new(components));
+    r
+}
+
+/// OpenMetrics text of a registry.
+pub fn encode(registry: &Registry) -> String {
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, registry);
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    #[derive(Debug)]
+    struct Fixed(Snapshot);
+
+    impl Source for Fixed {
+        fn snapshot(&self, out: &mut Snapshot) {
+            *out = self.0.clone();
+        }
+    }
+
+    fn engine(hit: u64) -> Snapshot {
+        Snapshot {
+            engine: Some(EngineSnapshot { hit_tokens: [hit, 0, 0], ..Default::default() }),
+            ..Default::default()
+        }
+    }
+
     #[test]
-    fn histogram_buckets_are_cumulative() {
-        let h = Histogram::new(&[0.01, 0.1]);
-        h.observe(Duration::from_millis(5));
-        h.observe(Duration::from_millis(50));
-        h.observe(Duration::from_secs(1));
-        let mut s = String::new();
-        h.render(&mut s, "x_seconds", "x");
-        assert!(s.contains("x_seconds_bucket{le=\"0.01\"} 1\n"));
-        assert!(s.contains("x_seconds_bucket{le=\"0.1\"} 2\n"));
-        assert!(s.contains("x_seconds_bucket{le=\"+Inf\"} 3\n"));
-        assert!(s.contains("x_seconds_count 3\n"));
-        assert!(s.contains("x_seconds_sum 1.055\n"));
+    fn every_family_once_with_a_label_per_worker_escaped() {
+        let c = Components::new()
+            .with(
+                None,
+                Arc::new(Fixed(Snapshot {
+                    routed: Some(RoutedSnapshot::default()),
+                    ..Default::default()
+                })),
+            )
+            .with(Some("w-0".into()), Arc::new(Fixed(engine(5))))
+            .with(Some("evil\"\\\nname".into()), Arc::new(Fixed(engine(7))));
+        let text = c.render();
+        assert_eq!(text.matches("# TYPE kvfabric_kv_hit_tokens counter").count(), 1, "{text}");
+        assert!(
+            text.contains("kvfabric_kv_hit_tokens_total{worker=\"w-0\",tier=\"host\"} 5\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "kvfabric_kv_hit_tokens_total{worker=\"evil\\\"\\\\\\nname\",tier=\"host\"} 7\n"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("kvfabric_frontend_routed_total 0\n"), "{text}");
+        assert!(!text.contains("kvfabric_prefill_jobs_done"), "no prefill service: no family");
+        assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn units_and_histograms_follow_the_conventions() {
+        let h = HttpMetrics::default();
+        h.first_token(Duration::from_millis(5));
+        h.first_token(Duration::from_millis(50));
+        h.first_token(Duration::from_secs(100));
+        h.tokens(10, 3, 4);
+        h.duration(Duration::from_millis(20));
+        h.request(Outcome::Ok);
+        let store = MetricsSnapshot { offload_bytes: 4096, ..Default::default() };
+        let snap = Snapshot {
+            engine: Some(EngineSnapshot { store: Some(store), ..Default::default() }),
+            prefill_service: Some(PrefillServiceSnapshot {
+                transfer_seconds: 1.5,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let text = encode(&registry(&h, Components::new().with(None, Arc::new(Fixed(snap)))));
+        for line in [
+            "kvfabric_time_to_first_token_seconds_bucket{le=\"0.005\"} 1\n",
+            "kvfabric_time_to_first_token_seconds_bucket{le=\"0.05\"} 2\n",
+            "kvfabric_time_to_first_token_seconds_bucket{le=\"+Inf\"} 3\n",
+            "kvfabric_time_to_first_token_seconds_count 3\n",
+            "kvfabric_requests_total{outcome=\"ok\"} 1\n",
+            "kvfabric_prompt_tokens_total 10\n",
+            "kvfabric_kv_offload_bytes_total 4096\n",
+            "kvfabric_prefill_transfer_seconds_total 1.5\n",
+            "# UNIT kvfabric_kv_offload_bytes bytes\n",
+            "kvfabric_kv_onboard_duration_seconds_bucket{le=\"+Inf\"} 0\n",
+        ] {
+            assert!(text.contains(line), "{line:?} missing in\n{text}");
+        }
     }
 }

@@ -29,7 +29,7 @@ use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use crate::backend::{Backend, ModelEntry};
 use crate::engine::sampling::SplitMix64;
 use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
-use crate::metrics;
+use crate::metrics::{RoutedSnapshot, Snapshot};
 use crate::protocol::{self, CodecSpec, WorkerMetadata, WorkerRequest, WORKER_KIND};
 
 /// Frontend settings.
@@ -497,70 +497,22 @@ impl Backend for RoutedBackend {
         })
     }
 
-    fn render_metrics(&self, out: &mut String) {
+    fn metrics(&self, out: &mut Snapshot) {
         let s = &self.inner.stats;
-        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        metrics::sample(
-            out,
-            "kvfabric_frontend_routed_total",
-            "counter",
-            "Requests routed to workers (attempts).",
-            ld(&s.routed),
-        );
-        metrics::sample(
-            out,
-            "kvfabric_frontend_retries_total",
-            "counter",
-            "Attempts retried on another worker.",
-            ld(&s.retries),
-        );
-        metrics::sample(
-            out,
-            "kvfabric_frontend_failed_mid_stream_total",
-            "counter",
-            "Requests failed after tokens were sent.",
-            ld(&s.failed_mid_stream),
-        );
-        metrics::sample(
-            out,
-            "kvfabric_frontend_no_worker_total",
-            "counter",
-            "Requests no worker could serve.",
-            ld(&s.no_worker),
-        );
         let f = self.feed.stats();
-        for (name, help, c) in [
-            (
-                "kvfabric_frontend_kv_events_total",
-                "KV events applied to the prefix index.",
-                &f.applied,
-            ),
-            ("kvfabric_frontend_kv_event_gaps_total", "Gaps in a source's KV event ids.", &f.gaps),
-            ("kvfabric_frontend_kv_dumps_total", "KV dumps applied to the prefix index.", &f.dumps),
-            (
-                "kvfabric_frontend_kv_events_malformed_total",
-                "KV event messages dropped: malformed, or of another contract version.",
-                &f.malformed,
-            ),
-            (
-                "kvfabric_frontend_kv_events_unknown_worker_total",
-                "KV events of workers not in discovery, dropped.",
-                &f.unknown,
-            ),
-        ] {
-            metrics::sample(out, name, "counter", help, ld(c));
-        }
-        let served = self.served();
-        let pairs: Vec<(&str, u64)> = served.iter().map(|(n, c)| (n.as_str(), *c)).collect();
-        metrics::labelled(
-            out,
-            "kvfabric_frontend_worker_requests_total",
-            "counter",
-            "Requests sent to each worker.",
-            "worker",
-            &pairs,
-        );
-        metrics::sample(out, "kvfabric_frontend_workers", "gauge", "Workers known.", pairs.len());
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        out.routed = Some(RoutedSnapshot {
+            routed: ld(&s.routed),
+            retries: ld(&s.retries),
+            failed_mid_stream: ld(&s.failed_mid_stream),
+            no_worker: ld(&s.no_worker),
+            kv_events: ld(&f.applied),
+            kv_event_gaps: ld(&f.gaps),
+            kv_dumps: ld(&f.dumps),
+            kv_events_malformed: ld(&f.malformed),
+            kv_events_unknown_worker: ld(&f.unknown),
+            worker_requests: self.served(),
+        });
     }
 }
 

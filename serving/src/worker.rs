@@ -24,6 +24,7 @@ use crate::disagg::{run_prefill_service, DecodeBackend, DisaggConfig, PrefillSta
 use crate::engine::llama::{LlamaEngine, LlamaOptions, Weights};
 use crate::engine::mock::{MockConfig, MockEngine};
 use crate::engine::{Engine, EngineError, Scheduler, SchedulerConfig};
+use crate::metrics::{Components, Snapshot, Source};
 use crate::routed::{RoutedBackend, RoutedConfig};
 
 pub use crate::protocol::{CodecSpec, Role, WorkerMetadata, PREFILL_KIND, WORKER_KIND};
@@ -368,46 +369,21 @@ pub enum MetricsSource {
     Prefill(Arc<LocalBackend>, Arc<PrefillStats>),
 }
 
-impl MetricsSource {
-    /// Prometheus text.
-    pub fn render(&self) -> String {
-        let mut out = String::new();
+impl Source for MetricsSource {
+    fn snapshot(&self, out: &mut Snapshot) {
         match self {
-            MetricsSource::Backend(b) => b.render_metrics(&mut out),
+            MetricsSource::Backend(b) => b.metrics(out),
             MetricsSource::Prefill(b, s) => {
-                b.render_metrics(&mut out);
-                let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-                use crate::metrics::sample;
-                sample(
-                    &mut out,
-                    "kvfabric_prefill_jobs_done_total",
-                    "counter",
-                    "Prefill jobs whose blocks were written.",
-                    ld(&s.done),
-                );
-                sample(
-                    &mut out,
-                    "kvfabric_prefill_jobs_failed_total",
-                    "counter",
-                    "Prefill jobs failed or expired.",
-                    ld(&s.failed),
-                );
-                sample(
-                    &mut out,
-                    "kvfabric_prefill_sent_bytes_total",
-                    "counter",
-                    "KV bytes written to decode workers.",
-                    ld(&s.bytes),
-                );
-                sample(
-                    &mut out,
-                    "kvfabric_prefill_transfer_seconds_total",
-                    "counter",
-                    "Time in KV writes.",
-                    ld(&s.transfer_us) as f64 / 1e6,
-                );
+                b.metrics(out);
+                out.prefill_service = Some(s.snapshot());
             }
         }
-        out
+    }
+}
+
+impl MetricsSource {
+    /// OpenMetrics text of this worker alone (its own `/metrics`).
+    pub fn render(&self) -> String {
+        Components::new().with(None, Arc::new(self.clone())).render()
     }
 }

@@ -18,7 +18,7 @@ pub struct Histogram {
 }
 
 /// A histogram's values.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct HistogramSnapshot {
     /// Cumulative counts per bucket of [`LATENCY_BUCKETS_S`].
     pub cumulative: Vec<u64>,
@@ -97,7 +97,7 @@ pub struct StoreMetrics {
 }
 
 /// A snapshot of the store's metrics and occupancy.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct MetricsSnapshot {
     /// Host slots in use.
     pub host_used_blocks: u32,

@@ -377,3 +377,65 @@ async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
     assert_eq!(clean.len(), 6);
     assert_eq!(decode.stats().fallbacks.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
+
+/// `kvfabric up --prefill-workers 1 --decode-workers 1`: one `/metrics` for the process shows
+/// the in-process workers' counters, each labelled with its worker, each family once — a long
+/// prompt's remote prefill is visible on the decode worker, its job on the prefill worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_metrics_show_the_in_process_workers_remote_prefill() {
+    use std::io::{BufRead, BufReader};
+    let mut up = std::process::Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0"])
+        .args(["--prefill-workers", "1", "--decode-workers", "1", "--prefill-threshold", "32"])
+        .args(["--mock-decode-us", "100", "--mock-prefill-us", "1"])
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let _up = Proc(up);
+    let first = lines.next().unwrap().unwrap();
+    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
+    let addr: SocketAddr =
+        url.trim_start_matches("http://").trim_end_matches("/v1").parse().unwrap();
+    std::thread::spawn(move || lines.for_each(drop));
+    // The frontend routes to the decode worker once it is in the index.
+    let start = Instant::now();
+    while get(addr, "/health").await.json()["workers"].as_array().is_none_or(|w| w.is_empty()) {
+        assert!(start.elapsed() < Duration::from_secs(30), "no worker registered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let prompt = "a long prompt for a prefill worker: ".repeat(8);
+    let r = post_json(
+        addr,
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": prompt, "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    let text = get(addr, "/metrics").await.text();
+    let decode = "worker=\"worker-decode-0\"";
+    let prefill = "worker=\"worker-prefill-0\"";
+    assert_eq!(
+        common::metric(&text, &format!("kvfabric_prefills_total{{{decode},where=\"remote\"}}")),
+        1.0,
+        "{text}"
+    );
+    assert!(
+        common::metric(&text, &format!("kvfabric_remote_prefill_bytes_total{{{decode}}}")) > 0.0
+    );
+    assert_eq!(
+        common::metric(&text, &format!("kvfabric_prefill_jobs_done_total{{{prefill}}}")),
+        1.0
+    );
+    assert_eq!(common::metric(&text, "kvfabric_requests_total{outcome=\"ok\"}"), 1.0);
+    assert!(common::metric(&text, "kvfabric_frontend_routed_total") >= 1.0);
+    // Each family is described once, whatever the number of workers showing it.
+    let mut types: Vec<&str> = text.lines().filter(|l| l.starts_with("# TYPE ")).collect();
+    let n = types.len();
+    types.sort();
+    types.dedup();
+    assert_eq!(types.len(), n, "{text}");
+    assert!(text.ends_with("# EOF\n"));
+}

@@ -1,7 +1,6 @@
 //! Driving a generation: submitting a checked request to the backend, following its events
 //! (timing, usage, cancellation on drop) and answering in one piece when not streaming.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -12,6 +11,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::{CacheHits, EngineError, FinishReason, GenEvent, GenerateRequest};
+use crate::metrics::Outcome;
 
 use super::api::{request_id, ApiError, Endpoint, Parsed};
 use super::AppState;
@@ -145,8 +145,8 @@ impl Generation {
                     let now = Instant::now();
                     let m = &self.st.metrics;
                     match self.last_token {
-                        None => m.ttft.observe(now - self.started),
-                        Some(t) => m.itl.observe(now - t),
+                        None => m.first_token(now - self.started),
+                        Some(t) => m.inter_token(now - t),
                     }
                     self.last_token = Some(now);
                     self.completion_tokens += 1;
@@ -197,12 +197,14 @@ impl Generation {
         self.finished = true;
         let m = &self.st.metrics;
         if ok {
-            m.requests_ok.fetch_add(1, Ordering::Relaxed);
-            m.e2e.observe(self.started.elapsed());
+            m.request(Outcome::Ok);
+            m.duration(self.started.elapsed());
         }
-        m.prompt_tokens.fetch_add(self.prompt_tokens as u64, Ordering::Relaxed);
-        m.completion_tokens.fetch_add(self.completion_tokens as u64, Ordering::Relaxed);
-        m.cached_tokens.fetch_add(self.cached_tokens() as u64, Ordering::Relaxed);
+        m.tokens(
+            self.prompt_tokens as u64,
+            self.completion_tokens as u64,
+            self.cached_tokens() as u64,
+        );
     }
 
     pub(super) fn chunk(
@@ -240,7 +242,7 @@ impl Drop for Generation {
         if !self.finished {
             // The client went away mid-generation: the receiver drops with us, which
             // cancels the engine's work.
-            self.st.metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+            self.st.metrics.request(Outcome::Cancelled);
             self.finished = true;
         }
     }

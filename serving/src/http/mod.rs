@@ -17,7 +17,6 @@ mod sse;
 
 pub use api::ApiError;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -29,7 +28,10 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use crate::backend::Backend;
-use crate::metrics::{self, Histogram};
+use crate::metrics::{self, Components, Outcome, Source};
+
+pub use crate::metrics::HttpMetrics;
+use prometheus_client::registry::Registry;
 
 use api::{parse_chat, parse_completion, read_body, unknown_model, Body, Endpoint};
 
@@ -54,51 +56,41 @@ impl Default for ServerConfig {
     }
 }
 
-/// Counters and histograms of the frontend.
-#[derive(Debug)]
-pub struct HttpMetrics {
-    ttft: Histogram,
-    itl: Histogram,
-    e2e: Histogram,
-    requests_ok: AtomicU64,
-    requests_client_error: AtomicU64,
-    requests_server_error: AtomicU64,
-    requests_cancelled: AtomicU64,
-    prompt_tokens: AtomicU64,
-    completion_tokens: AtomicU64,
-    cached_tokens: AtomicU64,
-}
-
-impl Default for HttpMetrics {
-    fn default() -> Self {
-        HttpMetrics {
-            ttft: Histogram::new(metrics::LATENCY_BUCKETS),
-            itl: Histogram::new(metrics::ITL_BUCKETS),
-            e2e: Histogram::new(metrics::LATENCY_BUCKETS),
-            requests_ok: AtomicU64::new(0),
-            requests_client_error: AtomicU64::new(0),
-            requests_server_error: AtomicU64::new(0),
-            requests_cancelled: AtomicU64::new(0),
-            prompt_tokens: AtomicU64::new(0),
-            completion_tokens: AtomicU64::new(0),
-            cached_tokens: AtomicU64::new(0),
-        }
-    }
-}
-
-#[derive(Debug)]
 struct AppState {
     backend: Arc<dyn Backend>,
     cfg: ServerConfig,
     metrics: HttpMetrics,
+    registry: Registry,
     created: u64,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState").field("backend", &self.backend).finish()
+    }
 }
 
 /// The frontend's routes over a backend (a local engine, or remote workers).
 pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
+    router_with(backend, cfg, Vec::new())
+}
+
+/// The frontend's routes, with the metrics of in-process workers in its `/metrics`, each
+/// labelled `worker="name"`.
+pub fn router_with(
+    backend: Arc<dyn Backend>,
+    cfg: ServerConfig,
+    workers: Vec<(String, Arc<dyn Source>)>,
+) -> Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let limit = cfg.max_body_bytes;
-    let state = Arc::new(AppState { backend, cfg, metrics: HttpMetrics::default(), created });
+    let metrics = HttpMetrics::default();
+    let mut components = Components::new().with(None, Arc::new(backend.clone()));
+    for (name, source) in workers {
+        components = components.with(Some(name), source);
+    }
+    let registry = metrics::registry(&metrics, components);
+    let state = Arc::new(AppState { backend, cfg, metrics, registry, created });
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
@@ -145,48 +137,7 @@ async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
 }
 
 async fn prometheus(State(st): State<Arc<AppState>>) -> impl IntoResponse {
-    let m = &st.metrics;
-    let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let mut out = String::new();
-    metrics::labelled(
-        &mut out,
-        "kvfabric_requests_total",
-        "counter",
-        "Requests by outcome.",
-        "outcome",
-        &[
-            ("ok", ld(&m.requests_ok)),
-            ("client_error", ld(&m.requests_client_error)),
-            ("server_error", ld(&m.requests_server_error)),
-            ("cancelled", ld(&m.requests_cancelled)),
-        ],
-    );
-    m.ttft.render(&mut out, "kvfabric_time_to_first_token_seconds", "Time to first token.");
-    m.itl.render(&mut out, "kvfabric_inter_token_latency_seconds", "Time between tokens.");
-    m.e2e.render(&mut out, "kvfabric_request_duration_seconds", "End-to-end request latency.");
-    metrics::sample(
-        &mut out,
-        "kvfabric_prompt_tokens_total",
-        "counter",
-        "Prompt tokens.",
-        ld(&m.prompt_tokens),
-    );
-    metrics::sample(
-        &mut out,
-        "kvfabric_generation_tokens_total",
-        "counter",
-        "Generated tokens.",
-        ld(&m.completion_tokens),
-    );
-    metrics::sample(
-        &mut out,
-        "kvfabric_cached_prompt_tokens_total",
-        "counter",
-        "Prompt tokens whose KV came from the block store.",
-        ld(&m.cached_tokens),
-    );
-    st.backend.render_metrics(&mut out);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+    ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], metrics::encode(&st.registry))
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
@@ -204,12 +155,11 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Body) -> Respon
 impl AppState {
     /// Counts a failed request by the side at fault.
     fn count_failure(&self, e: &ApiError) {
-        let counter = if e.status.is_client_error() {
-            &self.metrics.requests_client_error
+        self.metrics.request(if e.status.is_client_error() {
+            Outcome::ClientError
         } else {
-            &self.metrics.requests_server_error
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+            Outcome::ServerError
+        });
     }
 
     fn fail(&self, e: ApiError) -> Response {

@@ -326,6 +326,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let mut stacks = Vec::new();
     let mut registrations = Vec::new();
     let mut servers = Vec::new();
+    let mut worker_metrics: Vec<(String, Arc<dyn kvfabric_serving::metrics::Source>)> = Vec::new();
     let (backend, describe): (Arc<dyn Backend>, String) = if n == 1 && !args.via_frontend {
         let stack = start_stack(&engine, &args.name, &discovery, bus.clone(), true).await?;
         let backend = Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
@@ -349,6 +350,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                 .await?;
             registrations.push(served.registration);
             servers.push(served.server);
+            worker_metrics.push((name.clone(), Arc::new(served.metrics)));
             stacks.push(stack);
         }
         let cfg = RoutedConfig {
@@ -368,7 +370,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         (Arc::new(remote), describe)
     };
     let id = backend.models().first().map(|m| m.id.clone()).unwrap_or_default();
-    let app = http::router(backend, server_cfg);
+    // One /metrics for the whole process: the frontend's, and each worker's labelled.
+    let app = http::router_with(backend, server_cfg, worker_metrics);
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
         .await
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;

@@ -76,7 +76,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                 "/metrics",
                 axum::routing::get(move || {
                     let source = source.clone();
-                    async move { source.render() }
+                    async move {
+                        let content_type = kvfabric_serving::metrics::CONTENT_TYPE;
+                        ([(axum::http::header::CONTENT_TYPE, content_type)], source.render())
+                    }
                 }),
             );
             Some(tokio::spawn(async move {
