@@ -13,7 +13,10 @@
 //! - [`memory`]: registered regions (owned, shareable, external), leases, bounds checks.
 //! - [`agent`], [`transfer`], [`transport`]: the transfer engine — one agent per process,
 //!   READ/WRITE of descriptor lists with peers over `local`, `shm` and `tcp`, deadlines,
-//!   cancellation, checksums and notifications.
+//!   cancellation, checksums and notifications. Beneath the transports: [`session`] (the
+//!   authenticated connections between agents; handshake and request sequencing as sans-IO
+//!   state machines in [`session::proto`]), [`endpoint`] (what transports see of their agent,
+//!   and every descriptor check) and [`peer`] (a loaded peer).
 //! - [`control`]: control-plane traits (`Discovery`, `EventBus`) with in-memory, etcd and
 //!   NATS implementations.
 //! - [`events`]: KV events (`Stored`/`Removed`/`Cleared` per tier, with monotonic ids) and
@@ -33,7 +36,8 @@
 //!
 //! What it does not do: it installs no tracing subscriber and reads no environment variables.
 //! The agent runs on the caller's tokio runtime and spawns tasks there, no threads of its own.
-//! `unsafe` lives in [`memory`] and the transports, each block with its `SAFETY` argument.
+//! `unsafe` lives in [`memory`], the session's socket I/O and the transports, each block with
+//! its `SAFETY` argument.
 
 pub mod agent;
 pub mod contract;

@@ -122,6 +122,27 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin, T: serde::Serialize>(
     Ok(())
 }
 
+/// The body length a frame header announces, bounded by [`MAX_FRAME`].
+pub fn frame_len(header: [u8; 4]) -> Result<usize, FrameError> {
+    let n = u32::from_le_bytes(header) as usize;
+    if n > MAX_FRAME {
+        return Err(FrameError::TooLarge(n));
+    }
+    Ok(n)
+}
+
+/// Decodes one frame from the front of `buf`: the value and the bytes the frame took, or
+/// `None` while the frame is incomplete. The same checks as [`read_frame`], without a socket
+/// (for tests and fuzzing).
+pub fn decode_frame<T: serde::de::DeserializeOwned>(
+    buf: &[u8],
+) -> Result<Option<(T, usize)>, FrameError> {
+    let Some(header) = buf.get(..4) else { return Ok(None) };
+    let n = frame_len([header[0], header[1], header[2], header[3]])?;
+    let Some(body) = buf.get(4..4 + n) else { return Ok(None) };
+    Ok(Some((serde_json::from_slice(body)?, 4 + n)))
+}
+
 /// Reads one frame; `None` at a clean end of stream.
 pub async fn read_frame<R: AsyncReadExt + Unpin, T: serde::de::DeserializeOwned>(
     r: &mut R,
@@ -132,10 +153,7 @@ pub async fn read_frame<R: AsyncReadExt + Unpin, T: serde::de::DeserializeOwned>
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e.into()),
     }
-    let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_FRAME {
-        return Err(FrameError::TooLarge(n));
-    }
+    let n = frame_len(len)?;
     let mut body = vec![0u8; n];
     r.read_exact(&mut body).await?;
     Ok(Some(serde_json::from_slice(&body)?))
