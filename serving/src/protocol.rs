@@ -3,18 +3,30 @@
 //! length-prefixed JSON frames (`u32` little-endian length, then the JSON, at most
 //! [`MAX_FRAME`] bytes).
 //!
-//! The frontend sends one [`WorkerRequest`]; the worker answers with [`GenEvent`] frames
+//! Every connection starts with the agents' authenticated handshake
+//! ([`kvfabric::session::handshake`]: shared secret, HMAC challenge): no secret, no frames.
+//! Then the frontend sends one [`WorkerRequest`]; the worker answers with [`GenEvent`] frames
 //! (`started`, `token`…, then `done` or `error`) and closes. A frontend that closes the
 //! connection cancels the generation: the worker notices at once and drops its receiver,
 //! which frees the sequence's KV. Malformed, oversize or late frames get an `error` frame
-//! and the connection is closed; nothing a peer sends can panic the worker.
+//! and the connection is closed; nothing a peer sends can panic the worker. A worker bounds its
+//! connections ([`ServeLimits`]): in all, in the handshake, per authenticated peer; a request
+//! must arrive within a deadline, and its body is read as it arrives (no allocation of the
+//! announced size up front).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvfabric::session::handshake::{self, HandshakeError};
+use kvfabric::session::proto::{ClientParams, ServerParams};
+use kvfabric::wire::WireLimits;
+use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 use crate::backend::Backend;
 use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
@@ -104,6 +116,83 @@ pub enum FrameError {
     /// Not the JSON expected.
     #[error("malformed frame: {0}")]
     Malformed(#[from] serde_json::Error),
+    /// The handshake failed (wrong secret, wrong worker, timeout).
+    #[error("handshake: {0}")]
+    Handshake(#[from] HandshakeError),
+}
+
+/// Who may speak the protocol: this side's name and the shared secret.
+#[derive(Clone)]
+pub struct Auth {
+    /// This side's name: a worker's is the name it registers; a frontend's any name.
+    pub name: String,
+    /// The shared secret (non-empty).
+    pub secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auth").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+impl Auth {
+    fn server(&self) -> ServerParams {
+        ServerParams {
+            name: self.name.clone(),
+            secret: self.secret.clone(),
+            limits: WireLimits::default(),
+        }
+    }
+
+    fn client(&self, worker: &str) -> ClientParams {
+        ClientParams {
+            me: self.name.clone(),
+            peer: worker.to_string(),
+            secret: self.secret.clone(),
+            limits: WireLimits::default(),
+        }
+    }
+}
+
+/// Limits of a worker's request port.
+#[derive(Debug, Clone)]
+pub struct ServeLimits {
+    /// Connections at once, in all; beyond, new ones are closed at once (and counted).
+    pub connections_max: usize,
+    /// Connections still in the handshake at once.
+    pub handshakes_max: usize,
+    /// Connections of one authenticated peer at once.
+    pub per_peer_max: usize,
+    /// Time to complete the handshake.
+    pub handshake_timeout: Duration,
+    /// Time for the request frame to arrive after the handshake.
+    pub request_timeout: Duration,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        ServeLimits {
+            connections_max: 4096,
+            handshakes_max: 128,
+            per_peer_max: 2048,
+            handshake_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What a worker's request port refused, by reason.
+#[derive(Debug, Default)]
+pub struct ServeStats {
+    /// Connections refused because too many were open (in all, or in the handshake).
+    pub refused_busy: AtomicU64,
+    /// Connections refused because their peer had too many open.
+    pub refused_peer: AtomicU64,
+    /// Handshakes that failed (wrong secret, timeout, garbage).
+    pub handshake_failed: AtomicU64,
+    /// Requests refused after the handshake (malformed, late, over a limit).
+    pub bad_requests: AtomicU64,
 }
 
 /// Writes one frame.
@@ -154,16 +243,30 @@ pub async fn read_frame<R: AsyncReadExt + Unpin, T: serde::de::DeserializeOwned>
         Err(e) => return Err(e.into()),
     }
     let n = frame_len(len)?;
-    let mut body = vec![0u8; n];
-    r.read_exact(&mut body).await?;
+    // Grown as bytes arrive: a peer that announces a large frame and sends it slowly holds
+    // only what it sent.
+    let mut body = Vec::with_capacity(n.min(64 << 10));
+    (&mut *r).take(n as u64).read_to_end(&mut body).await?;
+    if body.len() != n {
+        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+    }
     Ok(Some(serde_json::from_slice(&body)?))
 }
 
 /// Serves generation requests from frontends on `listener`, until the task is aborted.
-pub fn serve(listener: TcpListener, backend: Arc<dyn Backend>) -> tokio::task::JoinHandle<()> {
+pub fn serve(
+    listener: TcpListener,
+    backend: Arc<dyn Backend>,
+    auth: Auth,
+    limits: ServeLimits,
+    stats: Arc<ServeStats>,
+) -> tokio::task::JoinHandle<()> {
+    let connections = Arc::new(Semaphore::new(limits.connections_max.max(1)));
+    let handshakes = Arc::new(Semaphore::new(limits.handshakes_max.max(1)));
+    let peers: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     tokio::spawn(async move {
         loop {
-            let (conn, _) = match listener.accept().await {
+            let (conn, from) = match listener.accept().await {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!(error = %e, "accepting a frontend connection");
@@ -171,35 +274,103 @@ pub fn serve(listener: TcpListener, backend: Arc<dyn Backend>) -> tokio::task::J
                     continue;
                 }
             };
-            let backend = backend.clone();
+            let (Ok(slot), Ok(handshake)) =
+                (connections.clone().try_acquire_owned(), handshakes.clone().try_acquire_owned())
+            else {
+                if stats.refused_busy.fetch_add(1, Ordering::Relaxed) == 0 {
+                    tracing::warn!(%from, "worker port at its connection limit: refusing");
+                }
+                continue;
+            };
+            let (backend, auth, limits, stats, peers) =
+                (backend.clone(), auth.clone(), limits.clone(), stats.clone(), peers.clone());
             tokio::spawn(async move {
-                if let Err(e) = handle(conn, backend).await {
-                    tracing::debug!(error = %e, "frontend connection ended");
+                let _slot = slot;
+                let mut conn = conn;
+                let _ = conn.set_nodelay(true);
+                let peer = match handshake::server(
+                    &mut conn,
+                    auth.server(),
+                    handshake::nonce(),
+                    limits.handshake_timeout,
+                )
+                .await
+                {
+                    Ok(p) => p,
+                    Err(e) => {
+                        stats.handshake_failed.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%from, error = %e, "frontend handshake failed");
+                        return;
+                    }
+                };
+                drop(handshake);
+                let Some(_peer_slot) = PeerSlot::take(&peers, &peer, limits.per_peer_max) else {
+                    stats.refused_peer.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%from, %peer, "peer at its connection limit: refusing");
+                    return;
+                };
+                if let Err(e) = handle(conn, backend, &limits).await {
+                    stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%peer, error = %e, "frontend connection ended");
                 }
             });
         }
     })
 }
 
-async fn handle(conn: TcpStream, backend: Arc<dyn Backend>) -> Result<(), FrameError> {
-    conn.set_nodelay(true)?;
+/// One of a peer's connections, counted while it lives.
+struct PeerSlot {
+    peers: Arc<Mutex<HashMap<String, usize>>>,
+    peer: String,
+}
+
+impl PeerSlot {
+    fn take(peers: &Arc<Mutex<HashMap<String, usize>>>, peer: &str, max: usize) -> Option<Self> {
+        let mut map = peers.lock();
+        let n = map.entry(peer.to_string()).or_default();
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(PeerSlot { peers: peers.clone(), peer: peer.to_string() })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut map = self.peers.lock();
+        if let Some(n) = map.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.peer);
+            }
+        }
+    }
+}
+
+async fn handle(
+    conn: TcpStream,
+    backend: Arc<dyn Backend>,
+    limits: &ServeLimits,
+) -> Result<(), FrameError> {
     let (mut rd, mut wr) = conn.into_split();
     // The request must arrive promptly; a silent peer does not hold a task forever.
-    let req: WorkerRequest =
-        match tokio::time::timeout(Duration::from_secs(10), read_frame(&mut rd)).await {
-            Ok(Ok(Some(r))) => r,
-            Ok(Ok(None)) => return Ok(()),
-            Ok(Err(e)) => {
-                let _ = write_frame(&mut wr, &GenEvent::Error(EngineError::invalid(e.to_string())))
-                    .await;
-                return Err(e);
-            }
-            Err(_) => {
-                let e = EngineError::invalid("no request within 10 s");
-                let _ = write_frame(&mut wr, &GenEvent::Error(e)).await;
-                return Ok(());
-            }
-        };
+    let req: WorkerRequest = match tokio::time::timeout(limits.request_timeout, read_frame(&mut rd))
+        .await
+    {
+        Ok(Ok(Some(r))) => r,
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(e)) => {
+            let _ =
+                write_frame(&mut wr, &GenEvent::Error(EngineError::invalid(e.to_string()))).await;
+            return Err(e);
+        }
+        Err(_) => {
+            let e = EngineError::invalid(format!("no request within {:?}", limits.request_timeout));
+            let _ = write_frame(&mut wr, &GenEvent::Error(e)).await;
+            return Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into());
+        }
+    };
     if backend.model(&req.model).is_none() {
         let e = EngineError::invalid(format!("this worker does not serve {:?}", req.model));
         return write_frame(&mut wr, &GenEvent::Error(e)).await;
@@ -228,9 +399,12 @@ async fn handle(conn: TcpStream, backend: Arc<dyn Backend>) -> Result<(), FrameE
     }
 }
 
-/// Connects to a worker and sends a request; events are read with [`read_frame`].
+/// Connects to the worker `worker`, authenticates, and sends a request; events are read
+/// with [`read_frame`]. `timeout` bounds the connect and the handshake.
 pub async fn connect(
     addr: SocketAddr,
+    worker: &str,
+    auth: &Auth,
     req: &WorkerRequest,
     timeout: Duration,
 ) -> Result<TcpStream, FrameError> {
@@ -238,6 +412,7 @@ pub async fn connect(
         .await
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
     s.set_nodelay(true)?;
+    handshake::client(&mut s, auth.client(worker), handshake::nonce(), timeout).await?;
     write_frame(&mut s, req).await?;
     Ok(s)
 }

@@ -30,7 +30,7 @@ use crate::backend::{Backend, ModelEntry};
 use crate::engine::sampling::SplitMix64;
 use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
 use crate::metrics::{RoutedSnapshot, Snapshot};
-use crate::protocol::{self, CodecSpec, WorkerMetadata, WorkerRequest, WORKER_KIND};
+use crate::protocol::{self, Auth, CodecSpec, WorkerMetadata, WorkerRequest, WORKER_KIND};
 
 /// Frontend settings.
 #[derive(Debug, Clone)]
@@ -45,16 +45,20 @@ pub struct RoutedConfig {
     pub name: String,
     /// The discovery kind of the workers it routes to.
     pub kind: String,
+    /// The workers' shared secret: every request connection authenticates with it.
+    pub secret: Vec<u8>,
 }
 
-impl Default for RoutedConfig {
-    fn default() -> Self {
+impl RoutedConfig {
+    /// Defaults, with the workers' shared secret.
+    pub fn new(secret: impl Into<Vec<u8>>) -> Self {
         RoutedConfig {
             router: RouterConfig::default(),
             connect_timeout: Duration::from_secs(2),
             max_attempts: 3,
             name: "frontend".into(),
             kind: WORKER_KIND.into(),
+            secret: secret.into(),
         }
     }
 }
@@ -124,6 +128,11 @@ impl RoutedBackend {
         bus: Arc<dyn EventBus>,
         cfg: RoutedConfig,
     ) -> Result<Self, EngineError> {
+        if cfg.secret.is_empty() {
+            return Err(EngineError::invalid(
+                "a routed backend needs the workers' shared secret (no secret, no requests)",
+            ));
+        }
         let ctl =
             |e: kvfabric::control::ControlError| EngineError::model(format!("control plane: {e}"));
         let mut loads = bus.subscribe(contract::LOAD).await.map_err(ctl)?;
@@ -390,11 +399,14 @@ impl Inner {
         deadline: tokio::time::Instant,
     ) -> Relay {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let mut conn = match protocol::connect(addr, wreq, self.cfg.connect_timeout.min(left)).await
-        {
-            Ok(c) => c,
-            Err(e) => return Relay::Retry(e.to_string()),
-        };
+        let auth = Auth { name: self.cfg.name.clone(), secret: self.cfg.secret.clone() };
+        let mut conn =
+            match protocol::connect(addr, name, &auth, wreq, self.cfg.connect_timeout.min(left))
+                .await
+            {
+                Ok(c) => c,
+                Err(e) => return Relay::Retry(e.to_string()),
+            };
         let mut sent_token = false;
         loop {
             let frame = tokio::select! {

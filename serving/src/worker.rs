@@ -27,6 +27,7 @@ use crate::engine::{Engine, EngineError, Scheduler, SchedulerConfig};
 use crate::metrics::{Components, Snapshot, Source};
 use crate::routed::{RoutedBackend, RoutedConfig};
 
+use crate::protocol::{Auth, ServeLimits, ServeStats};
 pub use crate::protocol::{CodecSpec, Role, WorkerMetadata, PREFILL_KIND, WORKER_KIND};
 
 /// The engine a worker runs.
@@ -59,7 +60,8 @@ pub struct WorkerConfig {
     pub engine: EngineSpec,
     /// The batching loop's settings.
     pub scheduler: SchedulerConfig,
-    /// The transfer engine's shared secret (None: random, for workers that move no KV to
+    /// The shared secret of the transfer engine and the request port (None: random, for a
+    /// worker that only this process talks to — then nothing else can reach it; moves no KV to
     /// others).
     pub secret: Option<Vec<u8>>,
     /// Host tier capacity, blocks.
@@ -114,6 +116,8 @@ pub struct WorkerStack {
     pub codec: CodecSpec,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     publisher: StorePublisher,
+    /// The shared secret of its agent and its request port.
+    secret: Vec<u8>,
 }
 
 /// A worker serving requests (or prefill jobs) and registered in discovery.
@@ -206,7 +210,7 @@ impl WorkerStack {
                 b.to_vec()
             }
         };
-        let agent = Agent::start(AgentConfig::new(cfg.name.clone(), secret)).await?;
+        let agent = Agent::start(AgentConfig::new(cfg.name.clone(), secret.clone())).await?;
         let (sink, events) = ChannelSink::new(65_536);
         let mut tasks = Vec::new();
         let mut store_cfg = StoreConfig::new(block_bytes, cfg.host_blocks.max(1));
@@ -252,7 +256,7 @@ impl WorkerStack {
             }));
         }
         let publisher = StorePublisher::start(bus, cfg.name.clone(), store.clone(), events).await?;
-        Ok(WorkerStack { sched, store, agent, describe, codec, tasks, publisher })
+        Ok(WorkerStack { sched, store, agent, describe, codec, tasks, publisher, secret })
     }
 
     /// The metadata a worker registers, with its request port.
@@ -305,7 +309,7 @@ impl WorkerStack {
                     let cfg = RoutedConfig {
                         kind: PREFILL_KIND.into(),
                         name: format!("{name}-prefill-router"),
-                        ..RoutedConfig::default()
+                        ..RoutedConfig::new(self.secret.clone())
                     };
                     let prefill = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
                     Arc::new(
@@ -322,7 +326,14 @@ impl WorkerStack {
                 } else {
                     Arc::new(local)
                 };
-                let server = crate::protocol::serve(listener, backend.clone());
+                let auth = Auth { name: name.to_string(), secret: self.secret.clone() };
+                let server = crate::protocol::serve(
+                    listener,
+                    backend.clone(),
+                    auth,
+                    ServeLimits::default(),
+                    Arc::new(ServeStats::default()),
+                );
                 (addr, server, WORKER_KIND, MetricsSource::Backend(backend))
             }
         };

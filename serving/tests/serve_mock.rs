@@ -357,9 +357,14 @@ async fn concurrent_requests_share_steps_and_each_gets_its_own_answer() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
+async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_on_hang_up() {
+    use kvfabric::session::handshake;
+    use kvfabric::session::proto::ClientParams;
+    use kvfabric::wire::WireLimits;
     use kvfabric_serving::engine::{GenEvent, GenerateRequest, SamplingParams};
-    use kvfabric_serving::protocol::{self, read_frame, WorkerRequest};
+    use kvfabric_serving::protocol::{
+        self, read_frame, Auth, ServeLimits, ServeStats, WorkerRequest,
+    };
     let s = serve(Opts {
         mock: MockConfig { decode_step_us: 5_000.0, ..MockConfig::zero_delay() },
         ..Opts::default()
@@ -380,10 +385,27 @@ async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
     let backend = std::sync::Arc::new(LocalBackend::new(s.sched.clone(), store.1.clone()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let _server = protocol::serve(listener, backend);
+    let auth = Auth { name: "w".into(), secret: b"worker-secret".to_vec() };
+    let limits = ServeLimits { per_peer_max: 4, ..ServeLimits::default() };
+    let stats = std::sync::Arc::new(ServeStats::default());
+    let _server = protocol::serve(listener, backend, auth.clone(), limits, stats.clone());
 
-    async fn answer(addr: SocketAddr, bytes: &[u8]) -> Option<GenEvent> {
+    /// An authenticated connection as `me`.
+    async fn authed(addr: SocketAddr, me: &str) -> tokio::net::TcpStream {
         let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let params = ClientParams {
+            me: me.into(),
+            peer: "w".into(),
+            secret: b"worker-secret".to_vec(),
+            limits: WireLimits::default(),
+        };
+        handshake::client(&mut c, params, handshake::nonce(), Duration::from_secs(5))
+            .await
+            .unwrap();
+        c
+    }
+    async fn answer(addr: SocketAddr, bytes: &[u8]) -> Option<GenEvent> {
+        let mut c = authed(addr, "fuzzer").await;
         c.write_all(bytes).await.unwrap();
         tokio::time::timeout(Duration::from_secs(15), read_frame::<_, GenEvent>(&mut c))
             .await
@@ -411,12 +433,60 @@ async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
             timeout: Duration::from_secs(30),
         },
     };
-    let mut c = protocol::connect(addr, &req("gpt-9", 4), Duration::from_secs(1)).await.unwrap();
+    let connect = |r: WorkerRequest| {
+        let auth = auth.clone();
+        async move { protocol::connect(addr, "w", &auth, &r, Duration::from_secs(1)).await }
+    };
+    let mut c = connect(req("gpt-9", 4)).await.unwrap();
     let e: Option<GenEvent> = read_frame(&mut c).await.unwrap();
     assert!(matches!(e, Some(GenEvent::Error(_))), "{e:?}");
+    // A deadline past the clock's range is refused, and the engine keeps serving.
+    let mut huge = req("mock", 4);
+    huge.request.timeout = Duration::from_secs(u64::MAX);
+    let mut c = connect(huge).await.unwrap();
+    let e: Option<GenEvent> = read_frame(&mut c).await.unwrap();
+    assert!(
+        matches!(&e, Some(GenEvent::Error(err)) if err.to_string().contains("timeout")),
+        "{e:?}"
+    );
+
+    // No secret, no frames: a client that skips the handshake, or proves another secret, is
+    // cut off before its request is read (and the worker serves on, below).
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut frame = serde_json::to_vec(&req("mock", 4)).unwrap();
+    frame.splice(0..0, (frame.len() as u32).to_le_bytes());
+    let _ = c.write_all(&frame).await;
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.unwrap();
+    assert!(read_frame::<_, GenEvent>(&mut &rest[..]).await.is_err(), "no event frame");
+    let wrong = Auth { name: "f".into(), secret: b"guess".to_vec() };
+    let err = protocol::connect(addr, "w", &wrong, &req("mock", 4), Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("authentication"), "{err}");
+    // The wrong worker name is refused by the client itself.
+    let err = protocol::connect(addr, "w2", &auth, &req("mock", 4), Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("expected \"w2\""), "{err}");
+    // The raw frame, the wrong secret, and the client that left on the wrong name.
+    wait_until("three failed handshakes", || stats.handshake_failed.load(Ordering::Relaxed) == 3)
+        .await;
+
+    // One peer holds at most 4 connections; others are not affected.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(authed(addr, "greedy").await);
+    }
+    let mut fifth = authed(addr, "greedy").await;
+    let mut buf = [0u8; 1];
+    let n = tokio::time::timeout(Duration::from_secs(5), fifth.read(&mut buf)).await.unwrap();
+    assert!(matches!(n, Ok(0) | Err(_)), "the fifth connection is closed");
+    assert_eq!(stats.refused_peer.load(Ordering::Relaxed), 1);
+    drop(held);
     // A silent peer is dropped after the request timeout (10 s) with an error; we don't wait
     // for it here. A valid request streams started, tokens, done.
-    let mut c = protocol::connect(addr, &req("mock", 4), Duration::from_secs(1)).await.unwrap();
+    let mut c = connect(req("mock", 4)).await.unwrap();
     let mut kinds = Vec::new();
     while let Some(ev) = read_frame::<_, GenEvent>(&mut c).await.unwrap() {
         kinds.push(match ev {
@@ -428,7 +498,7 @@ async fn the_worker_transport_refuses_hostile_frames_and_cancels_on_hang_up() {
     }
     assert_eq!(kinds, ["started", "token", "token", "token", "token", "done"]);
     // Hanging up mid-generation cancels it.
-    let mut c = protocol::connect(addr, &req("mock", 4000), Duration::from_secs(1)).await.unwrap();
+    let mut c = connect(req("mock", 4000)).await.unwrap();
     for _ in 0..3 {
         read_frame::<_, GenEvent>(&mut c).await.unwrap();
     }

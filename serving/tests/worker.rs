@@ -18,6 +18,7 @@ use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
 use kvfabric_serving::worker::{EngineSpec, Role, WorkerConfig, WorkerStack, WORKER_KIND};
 use serde_json::json;
 
+const SECRET: &[u8] = b"worker-test-secret";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
@@ -30,7 +31,7 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
             config: MockConfig { decode_step_us: 100.0, ..MockConfig::default() },
         },
         scheduler: SchedulerConfig::default(),
-        secret: None,
+        secret: Some(SECRET.to_vec()),
         host_blocks: 64,
         disk: None,
         remote_tier: true,
@@ -52,7 +53,7 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     assert_eq!(discovery.list(WORKER_KIND).await.unwrap().len(), 1);
 
     let routed = Arc::new(
-        RoutedBackend::start(discovery.clone(), bus.clone(), RoutedConfig::default())
+        RoutedBackend::start(discovery.clone(), bus.clone(), RoutedConfig::new(SECRET))
             .await
             .unwrap(),
     );

@@ -9,6 +9,8 @@
 //! - `server`: the accept loop and dispatch — bulk WRITE/READ with the payload inline on the
 //!   connection (the `tcp` transport's wire format), commits, checksums, RPC.
 //! - `io`: socket I/O, including the zero-copy payload paths between sockets and regions.
+//! - [`handshake`]: the same authenticated handshake for other protocols over any stream (the
+//!   frontend ↔ worker protocol).
 //!
 //! Bulk transports sit beside the session, not inside it (see [`crate::transport`]): `tcp`
 //! moves bytes as session requests with inline payload; `shm` copies through shared memory
@@ -20,6 +22,7 @@ use std::time::Duration;
 use crate::wire::WireLimits;
 
 pub(crate) mod client;
+pub mod handshake;
 pub(crate) mod io;
 pub mod proto;
 pub(crate) mod server;

@@ -52,7 +52,7 @@ async fn frontend(ns: &str, etcd: &EtcdServer, nats: &NatsServer) -> SocketAddr 
     let bus = Arc::new(NatsBus::connect(&nats.url(), ns).await.unwrap());
     let cfg = RoutedConfig {
         router: RouterConfig { mode: RoutingMode::Kv, ..RouterConfig::default() },
-        ..RoutedConfig::default()
+        ..RoutedConfig::new(SECRET)
     };
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
     let app = router(
@@ -320,7 +320,7 @@ async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
         .await
         .unwrap();
     let (da, ds, dsched) = node("decode-0", None).await;
-    let cfg = RoutedConfig { kind: PREFILL_KIND.into(), ..RoutedConfig::default() };
+    let cfg = RoutedConfig { kind: PREFILL_KIND.into(), ..RoutedConfig::new(SECRET) };
     let router = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await.unwrap();
     let decode = DecodeBackend::start(
         LocalBackend::new(dsched.clone(), ds.clone()),

@@ -19,6 +19,8 @@ use kvfabric_serving::http::{router, ServerConfig};
 use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
 use serde_json::json;
 
+const SECRET: &str = "distributed-test-secret";
+
 struct Worker {
     _proc: Proc,
     name: String,
@@ -28,6 +30,7 @@ fn worker(name: &str, etcd: &EtcdServer, nats: &NatsServer, extra: &[&str]) -> W
     let (etcd, nats) = (etcd.endpoint(), nats.url());
     let args = [
         &["--namespace", "dist", "--lease-ttl-s", "2", "--etcd", &etcd, "--nats", &nats][..],
+        &["--secret", SECRET],
         extra,
     ]
     .concat();
@@ -63,7 +66,7 @@ async fn frontend(etcd: &EtcdServer, nats: &NatsServer, mode: RoutingMode) -> Fr
     let cfg = RoutedConfig {
         router: RouterConfig { mode, ..RouterConfig::default() },
         connect_timeout: Duration::from_millis(500),
-        ..RoutedConfig::default()
+        ..RoutedConfig::new(SECRET)
     };
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
     let server =
@@ -306,7 +309,7 @@ async fn workers_share_blocks_through_a_fabric_node() {
         .args(["fabric", "--name", "fabric-w", "--namespace", "dist", "--dtype", "f32"])
         .args(["--model", "smollm2-135m", "--block-tokens", "16", "--host-blocks", "256"])
         .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url()])
-        .env("KVFABRIC_SECRET", "g4-secret")
+        .env("KVFABRIC_SECRET", SECRET)
         .env_remove("KVFABRIC_CONFIG")
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -318,7 +321,7 @@ async fn workers_share_blocks_through_a_fabric_node() {
 
     let g4_worker = |name: &str| {
         let extra = ["--engine", "mock", "--disk-blocks", "0", "--host-blocks", "4"];
-        let more = ["--secret", "g4-secret", "--mock-decode-us", "100", "--mock-prefill-us", "5"];
+        let more = ["--mock-decode-us", "100", "--mock-prefill-us", "5"];
         worker(name, &etcd, &nats, &[&extra[..], &more[..]].concat())
     };
     let f = frontend(&etcd, &nats, RoutingMode::Kv).await;

@@ -131,6 +131,10 @@ pub trait Engine: Send + 'static {
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError>;
 }
 
+/// The longest deadline a request may ask for: every timeout from a client or a peer is
+/// bounded by it before any clock arithmetic.
+pub const REQUEST_TIMEOUT_MAX: Duration = Duration::from_secs(24 * 3600);
+
 /// A generation request, tokens in.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {

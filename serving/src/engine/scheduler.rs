@@ -191,6 +191,13 @@ impl Scheduler {
         if req.max_tokens == 0 {
             return Err(EngineError::invalid("max_tokens must be at least 1"));
         }
+        if req.timeout.is_zero() || req.timeout > super::REQUEST_TIMEOUT_MAX {
+            return Err(EngineError::invalid(format!(
+                "timeout {:?} is outside 0..={:?}",
+                req.timeout,
+                super::REQUEST_TIMEOUT_MAX
+            )));
+        }
         let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
         if waiting >= self.max_waiting {
             return Err(EngineError::Overloaded { waiting });
@@ -316,7 +323,8 @@ impl<E: Engine> Loop<E> {
                 bump(&self.stats.cancelled, 1);
                 continue;
             }
-            let deadline = sub.arrived + sub.req.timeout;
+            // `submit` bounded the timeout; a deadline past the clock's range is not one.
+            let deadline = sub.arrived.checked_add(sub.req.timeout).unwrap_or_else(Instant::now);
             if Instant::now() >= deadline {
                 bump(&self.stats.deadline_exceeded, 1);
                 let _ = sub

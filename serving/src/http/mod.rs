@@ -84,6 +84,10 @@ pub fn router_with(
 ) -> Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let limit = cfg.max_body_bytes;
+    // Every deadline below is computed from it: bounded before any clock arithmetic.
+    let mut cfg = cfg;
+    cfg.request_timeout =
+        cfg.request_timeout.clamp(Duration::from_millis(1), crate::engine::REQUEST_TIMEOUT_MAX);
     let metrics = HttpMetrics::default();
     let mut components = Components::new().with(None, Arc::new(backend.clone()));
     for (name, source) in workers {

@@ -30,8 +30,13 @@ pub struct FrontendArgs {
     router_temperature: f64,
     #[command(flatten)]
     control: super::control::ControlArgs,
+    /// The workers' shared secret: every request connection to a worker authenticates with
+    /// it (`kvfabric worker --secret`).
+    #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
+    secret: String,
     /// Request deadline, seconds.
-    #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300)]
+    #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300,
+        value_parser = clap::value_parser!(u64).range(1..=86_400))]
     request_timeout_s: u64,
     /// Workers tried per request at most (a failed one before any token is retried).
     #[arg(long, env = "KVFABRIC_MAX_ATTEMPTS", default_value_t = 3)]
@@ -51,7 +56,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         },
         max_attempts: args.max_attempts.max(1),
         name: args.name.clone(),
-        ..RoutedConfig::default()
+        ..RoutedConfig::new(args.secret.clone().into_bytes())
     };
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
     let server_cfg = ServerConfig {

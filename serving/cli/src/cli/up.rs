@@ -86,8 +86,8 @@ pub struct EngineOpts {
     /// Prompt tokens computed per step at most.
     #[arg(long, env = "KVFABRIC_STEP_TOKENS", default_value_t = 256)]
     pub step_tokens: usize,
-    /// Shared secret of the transfer engine's handshake (prefill and decode workers must
-    /// agree; default: random, which suits aggregated workers).
+    /// Shared secret of the handshakes of the transfer engine and the workers' request ports
+    /// (every process of a deployment agrees on it; `up`: random when none is given).
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
     pub secret: Option<String>,
     /// Decode workers: prefill remotely when at least this many prompt tokens are uncached.
@@ -145,7 +145,8 @@ pub struct UpArgs {
     #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
     router: RoutingMode,
     /// Request deadline, seconds.
-    #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300)]
+    #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300,
+        value_parser = clap::value_parser!(u64).range(1..=86_400))]
     request_timeout_s: u64,
     /// Worker name in discovery (with several workers, the prefix of their names).
     #[arg(long, env = "KVFABRIC_NAME", default_value = "worker")]
@@ -306,7 +307,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         "disaggregated serving needs --prefill-workers and --decode-workers, both at least 1"
     );
     let mut engine = args.engine.clone();
-    if disagg && engine.secret.is_none() {
+    // In-process workers and frontend share a secret drawn here unless one is given.
+    if engine.secret.is_none() {
         let mut b = [0u8; 16];
         getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("random secret: {e}"))?;
         engine.secret = Some(b.iter().map(|x| format!("{x:02x}")).collect());
@@ -356,7 +358,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         let cfg = RoutedConfig {
             router: kvfabric_router::RouterConfig { mode: args.router, ..Default::default() },
             name: format!("{}-frontend", args.name),
-            ..RoutedConfig::default()
+            ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
         };
         let remote = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
         let describe = if disagg {

@@ -50,8 +50,9 @@ pub struct WorkerArgs {
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let (discovery, bus) = args.control.connect().await?;
     anyhow::ensure!(
-        args.role == Role::Aggregated || args.engine.secret.is_some(),
-        "prefill and decode workers need a shared --secret (KVFABRIC_SECRET)"
+        args.engine.secret.as_ref().is_some_and(|s| !s.is_empty()),
+        "a worker needs the shared --secret (KVFABRIC_SECRET) of its frontends and peers: \
+         its request port and its transfer agent authenticate with it"
     );
     let stack = start_stack(&args.engine, &args.name, &discovery, bus.clone(), false).await?;
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
