@@ -74,8 +74,20 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     });
     assert!(served.metrics.render().contains("kvfabric_prefill_tokens_total"));
 
+    assert_eq!(common::get(addr, "/health").await.status, 200);
     served.registration.revoke().await;
     assert!(discovery.list(WORKER_KIND).await.unwrap().is_empty());
+    // No worker: an outage, not a client error — 503 in OpenAI's shape, and /health says so.
+    let gone = routed.clone();
+    common::wait_until(Duration::from_secs(10), || {
+        use kvfabric_serving::backend::Backend;
+        gone.health()["workers"].as_array().is_some_and(|w| w.is_empty())
+    });
+    let r = common::post_json(addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "service_unavailable");
+    let h = common::get(addr, "/health").await;
+    assert_eq!((h.status, h.json()["status"].as_str()), (503, Some("no workers")));
     served.server.abort();
     stack.shutdown().await;
 }

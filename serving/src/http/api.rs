@@ -79,6 +79,18 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// No model is served now (no worker, or none registered yet): 503, retry later.
+pub(super) fn no_model_served() -> ApiError {
+    ApiError {
+        code: Some("service_unavailable"),
+        ..ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no model is served now: no worker is available",
+            "server_error",
+        )
+    }
+}
+
 pub(super) fn unknown_model(id: &str) -> ApiError {
     ApiError {
         code: Some("model_not_found"),
@@ -191,7 +203,12 @@ pub(super) struct Checked {
 fn check_common(st: &AppState, c: &Common) -> Result<Checked, ApiError> {
     let entry = match &c.model {
         None => return Err(ApiError::invalid("you must provide a model parameter", "model")),
-        Some(m) => st.backend.model(m).ok_or_else(|| unknown_model(m))?,
+        Some(m) => match st.backend.model(m) {
+            Some(e) => e,
+            // Nothing served at all is an outage, not the client's mistake.
+            None if st.backend.models().is_empty() => return Err(no_model_served()),
+            None => return Err(unknown_model(m)),
+        },
     };
     if c.n.is_some_and(|n| n != 1) || c.best_of.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only n = 1 is supported", "n"));

@@ -136,8 +136,14 @@ fn model_card(st: &AppState, info: &crate::engine::ModelInfo) -> Value {
     })
 }
 
-async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(st.backend.health())
+/// The backend's health; the HTTP status says whether to send traffic here: 200 for `ok`
+/// and `degraded`, 503 for anything else (no workers, failed), so load balancers need not
+/// parse the body.
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    let h = st.backend.health();
+    let serving = matches!(h["status"].as_str(), Some("ok" | "degraded"));
+    let status = if serving { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(h)).into_response()
 }
 
 async fn prometheus(State(st): State<Arc<AppState>>) -> impl IntoResponse {
