@@ -553,10 +553,16 @@ impl Agent {
         self.choose_transport(req).map(|(t, _)| t.kind())
     }
 
-    /// Stops accepting connections; in-flight transfers finish or time out.
+    /// Stops accepting connections and unlinks the `/dev/shm` files of its shared regions
+    /// (mappings stay valid: in-flight transfers finish or time out; peers that did not map
+    /// a region yet can no longer reach it by shm).
     pub fn shutdown(&self) {
         if let Some(server) = self.inner.server.lock().take() {
             server.stop();
+        }
+        let unlinked = self.inner.regions().unlink_shared();
+        if unlinked > 0 {
+            tracing::debug!(agent = %self.inner.config.name, files = unlinked, "unlinked shm files");
         }
     }
 }
@@ -566,6 +572,7 @@ impl Drop for AgentInner {
         if let Some(server) = self.server.get_mut().take() {
             server.stop();
         }
+        self.regions().unlink_shared();
     }
 }
 

@@ -466,6 +466,18 @@ impl RegionTable {
         removed
     }
 
+    /// Unlinks the `/dev/shm` files of this table's shared regions now, at shutdown: the
+    /// memory stays mapped (here and in peers that mapped it) until the regions drop, but no
+    /// file outlives a process that exits cleanly while regions are still referenced.
+    /// Returns how many files were removed.
+    pub fn unlink_shared(&self) -> usize {
+        self.all()
+            .iter()
+            .filter_map(|r| r.shm_path())
+            .filter(|p| std::fs::remove_file(p).is_ok())
+            .count()
+    }
+
     /// A table whose shared regions are named `/dev/shm/{shm_prefix}.{index}.{generation}`.
     pub fn new(shm_prefix: impl Into<String>, regions_max: usize) -> Self {
         RegionTable {

@@ -349,3 +349,23 @@ async fn workers_share_blocks_through_a_fabric_node() {
     assert!(cached >= 16 * 8, "only {cached} prompt tokens came from the fabric");
     drop(node);
 }
+
+/// SIGTERM: a worker leaves discovery and unlinks its shared-memory files before it exits
+/// (its host region is a `/dev/shm` file peers on the host map).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_cleanly_leaves_no_shared_memory() {
+    let etcd = EtcdServer::start().unwrap();
+    let nats = NatsServer::start().unwrap();
+    let w = mock_worker("w-term", &etcd, &nats, "100");
+    let pid = w._proc.0.id();
+    assert!(!common::shm_files(pid).is_empty(), "the worker's host region is a /dev/shm file");
+    let term = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    assert!(term.unwrap().success());
+    let mut w = w;
+    let start = Instant::now();
+    while w._proc.0.try_wait().unwrap().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(30), "the worker did not stop");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(common::shm_files(pid), Vec::<String>::new(), "files left after a clean stop");
+}

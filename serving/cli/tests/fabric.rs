@@ -4,6 +4,8 @@
 //! discovery within its lease TTL and its blocks become misses without hanging anyone; a
 //! wrong secret is rejected.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -283,7 +285,7 @@ async fn nodes_resynchronize_consumers_after_a_nats_restart() {
 }
 
 /// SIGTERM: the node drains, revokes its lease (it leaves discovery at once, well before its
-/// TTL) and exits cleanly.
+/// TTL), unlinks its shared-memory files and exits cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_leaves_discovery_at_once() {
     let etcd = EtcdServer::start().unwrap();
@@ -301,6 +303,7 @@ async fn graceful_shutdown_leaves_discovery_at_once() {
     BufReader::new(node.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let (now, mut watch) = discovery.watch(FABRIC_KIND).await.unwrap();
     assert_eq!(now.len(), 1);
+    assert!(!common::shm_files(node.id()).is_empty(), "the node's pool is a /dev/shm file");
     let start = Instant::now();
     let status = Command::new("kill").args(["-TERM", &node.id().to_string()]).status().unwrap();
     assert!(status.success());
@@ -309,4 +312,5 @@ async fn graceful_shutdown_leaves_discovery_at_once() {
     assert!(start.elapsed() < Duration::from_secs(10), "long before the 30 s TTL");
     let exit = node.wait().unwrap();
     assert!(exit.success(), "clean exit: {exit}");
+    assert_eq!(common::shm_files(node.id()), Vec::<String>::new(), "files left");
 }

@@ -41,3 +41,17 @@ pub fn spawn_worker(name: &str, args: &[&str]) -> (Proc, Value) {
     std::thread::spawn(move || for _ in lines {});
     (Proc(child), v)
 }
+
+/// The `/dev/shm` files of process `pid` (agents name them `kvfabric.{name}.{pid}.…`).
+pub fn shm_files(pid: u32) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .filter(|n| {
+                    n.starts_with("kvfabric.") && n.split('.').nth(2) == Some(&pid.to_string())
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
