@@ -22,6 +22,7 @@ use prometheus_client::encoding::{
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
@@ -168,6 +169,34 @@ impl HttpMetrics {
             "kvfabric_cached_prompt_tokens",
             "Prompt tokens whose KV came from the block store.",
             self.cached_prompt_tokens.clone(),
+        );
+    }
+}
+
+/// What an HTTP listener did (see `http::listen`).
+#[derive(Debug, Clone, Default)]
+pub struct ListenStats {
+    /// Connections open now (main pool and reserve).
+    pub open: Gauge,
+    /// Connections accepted into the reserve (the main pool was full).
+    pub reserve: Counter,
+    /// Connections closed at once (main pool and reserve full).
+    pub refused: Counter,
+}
+
+impl ListenStats {
+    /// Registers the listener's metrics.
+    pub fn register(&self, r: &mut Registry) {
+        r.register("kvfabric_http_connections", "HTTP connections open.", self.open.clone());
+        r.register(
+            "kvfabric_http_connections_reserve",
+            "HTTP connections served from the reserve: the connection cap was reached.",
+            self.reserve.clone(),
+        );
+        r.register(
+            "kvfabric_http_connections_refused",
+            "HTTP connections closed at once: the cap and the reserve were full.",
+            self.refused.clone(),
         );
     }
 }

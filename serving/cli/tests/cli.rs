@@ -250,3 +250,106 @@ fn bench_serve_drives_a_mock_server_and_reports_json_rows() {
         assert!(r["cached_prompt_share"].as_f64().unwrap() > 0.2, "{r}");
     }
 }
+
+/// 20,000 idle connections against `kvfabric up`: the listener holds at most its cap (plus a
+/// small reserve), closes the rest at once, and `/health` keeps answering; a client that
+/// never completes its request head is cut off at the header timeout.
+#[test]
+fn twenty_thousand_idle_connections_leave_health_answering() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0"])
+        .args(["--max-connections", "256", "--header-timeout-s", "2"])
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let first = BufReader::new(up.stdout.take().unwrap()).lines().next().unwrap().unwrap();
+    let _up = Kill(up);
+    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
+    let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
+    let port = addr.rsplit(':').next().unwrap().to_string();
+
+    // Two helpers hold 10,000 idle connections each (one process may not hold 20,000
+    // descriptors here).
+    let hold = "import socket,sys,time\n\
+                s=[]\n\
+                for _ in range(10000):\n\
+                \x20   c=socket.socket(); c.connect(('127.0.0.1',int(sys.argv[1]))); s.append(c)\n\
+                print(len(s),flush=True)\n\
+                time.sleep(120)\n";
+    let holders: Vec<Kill> = (0..2)
+        .map(|_| {
+            Kill(
+                Command::new("python3")
+                    .args(["-c", hold, &port])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::inherit())
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let t0 = Instant::now();
+    let mut held = 0;
+    let mut holders = holders;
+    for h in &mut holders {
+        let mut line = String::new();
+        BufReader::new(h.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        held += line.trim().parse::<usize>().unwrap();
+    }
+    assert_eq!(held, 20_000);
+    eprintln!("20,000 connections open after {:?}", t0.elapsed());
+
+    let get = |path: &str| -> Option<String> {
+        let mut s = TcpStream::connect(&addr).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        use std::io::Write;
+        write!(s, "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        out.starts_with("HTTP/1.1 200").then_some(out)
+    };
+    let start = Instant::now();
+    while get("/health").is_none() {
+        assert!(start.elapsed() < Duration::from_secs(5), "/health did not answer within 5 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // A request head that never completes is closed at the header timeout.
+    let mut slow = TcpStream::connect(&addr).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    use std::io::Write;
+    slow.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n").unwrap();
+    let start = Instant::now();
+    let mut buf = [0u8; 256];
+    let n = slow.read(&mut buf);
+    assert!(start.elapsed() < Duration::from_secs(8), "slow client held {:?}", start.elapsed());
+    assert!(!matches!(n, Ok(k) if k > 0 && buf.starts_with(b"HTTP/1.1 200")), "no answer");
+
+    let metrics = loop {
+        if let Some(m) = get("/metrics") {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let refused = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvfabric_http_connections_refused_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap();
+    // The cap held: most of the 20,000 were closed at once (the rest timed out in the pool).
+    assert!(refused > 5_000.0, "refused {refused}");
+    eprintln!("refused {refused}, whole test {:?}", t0.elapsed());
+    drop(holders);
+}

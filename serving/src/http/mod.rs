@@ -13,6 +13,7 @@
 
 mod api;
 mod generate;
+pub mod listen;
 mod sse;
 
 pub use api::ApiError;
@@ -44,6 +45,9 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// `max_tokens` of a chat completion that sets none (capped by the context left).
     pub default_chat_max_tokens: usize,
+    /// The counters of the listener that serves these routes ([`listen::serve`]), shown in
+    /// their `/metrics`.
+    pub listen: metrics::ListenStats,
 }
 
 impl Default for ServerConfig {
@@ -52,6 +56,7 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_secs(300),
             max_body_bytes: 4 << 20,
             default_chat_max_tokens: 1024,
+            listen: metrics::ListenStats::default(),
         }
     }
 }
@@ -93,7 +98,8 @@ pub fn router_with(
     for (name, source) in workers {
         components = components.with(Some(name), source);
     }
-    let registry = metrics::registry(&metrics, components);
+    let mut registry = metrics::registry(&metrics, components);
+    cfg.listen.register(&mut registry);
     let state = Arc::new(AppState { backend, cfg, metrics, registry, created });
     Router::new()
         .route("/v1/models", get(models))

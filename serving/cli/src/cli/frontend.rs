@@ -34,6 +34,8 @@ pub struct FrontendArgs {
     /// it (`kvfabric worker --secret`).
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
     secret: String,
+    #[command(flatten)]
+    http: super::HttpArgs,
     /// Request deadline, seconds.
     #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300,
         value_parser = clap::value_parser!(u64).range(1..=86_400))]
@@ -63,14 +65,14 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         ..ServerConfig::default()
     };
+    let listen_stats = server_cfg.listen.clone();
     let app = http::router(backend.clone(), server_cfg);
-    let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
-        .await
+    let listener = http::listen::bind(SocketAddr::new(args.host, args.port))
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
     tracing::info!(frontend = %args.name, %addr, "frontend listening");
     println!("kvfabric frontend at http://{addr}/v1");
-    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
+    http::listen::serve(listener, app, args.http.limits(), listen_stats, shutdown_signal()).await?;
     backend.stop();
     tracing::info!(frontend = %args.name, "frontend stopped");
     Ok(())

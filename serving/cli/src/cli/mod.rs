@@ -199,3 +199,26 @@ pub fn one_line(e: &anyhow::Error) -> String {
     }
     parts.join(": ")
 }
+
+/// Bounds of an HTTP listener (`up`, `frontend`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct HttpArgs {
+    /// HTTP connections served at once; past it a small reserve answers one request each
+    /// (so `/health` keeps answering), then connections are refused.
+    #[arg(long, env = "KVFABRIC_MAX_CONNECTIONS", default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds for a request head to arrive; an idle keep-alive connection is closed after it.
+    #[arg(long, env = "KVFABRIC_HEADER_TIMEOUT_S", default_value_t = 10,
+        value_parser = clap::value_parser!(u64).range(1..=300))]
+    header_timeout_s: u64,
+}
+
+impl HttpArgs {
+    fn limits(&self) -> kvfabric_serving::http::listen::HttpLimits {
+        kvfabric_serving::http::listen::HttpLimits {
+            connections_max: self.max_connections.max(1),
+            header_read_timeout: std::time::Duration::from_secs(self.header_timeout_s),
+            ..Default::default()
+        }
+    }
+}

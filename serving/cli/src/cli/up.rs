@@ -144,6 +144,8 @@ pub struct UpArgs {
     /// Routing with several workers: kv, round-robin, random, least-loaded.
     #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
     router: RoutingMode,
+    #[command(flatten)]
+    http: super::HttpArgs,
     /// Request deadline, seconds.
     #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300,
         value_parser = clap::value_parser!(u64).range(1..=86_400))]
@@ -301,6 +303,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         ..ServerConfig::default()
     };
+    let listen_stats = server_cfg.listen.clone();
     let disagg = args.prefill_workers > 0 || args.decode_workers > 0;
     anyhow::ensure!(
         !disagg || (args.prefill_workers > 0 && args.decode_workers > 0),
@@ -374,8 +377,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let id = backend.models().first().map(|m| m.id.clone()).unwrap_or_default();
     // One /metrics for the whole process: the frontend's, and each worker's labelled.
     let app = http::router_with(backend, server_cfg, worker_metrics);
-    let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
-        .await
+    let listener = http::listen::bind(SocketAddr::new(args.host, args.port))
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
     tracing::info!("control plane: embedded discovery and event bus (this process only)");
@@ -384,7 +386,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     println!(
         "try:\n  curl http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 64}}'"
     );
-    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
+    http::listen::serve(listener, app, args.http.limits(), listen_stats, shutdown_signal()).await?;
     for r in registrations {
         r.revoke().await;
     }

@@ -84,7 +84,12 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                 }),
             );
             Some(tokio::spawn(async move {
-                let _ = axum::serve(listener, app).await;
+                let limits = kvfabric_serving::http::listen::HttpLimits::default();
+                let stats = kvfabric_serving::metrics::ListenStats::default();
+                let forever = std::future::pending::<()>();
+                let _ =
+                    kvfabric_serving::http::listen::serve(listener, app, limits, stats, forever)
+                        .await;
             }))
         }
         None => None,

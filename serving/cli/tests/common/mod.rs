@@ -6,6 +6,7 @@
 #[path = "../../../tests/common/mod.rs"]
 mod serving;
 
+#[allow(unused_imports)]
 pub use serving::*;
 
 use serde_json::Value;

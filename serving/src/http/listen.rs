@@ -1,0 +1,147 @@
+//! Serving HTTP on a listener with bounds: hyper's HTTP/1 server with a header-read timeout
+//! that also closes idle keep-alive connections (the timer runs whenever the server waits for
+//! a request head), and a cap on connections.
+//!
+//! Past the cap, a small reserve of connections is still served, one request each with a
+//! short timeout, so that `/health` (and the odd request) keeps answering while idle or slow
+//! clients hold the main pool; past the reserve, connections are closed at once. Every
+//! refusal is counted, and the first of each saturation episode is logged.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+pub use crate::metrics::ListenStats;
+
+/// Bounds of an HTTP listener.
+#[derive(Debug, Clone)]
+pub struct HttpLimits {
+    /// Connections served at once (the main pool).
+    pub connections_max: usize,
+    /// Connections served past the cap, one request each, with `reserve_timeout`.
+    pub reserve: usize,
+    /// A request head must arrive within this, and an idle keep-alive connection is closed
+    /// after it.
+    pub header_read_timeout: Duration,
+    /// The header timeout of reserve connections.
+    pub reserve_timeout: Duration,
+    /// At shutdown, connections get this long to finish their requests.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            connections_max: 1024,
+            reserve: 32,
+            header_read_timeout: Duration::from_secs(10),
+            reserve_timeout: Duration::from_secs(2),
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Binds an HTTP listener with a deep accept queue (4096, the kernel caps it at
+/// `net.core.somaxconn`): a burst of connections waits in the kernel instead of retrying SYNs.
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(4096)
+}
+
+/// Serves `app` on `listener` within `limits` until `shutdown` completes; then stops
+/// accepting, asks open connections to finish, and waits for them up to the grace period.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    stats: ListenStats,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let main = Arc::new(Semaphore::new(limits.connections_max.max(1)));
+    let reserve = Arc::new(Semaphore::new(limits.reserve));
+    let saturated = Arc::new(AtomicBool::new(false));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = tokio::task::JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, from) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors or similar: back off instead of spinning.
+                    tracing::warn!(error = %e, "accepting an HTTP connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        // Reap finished connection tasks as we go.
+        while tasks.try_join_next().is_some() {}
+        let (permit, timeout, keep_alive) = match main.clone().try_acquire_owned() {
+            Ok(p) => {
+                saturated.store(false, Ordering::Relaxed);
+                (p, limits.header_read_timeout, true)
+            }
+            Err(_) => {
+                if !saturated.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        connections_max = limits.connections_max,
+                        "HTTP listener at its connection cap: serving from the reserve"
+                    );
+                }
+                match reserve.clone().try_acquire_owned() {
+                    Ok(p) => {
+                        stats.reserve.inc();
+                        (p, limits.reserve_timeout, false)
+                    }
+                    Err(_) => {
+                        stats.refused.inc();
+                        tracing::debug!(%from, "HTTP connection refused: pool and reserve full");
+                        continue;
+                    }
+                }
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (app, stats, mut stop) = (app.clone(), stats.clone(), stop_rx.clone());
+        tasks.spawn(async move {
+            let _permit = permit;
+            stats.open.inc();
+            let mut builder = http1::Builder::new();
+            builder.timer(TokioTimer::new()).header_read_timeout(timeout).keep_alive(keep_alive);
+            let conn =
+                builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+            tokio::pin!(conn);
+            let stopping = tokio::select! {
+                _ = conn.as_mut() => false,
+                r = stop.wait_for(|s| *s) => r.is_ok(),
+            };
+            if stopping {
+                conn.as_mut().graceful_shutdown();
+                let _ = conn.as_mut().await;
+            }
+            stats.open.dec();
+        });
+    }
+    let _ = stop_tx.send(true);
+    let _ = tokio::time::timeout(limits.shutdown_grace, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    Ok(())
+}
