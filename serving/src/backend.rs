@@ -86,6 +86,9 @@ impl Backend for LocalBackend {
 
     fn health(&self) -> Value {
         let s = self.sched.stats();
+        if let Some(reason) = self.sched.failure() {
+            return json!({ "status": "failed", "reason": reason, "model": self.entry.info.id });
+        }
         json!({
             "status": "ok",
             "model": self.entry.info.id,

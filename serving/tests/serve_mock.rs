@@ -507,3 +507,25 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
     wait_until("the worker to cancel", || stats.running.load(Ordering::Relaxed) == 0).await;
     assert_eq!(stats.cancelled.load(Ordering::Relaxed), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_engine_fails_health_with_its_reason() {
+    let s = serve(Opts {
+        mock: MockConfig { panic_at_step: Some(1), ..MockConfig::zero_delay() },
+        ..Opts::default()
+    })
+    .await;
+    assert_eq!(get(s.addr, "/health").await.status, 200);
+    let r = post_json(s.addr, "/v1/chat/completions", &chat("hello", json!({}))).await;
+    assert_ne!(r.status, 200, "{}", r.text());
+    let sched = s.sched.clone();
+    wait_until("the engine failure to be seen", || sched.failure().is_some()).await;
+    let h = get(s.addr, "/health").await;
+    assert_eq!(h.status, 503);
+    let h = h.json();
+    assert_eq!(h["status"], "failed");
+    assert!(h["reason"].as_str().unwrap().contains("injected fault"), "{h}");
+    // Later requests fail fast, typed.
+    let r = post_json(s.addr, "/v1/chat/completions", &chat("again", json!({}))).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+}

@@ -353,3 +353,48 @@ fn twenty_thousand_idle_connections_leave_health_answering() {
     eprintln!("refused {refused}, whole test {:?}", t0.elapsed());
     drop(holders);
 }
+
+/// An engine that dies takes `up` out of service: the panic is logged with its cause, the
+/// process exits non-zero (for a supervisor to restart it) instead of answering `stopped`
+/// forever while its health says ok.
+#[test]
+fn a_dead_engine_is_logged_and_the_process_exits_non_zero() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::time::{Duration, Instant};
+    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0"])
+        .args(["--mock-panic-at-step", "2", "--mock-decode-us", "100"])
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let first = BufReader::new(up.stdout.take().unwrap()).lines().next().unwrap().unwrap();
+    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
+    let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
+    let body = r#"{"model": "mock", "prompt": "hello there", "max_tokens": 8}"#;
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    assert!(!answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = up.try_wait().unwrap() {
+            break st;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "up still running");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    up.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(!status.success(), "{status}");
+    assert!(err.contains("the engine thread panicked") && err.contains("injected fault"), "{err}");
+}

@@ -29,6 +29,9 @@ pub struct MockConfig {
     pub decode_us_per_kv_token: f64,
     /// Context length.
     pub context_len: usize,
+    /// Fault injection: the engine panics in this step (counted from 1), as a real engine may
+    /// on a driver or kernel fault; tests of supervision use it. None: never.
+    pub panic_at_step: Option<u64>,
 }
 
 impl Default for MockConfig {
@@ -38,6 +41,7 @@ impl Default for MockConfig {
             decode_step_us: 8_000.0,
             decode_us_per_kv_token: 0.2,
             context_len: 8192,
+            panic_at_step: None,
         }
     }
 }
@@ -61,6 +65,7 @@ pub struct MockEngine {
     codec: TextCodec,
     cfg: MockConfig,
     seqs: HashMap<u64, MockSeq>,
+    steps: u64,
 }
 
 #[derive(Debug, Default)]
@@ -86,6 +91,7 @@ impl MockEngine {
             codec: TextCodec::bytes(),
             cfg,
             seqs: HashMap::new(),
+            steps: 0,
         })
     }
 
@@ -198,6 +204,10 @@ impl Engine for MockEngine {
     }
 
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.steps += 1;
+        if self.cfg.panic_at_step == Some(self.steps) {
+            panic!("mock engine: injected fault at step {}", self.steps);
+        }
         let bt = self.block_tokens();
         let vocab = self.codec.vocab_size();
         let (mut prefill, mut decode_kv, mut decodes) = (0usize, 0usize, 0usize);

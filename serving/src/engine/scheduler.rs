@@ -95,6 +95,8 @@ pub struct Scheduler {
     codec: Arc<TextCodec>,
     stats: Arc<SchedulerStats>,
     max_waiting: usize,
+    /// Why the engine thread died (None while it runs).
+    failure: tokio::sync::watch::Receiver<Option<String>>,
 }
 
 impl std::fmt::Debug for Submission {
@@ -142,11 +144,41 @@ impl Scheduler {
             block_buf: vec![0u8; info.layout.bytes_per_block() as usize],
             host_capacity: store_capacity as usize,
         };
+        let (failed, failure) = tokio::sync::watch::channel(None);
         std::thread::Builder::new()
             .name("kvfabric-engine".into())
-            .spawn(move || lp.run())
+            .spawn(move || {
+                // A panic in the engine (a bug, a driver fault) ends the loop: it is logged
+                // with its cause and published, so that the worker leaves service instead of
+                // answering `stopped` to everything while it still looks healthy.
+                if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lp.run())) {
+                    let cause = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic without a message".into());
+                    tracing::error!(%cause, "the engine thread panicked: the engine is out of service");
+                    let _ = failed.send(Some(format!("the engine thread panicked: {cause}")));
+                }
+            })
             .map_err(|e| EngineError::model(format!("starting the engine thread: {e}")))?;
-        Ok(Scheduler { tx, info, codec, stats, max_waiting })
+        Ok(Scheduler { tx, info, codec, stats, max_waiting, failure })
+    }
+
+    /// Why the engine thread died, if it did: the engine serves nothing more.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.borrow().clone()
+    }
+
+    /// Resolves when the engine thread dies, with why (never while it runs).
+    pub async fn failed(&self) -> String {
+        let mut rx = self.failure.clone();
+        let reason = rx.wait_for(|f| f.is_some()).await.map(|f| f.clone().unwrap_or_default());
+        match reason {
+            Ok(r) => r,
+            // The thread ended without a failure and dropped its sender: wait forever.
+            Err(_) => std::future::pending().await,
+        }
     }
 
     /// The model.

@@ -100,6 +100,21 @@ fn init_logging(level: Option<&str>, format: LogFormat) -> anyhow::Result<()> {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     init_logging(cli.log_level.as_deref(), cli.log_format)?;
+    // A panic on any thread is logged once with its cause and place, in the log's format,
+    // before the default report.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let cause = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into());
+        let at = info.location().map(|l| format!("{}:{}", l.file(), l.line())).unwrap_or_default();
+        let thread = std::thread::current().name().unwrap_or("unnamed").to_string();
+        tracing::error!(%cause, %at, %thread, "panic");
+        default_hook(info);
+    }));
     match cli.command {
         Command::Up(args) => runtime()?.block_on(up::run(args)),
         Command::Worker(args) => runtime()?.block_on(worker::run(args)),

@@ -116,6 +116,9 @@ pub struct EngineOpts {
     /// Mock: decode cost per token of active KV, microseconds.
     #[arg(long, env = "KVFABRIC_MOCK_DECODE_KV_US", default_value_t = 0.2)]
     pub mock_decode_kv_us: f64,
+    /// Mock, fault injection: the engine panics in this step (tests of supervision).
+    #[arg(long, hide = true)]
+    pub mock_panic_at_step: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -227,6 +230,7 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
                 decode_step_us: opts.mock_decode_us,
                 decode_us_per_kv_token: opts.mock_decode_kv_us,
                 context_len: opts.context,
+                panic_at_step: opts.mock_panic_at_step,
             },
         },
     };
@@ -386,7 +390,33 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     println!(
         "try:\n  curl http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 64}}'"
     );
-    http::listen::serve(listener, app, args.http.limits(), listen_stats, shutdown_signal()).await?;
+    // A dead engine takes the process down (non-zero, for a supervisor to restart it): its
+    // frontend would otherwise keep answering with nothing behind it.
+    let scheds: Vec<_> = stacks.iter().map(|s| s.sched.clone()).collect();
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
+    let watchdog = tokio::spawn(async move {
+        if scheds.is_empty() {
+            return;
+        }
+        let waits = scheds.iter().map(|s| Box::pin(s.failed()));
+        let (reason, _, _) = futures_util::future::select_all(waits).await;
+        let _ = failed_tx.send(reason);
+    });
+    let failure = Arc::new(parking_lot::Mutex::new(None));
+    let failure_slot = failure.clone();
+    let stop = async move {
+        tokio::select! {
+            _ = shutdown_signal() => {}
+            reason = failed_rx => {
+                if let Ok(r) = reason {
+                    tracing::error!(reason = %r, "engine failed: stopping");
+                    *failure_slot.lock() = Some(r);
+                }
+            }
+        }
+    };
+    http::listen::serve(listener, app, args.http.limits(), listen_stats, stop).await?;
+    watchdog.abort();
     for r in registrations {
         r.revoke().await;
     }
@@ -395,6 +425,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     }
     for s in stacks {
         s.shutdown().await;
+    }
+    if let Some(reason) = failure.lock().take() {
+        anyhow::bail!("out of service: {reason}");
     }
     tracing::info!("kvfabric stopped");
     Ok(())

@@ -102,14 +102,27 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         })
     );
     tracing::info!(worker = %args.name, %addr, metrics = ?metrics_addr, "worker listening");
-    shutdown_signal().await;
-    tracing::info!(worker = %args.name, "shutting down: leaving discovery");
+    // A dead engine takes the worker out of service: it leaves discovery and the process
+    // exits non-zero, for its supervisor (systemd, Kubernetes) to restart it.
+    let failure = tokio::select! {
+        _ = shutdown_signal() => None,
+        reason = stack.sched.failed() => Some(reason),
+    };
+    match &failure {
+        None => tracing::info!(worker = %args.name, "shutting down: leaving discovery"),
+        Some(reason) => {
+            tracing::error!(worker = %args.name, %reason, "engine failed: leaving discovery and exiting")
+        }
+    }
     registration.revoke().await;
     server.abort();
     if let Some(m) = metrics {
         m.abort();
     }
     stack.shutdown().await;
+    if let Some(reason) = failure {
+        anyhow::bail!("worker {} out of service: {reason}", args.name);
+    }
     tracing::info!(worker = %args.name, "worker stopped");
     Ok(())
 }
