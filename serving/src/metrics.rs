@@ -231,6 +231,8 @@ pub struct RoutedSnapshot {
     pub failed_mid_stream: u64,
     /// Requests no worker could serve.
     pub no_worker: u64,
+    /// Attempts abandoned: no connection, handshake or first token in time.
+    pub slow_workers: u64,
     /// KV events applied to the prefix index.
     pub kv_events: u64,
     /// Gaps in a source's KV event ids.
@@ -579,6 +581,11 @@ impl Collector for Components {
                 |r| r.failed_mid_stream,
             ),
             ("kvfabric_frontend_no_worker", "Requests no worker could serve.", |r| r.no_worker),
+            (
+                "kvfabric_frontend_unresponsive_workers",
+                "Attempts abandoned: no connection, handshake or first token in time.",
+                |r| r.slow_workers,
+            ),
             ("kvfabric_frontend_kv_events", "KV events applied to the prefix index.", |r| {
                 r.kv_events
             }),

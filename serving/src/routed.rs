@@ -47,6 +47,12 @@ pub struct RoutedConfig {
     pub kind: String,
     /// The workers' shared secret: every request connection authenticates with it.
     pub secret: Vec<u8>,
+    /// A worker that sends no first token within this is skipped: the request is retried on
+    /// another worker (if its deadline allows), and the slow worker is avoided for
+    /// `slow_penalty`, or until it answers in time again.
+    pub first_token_timeout: Duration,
+    /// How long a worker that missed the first-token limit is avoided (while others exist).
+    pub slow_penalty: Duration,
 }
 
 impl RoutedConfig {
@@ -59,6 +65,8 @@ impl RoutedConfig {
             name: "frontend".into(),
             kind: WORKER_KIND.into(),
             secret: secret.into(),
+            first_token_timeout: Duration::from_secs(30),
+            slow_penalty: Duration::from_secs(10),
         }
     }
 }
@@ -74,6 +82,9 @@ pub struct RoutedStats {
     pub failed_mid_stream: AtomicU64,
     /// Requests for which no worker was available.
     pub no_worker: AtomicU64,
+    /// Attempts abandoned because the worker did not answer in time (connection, handshake,
+    /// first token); the worker is then avoided for a while.
+    pub slow_workers: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -83,6 +94,8 @@ struct WorkerEntry {
     model: String,
     /// Requests sent to it.
     served: u64,
+    /// Avoided until then: it missed the first-token limit.
+    penalty_until: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -271,8 +284,10 @@ impl Inner {
         model.workers += 1;
         tracing::info!(worker = %inst.id, addr = %md.addr, model = %md.model.id, role = ?md.role, "worker joined");
         st.by_id.insert(wid, inst.id.clone());
-        st.workers
-            .insert(inst.id, WorkerEntry { wid, addr: md.addr, model: md.model.id, served: 0 });
+        st.workers.insert(
+            inst.id,
+            WorkerEntry { wid, addr: md.addr, model: md.model.id, served: 0, penalty_until: None },
+        );
     }
 
     fn leave(&self, name: &str) {
@@ -319,15 +334,47 @@ impl Inner {
         let hashes = m.hasher.sequence_hashes(prompt);
         let d = m.router.route(&self.index, request_id, &hashes, prompt.len() as u64, now, draw)?;
         let mut wid = d.worker;
-        if tried.contains(&wid) {
-            // The policy's choice failed already: the least-tried other worker instead.
+        // Avoid what failed for this request, and workers that are penalised for being slow
+        // unless every other worker failed already.
+        let clock = Instant::now();
+        let penalised = |w: &WorkerId| {
+            st.by_id
+                .get(w)
+                .and_then(|n| st.workers.get(n))
+                .and_then(|e| e.penalty_until)
+                .is_some_and(|t| t > clock)
+        };
+        let workers: Vec<WorkerId> = m.router.workers().to_vec();
+        let fresh = |w: &WorkerId| !tried.contains(w) && !penalised(w);
+        let avoid_slow = workers.iter().any(fresh);
+        if tried.contains(&wid) || (avoid_slow && penalised(&wid)) {
             m.router.free(request_id);
-            wid = *m.router.workers().iter().find(|w| !tried.contains(w))?;
+            wid = if avoid_slow {
+                *workers.iter().find(|w| fresh(w))?
+            } else {
+                *workers.iter().find(|w| !tried.contains(w))?
+            };
         }
         let name = st.by_id.get(&wid)?.clone();
         let w = st.workers.get_mut(&name)?;
         w.served += 1;
         Some((name, w.addr))
+    }
+
+    /// A worker did not answer (no connection, no handshake or no first token in time):
+    /// avoid it for a while.
+    fn penalise(&self, name: &str) {
+        self.stats.slow_workers.fetch_add(1, Ordering::Relaxed);
+        if let Some(w) = self.state.lock().workers.get_mut(name) {
+            w.penalty_until = Some(Instant::now() + self.cfg.slow_penalty);
+        }
+    }
+
+    /// A worker answered in time: it is no longer avoided.
+    fn forgive(&self, name: &str) {
+        if let Some(w) = self.state.lock().workers.get_mut(name) {
+            w.penalty_until = None;
+        }
     }
 
     fn with_router(&self, model: &str, f: impl FnOnce(&mut Router)) {
@@ -405,16 +452,33 @@ impl Inner {
                 .await
             {
                 Ok(c) => c,
-                Err(e) => return Relay::Retry(e.to_string()),
+                Err(e) => {
+                    // Refused, or no handshake in time (a frozen process): avoid it too.
+                    self.penalise(name);
+                    return Relay::Retry(e.to_string());
+                }
             };
         let mut sent_token = false;
+        let first_token_by =
+            (tokio::time::Instant::now() + self.cfg.first_token_timeout).min(deadline);
+        // `Started` is held until the first token: a request retried elsewhere reports the
+        // worker that answered it.
+        let mut started: Option<GenEvent> = None;
         loop {
+            let until = if sent_token { deadline } else { first_token_by };
             let frame = tokio::select! {
-                f = tokio::time::timeout_at(deadline, protocol::read_frame::<_, GenEvent>(&mut conn)) => f,
+                f = tokio::time::timeout_at(until, protocol::read_frame::<_, GenEvent>(&mut conn)) => f,
                 // The client went away: closing the connection cancels the worker's work.
                 _ = tx.closed() => return Relay::Finished,
             };
             let ev = match frame {
+                Err(_) if !sent_token && until < deadline => {
+                    self.penalise(name);
+                    return Relay::Retry(format!(
+                        "no first token within {:?}",
+                        self.cfg.first_token_timeout
+                    ));
+                }
                 Err(_) => {
                     let _ = tx.send(GenEvent::Error(EngineError::Deadline {
                         timeout: wreq.request.timeout,
@@ -436,7 +500,7 @@ impl Inner {
             };
             match ev {
                 GenEvent::Started { prompt_tokens, cached, remote_prefill, .. } => {
-                    let _ = tx.send(GenEvent::Started {
+                    started = Some(GenEvent::Started {
                         prompt_tokens,
                         cached,
                         worker: Some(name.to_string()),
@@ -447,12 +511,19 @@ impl Inner {
                     if !sent_token {
                         sent_token = true;
                         self.with_router(model, |r| r.prefill_done(rid));
+                        self.forgive(name);
+                        if let Some(s) = started.take() {
+                            let _ = tx.send(s);
+                        }
                     }
                     if tx.send(ev).is_err() {
                         return Relay::Finished;
                     }
                 }
                 GenEvent::Done { .. } => {
+                    if let Some(s) = started.take() {
+                        let _ = tx.send(s);
+                    }
                     let _ = tx.send(ev);
                     return Relay::Finished;
                 }
@@ -461,6 +532,9 @@ impl Inner {
                         matches!(e, EngineError::Overloaded { .. } | EngineError::Stopped);
                     if retryable && !sent_token {
                         return Relay::Retry(e.to_string());
+                    }
+                    if let Some(s) = started.take() {
+                        let _ = tx.send(s);
                     }
                     let _ = tx.send(GenEvent::Error(e));
                     return Relay::Finished;
@@ -518,6 +592,7 @@ impl Backend for RoutedBackend {
             retries: ld(&s.retries),
             failed_mid_stream: ld(&s.failed_mid_stream),
             no_worker: ld(&s.no_worker),
+            slow_workers: ld(&s.slow_workers),
             kv_events: ld(&f.applied),
             kv_event_gaps: ld(&f.gaps),
             kv_dumps: ld(&f.dumps),

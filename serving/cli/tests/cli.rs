@@ -274,7 +274,10 @@ fn twenty_thousand_idle_connections_leave_health_answering() {
             let _ = self.0.wait();
         }
     }
-    let first = BufReader::new(up.stdout.take().unwrap()).lines().next().unwrap().unwrap();
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    // Keep reading: a closed pipe would fail up's later prints.
+    std::thread::spawn(move || lines.for_each(drop));
     let _up = Kill(up);
     let url = first.split(" at ").nth(1).unwrap().trim().to_string();
     let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
@@ -369,7 +372,10 @@ fn a_dead_engine_is_logged_and_the_process_exits_non_zero() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let first = BufReader::new(up.stdout.take().unwrap()).lines().next().unwrap().unwrap();
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    // Keep reading: a closed pipe would fail up's later prints.
+    std::thread::spawn(move || lines.for_each(drop));
     let url = first.split(" at ").nth(1).unwrap().trim().to_string();
     let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
     let body = r#"{"model": "mock", "prompt": "hello there", "max_tokens": 8}"#;

@@ -369,3 +369,93 @@ async fn a_worker_stopped_cleanly_leaves_no_shared_memory() {
     }
     assert_eq!(common::shm_files(pid), Vec::<String>::new(), "files left after a clean stop");
 }
+
+/// A worker frozen with SIGSTOP (alive, still registered) under load: requests routed to it
+/// get no handshake (or, mid-generation, no first token) in time, are retried on the other
+/// worker and complete there; the frozen worker is avoided afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_worker_is_skipped_at_the_first_token_limit() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let a = mock_worker("fz-a", &etcd, &nats, "500");
+    let _b = mock_worker("fz-b", &etcd, &nats, "500");
+    let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
+    let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
+    let cfg = RoutedConfig {
+        router: RouterConfig { mode: RoutingMode::RoundRobin, ..RouterConfig::default() },
+        first_token_timeout: Duration::from_secs(1),
+        slow_penalty: Duration::from_secs(60),
+        ..RoutedConfig::new(SECRET)
+    };
+    let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
+    let server =
+        ServerConfig { request_timeout: Duration::from_secs(30), ..ServerConfig::default() };
+    let app = router(backend.clone(), server);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let f = Frontend { addr, backend };
+    wait_for("2 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 2)
+        .await;
+
+    let pid = a._proc.0.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..6)
+        .map(|i| {
+            let addr = f.addr;
+            tokio::spawn(async move {
+                let r = post_json(addr, "/v1/completions", &completion(&format!("frozen {i}"), 4))
+                    .await;
+                (r.status, r.header("x-kvfabric-worker").map(str::to_string), r.text())
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (status, worker, text) = t.await.unwrap();
+        assert_eq!(status, 200, "{text}");
+        assert_eq!(worker.as_deref(), Some("fz-b"));
+    }
+    // Each request waited at most one first-token limit for the frozen worker.
+    assert!(start.elapsed() < Duration::from_secs(8), "took {:?}", start.elapsed());
+    let skipped = f.backend.stats().slow_workers.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(skipped >= 1, "round robin sent a request to the frozen worker: {skipped}");
+    // Penalised: the next requests go straight to the live worker.
+    let t = Instant::now();
+    let r = post_json(f.addr, "/v1/completions", &completion("after", 4)).await;
+    assert_eq!((r.status, r.header("x-kvfabric-worker")), (200, Some("fz-b")));
+    assert!(t.elapsed() < Duration::from_millis(900), "no wait for the frozen worker");
+    let _ = std::process::Command::new("kill").args(["-CONT", &pid]).status();
+}
+
+/// A worker that accepts a request but produces no first token in time (here: a very slow
+/// prefill) is abandoned at the first-token limit; the request completes on another worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_first_token_in_time_retries_elsewhere() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let slow_args = ["--engine", "mock", "--disk-blocks", "0", "--mock-prefill-us", "500000"];
+    let _slow = worker("ft-slow", &etcd, &nats, &slow_args);
+    let _fast = mock_worker("ft-fast", &etcd, &nats, "500");
+    let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
+    let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
+    let cfg = RoutedConfig {
+        router: RouterConfig { mode: RoutingMode::RoundRobin, ..RouterConfig::default() },
+        first_token_timeout: Duration::from_secs(1),
+        ..RoutedConfig::new(SECRET)
+    };
+    let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
+    let app = router(backend.clone(), ServerConfig::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let f = Frontend { addr, backend };
+    wait_for("2 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 2)
+        .await;
+    for i in 0..2 {
+        let start = Instant::now();
+        let r = post_json(f.addr, "/v1/completions", &completion(&format!("slow {i}"), 2)).await;
+        assert_eq!((r.status, r.header("x-kvfabric-worker")), (200, Some("ft-fast")));
+        assert!(start.elapsed() < Duration::from_secs(3), "took {:?}", start.elapsed());
+    }
+    let skipped = f.backend.stats().slow_workers.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(skipped, 1, "the slow worker was tried once, then avoided");
+}

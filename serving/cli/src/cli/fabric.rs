@@ -81,7 +81,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let node = FabricNode::serve(agent.clone(), store, Duration::from_secs(30));
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
     let registration = node.register(&*discovery, &args.name, ttl).await?;
-    println!("{}", serde_json::json!({ "fabric": node.info() }));
+    super::say!("{}", serde_json::json!({ "fabric": node.info() }));
 
     let publisher =
         StorePublisher::start(bus.clone(), args.name.clone(), node.store().clone(), events).await?;

@@ -36,6 +36,11 @@ pub struct FrontendArgs {
     secret: String,
     #[command(flatten)]
     http: super::HttpArgs,
+    /// A worker that sends no first token within this many seconds is skipped: the request
+    /// is retried on another worker and the slow one avoided for a while.
+    #[arg(long, env = "KVFABRIC_FIRST_TOKEN_TIMEOUT_S", default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    first_token_timeout_s: u64,
     /// Request deadline, seconds.
     #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300,
         value_parser = clap::value_parser!(u64).range(1..=86_400))]
@@ -58,6 +63,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         },
         max_attempts: args.max_attempts.max(1),
         name: args.name.clone(),
+        first_token_timeout: Duration::from_secs(args.first_token_timeout_s),
         ..RoutedConfig::new(args.secret.clone().into_bytes())
     };
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
@@ -71,7 +77,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
     tracing::info!(frontend = %args.name, %addr, "frontend listening");
-    println!("kvfabric frontend at http://{addr}/v1");
+    super::say!("kvfabric frontend at http://{addr}/v1");
     http::listen::serve(listener, app, args.http.limits(), listen_stats, shutdown_signal()).await?;
     backend.stop();
     tracing::info!(frontend = %args.name, "frontend stopped");

@@ -4,6 +4,16 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+/// Prints a line on stdout for whoever started the process; a closed or broken stdout (the
+/// reader went away) is not a reason for a server to die.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+pub(crate) use say;
+
 mod bench;
 mod control;
 mod fabric;

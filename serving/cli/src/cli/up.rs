@@ -149,6 +149,11 @@ pub struct UpArgs {
     router: RoutingMode,
     #[command(flatten)]
     http: super::HttpArgs,
+    /// A worker that sends no first token within this many seconds is skipped: the request
+    /// is retried on another worker and the slow one avoided for a while.
+    #[arg(long, env = "KVFABRIC_FIRST_TOKEN_TIMEOUT_S", default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    first_token_timeout_s: u64,
     /// Request deadline, seconds.
     #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300,
         value_parser = clap::value_parser!(u64).range(1..=86_400))]
@@ -365,6 +370,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         let cfg = RoutedConfig {
             router: kvfabric_router::RouterConfig { mode: args.router, ..Default::default() },
             name: format!("{}-frontend", args.name),
+            first_token_timeout: Duration::from_secs(args.first_token_timeout_s),
             ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
         };
         let remote = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
@@ -386,8 +392,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!("control plane: embedded discovery and event bus (this process only)");
     tracing::info!(%addr, "listening: kvfabric is serving {describe}");
-    println!("kvfabric is serving {describe} at http://{addr}/v1");
-    println!(
+    super::say!("kvfabric is serving {describe} at http://{addr}/v1");
+    super::say!(
         "try:\n  curl http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 64}}'"
     );
     // A dead engine takes the process down (non-zero, for a supervisor to restart it): its

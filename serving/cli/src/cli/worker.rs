@@ -94,7 +94,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    println!(
+    super::say!(
         "{}",
         serde_json::json!({
             "worker": args.name, "addr": addr, "model": stack.sched.info().id, "role": args.role,
