@@ -89,8 +89,10 @@ impl Backend for LocalBackend {
         if let Some(reason) = self.sched.failure() {
             return json!({ "status": "failed", "reason": reason, "model": self.entry.info.id });
         }
+        let degraded = self.store.degraded();
         json!({
-            "status": "ok",
+            "status": if degraded.is_empty() { "ok" } else { "degraded" },
+            "reasons": degraded,
             "model": self.entry.info.id,
             "running": s.running.load(Ordering::Relaxed),
             "waiting": s.waiting.load(Ordering::Relaxed),

@@ -428,6 +428,8 @@ async fn a_full_disk_is_a_typed_error_and_the_block_stays_in_host_memory() {
     assert_eq!(s.lookup_prefix(&[h(2)]), vec![TierKind::Host], "the block stayed in host memory");
     assert_eq!(s.get(&[h(2)]).await.unwrap()[0].to_vec(), data(2));
     assert_eq!(s.metrics().disk_capacity_blocks, 2, "the tier capped itself at what fits");
+    let why = s.degraded();
+    assert!(why.len() == 1 && why[0].contains("2 of 16 slots usable"), "{why:?}");
     // Later offloads evict disk blocks instead of failing.
     assert_eq!(s.offload(&[h(2)]).await.unwrap(), 1);
     assert!(s.disk().unwrap().has(h(2)));

@@ -144,6 +144,10 @@ pub struct DiskTier {
     allocated: tokio::sync::Mutex<u32>,
     /// Reads submitted and not yet completed.
     reads_in_flight: std::sync::atomic::AtomicUsize,
+    /// The slot file (for messages).
+    path: PathBuf,
+    /// Slots configured (the tier may cap itself below on a full filesystem).
+    configured_blocks: u32,
 }
 
 /// Counts a read in flight until dropped (also when its future is).
@@ -196,6 +200,8 @@ impl DiskTier {
             }),
             allocated: tokio::sync::Mutex::new(existing),
             reads_in_flight: std::sync::atomic::AtomicUsize::new(0),
+            path: cfg.path.clone(),
+            configured_blocks: cfg.capacity_blocks,
         };
         let recovered = tier.rebuild(existing, cfg.queue_depth.max(1)).await?;
         // Preallocate the first growth step now, so that the first writes do not wait for
@@ -265,6 +271,12 @@ impl DiskTier {
     /// The parent of a block on disk (None if unknown or it has none).
     pub fn blocks_parent(&self, hash: SequenceHash) -> Option<SequenceHash> {
         self.state.lock().pool.parent_of(hash)
+    }
+
+    /// Slots configured; [`DiskTier::occupancy`]'s usable count is lower once a full
+    /// filesystem capped the tier.
+    pub fn configured_blocks(&self) -> u32 {
+        self.configured_blocks
     }
 
     /// (used, usable) slots.
@@ -400,7 +412,17 @@ impl DiskTier {
                 let _ = st.pool.abort(slot);
                 if let Some(allocated) = allocated {
                     // The filesystem is full: stop growing; later writes evict instead.
+                    let before = st.pool.usable();
                     st.pool.retire_free_from(allocated);
+                    let after = st.pool.usable();
+                    if after < before {
+                        tracing::warn!(
+                            path = %self.path.display(),
+                            usable_slots = after,
+                            "the disk tier's filesystem is full: the tier is capped at what \
+                             fits, later blocks evict instead"
+                        );
+                    }
                 }
                 Err(e)
             }

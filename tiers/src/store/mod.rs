@@ -406,6 +406,22 @@ impl TieredStore {
         }
     }
 
+    /// What is wrong with the store now, for `/health`: each reason makes it degraded
+    /// (serving, with less than it was configured for). Empty: healthy.
+    pub fn degraded(&self) -> Vec<String> {
+        let mut reasons = Vec::new();
+        if let Some(d) = &self.inner.disk {
+            let (_, usable) = d.occupancy();
+            if usable < d.configured_blocks() {
+                reasons.push(format!(
+                    "the disk tier's filesystem is full: {usable} of {} slots usable",
+                    d.configured_blocks()
+                ));
+            }
+        }
+        reasons
+    }
+
     /// The disk tier, if any (tests and benchmarks).
     pub fn disk(&self) -> Option<&DiskTier> {
         self.inner.disk.as_ref()

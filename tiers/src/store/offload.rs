@@ -175,7 +175,13 @@ impl Inner {
                 Ok(true)
             }
             Err(e) => {
-                add(&self.metrics.offload_errors, 1);
+                // Logged at the 1st, 2nd, 4th, 8th… failure: visible, never a flood.
+                let n =
+                    self.metrics.offload_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                        + 1;
+                if n.is_power_of_two() {
+                    tracing::warn!(%hash, error = %e, failures = n, "offload to disk failed: the block stays in host memory");
+                }
                 Err(e.into())
             }
         }
