@@ -213,14 +213,37 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
             assert_eq!(err["code"], code, "{shown}");
         }
     }
+    // Small points: a text part without text says so; a lone surrogate is named; a body
+    // that is not JSON by its Content-Type is refused with 415; a seed of -1 is fine.
+    let no_text =
+        json!({"model": "mock", "messages": [{"role": "user", "content": [{"type": "text"}]}]});
+    let r = post(s.addr, "/v1/chat/completions", &no_text.to_string()).await;
+    assert_eq!(r.status, 400);
+    assert!(
+        r.json()["error"]["message"].as_str().unwrap().contains("needs a \"text\""),
+        "{}",
+        r.text()
+    );
+    let lone = r#"{"model": "mock", "messages": [{"role": "user", "content": "\ud800"}]}"#;
+    let r = post(s.addr, "/v1/chat/completions", lone).await;
+    let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert_eq!(r.status, 400, "{m}");
+    assert!(m.contains("invalid JSON") && m.contains("surrogate"), "{m}");
+    let form = "POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\
+                Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 3\r\n\r\na=b";
+    let r = common::raw(s.addr, form.as_bytes()).await;
+    assert_eq!(r.status, 415, "{}", r.text());
+    let r = post(s.addr, "/v1/chat/completions", &chat("x", json!({"seed": -1})).to_string()).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+
     let r = get(s.addr, "/v1/nope").await;
     assert_eq!((r.status, r.json()["error"]["type"].as_str()), (404, Some("not_found")));
     assert_eq!(get(s.addr, "/v1/chat/completions").await.status, 405);
     assert_eq!(get(s.addr, "/v1/models/gpt-9").await.status, 404);
-    // Every refusal is counted; nothing reached the engine.
+    // Every refusal is counted; only the request with seed -1 reached the engine.
     let m = get(s.addr, "/metrics").await.text();
     assert!(metric(&m, "kvfabric_requests_total{outcome=\"client_error\"}") >= 20.0);
-    assert_eq!(s.sched.stats().prompt_tokens.load(Ordering::Relaxed), 0);
+    assert_eq!(metric(&m, "kvfabric_requests_total{outcome=\"ok\"}"), 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

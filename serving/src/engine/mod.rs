@@ -68,7 +68,7 @@ pub enum EngineError {
         message: String,
     },
     /// The model could not be loaded or run.
-    #[error("model: {message}")]
+    #[error("{message}")]
     Model {
         /// What failed.
         message: String,

@@ -134,7 +134,8 @@ struct Common {
     max_completion_tokens: Option<i64>,
     temperature: Option<f32>,
     top_p: Option<f32>,
-    seed: Option<u64>,
+    /// Any integer: a negative one (clients send -1) asks for a random seed.
+    seed: Option<serde_json::Number>,
     stop: Option<OneOrMany>,
     n: Option<i64>,
     #[serde(default)]
@@ -185,7 +186,15 @@ struct ChatRequest {
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| {
         let what = if e.is_syntax() || e.is_eof() { "invalid JSON" } else { "invalid request" };
-        ApiError::invalid(format!("{what}: {e}"), "body")
+        // serde_json reports a lone surrogate escape as a broken hex escape: say what it is.
+        let text = e.to_string();
+        let hint = if text.contains("hex escape") || text.contains("surrogate") {
+            " (a \\u escape of a lone UTF-16 surrogate, D800-DFFF, is not a character: pair it, \
+             or send the character as UTF-8)"
+        } else {
+            ""
+        };
+        ApiError::invalid(format!("{what}: {text}{hint}"), "body")
     })
 }
 
@@ -242,7 +251,15 @@ fn check_common(st: &AppState, c: &Common) -> Result<Checked, ApiError> {
     if stop.len() > 4 {
         return Err(ApiError::invalid("at most 4 stop sequences", "stop"));
     }
-    let seed = c.seed.unwrap_or_else(|| {
+    let seed = match &c.seed {
+        Some(n) if n.as_u64().is_some() => n.as_u64(),
+        Some(n) if n.as_i64().is_some() => None, // negative: random
+        Some(n) => {
+            return Err(ApiError::invalid(format!("seed must be an integer, got {n}"), "seed"))
+        }
+        None => None,
+    };
+    let seed = seed.unwrap_or_else(|| {
         SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
             ^ NEXT_ID.fetch_add(1, Ordering::Relaxed).rotate_left(32)
     });
@@ -276,6 +293,24 @@ pub(super) type Parsed = (Vec<u32>, usize, Checked);
 pub(super) type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
 
 /// An unreadable or oversize body, in OpenAI's shape.
+/// Requests carry JSON: a `Content-Type` other than `application/json` (parameters allowed)
+/// is refused with 415; none at all is accepted.
+pub(super) fn check_content_type(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+    let Some(v) = headers.get(axum::http::header::CONTENT_TYPE) else { return Ok(()) };
+    let essence = v.to_str().unwrap_or("").split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        return Ok(());
+    }
+    Err(ApiError {
+        param: Some("Content-Type"),
+        ..ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!("Content-Type must be application/json, not {:?}", essence),
+            "invalid_request_error",
+        )
+    })
+}
+
 pub(super) fn read_body(body: Body) -> Result<Bytes, ApiError> {
     body.map_err(|e| ApiError {
         param: Some("body"),
@@ -324,6 +359,12 @@ pub(super) fn parse_chat(st: &AppState, body: &Bytes) -> Result<Parsed, ApiError
                     for p in parts {
                         match (p.kind.as_str(), p.text) {
                             ("text", Some(t)) => s.push_str(&t),
+                            ("text", None) => {
+                                return Err(ApiError::invalid(
+                                    "a content part of type \"text\" needs a \"text\" string",
+                                    "messages",
+                                ))
+                            }
                             (k, _) => {
                                 return Err(ApiError::invalid(
                                     format!("content parts of type {k:?} are not supported"),

@@ -34,7 +34,9 @@ use crate::metrics::{self, Components, Outcome, Source};
 pub use crate::metrics::HttpMetrics;
 use prometheus_client::registry::Registry;
 
-use api::{parse_chat, parse_completion, read_body, unknown_model, Body, Endpoint};
+use api::{
+    check_content_type, parse_chat, parse_completion, read_body, unknown_model, Body, Endpoint,
+};
 
 /// Frontend limits.
 #[derive(Debug, Clone)]
@@ -156,15 +158,27 @@ async fn prometheus(State(st): State<Arc<AppState>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], metrics::encode(&st.registry))
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Body,
+) -> Response {
     let started = Instant::now();
-    let r = read_body(body).and_then(|b| parse_completion(&st, &b));
+    let r = check_content_type(&headers)
+        .and_then(|()| read_body(body))
+        .and_then(|b| parse_completion(&st, &b));
     run(st, Endpoint::Completions, r, started).await
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Body,
+) -> Response {
     let started = Instant::now();
-    let r = read_body(body).and_then(|b| parse_chat(&st, &b));
+    let r = check_content_type(&headers)
+        .and_then(|()| read_body(body))
+        .and_then(|b| parse_chat(&st, &b));
     run(st, Endpoint::Chat, r, started).await
 }
 
