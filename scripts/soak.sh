@@ -138,6 +138,8 @@ print(f"requests {req}, errors {err} ({100.0 * err / max(req, 1):.2f}%), rounds 
 print(f"worst e2e p99 of a round: {p99:.0f} ms (deadline 30000 ms)")
 PY
 echo "-- chaos"; cat "$TMP/chaos.log"
+echo "-- memory over time (kB RSS, one sample a minute)"
+awk 'NR % 6 == 1' "$TMP/rss.log"
 echo "-- memory (kB RSS: first, max, last)"
 for p in frontend w0 w1; do
   sed -n "s/.*$p=\([0-9]*\).*/\1/p" "$TMP/rss.log" | awk -v p=$p 'NR==1{f=$1} {if($1>m)m=$1; l=$1} END{print p, f, m, l}'

@@ -61,13 +61,17 @@ struct Frontend {
 }
 
 async fn frontend(etcd: &EtcdServer, nats: &NatsServer, mode: RoutingMode) -> Frontend {
-    let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
-    let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
     let cfg = RoutedConfig {
         router: RouterConfig { mode, ..RouterConfig::default() },
         connect_timeout: Duration::from_millis(500),
         ..RoutedConfig::new(SECRET)
     };
+    frontend_with(etcd, nats, cfg).await
+}
+
+async fn frontend_with(etcd: &EtcdServer, nats: &NatsServer, cfg: RoutedConfig) -> Frontend {
+    let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
+    let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
     let server =
         ServerConfig { request_timeout: Duration::from_secs(60), ..ServerConfig::default() };
@@ -378,22 +382,13 @@ async fn a_frozen_worker_is_skipped_at_the_first_token_limit() {
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
     let a = mock_worker("fz-a", &etcd, &nats, "500");
     let _b = mock_worker("fz-b", &etcd, &nats, "500");
-    let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
-    let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
     let cfg = RoutedConfig {
         router: RouterConfig { mode: RoutingMode::RoundRobin, ..RouterConfig::default() },
         first_token_timeout: Duration::from_secs(1),
         slow_penalty: Duration::from_secs(60),
         ..RoutedConfig::new(SECRET)
     };
-    let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
-    let server =
-        ServerConfig { request_timeout: Duration::from_secs(30), ..ServerConfig::default() };
-    let app = router(backend.clone(), server);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    let f = Frontend { addr, backend };
+    let f = frontend_with(&etcd, &nats, cfg).await;
     wait_for("2 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 2)
         .await;
 
@@ -435,19 +430,12 @@ async fn no_first_token_in_time_retries_elsewhere() {
     let slow_args = ["--engine", "mock", "--disk-blocks", "0", "--mock-prefill-us", "500000"];
     let _slow = worker("ft-slow", &etcd, &nats, &slow_args);
     let _fast = mock_worker("ft-fast", &etcd, &nats, "500");
-    let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
-    let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
     let cfg = RoutedConfig {
         router: RouterConfig { mode: RoutingMode::RoundRobin, ..RouterConfig::default() },
         first_token_timeout: Duration::from_secs(1),
         ..RoutedConfig::new(SECRET)
     };
-    let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
-    let app = router(backend.clone(), ServerConfig::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    let f = Frontend { addr, backend };
+    let f = frontend_with(&etcd, &nats, cfg).await;
     wait_for("2 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 2)
         .await;
     for i in 0..2 {

@@ -163,11 +163,7 @@ async fn completions(
     headers: axum::http::HeaderMap,
     body: Body,
 ) -> Response {
-    let started = Instant::now();
-    let r = check_content_type(&headers)
-        .and_then(|()| read_body(body))
-        .and_then(|b| parse_completion(&st, &b));
-    run(st, Endpoint::Completions, r, started).await
+    generate_from(st, &headers, body, Endpoint::Completions, parse_completion).await
 }
 
 async fn chat_completions(
@@ -175,11 +171,20 @@ async fn chat_completions(
     headers: axum::http::HeaderMap,
     body: Body,
 ) -> Response {
+    generate_from(st, &headers, body, Endpoint::Chat, parse_chat).await
+}
+
+/// Checks and parses a generation request of `endpoint`, then runs it.
+async fn generate_from(
+    st: Arc<AppState>,
+    headers: &axum::http::HeaderMap,
+    body: Body,
+    endpoint: Endpoint,
+    parse: fn(&AppState, &axum::body::Bytes) -> Result<api::Parsed, ApiError>,
+) -> Response {
     let started = Instant::now();
-    let r = check_content_type(&headers)
-        .and_then(|()| read_body(body))
-        .and_then(|b| parse_chat(&st, &b));
-    run(st, Endpoint::Chat, r, started).await
+    let r = check_content_type(headers).and_then(|()| read_body(body)).and_then(|b| parse(&st, &b));
+    run(st, endpoint, r, started).await
 }
 
 impl AppState {

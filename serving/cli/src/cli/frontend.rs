@@ -36,15 +36,6 @@ pub struct FrontendArgs {
     secret: String,
     #[command(flatten)]
     http: super::HttpArgs,
-    /// A worker that sends no first token within this many seconds is skipped: the request
-    /// is retried on another worker and the slow one avoided for a while.
-    #[arg(long, env = "KVFABRIC_FIRST_TOKEN_TIMEOUT_S", default_value_t = 30,
-        value_parser = clap::value_parser!(u64).range(1..=86_400))]
-    first_token_timeout_s: u64,
-    /// Request deadline, seconds.
-    #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300,
-        value_parser = clap::value_parser!(u64).range(1..=86_400))]
-    request_timeout_s: u64,
     /// Workers tried per request at most (a failed one before any token is retried).
     #[arg(long, env = "KVFABRIC_MAX_ATTEMPTS", default_value_t = 3)]
     max_attempts: usize,
@@ -63,12 +54,12 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         },
         max_attempts: args.max_attempts.max(1),
         name: args.name.clone(),
-        first_token_timeout: Duration::from_secs(args.first_token_timeout_s),
+        first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
         ..RoutedConfig::new(args.secret.clone().into_bytes())
     };
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
     let server_cfg = ServerConfig {
-        request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
+        request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
         ..ServerConfig::default()
     };
     let listen_stats = server_cfg.listen.clone();

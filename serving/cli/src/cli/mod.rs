@@ -225,9 +225,18 @@ pub fn one_line(e: &anyhow::Error) -> String {
     parts.join(": ")
 }
 
-/// Bounds of an HTTP listener (`up`, `frontend`).
+/// The HTTP frontend's bounds (`up`, `frontend`): its listener and its requests' deadlines.
 #[derive(clap::Args, Debug, Clone)]
 pub struct HttpArgs {
+    /// Request deadline, seconds.
+    #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300,
+        value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub request_timeout_s: u64,
+    /// A worker that sends no first token within this many seconds is skipped: the request
+    /// is retried on another worker and the slow one avoided for a while.
+    #[arg(long, env = "KVFABRIC_FIRST_TOKEN_TIMEOUT_S", default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub first_token_timeout_s: u64,
     /// HTTP connections served at once; past it a small reserve answers one request each
     /// (so `/health` keeps answering), then connections are refused.
     #[arg(long, env = "KVFABRIC_MAX_CONNECTIONS", default_value_t = 1024)]

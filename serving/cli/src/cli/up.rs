@@ -149,15 +149,6 @@ pub struct UpArgs {
     router: RoutingMode,
     #[command(flatten)]
     http: super::HttpArgs,
-    /// A worker that sends no first token within this many seconds is skipped: the request
-    /// is retried on another worker and the slow one avoided for a while.
-    #[arg(long, env = "KVFABRIC_FIRST_TOKEN_TIMEOUT_S", default_value_t = 30,
-        value_parser = clap::value_parser!(u64).range(1..=86_400))]
-    first_token_timeout_s: u64,
-    /// Request deadline, seconds.
-    #[arg(long, env = "KVFABRIC_REQUEST_TIMEOUT_S", default_value_t = 300,
-        value_parser = clap::value_parser!(u64).range(1..=86_400))]
-    request_timeout_s: u64,
     /// Worker name in discovery (with several workers, the prefix of their names).
     #[arg(long, env = "KVFABRIC_NAME", default_value = "worker")]
     name: String,
@@ -309,7 +300,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
     let server_cfg = ServerConfig {
-        request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
+        request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
         ..ServerConfig::default()
     };
     let listen_stats = server_cfg.listen.clone();
@@ -370,7 +361,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         let cfg = RoutedConfig {
             router: kvfabric_router::RouterConfig { mode: args.router, ..Default::default() },
             name: format!("{}-frontend", args.name),
-            first_token_timeout: Duration::from_secs(args.first_token_timeout_s),
+            first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
             ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
         };
         let remote = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
