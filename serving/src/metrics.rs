@@ -550,6 +550,19 @@ impl Collector for Components {
         family(
             e,
             s,
+            "kvfabric_kv_disk_io_backend",
+            "The disk tier's I/O backend now (1 for the one in use: io_uring, or pread after a fallback).",
+            None,
+            G,
+            |s, o| {
+                if let Some(b) = store(s).and_then(|t| t.disk_io_backend) {
+                    o.push((vec![("backend", b.into())], Value::Int(1)));
+                }
+            },
+        )?;
+        family(
+            e,
+            s,
             "kvfabric_kv_offload_duration",
             "Time to write one block host to disk.",
             Some(Unit::Seconds),

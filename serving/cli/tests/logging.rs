@@ -130,6 +130,9 @@ async fn up_logs_json_lines_and_a_corrupt_disk_block_is_a_warning_naming_it() {
     let up = Up::start(dir.path(), "info");
     let r = common::post_json(up.addr, "/v1/completions", &body).await;
     assert_eq!(r.status, 200, "a corrupt cached block is recomputed: {}", r.text());
+    // Counted too.
+    let m = common::get(up.addr, "/metrics").await.text();
+    assert!(common::metric(&m, "kvfabric_kv_disk_corrupt_blocks_total") >= 1.0, "{m}");
     let log = up.stop();
     let corrupt: Vec<&Value> =
         log.iter().filter(|l| l["fields"]["message"] == "corrupt block on disk dropped").collect();
