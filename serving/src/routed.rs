@@ -51,7 +51,7 @@ pub struct RoutedConfig {
     /// another worker (if its deadline allows), and the slow worker is avoided for
     /// `slow_penalty`, or until it answers in time again.
     pub first_token_timeout: Duration,
-    /// How long a worker that missed the first-token limit is avoided (while others exist).
+    /// How long a worker that did not answer in time is avoided (while others exist).
     pub slow_penalty: Duration,
 }
 
@@ -94,7 +94,7 @@ struct WorkerEntry {
     model: String,
     /// Requests sent to it.
     served: u64,
-    /// Avoided until then: it missed the first-token limit.
+    /// Avoided until then: it did not answer in time (connection, handshake, first token).
     penalty_until: Option<Instant>,
 }
 

@@ -54,6 +54,7 @@ pub struct FabricArgs {
 }
 
 pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
+    let stop_signal = super::up::shutdown_signal();
     let mut spec = kvfabric_serving::plan::resolve_model(&args.model)
         .with_context(|| format!("model {:?}", args.model))?;
     if let Some(d) = &args.dtype {
@@ -86,11 +87,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let publisher =
         StorePublisher::start(bus.clone(), args.name.clone(), node.store().clone(), events).await?;
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    stop_signal.await;
     // Graceful shutdown: no new connections, leave discovery at once.
     agent.shutdown();
     registration.revoke().await;

@@ -45,6 +45,7 @@ pub struct FrontendArgs {
 }
 
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
+    let stop_signal = shutdown_signal();
     let (discovery, bus) = args.control.connect().await?;
     let cfg = RoutedConfig {
         router: RouterConfig {
@@ -69,7 +70,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(frontend = %args.name, %addr, "frontend listening");
     super::say!("kvfabric frontend at http://{addr}/v1");
-    http::listen::serve(listener, app, args.http.limits(), listen_stats, shutdown_signal()).await?;
+    http::listen::serve(listener, app, args.http.limits(), listen_stats, stop_signal).await?;
     backend.stop();
     tracing::info!(frontend = %args.name, "frontend stopped");
     Ok(())

@@ -285,18 +285,31 @@ pub async fn start_stack(
     Ok(stack?)
 }
 
-pub async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(t) => t,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+/// Registers for SIGTERM and SIGINT at once, and resolves on the first of them. Call it
+/// before the process says it is ready: a signal that arrives before the returned future is
+/// polled is kept, instead of killing the process with its default action (no cleanup).
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{signal, Signal, SignalKind};
+    let term = signal(SignalKind::terminate()).ok();
+    let int = signal(SignalKind::interrupt()).ok();
+    async fn recv(s: Option<Signal>) {
+        match s {
+            Some(mut s) => {
+                s.recv().await;
+            }
+            None => std::future::pending().await,
+        }
+    }
+    async move {
+        tokio::select! {
+            _ = recv(term) => {}
+            _ = recv(int) => {}
+        }
     }
 }
 
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    let stop_signal = shutdown_signal();
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
     let server_cfg = ServerConfig {
@@ -403,7 +416,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let failure_slot = failure.clone();
     let stop = async move {
         tokio::select! {
-            _ = shutdown_signal() => {}
+            _ = stop_signal => {}
             reason = failed_rx => {
                 if let Ok(r) = reason {
                     tracing::error!(reason = %r, "engine failed: stopping");

@@ -48,6 +48,7 @@ pub struct WorkerArgs {
 }
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let stop_signal = shutdown_signal();
     let (discovery, bus) = args.control.connect().await?;
     anyhow::ensure!(
         args.engine.secret.as_ref().is_some_and(|s| !s.is_empty()),
@@ -105,7 +106,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     // A dead engine takes the worker out of service: it leaves discovery and the process
     // exits non-zero, for its supervisor (systemd, Kubernetes) to restart it.
     let failure = tokio::select! {
-        _ = shutdown_signal() => None,
+        _ = stop_signal => None,
         reason = stack.sched.failed() => Some(reason),
     };
     match &failure {
