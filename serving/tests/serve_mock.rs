@@ -552,3 +552,30 @@ async fn a_dead_engine_fails_health_with_its_reason() {
     let r = post_json(s.addr, "/v1/chat/completions", &chat("again", json!({}))).await;
     assert_eq!(r.status, 503, "{}", r.text());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_guards_the_api_but_not_health_or_metrics() {
+    let s = serve(Opts {
+        server: ServerConfig { api_key: Some("sk-test".into()), ..ServerConfig::default() },
+        ..Opts::default()
+    })
+    .await;
+    let body = chat("hi", json!({"max_tokens": 2})).to_string();
+    let r = post(s.addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 401, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    assert_eq!(get(s.addr, "/v1/models").await.status, 401);
+    let with_key = |key: &str| {
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nAuthorization: Bearer {key}\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    assert_eq!(common::raw(s.addr, with_key("sk-wrong").as_bytes()).await.status, 401);
+    let r = common::raw(s.addr, with_key("sk-test").as_bytes()).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(get(s.addr, "/health").await.status, 200);
+    assert_eq!(get(s.addr, "/metrics").await.status, 200);
+}

@@ -79,6 +79,18 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A `/v1/` request without the configured API key: 401.
+pub(super) fn wrong_api_key() -> ApiError {
+    ApiError {
+        code: Some("invalid_api_key"),
+        ..ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong API key (Authorization: Bearer ...)",
+            "invalid_request_error",
+        )
+    }
+}
+
 /// No model is served now (no worker, or none registered yet): 503, retry later.
 pub(super) fn no_model_served() -> ApiError {
     ApiError {

@@ -50,6 +50,9 @@ pub struct ServerConfig {
     /// The counters of the listener that serves these routes ([`listen::serve`]), shown in
     /// their `/metrics`.
     pub listen: metrics::ListenStats,
+    /// When set, every `/v1/` request must carry `Authorization: Bearer <key>` (401
+    /// otherwise, before its body is read); `/health` and `/metrics` stay open.
+    pub api_key: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -59,6 +62,7 @@ impl Default for ServerConfig {
             max_body_bytes: 4 << 20,
             default_chat_max_tokens: 1024,
             listen: metrics::ListenStats::default(),
+            api_key: None,
         }
     }
 }
@@ -103,11 +107,14 @@ pub fn router_with(
     let mut registry = metrics::registry(&metrics, components);
     cfg.listen.register(&mut registry);
     let state = Arc::new(AppState { backend, cfg, metrics, registry, created });
-    Router::new()
+    let api = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .merge(api)
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route", "not_found") })
@@ -120,6 +127,30 @@ pub fn router_with(
         })
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+/// Checks the API key of a `/v1/` request, if one is configured (constant-time compare).
+async fn require_api_key(
+    State(st): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(key) = &st.cfg.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        let same = given.len() == key.len()
+            && given.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+        if !same {
+            let e = api::wrong_api_key();
+            st.count_failure(&e);
+            return e.into_response();
+        }
+    }
+    next.run(req).await
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {

@@ -61,6 +61,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
     let server_cfg = ServerConfig {
         request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
+        api_key: args.http.api_key.clone().filter(|k| !k.is_empty()),
         ..ServerConfig::default()
     };
     let listen_stats = server_cfg.listen.clone();

@@ -237,6 +237,11 @@ pub struct HttpArgs {
     #[arg(long, env = "KVFABRIC_FIRST_TOKEN_TIMEOUT_S", default_value_t = 30,
         value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub first_token_timeout_s: u64,
+    /// Require `Authorization: Bearer <key>` on every `/v1/` request (`/health` and
+    /// `/metrics` stay open). Without it the API is open: bind it to loopback, or put it
+    /// behind a proxy that authenticates.
+    #[arg(long, env = "KVFABRIC_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// HTTP connections served at once; past it a small reserve answers one request each
     /// (so `/health` keeps answering), then connections are refused.
     #[arg(long, env = "KVFABRIC_MAX_CONNECTIONS", default_value_t = 1024)]

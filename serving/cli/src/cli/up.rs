@@ -314,6 +314,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
     let server_cfg = ServerConfig {
         request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
+        api_key: args.http.api_key.clone().filter(|k| !k.is_empty()),
         ..ServerConfig::default()
     };
     let listen_stats = server_cfg.listen.clone();
