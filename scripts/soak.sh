@@ -21,7 +21,7 @@ TMP="$(mktemp -d)"
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  [ -n "${NATS_PID:-}" ] && kill -9 "$NATS_PID" 2>/dev/null || true
+  [ -f "$TMP/nats.pid" ] && kill -9 "$(cat "$TMP/nats.pid")" 2>/dev/null || true
   for f in "$TMP"/w*.pid; do [ -f "$f" ] && kill -9 "$(cat "$f")" 2>/dev/null || true; done
   rm -rf "$TMP"
 }
@@ -39,7 +39,8 @@ etcd --data-dir "$TMP/etcd" --listen-client-urls "http://127.0.0.1:$EP" \
 PIDS+=($!)
 start_nats() {
   nats-server -a 127.0.0.1 -p "$NP" -js -sd "$TMP/nats" >>"$TMP/nats.log" 2>&1 &
-  NATS_PID=$!
+  # In a file: the chaos loop restarts NATS from a subshell, and cleanup must find the last.
+  echo $! >"$TMP/nats.pid"
 }
 start_nats
 sleep 1
@@ -74,7 +75,7 @@ END=$((SECONDS + SECONDS_TOTAL))
       0) w="w$((RANDOM % 2))"; kill -9 "$(cat "$TMP/$w.pid")" 2>/dev/null || true
          echo "$(date +%T) chaos: kill -9 $w" >>"$TMP/chaos.log"
          sleep 3; start_worker "$w" ;;
-      1) kill -9 "$NATS_PID" 2>/dev/null || true
+      1) kill -9 "$(cat "$TMP/nats.pid")" 2>/dev/null || true
          echo "$(date +%T) chaos: restart nats" >>"$TMP/chaos.log"
          sleep 2; start_nats ;;
       2) wp=$(worker_port w0)
