@@ -238,7 +238,6 @@ impl Agent {
             config.name.clone(),
             RegionTable::new(shm_prefix, config.limits.regions_max),
             notify_tx,
-            config.limits.wire,
             config.limits.frame_timeout,
         ));
         let services = Arc::new(Services { endpoint, rpc: RwLock::new(None) });

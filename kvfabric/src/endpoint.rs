@@ -155,7 +155,6 @@ pub struct Endpoint {
     name: String,
     regions: RegionTable,
     notify_tx: mpsc::Sender<Notification>,
-    wire: WireLimits,
     frame_timeout: Duration,
 }
 
@@ -164,10 +163,9 @@ impl Endpoint {
         name: String,
         regions: RegionTable,
         notify_tx: mpsc::Sender<Notification>,
-        wire: WireLimits,
         frame_timeout: Duration,
     ) -> Self {
-        Endpoint { name, regions, notify_tx, wire, frame_timeout }
+        Endpoint { name, regions, notify_tx, frame_timeout }
     }
 
     /// The agent's name.
@@ -177,11 +175,6 @@ impl Endpoint {
 
     pub(crate) fn regions(&self) -> &RegionTable {
         &self.regions
-    }
-
-    /// The wire limits every decoder of this endpoint enforces.
-    pub fn wire_limits(&self) -> WireLimits {
-        self.wire
     }
 
     /// Queues a notification for the application, waiting at most the frame timeout for
@@ -345,7 +338,6 @@ mod tests {
             "ep".into(),
             RegionTable::new(format!("kvfabric.endpoint-test.{}", std::process::id()), 16),
             tx,
-            WireLimits::default(),
             Duration::from_secs(1),
         )
     }

@@ -251,6 +251,40 @@ fn bench_serve_drives_a_mock_server_and_reports_json_rows() {
     }
 }
 
+/// A child process, killed and reaped when dropped.
+struct Kill(std::process::Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `kvfabric up --engine mock` on a free port with `extra` flags: the process and its
+/// `host:port`. Its stdout is drained (a closed pipe would fail its later prints).
+struct Up;
+
+impl Up {
+    fn start(extra: &[&str], stderr: Stdio) -> (Kill, String) {
+        use std::io::{BufRead, BufReader};
+        let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+            .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0"])
+            .args(extra)
+            .env_remove("KVFABRIC_CONFIG")
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+        let first = lines.next().unwrap().unwrap();
+        std::thread::spawn(move || lines.for_each(drop));
+        let url = first.split(" at ").nth(1).unwrap().trim().to_string();
+        let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
+        (Kill(up), addr)
+    }
+}
+
 /// 20,000 idle connections against `kvfabric up`: the listener holds at most its cap (plus a
 /// small reserve), closes the rest at once, and `/health` keeps answering; a client that
 /// never completes its request head is cut off at the header timeout.
@@ -259,28 +293,8 @@ fn twenty_thousand_idle_connections_leave_health_answering() {
     use std::io::{BufRead, BufReader, Read};
     use std::net::TcpStream;
     use std::time::{Duration, Instant};
-    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0"])
-        .args(["--max-connections", "256", "--header-timeout-s", "2"])
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    // Keep reading: a closed pipe would fail up's later prints.
-    std::thread::spawn(move || lines.for_each(drop));
-    let _up = Kill(up);
-    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
-    let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
+    let (_up, addr) =
+        Up::start(&["--max-connections", "256", "--header-timeout-s", "2"], Stdio::null());
     let port = addr.rsplit(':').next().unwrap().to_string();
 
     // Two helpers hold 10,000 idle connections each (one process may not hold 20,000
@@ -362,22 +376,10 @@ fn twenty_thousand_idle_connections_leave_health_answering() {
 /// forever while its health says ok.
 #[test]
 fn a_dead_engine_is_logged_and_the_process_exits_non_zero() {
-    use std::io::{BufRead, BufReader, Read, Write};
+    use std::io::{Read, Write};
     use std::time::{Duration, Instant};
-    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0"])
-        .args(["--mock-panic-at-step", "2", "--mock-decode-us", "100"])
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    // Keep reading: a closed pipe would fail up's later prints.
-    std::thread::spawn(move || lines.for_each(drop));
-    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
-    let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
+    let (mut up, addr) =
+        Up::start(&["--mock-panic-at-step", "2", "--mock-decode-us", "100"], Stdio::piped());
     let body = r#"{"model": "mock", "prompt": "hello there", "max_tokens": 8}"#;
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -393,14 +395,14 @@ fn a_dead_engine_is_logged_and_the_process_exits_non_zero() {
     assert!(!answer.starts_with("HTTP/1.1 200"), "{answer}");
     let start = Instant::now();
     let status = loop {
-        if let Some(st) = up.try_wait().unwrap() {
+        if let Some(st) = up.0.try_wait().unwrap() {
             break st;
         }
         assert!(start.elapsed() < Duration::from_secs(20), "up still running");
         std::thread::sleep(Duration::from_millis(20));
     };
     let mut err = String::new();
-    up.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    up.0.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(!status.success(), "{status}");
     assert!(err.contains("the engine thread panicked") && err.contains("injected fault"), "{err}");
 }

@@ -131,6 +131,15 @@ pub trait Engine: Send + 'static {
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError>;
 }
 
+/// The message a panic carried (`panic!("...")` gives a `&str` or a `String`).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
 /// The longest deadline a request may ask for: every timeout from a client or a peer is
 /// bounded by it before any clock arithmetic.
 pub const REQUEST_TIMEOUT_MAX: Duration = Duration::from_secs(24 * 3600);

@@ -152,11 +152,7 @@ impl Scheduler {
                 // with its cause and published, so that the worker leaves service instead of
                 // answering `stopped` to everything while it still looks healthy.
                 if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lp.run())) {
-                    let cause = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a panic without a message".into());
+                    let cause = super::panic_message(&*panic);
                     tracing::error!(%cause, "the engine thread panicked: the engine is out of service");
                     let _ = failed.send(Some(format!("the engine thread panicked: {cause}")));
                 }

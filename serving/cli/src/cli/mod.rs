@@ -114,12 +114,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     // before the default report.
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let cause = info
-            .payload()
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| info.payload().downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic without a message".into());
+        let cause = kvfabric_serving::engine::panic_message(info.payload());
         let at = info.location().map(|l| format!("{}:{}", l.file(), l.line())).unwrap_or_default();
         let thread = std::thread::current().name().unwrap_or("unnamed").to_string();
         tracing::error!(%cause, %at, %thread, "panic");
