@@ -323,6 +323,36 @@ impl Region {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len as usize) }
     }
 
+    /// A view of `offset..offset+len`, read in place (an engine's attention over cached KV).
+    ///
+    /// # Safety
+    /// While the slice lives, nothing may write the range: not this process (through
+    /// [`Region::write_at`], a transfer, or a [`Region::view_mut`] of it) and not a peer (the
+    /// owner of the range, such as the block store with a pinned block, guarantees that no
+    /// descriptor naming it is handed out for writing).
+    pub unsafe fn view(&self, offset: u64, len: u64) -> Result<&[u8], MemoryError> {
+        self.check(offset, len)?;
+        // SAFETY: the range is inside the live mapping (checked), which outlives `&self`; the
+        // caller guarantees that nothing writes it while the view lives.
+        Ok(unsafe { self.slice(offset, len) })
+    }
+
+    /// A mutable view of `offset..offset+len` (an engine writing the KV it computes straight
+    /// into a block store slot).
+    ///
+    /// # Safety
+    /// While the slice lives, nothing else may read or write the range: the caller owns it
+    /// exclusively (a reserved store slot, invisible until committed).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn view_mut(&self, offset: u64, len: u64) -> Result<&mut [u8], MemoryError> {
+        self.check(offset, len)?;
+        // SAFETY: the range is inside the live mapping (checked), which outlives `&self`; the
+        // caller guarantees exclusive access to it while the view lives.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize), len as usize)
+        })
+    }
+
     /// Raw pointer to `offset` (checked), for copies between two regions.
     pub fn ptr_at(&self, offset: u64, len: u64) -> Result<*mut u8, MemoryError> {
         self.check(offset, len)?;

@@ -78,6 +78,12 @@ pub enum CodecSpec {
     },
     /// One token per byte (the mock engine).
     Bytes,
+    /// A Hugging Face model directory's tokenizer.json and tokenizer_config.json (a path the
+    /// frontend can read; the mock mirroring a model).
+    ModelDir {
+        /// The directory.
+        path: std::path::PathBuf,
+    },
 }
 
 impl CodecSpec {
@@ -85,6 +91,7 @@ impl CodecSpec {
     pub fn load(&self) -> Result<TextCodec, EngineError> {
         match self {
             CodecSpec::Bytes => Ok(TextCodec::bytes()),
+            CodecSpec::ModelDir { path } => TextCodec::from_model_dir(path),
             CodecSpec::Gguf { path, tokenizer } => {
                 TextCodec::from_gguf_path(path, tokenizer.as_deref())
             }

@@ -40,12 +40,15 @@ pub enum EngineSpec {
         /// Its options (weights, block size, context, tokenizer, served name).
         options: LlamaOptions,
     },
-    /// The mock engine (a timing model over SmolLM2-135M's KV layout in f32).
+    /// The mock engine (a timing model over SmolLM2-135M's KV layout in f32, or over the
+    /// tokenizer and KV layout of a model directory).
     Mock {
         /// The id it is served under.
         name: String,
         /// Tokens per block.
         block_tokens: u32,
+        /// A Hugging Face model directory to mirror (None: one token per byte).
+        model_dir: Option<PathBuf>,
         /// Its timings.
         config: MockConfig,
     },
@@ -182,18 +185,29 @@ impl WorkerStack {
                     codec,
                 )
             }
-            EngineSpec::Mock { name, block_tokens, config } => {
-                let layout = crate::plan::resolve_model("smollm2-135m")
-                    .and_then(|s| Ok(s.with_dtype(KvDtype::F32).block_layout(*block_tokens)?))
-                    .map_err(|e| EngineError::model(e.to_string()))?;
-                let mock = MockEngine::new(name, layout, *config)?;
-                let bytes = layout.bytes_per_block();
+            EngineSpec::Mock { name, block_tokens, model_dir, config } => {
+                let (mock, codec) = match model_dir {
+                    Some(dir) => {
+                        let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+                        let mock = MockEngine::from_model_dir(name, &dir, *block_tokens, *config)?;
+                        (mock, CodecSpec::ModelDir { path: dir })
+                    }
+                    None => {
+                        let layout = crate::plan::resolve_model("smollm2-135m")
+                            .and_then(|s| {
+                                Ok(s.with_dtype(KvDtype::F32).block_layout(*block_tokens)?)
+                            })
+                            .map_err(|e| EngineError::model(e.to_string()))?;
+                        (MockEngine::new(name, layout, *config)?, CodecSpec::Bytes)
+                    }
+                };
+                let bytes = mock.info().layout.bytes_per_block();
                 (
                     Box::new(move |store| Scheduler::start(mock, store, sched_cfg, rt)),
                     bytes,
                     *block_tokens,
                     format!("{name} (mock engine, {bytes} B blocks)"),
-                    CodecSpec::Bytes,
+                    codec,
                 )
             }
         };

@@ -28,6 +28,7 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
         engine: EngineSpec::Mock {
             name: "mock".into(),
             block_tokens: 16,
+            model_dir: None,
             config: MockConfig { decode_step_us: 100.0, ..MockConfig::default() },
         },
         scheduler: SchedulerConfig::default(),

@@ -34,4 +34,4 @@ pub mod remote;
 pub mod store;
 pub mod synthetic;
 
-pub use store::{BlockRef, StoreConfig, StoreError, TieredStore, WriteSlot};
+pub use store::{BlockRef, ScratchSlot, StoreConfig, StoreError, TieredStore, WriteSlot};

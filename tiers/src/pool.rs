@@ -9,6 +9,8 @@
 //!   pinnable while its bytes are copied to a slower tier; `finish_evict` frees it, unless
 //!   someone pinned it meanwhile or the copy failed (then it stays).
 //! - `clear` forgets every block; pinned ones become orphans, freed at their last unpin.
+//! - `reserve_scratch` takes a free slot with no hash yet (an engine computing a block whose
+//!   tokens are not all known); `name` gives it its hash once they are (`Scratch → Writing`).
 
 use std::collections::HashMap;
 
@@ -68,6 +70,8 @@ pub enum SlotState {
     },
     /// Taken out of use (its backing store could not grow); never reserved again.
     Retired,
+    /// Reserved with no hash yet; invisible, private to its holder.
+    Scratch,
 }
 
 /// A block chosen for eviction.
@@ -194,6 +198,35 @@ impl SlotPool {
         Ok(slot)
     }
 
+    /// Reserves a free slot for a block whose hash is not known yet.
+    pub fn reserve_scratch(&mut self) -> Result<u32, PoolError> {
+        let slot = self.free.pop().ok_or(PoolError::Full)?;
+        self.slots[slot as usize] = SlotState::Scratch;
+        Ok(slot)
+    }
+
+    /// Names a scratch slot: it becomes a reservation for `hash` (then `commit` or `abort`).
+    /// Refused, the slot stays scratch, if the block is stored or being written already.
+    pub fn name(
+        &mut self,
+        slot: u32,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+    ) -> Result<(), PoolError> {
+        if self.state(slot) != SlotState::Scratch {
+            return Err(PoolError::NotFound);
+        }
+        if let Some(&present) = self.index.get(&hash) {
+            return Err(PoolError::Present(present));
+        }
+        if self.writing.contains_key(&hash) {
+            return Err(PoolError::BeingWritten);
+        }
+        self.slots[slot as usize] = SlotState::Writing { hash, parent };
+        self.writing.insert(hash, slot);
+        Ok(())
+    }
+
     /// Restores visible blocks at given slots into an empty pool (rebuilding an index from
     /// disk). Entries whose slot is out of range or taken, or whose hash is already restored,
     /// are skipped and returned.
@@ -231,12 +264,15 @@ impl SlotPool {
         Ok(hash)
     }
 
-    /// Gives up a reservation.
+    /// Gives up a reservation (named or scratch).
     pub fn abort(&mut self, slot: u32) -> Result<(), PoolError> {
-        let SlotState::Writing { hash, .. } = self.state(slot) else {
-            return Err(PoolError::NotFound);
-        };
-        self.writing.remove(&hash);
+        match self.state(slot) {
+            SlotState::Writing { hash, .. } => {
+                self.writing.remove(&hash);
+            }
+            SlotState::Scratch => {}
+            _ => return Err(PoolError::NotFound),
+        }
         self.free_slot(slot);
         Ok(())
     }
@@ -476,6 +512,8 @@ mod tests {
         Evict(bool),
         Remove(u64),
         Clear,
+        Scratch,
+        Name(usize, u64),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -488,6 +526,8 @@ mod tests {
             2 => any::<bool>().prop_map(Op::Evict),
             1 => (0u64..24).prop_map(Op::Remove),
             1 => Just(Op::Clear),
+            2 => Just(Op::Scratch),
+            2 => (any::<usize>(), 0u64..24).prop_map(|(i, x)| Op::Name(i, x)),
         ]
     }
 
@@ -499,6 +539,7 @@ mod tests {
             let mut p = SlotPool::new(8, PolicyKind::Lru);
             let mut writing: Vec<u32> = Vec::new();
             let mut pins: Vec<u32> = Vec::new(); // one entry per pin we hold
+            let mut scratch: Vec<u32> = Vec::new();
             for o in ops {
                 match o {
                     Op::Reserve(x) => if let Ok(s) = p.reserve(h(x), None) { writing.push(s) },
@@ -523,6 +564,17 @@ mod tests {
                         if let Some(s) = slot { prop_assert_eq!(r.is_ok(), !pins.contains(&s)); }
                     }
                     Op::Clear => { p.clear(); }
+                    Op::Scratch => if let Ok(s) = p.reserve_scratch() { scratch.push(s) },
+                    Op::Name(i, x) => if !scratch.is_empty() {
+                        let s = scratch[i % scratch.len()];
+                        let known = p.lookup(h(x)).is_some() || p.writing.contains_key(&h(x));
+                        let r = p.name(s, h(x), None);
+                        prop_assert_eq!(r.is_ok(), !known);
+                        if r.is_ok() {
+                            scratch.retain(|&t| t != s);
+                            writing.push(s);
+                        }
+                    },
                 }
                 p.check_invariants().map_err(TestCaseError::fail)?;
                 prop_assert!(p.used() <= p.capacity());
@@ -533,6 +585,10 @@ mod tests {
                 for &s in &writing {
                     let writing = matches!(p.state(s), SlotState::Writing { .. });
                     prop_assert!(writing, "reserved slot {} left the writing state", s);
+                }
+                for &s in &scratch {
+                    prop_assert_eq!(p.state(s), SlotState::Scratch, "scratch slot {} changed", s);
+                    prop_assert!(!p.free.contains(&s), "scratch slot {} is in the free list", s);
                 }
             }
         }

@@ -1,11 +1,12 @@
 //! The llama engine: a llama-architecture model from a GGUF file, run on CPU with candle.
 //!
 //! The linear layers, norms and activations are candle's; attention and rotary embeddings
-//! are written out here because the KV cache is ours: each sequence keeps, per layer, its K
-//! and V rows (`[token][kv_heads × head_dim]`, f32) exactly as the block store lays them out,
-//! so exporting a full block to the store and importing one back are plain copies, and a
-//! ragged batch (decodes and prefill chunks of different sequences) runs as one matrix per
-//! linear layer. Weights stay quantized (fast, approximate) or are dequantized to f32 at load
+//! are written out here because the KV cache is ours: each sequence's KV is a block table
+//! ([`KvTable`]) in the block store's layout (per block, per layer, K and V rows
+//! `[token][kv_heads × head_dim]`, f32), so attention reads cached blocks in place in the
+//! store's memory and writes the KV it computes straight into the slots that become stored
+//! blocks; a ragged batch (decodes and prefill chunks of different sequences) runs as one
+//! matrix per linear layer. Weights stay quantized (fast, approximate) or are dequantized to f32 at load
 //! (the default: with f32 weights a prompt computed in one pass and one continued from cached
 //! blocks give the same greedy tokens).
 
@@ -18,7 +19,7 @@ use candle_core::quantized::{gguf_file, QMatMul};
 use candle_core::{Device, Module, Tensor};
 use kvfabric::layout::{AttentionKind, BlockLayout, KvDtype, KvShape};
 
-use super::{Engine, EngineError, ModelInfo, StepInput, TextCodec};
+use super::{Engine, EngineError, KvBlock, KvTable, ModelInfo, StepInput, TextCodec};
 
 /// How the weights are held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -57,7 +58,7 @@ impl Default for LlamaOptions {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Layer {
     attn_norm: Tensor,
     wq: QMatMul,
@@ -68,14 +69,6 @@ struct Layer {
     w_gate: QMatMul,
     w_up: QMatMul,
     w_down: QMatMul,
-}
-
-/// Per sequence, per layer: K and V rows.
-#[derive(Debug, Default)]
-struct SeqKv {
-    len: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
 }
 
 /// The llama engine.
@@ -94,7 +87,9 @@ pub struct LlamaEngine {
     /// cos and sin of every position × frequency, `[pos][head_dim / 2]`.
     cos: Vec<f32>,
     sin: Vec<f32>,
-    seqs: HashMap<u64, SeqKv>,
+    seqs: HashMap<u64, KvTable>,
+    /// Per layer, the K and V planes' f32 ranges within a block.
+    planes: Vec<[std::ops::Range<usize>; 2]>,
     dev: Device,
 }
 
@@ -217,6 +212,16 @@ impl LlamaEngine {
             dtype: KvDtype::F32,
         };
         let layout = BlockLayout::new(kv, opts.block_tokens).map_err(model_err)?;
+        let mut planes = Vec::with_capacity(n_layer);
+        for l in 0..n_layer as u32 {
+            let plane = |p: u32| {
+                layout
+                    .plane_range(l, p)
+                    .map(|r| r.start as usize / 4..r.end as usize / 4)
+                    .ok_or(model_err("bad layout"))
+            };
+            planes.push([plane(0)?, plane(1)?]);
+        }
         let id = opts.name.clone().unwrap_or_else(|| {
             let stem = path.file_name().and_then(|s| s.to_str()).unwrap_or("model");
             stem.strip_suffix(".gguf").unwrap_or(stem).to_string()
@@ -235,8 +240,30 @@ impl LlamaEngine {
             cos,
             sin,
             seqs: HashMap::new(),
+            planes,
             dev,
         })
+    }
+
+    /// Another engine over the same weights (shared, not copied), with no sequences.
+    pub fn share_weights(&self) -> LlamaEngine {
+        LlamaEngine {
+            info: self.info.clone(),
+            codec: self.codec.clone(),
+            embed: self.embed.clone(),
+            layers: self.layers.clone(),
+            norm: self.norm.clone(),
+            output: self.output.clone(),
+            n_head: self.n_head,
+            n_kv: self.n_kv,
+            head_dim: self.head_dim,
+            eps: self.eps,
+            cos: self.cos.clone(),
+            sin: self.sin.clone(),
+            seqs: HashMap::new(),
+            planes: self.planes.clone(),
+            dev: self.dev.clone(),
+        }
     }
 
     fn width(&self) -> usize {
@@ -260,9 +287,11 @@ impl LlamaEngine {
     }
 
     /// Causal attention of `q` (`[n][heads × head_dim]`, positions `start..start+n`) over
-    /// the first `start + n` rows of `k` and `v`; writes `[n][heads × head_dim]` into `out`.
-    fn attend(&self, q: &[f32], k: &[f32], v: &[f32], start: usize, out: &mut [f32]) {
+    /// the first `start + n` rows of K and V, held `block_tokens` rows per block (`k[b]`,
+    /// `v[b]`: block `b`'s plane of the layer); writes `[n][heads × head_dim]` into `out`.
+    fn attend(&self, q: &[f32], k: &[&[f32]], v: &[&[f32]], start: usize, out: &mut [f32]) {
         let (hd, nh, w) = (self.head_dim, self.n_head, self.width());
+        let bt = self.info.layout.block_tokens as usize;
         let group = nh / self.n_kv;
         let scale = 1.0 / (hd as f32).sqrt();
         let n = q.len() / (nh * hd);
@@ -271,8 +300,9 @@ impl LlamaEngine {
             let g = h / group;
             let qh = &q[(i * nh + h) * hd..][..hd];
             let len = start + i + 1;
-            let mut scores: Vec<f32> =
-                (0..len).map(|t| dot(qh, &k[t * w + g * hd..][..hd]) * scale).collect();
+            let krow = |t: usize| &k[t / bt][(t % bt) * w + g * hd..][..hd];
+            let vrow = |t: usize| &v[t / bt][(t % bt) * w + g * hd..][..hd];
+            let mut scores: Vec<f32> = (0..len).map(|t| dot(qh, krow(t)) * scale).collect();
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0f32;
             for s in &mut scores {
@@ -282,8 +312,7 @@ impl LlamaEngine {
             o.fill(0.0);
             for (t, &p) in scores.iter().enumerate() {
                 let p = p / sum;
-                let vr = &v[t * w + g * hd..][..hd];
-                for (a, b) in o.iter_mut().zip(vr) {
+                for (a, b) in o.iter_mut().zip(vrow(t)) {
                     *a += p * b;
                 }
             }
@@ -294,6 +323,27 @@ impl LlamaEngine {
         } else {
             out.chunks_mut(hd).enumerate().for_each(work);
         }
+    }
+
+    /// Writes the K and V rows of `n` tokens from `start` into layer `l`'s planes of the
+    /// sequence's blocks.
+    fn write_kv(
+        table: &mut KvTable,
+        plane: &[std::ops::Range<usize>; 2],
+        (bt, w): (usize, usize),
+        start: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), EngineError> {
+        for (j, (kr, vr)) in k.chunks_exact(w).zip(v.chunks_exact(w)).enumerate() {
+            let p = start + j;
+            let block = table.blocks.get_mut(p / bt).ok_or(model_err("KV block missing"))?;
+            let f = block.f32s_mut()?.ok_or(model_err("a step would write a cached block"))?;
+            let at = (p % bt) * w;
+            f[plane[0].start + at..][..w].copy_from_slice(kr);
+            f[plane[1].start + at..][..w].copy_from_slice(vr);
+        }
+        Ok(())
     }
 }
 
@@ -390,59 +440,38 @@ impl Engine for LlamaEngine {
     }
 
     fn add_sequence(&mut self, seq: u64) {
-        let n = self.layers.len();
-        self.seqs.insert(seq, SeqKv { len: 0, k: vec![Vec::new(); n], v: vec![Vec::new(); n] });
+        self.seqs.insert(seq, KvTable::default());
     }
 
     fn remove_sequence(&mut self, seq: u64) {
         self.seqs.remove(&seq);
     }
 
-    fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError> {
+    fn push_cached(&mut self, seq: u64, block: KvBlock) -> Result<(), EngineError> {
         let layout = self.info.layout;
-        let bt = layout.block_tokens as usize;
+        if block.bytes().len() as u64 != layout.bytes_per_block() {
+            return Err(EngineError::invalid("block of a wrong size"));
+        }
+        block.f32s()?;
         let s = self.seqs.get_mut(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
-        if s.len != block * bt || bytes.len() as u64 != layout.bytes_per_block() {
-            return Err(EngineError::invalid("block imported out of order or of a wrong size"));
-        }
-        for l in 0..self.layers.len() {
-            for (plane, rows) in [(0, &mut s.k[l]), (1, &mut s.v[l])] {
-                let range = layout.plane_range(l as u32, plane).ok_or(model_err("bad layout"))?;
-                let src = &bytes[range.start as usize..range.end as usize];
-                rows.extend(
-                    src.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                );
-            }
-        }
-        s.len += bt;
-        Ok(())
+        s.push_cached(layout.block_tokens as usize, block)
     }
 
-    fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError> {
-        let layout = self.info.layout;
-        let (bt, w) = (layout.block_tokens as usize, self.width());
-        let s = self.seqs.get(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
-        if s.len < (block + 1) * bt || out.len() as u64 != layout.bytes_per_block() {
-            return Err(EngineError::invalid(format!("block {block} is not computed")));
-        }
-        for l in 0..self.layers.len() {
-            for (plane, rows) in [(0, &s.k[l]), (1, &s.v[l])] {
-                let range = layout.plane_range(l as u32, plane).ok_or(model_err("bad layout"))?;
-                let dst = &mut out[range.start as usize..range.end as usize];
-                let src = &rows[block * bt * w..(block + 1) * bt * w];
-                for (d, x) in dst.chunks_exact_mut(4).zip(src) {
-                    d.copy_from_slice(&x.to_le_bytes());
-                }
-            }
-        }
-        Ok(())
+    fn table(&self, seq: u64) -> Option<&KvTable> {
+        self.seqs.get(&seq)
+    }
+
+    fn table_mut(&mut self, seq: u64) -> Option<&mut KvTable> {
+        self.seqs.get_mut(&seq)
     }
 
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
         let ctx = self.info.context_len;
+        let (bt, bytes) =
+            (self.info.layout.block_tokens as usize, self.info.layout.bytes_per_block() as usize);
         let mut ids = Vec::new();
         let mut positions = Vec::new();
-        for input in batch {
+        for (i, input) in batch.iter().enumerate() {
             let s = self.seqs.get(&input.seq).ok_or(EngineError::invalid("unknown sequence"))?;
             if s.len != input.start || input.start + input.tokens.len() > ctx {
                 return Err(EngineError::invalid(format!(
@@ -450,12 +479,20 @@ impl Engine for LlamaEngine {
                     input.start, s.len
                 )));
             }
+            if batch[..i].iter().any(|b| b.seq == input.seq) {
+                return Err(EngineError::invalid("a sequence twice in one step"));
+            }
             ids.extend_from_slice(input.tokens);
             positions.extend(input.start..input.start + input.tokens.len());
         }
         let total = ids.len();
         if total == 0 {
             return Ok(Vec::new());
+        }
+        for input in batch {
+            if let Some(s) = self.seqs.get_mut(&input.seq) {
+                s.reserve_owned(bt, input.start + input.tokens.len(), bytes);
+            }
         }
         let (nh, hd, w) = (self.n_head, self.head_dim, self.width());
         let ids_t = Tensor::from_vec(ids, total, &self.dev).map_err(model_err)?;
@@ -470,18 +507,32 @@ impl Engine for LlamaEngine {
             let v = flat(&layer.wv)?;
             self.rope(&mut q, &positions, nh);
             self.rope(&mut k, &positions, self.n_kv);
-            let mut attn = vec![0f32; total * nh * hd];
+            let plane = &self.planes[l];
             let mut row = 0;
             for input in batch {
                 let n = input.tokens.len();
                 let s = self.seqs.get_mut(&input.seq).ok_or(model_err("sequence vanished"))?;
-                s.k[l].extend_from_slice(&k[row * w..(row + n) * w]);
-                s.v[l].extend_from_slice(&v[row * w..(row + n) * w]);
+                let (kr, vr) = (&k[row * w..(row + n) * w], &v[row * w..(row + n) * w]);
+                Self::write_kv(s, plane, (bt, w), input.start, kr, vr)?;
+                row += n;
+            }
+            let mut attn = vec![0f32; total * nh * hd];
+            let mut row = 0;
+            for input in batch {
+                let n = input.tokens.len();
                 let s = &self.seqs[&input.seq];
+                let blocks = &s.blocks[..(input.start + n).div_ceil(bt)];
+                let mut kp = Vec::with_capacity(blocks.len());
+                let mut vp = Vec::with_capacity(blocks.len());
+                for b in blocks {
+                    let f = b.f32s()?;
+                    kp.push(&f[plane[0].clone()]);
+                    vp.push(&f[plane[1].clone()]);
+                }
                 self.attend(
                     &q[row * nh * hd..(row + n) * nh * hd],
-                    &s.k[l],
-                    &s.v[l],
+                    &kp,
+                    &vp,
                     input.start,
                     &mut attn[row * nh * hd..(row + n) * nh * hd],
                 );

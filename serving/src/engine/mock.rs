@@ -3,20 +3,39 @@
 //!
 //! Time: a step sleeps `prefill_us_per_token` per prompt token computed plus, when it
 //! decodes, `decode_step_us` and `decode_us_per_kv_token` per token of KV the decoding
-//! sequences hold. Tokens: one per byte ([`TextCodec::bytes`]); the next token is a
-//! function of every token before it, so a sequence whose KV was imported generates exactly
-//! what it would have generated computing its prompt. KV: each block's bytes start with its
-//! tokens and continue with a pseudo-random fill seeded by a hash chained over the blocks
-//! before it; an imported block is checked against the chain, so bytes that the store
-//! corrupted or mixed up are refused.
+//! sequences hold. Model: by default one token per byte ([`TextCodec::bytes`]) over
+//! SmolLM2-135M's KV layout; or, as Dynamo's mocker, a model directory's tokenizer, chat
+//! template and KV layout ([`MockEngine::from_model_dir`]), so that token counts and KV
+//! bytes are that model's. The next token is a function of every token before it (picked
+//! among a few dozen vocabulary tokens), so a sequence whose KV was imported generates exactly
+//! what it would have generated computing its prompt.
+//!
+//! KV: each block starts with a header, its tokens (u32 LE) and a seed (u64 LE) chained over
+//! the blocks before it; a cached block is checked against the chain, so bytes that the store
+//! or a transfer corrupted or mixed up are refused. With [`MockKv::Full`] the rest of the
+//! block is a pseudo-random fill of the seed, written and checked too (every byte
+//! verifiable: the tests of the store and the transfers); with [`MockKv::Header`] only the
+//! header is materialised: tiers and transfers still move every byte of the block (and check
+//! them with their own checksums), but the engine spends no time filling KV nobody reads.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::time::Duration;
 
-use kvfabric::layout::BlockLayout;
+use kvfabric::layout::{BlockLayout, ModelSpec};
 
 use super::sampling::SplitMix64;
-use super::{Engine, EngineError, ModelInfo, StepInput, TextCodec};
+use super::{Engine, EngineError, KvBlock, KvTable, ModelInfo, Next, StepInput, TextCodec};
+
+/// How much of each KV block the mock writes and checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MockKv {
+    /// Tokens and chained seed only.
+    Header,
+    /// Every byte: the header, then a fill of the seed.
+    #[default]
+    Full,
+}
 
 /// Mock timing.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -29,6 +48,8 @@ pub struct MockConfig {
     pub decode_us_per_kv_token: f64,
     /// Context length.
     pub context_len: usize,
+    /// How much KV is materialised.
+    pub kv: MockKv,
     /// Fault injection: the engine panics in this step (counted from 1), as a real engine may
     /// on a driver or kernel fault; tests of supervision use it. None: never.
     pub panic_at_step: Option<u64>,
@@ -41,6 +62,7 @@ impl Default for MockConfig {
             decode_step_us: 8_000.0,
             decode_us_per_kv_token: 0.2,
             context_len: 8192,
+            kv: MockKv::Full,
             panic_at_step: None,
         }
     }
@@ -66,6 +88,8 @@ pub struct MockEngine {
     cfg: MockConfig,
     seqs: HashMap<u64, MockSeq>,
     steps: u64,
+    /// The tokens it writes.
+    alphabet: Vec<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -75,23 +99,74 @@ struct MockSeq {
     chain: Vec<u64>,
     /// Running hash of every token (drives the next token).
     state: u64,
+    kv: KvTable,
 }
 
-/// Characters the mock writes.
+/// Characters the byte-level mock writes.
 const ALPHABET: &[u8] = b"etaoin shrdlu cmfwyp vbgkqjxz ";
 
+/// Words the mock of a real tokenizer writes (those that are one token).
+const WORDS: &[&str] = &[
+    " the", " of", " and", " to", " in", " is", " was", " for", " on", " with", " as", " by",
+    " at", " from", " that", " this", " it", " are", " be", " or", " an", " time", " people",
+    " river", " market", " city", " story", " water", " light", " road", " paper", " school", ".",
+    ",",
+];
+
 impl MockEngine {
-    /// A mock model with KV blocks of `layout` (which must hold a block's tokens).
+    /// A byte-level mock model with KV blocks of `layout` (which must hold a block's header).
     pub fn new(name: &str, layout: BlockLayout, cfg: MockConfig) -> Result<Self, EngineError> {
-        if layout.bytes_per_block() < u64::from(layout.block_tokens) * 4 + 8 {
+        let alphabet = ALPHABET.iter().map(|&b| u32::from(b)).collect();
+        Self::with_codec(name, layout, TextCodec::bytes(), alphabet, cfg)
+    }
+
+    /// A mock of the model in `dir`, as Dynamo's mocker: its `tokenizer.json`, its chat
+    /// template (`tokenizer_config.json`), and its KV layout from `config.json` (layers, KV
+    /// heads, head size, dtype), in blocks of `block_tokens`.
+    pub fn from_model_dir(
+        name: &str,
+        dir: &Path,
+        block_tokens: u32,
+        cfg: MockConfig,
+    ) -> Result<Self, EngineError> {
+        let codec = TextCodec::from_model_dir(dir)?;
+        let spec = ModelSpec::from_hf_config_path(dir.join("config.json"))
+            .map_err(|e| EngineError::model(format!("{}: {e}", dir.display())))?;
+        let layout =
+            spec.block_layout(block_tokens).map_err(|e| EngineError::model(e.to_string()))?;
+        let mut alphabet = Vec::new();
+        for w in WORDS {
+            if let Ok(t) = codec.encode(w) {
+                if let [one] = t[..] {
+                    if !codec.stop_tokens().contains(&one) && !alphabet.contains(&one) {
+                        alphabet.push(one);
+                    }
+                }
+            }
+        }
+        if alphabet.is_empty() {
+            return Err(EngineError::model("the tokenizer has no single-token English words"));
+        }
+        Self::with_codec(name, layout, codec, alphabet, cfg)
+    }
+
+    fn with_codec(
+        name: &str,
+        layout: BlockLayout,
+        codec: TextCodec,
+        alphabet: Vec<u32>,
+        cfg: MockConfig,
+    ) -> Result<Self, EngineError> {
+        if layout.bytes_per_block() < Self::header_len(layout.block_tokens as usize) as u64 {
             return Err(EngineError::model("mock blocks are too small for their tokens"));
         }
         Ok(MockEngine {
             info: ModelInfo { id: name.to_string(), context_len: cfg.context_len, layout },
-            codec: TextCodec::bytes(),
+            codec,
             cfg,
             seqs: HashMap::new(),
             steps: 0,
+            alphabet,
         })
     }
 
@@ -99,14 +174,14 @@ impl MockEngine {
         self.info.layout.block_tokens as usize
     }
 
-    /// The bytes of a block: its tokens (u32 LE), then the fill of `seed`.
-    fn fill(out: &mut [u8], tokens: &[u32], seed: u64) {
-        let (head, rest) = out.split_at_mut(tokens.len() * 4);
-        for (c, t) in head.chunks_exact_mut(4).zip(tokens) {
-            c.copy_from_slice(&t.to_le_bytes());
-        }
+    fn header_len(bt: usize) -> usize {
+        bt * 4 + 8
+    }
+
+    /// The fill after the header: a stream of `seed`.
+    fn fill(out: &mut [u8], seed: u64) {
         let mut rng = SplitMix64(seed);
-        let mut chunks = rest.chunks_exact_mut(8);
+        let mut chunks = out.chunks_exact_mut(8);
         for c in &mut chunks {
             c.copy_from_slice(&rng.next_u64().to_le_bytes());
         }
@@ -115,18 +190,10 @@ impl MockEngine {
         tail.copy_from_slice(&last[..tail.len()]);
     }
 
-    /// Whether `bytes` is what `fill` writes for these tokens and seed (compared as it is
-    /// generated: no second buffer).
-    fn matches(bytes: &[u8], tokens: &[u32], seed: u64) -> bool {
-        if bytes.len() < tokens.len() * 4 {
-            return false;
-        }
-        let (head, rest) = bytes.split_at(tokens.len() * 4);
-        if !head.chunks_exact(4).zip(tokens).all(|(c, t)| c == t.to_le_bytes()) {
-            return false;
-        }
+    /// Whether `bytes` is what `fill` writes for `seed` (compared as it is generated).
+    fn matches(bytes: &[u8], seed: u64) -> bool {
         let mut rng = SplitMix64(seed);
-        let mut chunks = rest.chunks_exact(8);
+        let mut chunks = bytes.chunks_exact(8);
         if !chunks.all(|c| c == rng.next_u64().to_le_bytes()) {
             return false;
         }
@@ -142,14 +209,79 @@ impl MockEngine {
         h
     }
 
-    fn push_token(seq: &mut MockSeq, t: u32, bt: usize) {
+    /// Appends a token: its KV (the header's token) goes into the sequence's block; a block
+    /// that fills gets its seed (and fill).
+    fn push_token(seq: &mut MockSeq, t: u32, bt: usize, kv: MockKv) -> Result<(), EngineError> {
+        let p = seq.tokens.len();
         seq.tokens.push(t);
         seq.state = SplitMix64(seq.state ^ u64::from(t).wrapping_mul(0x100_0000_01b3)).next_u64();
+        let bytes = seq
+            .kv
+            .blocks
+            .get_mut(p / bt)
+            .and_then(|b| b.bytes_mut())
+            .ok_or(EngineError::model("a step would write a missing or cached block"))?;
+        bytes[(p % bt) * 4..][..4].copy_from_slice(&t.to_le_bytes());
         if seq.tokens.len() % bt == 0 {
             let prev = seq.chain.last().copied().unwrap_or(0);
-            let n = seq.tokens.len();
-            seq.chain.push(Self::chain(prev, &seq.tokens[n - bt..]));
+            let seed = Self::chain(prev, &seq.tokens[p + 1 - bt..]);
+            seq.chain.push(seed);
+            bytes[bt * 4..][..8].copy_from_slice(&seed.to_le_bytes());
+            if kv == MockKv::Full {
+                Self::fill(&mut bytes[Self::header_len(bt)..], seed);
+            }
         }
+        Ok(())
+    }
+
+    /// Runs one step; the next token of each input that asks for one.
+    fn run(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<u32>, EngineError> {
+        self.steps += 1;
+        if self.cfg.panic_at_step == Some(self.steps) {
+            panic!("mock engine: injected fault at step {}", self.steps);
+        }
+        let bt = self.block_tokens();
+        let bytes = self.info.layout.bytes_per_block() as usize;
+        let (mut prefill, mut decode_kv, mut decodes) = (0usize, 0usize, 0usize);
+        let mut out = Vec::new();
+        for (i, input) in batch.iter().enumerate() {
+            if batch[..i].iter().any(|b| b.seq == input.seq) {
+                return Err(EngineError::invalid("a sequence twice in one step"));
+            }
+            let s =
+                self.seqs.get_mut(&input.seq).ok_or(EngineError::invalid("unknown sequence"))?;
+            if s.tokens.len() != input.start
+                || input.start + input.tokens.len() > self.cfg.context_len
+            {
+                return Err(EngineError::invalid(format!(
+                    "step at position {} of a sequence holding {} tokens",
+                    input.start,
+                    s.tokens.len()
+                )));
+            }
+            if input.tokens.len() == 1 && input.start > 0 && input.logits {
+                decodes += 1;
+                decode_kv += input.start + 1;
+            } else {
+                prefill += input.tokens.len();
+            }
+            s.kv.reserve_owned(bt, input.start + input.tokens.len(), bytes);
+            for &t in input.tokens {
+                Self::push_token(s, t, bt, self.cfg.kv)?;
+            }
+            s.kv.len = s.tokens.len();
+            if input.logits {
+                out.push(self.alphabet[(s.state % self.alphabet.len() as u64) as usize]);
+            }
+        }
+        let mut us = prefill as f64 * self.cfg.prefill_us_per_token;
+        if decodes > 0 {
+            us += self.cfg.decode_step_us + decode_kv as f64 * self.cfg.decode_us_per_kv_token;
+        }
+        if us > 0.0 {
+            std::thread::sleep(Duration::from_secs_f64(us / 1e6));
+        }
+        Ok(out)
     }
 }
 
@@ -170,10 +302,13 @@ impl Engine for MockEngine {
         self.seqs.remove(&seq);
     }
 
-    fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError> {
+    fn push_cached(&mut self, seq: u64, block: KvBlock) -> Result<(), EngineError> {
         let bt = self.block_tokens();
+        let full = self.cfg.kv == MockKv::Full;
         let s = self.seqs.get_mut(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
-        if s.tokens.len() != block * bt || bytes.len() as u64 != self.info.layout.bytes_per_block()
+        let index = s.kv.blocks.len();
+        let bytes = block.bytes();
+        if s.tokens.len() != index * bt || bytes.len() as u64 != self.info.layout.bytes_per_block()
         {
             return Err(EngineError::invalid("block imported out of order or of a wrong size"));
         }
@@ -182,70 +317,46 @@ impl Engine for MockEngine {
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         let prev = s.chain.last().copied().unwrap_or(0);
-        if !Self::matches(bytes, &tokens, Self::chain(prev, &tokens)) {
+        let seed = Self::chain(prev, &tokens);
+        let ok = bytes[bt * 4..][..8] == seed.to_le_bytes()
+            && (!full || Self::matches(&bytes[Self::header_len(bt)..], seed));
+        if !ok {
             return Err(EngineError::model(format!(
-                "imported block {block} does not match its chain"
+                "imported block {index} does not match its chain"
             )));
         }
+        s.kv.push_cached(bt, block)?;
         for t in tokens {
-            Self::push_token(s, t, bt);
+            s.tokens.push(t);
+            s.state = SplitMix64(s.state ^ u64::from(t).wrapping_mul(0x100_0000_01b3)).next_u64();
         }
+        s.chain.push(seed);
         Ok(())
     }
 
-    fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError> {
-        let bt = self.block_tokens();
-        let s = self.seqs.get(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
-        if s.chain.len() <= block || out.len() as u64 != self.info.layout.bytes_per_block() {
-            return Err(EngineError::invalid(format!("block {block} is not computed")));
-        }
-        Self::fill(out, &s.tokens[block * bt..(block + 1) * bt], s.chain[block]);
-        Ok(())
+    fn table(&self, seq: u64) -> Option<&KvTable> {
+        self.seqs.get(&seq).map(|s| &s.kv)
+    }
+
+    fn table_mut(&mut self, seq: u64) -> Option<&mut KvTable> {
+        self.seqs.get_mut(&seq).map(|s| &mut s.kv)
     }
 
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
-        self.steps += 1;
-        if self.cfg.panic_at_step == Some(self.steps) {
-            panic!("mock engine: injected fault at step {}", self.steps);
-        }
-        let bt = self.block_tokens();
         let vocab = self.codec.vocab_size();
-        let (mut prefill, mut decode_kv, mut decodes) = (0usize, 0usize, 0usize);
-        let mut out = Vec::new();
-        for input in batch {
-            let s =
-                self.seqs.get_mut(&input.seq).ok_or(EngineError::invalid("unknown sequence"))?;
-            if s.tokens.len() != input.start {
-                return Err(EngineError::invalid(format!(
-                    "step at position {} of a sequence holding {} tokens",
-                    input.start,
-                    s.tokens.len()
-                )));
-            }
-            if input.tokens.len() == 1 && input.start > 0 && input.logits {
-                decodes += 1;
-                decode_kv += input.start + 1;
-            } else {
-                prefill += input.tokens.len();
-            }
-            for &t in input.tokens {
-                Self::push_token(s, t, bt);
-            }
-            if input.logits {
+        Ok(self
+            .run(batch)?
+            .into_iter()
+            .map(|t| {
                 let mut logits = vec![0f32; vocab];
-                let next = ALPHABET[(s.state % ALPHABET.len() as u64) as usize];
-                logits[usize::from(next)] = 10.0;
-                out.push(logits);
-            }
-        }
-        let mut us = prefill as f64 * self.cfg.prefill_us_per_token;
-        if decodes > 0 {
-            us += self.cfg.decode_step_us + decode_kv as f64 * self.cfg.decode_us_per_kv_token;
-        }
-        if us > 0.0 {
-            std::thread::sleep(Duration::from_secs_f64(us / 1e6));
-        }
-        Ok(out)
+                logits[t as usize] = 10.0;
+                logits
+            })
+            .collect())
+    }
+
+    fn step_next(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Next>, EngineError> {
+        Ok(self.run(batch)?.into_iter().map(Next::Token).collect())
     }
 }
 

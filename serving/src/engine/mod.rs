@@ -16,12 +16,14 @@ use std::time::Duration;
 
 use kvfabric::layout::BlockLayout;
 
+pub mod kv;
 pub mod llama;
 pub mod mock;
 pub mod sampling;
 pub mod scheduler;
 pub mod text;
 
+pub use kv::{KvBlock, KvTable};
 pub use sampling::{Sampler, SamplingParams};
 pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
 pub use text::{ChatMessage, TextCodec, TextStream};
@@ -111,8 +113,19 @@ pub struct StepInput<'a> {
     pub logits: bool,
 }
 
-/// A model that runs steps over a ragged batch and holds each sequence's KV, block by block
-/// in the store's layout. Used from one thread.
+/// What decides a sequence's next token after a step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Next {
+    /// Logits over the vocabulary, to sample from.
+    Logits(Vec<f32>),
+    /// The token, whatever the sampling parameters (all the mass on it).
+    Token(u32),
+}
+
+/// A model that runs steps over a ragged batch. Each sequence's KV is a block table
+/// ([`KvTable`]) in the store's layout: cached blocks are read in place, computed KV is written
+/// into the table's blocks, which the engine extends with its own memory when a step runs past
+/// them. Used from one thread.
 pub trait Engine: Send + 'static {
     /// The model.
     fn info(&self) -> &ModelInfo;
@@ -120,15 +133,45 @@ pub trait Engine: Send + 'static {
     fn codec(&self) -> &TextCodec;
     /// Starts a sequence with no KV.
     fn add_sequence(&mut self, seq: u64);
-    /// Forgets a sequence and frees its KV.
+    /// Forgets a sequence and releases its blocks.
     fn remove_sequence(&mut self, seq: u64);
-    /// Sets the KV of block `block` (tokens `block*bt..(block+1)*bt`) from bytes in the
-    /// store's layout; blocks are imported in order from 0, before any step.
-    fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError>;
-    /// Copies the KV of a full, computed block out in the store's layout.
-    fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError>;
+    /// Appends a cached block (KV of tokens `len..len + bt`, `len` the tokens present) to the
+    /// sequence's table, to be read in place; blocks are appended in order from 0, before any
+    /// step. The engine checks what it can of the block.
+    fn push_cached(&mut self, seq: u64, block: KvBlock) -> Result<(), EngineError>;
+    /// The sequence's table.
+    fn table(&self, seq: u64) -> Option<&KvTable>;
+    /// The sequence's table, to give it memory for the blocks steps compute or to seal full
+    /// blocks into stored ones (their bytes unchanged).
+    fn table_mut(&mut self, seq: u64) -> Option<&mut KvTable>;
     /// Runs one step; returns the logits of each input that asked for them, in order.
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError>;
+
+    /// Runs one step for the scheduler: what decides the next token of each input that asked
+    /// for it, in order. An engine whose next token is certain (the mock) names it instead of
+    /// materialising a vocabulary's worth of logits.
+    fn step_next(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Next>, EngineError> {
+        Ok(self.step(batch)?.into_iter().map(Next::Logits).collect())
+    }
+
+    /// Sets the KV of block `block` (tokens `block*bt..(block+1)*bt`) from a copy of `bytes`
+    /// in the store's layout; blocks are imported in order from 0, before any step.
+    fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError> {
+        let layout = self.info().layout;
+        let held = self.table(seq).ok_or(EngineError::invalid("unknown sequence"))?.len;
+        if held != block * layout.block_tokens as usize
+            || bytes.len() as u64 != layout.bytes_per_block()
+        {
+            return Err(EngineError::invalid("block imported out of order or of a wrong size"));
+        }
+        self.push_cached(seq, KvBlock::copy_of(bytes))
+    }
+
+    /// Copies the KV of a full, computed block out in the store's layout.
+    fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError> {
+        let bt = self.info().layout.block_tokens as usize;
+        self.table(seq).ok_or(EngineError::invalid("unknown sequence"))?.export(bt, block, out)
+    }
 }
 
 /// The message a panic carried (`panic!("...")` gives a `&str` or a `String`).

@@ -1,6 +1,11 @@
 //! The continuous batching loop: one engine on its own thread, served from the tiered block
 //! store (admission with prefix reuse, decodes and prefill chunks in one step, sampling, stop
 //! conditions, storing newly full blocks, cancellation and deadlines).
+//!
+//! The store is the engine's KV memory: a sequence's cached blocks are pinned store slots
+//! that the engine reads in place, and the blocks it computes are written into store slots
+//! that become stored blocks once full (committed in place, no copy). Engine memory is the
+//! fallback when the store cannot spare a slot.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,8 +18,8 @@ use kvfabric_tiers::{StoreError, TieredStore};
 use tokio::sync::mpsc;
 
 use super::{
-    CacheHits, Engine, EngineError, FinishReason, GenEvent, GenerateRequest, ModelInfo, Sampler,
-    StepInput, TextCodec, TextStream,
+    CacheHits, Engine, EngineError, FinishReason, GenEvent, GenerateRequest, KvBlock, ModelInfo,
+    Next, Sampler, StepInput, TextCodec, TextStream,
 };
 
 /// The longest a request waits for the fabric to say which of its blocks it holds.
@@ -141,7 +146,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_id: 1,
-            block_buf: vec![0u8; info.layout.bytes_per_block() as usize],
+            block_bytes: info.layout.bytes_per_block() as usize,
             host_capacity: store_capacity as usize,
         };
         let (failed, failure) = tokio::sync::watch::channel(None);
@@ -287,7 +292,7 @@ struct Loop<E: Engine> {
     waiting: VecDeque<Submission>,
     running: Vec<Seq>,
     next_id: u64,
-    block_buf: Vec<u8>,
+    block_bytes: usize,
     host_capacity: usize,
 }
 
@@ -470,29 +475,32 @@ impl<E: Engine> Loop<E> {
     /// block the store no longer has ends the imports (the rest is computed); a block the
     /// engine refuses restarts the sequence from scratch.
     fn import_blocks(&mut self, seq: &mut Seq, max: usize) -> usize {
-        // Each chunk's blocks are pinned in host memory only while they are copied in, in
-        // chunks that leave room in the host tier for others.
+        // In chunks that leave room in the host tier for others.
         let n = (seq.import_tiers.len() - seq.imported)
             .min(max)
             .min((self.host_capacity / 4).clamp(1, 64));
         let part = &seq.hashes[seq.imported..seq.imported + n];
-        let left = seq.deadline.saturating_duration_since(Instant::now());
-        let store = self.store.clone();
-        let refs = match self
-            .runtime
-            .block_on(async { tokio::time::timeout(left, store.get(part)).await })
-        {
-            Ok(Ok(refs)) => refs,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "prefix reuse stopped early; computing the rest");
-                Vec::new()
-            }
-            Err(_) => {
-                tracing::debug!(
-                    seq = seq.id,
-                    "request deadline passed while importing cached blocks"
-                );
-                Vec::new()
+        let refs = loop {
+            let left = seq.deadline.saturating_duration_since(Instant::now());
+            let store = self.store.clone();
+            match self.runtime.block_on(async { tokio::time::timeout(left, store.get(part)).await })
+            {
+                Ok(Ok(refs)) => break refs,
+                // The host tier is full of pinned blocks, this sequence's among them: one of
+                // them moves to engine memory, then retry.
+                Ok(Err(StoreError::Full(_)))
+                    if self.engine.table_mut(seq.id).is_some_and(|t| t.spill_one()) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "prefix reuse stopped early; computing the rest");
+                    break Vec::new();
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        seq = seq.id,
+                        "request deadline passed while importing cached blocks"
+                    );
+                    break Vec::new();
+                }
             }
         };
         tracing::debug!(
@@ -502,12 +510,12 @@ impl<E: Engine> Loop<E> {
             from_block = seq.imported,
             "cached blocks onboarded from the store"
         );
-        for r in &refs {
-            let ok = r.read(&mut self.block_buf).is_ok()
-                && self.engine.import_block(seq.id, seq.imported, &self.block_buf).is_ok();
-            if !ok {
+        let got = refs.len();
+        for r in refs {
+            // Read in place from now on: pinned until the sequence ends.
+            if let Err(e) = self.engine.push_cached(seq.id, KvBlock::Cached(r)) {
                 // The engine may hold part of the block: recompute from the start.
-                tracing::warn!("importing a cached block failed; computing the prompt");
+                tracing::warn!(error = %e, "a cached block was refused; computing the prompt");
                 self.engine.remove_sequence(seq.id);
                 self.engine.add_sequence(seq.id);
                 seq.imported = 0;
@@ -522,7 +530,7 @@ impl<E: Engine> Loop<E> {
             }
             seq.imported += 1;
         }
-        if refs.len() < n {
+        if got < n {
             seq.import_tiers.truncate(seq.imported);
         }
         n
@@ -549,6 +557,7 @@ impl<E: Engine> Loop<E> {
         if plan.is_empty() {
             return;
         }
+        self.provide_blocks(&plan);
         let inputs: Vec<StepInput<'_>> = plan
             .iter()
             .map(|&(i, start, n)| {
@@ -562,7 +571,7 @@ impl<E: Engine> Loop<E> {
             })
             .collect();
         let wants: Vec<bool> = inputs.iter().map(|x| x.logits).collect();
-        let result = self.engine.step(&inputs);
+        let result = self.engine.step_next(&inputs);
         drop(inputs);
         bump(&self.stats.steps, 1);
         let mut outcomes: Vec<Outcome> =
@@ -574,8 +583,8 @@ impl<E: Engine> Loop<E> {
                     outcomes[i] = Outcome::Failed(e.clone());
                 }
             }
-            Ok(logits) => {
-                let mut logits = logits.into_iter();
+            Ok(next) => {
+                let mut next = next.into_iter();
                 for (&(i, _, n), want) in plan.iter().zip(wants) {
                     let s = &mut self.running[i];
                     if s.prompt_left() > 0 {
@@ -585,11 +594,11 @@ impl<E: Engine> Loop<E> {
                     if !want {
                         continue;
                     }
-                    let Some(l) = logits.next() else {
+                    let Some(n) = next.next() else {
                         outcomes[i] = Outcome::Failed(EngineError::model("missing logits"));
                         continue;
                     };
-                    outcomes[i] = Self::advance(s, &l, &self.codec, self.engine.info().context_len);
+                    outcomes[i] = Self::advance(s, n, &self.codec, self.engine.info().context_len);
                     bump(&self.stats.generated_tokens, 1);
                 }
             }
@@ -628,8 +637,11 @@ impl<E: Engine> Loop<E> {
     }
 
     /// Samples the next token of `s` and decides whether it goes on.
-    fn advance(s: &mut Seq, logits: &[f32], codec: &TextCodec, ctx: usize) -> Outcome {
-        let tok = s.sampler.sample(logits);
+    fn advance(s: &mut Seq, next: Next, codec: &TextCodec, ctx: usize) -> Outcome {
+        let tok = match next {
+            Next::Token(t) => t,
+            Next::Logits(l) => s.sampler.sample(&l),
+        };
         s.generated += 1;
         if !s.req.ignore_eos && codec.stop_tokens().contains(&tok) {
             return Outcome::Finished(FinishReason::Stop);
@@ -648,7 +660,40 @@ impl<E: Engine> Loop<E> {
         Outcome::Continue
     }
 
-    /// Stores every block whose KV is now complete and that the store does not have yet.
+    /// Gives each planned input memory for the blocks its step computes: a store slot
+    /// reserved for the block's hash when its tokens are all known (prompt blocks), a scratch
+    /// slot named once they are, engine memory when the store cannot spare a slot.
+    fn provide_blocks(&mut self, plan: &[(usize, usize, usize)]) {
+        let bt = self.hasher.block_tokens();
+        for &(i, start, n) in plan {
+            let s = &self.running[i];
+            let Some(table) = self.engine.table_mut(s.id) else { continue };
+            let need = (start + n).div_ceil(bt);
+            while table.blocks.len() < need {
+                let b = table.blocks.len();
+                let block = if !self.cfg.store_blocks || s.store_off {
+                    KvBlock::owned(self.block_bytes)
+                } else {
+                    let hash = s.hashes.get(b).map(|&h| (h, b.checked_sub(1).map(|p| s.hashes[p])));
+                    let store = self.store.clone();
+                    let slot = self.runtime.block_on(async move {
+                        if let Some((hash, parent)) = hash {
+                            if let Ok(w) = store.allocate(hash, parent).await {
+                                return Ok(KvBlock::Writing(w));
+                            }
+                        }
+                        store.allocate_scratch().await.map(KvBlock::Scratch)
+                    });
+                    slot.unwrap_or_else(|_| KvBlock::owned(self.block_bytes))
+                };
+                table.blocks.push(block);
+            }
+        }
+    }
+
+    /// Stores every block whose KV is now complete and that the store does not have yet: a
+    /// slot reserved for it is committed in place (and stays pinned for the sequence), a
+    /// scratch slot is named then committed, engine memory is copied into a new slot.
     fn store_full_blocks(&mut self) {
         if !self.cfg.store_blocks {
             return;
@@ -662,27 +707,61 @@ impl<E: Engine> Loop<E> {
                 let more = self.hasher.extend(parent, &s.tokens[s.hashes.len() * bt..full * bt]);
                 s.hashes.extend(more);
             }
-            while !s.store_off && s.stored < s.computed / bt {
+            let Some(table) = self.engine.table_mut(s.id) else { continue };
+            while s.stored < s.computed / bt {
                 let b = s.stored;
+                s.stored += 1;
                 let hash = s.hashes[b];
                 let parent = b.checked_sub(1).map(|p| s.hashes[p]);
-                if let Err(e) = self.engine.export_block(s.id, b, &mut self.block_buf) {
-                    tracing::warn!(error = %e, "exporting a block failed");
-                    s.store_off = true;
-                    break;
-                }
-                let store = self.store.clone();
-                let buf = &self.block_buf;
-                match self.runtime.block_on(store.put(hash, parent, buf)) {
-                    Ok(()) => bump(&self.stats.stored_blocks, 1),
-                    Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "storing a block failed; this sequence stores no more");
-                        s.store_off = true;
-                        break;
+                let Some(slot) = table.blocks.get_mut(b) else { break };
+                let block = std::mem::replace(slot, KvBlock::owned(0));
+                let block = match block {
+                    KvBlock::Writing(w) => {
+                        bump(&self.stats.stored_blocks, 1);
+                        KvBlock::Cached(w.commit())
                     }
-                }
-                s.stored += 1;
+                    KvBlock::Scratch(sc) => match sc.name(hash, parent) {
+                        Ok(w) => {
+                            bump(&self.stats.stored_blocks, 1);
+                            KvBlock::Cached(w.commit())
+                        }
+                        // Stored meanwhile by another sequence: this copy stays private.
+                        Err((sc, _)) => KvBlock::Scratch(sc),
+                    },
+                    owned @ KvBlock::Owned { .. } if !s.store_off => loop {
+                        let store = self.store.clone();
+                        let stored = self.runtime.block_on(async {
+                            let w = store.allocate(hash, parent).await?;
+                            w.write(0, owned.bytes())?;
+                            Ok::<_, StoreError>(w.commit())
+                        });
+                        match stored {
+                            Ok(r) => {
+                                bump(&self.stats.stored_blocks, 1);
+                                break KvBlock::Cached(r);
+                            }
+                            // The host tier is full of pinned blocks, this sequence's among
+                            // them (a sequence longer than the tier): one of its stored
+                            // blocks moves to engine memory, so that its slot can be written
+                            // back to disk and reused. Then retry.
+                            Err(StoreError::Full(_)) => {
+                                if !table.spill_one() {
+                                    break owned;
+                                }
+                            }
+                            Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {
+                                break owned
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "storing a block failed; this sequence stores no more");
+                                s.store_off = true;
+                                break owned;
+                            }
+                        }
+                    },
+                    other => other,
+                };
+                table.blocks[b] = block;
             }
         }
     }

@@ -50,7 +50,7 @@ impl TextCodec {
             content.metadata.get(k).and_then(|v| v.to_string().ok()).map(|s| s.to_string())
         };
         let meta_u32 = |k: &str| content.metadata.get(k).and_then(|v| v.to_u32().ok());
-        let mut tok = match tokenizer_json {
+        let tok = match tokenizer_json {
             Some(p) => tokenizers::Tokenizer::from_file(p)
                 .map_err(|e| EngineError::model(format!("tokenizer {}: {e}", p.display())))?,
             None => {
@@ -75,11 +75,51 @@ impl TextCodec {
                 tok
             }
         };
+        let bos = meta_u32("tokenizer.ggml.bos_token_id");
+        let eos = meta_u32("tokenizer.ggml.eos_token_id");
+        let template =
+            meta_str("tokenizer.chat_template").unwrap_or_else(|| CHATML_TEMPLATE.to_string());
+        Self::hf(tok, template, bos, eos)
+    }
+
+    /// The codec of a Hugging Face model directory: `tokenizer.json`, and from
+    /// `tokenizer_config.json` the chat template (or `chat_template.jinja`; ChatML when there
+    /// is none) and the BOS and EOS tokens.
+    pub fn from_model_dir(dir: &Path) -> Result<Self, EngineError> {
+        let path = dir.join("tokenizer.json");
+        let tok = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| EngineError::model(format!("tokenizer {}: {e}", path.display())))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(text) => serde_json::from_str(&text)
+                .map_err(|e| EngineError::model(format!("{}: {e}", cfg_path.display())))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+            Err(e) => return Err(EngineError::model(format!("{}: {e}", cfg_path.display()))),
+        };
+        // A special token is a string, or an object with its `content`.
+        let special = |k: &str| {
+            let v = &cfg[k];
+            v.as_str().or_else(|| v["content"].as_str()).and_then(|t| tok.token_to_id(t))
+        };
+        let (bos, eos) = (special("bos_token"), special("eos_token"));
+        let template = match cfg["chat_template"].as_str() {
+            Some(t) => t.to_string(),
+            None => std::fs::read_to_string(dir.join("chat_template.jinja"))
+                .unwrap_or_else(|_| CHATML_TEMPLATE.to_string()),
+        };
+        Self::hf(tok, template, bos, eos)
+    }
+
+    fn hf(
+        mut tok: tokenizers::Tokenizer,
+        template: String,
+        bos_id: Option<u32>,
+        eos_id: Option<u32>,
+    ) -> Result<Self, EngineError> {
         tok.with_truncation(None).map_err(|e| EngineError::model(e.to_string()))?;
         tok.with_padding(None);
         let id_text = |id: Option<u32>| id.and_then(|id| tok.id_to_token(id));
-        let bos = id_text(meta_u32("tokenizer.ggml.bos_token_id"));
-        let eos_id = meta_u32("tokenizer.ggml.eos_token_id");
+        let bos = id_text(bos_id);
         let eos = id_text(eos_id);
         let mut stop_tokens: Vec<u32> = eos_id.into_iter().collect();
         // Chat models end a turn with their end-of-turn token, which may differ from EOS.
@@ -90,13 +130,27 @@ impl TextCodec {
                 }
             }
         }
-        let template =
-            meta_str("tokenizer.chat_template").unwrap_or_else(|| CHATML_TEMPLATE.to_string());
         let codec =
             TextCodec { kind: CodecKind::Hf(Box::new(tok)), template, bos, eos, stop_tokens };
         // Fail at load, not at the first request, on a template minijinja cannot parse.
         codec.render_chat(&[ChatMessage { role: "user".into(), content: "hi".into() }])?;
         Ok(codec)
+    }
+
+    /// Writes this codec as a model directory's `tokenizer.json` and `tokenizer_config.json`
+    /// (what [`TextCodec::from_model_dir`] reads).
+    pub fn save_to_dir(&self, dir: &Path) -> Result<(), EngineError> {
+        let CodecKind::Hf(tok) = &self.kind else {
+            return Err(EngineError::invalid("the byte codec has no tokenizer.json"));
+        };
+        let io = |e: &dyn std::fmt::Display| EngineError::model(format!("{}: {e}", dir.display()));
+        tok.save(dir.join("tokenizer.json"), false).map_err(|e| io(&e))?;
+        let cfg = serde_json::json!({
+            "chat_template": self.template,
+            "bos_token": self.bos,
+            "eos_token": self.eos,
+        });
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).map_err(|e| io(&e))
     }
 
     /// [`TextCodec::from_gguf`] of a file: reads its metadata only, not its weights.

@@ -1,5 +1,6 @@
-//! The handles on host slots: [`WriteSlot`], a slot being filled, and [`BlockRef`], a block
-//! pinned in host memory; dropping either releases its slot.
+//! The handles on host slots: [`WriteSlot`], a slot being filled, [`ScratchSlot`], a slot
+//! being filled whose block has no hash yet, and [`BlockRef`], a block pinned in host memory;
+//! dropping any of them releases its slot.
 
 use std::sync::Arc;
 
@@ -8,6 +9,7 @@ use kvfabric::hash::SequenceHash;
 use kvfabric::memory::Region;
 
 use crate::metrics::add;
+use crate::pool::PoolError;
 
 use super::{Inner, StoreError};
 
@@ -41,6 +43,31 @@ impl WriteSlot {
     /// Never empty.
     pub fn is_empty(&self) -> bool {
         false
+    }
+
+    /// The slot's bytes, to be written in place (an engine computing KV straight into the
+    /// block it will store).
+    ///
+    /// # Safety
+    /// No transfer may write or read the slot while the slice lives: the holder must not
+    /// have handed the slot's descriptor (`region`, `offset`) to a transfer still running.
+    pub unsafe fn bytes_mut(&mut self) -> &mut [u8] {
+        let (offset, len) = (self.offset(), self.len());
+        // SAFETY: a reserved slot is invisible to lookups, onboards and evictions: only its
+        // holder (`&mut self`) reaches it, and the caller excludes transfers. The range is a
+        // slot of the region, so in bounds.
+        unsafe { self.store.region.view_mut(offset, len) }.unwrap_or_default()
+    }
+
+    /// The slot's bytes.
+    ///
+    /// # Safety
+    /// As for [`WriteSlot::bytes_mut`]: no transfer may write the slot while the slice lives.
+    pub unsafe fn bytes(&self) -> &[u8] {
+        let (offset, len) = (self.offset(), self.len());
+        // SAFETY: only the holder reaches a reserved slot, `&self` excludes its own writes,
+        // and the caller excludes transfers. The range is a slot of the region.
+        unsafe { self.store.region.view(offset, len) }.unwrap_or_default()
     }
 
     /// Copies `bytes` into the block at `at`.
@@ -107,6 +134,78 @@ impl Drop for WriteSlot {
     }
 }
 
+/// A reserved host slot whose block has no hash yet (its tokens are still being computed):
+/// private memory of its holder until [`ScratchSlot::name`] turns it into a [`WriteSlot`].
+/// Dropped unnamed, the slot is freed.
+#[derive(Debug)]
+pub struct ScratchSlot {
+    pub(super) store: Arc<Inner>,
+    pub(super) slot: u32,
+    pub(super) done: bool,
+}
+
+impl ScratchSlot {
+    /// Bytes of the block.
+    pub fn len(&self) -> u64 {
+        self.store.cfg.block_bytes
+    }
+
+    /// Never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The slot's bytes, written in place.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let (offset, len) = (self.store.slot_offset(self.slot), self.len());
+        // SAFETY: a scratch slot is invisible to lookups, onboards and evictions and has no
+        // hash, so no descriptor of it is ever handed out: only its holder (`&mut self`)
+        // reaches it. The range is a slot of the region, so in bounds.
+        unsafe { self.store.region.view_mut(offset, len) }.unwrap_or_default()
+    }
+
+    /// The slot's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        let (offset, len) = (self.store.slot_offset(self.slot), self.len());
+        // SAFETY: as in `bytes_mut`: nothing but this handle reaches the slot, and `&self`
+        // excludes its own writes while the view lives.
+        unsafe { self.store.region.view(offset, len) }.unwrap_or_default()
+    }
+
+    /// Gives the block its hash: it becomes a reservation for it, to be committed. Refused
+    /// (the scratch slot comes back) when the store holds the block or another writer is
+    /// storing it.
+    pub fn name(
+        mut self,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+    ) -> Result<WriteSlot, (ScratchSlot, StoreError)> {
+        let named = self.store.host.lock().pool.name(self.slot, hash, parent);
+        match named {
+            Ok(()) => {
+                self.done = true;
+                Ok(WriteSlot {
+                    store: self.store.clone(),
+                    slot: self.slot,
+                    hash,
+                    parent,
+                    done: false,
+                })
+            }
+            Err(PoolError::BeingWritten) => Err((self, StoreError::BeingWritten(hash))),
+            Err(_) => Err((self, StoreError::AlreadyStored(hash))),
+        }
+    }
+}
+
+impl Drop for ScratchSlot {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.store.host.lock().pool.abort(self.slot);
+        }
+    }
+}
+
 /// A block pinned in host memory; dropping it unpins.
 #[derive(Debug)]
 pub struct BlockRef {
@@ -139,6 +238,15 @@ impl BlockRef {
     /// Never empty.
     pub fn is_empty(&self) -> bool {
         false
+    }
+
+    /// Its bytes, read in place (an engine's attention over cached KV).
+    pub fn bytes(&self) -> &[u8] {
+        let (offset, len) = (self.offset(), self.len());
+        // SAFETY: a committed block is immutable while pinned: the store never reserves,
+        // evicts or frees a pinned slot, and hands out descriptors of committed blocks only
+        // for reading (onboards to peers, offloads). The range is a slot of the region.
+        unsafe { self.store.region.view(offset, len) }.unwrap_or_default()
     }
 
     /// Copies its bytes out.

@@ -25,7 +25,7 @@ mod handles;
 mod offload;
 mod onboard;
 
-pub use handles::{BlockRef, WriteSlot};
+pub use handles::{BlockRef, ScratchSlot, WriteSlot};
 
 use std::sync::Arc;
 
@@ -300,6 +300,13 @@ impl TieredStore {
     ) -> Result<WriteSlot, StoreError> {
         let slot = self.inner.reserve_host(hash, parent).await?;
         Ok(WriteSlot { store: self.inner.clone(), slot, hash, parent, done: false })
+    }
+
+    /// Reserves a host slot for a block whose hash is not known yet (see [`ScratchSlot`]).
+    /// Evicts (and offloads) under pressure.
+    pub async fn allocate_scratch(&self) -> Result<ScratchSlot, StoreError> {
+        let slot = self.inner.reserve_scratch().await?;
+        Ok(ScratchSlot { store: self.inner.clone(), slot, done: false })
     }
 
     /// Stores a block by copying `bytes` (exactly one block) into a new host slot.

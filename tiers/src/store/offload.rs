@@ -54,14 +54,33 @@ impl Inner {
         hash: SequenceHash,
         parent: Option<SequenceHash>,
     ) -> Result<u32, StoreError> {
+        self.reserve_with(|pool| match pool.reserve(hash, parent) {
+            Err(PoolError::Present(_)) => Err(Some(StoreError::AlreadyStored(hash))),
+            Err(PoolError::BeingWritten) => Err(Some(StoreError::BeingWritten(hash))),
+            Err(_) => Err(None),
+            Ok(slot) => Ok(slot),
+        })
+        .await
+    }
+
+    /// Reserves a host slot with no hash yet, evicting victims until one is free.
+    pub(super) async fn reserve_scratch(self: &Arc<Self>) -> Result<u32, StoreError> {
+        self.reserve_with(|pool| pool.reserve_scratch().map_err(|_| None)).await
+    }
+
+    /// Runs `take` (`Err(None)`: no free slot) until it gets a slot, evicting one victim
+    /// after each miss.
+    async fn reserve_with(
+        self: &Arc<Self>,
+        mut take: impl FnMut(&mut crate::pool::SlotPool) -> Result<u32, Option<StoreError>>,
+    ) -> Result<u32, StoreError> {
         loop {
             let (victim, admitted) = {
                 let mut host = self.host.lock();
-                match host.pool.reserve(hash, parent) {
+                match take(&mut host.pool) {
                     Ok(slot) => return Ok(slot),
-                    Err(PoolError::Present(_)) => return Err(StoreError::AlreadyStored(hash)),
-                    Err(PoolError::BeingWritten) => return Err(StoreError::BeingWritten(hash)),
-                    Err(_) => match host.pool.begin_evict() {
+                    Err(Some(e)) => return Err(e),
+                    Err(None) => match host.pool.begin_evict() {
                         Some(v) => {
                             let admitted = host.filter.admits(v.hash);
                             (v, admitted)

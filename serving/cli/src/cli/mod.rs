@@ -19,6 +19,7 @@ mod control;
 mod fabric;
 mod frontend;
 mod hash;
+mod model_dir;
 pub mod peer;
 mod plan;
 mod soak;
@@ -60,6 +61,9 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Block and sequence hashes of a token sequence (Dynamo-compatible XXH3).
     Hash(hash::HashArgs),
+    /// Writes a model directory (tokenizer, chat template, config.json with a KV shape of
+    /// your choice) for `up --engine mock --model-dir`.
+    ModelDir(model_dir::ModelDirArgs),
     /// Benchmarks (transfer, tier, router, fabric, engine, serve) with percentiles and ratios
     /// to this machine's limits measured in the same run.
     Bench(bench::BenchArgs),
@@ -126,6 +130,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Frontend(args) => runtime()?.block_on(frontend::run(args)),
         Command::Plan(args) => plan::run(args),
         Command::Hash(args) => hash::run(args),
+        Command::ModelDir(args) => model_dir::run(args),
         Command::Bench(args) => runtime()?.block_on(bench::run(args)),
         Command::Peer(args) => runtime()?.block_on(peer::run(args)),
         Command::Fabric(args) => runtime()?.block_on(fabric::run(args)),

@@ -21,7 +21,7 @@ use kvfabric_router::RoutingMode;
 use kvfabric_serving::backend::{Backend, LocalBackend};
 use kvfabric_serving::disagg::DisaggConfig;
 use kvfabric_serving::engine::llama::{LlamaOptions, Weights};
-use kvfabric_serving::engine::mock::MockConfig;
+use kvfabric_serving::engine::mock::{MockConfig, MockKv};
 use kvfabric_serving::engine::SchedulerConfig;
 use kvfabric_serving::http::{self, ServerConfig};
 use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
@@ -33,6 +33,16 @@ pub enum EngineKind {
     Llama,
     /// A timing model with synthetic KV (no model file).
     Mock,
+}
+
+/// How much KV the mock materialises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MockKvArg {
+    /// Each block's tokens and chained seed only (tiers and transfers still move, and
+    /// checksum, every byte).
+    Header,
+    /// Every byte of every block, written and checked (tests of the data path).
+    Full,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -107,6 +117,14 @@ pub struct EngineOpts {
     /// (G4): cached blocks no local tier holds are fetched from them.
     #[arg(long, env = "KVFABRIC_REMOTE_TIER", default_value_t = true, action = clap::ArgAction::Set)]
     pub remote_tier: bool,
+    /// Mock: mirror the model of this Hugging Face directory (its tokenizer.json, chat
+    /// template and config.json's KV layout), as Dynamo's mocker does; without it, one token
+    /// per byte over SmolLM2-135M's KV in f32.
+    #[arg(long, env = "KVFABRIC_MODEL_DIR")]
+    pub model_dir: Option<PathBuf>,
+    /// Mock: how much of each KV block is materialised.
+    #[arg(long, env = "KVFABRIC_MOCK_KV", value_enum, default_value = "header")]
+    pub mock_kv: MockKvArg,
     /// Mock: prefill cost per uncached prompt token, microseconds.
     #[arg(long, env = "KVFABRIC_MOCK_PREFILL_US", default_value_t = 40.0)]
     pub mock_prefill_us: f64,
@@ -221,11 +239,16 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
         EngineKind::Mock => EngineSpec::Mock {
             name: opts.served_model_name.clone().unwrap_or_else(|| "mock".into()),
             block_tokens: opts.block_tokens,
+            model_dir: opts.model_dir.clone(),
             config: MockConfig {
                 prefill_us_per_token: opts.mock_prefill_us,
                 decode_step_us: opts.mock_decode_us,
                 decode_us_per_kv_token: opts.mock_decode_kv_us,
                 context_len: opts.context,
+                kv: match opts.mock_kv {
+                    MockKvArg::Header => MockKv::Header,
+                    MockKvArg::Full => MockKv::Full,
+                },
                 panic_at_step: opts.mock_panic_at_step,
             },
         },

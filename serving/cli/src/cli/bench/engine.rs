@@ -16,8 +16,7 @@ use kvfabric::events::NullSink;
 use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, ReferenceLoop, Weights};
 use kvfabric_serving::engine::sampling::argmax;
 use kvfabric_serving::engine::{
-    Engine, EngineError, GenEvent, GenerateRequest, ModelInfo, SamplingParams, Scheduler,
-    SchedulerConfig, StepInput, TextCodec,
+    Engine, GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig, StepInput,
 };
 use kvfabric_serving::stats::Percentiles;
 use kvfabric_tiers::{StoreConfig, TieredStore};
@@ -55,38 +54,6 @@ struct Row {
     ms_per_token_p99: f64,
     ratio_to_candle_loop: f64,
     same_tokens_as_candle_loop: bool,
-}
-
-/// The engine behind a lock, so that the bench can run the candle loop on the same weights
-/// between the scheduler's rounds.
-struct Shared {
-    inner: Arc<Mutex<LlamaEngine>>,
-    info: ModelInfo,
-    codec: TextCodec,
-}
-
-impl Engine for Shared {
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-    fn codec(&self) -> &TextCodec {
-        &self.codec
-    }
-    fn add_sequence(&mut self, seq: u64) {
-        self.inner.lock().add_sequence(seq)
-    }
-    fn remove_sequence(&mut self, seq: u64) {
-        self.inner.lock().remove_sequence(seq)
-    }
-    fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError> {
-        self.inner.lock().import_block(seq, block, bytes)
-    }
-    fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError> {
-        self.inner.lock().export_block(seq, block, out)
-    }
-    fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
-        self.inner.lock().step(batch)
-    }
 }
 
 struct Round {
@@ -181,7 +148,8 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
     let base = engine.codec().encode(&text)?;
     anyhow::ensure!(base.len() >= args.prompt_tokens, "prompt text too short");
     let info = engine.info().clone();
-    let codec = engine.codec().clone();
+    // The scheduler's engine shares the weights of the one the direct rounds use.
+    let served = engine.share_weights();
     let shared = Arc::new(Mutex::new(engine));
 
     let agent = Agent::start(AgentConfig::new("bench-engine", b"bench".to_vec())).await?;
@@ -193,7 +161,7 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
     )
     .await?;
     let sched = Scheduler::start(
-        Shared { inner: shared.clone(), info: info.clone(), codec },
+        served,
         store,
         SchedulerConfig::default(),
         tokio::runtime::Handle::current(),
