@@ -267,6 +267,12 @@ struct Up;
 
 impl Up {
     fn start(extra: &[&str], stderr: Stdio) -> (Kill, String) {
+        let (kill, addr, _) = Self::start_with_line(extra, stderr);
+        (kill, addr)
+    }
+
+    /// Also the line it prints when ready.
+    fn start_with_line(extra: &[&str], stderr: Stdio) -> (Kill, String, String) {
         use std::io::{BufRead, BufReader};
         let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
             .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0"])
@@ -281,7 +287,7 @@ impl Up {
         std::thread::spawn(move || lines.for_each(drop));
         let url = first.split(" at ").nth(1).unwrap().trim().to_string();
         let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
-        (Kill(up), addr)
+        (Kill(up), addr, first)
     }
 }
 
@@ -405,4 +411,65 @@ fn a_dead_engine_is_logged_and_the_process_exits_non_zero() {
     up.0.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(!status.success(), "{status}");
     assert!(err.contains("the engine thread panicked") && err.contains("injected fault"), "{err}");
+}
+
+/// One HTTP/1.1 exchange over a plain socket; the response's body as JSON.
+fn post_json(addr: &str, path: &str, body: &serde_json::Value) -> serde_json::Value {
+    use std::io::{Read, Write};
+    let body = body.to_string();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let (_, body) = answer.split_once("\r\n\r\n").unwrap();
+    serde_json::from_str(body).unwrap()
+}
+
+/// `kvfabric model-dir` writes a model directory from the GGUF's vocabulary; the mock serving
+/// it counts tokens with that tokenizer (the real model's count for the same chat, not one per
+/// byte), keeps the KV bytes of its config.json (4 layers × 8 KV heads × 64, bf16: 8 KiB per
+/// token, 128 KiB per block), and answers with words of the vocabulary.
+#[test]
+fn the_mock_mirrors_a_model_directory() {
+    let model = std::env::var("KVFABRIC_TEST_MODEL").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/kvfabric/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+            std::env::var("HOME").unwrap()
+        )
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("mock-model");
+    let out = kvfabric(&["model-dir", "--from", &model, "--out", out_dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("8192 B of KV per token"));
+    for f in ["tokenizer.json", "tokenizer_config.json", "config.json"] {
+        assert!(out_dir.join(f).is_file(), "{f} missing");
+    }
+    let (_up, addr, ready) = Up::start_with_line(
+        &["--model-dir", out_dir.to_str().unwrap(), "--mock-decode-us", "100"],
+        Stdio::null(),
+    );
+    assert!(ready.contains("131072 B blocks"), "{ready}");
+    let chat = serde_json::json!({
+        "model": "mock", "max_tokens": 12, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    });
+    let r = post_json(&addr, "/v1/chat/completions", &chat);
+    // What SmolLM2's tokenizer and template make of this chat (the README's example).
+    assert_eq!(r["usage"]["prompt_tokens"], 37, "{r}");
+    assert_eq!(r["usage"]["completion_tokens"], 12, "{r}");
+    let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.split_whitespace().count() >= 6, "not words of the vocabulary: {text:?}");
+    // The same chat again: its blocks come back from the cache, same answer.
+    let again = post_json(&addr, "/v1/chat/completions", &chat);
+    assert_eq!(again["choices"][0]["message"]["content"], text);
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 32, "{again}");
 }
