@@ -84,16 +84,10 @@ impl WriteSlot {
     fn finish(mut self, pins: u32) -> u32 {
         self.done = true;
         let inner = &self.store;
-        // Hashed once here, outside the lock; offloads reuse it.
-        let checksum = if inner.disk.is_some() {
-            inner.region.checksum(self.offset(), self.len()).unwrap_or(0)
-        } else {
-            0
-        };
         let write_through = inner.cfg.write_through && inner.disk.is_some();
         {
             let mut host = inner.host.lock();
-            host.checksums[self.slot as usize] = checksum;
+            host.checksums[self.slot as usize] = None;
             // The background write-through holds a pin of its own, taken in the same critical
             // section as the commit so that the block cannot be evicted in between.
             let _ = host.pool.commit(self.slot, pins + u32::from(write_through));

@@ -126,10 +126,10 @@ pub enum StoreError {
 struct HostState {
     pool: SlotPool,
     filter: FrequencyFilter,
-    /// XXH3-64 of each ready slot's bytes, computed once at commit (or known from disk), so
-    /// that offloads write without hashing on their critical path. Committed blocks are
-    /// immutable.
-    checksums: Vec<u64>,
+    /// XXH3-64 of each ready slot's bytes when known (read from disk with it); otherwise the
+    /// offload computes it, off the committing engine's path (committed blocks are immutable,
+    /// and most blocks evicted from a busy tier are never written to disk at all).
+    checksums: Vec<Option<u64>>,
 }
 
 #[derive(Debug)]
@@ -266,7 +266,7 @@ impl TieredStore {
                     cfg.disk_admit_min_hits,
                     (cfg.host_blocks as usize * 4).max(1024),
                 ),
-                checksums: vec![0; cfg.host_blocks as usize],
+                checksums: vec![None; cfg.host_blocks as usize],
             }),
             region: HostRegion { region: Some(region), agent: agent.clone() },
             stride,

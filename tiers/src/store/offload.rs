@@ -47,6 +47,9 @@ impl TieredStore {
     }
 }
 
+/// Blocks the background write-back evicts (and writes to disk) at once.
+const WRITE_BACK_DEPTH: usize = 8;
+
 impl Inner {
     /// Reserves a host slot, evicting (and offloading) victims until one is free.
     pub(super) async fn reserve_host(
@@ -98,7 +101,8 @@ impl Inner {
     }
 
     /// Starts a background eviction when fewer than `host_free_target` host slots are free
-    /// (one at a time; it stops at the target, when nothing is evictable, or on an error).
+    /// (up to [`WRITE_BACK_DEPTH`] at a time; it stops at the target, when nothing is
+    /// evictable, or on an error).
     pub(super) fn keep_free(self: &Arc<Self>) {
         let target = self.cfg.host_free_target;
         if target == 0 || (self.disk.is_none() && self.cfg.remote.is_none()) {
@@ -114,20 +118,31 @@ impl Inner {
         let inner = self.clone();
         self.runtime.spawn(async move {
             loop {
-                let (victim, admitted) = {
+                // Several victims at a time: their writes are in flight together, so the
+                // disk sees a queue (and the kernel one submission) instead of one block at
+                // a time.
+                let victims: Vec<(Victim, bool)> = {
                     let mut host = inner.host.lock();
-                    if host.pool.free_slots() >= target {
-                        break;
-                    }
-                    match host.pool.begin_evict() {
-                        Some(v) => {
-                            let admitted = host.filter.admits(v.hash);
-                            (v, admitted)
+                    let short = target.saturating_sub(host.pool.free_slots()) as usize;
+                    let mut v = Vec::new();
+                    while v.len() < short.min(WRITE_BACK_DEPTH) {
+                        match host.pool.begin_evict() {
+                            Some(victim) => {
+                                let admitted = host.filter.admits(victim.hash);
+                                v.push((victim, admitted));
+                            }
+                            None => break,
                         }
-                        None => break,
                     }
+                    v
                 };
-                if inner.evict_host(victim, admitted).await.is_err() {
+                if victims.is_empty() {
+                    break;
+                }
+                let evictions =
+                    victims.into_iter().map(|(v, admitted)| inner.evict_host(v, admitted));
+                let results = futures_util::future::join_all(evictions).await;
+                if results.iter().any(Result::is_err) {
                     break;
                 }
             }
@@ -176,7 +191,7 @@ impl Inner {
         let Some(disk) = &self.disk else { return Ok(false) };
         let start = Instant::now();
         let lease = RegionLease::new(self.region.clone());
-        let checksum = self.host.lock().checksums.get(slot as usize).copied();
+        let checksum = self.host.lock().checksums.get(slot as usize).copied().flatten();
         // SAFETY: the slot lies inside the host region, which the lease keeps alive; the slot
         // is pinned or evicting, so nothing reuses it during the write.
         let r = unsafe { disk.write(hash, parent, self.slot_buf(slot), checksum, Box::new(lease)) }

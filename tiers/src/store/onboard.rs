@@ -224,7 +224,7 @@ impl Inner {
         let mut host = self.host.lock();
         match outcome {
             Ok(ReadOutcome::Hit { parent, checksum }) => {
-                host.checksums[slot as usize] = checksum;
+                host.checksums[slot as usize] = Some(checksum);
                 let _ = host.pool.commit(slot, 1);
                 self.written.notify_waiters();
                 self.events.stored(hash, parent, TierKind::Host);
@@ -296,10 +296,8 @@ impl Inner {
         let mut refs = Vec::with_capacity(run);
         for (i, &slot) in slots.iter().enumerate() {
             if i < run {
-                let checksum =
-                    self.region.checksum(self.slot_offset(slot), self.cfg.block_bytes).unwrap_or(0);
                 let mut host = self.host.lock();
-                host.checksums[slot as usize] = checksum;
+                host.checksums[slot as usize] = None;
                 let _ = host.pool.commit(slot, 1);
                 self.written.notify_waiters();
                 self.events.stored(hashes[i], parent_of(i), TierKind::Host);
