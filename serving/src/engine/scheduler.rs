@@ -485,9 +485,14 @@ impl<E: Engine> Loop<E> {
             let store = self.store.clone();
             match self.runtime.block_on(async { tokio::time::timeout(left, store.get(part)).await })
             {
+                // The host tier is full of pinned blocks, this sequence's among them (a
+                // fetch from the fabric then brings nothing, a disk read fails): one of them
+                // moves to engine memory, then retry.
+                Ok(Ok(refs))
+                    if refs.is_empty()
+                        && self.store.host_free_slots() == 0
+                        && self.engine.table_mut(seq.id).is_some_and(|t| t.spill_one()) => {}
                 Ok(Ok(refs)) => break refs,
-                // The host tier is full of pinned blocks, this sequence's among them: one of
-                // them moves to engine memory, then retry.
                 Ok(Err(StoreError::Full(_)))
                     if self.engine.table_mut(seq.id).is_some_and(|t| t.spill_one()) => {}
                 Ok(Err(e)) => {

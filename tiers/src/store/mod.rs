@@ -281,6 +281,11 @@ impl TieredStore {
         Ok(TieredStore { inner: Arc::new(inner) })
     }
 
+    /// Host slots free right now.
+    pub fn host_free_slots(&self) -> u32 {
+        self.inner.host.lock().pool.free_slots()
+    }
+
     /// Bytes of one block.
     pub fn block_bytes(&self) -> u64 {
         self.inner.cfg.block_bytes
