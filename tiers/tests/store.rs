@@ -526,3 +526,45 @@ proptest! {
         });
     }
 }
+
+/// A prompt's blocks come back from disk in one `get` with one block already in host memory
+/// among them: every byte right, and a corrupt block ends what is served, is dropped, and
+/// spares the blocks behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_mixing_host_and_disk_blocks_comes_back_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let (slot9, _) = {
+        let (s, _) = open(&a, 4, Some(disk(dir.path(), 64)), 0).await;
+        for i in 0..14 {
+            put(&s, i).await;
+        }
+        let all: Vec<_> = (0..14).map(h).collect();
+        s.offload(&all).await.unwrap();
+        let d = s.disk().unwrap();
+        let slots: Vec<u32> = (0..14).map(|i| d.slot_of(h(i)).unwrap()).collect();
+        assert!(slots.windows(2).filter(|w| w[1] == w[0] + 1).count() >= 10, "{slots:?}");
+        (d.slot_offset(slots[9]), ())
+    };
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(dir.path().join("g3.slots")).unwrap();
+        f.write_at(&[0xee; 32], slot9 + 4096 + 500).unwrap();
+    }
+    // A restarted store: every block on disk only.
+    let (s, _) = open(&a, 16, Some(disk(dir.path(), 64)), 0).await;
+    // Block 4 in host memory first.
+    assert_bytes(&s, 4).await;
+    let hashes: Vec<_> = (0..14).map(h).collect();
+    let refs = s.get(&hashes).await.unwrap();
+    assert_eq!(refs.len(), 9, "the leading run stops at the corrupt block 9");
+    for (i, r) in refs.iter().enumerate() {
+        assert!(r.to_vec() == content(h(i as u64), BLOCK), "block {i} bytes");
+    }
+    drop(refs);
+    assert_eq!(s.metrics().disk_corrupt_blocks, 1);
+    assert!(!s.disk().unwrap().has(h(9)));
+    for i in 10..14 {
+        assert_bytes(&s, i).await;
+    }
+}

@@ -2,7 +2,9 @@
 //! tiered store for block sizes of real models, at queue depths 1 … 32. In the same run, for
 //! each row, a plain O_DIRECT sequential write and read of the same bytes, in requests of the
 //! same size, at the same depth (io_uring, no headers, no checksums, no index), to and from
-//! memory allocated like the host tier's, is the limit.
+//! memory allocated like the host tier's, is the limit. Rows `prefix` read the blocks back as
+//! a prompt's prefix is: `depth` consecutive blocks per `get`, one `get` at a time, against
+//! the same plain reads at that depth.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -206,9 +208,9 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 }
             }
             let mut backend = "none";
-            let (mut off, mut on, mut w_lim, mut r_lim, mut v_lim) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            let mut lats = (Vec::new(), Vec::new());
+            let (mut off, mut on, mut pre, mut w_lim, mut r_lim, mut v_lim) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut lats = (Vec::new(), Vec::new(), Vec::new());
             // Repetitions interleave the store and the plain I/O, so that both see the same
             // machine; the medians are reported.
             for rep in 0..args.reps.max(1) {
@@ -279,6 +281,20 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 drop(store);
                 on.push(gbps(block_bytes * n, elapsed));
                 lats.1.extend(lat);
+
+                // Onboard of prefixes: `depth` consecutive blocks per `get`, one `get` at a
+                // time (a prompt's cached blocks, as the scheduler asks for them).
+                let store = TieredStore::open(cfg.clone(), &agent, Arc::new(NullSink)).await?;
+                let start = Instant::now();
+                for chunk in hashes.chunks(depth) {
+                    let t = Instant::now();
+                    let got = store.get(chunk).await?;
+                    anyhow::ensure!(got.len() == chunk.len(), "prefix not onboarded");
+                    drop(got);
+                    lats.2.push(t.elapsed());
+                }
+                pre.push(gbps(block_bytes * n, start.elapsed()));
+                drop(store);
                 if !plain_first {
                     let (raw, hashed) =
                         plain_reads(&limit_path, data, n, depth, prefer, &plain_memory).await?;
@@ -292,6 +308,11 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
             onboard.verified_limit_gbps = Some(median(&v_lim));
             onboard.ratio_to_verified_limit = Some(median(&paired_ratios(&on, &v_lim)));
             rows.push(onboard);
+            let mut prefix =
+                row("prefix", model, block_bytes, depth, n, &lats.2, &pre, &r_lim, backend);
+            prefix.verified_limit_gbps = Some(median(&v_lim));
+            prefix.ratio_to_verified_limit = Some(median(&paired_ratios(&pre, &v_lim)));
+            rows.push(prefix);
             let _ = std::fs::remove_file(&slots);
             let _ = std::fs::remove_file(&limit_path);
             let plain_id = plain_memory.id();
