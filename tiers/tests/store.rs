@@ -568,3 +568,25 @@ async fn a_prefix_mixing_host_and_disk_blocks_comes_back_byte_for_byte() {
         assert_bytes(&s, i).await;
     }
 }
+
+/// A store with a remote tier (G4) but no disk, before any fabric node is known (serving
+/// workers have one by default): a full host tier still evicts, dropping the block as a
+/// store without G4 does, instead of refusing every new block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_tier_with_no_node_yet_does_not_stop_evictions() {
+    let a = agent().await;
+    let mut cfg = StoreConfig::new(BLOCK, 4);
+    cfg.shared_host = false;
+    // Every evicted block is admitted to the lower tiers, as in serving workers.
+    cfg.disk_admit_min_hits = 0;
+    cfg.remote =
+        Some(kvfabric_tiers::remote::RemoteTier::new(a.clone(), std::time::Duration::from_secs(1)));
+    let s = TieredStore::open(cfg, &a, RecordingSink::new()).await.unwrap();
+    for i in 0..12 {
+        put(&s, i).await;
+    }
+    for i in 8..12 {
+        assert_bytes(&s, i).await;
+    }
+    assert!(s.get(&[h(0)]).await.unwrap().is_empty(), "evicted, nowhere to go");
+}

@@ -164,14 +164,19 @@ impl Inner {
             }
         } else if let (None, true, Some(remote)) = (&self.disk, admitted, &self.cfg.remote) {
             // No disk tier: the fabric (G4) takes the block, straight out of its host slot.
-            let loc = [(self.region.id(), self.slot_offset(v.slot))];
-            let stored = remote.put(&[v.hash], &[v.parent], &loc).await;
-            if !matches!(stored.as_deref(), Ok([true])) {
-                let _ = self.host.lock().pool.finish_evict(v.slot, false);
-                return Err(StoreError::Remote(match stored {
-                    Err(e) => e.to_string(),
-                    Ok(_) => "the fabric did not take the block".into(),
-                }));
+            // With no fabric node known there is nowhere to put it: it is dropped, as without
+            // a remote tier (refusing the eviction would leave a full host tier unable to take
+            // any new block).
+            if !remote.is_empty() {
+                let loc = [(self.region.id(), self.slot_offset(v.slot))];
+                let stored = remote.put(&[v.hash], &[v.parent], &loc).await;
+                if !matches!(stored.as_deref(), Ok([true])) {
+                    let _ = self.host.lock().pool.finish_evict(v.slot, false);
+                    return Err(StoreError::Remote(match stored {
+                        Err(e) => e.to_string(),
+                        Ok(_) => "the fabric did not take the block".into(),
+                    }));
+                }
             }
         }
         let mut host = self.host.lock();
