@@ -447,7 +447,9 @@ impl<E: Engine> Loop<E> {
         }
     }
 
-    /// Imports cached blocks of admitted sequences, at most a prompt chunk's worth of blocks
+    /// Imports cached blocks of admitted sequences. Blocks in host memory are only pinned
+    /// (the engine reads them in place), so they cost nothing and are all taken at once;
+    /// blocks that must be read (disk, the fabric) count against a prompt chunk's worth
     /// (`step_tokens / block_tokens`) per iteration in all, so that a long cached (or
     /// remotely prefilled) prompt never stalls the batch's decodes for longer than a prompt
     /// chunk would. A sequence starts once its blocks are in.
@@ -455,15 +457,18 @@ impl<E: Engine> Loop<E> {
         let bt = self.hasher.block_tokens();
         let mut budget = (self.cfg.step_tokens / bt).max(1);
         for i in 0..self.running.len() {
-            if budget == 0 {
-                break;
-            }
             if self.running[i].started {
                 continue;
             }
             // Out of the batch while it is worked on (the batch is small: the shift is cheap).
             let mut seq = self.running.remove(i);
-            budget -= self.import_blocks(&mut seq, budget);
+            while seq.imported < seq.import_tiers.len() {
+                let (tried, cost) = self.import_blocks(&mut seq, budget);
+                budget -= cost;
+                if tried == 0 {
+                    break;
+                }
+            }
             if seq.imported >= seq.import_tiers.len() {
                 self.start(&mut seq);
             }
@@ -471,14 +476,29 @@ impl<E: Engine> Loop<E> {
         }
     }
 
-    /// Imports up to `max` of the sequence's cached blocks; returns how many it tried. A
-    /// block the store no longer has ends the imports (the rest is computed); a block the
-    /// engine refuses restarts the sequence from scratch.
-    fn import_blocks(&mut self, seq: &mut Seq, max: usize) -> usize {
-        // In chunks that leave room in the host tier for others.
-        let n = (seq.import_tiers.len() - seq.imported)
-            .min(max)
-            .min((self.host_capacity / 4).clamp(1, 64));
+    /// Imports the sequence's next cached blocks: those in host memory, and up to `max` that
+    /// must be read; returns how many it tried and how many of those had to be read. A block
+    /// the store no longer has ends the imports (the rest is computed); a block the engine
+    /// refuses restarts the sequence from scratch.
+    fn import_blocks(&mut self, seq: &mut Seq, max: usize) -> (usize, usize) {
+        // In chunks that leave room in the host tier for the blocks read in.
+        let chunk = (self.host_capacity / 4).clamp(1, 64);
+        let (mut n, mut cost) = (0, 0);
+        for t in &seq.import_tiers[seq.imported..] {
+            if n == chunk {
+                break;
+            }
+            if *t != TierKind::Host {
+                if cost == max {
+                    break;
+                }
+                cost += 1;
+            }
+            n += 1;
+        }
+        if n == 0 {
+            return (0, 0);
+        }
         let part = &seq.hashes[seq.imported..seq.imported + n];
         let refs = loop {
             let left = seq.deadline.saturating_duration_since(Instant::now());
@@ -526,7 +546,7 @@ impl<E: Engine> Loop<E> {
                 seq.imported = 0;
                 seq.hits = CacheHits::default();
                 seq.import_tiers.clear();
-                return n;
+                return (n, cost);
             }
             match seq.import_tiers[seq.imported] {
                 TierKind::Disk => seq.hits.disk_tokens += self.hasher.block_tokens(),
@@ -538,7 +558,7 @@ impl<E: Engine> Loop<E> {
         if got < n {
             seq.import_tiers.truncate(seq.imported);
         }
-        n
+        (n, cost)
     }
 
     fn step(&mut self) {
