@@ -112,6 +112,7 @@ pub fn engine_snapshot(sched: &Scheduler, store: &TieredStore) -> EngineSnapshot
         hit_tokens: [ld(&s.cached_tokens[0]), ld(&s.cached_tokens[1]), ld(&s.cached_tokens[2])],
         prefill_tokens: ld(&s.prefill_tokens),
         stored_blocks: ld(&s.stored_blocks),
+        engine_memory_blocks: ld(&s.engine_memory_blocks),
         waiting: ld(&s.waiting),
         running: ld(&s.running),
         steps: ld(&s.steps),

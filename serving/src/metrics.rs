@@ -210,6 +210,8 @@ pub struct EngineSnapshot {
     pub prefill_tokens: u64,
     /// Blocks stored by the engine.
     pub stored_blocks: u64,
+    /// Blocks held in engine memory for want of a host slot.
+    pub engine_memory_blocks: u64,
     /// Requests waiting for a batch slot.
     pub waiting: u64,
     /// Requests in the batch.
@@ -448,6 +450,15 @@ impl Collector for Components {
             None,
             C,
             |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.stored_blocks))),
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_kv_engine_memory_blocks",
+            "KV blocks held in engine memory because the host tier had no slot to spare (a host tier too small for the running batch).",
+            None,
+            C,
+            |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.engine_memory_blocks))),
         )?;
         family(
             e,

@@ -156,6 +156,7 @@ async fn cache_hits_read_store_slots_in_place_and_computed_blocks_become_stored_
     }
     // 140 tokens of KV: 8 full blocks stored, each committed in place.
     assert_eq!(sched.stats().stored_blocks.load(std::sync::atomic::Ordering::Relaxed), 8);
+    assert_eq!(sched.stats().engine_memory_blocks.load(std::sync::atomic::Ordering::Relaxed), 0);
     let visible = store.snapshot();
     assert_eq!(visible.len(), 8, "{visible:?}");
 
@@ -202,4 +203,6 @@ async fn a_sequence_longer_than_the_host_tier_spills_to_engine_memory_and_stores
     assert_eq!(warm, cold);
     assert_eq!(cached, 160, "all 10 blocks came back, through the disk tier");
     assert!(store.metrics().disk_hits > 0);
+    // Counted (and logged): the host tier is too small for the sequence.
+    assert!(sched.stats().engine_memory_blocks.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }

@@ -73,6 +73,10 @@ pub struct SchedulerStats {
     pub generated_tokens: AtomicU64,
     /// Blocks stored into the store.
     pub stored_blocks: AtomicU64,
+    /// Blocks held in engine memory because the host tier had no slot to spare (computed
+    /// there, or spilled out of the store by a sequence longer than the tier): a host tier
+    /// too small for the batch.
+    pub engine_memory_blocks: AtomicU64,
     /// Steps run.
     pub steps: AtomicU64,
     /// Requests cancelled by their client.
@@ -511,10 +515,16 @@ impl<E: Engine> Loop<E> {
                 Ok(Ok(refs))
                     if refs.is_empty()
                         && self.store.host_free_slots() == 0
-                        && self.engine.table_mut(seq.id).is_some_and(|t| t.spill_one()) => {}
+                        && self.engine.table_mut(seq.id).is_some_and(|t| t.spill_one()) =>
+                {
+                    Self::engine_memory(&self.stats, &StoreError::Full(TierKind::Host));
+                }
                 Ok(Ok(refs)) => break refs,
-                Ok(Err(StoreError::Full(_)))
-                    if self.engine.table_mut(seq.id).is_some_and(|t| t.spill_one()) => {}
+                Ok(Err(e @ StoreError::Full(_)))
+                    if self.engine.table_mut(seq.id).is_some_and(|t| t.spill_one()) =>
+                {
+                    Self::engine_memory(&self.stats, &e);
+                }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "prefix reuse stopped early; computing the rest");
                     break Vec::new();
@@ -685,6 +695,15 @@ impl<E: Engine> Loop<E> {
         Outcome::Continue
     }
 
+    /// Counts a block held in engine memory for want of a host slot; logged at the 1st, 2nd,
+    /// 4th, 8th… time (visible, never a flood).
+    fn engine_memory(stats: &SchedulerStats, cause: &StoreError) {
+        let n = stats.engine_memory_blocks.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!(blocks = n, %cause, "KV blocks held in engine memory: the host tier has no slot to spare for the running batch (--host-blocks)");
+        }
+    }
+
     /// Gives each planned input memory for the blocks its step computes: a store slot
     /// reserved for the block's hash when its tokens are all known (prompt blocks), a scratch
     /// slot named once they are, engine memory when the store cannot spare a slot.
@@ -709,7 +728,10 @@ impl<E: Engine> Loop<E> {
                         }
                         store.allocate_scratch().await.map(KvBlock::Scratch)
                     });
-                    slot.unwrap_or_else(|_| KvBlock::owned(self.block_bytes))
+                    slot.unwrap_or_else(|e| {
+                        Self::engine_memory(&self.stats, &e);
+                        KvBlock::owned(self.block_bytes)
+                    })
                 };
                 table.blocks.push(block);
             }
@@ -769,10 +791,11 @@ impl<E: Engine> Loop<E> {
                             // them (a sequence longer than the tier): one of its stored
                             // blocks moves to engine memory, so that its slot can be written
                             // back to disk and reused. Then retry.
-                            Err(StoreError::Full(_)) => {
+                            Err(e @ StoreError::Full(_)) => {
                                 if !table.spill_one() {
                                     break owned;
                                 }
+                                Self::engine_memory(&self.stats, &e);
                             }
                             Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {
                                 break owned
