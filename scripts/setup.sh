@@ -7,6 +7,9 @@
 # Building needs no system package beyond the C toolchain: etcd is reached over its HTTP/JSON
 # gateway, so there is no protoc step. Prints nothing on success unless it installed something.
 #   KVFABRIC_MODEL_DIR  where the model is cached (see scripts/fetch-model.sh)
+#   KVFABRIC_VENV       the test profile's Python environment (default ~/.cache/kvfabric/venv):
+#                       numpy and pytest (the binding's tests), msgspec and pyzmq (the engine
+#                       KV event publishers of the router's and attach's tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile="${1:-run}"
@@ -50,3 +53,12 @@ fi
 
 # The default model (SmolLM2-135M GGUF): `kvfabric up` serves it, real-model tests read it.
 scripts/fetch-model.sh >/dev/null
+
+if [ "$profile" = test ]; then
+  venv="${KVFABRIC_VENV:-$HOME/.cache/kvfabric/venv}"
+  if ! "$venv/bin/python" -c "import numpy, pytest, msgspec, zmq" >/dev/null 2>&1; then
+    echo "setup: creating $venv (numpy, pytest, msgspec, pyzmq)" >&2
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check numpy pytest msgspec pyzmq >&2
+  fi
+fi

@@ -7,10 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${KVFABRIC_VENV:-$HOME/.cache/kvfabric/venv}"
-if ! "$venv/bin/python" -c "import numpy, pytest" >/dev/null 2>&1; then
-  echo "creating $venv (numpy, pytest)" >&2
+if ! "$venv/bin/python" -c "import numpy, pytest, msgspec, zmq" >/dev/null 2>&1; then
+  echo "creating $venv (numpy, pytest, msgspec, pyzmq)" >&2
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check numpy pytest >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check numpy pytest msgspec pyzmq >&2
 fi
 
 cargo build -q -p kvfabric-ffi

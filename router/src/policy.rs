@@ -267,6 +267,28 @@ impl Router {
         Some(Decision { worker, cached, cost })
     }
 
+    /// Each worker's leading cached run and its cost for a request of `hashes`, as
+    /// [`Router::route`] weighs them in kv mode, without routing anything.
+    pub fn scores(
+        &self,
+        index: &PrefixIndex,
+        hashes: &[SequenceHash],
+        now: f64,
+    ) -> Vec<(WorkerId, Run, f64)> {
+        let overlap = match self.config.approx_ttl_s {
+            Some(_) => self.approx_overlap(hashes, now),
+            None => index.overlap(hashes),
+        };
+        let n = hashes.len();
+        self.workers
+            .iter()
+            .map(|&w| {
+                let run = overlap.run(w);
+                (w, run, self.cost(w, n, run))
+            })
+            .collect()
+    }
+
     /// The request's prefill finished (its tokens leave the prefill queue).
     pub fn prefill_done(&mut self, request_id: u64) {
         if let Some(t) = self.tracked.get_mut(&request_id) {

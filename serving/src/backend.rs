@@ -37,6 +37,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn health(&self) -> Value;
     /// Fills the backend's part of a metrics snapshot (read at scrape time).
     fn metrics(&self, out: &mut Snapshot);
+    /// Where a request of `prompt` for `model` would go and why (each worker's cached blocks
+    /// per tier, load and cost), without sending it; with `track`, the request counts as the
+    /// chosen worker's load until [`Backend::release`]. Only routing backends route.
+    fn explain(&self, _model: &str, _prompt: &[u32], _track: bool) -> Result<Value, EngineError> {
+        Err(EngineError::invalid("this server serves one engine: it does not route"))
+    }
+    /// Ends the tracking of a request that [`Backend::explain`] tracked.
+    fn release(&self, _model: &str, _request_id: u64) {}
 }
 
 impl Source for Arc<dyn Backend> {

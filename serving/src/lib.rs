@@ -14,11 +14,13 @@
 //! Like every library crate of kvfabric, it installs no tracing subscriber and reads no
 //! environment variables: the binary does.
 
+pub mod attach;
 pub mod backend;
 pub mod disagg;
 pub mod engine;
 pub mod http;
 pub mod metrics;
+pub mod openai;
 pub mod plan;
 pub mod protocol;
 pub mod routed;

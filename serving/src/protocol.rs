@@ -62,6 +62,25 @@ pub struct WorkerMetadata {
     /// Its role.
     #[serde(default)]
     pub role: Role,
+    /// How requests reach it: kvfabric's framed protocol (its own workers), or an engine's
+    /// OpenAI-compatible HTTP API (an engine behind `kvfabric attach`).
+    #[serde(default)]
+    pub api: WorkerApi,
+}
+
+/// How a frontend sends a worker its requests.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum WorkerApi {
+    /// kvfabric's request protocol on `addr` (authenticated, framed JSON).
+    #[default]
+    Kvfabric,
+    /// An OpenAI-compatible server on `addr` (vLLM, SGLang, TensorRT-LLM's `trtllm-serve`):
+    /// requests go to `/v1/completions` as token ids.
+    OpenAi {
+        /// The model name the engine serves (its `--served-model-name`).
+        model: String,
+    },
 }
 
 /// How a worker's prompts are tokenized, as it registers it.

@@ -30,7 +30,10 @@ use crate::backend::{Backend, ModelEntry};
 use crate::engine::sampling::SplitMix64;
 use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
 use crate::metrics::{RoutedSnapshot, Snapshot};
-use crate::protocol::{self, Auth, CodecSpec, WorkerMetadata, WorkerRequest, WORKER_KIND};
+use crate::openai;
+use crate::protocol::{
+    self, Auth, CodecSpec, WorkerApi, WorkerMetadata, WorkerRequest, WORKER_KIND,
+};
 
 /// Frontend settings.
 #[derive(Debug, Clone)]
@@ -91,6 +94,7 @@ pub struct RoutedStats {
 struct WorkerEntry {
     wid: WorkerId,
     addr: SocketAddr,
+    api: WorkerApi,
     model: String,
     /// Requests sent to it.
     served: u64,
@@ -212,9 +216,72 @@ impl RoutedBackend {
     /// and the id to [`RoutedBackend::release`] when its work is done.
     pub fn pick(&self, model: &str, prompt: &[u32]) -> Option<(u64, String)> {
         let rid = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let (name, _) = self.inner.route(model, rid, prompt, &[])?;
+        let (name, _, _) = self.inner.route(model, rid, prompt, &[])?;
         self.inner.stats.routed.fetch_add(1, Ordering::Relaxed);
         Some((rid, name))
+    }
+
+    /// Where a request of `prompt` would go, and why: the chosen worker, and every worker's
+    /// leading cached blocks per tier, reported load and cost. With `track`, the request is
+    /// routed (it counts as the worker's load until [`RoutedBackend::release`]).
+    pub fn explain(&self, model: &str, prompt: &[u32], track: bool) -> Result<Value, EngineError> {
+        let unknown =
+            || EngineError::Unavailable { message: format!("no worker serves {model:?} now") };
+        let now = self.inner.epoch.elapsed().as_secs_f64();
+        let (hashes, block_tokens, scores) = {
+            let st = self.inner.state.lock();
+            let m = st.models.get(model).ok_or_else(unknown)?;
+            let hashes = m.hasher.sequence_hashes(prompt);
+            let scores = m.router.scores(&self.inner.index, &hashes, now);
+            let named: Vec<(String, kvfabric_router::Run, f64, kvfabric::contract::Load)> = scores
+                .into_iter()
+                .filter_map(|(w, run, cost)| {
+                    st.by_id.get(&w).map(|n| (n.clone(), run, cost, m.router.load(w)))
+                })
+                .collect();
+            (hashes, m.router.config().block_tokens, named)
+        };
+        let (request_id, chosen) = if track {
+            match self.pick(model, prompt) {
+                Some((rid, name)) => (Some(rid), Some(name)),
+                None => (None, None),
+            }
+        } else {
+            let best = scores
+                .iter()
+                .min_by(|a, b| a.2.total_cmp(&b.2).then_with(|| a.0.cmp(&b.0)))
+                .map(|s| s.0.clone());
+            (None, best)
+        };
+        let chosen = chosen.ok_or_else(unknown)?;
+        let workers: Vec<Value> = scores
+            .iter()
+            .map(|(name, run, cost, load)| {
+                let tiers: serde_json::Map<String, Value> = kvfabric::events::TierKind::ALL
+                    .iter()
+                    .map(|t| (t.name().to_string(), json!(run.per_tier[*t as usize])))
+                    .collect();
+                json!({
+                    "worker": name,
+                    "cached_blocks": run.blocks,
+                    "cached_tokens": u64::from(run.blocks) * u64::from(block_tokens),
+                    "cached_blocks_per_tier": tiers,
+                    "active_blocks": load.active_blocks,
+                    "queued_prefill_tokens": load.queued_prefill_tokens,
+                    "cost": cost,
+                })
+            })
+            .collect();
+        Ok(json!({
+            "model": model,
+            "worker": chosen,
+            "request_id": request_id,
+            "prompt_tokens": prompt.len(),
+            "blocks": hashes.len(),
+            "block_tokens": block_tokens,
+            "mode": format!("{:?}", self.inner.cfg.router.mode).to_lowercase(),
+            "workers": workers,
+        }))
     }
 
     /// Ends the tracking of a request from [`RoutedBackend::pick`].
@@ -286,7 +353,14 @@ impl Inner {
         st.by_id.insert(wid, inst.id.clone());
         st.workers.insert(
             inst.id,
-            WorkerEntry { wid, addr: md.addr, model: md.model.id, served: 0, penalty_until: None },
+            WorkerEntry {
+                wid,
+                addr: md.addr,
+                api: md.api,
+                model: md.model.id,
+                served: 0,
+                penalty_until: None,
+            },
         );
     }
 
@@ -325,7 +399,7 @@ impl Inner {
         request_id: u64,
         prompt: &[u32],
         tried: &[WorkerId],
-    ) -> Option<(String, SocketAddr)> {
+    ) -> Option<(String, SocketAddr, WorkerApi)> {
         let draw = self.rng.lock().next_f64();
         let now = self.epoch.elapsed().as_secs_f64();
         let mut st = self.state.lock();
@@ -358,7 +432,7 @@ impl Inner {
         let name = st.by_id.get(&wid)?.clone();
         let w = st.workers.get_mut(&name)?;
         w.served += 1;
-        Some((name, w.addr))
+        Some((name, w.addr, w.api.clone()))
     }
 
     /// A worker did not answer (no connection, no handshake or no first token in time):
@@ -395,14 +469,23 @@ impl Inner {
         let wreq = WorkerRequest { model: model.clone(), request: req };
         for attempt in 0..self.cfg.max_attempts.max(1) {
             let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
-            let Some((name, addr)) = self.route(&model, rid, &wreq.request.prompt, &tried) else {
+            let Some((name, addr, api)) = self.route(&model, rid, &wreq.request.prompt, &tried)
+            else {
                 break;
             };
             self.stats.routed.fetch_add(1, Ordering::Relaxed);
             if attempt > 0 {
                 self.stats.retries.fetch_add(1, Ordering::Relaxed);
             }
-            let outcome = self.relay(&model, rid, &name, addr, &wreq, &tx, deadline).await;
+            let outcome = match &api {
+                WorkerApi::Kvfabric => {
+                    self.relay(&model, rid, &name, addr, &wreq, &tx, deadline).await
+                }
+                WorkerApi::OpenAi { model: engine_model } => {
+                    let target = Target { model: &model, rid, name: &name, addr };
+                    self.relay_openai(target, engine_model, &wreq.request, &tx, deadline).await
+                }
+            };
             self.with_router(&model, |r| r.free(rid));
             match outcome {
                 Relay::Finished => return,
@@ -527,6 +610,12 @@ impl Inner {
                     let _ = tx.send(ev);
                     return Relay::Finished;
                 }
+                GenEvent::Cached(c) => match started.as_mut() {
+                    Some(GenEvent::Started { cached: sc, .. }) => *sc = c,
+                    _ => {
+                        let _ = tx.send(GenEvent::Cached(c));
+                    }
+                },
                 GenEvent::Error(e) => {
                     let retryable =
                         matches!(e, EngineError::Overloaded { .. } | EngineError::Stopped);
@@ -537,6 +626,128 @@ impl Inner {
                         let _ = tx.send(s);
                     }
                     let _ = tx.send(GenEvent::Error(e));
+                    return Relay::Finished;
+                }
+            }
+        }
+    }
+}
+
+/// The worker a request attempt goes to.
+struct Target<'a> {
+    model: &'a str,
+    rid: u64,
+    name: &'a str,
+    addr: SocketAddr,
+}
+
+impl Inner {
+    /// Serves an attempt on an engine behind its OpenAI-compatible API: the prompt goes as
+    /// token ids to `/v1/completions`, streamed; the chunks become generation events. The
+    /// same rules as for kvfabric's workers: no first token in time, or an error before it,
+    /// and the request is retried elsewhere; after it, the request fails. Token ids are those
+    /// the engine sends (`token_ids`), else 0: the text is what the client gets.
+    async fn relay_openai(
+        &self,
+        t: Target<'_>,
+        engine_model: &str,
+        req: &GenerateRequest,
+        tx: &UnboundedSender<GenEvent>,
+        deadline: tokio::time::Instant,
+    ) -> Relay {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let first_token_by =
+            (tokio::time::Instant::now() + self.cfg.first_token_timeout).min(deadline);
+        let body = openai::completion_body(engine_model, req);
+        let head_within = self.cfg.first_token_timeout.min(left);
+        let started = tokio::select! {
+            s = openai::start(t.addr, &body, head_within) => s,
+            _ = tx.closed() => return Relay::Finished,
+        };
+        let mut stream = match started {
+            Ok(s) => s,
+            Err(e) => {
+                if matches!(e, openai::OpenAiError::Connect { .. }) {
+                    self.penalise(t.name);
+                }
+                if e.retryable() {
+                    return Relay::Retry(e.to_string());
+                }
+                let _ = tx.send(GenEvent::Error(EngineError::invalid(e.to_string())));
+                return Relay::Finished;
+            }
+        };
+        let mut started = Some(GenEvent::Started {
+            prompt_tokens: req.prompt.len(),
+            cached: Default::default(),
+            worker: Some(t.name.to_string()),
+            remote_prefill: None,
+        });
+        let (mut sent_token, mut reason, mut completion) = (false, None, 0usize);
+        loop {
+            let until = if sent_token { deadline } else { first_token_by };
+            let chunk = tokio::select! {
+                c = tokio::time::timeout_at(until, stream.next()) => c,
+                _ = tx.closed() => return Relay::Finished,
+            };
+            let chunk = match chunk {
+                Err(_) if !sent_token && until < deadline => {
+                    self.penalise(t.name);
+                    return Relay::Retry(format!(
+                        "no first token within {:?}",
+                        self.cfg.first_token_timeout
+                    ));
+                }
+                Err(_) => {
+                    let _ =
+                        tx.send(GenEvent::Error(EngineError::Deadline { timeout: req.timeout }));
+                    return Relay::Finished;
+                }
+                Ok(Err(e)) if sent_token => return Relay::Failed(e.to_string()),
+                Ok(Err(e)) => return Relay::Retry(e.to_string()),
+                Ok(Ok(c)) => c,
+            };
+            match chunk {
+                Some(openai::Chunk::Text { text, token_ids }) => {
+                    if !sent_token {
+                        sent_token = true;
+                        self.with_router(t.model, |r| r.prefill_done(t.rid));
+                        self.forgive(t.name);
+                        if let Some(s) = started.take() {
+                            let _ = tx.send(s);
+                        }
+                    }
+                    completion += token_ids.len().max(1);
+                    let id = token_ids.last().copied().unwrap_or(0);
+                    if tx.send(GenEvent::Token { id, text }).is_err() {
+                        return Relay::Finished;
+                    }
+                }
+                Some(openai::Chunk::Finish(r)) => reason = Some(r),
+                Some(openai::Chunk::Usage { completion_tokens, cached }) => {
+                    completion = completion_tokens;
+                    if let Some(c) = cached {
+                        match started.as_mut() {
+                            Some(GenEvent::Started { cached: sc, .. }) => *sc = c,
+                            _ => {
+                                let _ = tx.send(GenEvent::Cached(c));
+                            }
+                        }
+                    }
+                }
+                None => {
+                    if let Some(s) = started.take() {
+                        let _ = tx.send(s);
+                    }
+                    let Some(reason) = reason else {
+                        let why = "the engine ended the stream without a finish reason".to_string();
+                        return if sent_token { Relay::Failed(why) } else { Relay::Retry(why) };
+                    };
+                    let _ = tx.send(GenEvent::Done {
+                        reason,
+                        completion_tokens: completion,
+                        text: String::new(),
+                    });
                     return Relay::Finished;
                 }
             }
@@ -581,6 +792,14 @@ impl Backend for RoutedBackend {
             "workers": workers,
             "models": st.models.keys().collect::<Vec<_>>(),
         })
+    }
+
+    fn explain(&self, model: &str, prompt: &[u32], track: bool) -> Result<Value, EngineError> {
+        RoutedBackend::explain(self, model, prompt, track)
+    }
+
+    fn release(&self, model: &str, request_id: u64) {
+        RoutedBackend::release(self, model, request_id, true);
     }
 
     fn metrics(&self, out: &mut Snapshot) {

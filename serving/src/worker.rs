@@ -280,6 +280,7 @@ impl WorkerStack {
             codec: self.codec.clone(),
             addr,
             role: Default::default(),
+            api: Default::default(),
         }
     }
 

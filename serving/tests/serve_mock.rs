@@ -516,6 +516,7 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
             GenEvent::Started { .. } => "started",
             GenEvent::Token { .. } => "token",
             GenEvent::Done { .. } => "done",
+            GenEvent::Cached(_) => "cached",
             GenEvent::Error(_) => "error",
         });
     }

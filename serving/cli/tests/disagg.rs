@@ -307,6 +307,7 @@ async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
         codec: CodecSpec::Bytes,
         addr: pa.listen_addr(),
         role: Role::Prefill,
+        api: Default::default(),
     };
     let _reg = discovery
         .register(
@@ -355,6 +356,7 @@ async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
                     GenEvent::Token { id, .. } => tokens.push(id),
                     GenEvent::Done { .. } => break,
                     GenEvent::Error(e) => panic!("{e}"),
+                    GenEvent::Cached(_) => {}
                 }
             }
             (remote, tokens)

@@ -217,6 +217,10 @@ pub enum FinishReason {
 /// Prompt tokens served from the store, per tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CacheHits {
+    /// Tokens whose KV the engine still held in its own (device) memory: an engine behind
+    /// the OpenAI API reports its prefix-cache hits here.
+    #[serde(default)]
+    pub device_tokens: usize,
     /// Tokens whose KV came from host memory.
     pub host_tokens: usize,
     /// From disk.
@@ -228,7 +232,7 @@ pub struct CacheHits {
 impl CacheHits {
     /// All cached tokens.
     pub fn total(&self) -> usize {
-        self.host_tokens + self.disk_tokens + self.remote_tokens
+        self.device_tokens + self.host_tokens + self.disk_tokens + self.remote_tokens
     }
 }
 
@@ -282,6 +286,9 @@ pub enum GenEvent {
         /// Text held back until the end (a partial stop-string match that never completed).
         text: String,
     },
+    /// The prompt's cache hits as the engine counted them, known only at the end (an engine
+    /// behind the OpenAI API reports them in its usage); replaces what `Started` said.
+    Cached(CacheHits),
     /// The generation failed.
     Error(EngineError),
 }

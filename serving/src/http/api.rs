@@ -31,7 +31,7 @@ impl ApiError {
         ApiError { status, message: message.into(), kind, param: None, code: None }
     }
 
-    fn invalid(message: impl Into<String>, param: &'static str) -> Self {
+    pub(super) fn invalid(message: impl Into<String>, param: &'static str) -> Self {
         ApiError {
             param: Some(param),
             ..Self::new(StatusCode::BAD_REQUEST, message, "invalid_request_error")

@@ -158,6 +158,7 @@ impl Generation {
                     self.completion_tokens = completion_tokens;
                     return Next::Done(reason, text);
                 }
+                GenEvent::Cached(c) => self.cached = c,
                 GenEvent::Error(e) => return Next::Failed(e.into()),
             }
         }

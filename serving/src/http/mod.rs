@@ -112,7 +112,31 @@ pub fn router_with(
         .route("/v1/models/{id}", get(model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/route", post(route_request))
+        .route("/v1/route/release", post(route_release))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
+    finish(api, state, limit)
+}
+
+/// The routing decision alone (`kvfabric router`): `POST /v1/route` (and
+/// `/v1/route/release`), `/v1/models`, `/health`, `/metrics`; no generation.
+pub fn routing_router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let limit = cfg.max_body_bytes;
+    let metrics = HttpMetrics::default();
+    let components = Components::new().with(None, Arc::new(backend.clone()));
+    let mut registry = metrics::registry(&metrics, components);
+    cfg.listen.register(&mut registry);
+    let state = Arc::new(AppState { backend, cfg, metrics, registry, created });
+    let api = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/route", post(route_request))
+        .route("/v1/route/release", post(route_release))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
+    finish(api, state, limit)
+}
+
+fn finish(api: Router<Arc<AppState>>, state: Arc<AppState>, limit: usize) -> Router {
     Router::new()
         .merge(api)
         .route("/health", get(health))
@@ -187,6 +211,53 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
 
 async fn prometheus(State(st): State<Arc<AppState>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], metrics::encode(&st.registry))
+}
+
+/// `POST /v1/route`: a completion-shaped body (`prompt` as text or token ids) or a
+/// chat-shaped one (`messages`), plus `"track": true` to count the request as the chosen
+/// worker's load until `/v1/route/release`; answers where it would go and why.
+async fn route_request(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Body,
+) -> Response {
+    let r = check_content_type(&headers).and_then(|()| read_body(body)).and_then(|b| {
+        let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+        let track = v.get("track").and_then(Value::as_bool).unwrap_or(false);
+        let parsed = if v.get("messages").is_some() {
+            parse_chat(&st, &b)
+        } else {
+            parse_completion(&st, &b)
+        }?;
+        let (prompt, _, checked) = parsed;
+        Ok(st.backend.explain(&checked.entry.info.id, &prompt, track)?)
+    });
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => st.fail(e),
+    }
+}
+
+/// `POST /v1/route/release` with `{"model", "request_id"}`: a tracked request is done.
+async fn route_release(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Body,
+) -> Response {
+    let r = check_content_type(&headers).and_then(|()| read_body(body)).and_then(|b| {
+        let v: Value = serde_json::from_slice(&b)
+            .map_err(|e| ApiError::invalid(format!("malformed JSON: {e}"), "body"))?;
+        let model = v.get("model").and_then(Value::as_str).unwrap_or("");
+        let Some(id) = v.get("request_id").and_then(Value::as_u64) else {
+            return Err(ApiError::invalid("request_id must be an integer", "request_id"));
+        };
+        st.backend.release(model, id);
+        Ok(json!({ "released": id }))
+    });
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => st.fail(e),
+    }
 }
 
 async fn completions(

@@ -14,6 +14,7 @@ macro_rules! say {
 }
 pub(crate) use say;
 
+mod attach;
 mod bench;
 mod control;
 mod fabric;
@@ -22,6 +23,7 @@ mod hash;
 mod model_dir;
 pub mod peer;
 mod plan;
+mod route;
 mod soak;
 mod up;
 mod worker;
@@ -57,6 +59,13 @@ enum Command {
     Worker(worker::WorkerArgs),
     /// The OpenAI-compatible frontend in front of the workers in discovery, with KV routing.
     Frontend(frontend::FrontendArgs),
+    /// A sidecar beside an engine kvfabric did not start (vLLM, SGLang): registers it as a
+    /// worker reached over its OpenAI API, relays its own KV events (ZeroMQ) to the routers,
+    /// reports its load.
+    Attach(attach::AttachArgs),
+    /// The KV-aware routing decision as a service (`POST /v1/route`) for gateways that send
+    /// requests themselves, fed by discovery and the KV events like a frontend.
+    Router(route::RouterArgs),
     /// Capacity planning: KV bytes per token and per sequence, tier sizes, transfer times.
     Plan(plan::PlanArgs),
     /// Block and sequence hashes of a token sequence (Dynamo-compatible XXH3).
@@ -128,6 +137,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up(args) => runtime()?.block_on(up::run(args)),
         Command::Worker(args) => runtime()?.block_on(worker::run(args)),
         Command::Frontend(args) => runtime()?.block_on(frontend::run(args)),
+        Command::Attach(args) => runtime()?.block_on(attach::run(args)),
+        Command::Router(args) => runtime()?.block_on(route::run(args)),
         Command::Plan(args) => plan::run(args),
         Command::Hash(args) => hash::run(args),
         Command::ModelDir(args) => model_dir::run(args),

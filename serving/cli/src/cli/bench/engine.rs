@@ -123,7 +123,7 @@ async fn serving(s: &Scheduler, prompt: &[u32], n: usize) -> anyhow::Result<Roun
             }
             GenEvent::Done { .. } => break,
             GenEvent::Error(e) => return Err(e.into()),
-            GenEvent::Started { .. } => {}
+            GenEvent::Started { .. } | GenEvent::Cached(_) => {}
         }
     }
     Ok(Round { tokens, gaps })

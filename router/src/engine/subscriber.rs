@@ -1,0 +1,361 @@
+//! The live side of an engine's KV events: a SUB socket on the engine's PUB endpoint (or
+//! bound, for an engine that connects), a DEALER on its replay endpoint, and the
+//! [`Sequencer`] between them. Out come the engine's batches in sequence order, and resets
+//! where events were lost for good.
+
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use super::sequence::{Action, Sequencer};
+use super::zmtp::{tcp_address, Connection, Limits, SocketType, ZmtpError};
+
+/// Where the engine's events come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventsEndpoint {
+    /// The engine binds its PUB socket (vLLM: an endpoint with `*`): connect to it.
+    Connect(String),
+    /// The engine connects its PUB socket (vLLM: `tcp://host:port` without `*`): bind here.
+    Bind(String),
+}
+
+/// Subscriber settings.
+#[derive(Debug, Clone)]
+pub struct SubscriberConfig {
+    /// The PUB side.
+    pub events: EventsEndpoint,
+    /// The engine's replay ROUTER (`tcp://host:port`), if it has one.
+    pub replay: Option<String>,
+    /// The topic (prefix) subscribed to; vLLM's default is empty, `kv` is common.
+    pub topic: Vec<u8>,
+    /// Bounds on messages.
+    pub limits: Limits,
+    /// Connecting and the ZMTP handshake give up after this.
+    pub handshake_timeout: Duration,
+    /// A replay that has not ended within this has failed.
+    pub replay_timeout: Duration,
+    /// Longest wait between connection attempts.
+    pub max_backoff: Duration,
+    /// Live batches held during a replay, at most.
+    pub max_held: usize,
+    /// Publishers connected at once, at most (bound endpoint).
+    pub max_connections: usize,
+    /// After a (re)connection, replay is asked a second time this much later
+    /// ([`Sequencer::catch_up`]).
+    pub catch_up: Duration,
+}
+
+impl SubscriberConfig {
+    /// Defaults for `events`.
+    pub fn new(events: EventsEndpoint) -> Self {
+        SubscriberConfig {
+            events,
+            replay: None,
+            topic: Vec::new(),
+            limits: Limits::default(),
+            handshake_timeout: Duration::from_secs(5),
+            replay_timeout: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(2),
+            max_held: 8192,
+            max_connections: 4,
+            catch_up: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What the subscriber delivers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FeedItem {
+    /// A batch, in sequence order.
+    Batch {
+        /// The engine's sequence number.
+        seq: u64,
+        /// The msgpack payload.
+        payload: Vec<u8>,
+    },
+    /// Events were lost for good: drop what is known of the engine, rebuild from what follows.
+    Reset {
+        /// Why.
+        reason: String,
+    },
+    /// The live stream is up.
+    Connected {
+        /// The publisher's address.
+        peer: String,
+    },
+    /// The live stream went down (it is retried).
+    Disconnected {
+        /// Why.
+        reason: String,
+    },
+    /// A message that is not `[topic, seq, payload]`, or a replay that failed.
+    Malformed {
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+/// A running subscriber; dropping it stops it.
+#[derive(Debug)]
+pub struct Subscriber {
+    rx: mpsc::Receiver<FeedItem>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    bound: Option<std::net::SocketAddr>,
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+enum Live {
+    Up(String),
+    Message(Vec<Vec<u8>>),
+    Down(String),
+}
+
+enum Replayed {
+    Batch(u64, Vec<u8>),
+    End,
+    Failed(String),
+}
+
+impl Subscriber {
+    /// Starts subscribing (binding first, for a bound endpoint).
+    pub async fn start(cfg: SubscriberConfig) -> Result<Subscriber, ZmtpError> {
+        let (live_tx, live_rx) = mpsc::channel::<Live>(1024);
+        let (tx, rx) = mpsc::channel(1024);
+        let mut tasks = Vec::new();
+        let mut bound = None;
+        match &cfg.events {
+            EventsEndpoint::Connect(ep) => {
+                let addr = tcp_address(ep).map_err(|e| ZmtpError::Handshake(e))?;
+                tasks.push(tokio::spawn(connect_loop(addr, cfg.clone(), live_tx)));
+            }
+            EventsEndpoint::Bind(ep) => {
+                let addr = tcp_address(ep).map_err(|e| ZmtpError::Handshake(e))?;
+                let listener = TcpListener::bind(&addr).await?;
+                bound = Some(listener.local_addr()?);
+                tasks.push(tokio::spawn(accept_loop(listener, cfg.clone(), live_tx)));
+            }
+        }
+        tasks.push(tokio::spawn(sequence_loop(cfg, live_rx, tx)));
+        Ok(Subscriber { rx, tasks, bound })
+    }
+
+    /// The address bound (a bound endpoint).
+    pub fn bound(&self) -> Option<std::net::SocketAddr> {
+        self.bound
+    }
+
+    /// The next item; None once stopped.
+    pub async fn recv(&mut self) -> Option<FeedItem> {
+        self.rx.recv().await
+    }
+}
+
+/// Runs one SUB connection until it fails.
+async fn serve_sub(
+    stream: TcpStream,
+    peer: String,
+    cfg: &SubscriberConfig,
+    tx: &mpsc::Sender<Live>,
+) -> String {
+    let _ = stream.set_nodelay(true);
+    let mut conn =
+        match Connection::handshake(stream, SocketType::Sub, cfg.limits, cfg.handshake_timeout)
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => return e.to_string(),
+        };
+    if let Err(e) = conn.subscribe(&cfg.topic).await {
+        return e.to_string();
+    }
+    if tx.send(Live::Up(peer)).await.is_err() {
+        return "stopped".into();
+    }
+    loop {
+        match conn.recv().await {
+            Ok(m) => {
+                if tx.send(Live::Message(m)).await.is_err() {
+                    return "stopped".into();
+                }
+            }
+            Err(e) => return e.to_string(),
+        }
+    }
+}
+
+async fn connect_loop(addr: String, cfg: SubscriberConfig, tx: mpsc::Sender<Live>) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let why = match tokio::time::timeout(cfg.handshake_timeout, TcpStream::connect(&addr)).await
+        {
+            Ok(Ok(s)) => {
+                backoff = Duration::from_millis(50);
+                serve_sub(s, addr.clone(), &cfg, &tx).await
+            }
+            Ok(Err(e)) => format!("connecting to {addr}: {e}"),
+            Err(_) => format!("connecting to {addr}: no answer within {:?}", cfg.handshake_timeout),
+        };
+        if tx.send(Live::Down(why)).await.is_err() {
+            return;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(cfg.max_backoff);
+    }
+}
+
+async fn accept_loop(listener: TcpListener, cfg: SubscriberConfig, tx: mpsc::Sender<Live>) {
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(cfg.max_connections.max(1)));
+    loop {
+        let Ok((stream, peer)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            drop(stream); // over the bound: refused
+            continue;
+        };
+        let (cfg, tx) = (cfg.clone(), tx.clone());
+        tokio::spawn(async move {
+            let why = serve_sub(stream, peer.to_string(), &cfg, &tx).await;
+            let _ = tx.send(Live::Down(format!("{peer}: {why}"))).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Asks the replay endpoint for every batch from `from` on.
+async fn replay(addr: String, from: u64, cfg: SubscriberConfig, tx: mpsc::Sender<Replayed>) {
+    let run = async {
+        let stream = TcpStream::connect(&addr).await?;
+        let _ = stream.set_nodelay(true);
+        let mut c =
+            Connection::handshake(stream, SocketType::Dealer, cfg.limits, cfg.handshake_timeout)
+                .await?;
+        c.send(&[b"", &from.to_be_bytes()]).await?;
+        loop {
+            let m = c.recv().await?;
+            // ["", seq, payload] (vLLM, SGLang) or ["", topic, seq, payload] (vLLM 0.32).
+            let (seq, payload) = match m.as_slice() {
+                [d, s, p] if d.is_empty() => (s, p),
+                [d, _topic, s, p] if d.is_empty() => (s, p),
+                _ => return Err(ZmtpError::Protocol("a replay message of an unknown shape")),
+            };
+            let seq: [u8; 8] = seq
+                .as_slice()
+                .try_into()
+                .map_err(|_| ZmtpError::Protocol("a sequence is 8 bytes"))?;
+            if seq == [0xff; 8] {
+                let _ = tx.send(Replayed::End).await;
+                return Ok(());
+            }
+            if tx.send(Replayed::Batch(u64::from_be_bytes(seq), p_owned(payload))).await.is_err() {
+                return Ok(());
+            }
+        }
+    };
+    let outcome = tokio::time::timeout(cfg.replay_timeout, run).await;
+    let failed = match outcome {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => format!("replay from {addr}: {e}"),
+        Err(_) => format!("replay from {addr}: not finished within {:?}", cfg.replay_timeout),
+    };
+    let _ = tx.send(Replayed::Failed(failed)).await;
+}
+
+fn p_owned(p: &[u8]) -> Vec<u8> {
+    p.to_vec()
+}
+
+async fn sequence_loop(
+    cfg: SubscriberConfig,
+    mut live: mpsc::Receiver<Live>,
+    tx: mpsc::Sender<FeedItem>,
+) {
+    let replay_addr = cfg.replay.as_deref().map(tcp_address);
+    let replay_addr = match replay_addr {
+        Some(Ok(a)) => Some(a),
+        Some(Err(e)) => {
+            let _ = tx.send(FeedItem::Malformed { reason: format!("replay endpoint: {e}") }).await;
+            None
+        }
+        None => None,
+    };
+    let mut seq: Sequencer<Vec<u8>> = Sequencer::new(replay_addr.is_some(), cfg.max_held);
+    let (rtx, mut rrx) = mpsc::channel::<Replayed>(1024);
+    let mut actions = Vec::new();
+    let mut replay_task: Option<tokio::task::JoinHandle<()>> = None;
+    let mut catch_up: Option<tokio::time::Instant> = None;
+    loop {
+        let catch_up_at =
+            catch_up.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(3600));
+        tokio::select! {
+            _ = tokio::time::sleep_until(catch_up_at), if catch_up.is_some() => {
+                catch_up = None;
+                seq.catch_up(&mut actions);
+            }
+            l = live.recv() => match l {
+                None => return,
+                Some(Live::Up(peer)) => {
+                    if tx.send(FeedItem::Connected { peer }).await.is_err() { return; }
+                    seq.connected(&mut actions);
+                    catch_up = Some(tokio::time::Instant::now() + cfg.catch_up);
+                }
+                Some(Live::Down(reason)) => {
+                    if tx.send(FeedItem::Disconnected { reason }).await.is_err() { return; }
+                }
+                Some(Live::Message(m)) => match m.as_slice() {
+                    [_topic, s, p] if s.len() == 8 => {
+                        let mut b = [0u8; 8];
+                        b.copy_from_slice(s);
+                        let p = p_owned(p);
+                        seq.live(u64::from_be_bytes(b), p, &mut actions);
+                    }
+                    _ => {
+                        let reason = format!("a message of {} frames is not [topic, seq, payload]", m.len());
+                        if tx.send(FeedItem::Malformed { reason }).await.is_err() { return; }
+                    }
+                },
+            },
+            r = rrx.recv() => match r {
+                Some(Replayed::Batch(s, p)) => seq.replayed(s, p, &mut actions),
+                Some(Replayed::End) => seq.replay_ended(&mut actions),
+                Some(Replayed::Failed(why)) => {
+                    seq.replay_failed(&why, &mut actions);
+                    if tx.send(FeedItem::Malformed { reason: why }).await.is_err() { return; }
+                }
+                None => return,
+            },
+        }
+        for a in actions.drain(..) {
+            let item = match a {
+                Action::Apply { seq, payload } => FeedItem::Batch { seq, payload },
+                Action::Reset { reason } => FeedItem::Reset { reason },
+                Action::AskReplay { from } => {
+                    if let Some(addr) = &replay_addr {
+                        if let Some(t) = replay_task.take() {
+                            t.abort();
+                        }
+                        replay_task = Some(tokio::spawn(replay(
+                            addr.clone(),
+                            from,
+                            cfg.clone(),
+                            rtx.clone(),
+                        )));
+                    }
+                    continue;
+                }
+            };
+            if tx.send(item).await.is_err() {
+                return;
+            }
+        }
+    }
+}

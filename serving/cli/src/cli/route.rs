@@ -1,0 +1,65 @@
+//! `kvfabric router`: the KV-aware routing decision as a service, for gateways that send the
+//! requests themselves. It follows discovery and the KV events like a frontend and answers
+//! `POST /v1/route` (token ids, a prompt or chat messages → the chosen worker, each worker's
+//! cached blocks per tier, load and cost), `/v1/route/release`, `/health` and `/metrics`.
+//! Prints `kvfabric router at http://ADDR/v1` when ready.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use kvfabric_router::{RouterConfig, RoutingMode};
+use kvfabric_serving::http::{self, ServerConfig};
+use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
+
+use super::up::{parse_mode, shutdown_signal};
+
+#[derive(Debug, Args)]
+pub struct RouterArgs {
+    /// Address to listen on.
+    #[arg(long, env = "KVFABRIC_HOST", default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// Port to listen on (0: any free port).
+    #[arg(long, env = "KVFABRIC_PORT", default_value_t = 8001)]
+    port: u16,
+    /// Routing: kv, round-robin, random, least-loaded (for tracked requests).
+    #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
+    router: RoutingMode,
+    #[command(flatten)]
+    control: super::control::ControlArgs,
+    #[command(flatten)]
+    http: super::HttpArgs,
+    /// Router name (in dump requests).
+    #[arg(long, env = "KVFABRIC_NAME", default_value = "router-0")]
+    name: String,
+}
+
+pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
+    let stop_signal = shutdown_signal();
+    let (discovery, bus) = args.control.connect().await?;
+    // The router sends no requests: the secret only satisfies the routed backend's check.
+    let cfg = RoutedConfig {
+        router: RouterConfig { mode: args.router, ..RouterConfig::default() },
+        name: args.name.clone(),
+        ..RoutedConfig::new(b"kvfabric-router-sends-no-requests".to_vec())
+    };
+    let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
+    let server_cfg = ServerConfig {
+        request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
+        api_key: args.http.api_key.clone().filter(|k| !k.is_empty()),
+        ..ServerConfig::default()
+    };
+    let listen_stats = server_cfg.listen.clone();
+    let app = http::routing_router(backend.clone(), server_cfg);
+    let listener = http::listen::bind(SocketAddr::new(args.host, args.port))
+        .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(router = %args.name, %addr, "router listening");
+    super::say!("kvfabric router at http://{addr}/v1");
+    http::listen::serve(listener, app, args.http.limits(), listen_stats, stop_signal).await?;
+    backend.stop();
+    tracing::info!(router = %args.name, "router stopped");
+    Ok(())
+}

@@ -1,0 +1,206 @@
+//! Engines that are not kvfabric's behind its router, over real etcd and NATS: two engine
+//! processes that speak OpenAI HTTP and publish vLLM-format KV events over ZeroMQ
+//! (`router/tests/engines/fake_engine.py`: a prefix cache with LRU eviction and vLLM's event
+//! structs through msgspec and pyzmq; it proves nothing about vLLM's scheduler, attention,
+//! real block hashes or timing), each with a `kvfabric attach` process, behind a `kvfabric
+//! frontend` process and a `kvfabric router` process. A shared long prefix lands on the engine
+//! that holds it and reports cached tokens; the router service explains the decision; an
+//! engine killed -9 leaves routing within its attach's health checks.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{get, post_json, Proc};
+use kvfabric::testkit::{EtcdServer, NatsServer};
+use serde_json::{json, Value};
+
+const SECRET: &str = "attach-test-secret";
+
+fn python() -> PathBuf {
+    let p = std::env::var_os("KVFABRIC_TEST_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var("HOME").unwrap_or_default())
+            .join(".cache/kvfabric/venv/bin/python")
+    });
+    let ok = Command::new(&p)
+        .args(["-c", "import msgspec, zmq"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "{} cannot import msgspec and zmq: run scripts/setup.sh test (or set KVFABRIC_TEST_PYTHON)",
+        p.display()
+    );
+    p
+}
+
+/// Spawns a process and returns it with the first line it prints (its later output drained).
+fn spawn_line(cmd: &mut Command) -> (Proc, String) {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("printed nothing").unwrap();
+    std::thread::spawn(move || for _ in lines {});
+    (Proc(child), line)
+}
+
+struct FakeEngine {
+    proc: Proc,
+    http: String,
+    pub_endpoint: String,
+    replay: String,
+}
+
+fn fake_engine() -> FakeEngine {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../router/tests/engines");
+    let (proc, line) = spawn_line(
+        Command::new(python())
+            .arg(dir.join("fake_engine.py"))
+            .args(["--model", "fake", "--block-size", "16", "--capacity", "512"])
+            .args(["--prefill-us", "200", "--decode-us", "200"])
+            .current_dir(&dir),
+    );
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    FakeEngine {
+        proc,
+        http: v["http"].as_str().unwrap().into(),
+        pub_endpoint: v["pub"].as_str().unwrap().into(),
+        replay: v["replay"].as_str().unwrap().into(),
+    }
+}
+
+fn control(etcd: &EtcdServer, nats: &NatsServer) -> Vec<String> {
+    ["--namespace", "attach", "--etcd", &etcd.endpoint(), "--nats", &nats.url()]
+        .map(String::from)
+        .to_vec()
+}
+
+fn attach(name: &str, e: &FakeEngine, model_dir: &Path, ctl: &[String]) -> Proc {
+    let (proc, line) = spawn_line(
+        Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+            .args(["attach", "--name", name, "--engine-url", &e.http, "--engine", "vllm"])
+            .args(["--model", "fake", "--block-size", "16", "--model-dir"])
+            .arg(model_dir)
+            .args(["--kv-events-connect", &e.pub_endpoint, "--kv-replay", &e.replay])
+            .args(["--kv-topic", "kv", "--lease-ttl-s", "2", "--poll-ms", "200"])
+            .args(["--down-after", "2"])
+            .args(ctl)
+            .env_remove("KVFABRIC_CONFIG"),
+    );
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert_eq!(v["attached"], name);
+    proc
+}
+
+fn server(cmd: &str, ctl: &[String], extra: &[&str]) -> (Proc, SocketAddr) {
+    let (proc, line) = spawn_line(
+        Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+            .args([cmd, "--port", "0"])
+            .args(extra)
+            .args(ctl)
+            .env_remove("KVFABRIC_CONFIG"),
+    );
+    let url = line.split(" at http://").nth(1).unwrap_or_else(|| panic!("{line}"));
+    (proc, url.trim().trim_end_matches("/v1").parse().unwrap())
+}
+
+async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !f().await {
+        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn workers(addr: SocketAddr) -> Vec<String> {
+    let h = get(addr, "/health").await.json();
+    let mut v: Vec<String> = h["workers"]
+        .as_array()
+        .map(|a| a.iter().map(|w| w.as_str().unwrap().to_string()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attached_engines_are_routed_by_their_own_kv_events() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let ctl = control(&etcd, &nats);
+    let model_dir = tempfile::tempdir().unwrap();
+    let st = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["model-dir", "--out"])
+        .arg(model_dir.path().join("m"))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let dir = model_dir.path().join("m");
+    let engines = [fake_engine(), fake_engine()];
+    let _attached: Vec<Proc> = engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| attach(&format!("engine-{i}"), e, &dir, &ctl))
+        .collect();
+    let (_frontend, f) = server("frontend", &ctl, &["--secret", SECRET]);
+    let (_router, r) = server("router", &ctl, &[]);
+    for addr in [f, r] {
+        wait_for("both engines", Duration::from_secs(15), async || workers(addr).await.len() == 2)
+            .await;
+    }
+
+    let prefix = "Every request of this test starts with the same long system prompt. ".repeat(12);
+    let body = |i: usize| json!({"model": "fake", "prompt": format!("{prefix} question {i}"), "max_tokens": 4, "stream": i % 2 == 1});
+    let first = post_json(f, "/v1/completions", &body(0)).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let home = first.header("x-kvfabric-worker").unwrap().to_string();
+    let text = first.json()["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(text.starts_with(" t"), "the engine's text comes through: {text:?}");
+
+    // The engine's BlockStored events reach both routers' indexes through its attach.
+    let explain = json!({"model": "fake", "prompt": format!("{prefix} question 99")});
+    wait_for("the prefix's KV events", Duration::from_secs(15), async || {
+        let v = post_json(r, "/v1/route", &explain).await.json();
+        v["worker"] == home.as_str()
+            && v["workers"].as_array().unwrap().iter().any(|w| {
+                w["worker"] == home.as_str()
+                    && w["cached_blocks_per_tier"]["device"].as_u64() > Some(10)
+            })
+    })
+    .await;
+    for i in 1..7 {
+        let resp = post_json(f, "/v1/completions", &body(i)).await;
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        assert_eq!(
+            resp.header("x-kvfabric-worker"),
+            Some(home.as_str()),
+            "request {i} left the cache"
+        );
+        if i % 2 == 0 {
+            let cached =
+                resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+            assert!(cached >= 160, "the engine reports its prefix-cache hits: {cached}");
+        }
+    }
+    let m = get(f, "/metrics").await.text();
+    assert!(common::metric(&m, "kvfabric_frontend_kv_events_total") > 0.0, "{m}");
+
+    // The engine that holds the prefix dies: it leaves routing, the other serves.
+    let (i, _) = engines.iter().enumerate().find(|(i, _)| format!("engine-{i}") == home).unwrap();
+    let mut engines = engines;
+    let _ = engines[i].proc.0.kill();
+    let _ = engines[i].proc.0.wait();
+    let other = format!("engine-{}", 1 - i);
+    for addr in [f, r] {
+        wait_for("the dead engine to leave", Duration::from_secs(10), async || {
+            workers(addr).await == vec![other.clone()]
+        })
+        .await;
+    }
+    let resp = post_json(f, "/v1/completions", &body(100)).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(resp.header("x-kvfabric-worker"), Some(other.as_str()));
+}
