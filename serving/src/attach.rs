@@ -374,8 +374,8 @@ pub fn engine_load(text: &str, block_tokens: u32) -> Option<Load> {
         _ => running * mean_prompt / bt,
     };
     Some(Load {
-        active_blocks: active.max(0.0).min(1e12) as u64,
-        queued_prefill_tokens: (waiting * mean_prompt).max(0.0).min(1e15) as u64,
+        active_blocks: active.clamp(0.0, 1e12) as u64,
+        queued_prefill_tokens: (waiting * mean_prompt).clamp(0.0, 1e15) as u64,
     })
 }
 

@@ -133,11 +133,11 @@ impl Subscriber {
         let mut bound = None;
         match &cfg.events {
             EventsEndpoint::Connect(ep) => {
-                let addr = tcp_address(ep).map_err(|e| ZmtpError::Handshake(e))?;
+                let addr = tcp_address(ep).map_err(ZmtpError::Handshake)?;
                 tasks.push(tokio::spawn(connect_loop(addr, cfg.clone(), live_tx)));
             }
             EventsEndpoint::Bind(ep) => {
-                let addr = tcp_address(ep).map_err(|e| ZmtpError::Handshake(e))?;
+                let addr = tcp_address(ep).map_err(ZmtpError::Handshake)?;
                 let listener = TcpListener::bind(&addr).await?;
                 bound = Some(listener.local_addr()?);
                 tasks.push(tokio::spawn(accept_loop(listener, cfg.clone(), live_tx)));

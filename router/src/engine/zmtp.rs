@@ -246,8 +246,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     }
 }
 
+/// A READY property: its name and value.
+type Property<'a> = (&'a [u8], &'a [u8]);
+
 /// The properties of a READY command body.
-fn parse_ready(cmd: &[u8]) -> Result<Vec<(&[u8], &[u8])>, ZmtpError> {
+fn parse_ready(cmd: &[u8]) -> Result<Vec<Property<'_>>, ZmtpError> {
     let bad = || ZmtpError::Handshake("malformed READY".into());
     let (&n, rest) = cmd.split_first().ok_or_else(bad)?;
     let n = usize::from(n);
