@@ -26,6 +26,7 @@ use kvfabric_router::engine::{
 use parking_lot::Mutex;
 
 use crate::engine::ModelInfo;
+use crate::metrics::{AttachSnapshot, Snapshot, Source};
 use crate::openai;
 use crate::protocol::{CodecSpec, Role, WorkerApi, WorkerMetadata, WORKER_KIND};
 
@@ -74,6 +75,34 @@ pub struct AttachStats {
     pub registered: AtomicU64,
     /// The mirror's counters (skipped blocks and why).
     pub mirror: Mutex<MirrorStats>,
+    /// Blocks the engine holds, as its events say.
+    pub blocks: AtomicU64,
+}
+
+impl Source for AttachStats {
+    fn snapshot(&self, out: &mut Snapshot) {
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let m = *self.mirror.lock();
+        out.attach = Some(AttachSnapshot {
+            batches: ld(&self.batches),
+            events: ld(&self.events),
+            malformed: ld(&self.malformed),
+            resets: ld(&self.resets),
+            dumps: ld(&self.dumps),
+            failed_polls: ld(&self.failed_polls),
+            registered: ld(&self.registered),
+            blocks: ld(&self.blocks),
+            skipped: vec![
+                ("block_size", m.skipped_block_size),
+                ("lora", m.skipped_lora),
+                ("extra_keys", m.skipped_unkeyable),
+                ("group", m.skipped_group),
+                ("orphan", m.orphans),
+                ("medium", m.unknown_medium),
+                ("invalid", m.invalid),
+            ],
+        });
+    }
 }
 
 /// Why an attachment could not start.
@@ -140,6 +169,11 @@ impl Attachment {
     /// The counters.
     pub fn stats(&self) -> &AttachStats {
         &self.stats
+    }
+
+    /// The counters, shared (a metrics source).
+    pub fn stats_source(&self) -> Arc<AttachStats> {
+        self.stats.clone()
     }
 
     /// The address the events endpoint is bound to (an engine that connects).
@@ -241,6 +275,7 @@ impl Run {
                     let mut out = std::mem::take(&mut self.out);
                     self.mirror.apply(&batch, &mut out);
                     *self.stats.mirror.lock() = self.mirror.stats();
+                    self.stats.blocks.store(self.mirror.len() as u64, Ordering::Relaxed);
                     for data in out.drain(..) {
                         self.publish(data).await;
                     }
@@ -252,6 +287,7 @@ impl Run {
                 self.stats.resets.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(worker = %self.cfg.name, %reason, "engine KV events lost: its blocks are dropped and rebuilt from new events");
                 let cleared = self.mirror.clear();
+                self.stats.blocks.store(0, Ordering::Relaxed);
                 self.publish(cleared).await;
             }
             FeedItem::Connected { peer } => {

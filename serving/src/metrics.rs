@@ -279,9 +279,34 @@ pub struct PrefillServiceSnapshot {
     pub transfer_seconds: f64,
 }
 
+/// An engine attached by `kvfabric attach` (its KV events and health).
+#[derive(Debug, Clone, Default)]
+pub struct AttachSnapshot {
+    /// Engine event batches applied.
+    pub batches: u64,
+    /// kvfabric KV events published for the engine.
+    pub events: u64,
+    /// Payloads, messages or replays that failed.
+    pub malformed: u64,
+    /// Times the engine's blocks were dropped because its events were lost for good.
+    pub resets: u64,
+    /// Dumps published.
+    pub dumps: u64,
+    /// Failed health checks of the engine.
+    pub failed_polls: u64,
+    /// 1 while the engine is registered in discovery.
+    pub registered: u64,
+    /// Blocks the engine holds, as its events say.
+    pub blocks: u64,
+    /// Blocks skipped, by reason (block size, LoRA, extra keys, group, orphan, medium).
+    pub skipped: Vec<(&'static str, u64)>,
+}
+
 /// What one component shows at scrape time; each fills its part.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
+    /// An attached engine.
+    pub attach: Option<AttachSnapshot>,
     /// Engine and store.
     pub engine: Option<EngineSnapshot>,
     /// Routed backend.
@@ -588,6 +613,66 @@ impl Collector for Components {
             Some(Unit::Seconds),
             H,
             |s, o| o.extend(store(s).map(|t| (Vec::new(), Value::Histogram(t.onboard_latency)))),
+        )?;
+
+        // An attached engine.
+        let at = |s: &Snapshot| s.attach.clone();
+        for (name, help, kind, get) in [
+            (
+                "kvfabric_attach_event_batches",
+                "The engine's KV event batches applied.",
+                C,
+                (|a: &AttachSnapshot| a.batches) as fn(&AttachSnapshot) -> u64,
+            ),
+            ("kvfabric_attach_kv_events", "KV events published for the engine.", C, |a| a.events),
+            (
+                "kvfabric_attach_events_malformed",
+                "Engine event payloads, messages or replays that failed.",
+                C,
+                |a| a.malformed,
+            ),
+            (
+                "kvfabric_attach_resets",
+                "Times the engine's blocks were dropped because its events were lost for good.",
+                C,
+                |a| a.resets,
+            ),
+            ("kvfabric_attach_dumps", "Dumps of the engine's blocks published.", C, |a| a.dumps),
+            (
+                "kvfabric_attach_failed_health_checks",
+                "Health checks of the engine that failed.",
+                C,
+                |a| a.failed_polls,
+            ),
+            (
+                "kvfabric_attach_registered",
+                "1 while the engine is registered in discovery.",
+                G,
+                |a| a.registered,
+            ),
+            (
+                "kvfabric_attach_engine_blocks",
+                "Blocks the engine holds, as its events say.",
+                G,
+                |a| a.blocks,
+            ),
+        ] {
+            family(e, s, name, help, None, kind, |s, o| o.extend(at(s).map(|a| plain(get(&a)))))?;
+        }
+        family(
+            e,
+            s,
+            "kvfabric_attach_skipped_blocks",
+            "Engine blocks the router cannot key, by reason.",
+            None,
+            C,
+            |s, o| {
+                if let Some(a) = at(s) {
+                    for (reason, n) in a.skipped {
+                        o.push((vec![("reason", LabelValue::from(reason))], Value::Int(n)));
+                    }
+                }
+            },
         )?;
 
         // Routed backend.

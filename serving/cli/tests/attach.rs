@@ -79,7 +79,7 @@ fn control(etcd: &EtcdServer, nats: &NatsServer) -> Vec<String> {
         .to_vec()
 }
 
-fn attach(name: &str, e: &FakeEngine, model_dir: &Path, ctl: &[String]) -> Proc {
+fn attach(name: &str, e: &FakeEngine, model_dir: &Path, ctl: &[String]) -> (Proc, SocketAddr) {
     let (proc, line) = spawn_line(
         Command::new(env!("CARGO_BIN_EXE_kvfabric"))
             .args(["attach", "--name", name, "--engine-url", &e.http, "--engine", "vllm"])
@@ -87,13 +87,13 @@ fn attach(name: &str, e: &FakeEngine, model_dir: &Path, ctl: &[String]) -> Proc 
             .arg(model_dir)
             .args(["--kv-events-connect", &e.pub_endpoint, "--kv-replay", &e.replay])
             .args(["--kv-topic", "kv", "--lease-ttl-s", "2", "--poll-ms", "200"])
-            .args(["--down-after", "2"])
+            .args(["--down-after", "2", "--metrics-listen", "127.0.0.1:0"])
             .args(ctl)
             .env_remove("KVFABRIC_CONFIG"),
     );
     let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
     assert_eq!(v["attached"], name);
-    proc
+    (proc, v["metrics"].as_str().unwrap().parse().unwrap())
 }
 
 fn server(cmd: &str, ctl: &[String], extra: &[&str]) -> (Proc, SocketAddr) {
@@ -140,7 +140,7 @@ async fn attached_engines_are_routed_by_their_own_kv_events() {
     assert!(st.success());
     let dir = model_dir.path().join("m");
     let engines = [fake_engine(), fake_engine()];
-    let _attached: Vec<Proc> = engines
+    let attached: Vec<(Proc, SocketAddr)> = engines
         .iter()
         .enumerate()
         .map(|(i, e)| attach(&format!("engine-{i}"), e, &dir, &ctl))
@@ -187,9 +187,20 @@ async fn attached_engines_are_routed_by_their_own_kv_events() {
     }
     let m = get(f, "/metrics").await.text();
     assert!(common::metric(&m, "kvfabric_frontend_kv_events_total") > 0.0, "{m}");
+    // The sidecar's own counters: batches relayed, blocks held, nothing malformed or skipped.
+    let (i, _) = engines.iter().enumerate().find(|(i, _)| format!("engine-{i}") == home).unwrap();
+    let am = get(attached[i].1, "/metrics").await.text();
+    assert!(common::metric(&am, "kvfabric_attach_event_batches_total") >= 1.0, "{am}");
+    assert!(common::metric(&am, "kvfabric_attach_engine_blocks") >= 30.0, "{am}");
+    assert_eq!(common::metric(&am, "kvfabric_attach_events_malformed_total"), 0.0, "{am}");
+    assert_eq!(common::metric(&am, "kvfabric_attach_registered"), 1.0, "{am}");
+    assert_eq!(
+        common::metric(&am, "kvfabric_attach_skipped_blocks_total{reason=\"orphan\"}"),
+        0.0,
+        "{am}"
+    );
 
     // The engine that holds the prefix dies: it leaves routing, the other serves.
-    let (i, _) = engines.iter().enumerate().find(|(i, _)| format!("engine-{i}") == home).unwrap();
     let mut engines = engines;
     let _ = engines[i].proc.0.kill();
     let _ = engines[i].proc.0.wait();

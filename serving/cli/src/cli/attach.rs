@@ -2,7 +2,8 @@
 //! SGLang). It registers the engine in discovery as a worker reached over its
 //! OpenAI-compatible API, relays the engine's own KV events (ZeroMQ) onto the event bus as
 //! kvfabric KV events, and reports the engine's load from its Prometheus metrics. Prints one
-//! JSON line (`{"attached": NAME, "engine": ..., "events": ...}`) when it runs. On
+//! JSON line (`{"attached": NAME, "engine": ..., "events": ..., "metrics": ...}`) when it
+//! runs. On
 //! SIGINT/SIGTERM it withdraws the engine from discovery.
 
 use std::net::SocketAddr;
@@ -69,6 +70,9 @@ pub struct AttachArgs {
     /// Failed health checks in a row after which the engine is withdrawn.
     #[arg(long, env = "KVFABRIC_DOWN_AFTER", default_value_t = 3)]
     down_after: u32,
+    /// Serve `/metrics` (Prometheus: events relayed, resets, skipped blocks, health) here.
+    #[arg(long, env = "KVFABRIC_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
 }
 
 fn engine_addr(url: &str) -> anyhow::Result<SocketAddr> {
@@ -117,6 +121,28 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
     };
     let (discovery, bus) = args.control.connect().await?;
     let attachment = Attachment::start(cfg, discovery, bus).await?;
+    let mut metrics_task = None;
+    let mut metrics_addr = None;
+    if let Some(at) = args.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(at)
+            .await
+            .with_context(|| format!("--metrics-listen {at}"))?;
+        let components =
+            kvfabric_serving::metrics::Components::new().with(None, attachment.stats_source());
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let text = components.render();
+                async move {
+                    let content_type = kvfabric_serving::metrics::CONTENT_TYPE;
+                    ([(axum::http::header::CONTENT_TYPE, content_type)], text)
+                }
+            }),
+        );
+        metrics_addr = Some(listener.local_addr()?.to_string());
+        tracing::info!(addr = %listener.local_addr()?, "attach metrics listening");
+        metrics_task = Some(tokio::spawn(async move { axum::serve(listener, app).await }));
+    }
     let events_at = match (&events, attachment.bound()) {
         (EventsEndpoint::Bind(_), Some(a)) => format!("tcp://{a}"),
         (EventsEndpoint::Connect(c), _) | (EventsEndpoint::Bind(c), None) => c.clone(),
@@ -124,10 +150,16 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
     tracing::info!(worker = %args.name, %engine, events = %events_at, "attached to the engine");
     super::say!(
         "{}",
-        serde_json::json!({ "attached": args.name, "engine": engine.to_string(), "events": events_at })
+        serde_json::json!({
+            "attached": args.name, "engine": engine.to_string(), "events": events_at,
+            "metrics": metrics_addr,
+        })
     );
     stop_signal.await;
     attachment.stop().await;
+    if let Some(t) = metrics_task {
+        t.abort();
+    }
     tracing::info!(worker = %args.name, "attach stopped");
     Ok(())
 }
