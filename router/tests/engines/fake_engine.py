@@ -133,6 +133,9 @@ def make_handler(engine: Engine):
             if self.path != "/v1/completions":
                 return self.send_json(404, {"error": {"message": "not found"}})
             prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                # Text (a benchmark client talking to the engine directly): one token per byte.
+                prompt = list(prompt.encode())
             if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
                 return self.send_json(400, {"error": {"message": "prompt must be token ids"}})
             if body.get("model") != engine.args.model:
