@@ -208,6 +208,9 @@ fn bench_serve_drives_a_mock_server_and_reports_json_rows() {
         .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0", "--workers", "2"])
         .args(["--mock-decode-us", "500", "--mock-prefill-us", "1"])
         .env_remove("KVFABRIC_CONFIG")
+        // Where scripts/fetch-model.sh caches the model: not a model directory for the mock
+        // (the two once shared a variable, and every mock run of a relocated cache failed).
+        .env("KVFABRIC_MODEL_DIR", std::env::temp_dir())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();

@@ -39,7 +39,7 @@ pub struct AttachArgs {
     engine_model: Option<String>,
     /// The model's directory (tokenizer.json, tokenizer_config.json, config.json): the
     /// frontend tokenizes with it, so it must be readable by the frontend at this path.
-    #[arg(long, env = "KVFABRIC_MODEL_DIR")]
+    #[arg(long, env = "KVFABRIC_ENGINE_MODEL_DIR")]
     model_dir: PathBuf,
     /// The engine's KV block size in tokens (vLLM `--block-size`, SGLang `--page-size`).
     #[arg(long, env = "KVFABRIC_BLOCK_SIZE", default_value_t = 16)]

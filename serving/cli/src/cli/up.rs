@@ -120,7 +120,8 @@ pub struct EngineOpts {
     /// Mock: mirror the model of this Hugging Face directory (its tokenizer.json, chat
     /// template and config.json's KV layout), as Dynamo's mocker does; without it, one token
     /// per byte over SmolLM2-135M's KV in f32.
-    #[arg(long, env = "KVFABRIC_MODEL_DIR")]
+    /// (`KVFABRIC_MODEL_DIR` is where scripts/fetch-model.sh caches the default model.)
+    #[arg(long, env = "KVFABRIC_MOCK_MODEL_DIR")]
     pub model_dir: Option<PathBuf>,
     /// Mock: how much of each KV block is materialised.
     #[arg(long, env = "KVFABRIC_MOCK_KV", value_enum, default_value = "header")]
