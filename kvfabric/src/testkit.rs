@@ -165,3 +165,25 @@ impl NatsServer {
         self.spawn()
     }
 }
+
+/// The Python that runs the test suite's engine stand-ins (vLLM- and SGLang-format KV event
+/// publishers): `KVFABRIC_TEST_PYTHON`, as `scripts/test.sh` sets it, else the environment
+/// `scripts/setup.sh test` creates. Panics with what to do when it cannot import msgspec and
+/// zmq.
+pub fn engine_python() -> PathBuf {
+    let p = std::env::var_os("KVFABRIC_TEST_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var("HOME").unwrap_or_default())
+            .join(".cache/kvfabric/venv/bin/python")
+    });
+    let ok = Command::new(&p)
+        .args(["-c", "import msgspec, zmq"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "{} cannot import msgspec and zmq: run scripts/setup.sh test (or set KVFABRIC_TEST_PYTHON)",
+        p.display()
+    );
+    p
+}

@@ -133,25 +133,6 @@ fn golden_payloads_of_every_layout_decode_alike() {
     }
 }
 
-/// The Python with msgspec and pyzmq.
-pub fn python() -> PathBuf {
-    let p = std::env::var_os("KVFABRIC_TEST_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_default())
-            .join(".cache/kvfabric/venv/bin/python")
-    });
-    let ok = Command::new(&p)
-        .args(["-c", "import msgspec, zmq"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "{} cannot import msgspec and zmq: run scripts/setup.sh test (or set KVFABRIC_TEST_PYTHON)",
-        p.display()
-    );
-    p
-}
-
 struct Publisher {
     child: Child,
     stdin: ChildStdin,
@@ -170,7 +151,7 @@ impl Drop for Publisher {
 impl Publisher {
     fn start(flavor: &str) -> Publisher {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/engines/kv_events.py");
-        let mut child = Command::new(python())
+        let mut child = Command::new(kvfabric::testkit::engine_python())
             .arg(script)
             .args(["--flavor", flavor])
             .stdin(Stdio::piped())

@@ -11,7 +11,7 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -20,24 +20,6 @@ use kvfabric::testkit::{EtcdServer, NatsServer};
 use serde_json::{json, Value};
 
 const SECRET: &str = "attach-test-secret";
-
-fn python() -> PathBuf {
-    let p = std::env::var_os("KVFABRIC_TEST_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_default())
-            .join(".cache/kvfabric/venv/bin/python")
-    });
-    let ok = Command::new(&p)
-        .args(["-c", "import msgspec, zmq"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "{} cannot import msgspec and zmq: run scripts/setup.sh test (or set KVFABRIC_TEST_PYTHON)",
-        p.display()
-    );
-    p
-}
 
 /// Spawns a process and returns it with the first line it prints (its later output drained).
 fn spawn_line(cmd: &mut Command) -> (Proc, String) {
@@ -58,7 +40,7 @@ struct FakeEngine {
 fn fake_engine() -> FakeEngine {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../router/tests/engines");
     let (proc, line) = spawn_line(
-        Command::new(python())
+        Command::new(kvfabric::testkit::engine_python())
             .arg(dir.join("fake_engine.py"))
             .args(["--model", "fake", "--block-size", "16", "--capacity", "512"])
             .args(["--prefill-us", "200", "--decode-us", "200"])

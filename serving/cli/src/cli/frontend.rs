@@ -59,20 +59,36 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         ..RoutedConfig::new(args.secret.clone().into_bytes())
     };
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
+    let addr = SocketAddr::new(args.host, args.port);
+    let b = backend.clone();
+    serve_routed("frontend", &args.name, addr, &args.http, stop_signal, |c| http::router(b, c))
+        .await?;
+    backend.stop();
+    Ok(())
+}
+
+/// Serves the routes `app` builds over a routed backend on `addr` until `stop`, announcing
+/// `kvfabric {what} at http://ADDR/v1` on stdout once listening (`frontend`, `router`).
+pub(super) async fn serve_routed(
+    what: &str,
+    name: &str,
+    addr: SocketAddr,
+    args: &super::HttpArgs,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    app: impl FnOnce(ServerConfig) -> axum::Router,
+) -> anyhow::Result<()> {
     let server_cfg = ServerConfig {
-        request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
-        api_key: args.http.api_key.clone().filter(|k| !k.is_empty()),
+        request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         ..ServerConfig::default()
     };
     let listen_stats = server_cfg.listen.clone();
-    let app = http::router(backend.clone(), server_cfg);
-    let listener = http::listen::bind(SocketAddr::new(args.host, args.port))
-        .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
+    let app = app(server_cfg);
+    let listener = http::listen::bind(addr).with_context(|| format!("listening on {addr}"))?;
     let addr = listener.local_addr()?;
-    tracing::info!(frontend = %args.name, %addr, "frontend listening");
-    super::say!("kvfabric frontend at http://{addr}/v1");
-    http::listen::serve(listener, app, args.http.limits(), listen_stats, stop_signal).await?;
-    backend.stop();
-    tracing::info!(frontend = %args.name, "frontend stopped");
+    tracing::info!(%what, %name, %addr, "listening");
+    super::say!("kvfabric {what} at http://{addr}/v1");
+    http::listen::serve(listener, app, args.limits(), listen_stats, stop).await?;
+    tracing::info!(%what, %name, "stopped");
     Ok(())
 }

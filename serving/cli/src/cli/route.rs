@@ -4,15 +4,12 @@
 //! cached blocks per tier, load and cost), `/v1/route/release`, `/health` and `/metrics`.
 //! Prints `kvfabric router at http://ADDR/v1` when ready.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
-
-use anyhow::Context;
 use clap::Args;
 use kvfabric_router::{RouterConfig, RoutingMode};
-use kvfabric_serving::http::{self, ServerConfig};
+use kvfabric_serving::http;
 use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
+use std::net::SocketAddr;
+use std::sync::Arc;
 
 use super::up::{parse_mode, shutdown_signal};
 
@@ -46,20 +43,12 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         ..RoutedConfig::new(b"kvfabric-router-sends-no-requests".to_vec())
     };
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
-    let server_cfg = ServerConfig {
-        request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
-        api_key: args.http.api_key.clone().filter(|k| !k.is_empty()),
-        ..ServerConfig::default()
-    };
-    let listen_stats = server_cfg.listen.clone();
-    let app = http::routing_router(backend.clone(), server_cfg);
-    let listener = http::listen::bind(SocketAddr::new(args.host, args.port))
-        .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
-    let addr = listener.local_addr()?;
-    tracing::info!(router = %args.name, %addr, "router listening");
-    super::say!("kvfabric router at http://{addr}/v1");
-    http::listen::serve(listener, app, args.http.limits(), listen_stats, stop_signal).await?;
+    let addr = SocketAddr::new(args.host, args.port);
+    let b = backend.clone();
+    super::frontend::serve_routed("router", &args.name, addr, &args.http, stop_signal, |c| {
+        http::routing_router(b, c)
+    })
+    .await?;
     backend.stop();
-    tracing::info!(router = %args.name, "router stopped");
     Ok(())
 }
