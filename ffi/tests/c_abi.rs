@@ -1,5 +1,6 @@
 //! Builds the C tests (`tests/c/kvfabric_test.c`) with gcc against the committed header and
-//! the cdylib, through the pkg-config file, plain and under AddressSanitizer, and runs them.
+//! the cdylib, through the pkg-config file, plain and under AddressSanitizer, and runs them;
+//! builds and runs the C++ example (`examples/cpp/kv_pool.cpp`) with g++ the same way.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -40,25 +41,30 @@ fn pkg_config(pc_dir: &Path) -> Vec<String> {
 }
 
 fn build(out: &Path, asan: bool) -> PathBuf {
-    let tmp = out.to_path_buf();
-    let flags = pkg_config(&pkg_config_dir(&tmp));
-    let exe = tmp.join(if asan { "kvfabric_test_asan" } else { "kvfabric_test" });
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/kvfabric_test.c");
-    let mut cmd = Command::new("gcc");
-    cmd.args(["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-g", "-O1"]);
+    let exe = out.join(if asan { "kvfabric_test_asan" } else { "kvfabric_test" });
+    let mut flags = vec!["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-g", "-O1"];
     if asan {
-        cmd.args(["-fsanitize=address", "-fno-omit-frame-pointer"]);
+        flags.extend(["-fsanitize=address", "-fno-omit-frame-pointer"]);
     }
-    cmd.arg(&src).arg("-o").arg(&exe).args(&flags);
+    compile("gcc", &src, &exe, &flags)
+}
+
+/// Compiles `src` into `exe` with `compiler` and `flags`, against the header and the library
+/// through pkg-config, with an rpath to the library this test run built.
+fn compile(compiler: &str, src: &Path, exe: &Path, flags: &[&str]) -> PathBuf {
+    let pc = pkg_config(&pkg_config_dir(exe.parent().expect("a directory")));
+    let mut cmd = Command::new(compiler);
+    cmd.args(flags).arg(src).arg("-o").arg(exe).args(&pc);
     cmd.arg(format!("-Wl,-rpath,{}", lib_dir().display()));
-    let o = cmd.output().expect("gcc runs");
+    let o = cmd.output().unwrap_or_else(|e| panic!("{compiler} runs: {e}"));
     assert!(
         o.status.success(),
-        "gcc failed:\n{}{}",
+        "{compiler} failed:\n{}{}",
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
-    exe
+    exe.to_path_buf()
 }
 
 fn run(exe: &Path, mode: &str) {
@@ -92,4 +98,17 @@ fn c_tests_pass_under_address_sanitizer() {
     let exe = build(dir.path(), true);
     run(&exe, "errors");
     run(&exe, "exchange");
+}
+
+#[test]
+fn the_cpp_example_registers_a_pool_saves_looks_up_and_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/cpp/kv_pool.cpp");
+    let exe = dir.path().join("kv_pool");
+    compile("g++", &src, &exe, &["-std=c++17", "-Wall", "-Wextra", "-Werror", "-g", "-O1"]);
+    let o = Command::new(&exe).env_remove("LD_LIBRARY_PATH").output().expect("the example runs");
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "the C++ example failed ({}):\n{text}", o.status);
+    assert!(text.contains("cpp example: ok"), "{text}");
 }
