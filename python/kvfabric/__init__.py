@@ -161,7 +161,14 @@ class Op(_Handle):
 
 
 def _buffer_address(buf) -> tuple[int, int]:
-    """Address and length of a writable, contiguous buffer (numpy array, bytearray, ...)."""
+    """Address and length of a writable, contiguous buffer (numpy array, bytearray, a torch
+    tensor in host memory, ...)."""
+    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # a torch tensor
+        if getattr(getattr(buf, "device", None), "type", "cpu") != "cpu":
+            raise ValueError("the tensor is not in host memory (device memory needs the CUDA backend)")
+        if not buf.is_contiguous():
+            raise ValueError("the tensor must be contiguous")
+        return int(buf.data_ptr()), int(buf.numel()) * int(buf.element_size())
     iface = getattr(buf, "__array_interface__", None)
     if iface is not None:
         if iface.get("strides") is not None:

@@ -8,7 +8,12 @@ How it maps onto kvfabric:
 
 - Both roles of one engine process share one kvfabric agent and store (named by the
   ``name`` key of the kvfabric config): the scheduler side looks prefixes up in it, the
-  worker side loads and saves the engine's paged buffers through it.
+  worker side loads and saves the engine's paged buffers through it. NOTE: a real vLLM V1
+  runs the scheduler (engine core) and the worker in different processes, so there each
+  role has its own store and the scheduler's lookups never see the worker's saves; the
+  scheduler side must reach the worker's store as a fabric node (issue "engine
+  connectors"). Observed in vLLM 0.32 on CPU: the worker side registers the CPU backend's
+  caches and the engine serves; nothing is ever loaded.
 - Scheduler side: ``get_num_new_matched_tokens`` hashes the prompt (kvfabric's hashing,
   the same as the router's) and looks it up in every tier, local and remote, in whole
   blocks, leaving at least one prompt token to compute. ``update_state_after_alloc``
@@ -187,17 +192,32 @@ class KvfabricConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict):
-        """Registers each layer's paged buffer, shaped [2, blocks, block_size, heads, head]."""
+        """Registers each layer's paged buffer (numpy arrays or host torch tensors), in either
+        of vLLM's layouts: K and V apart, ``[2, num_blocks, ...]`` (two segments per layer),
+        or blocks first, ``[num_blocks, ...]`` (the CPU backend's ``[num_blocks, kv_heads,
+        block_size, 2 * head_size]`` with K and V side by side; one segment per layer)."""
         parts = []
         agent = self._engine.agent
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         for name, kv in kv_caches.items():
-            if kv.ndim < 2 or kv.shape[0] != 2:
-                raise ValueError(f"{name}: expected shape [2, num_blocks, ...], got {kv.shape}")
-            num_blocks = kv.shape[1]
-            stride = kv.nbytes // (2 * num_blocks)
+            shape = tuple(kv.shape)
+            nbytes = int(kv.nbytes) if hasattr(kv, "nbytes") else int(kv.numel()) * int(kv.element_size())
+            if len(shape) < 2:
+                raise ValueError(f"{name}: a paged KV buffer has a block axis, got shape {shape}")
+            k_v_apart = shape[0] == 2 and (num_blocks is None or shape[1] == num_blocks)
+            blocks_first = num_blocks is not None and shape[0] == num_blocks
             region = agent.register(kv, exported=False)
-            parts.append((region, 0, stride, stride))  # K
-            parts.append((region, num_blocks * stride, stride, stride))  # V
+            if k_v_apart:
+                n = shape[1]
+                stride = nbytes // (2 * n)
+                parts.append((region, 0, stride, stride))  # K
+                parts.append((region, n * stride, stride, stride))  # V
+            elif blocks_first or num_blocks is None:
+                n = shape[0]
+                stride = nbytes // n
+                parts.append((region, 0, stride, stride))  # the block's K and V together
+            else:
+                raise ValueError(f"{name}: shape {shape} has no axis of {num_blocks} blocks")
             self._layers.append(name)
         total = sum(p[3] for p in parts)
         if total != self._engine.store.block_bytes:
