@@ -79,6 +79,22 @@ pub struct AttachStats {
     pub blocks: AtomicU64,
 }
 
+impl AttachStats {
+    /// The attachment's health: `ok` while the engine is registered (serving), else
+    /// `engine not answering`; with the counts of what went wrong.
+    pub fn health(&self) -> serde_json::Value {
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let serving = ld(&self.registered) == 1;
+        serde_json::json!({
+            "status": if serving { "ok" } else { "engine not answering" },
+            "engine_blocks": ld(&self.blocks),
+            "failed_health_checks": ld(&self.failed_polls),
+            "events_malformed": ld(&self.malformed),
+            "resets": ld(&self.resets),
+        })
+    }
+}
+
 impl Source for AttachStats {
     fn snapshot(&self, out: &mut Snapshot) {
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);

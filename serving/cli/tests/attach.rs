@@ -193,6 +193,17 @@ async fn attached_engines_are_routed_by_their_own_kv_events() {
         })
         .await;
     }
+    // Its sidecar says so on /health (503) and in /metrics.
+    let sidecar = attached[i].1;
+    wait_for("the sidecar to see its engine gone", Duration::from_secs(10), async || {
+        get(sidecar, "/health").await.status == 503
+    })
+    .await;
+    let h = get(sidecar, "/health").await.json();
+    assert_eq!(h["status"], "engine not answering", "{h}");
+    let am = get(sidecar, "/metrics").await.text();
+    assert_eq!(common::metric(&am, "kvfabric_attach_registered"), 0.0, "{am}");
+    assert!(common::metric(&am, "kvfabric_attach_failed_health_checks_total") >= 2.0, "{am}");
     let resp = post_json(f, "/v1/completions", &body(100)).await;
     assert_eq!(resp.status, 200, "{}", resp.text());
     assert_eq!(resp.header("x-kvfabric-worker"), Some(other.as_str()));

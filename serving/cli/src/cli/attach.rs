@@ -70,7 +70,8 @@ pub struct AttachArgs {
     /// Failed health checks in a row after which the engine is withdrawn.
     #[arg(long, env = "KVFABRIC_DOWN_AFTER", default_value_t = 3)]
     down_after: u32,
-    /// Serve `/metrics` (Prometheus: events relayed, resets, skipped blocks, health) here.
+    /// Serve `/metrics` (Prometheus: events relayed, resets, skipped blocks, registration)
+    /// and `/health` (200 while the engine is registered, 503 when it stops answering) here.
     #[arg(long, env = "KVFABRIC_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
 }
@@ -124,24 +125,46 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
     let mut metrics_task = None;
     let mut metrics_addr = None;
     if let Some(at) = args.metrics_listen {
-        let listener = tokio::net::TcpListener::bind(at)
-            .await
+        let listener = kvfabric_serving::http::listen::bind(at)
             .with_context(|| format!("--metrics-listen {at}"))?;
-        let components =
-            kvfabric_serving::metrics::Components::new().with(None, attachment.stats_source());
-        let app = axum::Router::new().route(
-            "/metrics",
-            axum::routing::get(move || {
-                let text = components.render();
-                async move {
-                    let content_type = kvfabric_serving::metrics::CONTENT_TYPE;
-                    ([(axum::http::header::CONTENT_TYPE, content_type)], text)
-                }
-            }),
-        );
+        let stats = attachment.stats_source();
+        let components = kvfabric_serving::metrics::Components::new().with(None, stats.clone());
+        let app = axum::Router::new()
+            .route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let text = components.render();
+                    async move {
+                        let content_type = kvfabric_serving::metrics::CONTENT_TYPE;
+                        ([(axum::http::header::CONTENT_TYPE, content_type)], text)
+                    }
+                }),
+            )
+            .route(
+                "/health",
+                axum::routing::get(move || {
+                    let h = stats.health();
+                    async move {
+                        let code = if h["status"] == "ok" {
+                            axum::http::StatusCode::OK
+                        } else {
+                            axum::http::StatusCode::SERVICE_UNAVAILABLE
+                        };
+                        (code, axum::Json(h))
+                    }
+                }),
+            );
         metrics_addr = Some(listener.local_addr()?.to_string());
-        tracing::info!(addr = %listener.local_addr()?, "attach metrics listening");
-        metrics_task = Some(tokio::spawn(async move { axum::serve(listener, app).await }));
+        tracing::info!(addr = %listener.local_addr()?, "attach metrics and health listening");
+        // Bounded connections and idle timeouts, as every HTTP listener of kvfabric.
+        metrics_task = Some(tokio::spawn(async move {
+            let limits = kvfabric_serving::http::listen::HttpLimits::default();
+            let listen_stats = kvfabric_serving::metrics::ListenStats::default();
+            let forever = std::future::pending::<()>();
+            let _ =
+                kvfabric_serving::http::listen::serve(listener, app, limits, listen_stats, forever)
+                    .await;
+        }));
     }
     let events_at = match (&events, attachment.bound()) {
         (EventsEndpoint::Bind(_), Some(a)) => format!("tcp://{a}"),
