@@ -41,8 +41,8 @@ pub struct SubscriberConfig {
     pub max_held: usize,
     /// Publishers connected at once, at most (bound endpoint).
     pub max_connections: usize,
-    /// After a (re)connection, replay is asked a second time this much later
-    /// ([`Sequencer::catch_up`]).
+    /// After a (re)connection, replay is asked again this often ([`Sequencer::catch_up`])
+    /// until the live stream delivers its first batch, at most [`CATCH_UPS`] times.
     pub catch_up: Duration,
 }
 
@@ -63,6 +63,10 @@ impl SubscriberConfig {
         }
     }
 }
+
+/// Catch-up replays after a (re)connection, at most (one per `catch_up` interval until the
+/// engine's first live batch arrives; an idle engine answers each with the end marker).
+pub const CATCH_UPS: u32 = 30;
 
 /// What the subscriber delivers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -293,13 +297,18 @@ async fn sequence_loop(
     let mut actions = Vec::new();
     let mut replay_task: Option<tokio::task::JoinHandle<()>> = None;
     let mut catch_up: Option<tokio::time::Instant> = None;
+    // Catch-up replays left before the live stream has delivered anything since the last
+    // (re)connection.
+    let mut catch_ups_left = 0u32;
     loop {
         let catch_up_at =
             catch_up.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(3600));
         tokio::select! {
             _ = tokio::time::sleep_until(catch_up_at), if catch_up.is_some() => {
-                catch_up = None;
                 seq.catch_up(&mut actions);
+                catch_ups_left = catch_ups_left.saturating_sub(1);
+                catch_up = (catch_ups_left > 0)
+                    .then(|| tokio::time::Instant::now() + cfg.catch_up);
             }
             l = live.recv() => match l {
                 None => return,
@@ -307,6 +316,7 @@ async fn sequence_loop(
                     if tx.send(FeedItem::Connected { peer }).await.is_err() { return; }
                     seq.connected(&mut actions);
                     catch_up = Some(tokio::time::Instant::now() + cfg.catch_up);
+                    catch_ups_left = CATCH_UPS;
                 }
                 Some(Live::Down(reason)) => {
                     if tx.send(FeedItem::Disconnected { reason }).await.is_err() { return; }
@@ -316,6 +326,9 @@ async fn sequence_loop(
                         let mut b = [0u8; 8];
                         b.copy_from_slice(s);
                         let p = p_owned(p);
+                        // The engine sends to us: no more catch-ups needed.
+                        catch_up = None;
+                        catch_ups_left = 0;
                         seq.live(u64::from_be_bytes(b), p, &mut actions);
                     }
                     _ => {
