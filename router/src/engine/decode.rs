@@ -217,7 +217,6 @@ fn tagged(r: &mut Reader<'_>) -> Result<EngineEvent, DecodeError> {
     let n = r.map()?;
     let mut tag: Option<&[u8]> = None;
     let mut s = Stored::default();
-    let mut removed_medium = None;
     for _ in 0..n {
         match key(r)? {
             b"type" => tag = Some(r.str()?),
@@ -226,10 +225,7 @@ fn tagged(r: &mut Reader<'_>) -> Result<EngineEvent, DecodeError> {
             b"token_ids" => s.unkeyable |= tokens(r, &mut s.tokens)?,
             b"block_size" => s.block_size = r.uint(u64::from(u32::MAX))?,
             b"lora_id" | b"lora_name" => s.lora |= present(r)?,
-            b"medium" => {
-                s.medium = medium(r)?;
-                removed_medium = s.medium;
-            }
+            b"medium" => s.medium = medium(r)?,
             b"extra_keys" => s.unkeyable |= extra_keys(r)?,
             b"group_idx" => s.group = opt_int(r)?,
             b"kv_cache_spec_kind" => {
@@ -240,11 +236,9 @@ fn tagged(r: &mut Reader<'_>) -> Result<EngineEvent, DecodeError> {
     }
     Ok(match tag {
         Some(b"BlockStored") => EngineEvent::Stored(s),
-        Some(b"BlockRemoved") => EngineEvent::Removed(Removed {
-            hashes: s.hashes,
-            medium: removed_medium,
-            group: s.group,
-        }),
+        Some(b"BlockRemoved") => {
+            EngineEvent::Removed(Removed { hashes: s.hashes, medium: s.medium, group: s.group })
+        }
         Some(b"AllBlocksCleared") => EngineEvent::Cleared,
         Some(_) => EngineEvent::Unknown,
         None => return Err(DecodeError::Invalid("an event map without \"type\"")),

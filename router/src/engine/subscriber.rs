@@ -260,7 +260,7 @@ async fn replay(addr: String, from: u64, cfg: SubscriberConfig, tx: mpsc::Sender
                 let _ = tx.send(Replayed::End).await;
                 return Ok(());
             }
-            if tx.send(Replayed::Batch(u64::from_be_bytes(seq), p_owned(payload))).await.is_err() {
+            if tx.send(Replayed::Batch(u64::from_be_bytes(seq), payload.to_vec())).await.is_err() {
                 return Ok(());
             }
         }
@@ -272,10 +272,6 @@ async fn replay(addr: String, from: u64, cfg: SubscriberConfig, tx: mpsc::Sender
         Err(_) => format!("replay from {addr}: not finished within {:?}", cfg.replay_timeout),
     };
     let _ = tx.send(Replayed::Failed(failed)).await;
-}
-
-fn p_owned(p: &[u8]) -> Vec<u8> {
-    p.to_vec()
 }
 
 async fn sequence_loop(
@@ -325,7 +321,7 @@ async fn sequence_loop(
                     [_topic, s, p] if s.len() == 8 => {
                         let mut b = [0u8; 8];
                         b.copy_from_slice(s);
-                        let p = p_owned(p);
+                        let p = p.to_vec();
                         // The engine sends to us: no more catch-ups needed.
                         catch_up = None;
                         catch_ups_left = 0;
