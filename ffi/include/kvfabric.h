@@ -455,9 +455,10 @@ void kvf_op_free(struct kvf_op *op);
 /**
  * Opens a block store on `agent` into `*store_out`. Reads: block_tokens, block_bytes or
  * model, host_blocks, shared_host, disk_path, disk_blocks, disk_admit_min_hits,
- * write_through, lora, salt, serve, remote. With `serve`, the store answers peers as a
- * fabric node (and registers in discovery); with `remote`, fabric nodes found in discovery
- * or added with `kvf_store_add_node` are its remote tier. Errors are also recorded as the
+ * write_through, lora, salt, serve, advertise, remote, share. With `serve`, the store
+ * answers peers as a fabric node (and registers in discovery unless `advertise` is false);
+ * with `remote`, fabric nodes found in discovery or added with `kvf_store_add_node` are its
+ * remote tier, and with `share` every block it stores is put to them too. Errors are also recorded as the
  * config's last error.
  *
  * # Safety
@@ -622,6 +623,35 @@ kvf_result kvf_store_node_info(const struct kvf_store *store,
  * `store` is a live store; `info` valid for `len` reads.
  */
 kvf_result kvf_store_add_node(const struct kvf_store *store, const uint8_t *info, size_t len);
+
+/**
+ * Makes `store`'s lookups ask the store whose node info this is (bytes from its
+ * `kvf_store_node_info`; it may be opened with `advertise` false): the leading run it can
+ * provide from its own tiers and its fabric. Called once per node; with several (one per
+ * tensor-parallel rank), a block counts only when every node provides it. For an engine
+ * whose scheduler runs in another process than the worker that holds the store. A node
+ * that fails to answer makes the lookup a miss (counted in `kvf_store_metrics`).
+ *
+ * # Safety
+ * `store` is a live store; `info` valid for `len` reads.
+ */
+kvf_result kvf_store_add_lookup_node(const struct kvf_store *store,
+                                     const uint8_t *info,
+                                     size_t len);
+
+/**
+ * The store's metrics as a JSON object (NUL-free UTF-8) into `buf`: the tiers' occupancy,
+ * hits, misses, offloads and onboards, and the lookups answered by lookup nodes and blocks
+ * shared with the fabric, with their failures. `KVF_BUFFER_TOO_SMALL` writes the size
+ * needed.
+ *
+ * # Safety
+ * `store` is a live store; `buf` valid for `cap` writes; `len_out` for one.
+ */
+kvf_result kvf_store_metrics(const struct kvf_store *store,
+                             uint8_t *buf,
+                             size_t cap,
+                             size_t *len_out);
 
 #ifdef __cplusplus
 }  // extern "C"

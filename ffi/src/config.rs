@@ -45,7 +45,9 @@ const KEYS: &[(&str, Kind, &str)] = &[
     ("lora", Kind::Str, "LoRA adapter name mixed into block hashes (default none)"),
     ("salt", Kind::Str, "cache salt mixed into block hashes (default none)"),
     ("serve", Kind::Bool, "serve this store to peers as a fabric node (default false)"),
+    ("advertise", Kind::Bool, "register a serving store in discovery (default true)"),
     ("remote", Kind::Bool, "use fabric nodes as the remote (G4) tier (default false)"),
+    ("share", Kind::Bool, "put every stored block to the fabric too (needs remote)"),
 ];
 
 fn check(key: &str, value: &str) -> Result<(), FfiError> {

@@ -3,6 +3,7 @@
 //! registered memory in the caller's own paged layout.
 
 use std::ffi::c_char;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvfabric::control::Registration;
@@ -83,7 +84,26 @@ pub struct kvf_store {
     registration: Mutex<Option<Registration>>,
     publisher: Option<StorePublisher>,
     tasks: Vec<JoinHandle<()>>,
+    /// Nodes that answer this store's lookups (`kvf_store_add_lookup_node`): an engine's
+    /// scheduler process asks the store of its worker process(es).
+    lookup_nodes: Mutex<Vec<String>>,
+    /// Put every stored block to the fabric too (config key `share`).
+    share: bool,
+    counters: Arc<Counters>,
     last_error: LastError,
+}
+
+/// What the store's callers cannot see in the tiers' own metrics: lookups answered by other
+/// nodes, and blocks shared with the fabric.
+#[derive(Debug, Default)]
+struct Counters {
+    node_lookups: AtomicU64,
+    node_lookup_errors: AtomicU64,
+    shared_blocks: AtomicU64,
+    share_errors: AtomicU64,
+    /// Whether the last node lookup or share failed (logged once per change).
+    lookup_failing: AtomicBool,
+    share_failing: AtomicBool,
 }
 
 impl Recorded for kvf_store {
@@ -107,6 +127,43 @@ impl Drop for kvf_store {
             self.ctx.rt().block_on(r.revoke());
         }
     }
+}
+
+/// Puts freshly stored blocks (pinned until the put ends) to the fabric; failures are
+/// counted and logged once per run of failures.
+async fn share_blocks(
+    remote: RemoteTier,
+    refs: Vec<kvfabric_tiers::BlockRef>,
+    hashes: Vec<SequenceHash>,
+    first_block: usize,
+    c: Arc<Counters>,
+) {
+    let index = |h: SequenceHash| hashes[first_block..].iter().position(|&x| x == h);
+    let mut hs = Vec::with_capacity(refs.len());
+    let mut parents = Vec::with_capacity(refs.len());
+    let mut locs = Vec::with_capacity(refs.len());
+    for r in &refs {
+        let Some(i) = index(r.hash()).map(|i| i + first_block) else { continue };
+        hs.push(hashes[i]);
+        parents.push(i.checked_sub(1).map(|p| hashes[p]));
+        locs.push((r.region().id(), r.offset()));
+    }
+    match remote.put(&hs, &parents, &locs).await {
+        Ok(done) => {
+            let n = done.iter().filter(|&&d| d).count() as u64;
+            c.shared_blocks.fetch_add(n, Ordering::Relaxed);
+            if c.share_failing.swap(false, Ordering::Relaxed) {
+                tracing::info!("sharing blocks with the fabric works again");
+            }
+        }
+        Err(e) => {
+            c.share_errors.fetch_add(hs.len() as u64, Ordering::Relaxed);
+            if !c.share_failing.swap(true, Ordering::Relaxed) {
+                tracing::warn!(error = %e, "sharing blocks with the fabric failed");
+            }
+        }
+    }
+    drop(refs);
 }
 
 fn config_error(m: impl Into<String>) -> FfiError {
@@ -185,13 +242,21 @@ impl kvf_store {
             registration: Mutex::new(None),
             publisher: Some(publisher),
             tasks,
+            lookup_nodes: Mutex::new(Vec::new()),
+            share: cfg.bool("share", false),
+            counters: Arc::default(),
             last_error: LastError::default(),
         };
+        if this.share && remote.is_none() {
+            return Err(config_error("\"share\" needs a remote tier (config key \"remote\")"));
+        }
         if cfg.bool("serve", false) {
             let node = FabricNode::serve(ctx.agent.clone(), store.clone(), ctx.deadline);
             this.node = Some(node.clone());
-            *this.registration.lock() =
-                Some(rt.block_on(node.register(&*ctx.discovery, &name, ctx.lease_ttl))?);
+            if cfg.bool("advertise", true) {
+                *this.registration.lock() =
+                    Some(rt.block_on(node.register(&*ctx.discovery, &name, ctx.lease_ttl))?);
+            }
         }
         if let Some(remote) = remote {
             let own = this.node.is_some().then(|| name.clone());
@@ -211,9 +276,15 @@ impl kvf_store {
     }
 
     /// The leading run of `tokens`' full blocks held in some tier, with the tier of each.
-    pub fn lookup(&self, tokens: &[u32]) -> Vec<TierKind> {
+    /// With lookup nodes, the run every one of them can provide; a node that fails to answer
+    /// is an error (counted; the caller treats the blocks as not cached).
+    pub fn lookup(&self, tokens: &[u32]) -> Result<Vec<TierKind>, FfiError> {
         let hashes = self.hasher.sequence_hashes(tokens);
-        match &self.remote {
+        let nodes = self.lookup_nodes.lock().clone();
+        if !nodes.is_empty() {
+            return self.lookup_at(&nodes, &hashes);
+        }
+        Ok(match &self.remote {
             None => self.store.lookup_prefix(&hashes),
             Some(_) => {
                 let fut = self.store.lookup_prefix_with_remote(&hashes);
@@ -223,7 +294,71 @@ impl kvf_store {
                     .block_on(async { tokio::time::timeout(d, fut).await })
                     .unwrap_or_else(|_| self.store.lookup_prefix(&hashes))
             }
+        })
+    }
+
+    fn lookup_at(
+        &self,
+        nodes: &[String],
+        hashes: &[SequenceHash],
+    ) -> Result<Vec<TierKind>, FfiError> {
+        let c = &self.counters;
+        c.node_lookups.fetch_add(1, Ordering::Relaxed);
+        let (agent, d) = (&self.ctx.agent, self.ctx.deadline);
+        let asked = async {
+            let mut run: Option<Vec<TierKind>> = None;
+            for node in nodes {
+                let mut tiers = RemoteTier::prefix_at(agent, node, hashes, d).await?;
+                if let Some(r) = &run {
+                    tiers.truncate(r.len());
+                }
+                run = Some(tiers);
+            }
+            Ok::<_, kvfabric_tiers::remote::RemoteError>(run.unwrap_or_default())
+        };
+        let outcome =
+            self.ctx.rt().block_on(async { tokio::time::timeout(d, asked).await }).unwrap_or_else(
+                |_| {
+                    Err(kvfabric_tiers::remote::RemoteError::Node {
+                        node: nodes.join(","),
+                        message: "lookup timed out".into(),
+                    })
+                },
+            );
+        match outcome {
+            Ok(tiers) => {
+                if c.lookup_failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!("lookups answered again by {}", nodes.join(","));
+                }
+                Ok(tiers)
+            }
+            Err(e) => {
+                c.node_lookup_errors.fetch_add(1, Ordering::Relaxed);
+                if !c.lookup_failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(error = %e, "lookup failed: counted as not cached");
+                }
+                Err(FfiError::new(kvf_result::KVF_TRANSFER, format!("lookup: {e}")))
+            }
         }
+    }
+
+    /// The store's metrics and this handle's counters (`kvf_store_metrics`).
+    pub fn metrics_json(&self) -> serde_json::Value {
+        let mut v = serde_json::to_value(self.store.metrics()).unwrap_or_default();
+        let c = &self.counters;
+        if let Some(m) = v.as_object_mut() {
+            for (k, a) in [
+                ("node_lookups", &c.node_lookups),
+                ("node_lookup_errors", &c.node_lookup_errors),
+                ("shared_blocks", &c.shared_blocks),
+                ("share_errors", &c.share_errors),
+            ] {
+                m.insert(k.into(), a.load(Ordering::Relaxed).into());
+            }
+            let nodes = self.remote.as_ref().map(RemoteTier::nodes).unwrap_or_default();
+            m.insert("fabric_nodes".into(), nodes.into());
+        }
+        v
     }
 
     /// Checks a block range and the caller's segments; returns the regions of the segments.
@@ -288,6 +423,8 @@ impl kvf_store {
         let hashes = self.hashes(tokens, first_block + block_ids.len());
         let (store, segs, ids, regs) =
             (self.store.clone(), segments.to_vec(), block_ids.to_vec(), regions.clone());
+        let share = self.remote.clone().filter(|_| self.share);
+        let counters = self.counters.clone();
         let fut = async move {
             // Reserve every slot first: a save larger than what the host tier can free
             // fails whole (KVF_FULL) instead of evicting its own first blocks.
@@ -301,6 +438,7 @@ impl kvf_store {
                 }
             }
             let stored = slots.len() as u64;
+            let mut committed = Vec::new();
             for (k, slot) in slots {
                 let mut at = 0;
                 for (s, region) in segs.iter().zip(&regs) {
@@ -308,7 +446,15 @@ impl kvf_store {
                     copy_between(region, src, slot.region(), slot.offset() + at, s.bytes)?;
                     at += s.bytes;
                 }
-                slot.commit_unpinned();
+                match &share {
+                    Some(_) => committed.push(slot.commit()),
+                    None => slot.commit_unpinned(),
+                }
+            }
+            if let Some(remote) = share.filter(|r| !r.is_empty() && !committed.is_empty()) {
+                // The fabric gets its copy after the save completes: the engine's blocks are
+                // free again, and other engines find the blocks soon after.
+                tokio::spawn(share_blocks(remote, committed, hashes, first_block, counters));
             }
             Ok(stored)
         };
@@ -349,9 +495,10 @@ impl kvf_store {
 
 /// Opens a block store on `agent` into `*store_out`. Reads: block_tokens, block_bytes or
 /// model, host_blocks, shared_host, disk_path, disk_blocks, disk_admit_min_hits,
-/// write_through, lora, salt, serve, remote. With `serve`, the store answers peers as a
-/// fabric node (and registers in discovery); with `remote`, fabric nodes found in discovery
-/// or added with `kvf_store_add_node` are its remote tier. Errors are also recorded as the
+/// write_through, lora, salt, serve, advertise, remote, share. With `serve`, the store
+/// answers peers as a fabric node (and registers in discovery unless `advertise` is false);
+/// with `remote`, fabric nodes found in discovery or added with `kvf_store_add_node` are its
+/// remote tier, and with `share` every block it stores is put to them too. Errors are also recorded as the
 /// config's last error.
 ///
 /// # Safety
@@ -497,7 +644,7 @@ pub unsafe extern "C" fn kvf_store_lookup(
         let buf = unsafe { OutBuf::new(tiers, tiers_cap, "tiers") }?;
         // SAFETY: as above.
         let out = unsafe { Out::new(hits_out, "hits_out") }?;
-        let found: Vec<u8> = s.lookup(tokens).into_iter().map(tier_code).collect();
+        let found: Vec<u8> = s.lookup(tokens)?.into_iter().map(tier_code).collect();
         buf.write(&found[..found.len().min(buf.cap())]);
         out.set(found.len());
         Ok(())
@@ -754,5 +901,64 @@ pub unsafe extern "C" fn kvf_store_add_node(
             .block_on(async { tokio::time::timeout(d, remote.add_node(&info)).await })
             .map_err(|_| FfiError::new(kvf_result::KVF_TIMED_OUT, "adding the node timed out"))??;
         Ok(())
+    })
+}
+
+/// Makes `store`'s lookups ask the store whose node info this is (bytes from its
+/// `kvf_store_node_info`; it may be opened with `advertise` false): the leading run it can
+/// provide from its own tiers and its fabric. Called once per node; with several (one per
+/// tensor-parallel rank), a block counts only when every node provides it. For an engine
+/// whose scheduler runs in another process than the worker that holds the store. A node
+/// that fails to answer makes the lookup a miss (counted in `kvf_store_metrics`).
+///
+/// # Safety
+/// `store` is a live store; `info` valid for `len` reads.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_add_lookup_node(
+    store: *const kvf_store,
+    info: *const u8,
+    len: usize,
+) -> kvf_result {
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
+        // SAFETY: as above.
+        let bytes = unsafe { ptr::slice(info, len, "info") }?;
+        let info: NodeInfo = serde_json::from_slice(bytes)
+            .map_err(|e| FfiError::invalid(format!("malformed node info: {e}")))?;
+        let name = info.agent.name.clone();
+        s.ctx.agent.load_peer(info.agent)?;
+        let mut nodes = s.lookup_nodes.lock();
+        if !nodes.contains(&name) {
+            nodes.push(name);
+        }
+        Ok(())
+    })
+}
+
+/// The store's metrics as a JSON object (NUL-free UTF-8) into `buf`: the tiers' occupancy,
+/// hits, misses, offloads and onboards, and the lookups answered by lookup nodes and blocks
+/// shared with the fabric, with their failures. `KVF_BUFFER_TOO_SMALL` writes the size
+/// needed.
+///
+/// # Safety
+/// `store` is a live store; `buf` valid for `cap` writes; `len_out` for one.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_metrics(
+    store: *const kvf_store,
+    buf: *mut u8,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvf_result {
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
+        // SAFETY: as above.
+        let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
+        // SAFETY: as above.
+        let out = unsafe { Out::new(len_out, "len_out") }?;
+        let bytes = serde_json::to_vec(&s.metrics_json())
+            .map_err(|e| FfiError::new(kvf_result::KVF_IO, e.to_string()))?;
+        copy_bytes(&bytes, buf, out)
     })
 }

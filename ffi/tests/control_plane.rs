@@ -89,8 +89,12 @@ fn discovery_remote_tier_and_events_over_etcd_and_nats() {
     drop(op);
 
     // B finds A in discovery and sees A's blocks as remote hits.
-    wait_until("B to see A's blocks", || store_b.lookup(&tokens).len() == 3);
-    assert!(store_b.lookup(&tokens).iter().all(|t| *t == kvfabric::events::TierKind::Remote));
+    wait_until("B to see A's blocks", || store_b.lookup(&tokens).unwrap().len() == 3);
+    assert!(store_b
+        .lookup(&tokens)
+        .unwrap()
+        .iter()
+        .all(|t| *t == kvfabric::events::TierKind::Remote));
     let mut dst = vec![0u8; 8 * BLOCK];
     // SAFETY: as above, for `dst`.
     let rd = unsafe {
@@ -167,12 +171,12 @@ fn discovery_remote_tier_and_events_over_etcd_and_nats() {
 
     // A leaves (store freed, registration revoked): B no longer finds A's other block, and
     // still holds the blocks it loaded (onboarded into its host tier).
-    assert_eq!(store_b.lookup(&alt).len(), 1);
+    assert_eq!(store_b.lookup(&alt).unwrap().len(), 1);
     drop(store_a);
     agent_a.agent().deregister(rs).unwrap();
     drop(agent_a);
-    wait_until("A's blocks to leave B's view", || store_b.lookup(&alt).is_empty());
-    assert_eq!(store_b.lookup(&tokens), vec![kvfabric::events::TierKind::Host; 3]);
+    wait_until("A's blocks to leave B's view", || store_b.lookup(&alt).unwrap().is_empty());
+    assert_eq!(store_b.lookup(&tokens).unwrap(), vec![kvfabric::events::TierKind::Host; 3]);
     drop(store_b);
     agent_b.agent().deregister(rd).unwrap();
     drop(events);

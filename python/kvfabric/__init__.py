@@ -329,6 +329,21 @@ class Store(_Handle):
         buf = (c_uint8 * len(info)).from_buffer_copy(info)
         self._err(lib().kvf_store_add_node(self._h, buf, len(info)))
 
+    def add_lookup_node(self, info: bytes):
+        """Makes lookups ask the store with this node info (its tiers and its fabric): for a
+        scheduler process whose worker process holds the store. Several: every one must
+        provide a block (tensor-parallel ranks)."""
+        buf = (c_uint8 * len(info)).from_buffer_copy(info)
+        self._err(lib().kvf_store_add_lookup_node(self._h, buf, len(info)))
+
+    def metrics(self) -> dict:
+        """The store's metrics (tiers, hits, offloads, node lookups, sharing) as a dict."""
+        import json
+
+        r, b = _bytes_out(lib().kvf_store_metrics, self._h)
+        self._err(r)
+        return json.loads(b.decode())
+
 
 
 def version() -> str:

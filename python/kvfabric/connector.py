@@ -1,348 +1,432 @@
-"""A KV connector for vLLM's V1 interface (``KVConnectorBase_V1``), backed by kvfabric.
+"""The engine-independent half of kvfabric's KV connectors: what vLLM's connector
+(:mod:`kvfabric.vllm`) and TensorRT-LLM's (:mod:`kvfabric.trtllm`) share.
 
-It follows vLLM's method names and argument shapes; with vLLM installed it subclasses
-vLLM's base class, without it a small stand-in with the same surface, so that engines (and
-tests) that own plain numpy buffers can drive it.
+An engine runs its scheduler and its workers in different processes (vLLM V1: the engine
+core and one worker process per rank). So:
 
-How it maps onto kvfabric:
+- Each worker process owns a kvfabric store (:class:`WorkerStore`): host tier, optional
+  disk tier, and the fabric (G4) as its remote tier. It registers the engine's paged KV
+  buffers, loads blocks into them and saves computed blocks out of them. It serves its
+  store over the transfer engine (authenticated by the shared secret), and publishes its
+  node info in a node directory on the host, keyed by the engine instance and rank.
+- The scheduler process (:class:`SchedulerLookup`) holds no KV. It asks the worker stores
+  of its own instance (all ranks: a block counts only when every rank holds its shard)
+  which leading run of a prompt they can provide, from their tiers and the fabric.
+- Engines share KV through the fabric: other instances' worker stores (found in discovery
+  when ``etcd`` is configured, else in the node directory) or dedicated ``kvfabric fabric``
+  nodes are the remote tier. With ``share``, every saved block is also put to the fabric,
+  which is needed when more than two stores share (each block has one home on the ring).
 
-- Both roles of one engine process share one kvfabric agent and store (named by the
-  ``name`` key of the kvfabric config): the scheduler side looks prefixes up in it, the
-  worker side loads and saves the engine's paged buffers through it. NOTE: a real vLLM V1
-  runs the scheduler (engine core) and the worker in different processes, so there each
-  role has its own store and the scheduler's lookups never see the worker's saves; the
-  scheduler side must reach the worker's store as a fabric node (issue "engine
-  connectors"). Observed in vLLM 0.32 on CPU: the worker side registers the CPU backend's
-  caches and the engine serves; nothing is ever loaded.
-- Scheduler side: ``get_num_new_matched_tokens`` hashes the prompt (kvfabric's hashing,
-  the same as the router's) and looks it up in every tier, local and remote, in whole
-  blocks, leaving at least one prompt token to compute. ``update_state_after_alloc``
-  records which of the request's blocks receive the external tokens.
-  ``build_connector_meta`` emits, per request, the blocks to load and the full prompt
-  blocks computed by the end of the step to save.
-- Worker side: ``register_kv_caches`` registers each layer's buffer (vLLM's layout,
-  ``[2, num_blocks, block_size, num_kv_heads, head_size]``) and describes a kvfabric block
-  as two segments per layer (K and V). ``start_load_kv`` starts the loads,
-  ``wait_for_layer_load`` waits for them (a kvfabric block holds every layer, so the first
-  layer's wait covers all), ``save_kv_layer`` records the layer, and ``wait_for_save`` stores
-  the step's new blocks once every layer has been written. Loads and saves complete within
-  the step, so ``get_finished`` reports nothing asynchronous; blocks that could not be loaded
-  are reported by ``get_block_ids_with_load_errors``.
-- Sharing between engines: the store serves its blocks to peers (``serve``) and uses other
-  engines' stores as its remote tier (``remote``), found in discovery (etcd) or added with
-  :meth:`KvfabricConnector.add_node`.
+Failures never reach the engine as exceptions: an unreachable worker store or fabric is a
+miss, a block that cannot be loaded (dead peer, checksum) is reported per block so that the
+engine computes it; each cause is logged once (and again when it recovers) and counted in
+:class:`Stats`.
+
+kvfabric config keys handled here (the rest go to the store, see ``kvfabric.h``):
+``name`` (the engine instance, required), ``node_dir`` (default
+``$TMPDIR/kvfabric-<uid>``), ``serve`` (make this worker store a fabric node for other
+stores: default true), ``async_save`` (default true).
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Optional, Sequence
 
-from . import Agent, Store, segments
+from . import Agent, KvfError, Store, segments
 
-try:  # pragma: no cover - exercised only where vLLM is installed
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
-        KVConnectorBase_V1,
-        KVConnectorMetadata,
-        KVConnectorRole,
+log = logging.getLogger("kvfabric.connector")
+
+# Keys the connector reads; never passed to the library.
+_CONNECTOR_KEYS = {"node_dir", "async_save", "on_load_error"}
+
+
+class _Once:
+    """Logs a failing cause once, and once again when it works again."""
+
+    def __init__(self):
+        self._failing: dict[str, bool] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, what: str, err: object):
+        with self._lock:
+            if self._failing.get(what):
+                return
+            self._failing[what] = True
+        log.warning("kvfabric: %s failed (%s); the engine computes these tokens itself", what, err)
+
+    def ok(self, what: str):
+        with self._lock:
+            if not self._failing.get(what):
+                return
+            self._failing[what] = False
+        log.info("kvfabric: %s works again", what)
+
+
+class Stats:
+    """Counters of one connector side, cumulative and per interval (vLLM asks for the
+    interval's values each step)."""
+
+    FIELDS = (
+        "lookups",  # prompts looked up
+        "lookup_hit_tokens",  # tokens the lookups found beyond the engine's own cache
+        "lookup_errors",  # lookups that failed (counted as misses)
+        "loaded_blocks",
+        "load_failed_blocks",  # blocks the engine had to compute after all
+        "load_seconds",
+        "saved_blocks",  # blocks the store took (those it held already not counted)
+        "save_errors",  # saves that failed (the blocks are not cached)
     )
-except ImportError:  # the stand-ins: same names and surface as vLLM's
 
-    class KVConnectorRole(enum.Enum):
-        SCHEDULER = 0
-        WORKER = 1
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.total = dict.fromkeys(self.FIELDS, 0)
+        self._interval = dict.fromkeys(self.FIELDS, 0)
 
-    class KVConnectorMetadata:  # noqa: B903
-        """Scheduler -> worker metadata of one step."""
+    def add(self, **counts):
+        with self._lock:
+            for k, v in counts.items():
+                self.total[k] += v
+                self._interval[k] += v
 
-    class KVConnectorBase_V1:
-        def __init__(self, vllm_config, role, kv_cache_config=None):
-            self._connector_metadata = None
-            self._vllm_config = vllm_config
-            self._kv_transfer_config = vllm_config.kv_transfer_config
-            self._kv_cache_config = kv_cache_config
-            self._role = role
-
-        @property
-        def role(self):
-            return self._role
-
-        def bind_connector_metadata(self, connector_metadata):
-            self._connector_metadata = connector_metadata
-
-        def clear_connector_metadata(self):
-            self._connector_metadata = None
-
-        def _get_connector_metadata(self):
-            assert self._connector_metadata is not None
-            return self._connector_metadata
-
-        def has_connector_metadata(self):
-            return self._connector_metadata is not None
+    def take_interval(self) -> dict:
+        with self._lock:
+            out, self._interval = self._interval, dict.fromkeys(self.FIELDS, 0)
+        return out
 
 
-@dataclass
-class ReqMeta:
-    """What the worker does for one request in one step."""
+class NodeDir:
+    """Node info of the worker stores on this host, one file per instance and rank
+    (``<instance>.rank<r>.node``: the owner's pid and its node info). Entries of dead
+    processes are ignored."""
 
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    # (first logical block, number of blocks) to load / to save, or None.
-    load: Optional[tuple[int, int]] = None
-    save: Optional[tuple[int, int]] = None
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(path, mode=0o700, exist_ok=True)
+
+    @staticmethod
+    def key(instance: str, rank: int) -> str:
+        return f"{instance}.rank{rank}"
+
+    def _file(self, key: str) -> str:
+        return os.path.join(self.path, key + ".node")
+
+    def publish(self, key: str, info: bytes):
+        tmp = self._file(key) + f".{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "info": info.hex()}, f)
+        os.replace(tmp, self._file(key))
+
+    def remove(self, key: str):
+        try:
+            with open(self._file(key)) as f:
+                if json.load(f).get("pid") != os.getpid():
+                    return  # another process took the key over
+            os.unlink(self._file(key))
+        except (OSError, ValueError):
+            pass
+
+    def read(self, key: str) -> Optional[bytes]:
+        try:
+            with open(self._file(key)) as f:
+                entry = json.load(f)
+            pid, info = int(entry["pid"]), bytes.fromhex(entry["info"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return info if _alive(pid) else None
+
+    def keys(self) -> list[str]:
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            return []
+        return sorted(n[: -len(".node")] for n in names if n.endswith(".node"))
 
 
-@dataclass
-class KvfabricConnectorMetadata(KVConnectorMetadata):
-    requests: list[ReqMeta] = field(default_factory=list)
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
-class _Engine:
-    """The agent and store shared by the connectors of one engine process."""
+def node_dir(cfg: dict) -> NodeDir:
+    path = cfg.get("node_dir") or os.path.join(tempfile.gettempdir(), f"kvfabric-{os.getuid()}")
+    return NodeDir(str(path))
 
-    def __init__(self, config: dict):
-        self.agent = Agent(config)
-        self.store = Store(self.agent, config)
-        self.users = 0
+
+def _store_config(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in _CONNECTOR_KEYS}
+
+
+def _flag(v, default: bool) -> bool:
+    if v is None:
+        return default
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+class WorkerStore:
+    """The store of one worker process (one rank of an engine instance)."""
+
+    def __init__(self, cfg: dict, rank: int = 0):
+        cfg = dict(cfg)
+        if "name" not in cfg:
+            raise ValueError("kvfabric: the config needs a 'name' (one per engine instance)")
+        self.instance = str(cfg["name"])
+        self.rank = rank
+        self.stats = Stats()
+        self._once = _Once()
+        self.async_save = _flag(cfg.get("async_save"), True)
+        self._nodes = node_dir(cfg)
+        self.key = NodeDir.key(self.instance, rank)
+        remote = _flag(cfg.get("remote"), True)
+        scfg = _store_config(cfg)
+        scfg.update(
+            name=f"{self.instance}-rank{rank}",
+            serve=True,  # always: the scheduler process asks this store
+            advertise=_flag(cfg.get("serve"), True),
+            remote=remote,
+        )
+        self._discovery = remote and "etcd" not in cfg
+        self.agent = Agent(scfg)
+        try:
+            self.store = Store(self.agent, scfg)
+        except Exception:
+            self.agent.close()
+            raise
+        self.block_tokens, self.block_bytes = self.store.block_tokens, self.store.block_bytes
+        self._nodes.publish(self.key, self.store.node_info())
+        self._peers: dict[str, bytes] = {}
+        self._scanned = 0.0
+        self.scan_peers(force=True)
+        self._segments = None
+        self._saves: dict[str, list] = {}  # req id -> save ops still running
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ fabric peers
+
+    def node_info(self) -> bytes:
+        return self.store.node_info()
+
+    def add_node(self, info: bytes):
+        self.store.add_node(info)
+
+    def scan_peers(self, force: bool = False):
+        """Without etcd, other instances' worker stores of the same rank in the node
+        directory are this store's fabric (rescanned at most once a second)."""
+        if not self._discovery:
+            return
+        now = time.monotonic()
+        if not force and now - self._scanned < 1.0:
+            return
+        self._scanned = now
+        suffix = f".rank{self.rank}"
+        for key in self._nodes.keys():
+            if key == self.key or not key.endswith(suffix):
+                continue
+            info = self._nodes.read(key)
+            if info is None or self._peers.get(key) == info:
+                continue
+            try:
+                self.store.add_node(info)
+                self._peers[key] = info
+                self._once.ok(f"adding fabric node {key}")
+                log.info("kvfabric: %s uses %s as a fabric node", self.key, key)
+            except KvfError as e:
+                self._once.failed(f"adding fabric node {key}", e)
+
+    # ------------------------------------------------------------ KV buffers
+
+    def register(self, parts: Sequence[tuple]) -> None:
+        """The engine's paged buffers as (buffer, offset, block_stride, bytes) pieces of a
+        block, in block order; a buffer is a numpy array or a host torch tensor."""
+        regions: dict[int, int] = {}
+        segs = []
+        for buf, offset, stride, nbytes in parts:
+            rid = regions.get(id(buf))
+            if rid is None:
+                rid = regions[id(buf)] = self.agent.register(buf, exported=False)
+            segs.append((rid, offset, stride, nbytes))
+        total = sum(p[3] for p in segs)
+        if total != self.block_bytes:
+            raise ValueError(f"kvfabric: a block is {total} bytes in these caches, {self.block_bytes} in the store")
+        self._segments = segments(segs)
+
+    # ------------------------------------------------------------ loads
+
+    def start_load(self, tokens: Sequence[int], first_block: int, block_ids: Sequence[int]):
+        """Starts loading blocks ``first_block..`` of ``tokens`` into ``block_ids``; returns a
+        handle for :meth:`finish_load`, or None when the load could not even start."""
+        try:
+            return (self.store.load(tokens, block_ids, self._segments, first_block=first_block), time.monotonic())
+        except KvfError as e:
+            self._once.failed("starting a load", e)
+            return None
+
+    def finish_load(self, handle, n_blocks: int) -> int:
+        """Waits for a load; returns how many leading blocks arrived (the rest must be
+        computed by the engine)."""
+        loaded = 0
+        if handle is not None:
+            op, t0 = handle
+            try:
+                loaded = min(op.wait(), n_blocks)
+                self._once.ok("loading")
+            except KvfError as e:
+                self._once.failed("loading", e)
+            finally:
+                op.close()
+            self.stats.add(load_seconds=time.monotonic() - t0)
+        if loaded < n_blocks and handle is not None and loaded > 0:
+            self._once.failed("loading every block", f"{n_blocks - loaded} of {n_blocks} missing")
+        self.stats.add(loaded_blocks=loaded, load_failed_blocks=n_blocks - loaded)
+        return loaded
+
+    # ------------------------------------------------------------ saves
+
+    def save(self, req_id: str, tokens: Sequence[int], first_block: int, block_ids: Sequence[int]):
+        """Starts saving blocks ``first_block..`` of ``tokens`` from ``block_ids``. With
+        ``async_save`` it returns at once (see :meth:`saves_done`), else when stored."""
+        try:
+            op = self.store.save(tokens, block_ids, self._segments, first_block=first_block)
+        except KvfError as e:
+            self.stats.add(save_errors=1)
+            self._once.failed("saving", e)
+            return
+        with self._lock:
+            self._saves.setdefault(req_id, []).append((op, len(block_ids)))
+        if not self.async_save:
+            self._reap(req_id, block=True)
+
+    def _reap(self, req_id: str, block: bool = False) -> bool:
+        """Collects the finished saves of a request; says whether none is left running."""
+        with self._lock:
+            ops = self._saves.get(req_id, [])
+            left = []
+            for op, n in ops:
+                if block or op.done():
+                    try:
+                        # What the store took (blocks it held already are not counted).
+                        self.stats.add(saved_blocks=op.wait())
+                        self._once.ok("saving")
+                    except KvfError as e:
+                        self.stats.add(save_errors=1)
+                        self._once.failed("saving", e)
+                    finally:
+                        op.close()
+                else:
+                    left.append((op, n))
+            if left:
+                self._saves[req_id] = left
+            else:
+                self._saves.pop(req_id, None)
+            return not left
+
+    def saves_done(self, req_ids) -> set[str]:
+        """Of these requests, those with no save running any more."""
+        return {r for r in req_ids if self._reap(r)}
+
+    def pending_saves(self) -> list[str]:
+        with self._lock:
+            return list(self._saves)
+
+    def metrics(self) -> dict:
+        m = self.store.metrics()
+        m["connector"] = dict(self.stats.total)
+        return m
 
     def close(self):
+        for r in self.pending_saves():
+            self._reap(r, block=True)
+        self._nodes.remove(self.key)
         self.store.close()
         self.agent.close()
 
 
-_ENGINES: dict[str, _Engine] = {}
+class SchedulerLookup:
+    """The scheduler process's view: how many tokens of a prompt the instance's worker
+    stores (every rank) can provide. Holds no KV."""
 
-
-def _block_bytes(kv_cache_config, num_layers_hint: Optional[int] = None) -> Optional[int]:
-    """Bytes of one block across every layer, from vLLM's KVCacheConfig shape."""
-    try:
-        group = kv_cache_config.kv_cache_groups[0]
-        return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
-    except (AttributeError, IndexError, TypeError):
-        return None
-
-
-class KvfabricConnector(KVConnectorBase_V1):
-    """kvfabric behind vLLM's KV connector interface.
-
-    ``vllm_config.kv_transfer_config.kv_connector_extra_config["kvfabric"]`` holds the
-    kvfabric config (``secret`` and ``name`` at least; ``etcd``/``nats`` for discovery and
-    events); block size comes from ``vllm_config.cache_config.block_size`` and the block's
-    bytes from ``kv_cache_config`` (or ``block_bytes`` in the kvfabric config).
-    """
-
-    def __init__(self, vllm_config, role, kv_cache_config=None):
-        super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
-        cfg = dict(extra.get("kvfabric", {}))
-        self._block_size = int(vllm_config.cache_config.block_size)
-        cfg["block_tokens"] = self._block_size
-        if "block_bytes" not in cfg and "model" not in cfg:
-            bb = _block_bytes(kv_cache_config)
-            if bb is None:
-                raise ValueError("kvfabric: set block_bytes, or pass a kv_cache_config")
-            cfg["block_bytes"] = bb
-        cfg.setdefault("serve", True)
-        cfg.setdefault("remote", True)
+    def __init__(self, cfg: dict, block_tokens: int, world_size: int = 1):
+        cfg = dict(cfg)
         if "name" not in cfg:
-            raise ValueError("kvfabric: the config needs a 'name' (one per engine process)")
-        self._name = cfg["name"]
-        engine = _ENGINES.get(self._name)
-        if engine is None:
-            engine = _ENGINES[self._name] = _Engine(cfg)
-        engine.users += 1
-        self._engine = engine
-        # Scheduler-side state.
-        self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens at lookup
-        self._pending_loads: dict[str, tuple[int, int, list[int]]] = {}
-        self._reqs: dict[str, ReqMeta] = {}  # tokens and blocks of running requests
-        self._saved: dict[str, int] = {}  # req_id -> prompt blocks saved so far
-        # Worker-side state.
-        self._segments = None
-        self._layers: list[str] = []
-        self._loads: list[tuple[Any, ReqMeta]] = []
-        self._layers_saved: set[str] = set()
-        self._load_errors: set[int] = set()
+            raise ValueError("kvfabric: the config needs a 'name' (one per engine instance)")
+        self.instance = str(cfg["name"])
+        self.world_size = max(int(world_size), 1)
+        self.block_tokens = int(block_tokens)
+        self.stats = Stats()
+        self._once = _Once()
+        self._nodes = node_dir(cfg)
+        # A client store: no tiers to speak of, no discovery, no events; only lookups.
+        scfg = {k: cfg[k] for k in ("secret", "deadline_ms", "lora", "salt") if k in cfg}
+        scfg.update(
+            name=f"{self.instance}-scheduler-{os.getpid()}",
+            block_tokens=self.block_tokens,
+            block_bytes=int(cfg.get("block_bytes", 4096)),
+            host_blocks=1,
+            shared_host=False,
+            shm=False,
+        )
+        self.agent = Agent(scfg)
+        try:
+            self.store = Store(self.agent, scfg)
+        except Exception:
+            self.agent.close()
+            raise
+        self._known: dict[str, bytes] = {}
 
-    # ---------------------------------------------------------------- both sides
-
-    @property
-    def store(self) -> Store:
-        return self._engine.store
-
-    def node_info(self) -> bytes:
-        """This engine's store as a fabric node, for other engines' :meth:`add_node`."""
-        return self._engine.store.node_info()
-
-    def add_node(self, info: bytes):
-        """Uses another engine's store (its :meth:`node_info`) as a remote tier."""
-        self._engine.store.add_node(info)
-
-    def shutdown(self):
-        engine, self._engine = self._engine, None
-        if engine is None:
-            return
-        engine.users -= 1
-        if engine.users == 0:
-            _ENGINES.pop(self._name, None)
-            engine.close()
-
-    # ---------------------------------------------------------------- worker side
-
-    def register_kv_caches(self, kv_caches: dict):
-        """Registers each layer's paged buffer (numpy arrays or host torch tensors), in either
-        of vLLM's layouts: K and V apart, ``[2, num_blocks, ...]`` (two segments per layer),
-        or blocks first, ``[num_blocks, ...]`` (the CPU backend's ``[num_blocks, kv_heads,
-        block_size, 2 * head_size]`` with K and V side by side; one segment per layer)."""
-        parts = []
-        agent = self._engine.agent
-        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
-        for name, kv in kv_caches.items():
-            shape = tuple(kv.shape)
-            nbytes = int(kv.nbytes) if hasattr(kv, "nbytes") else int(kv.numel()) * int(kv.element_size())
-            if len(shape) < 2:
-                raise ValueError(f"{name}: a paged KV buffer has a block axis, got shape {shape}")
-            k_v_apart = shape[0] == 2 and (num_blocks is None or shape[1] == num_blocks)
-            blocks_first = num_blocks is not None and shape[0] == num_blocks
-            region = agent.register(kv, exported=False)
-            if k_v_apart:
-                n = shape[1]
-                stride = nbytes // (2 * n)
-                parts.append((region, 0, stride, stride))  # K
-                parts.append((region, n * stride, stride, stride))  # V
-            elif blocks_first or num_blocks is None:
-                n = shape[0]
-                stride = nbytes // n
-                parts.append((region, 0, stride, stride))  # the block's K and V together
-            else:
-                raise ValueError(f"{name}: shape {shape} has no axis of {num_blocks} blocks")
-            self._layers.append(name)
-        total = sum(p[3] for p in parts)
-        if total != self._engine.store.block_bytes:
-            raise ValueError(f"kvfabric: a block is {total} bytes in these caches, {self._engine.store.block_bytes} in the store")
-        self._segments = segments(parts)
-
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        meta = self._get_connector_metadata()
-        for req in meta.requests:
-            if req.load is None:
+    def _ready(self) -> bool:
+        """Adds the worker stores that published their node info (again when it changed:
+        a restarted worker); says whether every rank is known."""
+        for rank in range(self.world_size):
+            key = NodeDir.key(self.instance, rank)
+            info = self._nodes.read(key)
+            if info is None:
+                if key not in self._known:
+                    self._once.failed("finding the worker store", f"no live entry {key} in {self._nodes.path}")
+                    return False
                 continue
-            first, n = req.load
-            ids = req.block_ids[first:first + n]
-            op = self._engine.store.load(req.token_ids, ids, self._segments, first_block=first)
-            self._loads.append((op, req))
+            if self._known.get(key) != info:
+                try:
+                    self.store.add_lookup_node(info)
+                    self._known[key] = info
+                    self._once.ok("finding the worker store")
+                except KvfError as e:
+                    self._once.failed("finding the worker store", e)
+                    return False
+        return True
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        # A kvfabric block carries every layer: the first wait completes all loads.
-        loads, self._loads = self._loads, []
-        for op, req in loads:
-            first, n = req.load
-            try:
-                loaded = op.wait()
-            except Exception:  # noqa: BLE001 - a failed load is reported per block
-                loaded = 0
-            finally:
-                op.close()
-            self._load_errors.update(req.block_ids[first + loaded:first + n])
-
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        self._layers_saved.add(layer_name)
-
-    def wait_for_save(self):
-        meta = self._get_connector_metadata()
-        missing = set(self._layers) - self._layers_saved
-        self._layers_saved = set()
-        if missing:
-            # Blocks are whole across layers: never store a block with layers not written.
-            return
-        ops = []
-        for req in meta.requests:
-            if req.save is None:
-                continue
-            first, n = req.save
-            ids = req.block_ids[first:first + n]
-            ops.append(self._engine.store.save(req.token_ids, ids, self._segments, first_block=first))
-        for op in ops:
-            with op:
-                op.wait()
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        return None, None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    # ---------------------------------------------------------------- scheduler side
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        tokens = list(request.prompt_token_ids)
-        bs = self._block_size
-        hits = len(self._engine.store.lookup(tokens))
-        # Whole blocks, and at least one prompt token left for the engine to compute.
+    def matched_tokens(self, tokens: Sequence[int], num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` that the stores can provide: whole blocks,
+        and at least one prompt token left for the engine to compute."""
+        self.stats.add(lookups=1)
+        if not self._ready():
+            self.stats.add(lookup_errors=1)
+            return 0
+        try:
+            hits = len(self.store.lookup(tokens))
+            self._once.ok("looking up")
+        except KvfError as e:
+            self.stats.add(lookup_errors=1)
+            self._once.failed("looking up", e)
+            return 0
+        bs = self.block_tokens
         usable = min(hits, (len(tokens) - 1) // bs) * bs
-        matched = usable - num_computed_tokens
-        if matched <= 0:
-            return 0, False
-        self._lookups[request.request_id] = num_computed_tokens
-        return matched, False
+        matched = max(usable - num_computed_tokens, 0)
+        self.stats.add(lookup_hit_tokens=matched)
+        return matched
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        computed = self._lookups.pop(request.request_id, None)
-        if num_external_tokens == 0 or computed is None:
-            return
-        bs = self._block_size
-        block_ids = list(blocks.get_block_ids()[0])
-        first, n = computed // bs, num_external_tokens // bs
-        self._pending_loads[request.request_id] = (first, n, block_ids)
-
-    def build_connector_meta(self, scheduler_output) -> KvfabricConnectorMetadata:
-        meta = KvfabricConnectorMetadata()
-        bs = self._block_size
-        steps: list[tuple[ReqMeta, int]] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            req = ReqMeta(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0]))
-            self._reqs[new.req_id] = req
-            self._saved.setdefault(new.req_id, 0)
-            pending = self._pending_loads.pop(new.req_id, None)
-            if pending is not None:
-                first, n, block_ids = pending
-                req.block_ids = block_ids if len(block_ids) >= len(req.block_ids) else req.block_ids
-                req.load = (first, n)
-            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            steps.append((req, done))
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        if cached is not None:
-            for i, rid in enumerate(cached.req_ids):
-                req = self._reqs.get(rid)
-                if req is None:
-                    continue
-                new_ids = cached.new_block_ids[i] if cached.new_block_ids else None
-                if new_ids:
-                    req.block_ids = req.block_ids + list(new_ids[0])
-                done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(rid, 0)
-                req.load = None
-                steps.append((req, done))
-        for req, done in steps:
-            # Full prompt blocks computed (or loaded) by the end of this step, not yet saved.
-            full = min(done, len(req.token_ids)) // bs
-            saved = self._saved.get(req.req_id, 0)
-            step = ReqMeta(req.req_id, req.token_ids, req.block_ids, load=req.load)
-            if full > saved:
-                step.save = (saved, full - saved)
-                self._saved[req.req_id] = full
-            req.load = None
-            if step.load or step.save:
-                meta.requests.append(step)
-        return meta
-
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        rid = request.request_id
-        self._reqs.pop(rid, None)
-        self._saved.pop(rid, None)
-        self._lookups.pop(rid, None)
-        self._pending_loads.pop(rid, None)
-        # Saves finish within the step (wait_for_save): the blocks can be freed now.
-        return False, None
+    def close(self):
+        self.store.close()
+        self.agent.close()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvfabric.connector import KVConnectorRole, KvfabricConnector
+from kvfabric.vllm import KVConnectorRole, KvfabricConnector
 
 
 def kv_value(tokens, positions, layer, plane, heads, head_dim):
@@ -99,12 +99,27 @@ class FakeEngine:
         self.worker.clear_connector_metadata()
         self.computed_tokens = len(positions)
         errors = self.worker.get_block_ids_with_load_errors()
-        assert self.worker.get_finished({req_id}) == (None, None)
+        self.worker.get_finished(set())
         return matched, ids, errors
 
-    def finish(self, req_id, ids):
+    def finish(self, req_id, ids, timeout=30.0):
+        """Finishes a request as vLLM does: blocks whose saves may still run are freed once
+        the worker reports the request in get_finished."""
+        import time
+
         delay, params = self.scheduler.request_finished(SimpleNamespace(request_id=req_id), ids)
-        assert delay is False and params is None
+        assert params is None
+        finished = {req_id}
+        deadline = time.monotonic() + timeout
+        while delay:
+            sending, recving = self.worker.get_finished(finished)
+            finished = set()
+            assert recving is None
+            if sending:
+                assert sending == {req_id}
+                break
+            assert time.monotonic() < deadline, f"the saves of {req_id} never finished"
+            time.sleep(0.001)
         self.free.extend(ids)
 
     def token_kv(self, ids, n_tokens):

@@ -63,15 +63,16 @@ def test_store_round_trip_with_numpy_buffers():
         store.publish_removed(store.hashes(toks)[:2])
 
 
-def test_connector_loads_what_another_engine_saved():
-    cfg = {"secret": SECRET, "host_blocks": 64}
+def test_connector_loads_what_another_engine_saved(tmp_path):
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
     a = FakeEngine("py-engine-a", cfg)
     b = FakeEngine("py-engine-b", cfg)
     try:
-        b.scheduler.add_node(a.scheduler.node_info())
+        b.worker.add_node(a.worker.node_info())
         p = prompt(50)
         matched, ids_a, errors = a.prefill("r1", p)
         assert matched == 0 and not errors and a.computed_tokens == 50
+        a.finish("r1", ids_a)  # its saves have ended when its blocks are freed
         # A again: its own store holds the prompt's 3 full blocks now.
         matched, ids_a2, _ = a.prefill("r2", p)
         assert matched == 48 and a.computed_tokens == 2
@@ -79,21 +80,27 @@ def test_connector_loads_what_another_engine_saved():
         # B: served from A's store over the transfer engine, into B's own blocks.
         matched, ids_b, errors = b.prefill("r3", p)
         assert matched == 48 and not errors and b.computed_tokens == 2
-        assert np.array_equal(b.token_kv(ids_b, 48), a.token_kv(ids_a, 48))
+        assert np.array_equal(b.token_kv(ids_b, 48), a.token_kv(ids_a2, 48))
         assert np.array_equal(b.token_kv(ids_b, 50), b.reference_kv(p, 50))
+        b.finish("r3", ids_b)
         # A prompt that only shares the first block.
         q = p[:16] + prompt(40, seed=7)
         matched, ids_q, _ = b.prefill("r4", q)
         assert matched == 16 and b.computed_tokens == 40
         assert np.array_equal(b.token_kv(ids_q, 56), b.reference_kv(q, 56))
-        for e, r, ids in [(a, "r1", ids_a), (a, "r2", ids_a2), (b, "r3", ids_b), (b, "r4", ids_q)]:
+        for e, r, ids in [(a, "r2", ids_a2), (b, "r4", ids_q)]:
             e.finish(r, ids)
+        # What the connectors counted.
+        assert a.worker.stats.total["saved_blocks"] == 3 and b.worker.stats.total["loaded_blocks"] == 3 + 1
+        assert b.scheduler.stats.total["lookup_hit_tokens"] == 48 + 16
+        m = b.worker.worker_store.metrics()
+        assert m["connector"]["load_failed_blocks"] == 0 and m["host_used_blocks"] >= 3
     finally:
         b.close()
         a.close()
 
 
-def test_connector_across_processes():
+def test_connector_across_processes(tmp_path):
     """Engine A in another process saves a prompt; engine B here loads it: bytes equal."""
     script = textwrap.dedent(
         f"""
@@ -102,9 +109,10 @@ def test_connector_across_processes():
         sys.path.insert(0, {os.path.dirname(HERE)!r})
         from fake_engine import FakeEngine
         from test_connector import prompt
-        a = FakeEngine("py-proc-a", {{"secret": {SECRET!r}, "host_blocks": 64}})
-        a.prefill("r1", prompt(70, seed=3))
-        print(a.scheduler.node_info().hex(), flush=True)
+        a = FakeEngine("py-proc-a", {{"secret": {SECRET!r}, "host_blocks": 64, "node_dir": {str(tmp_path)!r}}})
+        _, ids, _ = a.prefill("r1", prompt(70, seed=3))
+        a.finish("r1", ids)
+        print(a.worker.node_info().hex(), flush=True)
         sys.stdin.read()  # serve until the test closes our stdin
         a.close()
         """
@@ -114,9 +122,9 @@ def test_connector_across_processes():
     try:
         info = bytes.fromhex(child.stdout.readline().strip())
         assert info, "the child printed no node info"
-        b = FakeEngine("py-proc-b", {"secret": SECRET, "host_blocks": 64})
+        b = FakeEngine("py-proc-b", {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path / "b")})
         try:
-            b.scheduler.add_node(info)
+            b.worker.add_node(info)
             p = prompt(70, seed=3)
             matched, ids, errors = b.prefill("r1", p)
             assert matched == 64 and not errors and b.computed_tokens == 6
@@ -128,14 +136,15 @@ def test_connector_across_processes():
         assert child.wait(timeout=30) == 0
 
 
-def test_failed_loads_are_reported_per_block():
-    cfg = {"secret": SECRET, "host_blocks": 64}
+def test_failed_loads_are_reported_per_block(tmp_path):
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
     a = FakeEngine("py-fail-a", cfg)
     b = FakeEngine("py-fail-b", cfg)
     try:
-        b.scheduler.add_node(a.scheduler.node_info())
+        b.worker.add_node(a.worker.node_info())
         p = prompt(40, seed=11)
-        a.prefill("r1", p)
+        _, ids_a, _ = a.prefill("r1", p)
+        a.finish("r1", ids_a)
         # The lookup says 32 tokens; then A goes away before the load.
         request = type("R", (), {"request_id": "x", "prompt_token_ids": p})()
         matched, _ = b.scheduler.get_num_new_matched_tokens(request, 0)
@@ -154,7 +163,81 @@ def test_failed_loads_are_reported_per_block():
         b.worker.wait_for_layer_load(b.layer_names[0])
         assert b.worker.get_block_ids_with_load_errors() == set(ids[:2])
         b.worker.clear_connector_metadata()
+        assert b.worker.stats.total["load_failed_blocks"] == 2 and b.worker.stats.total["loaded_blocks"] == 0
+        # The fabric is gone: the same prompt is now a plain miss.
+        matched, _ = b.scheduler.get_num_new_matched_tokens(request, 0)
+        assert matched == 0
     finally:
         b.close()
         if a is not None:
             a.close()
+
+
+def test_scheduler_without_its_worker_store_sees_misses(tmp_path):
+    """The scheduler asks the worker store of its instance; when that process is gone (or
+    not up yet), every lookup is a miss, counted, and the engine computes."""
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
+    a = FakeEngine("py-nostore", cfg)
+    try:
+        p = prompt(40, seed=5)
+        _, ids, _ = a.prefill("r1", p)
+        a.finish("r1", ids)
+        request = type("R", (), {"request_id": "y", "prompt_token_ids": p})()
+        assert a.scheduler.get_num_new_matched_tokens(request, 0) == (32, False)
+        assert a.scheduler.get_num_new_matched_tokens(request, 16) == (16, False)
+        a.worker.shutdown()  # the worker process ends: its node entry goes with it
+        assert a.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        st = a.scheduler.stats.total
+        assert st["lookups"] == 4 and st["lookup_errors"] == 1 and st["lookup_hit_tokens"] == 48
+    finally:
+        a.scheduler.shutdown()
+
+
+def test_node_directory_finds_other_instances(tmp_path):
+    """Without etcd, worker stores on one host find each other in the node directory."""
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
+    a = FakeEngine("py-dir-a", cfg)
+    b = FakeEngine("py-dir-b", cfg)  # finds A when it starts
+    try:
+        p = prompt(64, seed=9)
+        _, ids, _ = a.prefill("r1", p)
+        a.finish("r1", ids)
+        matched, ids_b, errors = b.prefill("r2", p)
+        assert matched == 48 and not errors
+        assert np.array_equal(b.token_kv(ids_b, 64), b.reference_kv(p, 64))
+        b.finish("r2", ids_b)
+        # A entry of a dead process is ignored.
+        (tmp_path / "ghost.rank0.node").write_text('{"pid": 999999999, "info": "7b7d"}')
+        b.worker.worker_store.scan_peers(force=True)
+        assert "ghost.rank0" not in b.worker.worker_store._peers
+    finally:
+        b.close()
+        a.close()
+
+
+def test_shared_blocks_reach_every_instance(tmp_path):
+    """With more than two stores, each block has one home on the fabric's ring; ``share``
+    puts every saved block there, so every other instance finds the whole prompt."""
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path), "share": True}
+    engines = [FakeEngine(f"py-share-{i}", cfg) for i in range(3)]
+    try:
+        for e in engines:
+            e.worker.worker_store.scan_peers(force=True)  # those started after it
+        a, b, c = engines
+        p = prompt(130, seed=21)
+        _, ids, _ = a.prefill("r1", p)
+        a.finish("r1", ids)
+        import time
+
+        deadline = time.monotonic() + 10
+        while a.worker.worker_store.metrics()["shared_blocks"] < 8:
+            assert time.monotonic() < deadline, a.worker.worker_store.metrics()
+            time.sleep(0.01)
+        for e in (b, c):
+            matched, ids_e, errors = e.prefill("r2", p)
+            assert matched == 128 and not errors
+            assert np.array_equal(e.token_kv(ids_e, 130), e.reference_kv(p, 130))
+            e.finish("r2", ids_e)
+    finally:
+        for e in engines:
+            e.close()

@@ -10,7 +10,7 @@ use kvfabric::control::{ControlError, Discovery, Instance, Registration};
 use kvfabric::hash::SequenceHash;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest};
 
-use crate::remote::protocol::{encode, BlockLoc, NodeInfo, Present, Request, FABRIC_KIND};
+use crate::remote::protocol::{encode, BlockLoc, NodeInfo, Present, Request, Tiers, FABRIC_KIND};
 use crate::store::{StoreError, TieredStore};
 
 /// The server side: a store behind an agent.
@@ -161,6 +161,12 @@ impl RpcHandler for FabricNode {
                         .map(|h| !self.store.lookup_prefix(&[*h]).is_empty())
                         .collect();
                     Ok(encode(&Present { present }))
+                }
+                Request::Prefix(l) => {
+                    // The node's own tiers, then what its remote tier adds (other nodes
+                    // answer with LOOKUP: one hop, never a loop).
+                    let tiers = self.store.lookup_prefix_with_remote(&l.hashes).await;
+                    Ok(encode(&Tiers { tiers }))
                 }
                 Request::Get(b) => {
                     Ok(encode(&Present { present: self.get(from, b.blocks).await? }))

@@ -19,7 +19,7 @@ use xxhash_rust::xxh3::xxh3_64;
 pub mod protocol;
 
 use protocol::{
-    encode, method, BlockLoc, Blocks, Hello, Lookup, NodeInfo, Present, BLOCKS_PER_CALL_MAX,
+    encode, method, BlockLoc, Blocks, Hello, Lookup, NodeInfo, Present, Tiers, BLOCKS_PER_CALL_MAX,
     FABRIC_KIND, LOOKUP_HASHES_MAX,
 };
 
@@ -169,6 +169,34 @@ impl RemoteTier {
                         out[i] = present[k];
                     }
                 }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Asks one node (known to the agent, on the ring or not) which leading run of `hashes`
+    /// it can provide, and from which tier each (its own tiers, then its remote tier).
+    pub async fn prefix_at(
+        agent: &Agent,
+        node: &str,
+        hashes: &[SequenceHash],
+        deadline: Duration,
+    ) -> Result<Vec<TierKind>, RemoteError> {
+        let mut out = Vec::with_capacity(hashes.len());
+        for chunk in hashes.chunks(LOOKUP_HASHES_MAX) {
+            let body = encode(&Lookup { hashes: chunk.to_vec() });
+            let reply = agent.call(node, method::PREFIX, body, deadline).await.map_err(|e| {
+                RemoteError::Node { node: node.to_string(), message: e.to_string() }
+            })?;
+            let t: Tiers = serde_json::from_slice(&reply)
+                .map_err(|_| RemoteError::Malformed(node.to_string()))?;
+            if t.tiers.len() > chunk.len() {
+                return Err(RemoteError::Malformed(node.to_string()));
+            }
+            let whole = t.tiers.len() == chunk.len();
+            out.extend(t.tiers);
+            if !whole {
+                break;
             }
         }
         Ok(out)

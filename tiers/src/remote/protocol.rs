@@ -8,9 +8,14 @@
 //! - `GET {blocks: [(hash, region, offset)]}` → it WRITEs each block it holds straight into
 //!   the client's region (checksummed) and says which it served;
 //! - `PUT {blocks: [(hash, parent, region, offset)]}` → it READs each block it lacks
-//!   straight out of the client's region into a new slot (checksummed) and commits it.
+//!   straight out of the client's region into a new slot (checksummed) and commits it;
+//! - `PREFIX {hashes}` → the tiers of the leading run of a sequence's blocks that the node
+//!   can provide, its own tiers first and then what its remote tier adds (one hop: it asks
+//!   other nodes with `LOOKUP`, which never goes further). An engine's scheduler process
+//!   asks the store of its worker process this way.
 
 use kvfabric::agent::AgentMetadata;
+use kvfabric::events::TierKind;
 use kvfabric::hash::SequenceHash;
 use kvfabric::memory::RegionId;
 
@@ -24,6 +29,8 @@ pub mod method {
     pub const GET: u16 = 3;
     /// Read blocks out of the client's memory.
     pub const PUT: u16 = 4;
+    /// The tiers of the leading run of blocks the node can provide.
+    pub const PREFIX: u16 = 5;
 }
 
 /// Kind of fabric nodes in discovery.
@@ -57,6 +64,14 @@ pub struct Lookup {
 pub struct Present {
     /// Per block asked for.
     pub present: Vec<bool>,
+}
+
+/// The answer to `PREFIX`: the tier of each block of the leading run the node can provide
+/// (no longer than the blocks asked for).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct Tiers {
+    /// Per block of the run.
+    pub tiers: Vec<TierKind>,
 }
 
 /// A block and where it is (or goes) in the client's registered memory.
@@ -97,6 +112,8 @@ pub enum Request {
     Get(Blocks),
     /// `PUT`.
     Put(Blocks),
+    /// `PREFIX`.
+    Prefix(Lookup),
 }
 
 impl Request {
@@ -110,12 +127,12 @@ impl Request {
         };
         match method {
             method::HELLO => Ok(Request::Hello(decode(body)?)),
-            method::LOOKUP => {
+            method::LOOKUP | method::PREFIX => {
                 let l: Lookup = decode(body)?;
                 if l.hashes.len() > LOOKUP_HASHES_MAX {
                     return Err(format!("at most {LOOKUP_HASHES_MAX} blocks per lookup"));
                 }
-                Ok(Request::Lookup(l))
+                Ok(if method == method::LOOKUP { Request::Lookup(l) } else { Request::Prefix(l) })
             }
             method::GET => Ok(Request::Get(blocks(decode(body)?)?)),
             method::PUT => Ok(Request::Put(blocks(decode(body)?)?)),
@@ -152,9 +169,13 @@ mod tests {
         assert!(Request::decode(method::GET, &over).unwrap_err().contains("at most"));
         let many = encode(&Lookup { hashes: vec![SequenceHash(1); LOOKUP_HASHES_MAX + 1] });
         assert!(Request::decode(method::LOOKUP, &many).is_err());
+        assert!(Request::decode(method::PREFIX, &many).unwrap_err().contains("at most"));
+        let one = encode(&Lookup { hashes: vec![SequenceHash(1)] });
+        assert!(matches!(Request::decode(method::PREFIX, &one), Ok(Request::Prefix(_))));
         for (m, body) in [
             (method::HELLO, &b"{}"[..]),
             (method::LOOKUP, b"[1,2]"),
+            (method::PREFIX, b"{\"hashes\": \"x\"}"),
             (9, b"{}"),
             (method::GET, b""),
         ] {
