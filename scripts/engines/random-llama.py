@@ -2,7 +2,10 @@
 (no model hub is reachable here). Needs torch and safetensors (vLLM's environment).
 
     kvfabric model-dir --out TOKDIR          # SmolLM2's tokenizer and chat template
-    python scripts/engines/random-llama.py TOKDIR MODELDIR
+    python scripts/engines/random-llama.py TOKDIR MODELDIR [tiny|smollm2-135m]
+
+`tiny` (the default): 4 layers of 256, fast; `smollm2-135m`: SmolLM2-135M's shape (30 layers
+of 576, 9 query and 3 KV heads of 64), so that compute time and KV bytes are a real model's.
 """
 import json, sys, shutil, os
 import torch
@@ -15,7 +18,8 @@ for f in ("tokenizer.json", "tokenizer_config.json"):
 tok = json.load(open(os.path.join(src, "tokenizer.json")))
 vocab = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
 vocab = (vocab + 63) // 64 * 64
-H, L, NH, KV, I = 256, 4, 4, 4, 512
+SHAPES = {"tiny": (256, 4, 4, 4, 512), "smollm2-135m": (576, 30, 9, 3, 1536)}
+H, L, NH, KV, I = SHAPES[sys.argv[3] if len(sys.argv) > 3 else "tiny"]
 cfg = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
     "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": NH,
