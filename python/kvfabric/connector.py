@@ -53,12 +53,12 @@ class _Once:
         self._failing: dict[str, bool] = {}
         self._lock = threading.Lock()
 
-    def failed(self, what: str, err: object):
+    def failed(self, what: str, err: object, then: str = "the engine computes these tokens itself"):
         with self._lock:
             if self._failing.get(what):
                 return
             self._failing[what] = True
-        log.warning("kvfabric: %s failed (%s); the engine computes these tokens itself", what, err)
+        log.warning("kvfabric: %s failed (%s); %s", what, err, then)
 
     def ok(self, what: str):
         with self._lock:
@@ -244,7 +244,7 @@ class WorkerStore:
                 self._once.ok(f"adding fabric node {key}")
                 log.info("kvfabric: %s uses %s as a fabric node", self.key, key)
             except KvfError as e:
-                self._once.failed(f"adding fabric node {key}", e)
+                self._once.failed(f"adding fabric node {key}", e, "its blocks are not shared")
 
     # ------------------------------------------------------------ KV buffers
 
@@ -302,7 +302,7 @@ class WorkerStore:
             op = self.store.save(tokens, block_ids, self._segments, first_block=first_block)
         except KvfError as e:
             self.stats.add(save_errors=1)
-            self._once.failed("saving", e)
+            self._once.failed("saving", e, "these blocks are not cached")
             return
         with self._lock:
             self._saves.setdefault(req_id, []).append((op, len(block_ids)))
@@ -322,7 +322,7 @@ class WorkerStore:
                         self._once.ok("saving")
                     except KvfError as e:
                         self.stats.add(save_errors=1)
-                        self._once.failed("saving", e)
+                        self._once.failed("saving", e, "these blocks are not cached")
                     finally:
                         op.close()
                 else:

@@ -103,7 +103,9 @@ class KvfabricStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict:
-        d = dict(self.data)
+        # Worker counters only: the scheduler's lookups show in vLLM's own "External prefix
+        # cache hit rate".
+        d = {k: v for k, v in self.data.items() if not k.startswith("lookup")}
         secs = d.pop("load_seconds", 0.0)
         n = d.get("loaded_blocks", 0)
         if n:
