@@ -850,6 +850,29 @@ pub unsafe extern "C" fn kvf_store_node_info(
     cap: usize,
     len_out: *mut usize,
 ) -> kvf_result {
+    // SAFETY: the caller's contract, passed on.
+    unsafe {
+        json_out(store, buf, cap, len_out, |s| {
+            let node = s.node.as_ref().ok_or_else(|| {
+                FfiError::invalid("this store does not serve peers (config key \"serve\")")
+            })?;
+            serde_json::to_value(node.info())
+                .map_err(|e| FfiError::new(kvf_result::KVF_IO, e.to_string()))
+        })
+    }
+}
+
+/// Copies the JSON of what `value` makes of the store into a caller buffer.
+///
+/// # Safety
+/// `store` is NULL or a live store; `buf` valid for `cap` writes; `len_out` for one.
+unsafe fn json_out(
+    store: *const kvf_store,
+    buf: *mut u8,
+    cap: usize,
+    len_out: *mut usize,
+    value: impl FnOnce(&kvf_store) -> Result<serde_json::Value, FfiError>,
+) -> kvf_result {
     // SAFETY: the caller's contract.
     let store = unsafe { store.as_ref() };
     recorded(store, "store", |s| {
@@ -857,10 +880,7 @@ pub unsafe extern "C" fn kvf_store_node_info(
         let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
         // SAFETY: as above.
         let out = unsafe { Out::new(len_out, "len_out") }?;
-        let node = s.node.as_ref().ok_or_else(|| {
-            FfiError::invalid("this store does not serve peers (config key \"serve\")")
-        })?;
-        let bytes = serde_json::to_vec(&node.info())
+        let bytes = serde_json::to_vec(&value(s)?)
             .map_err(|e| FfiError::new(kvf_result::KVF_IO, e.to_string()))?;
         copy_bytes(&bytes, buf, out)
     })
@@ -950,15 +970,6 @@ pub unsafe extern "C" fn kvf_store_metrics(
     cap: usize,
     len_out: *mut usize,
 ) -> kvf_result {
-    // SAFETY: the caller's contract.
-    let store = unsafe { store.as_ref() };
-    recorded(store, "store", |s| {
-        // SAFETY: as above.
-        let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
-        // SAFETY: as above.
-        let out = unsafe { Out::new(len_out, "len_out") }?;
-        let bytes = serde_json::to_vec(&s.metrics_json())
-            .map_err(|e| FfiError::new(kvf_result::KVF_IO, e.to_string()))?;
-        copy_bytes(&bytes, buf, out)
-    })
+    // SAFETY: the caller's contract, passed on.
+    unsafe { json_out(store, buf, cap, len_out, |s| Ok(s.metrics_json())) }
 }

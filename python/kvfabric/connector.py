@@ -168,6 +168,16 @@ def _store_config(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in _CONNECTOR_KEYS}
 
 
+def _open(scfg: dict) -> tuple[Agent, Store]:
+    """An agent and a store on it (the agent closed again if the store fails)."""
+    agent = Agent(scfg)
+    try:
+        return agent, Store(agent, scfg)
+    except Exception:
+        agent.close()
+        raise
+
+
 def _flag(v, default: bool) -> bool:
     if v is None:
         return default
@@ -199,12 +209,7 @@ class WorkerStore:
             remote=remote,
         )
         self._discovery = remote and "etcd" not in cfg
-        self.agent = Agent(scfg)
-        try:
-            self.store = Store(self.agent, scfg)
-        except Exception:
-            self.agent.close()
-            raise
+        self.agent, self.store = _open(scfg)
         self.block_tokens, self.block_bytes = self.store.block_tokens, self.store.block_bytes
         self._nodes.publish(self.key, self.store.node_info())
         self._peers: dict[str, bytes] = {}
@@ -378,12 +383,7 @@ class SchedulerLookup:
             shared_host=False,
             shm=False,
         )
-        self.agent = Agent(scfg)
-        try:
-            self.store = Store(self.agent, scfg)
-        except Exception:
-            self.agent.close()
-            raise
+        self.agent, self.store = _open(scfg)
         self._known: dict[str, bytes] = {}
 
     def _ready(self) -> bool:
