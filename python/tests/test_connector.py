@@ -241,3 +241,50 @@ def test_shared_blocks_reach_every_instance(tmp_path):
     finally:
         for e in engines:
             e.close()
+
+
+def test_tensor_parallel_ranks_must_all_hold_a_block(tmp_path):
+    """With two ranks, each worker process holds its shard of every block in its own store;
+    the scheduler counts a block only when both ranks provide it."""
+    from types import SimpleNamespace
+
+    from kvfabric.vllm import KVConnectorRole, KvfabricConnector
+
+    bs, nb, shard = 16, 8, 512  # bytes of one rank's shard of a block, per layer
+    cfg = {"name": "py-tp", "secret": SECRET, "host_blocks": 32, "node_dir": str(tmp_path), "block_bytes": shard}
+
+    def vcfg(rank):
+        return SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=bs),
+            parallel_config=SimpleNamespace(rank=rank, world_size=2, data_parallel_size=1),
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"kvfabric": cfg}),
+        )
+
+    kvcc = SimpleNamespace(num_blocks=nb)
+    workers = [KvfabricConnector(vcfg(r), KVConnectorRole.WORKER, kvcc) for r in (0, 1)]
+    sched = KvfabricConnector(vcfg(0), KVConnectorRole.SCHEDULER, kvcc)
+    try:
+        bufs = [np.full((nb, shard), r + 1, dtype=np.uint8) for r in (0, 1)]
+        for w, b in zip(workers, bufs):
+            w.register_kv_caches({"layer0": b})
+        p = prompt(40, seed=13)
+        request = SimpleNamespace(request_id="t", prompt_token_ids=p)
+        # Only rank 0 saved the prompt's two blocks: not usable.
+        with workers[0].worker_store.store.save(p, [0, 1], workers[0].worker_store._segments) as op:
+            assert op.wait() == 2
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        # Rank 1 saved the first block only: one block is usable.
+        with workers[1].worker_store.store.save(p[:16], [0], workers[1].worker_store._segments) as op:
+            assert op.wait() == 1
+        assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
+        # Each rank's store holds its own shard's bytes.
+        out = np.zeros((nb, shard), dtype=np.uint8)
+        st = workers[1].worker_store
+        r = st.agent.register(out)
+        with st.store.load(p[:16], [5], __import__("kvfabric").segments([(r, 0, shard, shard)])) as op:
+            assert op.wait() == 1
+        assert (out[5] == 2).all()
+    finally:
+        sched.shutdown()
+        for w in workers:
+            w.shutdown()
