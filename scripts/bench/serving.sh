@@ -62,8 +62,12 @@ echo "kvfabric up --workers 2, no disk tier:"
 serve 8101 --workers 2 --disk-blocks 0 "${ZERO[@]}"
 load 8101 "${ISL[@]}"
 stop
-echo "kvfabric up --workers 2, disk tier (the default):"
+echo "kvfabric up --workers 2, disk tier (the default: blocks reused at least once go to disk):"
 serve 8101 --workers 2 "${ZERO[@]}"
+load 8101 "${ISL[@]}"
+stop
+echo "kvfabric up --workers 2, disk tier, --disk-admit-min-hits 0 (every evicted block to disk):"
+serve 8101 --workers 2 --disk-admit-min-hits 0 "${ZERO[@]}"
 load 8101 "${ISL[@]}"
 stop
 

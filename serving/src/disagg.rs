@@ -237,7 +237,14 @@ impl DecodeBackend {
 impl DecodeInner {
     /// Prefills the prompt's missing full blocks on a prefill worker, if worth it; returns
     /// what was done remotely, or None when the engine should prefill (the rest) itself.
-    async fn remote_prefill(&self, model: &str, req: &GenerateRequest) -> Option<RemotePrefill> {
+    /// Has a prefill worker compute the prompt's missing blocks into this store. The blocks
+    /// come back pinned: held until the sequence is admitted (and pins them itself), no
+    /// eviction can drop them in between.
+    async fn remote_prefill(
+        &self,
+        model: &str,
+        req: &GenerateRequest,
+    ) -> Option<(RemotePrefill, Vec<kvfabric_tiers::BlockRef>)> {
         let bt = self.hasher.block_tokens();
         let prompt = &req.prompt;
         let hashes = self.hasher.sequence_hashes(prompt);
@@ -304,23 +311,22 @@ impl DecodeInner {
         match result {
             Some(r) if r.ok => {
                 let n = slots.len();
-                for s in slots {
-                    s.commit_unpinned();
-                }
+                let pins: Vec<_> = slots.into_iter().map(|s| s.commit()).collect();
                 let wait_us = started.elapsed().as_micros() as u64;
                 let bytes = n as u64 * self.store.block_bytes();
                 self.stats.remote.fetch_add(1, Ordering::Relaxed);
                 self.stats.bytes.fetch_add(bytes, Ordering::Relaxed);
                 self.stats.wait_us.fetch_add(wait_us, Ordering::Relaxed);
                 release(true);
-                Some(RemotePrefill {
+                let prefill = RemotePrefill {
                     worker,
                     blocks: n,
                     tokens: n * bt,
                     bytes,
                     wait_us,
                     compute_us: r.compute_us,
-                })
+                };
+                Some((prefill, pins))
             }
             other => {
                 if let Some(r) = other {
@@ -347,9 +353,12 @@ impl DecodeInner {
         req: GenerateRequest,
         tx: mpsc::UnboundedSender<GenEvent>,
     ) {
-        let remote = tokio::select! {
+        let (remote, mut pins) = match tokio::select! {
             r = self.remote_prefill(&model, &req) => r,
             _ = tx.closed() => return,
+        } {
+            Some((r, pins)) => (Some(r), pins),
+            None => (None, Vec::new()),
         };
         if remote.is_none() {
             self.stats.local.fetch_add(1, Ordering::Relaxed);
@@ -368,6 +377,8 @@ impl DecodeInner {
                     let Some(mut ev) = ev else { return };
                     if let GenEvent::Started { remote_prefill, .. } = &mut ev {
                         *remote_prefill = remote.take();
+                        // Admitted: the sequence holds the blocks now.
+                        pins.clear();
                     }
                     let last = matches!(ev, GenEvent::Done { .. } | GenEvent::Error(_));
                     if tx.send(ev).is_err() || last {

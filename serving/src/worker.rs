@@ -71,6 +71,9 @@ pub struct WorkerConfig {
     pub host_blocks: u32,
     /// The disk tier: a directory and a capacity in blocks (None: no disk tier).
     pub disk: Option<(PathBuf, u32)>,
+    /// Hits a block needs before an eviction writes it to disk (0: every block; 1: blocks
+    /// reused at least once, so one-off prompts never cost a disk write).
+    pub disk_admit_min_hits: u32,
     /// Use the fabric nodes in discovery as a remote tier (G4).
     pub remote_tier: bool,
 }
@@ -228,7 +231,7 @@ impl WorkerStack {
         let (sink, events) = ChannelSink::new(65_536);
         let mut tasks = Vec::new();
         let mut store_cfg = StoreConfig::new(block_bytes, cfg.host_blocks.max(1));
-        store_cfg.disk_admit_min_hits = 0;
+        store_cfg.disk_admit_min_hits = cfg.disk_admit_min_hits;
         if let Some((dir, blocks)) = cfg.disk.as_ref().filter(|(_, b)| *b > 0) {
             std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
             // One file per worker and block size: a restart with another model reads no

@@ -35,6 +35,7 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
         secret: Some(SECRET.to_vec()),
         host_blocks: 64,
         disk: None,
+        disk_admit_min_hits: 0,
         remote_tier: true,
     };
     let stack = WorkerStack::start(&cfg, &discovery, bus.clone(), |_, _| {}).await.unwrap();

@@ -24,6 +24,8 @@ impl Up {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
             .args(["up", "--engine", "mock", "--port", "0", "--name", "logtest"])
             .args(["--host-blocks", "4", "--disk-blocks", "1024", "--mock-decode-us", "100"])
+            // Every evicted block goes to disk (by default only reused ones do).
+            .args(["--disk-admit-min-hits", "0"])
             .arg("--data-dir")
             .arg(data_dir)
             .args(["--log-format", "json", "--log-level", level])

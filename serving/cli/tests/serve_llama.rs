@@ -42,6 +42,8 @@ fn up(host_blocks: u32) -> Up {
     let dir = tempfile::tempdir().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
         .args(["up", "--port", "0", "--disk-blocks", "256", "--max-batch", "4"])
+        // Every evicted block goes to disk (by default only reused ones do).
+        .args(["--disk-admit-min-hits", "0"])
         .arg("--host-blocks")
         .arg(host_blocks.to_string())
         .arg("--model")

@@ -162,8 +162,10 @@ impl Inner {
                 let _ = self.host.lock().pool.finish_evict(v.slot, false);
                 return Err(e);
             }
-        } else if let (None, true, Some(remote)) = (&self.disk, admitted, &self.cfg.remote) {
+        } else if let (None, Some(remote)) = (&self.disk, &self.cfg.remote) {
             // No disk tier: the fabric (G4) takes the block, straight out of its host slot.
+            // The admission filter guards the disk (its writes wear it and cost the serving
+            // rate); the fabric is other machines' memory and takes every evicted block.
             // With no fabric node known there is nowhere to put it: it is dropped, as without
             // a remote tier (refusing the eviction would leave a full host tier unable to take
             // any new block).

@@ -81,6 +81,10 @@ pub struct EngineOpts {
     /// arrive.
     #[arg(long, env = "KVFABRIC_DISK_BLOCKS", default_value_t = 4096)]
     pub disk_blocks: u32,
+    /// Reuses a block needs before an eviction writes it to the disk tier (0: every block;
+    /// 1: blocks reused at least once, so that one-off prompts cost no disk write).
+    #[arg(long, env = "KVFABRIC_DISK_ADMIT_MIN_HITS", default_value_t = 1)]
+    pub disk_admit_min_hits: u32,
     /// Tokens per KV block.
     #[arg(long, env = "KVFABRIC_BLOCK_TOKENS", default_value_t = 16)]
     pub block_tokens: u32,
@@ -270,6 +274,7 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
         secret: opts.secret.clone().map(String::into_bytes),
         host_blocks: opts.host_blocks,
         disk: (opts.disk_blocks > 0).then_some((data_dir, opts.disk_blocks)),
+        disk_admit_min_hits: opts.disk_admit_min_hits,
         remote_tier: opts.remote_tier,
     })
 }
