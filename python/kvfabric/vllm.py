@@ -351,15 +351,27 @@ class KvfabricConnector(KVConnectorBase_V1):
             steps.append((req, done))
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is not None:
+            # A request resumed after preemption has new blocks that replace its old ones
+            # (vLLM 0.32: resumed_req_ids; older: resumed_from_preemption per request).
+            resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+            flags = getattr(cached, "resumed_from_preemption", None) or ()
+            resumed |= {rid for rid, f in zip(cached.req_ids, flags) if f}
             for i, rid in enumerate(cached.req_ids):
                 req = self._reqs.get(rid)
                 if req is None:
                     continue
                 new_ids = cached.new_block_ids[i] if cached.new_block_ids else None
                 if new_ids:
-                    req.block_ids = req.block_ids + list(new_ids[0])
-                done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(rid, 0)
+                    ids = list(new_ids[0])
+                    req.block_ids = ids if rid in resumed else req.block_ids + ids
                 req.load = None
+                # A resumed request is looked up again: its hit is loaded like a new one's.
+                pending = self._pending_loads.pop(rid, None)
+                if pending is not None:
+                    first, n, block_ids = pending
+                    req.block_ids = block_ids if len(block_ids) >= len(req.block_ids) else req.block_ids
+                    req.load = (first, n)
+                done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(rid, 0)
                 steps.append((req, done))
         for req, done in steps:
             # Full prompt blocks computed (or loaded) by the end of this step, not yet saved.

@@ -288,3 +288,40 @@ def test_tensor_parallel_ranks_must_all_hold_a_block(tmp_path):
         sched.shutdown()
         for w in workers:
             w.shutdown()
+
+
+def test_a_request_resumed_after_preemption_loads_into_its_new_blocks(tmp_path):
+    """vLLM frees a preempted request's blocks; when it resumes (a cached request with
+    ``resumed_req_ids``), the connector's hit is loaded into the new blocks, and later saves
+    name the new blocks, not the old ones."""
+    from types import SimpleNamespace
+
+    from fake_engine import KVCacheBlocks
+
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
+    a = FakeEngine("py-resume", cfg)
+    try:
+        p = prompt(50, seed=17)
+        _, ids, _ = a.prefill("r1", p)
+        a.finish("r1", ids)
+        # Request x ran before (blocks 0..3 of the engine), was preempted, and resumes.
+        request = SimpleNamespace(request_id="x", prompt_token_ids=p)
+        a.scheduler._reqs["x"] = __import__("kvfabric.vllm", fromlist=["ReqMeta"]).ReqMeta("x", p, [0, 1, 2, 3])
+        matched, _ = a.scheduler.get_num_new_matched_tokens(request, 0)
+        assert matched == 48
+        new_ids = [a.free.pop(-1) for _ in range(4)]
+        a.scheduler.update_state_after_alloc(request, KVCacheBlocks(new_ids), matched)
+        cached = SimpleNamespace(req_ids=["x"], resumed_req_ids={"x"}, new_block_ids=[(new_ids,)],
+                                 num_computed_tokens=[48])
+        out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"x": 2})
+        meta = a.scheduler.build_connector_meta(out)
+        [step] = meta.requests
+        assert step.load == (0, 3) and step.block_ids == new_ids
+        a.worker.bind_connector_metadata(meta)
+        a.worker.start_load_kv(None)
+        a.worker.wait_for_layer_load(a.layer_names[0])
+        assert not a.worker.get_block_ids_with_load_errors()
+        a.worker.clear_connector_metadata()
+        assert np.array_equal(a.token_kv(new_ids, 48), a.reference_kv(p, 48))
+    finally:
+        a.close()
