@@ -11,6 +11,7 @@ Objects own their handles and free them when closed or collected. Errors raise
 
 from __future__ import annotations
 
+import array
 import ctypes
 from ctypes import byref, c_bool, c_char, c_size_t, c_uint8, c_uint32, c_uint64
 from typing import Iterable, Mapping, Sequence
@@ -74,8 +75,15 @@ def _check(code: int, last_error=None, handle=None):
 
 
 def _u32_array(values: Sequence[int]):
-    arr = (c_uint32 * len(values))(*values)
-    return arr, len(values)
+    """A ``uint32_t`` array of ``values`` for the library (through ``array.array``: building
+    a ctypes array element by element costs ~0.2 ms per thousand tokens). Values outside
+    0..2^32-1 raise OverflowError."""
+    arr = values if isinstance(values, array.array) and values.typecode == "I" else array.array("I", values)
+    n = len(arr)
+    if n == 0:
+        return (c_uint32 * 1)(), 0
+    # from_buffer keeps `arr` alive as long as the ctypes view.
+    return (c_uint32 * n).from_buffer(arr), n
 
 
 def _bytes_out(fn, *args) -> bytes:
