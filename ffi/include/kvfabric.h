@@ -630,7 +630,8 @@ kvf_result kvf_store_add_node(const struct kvf_store *store, const uint8_t *info
  * provide from its own tiers and its fabric. Called once per node; with several (one per
  * tensor-parallel rank), a block counts only when every node provides it. For an engine
  * whose scheduler runs in another process than the worker that holds the store. A node
- * that fails to answer makes the lookup a miss (counted in `kvf_store_metrics`).
+ * that fails to answer makes `kvf_store_lookup` fail with `KVF_TRANSFER` (counted in
+ * `kvf_store_metrics`): the caller treats the prompt as not cached.
  *
  * # Safety
  * `store` is a live store; `info` valid for `len` reads.

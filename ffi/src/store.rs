@@ -901,13 +901,11 @@ pub unsafe extern "C" fn kvf_store_add_node(
     // SAFETY: the caller's contract.
     let store = unsafe { store.as_ref() };
     recorded(store, "store", |s| {
-        // SAFETY: as above.
-        let bytes = unsafe { ptr::slice(info, len, "info") }?;
         let remote = s.remote.as_ref().ok_or_else(|| {
             FfiError::invalid("this store has no remote tier (config key \"remote\")")
         })?;
-        let info: NodeInfo = serde_json::from_slice(bytes)
-            .map_err(|e| FfiError::invalid(format!("malformed node info: {e}")))?;
+        // SAFETY: as above.
+        let info = unsafe { node_info_arg(info, len) }?;
         if info.block_bytes != s.store.block_bytes() {
             return Err(FfiError::invalid(format!(
                 "node stores {}-byte blocks, this store {}",
@@ -924,12 +922,24 @@ pub unsafe extern "C" fn kvf_store_add_node(
     })
 }
 
+/// Node info bytes (from `kvf_store_node_info`) passed by a caller.
+///
+/// # Safety
+/// `info` valid for `len` reads.
+unsafe fn node_info_arg(info: *const u8, len: usize) -> Result<NodeInfo, FfiError> {
+    // SAFETY: the caller's contract.
+    let bytes = unsafe { ptr::slice(info, len, "info") }?;
+    serde_json::from_slice(bytes)
+        .map_err(|e| FfiError::invalid(format!("malformed node info: {e}")))
+}
+
 /// Makes `store`'s lookups ask the store whose node info this is (bytes from its
 /// `kvf_store_node_info`; it may be opened with `advertise` false): the leading run it can
 /// provide from its own tiers and its fabric. Called once per node; with several (one per
 /// tensor-parallel rank), a block counts only when every node provides it. For an engine
 /// whose scheduler runs in another process than the worker that holds the store. A node
-/// that fails to answer makes the lookup a miss (counted in `kvf_store_metrics`).
+/// that fails to answer makes `kvf_store_lookup` fail with `KVF_TRANSFER` (counted in
+/// `kvf_store_metrics`): the caller treats the prompt as not cached.
 ///
 /// # Safety
 /// `store` is a live store; `info` valid for `len` reads.
@@ -943,9 +953,7 @@ pub unsafe extern "C" fn kvf_store_add_lookup_node(
     let store = unsafe { store.as_ref() };
     recorded(store, "store", |s| {
         // SAFETY: as above.
-        let bytes = unsafe { ptr::slice(info, len, "info") }?;
-        let info: NodeInfo = serde_json::from_slice(bytes)
-            .map_err(|e| FfiError::invalid(format!("malformed node info: {e}")))?;
+        let info = unsafe { node_info_arg(info, len) }?;
         let name = info.agent.name.clone();
         s.ctx.agent.load_peer(info.agent)?;
         let mut nodes = s.lookup_nodes.lock();
