@@ -287,14 +287,16 @@ class WorkerStore:
             op, t0 = handle
             try:
                 loaded = min(op.wait(), n_blocks)
+                if loaded < n_blocks:  # evicted, or a peer that no longer holds them
+                    self._once.failed("loading every block", f"{n_blocks - loaded} of {n_blocks} missing")
+                else:
+                    self._once.ok("loading every block")
                 self._once.ok("loading")
             except KvfError as e:
                 self._once.failed("loading", e)
             finally:
                 op.close()
             self.stats.add(load_seconds=time.monotonic() - t0)
-        if loaded < n_blocks and handle is not None and loaded > 0:
-            self._once.failed("loading every block", f"{n_blocks - loaded} of {n_blocks} missing")
         self.stats.add(loaded_blocks=loaded, load_failed_blocks=n_blocks - loaded)
         return loaded
 

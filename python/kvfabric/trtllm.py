@@ -232,6 +232,8 @@ class KvfabricWorker(KvCacheConnectorWorker):
             host = torch.empty((k,) + shape[1:], dtype=kv_cache_tensor.dtype, pin_memory=True)
             self._staging = (host, k)
             self._store.register([(host, 0, block, block)])
+            # The staging rows are reused chunk after chunk: each save ends before the next.
+            self._store.async_save = False
 
     # The engine's per-step calls.
 
@@ -293,7 +295,6 @@ class KvfabricWorker(KvCacheConnectorWorker):
                 host[: len(chunk)].copy_(self._pool[chunk], non_blocking=True)
                 if stream is not None:
                     stream.synchronize()
-                st.async_save = False  # the staging rows are reused: save before the next chunk
                 st.save(str(req_id), tokens, first + at, slots)
                 done += len(chunk)
         return done
