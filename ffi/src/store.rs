@@ -133,21 +133,12 @@ impl Drop for kvf_store {
 /// counted and logged once per run of failures.
 async fn share_blocks(
     remote: RemoteTier,
-    refs: Vec<kvfabric_tiers::BlockRef>,
-    hashes: Vec<SequenceHash>,
-    first_block: usize,
+    blocks: Vec<(SequenceHash, Option<SequenceHash>, kvfabric_tiers::BlockRef)>,
     c: Arc<Counters>,
 ) {
-    let index = |h: SequenceHash| hashes[first_block..].iter().position(|&x| x == h);
-    let mut hs = Vec::with_capacity(refs.len());
-    let mut parents = Vec::with_capacity(refs.len());
-    let mut locs = Vec::with_capacity(refs.len());
-    for r in &refs {
-        let Some(i) = index(r.hash()).map(|i| i + first_block) else { continue };
-        hs.push(hashes[i]);
-        parents.push(i.checked_sub(1).map(|p| hashes[p]));
-        locs.push((r.region().id(), r.offset()));
-    }
+    let hs: Vec<SequenceHash> = blocks.iter().map(|b| b.0).collect();
+    let parents: Vec<Option<SequenceHash>> = blocks.iter().map(|b| b.1).collect();
+    let locs: Vec<_> = blocks.iter().map(|(_, _, r)| (r.region().id(), r.offset())).collect();
     match remote.put(&hs, &parents, &locs).await {
         Ok(done) => {
             let n = done.iter().filter(|&&d| d).count() as u64;
@@ -163,7 +154,7 @@ async fn share_blocks(
             }
         }
     }
-    drop(refs);
+    drop(blocks); // the pins end with the put
 }
 
 fn config_error(m: impl Into<String>) -> FfiError {
@@ -447,14 +438,18 @@ impl kvf_store {
                     at += s.bytes;
                 }
                 match &share {
-                    Some(_) => committed.push(slot.commit()),
+                    Some(_) => {
+                        let i = first_block + k;
+                        let parent = i.checked_sub(1).map(|p| hashes[p]);
+                        committed.push((hashes[i], parent, slot.commit()));
+                    }
                     None => slot.commit_unpinned(),
                 }
             }
             if let Some(remote) = share.filter(|r| !r.is_empty() && !committed.is_empty()) {
                 // The fabric gets its copy after the save completes: the engine's blocks are
                 // free again, and other engines find the blocks soon after.
-                tokio::spawn(share_blocks(remote, committed, hashes, first_block, counters));
+                tokio::spawn(share_blocks(remote, committed, counters));
             }
             Ok(stored)
         };
