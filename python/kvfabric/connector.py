@@ -132,6 +132,14 @@ class NodeDir:
         except (OSError, ValueError):
             pass
 
+    def stamp(self, key: str):
+        """What changes when an entry is written again (None: no entry)."""
+        try:
+            st = os.stat(self._file(key))
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_ino, st.st_size
+
     def read(self, key: str) -> Optional[bytes]:
         try:
             with open(self._file(key)) as f:
@@ -387,12 +395,16 @@ class SchedulerLookup:
         )
         self.agent, self.store = _open(scfg)
         self._known: dict[str, bytes] = {}
+        self._stamps: dict[str, object] = {}
 
     def _ready(self) -> bool:
         """Adds the worker stores that published their node info (again when it changed:
         a restarted worker); says whether every rank is known."""
         for rank in range(self.world_size):
             key = NodeDir.key(self.instance, rank)
+            stamp = self._nodes.stamp(key)
+            if stamp is not None and key in self._known and self._stamps.get(key) == stamp:
+                continue  # unchanged since it was added: no need to read it on every lookup
             info = self._nodes.read(key)
             if info is None:
                 if key not in self._known:
@@ -407,6 +419,7 @@ class SchedulerLookup:
                 except KvfError as e:
                     self._once.failed("finding the worker store", e)
                     return False
+            self._stamps[key] = stamp
         return True
 
     def matched_tokens(self, tokens: Sequence[int], num_computed_tokens: int) -> int:
