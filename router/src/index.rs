@@ -86,9 +86,14 @@ struct WorkerState {
     log: Vec<SequenceHash>,
 }
 
-/// The holders of one block, sorted by worker id; one or two inline (most blocks have few
+/// A worker's dense slot in the index (its position in [`Workers::slots`]): holder lists
+/// name workers by slot, four bytes instead of eight, so that a node takes 32 bytes and a
+/// big index touches (and the kernel zeroes) less memory as it grows.
+type Slot = u32;
+
+/// The holders of one block, sorted by worker slot; one or two inline (most blocks have few
 /// holders), so a lookup touches one cache line.
-type Holders = smallvec::SmallVec<[(WorkerId, TierMask); 2]>;
+type Holders = smallvec::SmallVec<[(Slot, TierMask); 2]>;
 
 /// One block's holders and a digest of them (workers and masks), so that a query can tell
 /// in O(1) that a block has exactly the holders of the block before it.
@@ -100,11 +105,11 @@ struct Node {
 
 /// One holder's share of a node digest; the digest is the XOR of all shares, so adding,
 /// changing or removing a holder updates it in O(1).
-fn share(w: WorkerId, m: TierMask) -> u64 {
+fn share(w: Slot, m: TierMask) -> u64 {
     if m.is_empty() {
         return 0;
     }
-    mix(w ^ (u64::from(m.0) << 56), 0x9e37_79b9_7f4a_7c15)
+    mix(u64::from(w) ^ (u64::from(m.0) << 56), 0x9e37_79b9_7f4a_7c15)
 }
 
 type Shard = Table<Node>;
@@ -154,13 +159,46 @@ impl Overlap {
     }
 }
 
+/// One worker's place in the index.
+#[derive(Debug)]
+struct WorkerEntry {
+    id: WorkerId,
+    state: parking_lot::Mutex<WorkerState>,
+}
+
+/// The workers: ids to slots, and each slot's worker. A departing worker keeps its slot
+/// (out of `by_id`, so no event reaches it) until its blocks are unlinked; only then is the
+/// slot free for a new worker, so a slot read from a holder list always names the worker
+/// that stored the block.
+#[derive(Debug, Default)]
+struct Workers {
+    by_id: HashMap<WorkerId, Slot>,
+    slots: Vec<Option<WorkerEntry>>,
+    /// Each slot's worker id (`slots[s].id`), packed: a query translates every matched
+    /// slot.
+    ids: Vec<WorkerId>,
+    free: Vec<Slot>,
+}
+
+impl Workers {
+    fn get(&self, w: WorkerId) -> Option<(Slot, &WorkerEntry)> {
+        let s = *self.by_id.get(&w)?;
+        self.slots[s as usize].as_ref().map(|e| (s, e))
+    }
+
+    /// The id of the worker in slot `s` (which a holder list names, so it is occupied).
+    fn id(&self, s: Slot) -> WorkerId {
+        self.ids[s as usize]
+    }
+}
+
 /// The concurrent prefix index.
 #[derive(Debug)]
 pub struct PrefixIndex {
     /// Mixes sequence hashes into shard and slot positions.
     seed: u64,
     shards: Vec<RwLock<Shard>>,
-    workers: RwLock<HashMap<WorkerId, parking_lot::Mutex<WorkerState>>>,
+    workers: RwLock<Workers>,
 }
 
 impl Default for PrefixIndex {
@@ -176,7 +214,7 @@ impl PrefixIndex {
         PrefixIndex {
             seed,
             shards: (0..SHARDS).map(|_| RwLock::new(Table::with_seed(seed))).collect(),
-            workers: RwLock::new(HashMap::new()),
+            workers: RwLock::new(Workers::default()),
         }
     }
 
@@ -187,32 +225,62 @@ impl PrefixIndex {
 
     /// Adds a worker (discovery said it joined). Idempotent.
     pub fn add_worker(&self, w: WorkerId) {
-        self.workers.write().entry(w).or_default();
+        let mut ws = self.workers.write();
+        if ws.by_id.contains_key(&w) {
+            return;
+        }
+        let entry = WorkerEntry { id: w, state: Default::default() };
+        let s = match ws.free.pop() {
+            Some(s) => {
+                ws.slots[s as usize] = Some(entry);
+                ws.ids[s as usize] = w;
+                s
+            }
+            None => {
+                // More than 2^32 workers at once cannot be: each holds memory of its own.
+                let s = Slot::try_from(ws.slots.len()).expect("fewer than 2^32 workers");
+                ws.slots.push(Some(entry));
+                ws.ids.push(w);
+                s
+            }
+        };
+        ws.by_id.insert(w, s);
     }
 
     /// Removes a worker and every block it held (discovery said it left).
     pub fn remove_worker(&self, w: WorkerId) -> bool {
-        let Some(state) = self.workers.write().remove(&w) else { return false };
-        for h in state.into_inner().log {
-            self.unlink(h, w, TierMask(0xff));
+        let (s, log) = {
+            let mut ws = self.workers.write();
+            let Some(s) = ws.by_id.remove(&w) else { return false };
+            let log = ws.slots[s as usize]
+                .as_ref()
+                .map(|e| std::mem::take(&mut e.state.lock().log))
+                .unwrap_or_default();
+            (s, log)
+        };
+        for h in log {
+            self.unlink(h, s, TierMask(0xff));
         }
+        let mut ws = self.workers.write();
+        ws.slots[s as usize] = None;
+        ws.free.push(s);
         true
     }
 
     /// Known workers.
     pub fn workers(&self) -> Vec<WorkerId> {
-        let mut v: Vec<_> = self.workers.read().keys().copied().collect();
+        let mut v: Vec<_> = self.workers.read().by_id.keys().copied().collect();
         v.sort_unstable();
         v
     }
 
     /// Blocks a worker holds.
     pub fn worker_blocks(&self, w: WorkerId) -> usize {
-        self.workers.read().get(&w).map_or(0, |s| s.lock().live)
+        self.workers.read().get(w).map_or(0, |(_, e)| e.state.lock().live)
     }
 
     /// Adds tiers of block `h` to worker `w`; true if `w` did not hold `h` before.
-    fn link(&self, h: SequenceHash, w: WorkerId, mask: TierMask) -> bool {
+    fn link(&self, h: SequenceHash, w: Slot, mask: TierMask) -> bool {
         let mut shard = self.shard(h).write();
         let node = shard.entry(h.0);
         match node.holders.binary_search_by_key(&w, |(id, _)| *id) {
@@ -232,7 +300,7 @@ impl PrefixIndex {
 
     /// Takes tiers of block `h` from worker `w`; true if `w` held `h` and now holds it in no
     /// tier.
-    fn unlink(&self, h: SequenceHash, w: WorkerId, mask: TierMask) -> bool {
+    fn unlink(&self, h: SequenceHash, w: Slot, mask: TierMask) -> bool {
         let mut shard = self.shard(h).write();
         let Some(node) = shard.get_mut(h.0) else { return false };
         let Ok(i) = node.holders.binary_search_by_key(&w, |(id, _)| *id) else { return false };
@@ -250,14 +318,14 @@ impl PrefixIndex {
     }
 
     /// Whether worker `w` holds block `h` in some tier.
-    fn holds(&self, h: SequenceHash, w: WorkerId) -> bool {
+    fn holds(&self, h: SequenceHash, w: Slot) -> bool {
         self.shard(h)
             .read()
             .get(h.0)
             .is_some_and(|n| n.holders.binary_search_by_key(&w, |(id, _)| *id).is_ok())
     }
 
-    fn store(&self, st: &mut WorkerState, w: WorkerId, h: SequenceHash, mask: TierMask) {
+    fn store(&self, st: &mut WorkerState, w: Slot, h: SequenceHash, mask: TierMask) {
         if self.link(h, w, mask) {
             st.live += 1;
             st.log.push(h);
@@ -265,7 +333,7 @@ impl PrefixIndex {
     }
 
     /// Drops every block of `w`.
-    fn clear(&self, st: &mut WorkerState, w: WorkerId) {
+    fn clear(&self, st: &mut WorkerState, w: Slot) {
         for h in std::mem::take(&mut st.log) {
             self.unlink(h, w, TierMask(0xff));
         }
@@ -273,10 +341,10 @@ impl PrefixIndex {
     }
 
     /// Applies one event from worker `w`.
-    pub fn ingest(&self, w: WorkerId, event: &KvEvent) -> Ingest {
+    pub fn ingest(&self, id: WorkerId, event: &KvEvent) -> Ingest {
         let workers = self.workers.read();
-        let Some(state) = workers.get(&w) else { return Ingest::UnknownWorker };
-        let mut st = state.lock();
+        let Some((w, entry)) = workers.get(id) else { return Ingest::UnknownWorker };
+        let mut st = entry.state.lock();
         if event.event_id <= st.last_event_id && st.last_event_id != 0 {
             return Ingest::Duplicate;
         }
@@ -318,13 +386,13 @@ impl PrefixIndex {
     /// its last event id.
     pub fn reset_worker(
         &self,
-        w: WorkerId,
+        id: WorkerId,
         blocks: &[(SequenceHash, TierKind)],
         last_event_id: u64,
     ) -> Ingest {
         let workers = self.workers.read();
-        let Some(state) = workers.get(&w) else { return Ingest::UnknownWorker };
-        let mut st = state.lock();
+        let Some((w, entry)) = workers.get(id) else { return Ingest::UnknownWorker };
+        let mut st = entry.state.lock();
         self.clear(&mut st, w);
         for &(h, t) in blocks {
             self.store(&mut st, w, h, TierMask(bit(t)));
@@ -340,8 +408,11 @@ impl PrefixIndex {
     /// and a merge of two sorted worker lists (the workers still matching, the block's
     /// holders) wherever the holders change from one block to the next.
     pub fn overlap(&self, hashes: &[SequenceHash]) -> Overlap {
-        // `runs[..live]` are the workers still matching, sorted by id; the rest ended.
-        let mut runs: Vec<(WorkerId, Run)> = Vec::new();
+        // Held until the slots are translated to ids: a departing worker's slot is not
+        // reused while a query may have read it from a holder list.
+        let workers = self.workers.read();
+        // `runs[..live]` are the workers still matching, sorted by slot; the rest ended.
+        let mut runs: Vec<(Slot, Run)> = Vec::new();
         // The tier each live run added last (same order as `runs`).
         let mut last: Vec<TierKind> = Vec::new();
         let mut live = 0;
@@ -352,7 +423,7 @@ impl PrefixIndex {
         // workers costs O(1) per block.
         let mut prev: Option<(u64, usize)> = None;
         let mut pending = 0u32;
-        let flush = |runs: &mut [(WorkerId, Run)], last: &[TierKind], pending: u32| {
+        let flush = |runs: &mut [(Slot, Run)], last: &[TierKind], pending: u32| {
             if pending > 0 {
                 for (r, &t) in runs.iter_mut().zip(last) {
                     r.1.blocks += pending;
@@ -414,8 +485,11 @@ impl PrefixIndex {
             prev = Some((node.digest, holders.len()));
         }
         flush(&mut runs[..live], &last, pending);
-        runs.sort_unstable_by_key(|(w, _)| *w);
-        Overlap { workers: runs }
+        let mut out: Vec<(WorkerId, Run)> =
+            runs.into_iter().map(|(s, r)| (workers.id(s), r)).collect();
+        drop(workers);
+        out.sort_unstable_by_key(|(w, _)| *w);
+        Overlap { workers: out }
     }
 
     /// Distinct blocks indexed (diagnostics).
@@ -536,14 +610,19 @@ mod tests {
         Join(u64),
     }
 
+    /// Worker ids whose order is not the order in which they take slots, so that results
+    /// sorted by id differ from results sorted by slot.
+    const IDS: [u64; 4] = [900, 5, u64::MAX - 1, 77];
+
     fn ev() -> impl Strategy<Value = Ev> {
         let hashes = proptest::collection::vec(0u64..12, 1..5);
+        let w = || proptest::sample::select(IDS.to_vec());
         prop_oneof![
-            6 => (0u64..4, hashes.clone(), 0u8..4).prop_map(|(w, h, t)| Ev::Store(w, h, t)),
-            3 => (0u64..4, hashes, 0u8..4).prop_map(|(w, h, t)| Ev::Remove(w, h, t)),
-            1 => (0u64..4).prop_map(Ev::Clear),
-            1 => (0u64..4).prop_map(Ev::Leave),
-            2 => (0u64..4).prop_map(Ev::Join),
+            6 => (w(), hashes.clone(), 0u8..4).prop_map(|(w, h, t)| Ev::Store(w, h, t)),
+            3 => (w(), hashes, 0u8..4).prop_map(|(w, h, t)| Ev::Remove(w, h, t)),
+            1 => w().prop_map(Ev::Clear),
+            1 => w().prop_map(Ev::Leave),
+            2 => w().prop_map(Ev::Join),
         ]
     }
 
@@ -558,7 +637,7 @@ mod tests {
             let ix = PrefixIndex::new();
             let mut model: BTreeMap<u64, BTreeMap<u64, u8>> = BTreeMap::new();
             let mut ids: HashMap<u64, u64> = HashMap::new();
-            for w in 0..4 { ix.add_worker(w); model.insert(w, BTreeMap::new()); }
+            for w in IDS { ix.add_worker(w); model.insert(w, BTreeMap::new()); }
             for e in events {
                 let mut next = |w: u64| { let i = ids.entry(w).or_insert(0); *i += 1; *i };
                 match e {
