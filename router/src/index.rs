@@ -162,7 +162,6 @@ impl Overlap {
 /// One worker's place in the index.
 #[derive(Debug)]
 struct WorkerEntry {
-    id: WorkerId,
     state: parking_lot::Mutex<WorkerState>,
 }
 
@@ -174,8 +173,7 @@ struct WorkerEntry {
 struct Workers {
     by_id: HashMap<WorkerId, Slot>,
     slots: Vec<Option<WorkerEntry>>,
-    /// Each slot's worker id (`slots[s].id`), packed: a query translates every matched
-    /// slot.
+    /// Each slot's worker id, packed: a query translates every matched slot.
     ids: Vec<WorkerId>,
     free: Vec<Slot>,
 }
@@ -229,7 +227,7 @@ impl PrefixIndex {
         if ws.by_id.contains_key(&w) {
             return;
         }
-        let entry = WorkerEntry { id: w, state: Default::default() };
+        let entry = WorkerEntry { state: Default::default() };
         let s = match ws.free.pop() {
             Some(s) => {
                 ws.slots[s as usize] = Some(entry);

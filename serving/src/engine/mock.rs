@@ -342,6 +342,11 @@ impl Engine for MockEngine {
         self.seqs.get_mut(&seq).map(|s| &mut s.kv)
     }
 
+    fn mixed_steps_amortize(&self) -> bool {
+        // The time model adds a step's prefill time to its decode time.
+        false
+    }
+
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
         let vocab = self.codec.vocab_size();
         Ok(self

@@ -147,6 +147,16 @@ pub trait Engine: Send + 'static {
     /// Runs one step; returns the logits of each input that asked for them, in order.
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError>;
 
+    /// Whether a step that runs decodes and prompt chunks together costs less than the two
+    /// run apart (true for real models: the step reads the weights once for every token it
+    /// carries). An engine whose step time is the sum of its parts says false, and the
+    /// scheduler then runs waiting prompt chunks in a step of their own before the decodes:
+    /// new requests get their first token a decode step sooner, and the decodes get theirs
+    /// no later than in the mixed step.
+    fn mixed_steps_amortize(&self) -> bool {
+        true
+    }
+
     /// Runs one step for the scheduler: what decides the next token of each input that asked
     /// for it, in order. An engine whose next token is certain (the mock) names it instead of
     /// materialising a vocabulary's worth of logits.

@@ -152,6 +152,7 @@ impl Scheduler {
             next_id: 1,
             block_bytes: info.layout.bytes_per_block() as usize,
             host_capacity: store_capacity as usize,
+            decodes_deferred: false,
         };
         let (failed, failure) = tokio::sync::watch::channel(None);
         std::thread::Builder::new()
@@ -298,6 +299,9 @@ struct Loop<E: Engine> {
     next_id: u64,
     block_bytes: usize,
     host_capacity: usize,
+    /// The last step ran prompt chunks without the decodes (engines whose mixed steps do
+    /// not amortize): the next runs the decodes.
+    decodes_deferred: bool,
 }
 
 enum Outcome {
@@ -572,18 +576,31 @@ impl<E: Engine> Loop<E> {
     }
 
     fn step(&mut self) {
-        // Decodes first (one token each), then prompt chunks within the token budget.
+        // Decodes first (one token each), then prompt chunks within the token budget. On an
+        // engine whose mixed steps cost the sum of their parts, steps alternate instead: the
+        // waiting prompt chunks alone, then the decodes alone. Each decode gets its token
+        // when the mixed step would have given it, and a new request its first token one
+        // decode step sooner.
         let mut budget = self.cfg.step_tokens.max(1);
         let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len)
+        let prompts_waiting = self.running.iter().any(|s| s.started && s.prompt_left() > 0);
+        let decodes_waiting = self.running.iter().any(|s| s.started && s.prompt_left() == 0);
+        let split = prompts_waiting && decodes_waiting && !self.engine.mixed_steps_amortize();
+        let (decodes, prompts) = match (split, self.decodes_deferred) {
+            (false, _) => (true, true),
+            (true, false) => (false, true),
+            (true, true) => (true, false),
+        };
+        self.decodes_deferred = !decodes;
         for (i, s) in self.running.iter().enumerate() {
-            if s.started && s.prompt_left() == 0 {
+            if decodes && s.started && s.prompt_left() == 0 {
                 plan.push((i, s.computed, 1));
                 budget = budget.saturating_sub(1);
             }
         }
         for (i, s) in self.running.iter().enumerate() {
             let left = s.prompt_left();
-            if s.started && left > 0 && budget > 0 {
+            if prompts && s.started && left > 0 && budget > 0 {
                 let n = left.min(budget);
                 plan.push((i, s.computed, n));
                 budget -= n;

@@ -1,0 +1,185 @@
+//! How the scheduler composes steps. On an engine whose mixed steps amortize (real models),
+//! a new prompt's chunks run in the same step as the running decodes; on one whose step time
+//! is the sum of its parts (the mock's time model), prompt chunks and decodes alternate in
+//! steps of their own, and decodes never wait two steps in a row. Recorded through a wrapper
+//! that sees every step's inputs; no clock is read.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::events::NullSink;
+use kvfabric::layout::{KvDtype, ModelSpec};
+use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
+use kvfabric_serving::engine::{
+    Engine, EngineError, GenEvent, GenerateRequest, KvBlock, KvTable, ModelInfo, Next,
+    SamplingParams, Scheduler, SchedulerConfig, StepInput, TextCodec,
+};
+use kvfabric_tiers::{StoreConfig, TieredStore};
+use parking_lot::Mutex;
+
+/// One step: per input, (sequence, first position, tokens).
+type Step = Vec<(u64, usize, usize)>;
+
+struct StepLog {
+    inner: MockEngine,
+    amortize: bool,
+    steps: Arc<Mutex<Vec<Step>>>,
+}
+
+impl Engine for StepLog {
+    fn info(&self) -> &ModelInfo {
+        self.inner.info()
+    }
+    fn codec(&self) -> &TextCodec {
+        self.inner.codec()
+    }
+    fn add_sequence(&mut self, seq: u64) {
+        self.inner.add_sequence(seq)
+    }
+    fn remove_sequence(&mut self, seq: u64) {
+        self.inner.remove_sequence(seq)
+    }
+    fn push_cached(&mut self, seq: u64, block: KvBlock) -> Result<(), EngineError> {
+        self.inner.push_cached(seq, block)
+    }
+    fn table(&self, seq: u64) -> Option<&KvTable> {
+        self.inner.table(seq)
+    }
+    fn table_mut(&mut self, seq: u64) -> Option<&mut KvTable> {
+        self.inner.table_mut(seq)
+    }
+    fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.inner.step(batch)
+    }
+    fn step_next(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Next>, EngineError> {
+        self.steps.lock().push(batch.iter().map(|i| (i.seq, i.start, i.tokens.len())).collect());
+        self.inner.step_next(batch)
+    }
+    fn mixed_steps_amortize(&self) -> bool {
+        self.amortize
+    }
+}
+
+const A_PROMPT: usize = 20;
+const B_PROMPT: usize = 200;
+
+fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        max_tokens: n,
+        sampling: SamplingParams::default(),
+        stop: Vec::new(),
+        ignore_eos: true,
+        timeout: Duration::from_secs(30),
+    }
+}
+
+async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Token { id, .. } => tokens.push(id),
+            GenEvent::Done { .. } => break,
+            GenEvent::Error(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+    tokens
+}
+
+/// Sequence A decodes 300 tokens; once it has produced 5, B arrives with a 200-token prompt
+/// (four chunks of 64). Returns every step, A's id, B's id and both outputs.
+async fn run(amortize: bool) -> (Vec<Step>, u64, u64, Vec<u32>, Vec<u32>) {
+    let layout = ModelSpec::preset("smollm2-135m")
+        .unwrap()
+        .with_dtype(KvDtype::F32)
+        .block_layout(16)
+        .unwrap();
+    let agent = Agent::start(AgentConfig::new("plan", b"s".to_vec())).await.unwrap();
+    let store = TieredStore::open(
+        StoreConfig::new(layout.bytes_per_block(), 256),
+        &agent,
+        Arc::new(NullSink),
+    )
+    .await
+    .unwrap();
+    // A small decode delay keeps A running while B is admitted (not a timing assertion).
+    let mock = MockConfig { decode_step_us: 200.0, ..MockConfig::zero_delay() };
+    let steps = Arc::new(Mutex::new(Vec::new()));
+    let engine = StepLog {
+        inner: MockEngine::new("mock", layout, mock).unwrap(),
+        amortize,
+        steps: steps.clone(),
+    };
+    let sched = Scheduler::start(
+        engine,
+        store,
+        SchedulerConfig { step_tokens: 64, ..SchedulerConfig::default() },
+        tokio::runtime::Handle::current(),
+    )
+    .unwrap();
+    let a_prompt: Vec<u32> = (0..A_PROMPT as u32).map(|i| 97 + i % 26).collect();
+    let b_prompt: Vec<u32> = (0..B_PROMPT as u32).map(|i| 97 + (i * 7) % 26).collect();
+    let mut a_rx = sched.submit(request(a_prompt, 300)).unwrap();
+    let mut a = Vec::new();
+    while a.len() < 5 {
+        match a_rx.recv().await.expect("A runs") {
+            GenEvent::Token { id, .. } => a.push(id),
+            GenEvent::Error(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+    let b_rx = sched.submit(request(b_prompt, 8)).unwrap();
+    let (rest, b) = tokio::join!(collect(a_rx), collect(b_rx));
+    a.extend(rest);
+    let steps = steps.lock().clone();
+    let a_id = steps[0][0].0;
+    let b_id = steps.iter().flatten().map(|x| x.0).find(|&s| s != a_id).expect("B ran");
+    (steps, a_id, b_id, a, b)
+}
+
+fn has_decode_of(step: &Step, seq: u64, prompt: usize) -> bool {
+    step.iter().any(|&(s, start, n)| s == seq && n == 1 && start >= prompt)
+}
+
+fn has_prompt_of(step: &Step, seq: u64, prompt: usize) -> bool {
+    step.iter().any(|&(s, start, _)| s == seq && start < prompt)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_chunks_and_decodes_alternate_on_an_engine_whose_mixed_steps_do_not_amortize() {
+    let (steps, a, b, a_out, b_out) = run(false).await;
+    assert_eq!(a_out.len(), 300);
+    assert_eq!(b_out.len(), 8);
+    let b_prompt_steps: Vec<usize> =
+        (0..steps.len()).filter(|&i| has_prompt_of(&steps[i], b, B_PROMPT)).collect();
+    assert_eq!(b_prompt_steps.len(), 4, "200 prompt tokens in chunks of 64: {steps:?}");
+    for &i in &b_prompt_steps {
+        assert!(!has_decode_of(&steps[i], a, A_PROMPT), "step {i} mixed: {:?}", steps[i]);
+        // The step after a prompt-only step runs the decode it deferred, alone.
+        let next = &steps[i + 1];
+        assert!(has_decode_of(next, a, A_PROMPT), "step {} skipped A: {next:?}", i + 1);
+        assert!(!has_prompt_of(next, b, B_PROMPT), "step {} mixed: {next:?}", i + 1);
+    }
+    // A never waits two steps in a row between its first and last decode.
+    let a_steps: Vec<usize> =
+        (0..steps.len()).filter(|&i| has_decode_of(&steps[i], a, A_PROMPT)).collect();
+    for w in a_steps.windows(2) {
+        assert!(w[1] - w[0] <= 2, "A waited from step {} to {}", w[0], w[1]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_chunks_ride_with_the_decodes_on_an_engine_whose_mixed_steps_amortize() {
+    let (steps, a, b, a_out, b_out) = run(true).await;
+    let mixed = steps
+        .iter()
+        .filter(|s| has_prompt_of(s, b, B_PROMPT) && has_decode_of(s, a, A_PROMPT))
+        .count();
+    assert_eq!(mixed, 4, "every chunk of B's prompt with a decode of A: {steps:?}");
+    // The step plan changes when tokens come, not which: the same outputs either way.
+    let (_, _, _, a_split, b_split) = run(false).await;
+    assert_eq!(a_out, a_split);
+    assert_eq!(b_out, b_split);
+}
