@@ -343,8 +343,10 @@ impl Engine for MockEngine {
     }
 
     fn mixed_steps_amortize(&self) -> bool {
-        // The time model adds a step's prefill time to its decode time.
-        false
+        // The time model adds a step's decode time to its prefill time: a prompt chunk that
+        // rides with the decodes waits for them. Where decodes cost nothing (a zero-delay
+        // mock) there is nothing to wait for, and one step is cheaper than two.
+        self.cfg.decode_step_us <= 0.0 && self.cfg.decode_us_per_kv_token <= 0.0
     }
 
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
