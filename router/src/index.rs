@@ -159,12 +159,6 @@ impl Overlap {
     }
 }
 
-/// One worker's place in the index.
-#[derive(Debug)]
-struct WorkerEntry {
-    state: parking_lot::Mutex<WorkerState>,
-}
-
 /// The workers: ids to slots, and each slot's worker. A departing worker keeps its slot
 /// (out of `by_id`, so no event reaches it) until its blocks are unlinked; only then is the
 /// slot free for a new worker, so a slot read from a holder list always names the worker
@@ -172,14 +166,14 @@ struct WorkerEntry {
 #[derive(Debug, Default)]
 struct Workers {
     by_id: HashMap<WorkerId, Slot>,
-    slots: Vec<Option<WorkerEntry>>,
+    slots: Vec<Option<parking_lot::Mutex<WorkerState>>>,
     /// Each slot's worker id, packed: a query translates every matched slot.
     ids: Vec<WorkerId>,
     free: Vec<Slot>,
 }
 
 impl Workers {
-    fn get(&self, w: WorkerId) -> Option<(Slot, &WorkerEntry)> {
+    fn get(&self, w: WorkerId) -> Option<(Slot, &parking_lot::Mutex<WorkerState>)> {
         let s = *self.by_id.get(&w)?;
         self.slots[s as usize].as_ref().map(|e| (s, e))
     }
@@ -227,7 +221,7 @@ impl PrefixIndex {
         if ws.by_id.contains_key(&w) {
             return;
         }
-        let entry = WorkerEntry { state: Default::default() };
+        let entry = Default::default();
         let s = match ws.free.pop() {
             Some(s) => {
                 ws.slots[s as usize] = Some(entry);
@@ -252,7 +246,7 @@ impl PrefixIndex {
             let Some(s) = ws.by_id.remove(&w) else { return false };
             let log = ws.slots[s as usize]
                 .as_ref()
-                .map(|e| std::mem::take(&mut e.state.lock().log))
+                .map(|state| std::mem::take(&mut state.lock().log))
                 .unwrap_or_default();
             (s, log)
         };
@@ -274,7 +268,7 @@ impl PrefixIndex {
 
     /// Blocks a worker holds.
     pub fn worker_blocks(&self, w: WorkerId) -> usize {
-        self.workers.read().get(w).map_or(0, |(_, e)| e.state.lock().live)
+        self.workers.read().get(w).map_or(0, |(_, state)| state.lock().live)
     }
 
     /// Adds tiers of block `h` to worker `w`; true if `w` did not hold `h` before.
@@ -341,8 +335,8 @@ impl PrefixIndex {
     /// Applies one event from worker `w`.
     pub fn ingest(&self, id: WorkerId, event: &KvEvent) -> Ingest {
         let workers = self.workers.read();
-        let Some((w, entry)) = workers.get(id) else { return Ingest::UnknownWorker };
-        let mut st = entry.state.lock();
+        let Some((w, state)) = workers.get(id) else { return Ingest::UnknownWorker };
+        let mut st = state.lock();
         if event.event_id <= st.last_event_id && st.last_event_id != 0 {
             return Ingest::Duplicate;
         }
@@ -389,8 +383,8 @@ impl PrefixIndex {
         last_event_id: u64,
     ) -> Ingest {
         let workers = self.workers.read();
-        let Some((w, entry)) = workers.get(id) else { return Ingest::UnknownWorker };
-        let mut st = entry.state.lock();
+        let Some((w, state)) = workers.get(id) else { return Ingest::UnknownWorker };
+        let mut st = state.lock();
         self.clear(&mut st, w);
         for &(h, t) in blocks {
             self.store(&mut st, w, h, TierMask(bit(t)));

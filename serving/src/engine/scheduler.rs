@@ -583,9 +583,9 @@ impl<E: Engine> Loop<E> {
         // decode step sooner.
         let mut budget = self.cfg.step_tokens.max(1);
         let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len)
-        let prompts_waiting = self.running.iter().any(|s| s.started && s.prompt_left() > 0);
-        let decodes_waiting = self.running.iter().any(|s| s.started && s.prompt_left() == 0);
-        let split = prompts_waiting && decodes_waiting && !self.engine.mixed_steps_amortize();
+        let split = !self.engine.mixed_steps_amortize()
+            && self.running.iter().any(|s| s.started && s.prompt_left() > 0)
+            && self.running.iter().any(|s| s.started && s.prompt_left() == 0);
         let (decodes, prompts) = match (split, self.decodes_deferred) {
             (false, _) => (true, true),
             (true, false) => (false, true),
