@@ -12,6 +12,14 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+/// XXH3-64 (seed 0) of bulk bytes: the checksum of KV data everywhere (transfers, the disk
+/// tier's slots). The same value as any XXH3 library's `XXH3_64bits`; computed with the widest
+/// SIMD kernel the CPU has, chosen at run time, because verifying a block read from disk sits
+/// on the latency path of every onboard.
+pub fn data_checksum(bytes: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(bytes)
+}
+
 /// The XXH3 seed of block hashes without salt or LoRA, and of every chaining step.
 pub const KV_HASH_SEED: u64 = 1337;
 
@@ -206,6 +214,21 @@ mod tests {
     }
 
     /// The vectors of docs/hashing.md; recomputed there with Python's `xxhash` package.
+    #[test]
+    fn data_checksum_is_plain_xxh3_64() {
+        // Every length class of XXH3 (0, 1-3, 4-8, 9-16, 17-128, 129-240, long, long with a
+        // partial stripe) and a large block.
+        let data: Vec<u8> =
+            (0..3_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+        for len in (0..300).chain([1023, 1024, 1025, 4096, 65_537, 368_640, 2_097_152, 3_000_000]) {
+            assert_eq!(
+                data_checksum(&data[..len]),
+                xxhash_rust::xxh3::xxh3_64(&data[..len]),
+                "len {len}"
+            );
+        }
+    }
+
     #[test]
     fn spec_test_vectors() {
         let tokens: Vec<u32> = (0..16).collect();

@@ -17,6 +17,9 @@
 //!   authenticated connections between agents; handshake and request sequencing as sans-IO
 //!   state machines in [`session::proto`]), [`endpoint`] (what transports see of their agent,
 //!   and every descriptor check) and [`peer`] (a loaded peer).
+//! - [`cuda`]: GPUs through the CUDA driver API, loaded at run time (feature `cuda`): device
+//!   and pinned memory, copies on streams with events, IPC exports; without a driver, a typed
+//!   reason instead of a panic.
 //! - [`control`]: control-plane traits (`Discovery`, `EventBus`) with in-memory, etcd and
 //!   NATS implementations.
 //! - [`events`]: KV events (`Stored`/`Removed`/`Cleared` per tier, with monotonic ids) and
@@ -42,6 +45,7 @@
 pub mod agent;
 pub mod contract;
 pub mod control;
+pub mod cuda;
 pub mod endpoint;
 pub mod events;
 pub mod gguf;

@@ -310,7 +310,7 @@ impl Region {
         // is only read (concurrent writers make the hash unspecified, never unsound to read
         // as bytes).
         let bytes = unsafe { self.slice(offset, len) };
-        Ok(xxhash_rust::xxh3::xxh3_64(bytes))
+        Ok(crate::hash::data_checksum(bytes))
     }
 
     /// A short-lived view of `offset..offset+len` (for hashing).
@@ -751,7 +751,7 @@ impl PeerMapping {
     pub fn checksum(&self, offset: u64, len: u64) -> Option<u64> {
         let p = self.ptr_at(offset, len)?;
         // SAFETY: checked range of the live mapping, read only for this call.
-        Some(xxhash_rust::xxh3::xxh3_64(unsafe { std::slice::from_raw_parts(p, len as usize) }))
+        Some(crate::hash::data_checksum(unsafe { std::slice::from_raw_parts(p, len as usize) }))
     }
 }
 

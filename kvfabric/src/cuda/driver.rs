@@ -1,0 +1,594 @@
+//! The driver half of [`crate::cuda`]: everything that calls into `libcuda`.
+//!
+//! Contexts are the devices' primary contexts (shared with an engine in the same process that
+//! uses the runtime API, as PyTorch does), bound to the calling thread before every raw call.
+
+use std::ffi::c_void;
+use std::sync::{mpsc, Arc, OnceLock};
+
+use cudarc::driver::{result, sys, CudaContext, DriverError};
+
+use super::{CudaError, CudaUnavailable, DeviceExport, IPC_HANDLE_BYTES, UUID_BYTES};
+
+fn driver(call: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+    move |e| CudaError::Driver { call, message: format!("{e:?}") }
+}
+
+/// CUDA in this process: its visible devices.
+#[derive(Debug)]
+pub struct Cuda {
+    devices: Vec<Arc<Device>>,
+}
+
+/// Looks for the driver library, starts the driver and opens every device, once.
+pub(super) fn probe() -> Result<Arc<Cuda>, CudaUnavailable> {
+    static CUDA: OnceLock<Result<Arc<Cuda>, CudaUnavailable>> = OnceLock::new();
+    CUDA.get_or_init(|| {
+        // SAFETY: dlopen of the candidate driver library names, which runs their initialisers;
+        // that is what loading the NVIDIA driver means.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(CudaUnavailable::NoDriver);
+        }
+        // cudarc resolves each symbol on first use and panics on one the driver lacks (a
+        // driver older than the bindings): contained here, reported as a driver failure.
+        let opened = std::panic::catch_unwind(open_devices).unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a driver call panicked".into());
+            Err(CudaUnavailable::Driver(what))
+        });
+        let cuda = opened?;
+        tracing::info!(
+            devices = cuda.devices.len(),
+            names = ?cuda.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
+            "CUDA available"
+        );
+        Ok(Arc::new(cuda))
+    })
+    .clone()
+}
+
+fn open_devices() -> Result<Cuda, CudaUnavailable> {
+    let count = match CudaContext::device_count() {
+        Ok(n) => usize::try_from(n).unwrap_or(0),
+        Err(DriverError(sys::CUresult::CUDA_ERROR_NO_DEVICE)) => 0,
+        Err(e) => return Err(CudaUnavailable::Driver(format!("{e:?}"))),
+    };
+    if count == 0 {
+        return Err(CudaUnavailable::NoDevice);
+    }
+    let mut devices = Vec::with_capacity(count);
+    for ordinal in 0..count {
+        let fail = |e: DriverError| CudaUnavailable::Driver(format!("device {ordinal}: {e:?}"));
+        let ctx = CudaContext::new(ordinal).map_err(fail)?;
+        let name = ctx.name().map_err(fail)?;
+        // c_char is i8 on x86_64 and u8 on aarch64: reinterpret each byte.
+        let uuid = ctx.uuid().map_err(fail)?.bytes.map(|b| b as u8);
+        devices.push(Arc::new(Device { ordinal, name, uuid, ctx, waiter: OnceLock::new() }));
+    }
+    Ok(Cuda { devices })
+}
+
+impl Cuda {
+    /// The visible devices, by ordinal.
+    pub fn devices(&self) -> &[Arc<Device>] {
+        &self.devices
+    }
+
+    /// Device `ordinal`.
+    pub fn device(&self, ordinal: usize) -> Result<Arc<Device>, CudaError> {
+        self.devices
+            .get(ordinal)
+            .cloned()
+            .ok_or(CudaError::NoSuchDevice { ordinal, count: self.devices.len() })
+    }
+
+    /// The visible device with this UUID.
+    pub fn device_by_uuid(&self, uuid: &[u8; UUID_BYTES]) -> Result<Arc<Device>, CudaError> {
+        self.devices
+            .iter()
+            .find(|d| &d.uuid == uuid)
+            .cloned()
+            .ok_or_else(|| CudaError::UnknownDevice(super::hex(uuid)))
+    }
+}
+
+/// One GPU.
+pub struct Device {
+    ordinal: usize,
+    name: String,
+    uuid: [u8; UUID_BYTES],
+    ctx: Arc<CudaContext>,
+    waiter: OnceLock<Result<mpsc::Sender<Wait>, String>>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("ordinal", &self.ordinal).field("name", &self.name).finish()
+    }
+}
+
+/// An event to wait for and who to tell.
+type Wait = (Arc<EventInner>, tokio::sync::oneshot::Sender<Result<(), CudaError>>);
+
+impl Device {
+    /// Its ordinal in this process.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Its name (`NVIDIA H200`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its UUID, the same in every process.
+    pub fn uuid(&self) -> [u8; UUID_BYTES] {
+        self.uuid
+    }
+
+    fn bind(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))
+    }
+
+    /// Allocates `len` bytes of device memory with plain `cuMemAlloc`, so that it can be
+    /// exported to other processes. Its contents are undefined.
+    pub fn alloc(self: &Arc<Self>, len: usize) -> Result<DeviceBuffer, CudaError> {
+        self.bind()?;
+        // SAFETY: the context is current; the memory is only ever addressed through the
+        // returned buffer, which frees it once.
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(driver("cuMemAlloc"))?;
+        Ok(DeviceBuffer { device: self.clone(), ptr, len })
+    }
+
+    /// Allocates `len` bytes of pinned host memory, usable by every context (`PORTABLE`),
+    /// zeroed.
+    pub fn alloc_pinned(self: &Arc<Self>, len: usize) -> Result<PinnedBuffer, CudaError> {
+        self.bind()?;
+        // SAFETY: the context is current; the memory is owned by the returned buffer.
+        let ptr = unsafe { result::malloc_host(len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(driver("cuMemHostAlloc"))?;
+        // SAFETY: a fresh allocation of at least `len` bytes that nobody else sees yet.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
+        Ok(PinnedBuffer { device: self.clone(), ptr: ptr.cast(), len })
+    }
+
+    /// Page-locks existing host memory (`cuMemHostRegister`, `PORTABLE`) so that copies
+    /// to and from it run asynchronously at full speed; undone when the result drops.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be mapped host memory that stays mapped until the registration
+    /// is dropped.
+    pub unsafe fn register_host(
+        self: &Arc<Self>,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<HostRegistration, CudaError> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the range is mapped for the registration's life.
+        unsafe {
+            sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+                .result()
+                .map_err(driver("cuMemHostRegister"))?;
+        }
+        Ok(HostRegistration { device: self.clone(), ptr: ptr as usize })
+    }
+
+    /// A new non-blocking stream.
+    pub fn stream(self: &Arc<Self>) -> Result<Stream, CudaError> {
+        self.bind()?;
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(driver("cuStreamCreate"))?;
+        Ok(Stream { device: self.clone(), raw: Raw(raw.cast()) })
+    }
+
+    /// Whether this device can read and write `other`'s memory directly (NVLink or PCIe
+    /// peer-to-peer).
+    pub fn can_access_peer(&self, other: &Device) -> Result<bool, CudaError> {
+        if self.ordinal == other.ordinal {
+            return Ok(true);
+        }
+        let mut ok = 0;
+        // SAFETY: an out-parameter on the stack and two valid device handles.
+        unsafe {
+            sys::cuDeviceCanAccessPeer(&mut ok, self.ctx.cu_device(), other.ctx.cu_device())
+                .result()
+                .map_err(driver("cuDeviceCanAccessPeer"))?;
+        }
+        Ok(ok != 0)
+    }
+
+    /// Exports `buf` for other processes of this host.
+    pub fn export(&self, buf: &DeviceBuffer) -> Result<DeviceExport, CudaError> {
+        self.bind()?;
+        // SAFETY: CUipcMemHandle is plain bytes; zeroes are a valid value to overwrite.
+        let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: `buf.ptr` is a live cuMemAlloc allocation of this device.
+        unsafe {
+            sys::cuIpcGetMemHandle(&mut handle, buf.ptr)
+                .result()
+                .map_err(driver("cuIpcGetMemHandle"))?;
+        }
+        let handle: [u8; IPC_HANDLE_BYTES] = handle.reserved.map(|b| b as u8);
+        Ok(DeviceExport { uuid: self.uuid, handle, len: buf.len as u64 })
+    }
+
+    /// Maps a buffer another process exported (on this device: see
+    /// [`Cuda::device_by_uuid`]).
+    pub fn open(self: &Arc<Self>, export: &DeviceExport) -> Result<IpcMapping, CudaError> {
+        if export.uuid != self.uuid {
+            return Err(CudaError::UnknownDevice(super::hex(&export.uuid)));
+        }
+        let len = usize::try_from(export.len).map_err(|_| CudaError::BadExport("len"))?;
+        self.bind()?;
+        // SAFETY: as above; the bytes are the exporter's handle, which the driver validates.
+        let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        for (d, s) in handle.reserved.iter_mut().zip(export.handle) {
+            *d = s as _;
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: an out-parameter on the stack; the driver checks the handle.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                handle,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+            .result()
+            .map_err(driver("cuIpcOpenMemHandle"))?;
+        }
+        Ok(IpcMapping { device: self.clone(), ptr, len })
+    }
+
+    /// Queues a wait for `event` on this device's waiting thread (started on first use).
+    fn wait(
+        &self,
+        event: Arc<EventInner>,
+    ) -> tokio::sync::oneshot::Receiver<Result<(), CudaError>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let waiter = self.waiter.get_or_init(|| {
+            let (wtx, wrx) = mpsc::channel::<Wait>();
+            let ctx = self.ctx.clone();
+            std::thread::Builder::new()
+                .name(format!("kvfabric-cuda-{}", self.ordinal))
+                .spawn(move || {
+                    let bound = ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"));
+                    for (event, done) in wrx {
+                        let r = match &bound {
+                            // SAFETY: the event is alive (the Arc travels with the wait) and
+                            // was created in this context.
+                            Ok(()) => unsafe { result::event::synchronize(event.raw.0.cast()) }
+                                .map_err(driver("cuEventSynchronize")),
+                            Err(e) => Err(CudaError::Driver {
+                                call: "cuCtxSetCurrent",
+                                message: e.to_string(),
+                            }),
+                        };
+                        let _ = done.send(r);
+                    }
+                })
+                .map(|_| wtx)
+                .map_err(|e| e.to_string())
+        });
+        match waiter {
+            Ok(w) => {
+                if let Err(mpsc::SendError((_, done))) = w.send((event, tx)) {
+                    let _ = done.send(Err(CudaError::Driver {
+                        call: "wait",
+                        message: "the CUDA waiting thread is gone".into(),
+                    }));
+                }
+            }
+            Err(e) => {
+                let _ = tx.send(Err(CudaError::Driver {
+                    call: "wait",
+                    message: format!("no CUDA waiting thread: {e}"),
+                }));
+            }
+        }
+        rx
+    }
+}
+
+/// A raw driver handle (stream, event): a pointer the driver accepts from any thread once
+/// the owning context is current.
+#[derive(Debug, Clone, Copy)]
+struct Raw(*mut c_void);
+// SAFETY: CUDA driver handles are process-wide; every call through one binds its context
+// first, and the owning wrapper frees it once.
+unsafe impl Send for Raw {}
+// SAFETY: as above; the driver serializes calls on one handle.
+unsafe impl Sync for Raw {}
+
+/// Device memory allocated by kvfabric, freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    device: Arc<Device>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Its device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Its size.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Never empty (at least one byte is allocated).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Its device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: allocated by cuMemAlloc in `Device::alloc`, freed once here. Copies
+            // that use it hold the buffer (or a lease on the region that owns it) until done.
+            if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+                tracing::warn!(error = ?e, "cuMemFree failed");
+            }
+        }
+    }
+}
+
+/// Pinned host memory allocated by kvfabric, freed on drop.
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    device: Arc<Device>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: owned host memory; access goes through `&self`/`&mut self` slices or raw copies
+// whose callers guarantee exclusivity.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Its address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    /// Its size.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Its bytes. Copies queued into it must have completed.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: our live allocation of `len` bytes, zeroed at allocation.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    /// Its bytes, mutably. Copies queued from or into it must have completed.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc, freed once here.
+            if let Err(e) = unsafe { result::free_host(self.ptr.cast()) } {
+                tracing::warn!(error = ?e, "cuMemFreeHost failed");
+            }
+        }
+    }
+}
+
+/// Host memory page-locked by [`Device::register_host`]; unregistered on drop.
+#[derive(Debug)]
+pub struct HostRegistration {
+    device: Arc<Device>,
+    ptr: usize,
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: registered in `register_host` with this address, unregistered once.
+            let r = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) }.result();
+            if let Err(e) = r {
+                tracing::warn!(error = ?e, "cuMemHostUnregister failed");
+            }
+        }
+    }
+}
+
+/// Another process's device buffer mapped into this one; closed on drop.
+#[derive(Debug)]
+pub struct IpcMapping {
+    device: Arc<Device>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl IpcMapping {
+    /// Its device address in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Its size.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True for a zero-length mapping.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: opened by cuIpcOpenMemHandle in `Device::open`, closed once here.
+            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result() {
+                tracing::warn!(error = ?e, "cuIpcCloseMemHandle failed");
+            }
+        }
+    }
+}
+
+/// A CUDA stream: copies queued on it run in order, asynchronously.
+#[derive(Debug)]
+pub struct Stream {
+    device: Arc<Device>,
+    raw: Raw,
+}
+
+impl Stream {
+    fn cu(&self) -> sys::CUstream {
+        self.raw.0.cast()
+    }
+
+    /// Its device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// Queues a copy of `len` bytes from host `src` to device `dst`.
+    ///
+    /// # Safety
+    /// Both ranges must be valid for `len` bytes until an event recorded after this copy has
+    /// completed; for an asynchronous copy `src` must be pinned (else the driver stages it
+    /// and the call returns once it is staged).
+    pub unsafe fn copy_h2d(&self, dst: u64, src: *const u8, len: usize) -> Result<(), CudaError> {
+        self.device.bind()?;
+        // SAFETY: the caller guarantees both ranges; the stream belongs to this context.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, self.cu()) }
+            .result()
+            .map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// Queues a copy of `len` bytes from device `src` to host `dst`.
+    ///
+    /// # Safety
+    /// As [`Stream::copy_h2d`], with `dst` writable and unread until the copy completed.
+    pub unsafe fn copy_d2h(&self, dst: *mut u8, src: u64, len: usize) -> Result<(), CudaError> {
+        self.device.bind()?;
+        // SAFETY: as above.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.cu()) }
+            .result()
+            .map_err(driver("cuMemcpyDtoHAsync"))
+    }
+
+    /// Queues a copy of `len` bytes between device addresses (on one device, or between
+    /// devices with unified addressing; IPC mappings included).
+    ///
+    /// # Safety
+    /// As [`Stream::copy_h2d`].
+    pub unsafe fn copy_d2d(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
+        self.device.bind()?;
+        // SAFETY: as above.
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.cu()) }
+            .result()
+            .map_err(driver("cuMemcpyDtoDAsync"))
+    }
+
+    /// Records an event after everything queued so far.
+    pub fn record(&self) -> Result<Event, CudaError> {
+        self.device.bind()?;
+        let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(driver("cuEventCreate"))?;
+        let inner = Arc::new(EventInner { device: self.device.clone(), raw: Raw(raw.cast()) });
+        // SAFETY: a fresh event and our stream, both of this context.
+        unsafe { result::event::record(raw, self.cu()) }.map_err(driver("cuEventRecord"))?;
+        Ok(Event { inner })
+    }
+
+    /// Blocks until everything queued has run (for tests and benchmarks; the data path
+    /// awaits events).
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.device.bind()?;
+        // SAFETY: our live stream.
+        unsafe { result::stream::synchronize(self.cu()) }.map_err(driver("cuStreamSynchronize"))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: created in `Device::stream`, destroyed once; the driver lets queued
+            // work finish first.
+            let _ = unsafe { result::stream::destroy(self.cu()) };
+        }
+    }
+}
+
+#[derive(Debug)]
+struct EventInner {
+    device: Arc<Device>,
+    raw: Raw,
+}
+
+impl Drop for EventInner {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: created in `Stream::record`, destroyed once.
+            let _ = unsafe { result::event::destroy(self.raw.0.cast()) };
+        }
+    }
+}
+
+/// A point in a stream: done once everything queued before it has run.
+#[derive(Debug, Clone)]
+pub struct Event {
+    inner: Arc<EventInner>,
+}
+
+impl Event {
+    /// Whether it has completed, without waiting.
+    pub fn is_done(&self) -> Result<bool, CudaError> {
+        self.inner.device.bind()?;
+        // SAFETY: our live event.
+        match unsafe { result::event::query(self.inner.raw.0.cast()) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(driver("cuEventQuery")(e)),
+        }
+    }
+
+    /// Completes when the event has; a failed copy before it is the error. Dropping the
+    /// future does not stop the copies (the event stays alive until they ran).
+    pub async fn done(&self) -> Result<(), CudaError> {
+        let rx = self.inner.device.wait(self.inner.clone());
+        rx.await.map_err(|_| CudaError::Driver {
+            call: "wait",
+            message: "the CUDA waiting thread dropped a wait".into(),
+        })?
+    }
+
+    /// Blocks until it completed.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.inner.device.bind()?;
+        // SAFETY: our live event.
+        unsafe { result::event::synchronize(self.inner.raw.0.cast()) }
+            .map_err(driver("cuEventSynchronize"))
+    }
+
+    /// GPU time from `start` to this event (both completed), as the device measured it.
+    pub fn since(&self, start: &Event) -> Result<std::time::Duration, CudaError> {
+        self.synchronize()?;
+        start.synchronize()?;
+        // SAFETY: two completed events of one context, created with timing.
+        let ms =
+            unsafe { result::event::elapsed(start.inner.raw.0.cast(), self.inner.raw.0.cast()) }
+                .map_err(driver("cuEventElapsedTime"))?;
+        Ok(std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+    }
+}
