@@ -144,6 +144,44 @@ fn wrong_input_is_one_line_and_non_zero() {
     assert!(e.contains("truncated"), "{e}");
 }
 
+/// Without CUDA, `bench transfer --transports cuda` says why in one line and fails; with other
+/// transports beside it, it says so and measures those.
+#[test]
+fn bench_transfer_says_clearly_when_there_is_no_cuda() {
+    let Err(why) = kvfabric::cuda::probe() else {
+        eprintln!("this machine has CUDA: the no-CUDA message cannot be checked here");
+        return;
+    };
+    let e = one_line_error(&kvfabric(&["bench", "transfer", "--transports", "cuda"]));
+    assert!(e.contains(&why.to_string()), "{e}");
+    let out = kvfabric(&[
+        "bench",
+        "transfer",
+        "--transports",
+        "cuda,shm",
+        "--sizes",
+        "64K",
+        "--batches",
+        "1",
+        "--ops",
+        "write",
+        "--min-time-ms",
+        "1",
+        "--json",
+        "--log-level",
+        "error",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("skipping the cuda rows: no CUDA: "), "{err}");
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["transport"], "shm");
+}
+
 #[test]
 fn config_file_is_the_lowest_layer() {
     let dir = tempfile::tempdir().unwrap();

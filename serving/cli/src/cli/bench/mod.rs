@@ -3,6 +3,7 @@
 
 use clap::{Args, Subcommand};
 
+mod cuda;
 mod engine;
 mod fabric;
 mod router;
@@ -20,7 +21,7 @@ pub struct BenchArgs {
 #[derive(Debug, Subcommand)]
 enum Which {
     /// READ and WRITE over shm and tcp against a peer process, with memcpy and a plain TCP
-    /// socket as the limits.
+    /// socket as the limits; H2D, D2H and D2D copies with `--transports cuda`.
     Transfer(transfer::TransferArgs),
     /// Offload and onboard throughput of the tiered store against plain O_DIRECT I/O.
     Tier(tier::TierArgs),

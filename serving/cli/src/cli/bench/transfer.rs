@@ -2,7 +2,9 @@
 //! binary's `peer` command) over shm and tcp, for a matrix of descriptor sizes and batch
 //! sizes. In the same run it measures the machine's limits for the same bytes: a
 //! single-thread memcpy (the bound for shm) and a plain blocking TCP socket pair on loopback
-//! (the bound for tcp), both moving one contiguous buffer per iteration.
+//! (the bound for tcp), both moving one contiguous buffer per iteration. Transport `cuda`
+//! adds H2D, D2H and D2D rows against raw `cuMemcpy*Async` of the same bytes
+//! ([`super::cuda`]); without CUDA it says why and runs the other transports.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -22,6 +24,8 @@ use super::{parse_size, short_size};
 enum TransportArg {
     Shm,
     Tcp,
+    /// H2D, D2H and D2D copies on GPU 0 (needs an NVIDIA GPU and driver).
+    Cuda,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -66,7 +70,7 @@ pub struct TransferArgs {
 
 /// The stopping rule of every measurement: at least 5 iterations and `min_time`, at most
 /// 2000 iterations or 4 × `min_time`.
-fn keep_measuring(done: usize, start: Instant, min_time: Duration) -> bool {
+pub(super) fn keep_measuring(done: usize, start: Instant, min_time: Duration) -> bool {
     (done < 5 || start.elapsed() < min_time) && done < 2000 && start.elapsed() < 4 * min_time
 }
 
@@ -124,22 +128,22 @@ impl PlainSocket {
 }
 
 #[derive(Debug, serde::Serialize)]
-struct Row {
-    transport: &'static str,
-    op: &'static str,
-    desc_bytes: u64,
-    batch: usize,
-    bytes: u64,
-    iterations: usize,
-    gbps: f64,
-    p50_us: f64,
-    p99_us: f64,
-    limit: &'static str,
-    limit_gbps: f64,
-    ratio_to_limit: f64,
-    memcpy_gbps: f64,
-    tcp_socket_gbps: f64,
-    checksum: bool,
+pub(super) struct Row {
+    pub(super) transport: &'static str,
+    pub(super) op: &'static str,
+    pub(super) desc_bytes: u64,
+    pub(super) batch: usize,
+    pub(super) bytes: u64,
+    pub(super) iterations: usize,
+    pub(super) gbps: f64,
+    pub(super) p50_us: f64,
+    pub(super) p99_us: f64,
+    pub(super) limit: &'static str,
+    pub(super) limit_gbps: f64,
+    pub(super) ratio_to_limit: f64,
+    pub(super) memcpy_gbps: f64,
+    pub(super) tcp_socket_gbps: f64,
+    pub(super) checksum: bool,
 }
 
 async fn spawn_peer(
@@ -183,11 +187,13 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
     let transports: Vec<TransportKind> = args
         .transports
         .iter()
-        .map(|t| match t {
-            TransportArg::Shm => TransportKind::Shm,
-            TransportArg::Tcp => TransportKind::Tcp,
+        .filter_map(|t| match t {
+            TransportArg::Shm => Some(TransportKind::Shm),
+            TransportArg::Tcp => Some(TransportKind::Tcp),
+            TransportArg::Cuda => None,
         })
         .collect();
+    let with_cuda = args.transports.iter().any(|t| matches!(t, TransportArg::Cuda));
     let ops: Vec<TransferOp> = args
         .ops
         .iter()
@@ -199,6 +205,21 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.max_transfer_mib >= 1, "--max-transfer-mib must be >= 1");
     let region_bytes = (args.max_transfer_mib << 20) as usize;
     let min_time = Duration::from_millis(args.min_time_ms.max(1));
+
+    let mut rows = Vec::new();
+    if with_cuda {
+        match super::cuda::rows(&sizes, &args.batches, region_bytes, min_time).await {
+            Ok(r) => rows.extend(r),
+            // Without CUDA, say so; with nothing else to measure, that is the command's error.
+            Err(e) if transports.is_empty() => {
+                return Err(e.context("bench transfer --transports cuda"))
+            }
+            Err(e) => eprintln!("bench transfer: skipping the cuda rows: {e:#}"),
+        }
+    }
+    if transports.is_empty() {
+        return print_rows(&rows, args.json);
+    }
 
     let secret = format!("{:016x}{:016x}", rand_u64(), rand_u64());
     let (mut child, peer_md) = spawn_peer(&secret, region_bytes).await?;
@@ -223,7 +244,6 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         .collect();
     let total_rows = combos.len() * transports.len() * ops.len();
     let mut done = 0usize;
-    let mut rows = Vec::new();
     for &(desc, batch) in &combos {
         let bytes = desc * batch as u64;
         let n = bytes as usize;
@@ -287,9 +307,12 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         }
     }
     let _ = child.start_kill();
+    print_rows(&rows, args.json)
+}
 
-    if args.json {
-        for r in &rows {
+fn print_rows(rows: &[Row], json: bool) -> anyhow::Result<()> {
+    if json {
+        for r in rows {
             println!("{}", serde_json::to_string(r)?);
         }
         return Ok(());
@@ -298,7 +321,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         "{:>9} {:>5} {:>6} {:>5} {:>8} {:>8} {:>10} {:>10} {:>10} {:>7}",
         "transport", "op", "desc", "batch", "total", "GB/s", "p50", "p99", "limit GB/s", "ratio"
     );
-    for r in &rows {
+    for r in rows {
         println!(
             "{:>9} {:>5} {:>6} {:>5} {:>8} {:>8.2} {:>8.1}µs {:>8.1}µs {:>10.2} {:>6.2}×",
             r.transport,
@@ -313,7 +336,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
             r.ratio_to_limit
         );
     }
-    println!("limits: shm against single-thread memcpy, tcp against a plain blocking loopback socket, same bytes, same run");
+    println!("limits: shm against single-thread memcpy, tcp against a plain blocking loopback socket, cuda against one raw cuMemcpy*Async of the same bytes, same run");
     Ok(())
 }
 
