@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The CUDA checks, for a machine with an NVIDIA GPU and driver but no Rust toolchain.
+#
+#   scripts/gpu-check.sh build [DIR]   here (with cargo): builds the CUDA test binary and the
+#                                      release `kvfabric` binary (feature cuda, driver loaded at
+#                                      run time), stripped, into DIR (default dist/gpu-check)
+#   scripts/gpu-check.sh run [DIR]     on the GPU machine: runs every CUDA test (the ones that
+#                                      are ignored without a GPU) with KVFABRIC_EXPECT_CUDA=1, so
+#                                      a broken driver fails instead of skipping, then the cuda
+#                                      rows of `kvfabric bench transfer`; results (logs, JSON rows)
+#                                      go to $OUT when set, else DIR/results
+#
+# Exit status: non-zero when a test fails or CUDA is missing on the GPU machine.
+set -euo pipefail
+cmd="${1:-}"
+dir="${2:-dist/gpu-check}"
+mkdir -p "$dir"
+dir="$(cd "$dir" && pwd)"
+
+case "$cmd" in
+  build)
+    cd "$(dirname "$0")/.."
+    export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/kvfabric/target}"
+    # The test binary's path comes from cargo's JSON messages.
+    test_bin="$(cargo test -p kvfabric --features cuda --test cuda --no-run --message-format=json 2>/dev/null |
+      python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        print(m["executable"])')"
+    [ -x "$test_bin" ] || { echo "gpu-check: no CUDA test binary built" >&2; exit 1; }
+    cargo build --release -p kvfabric-cli --quiet
+    cp "$test_bin" "$dir/cuda-tests"
+    cp "$CARGO_TARGET_DIR/release/kvfabric" "$dir/kvfabric"
+    strip "$dir/cuda-tests" "$dir/kvfabric"
+    cp "$0" "$dir/gpu-check.sh"
+    du -sh "$dir"
+    ;;
+  run)
+    out="${OUT:-$dir/results}"
+    mkdir -p "$out"
+    status=0
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/nvidia-smi.txt" 2>&1 || true
+    cat "$out/nvidia-smi.txt"
+    echo "== CUDA tests"
+    KVFABRIC_EXPECT_CUDA=1 "$dir/cuda-tests" --include-ignored --test-threads 1 2>&1 |
+      tee "$out/tests.log" || status=1
+    grep -q "test result: ok" "$out/tests.log" || status=1
+    echo "== bench transfer --transports cuda"
+    "$dir/kvfabric" bench transfer --transports cuda --sizes 64K,1M,4M,64M --batches 1,16,256 \
+      --max-transfer-mib 1024 --min-time-ms 200 --json --log-level warn \
+      >"$out/bench-transfer-cuda.jsonl" 2>"$out/bench-transfer-cuda.err" || status=1
+    cat "$out/bench-transfer-cuda.err"
+    python3 - "$out/bench-transfer-cuda.jsonl" <<'EOF' || true
+import json, sys
+print(f"{'op':>4} {'desc':>8} {'batch':>5} {'GB/s':>7} {'limit':>7} {'ratio':>6}")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{r['op']:>4} {r['desc_bytes']:>8} {r['batch']:>5} {r['gbps']:>7.2f} {r['limit_gbps']:>7.2f} {r['ratio_to_limit']:>5.2f}x")
+EOF
+    exit $status
+    ;;
+  *)
+    echo "usage: scripts/gpu-check.sh build|run [DIR]" >&2
+    exit 2
+    ;;
+esac
