@@ -128,7 +128,7 @@ impl std::fmt::Display for FfiError {
 fn memory_code(kind: MemoryErrorKind) -> kvf_result {
     use kvf_result::*;
     match kind {
-        MemoryErrorKind::ZeroLength => KVF_INVALID_ARGUMENT,
+        MemoryErrorKind::ZeroLength | MemoryErrorKind::NotHostMemory => KVF_INVALID_ARGUMENT,
         MemoryErrorKind::UnknownRegion => KVF_NOT_FOUND,
         MemoryErrorKind::RegionBusy => KVF_IN_USE,
         MemoryErrorKind::OutOfBounds => KVF_OUT_OF_BOUNDS,

@@ -20,7 +20,9 @@ use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::endpoint::{check_remote, check_request, Endpoint, MetadataError};
-use crate::memory::{MemoryError, Region, RegionId, RegionOptions, RegionTable};
+use crate::memory::{
+    DeviceMemory, MemoryError, MemoryKind, Region, RegionId, RegionOptions, RegionTable,
+};
 use crate::peer::Peer;
 use crate::session::client::Session;
 use crate::session::proto::ServerParams;
@@ -140,6 +142,9 @@ pub enum AgentError {
     /// A memory error.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    /// A CUDA error (no GPU, an allocation or export the driver refused).
+    #[error(transparent)]
+    Cuda(#[from] crate::cuda::CudaError),
 }
 
 impl From<MetadataError> for AgentError {
@@ -296,6 +301,51 @@ impl Agent {
         Ok(self.inner.regions().alloc(len, opts)?)
     }
 
+    /// Allocates `len` bytes on CUDA device `ordinal` (plain `cuMemAlloc`) and registers them
+    /// as a region; with `export`, peers may access it, and peers of this host map it through
+    /// the CUDA IPC handle published in this agent's metadata.
+    #[cfg(feature = "cuda")]
+    pub fn alloc_device_region(
+        &self,
+        ordinal: usize,
+        len: usize,
+        export: bool,
+    ) -> Result<Arc<Region>, AgentError> {
+        let device = crate::cuda::probe()
+            .map_err(crate::cuda::CudaError::from)
+            .and_then(|c| c.device(ordinal))?;
+        let buf = device.alloc(len)?;
+        let ipc = if export { Some(device.export(&buf)?) } else { None };
+        let mem = DeviceMemory {
+            addr: buf.ptr(),
+            len,
+            ordinal: ordinal as u32,
+            owner: Some(Box::new(buf)),
+            ipc,
+        };
+        // SAFETY: a fresh allocation of `len` bytes on that device, freed by its owner value
+        // only when the region drops; the export is that allocation's.
+        Ok(unsafe { self.inner.regions().register_device(mem, export) }?)
+    }
+
+    /// Registers GPU memory an engine owns (its KV cache tensors): `len` bytes at device
+    /// address `addr` on CUDA device `ordinal` of this process.
+    ///
+    /// # Safety
+    /// The memory must be that device's, and stay valid until [`Agent::deregister`] succeeds
+    /// for the region.
+    pub unsafe fn register_device(
+        &self,
+        addr: u64,
+        len: usize,
+        ordinal: u32,
+        export: bool,
+    ) -> Result<Arc<Region>, AgentError> {
+        let mem = DeviceMemory { addr, len, ordinal, owner: None, ipc: None };
+        // SAFETY: forwarded contract.
+        Ok(unsafe { self.inner.regions().register_device(mem, export) }?)
+    }
+
     /// Registers memory the caller owns.
     ///
     /// # Safety
@@ -343,6 +393,8 @@ impl Agent {
                     id: r.id(),
                     len: r.len() as u64,
                     shm_path: r.shm_path().map(|p| p.display().to_string()),
+                    kind: r.kind(),
+                    cuda_ipc: r.cuda_ipc().cloned(),
                 })
                 .collect(),
             transports,
@@ -453,6 +505,9 @@ impl Agent {
         req: &TransferRequest,
     ) -> Result<(Arc<dyn Transport>, PeerRoute), TransferError> {
         let t = &self.inner.transports;
+        if self.touches_gpu_memory(req) {
+            return self.cuda_route(req);
+        }
         if req.peer == self.inner.config.name {
             return match req.transport {
                 None | Some(TransportKind::Local) => Ok((t.local.clone(), None)),
@@ -487,9 +542,73 @@ impl Agent {
                 peer: req.peer.clone(),
                 reason: "local is only for this agent itself".into(),
             }),
+            Some(TransportKind::Cuda) => Err(TransferError::NoTransport {
+                peer: req.peer.clone(),
+                reason: "cuda is for GPU memory, and this transfer names none".into(),
+            }),
             None if shm_ok() => Ok((t.shm.clone(), Some(peer))),
             None => Ok((t.tcp.clone(), Some(peer))),
         }
+    }
+
+    /// Whether a request names GPU memory, here or at the peer.
+    fn touches_gpu_memory(&self, req: &TransferRequest) -> bool {
+        let regions = self.inner.regions();
+        let device = |id| regions.get(id).is_ok_and(|r| r.kind() != MemoryKind::Host);
+        if req.local.iter().any(|d| device(d.region)) {
+            return true;
+        }
+        if req.peer == self.inner.config.name {
+            return req.remote.iter().any(|d| device(d.region));
+        }
+        let peers = self.inner.peers.read();
+        let Some(peer) = peers.get(&req.peer) else { return false };
+        req.remote.iter().any(|d| {
+            peer.metadata().regions.iter().any(|r| r.id == d.region && r.kind != MemoryKind::Host)
+        })
+    }
+
+    /// The route of a request that touches GPU memory: the CUDA transport within this agent
+    /// and to peers of this host that export their GPU regions through CUDA IPC.
+    fn cuda_route(
+        &self,
+        req: &TransferRequest,
+    ) -> Result<(Arc<dyn Transport>, PeerRoute), TransferError> {
+        let no = |reason: String| TransferError::NoTransport { peer: req.peer.clone(), reason };
+        if let Some(k) = req.transport.filter(|&k| k != TransportKind::Cuda) {
+            return Err(no(format!("{k} cannot reach GPU memory; use cuda")));
+        }
+        let cuda = self
+            .inner
+            .transports
+            .cuda
+            .clone()
+            .ok_or_else(|| no(crate::cuda::CudaUnavailable::NotBuilt.to_string()))?;
+        crate::cuda::available().map_err(|why| no(why.to_string()))?;
+        if req.peer == self.inner.config.name {
+            return Ok((cuda, None));
+        }
+        let peer = self
+            .inner
+            .peers
+            .read()
+            .get(&req.peer)
+            .cloned()
+            .ok_or_else(|| TransferError::UnknownPeer(req.peer.clone()))?;
+        if !peer.same_host() {
+            return Err(no(
+                "GPU memory to or from another host needs staging through host memory, which \
+                 is not built yet: copy to a host region first"
+                    .into(),
+            ));
+        }
+        let all_ipc = req.remote.iter().all(|d| {
+            peer.metadata().regions.iter().any(|r| r.id == d.region && r.cuda_ipc.is_some())
+        });
+        if !all_ipc {
+            return Err(no("a remote region is not GPU memory exported through CUDA IPC".into()));
+        }
+        Ok((cuda, Some(peer)))
     }
 
     /// Installs the service that answers peers' RPCs.

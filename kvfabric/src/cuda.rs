@@ -184,6 +184,11 @@ pub fn probe() -> Result<std::convert::Infallible, CudaUnavailable> {
     Err(CudaUnavailable::NotBuilt)
 }
 
+/// Whether CUDA is usable in this process, or why not.
+pub fn available() -> Result<(), CudaUnavailable> {
+    probe().map(|_| ())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use crate::memory::{MemoryError, RegionId, RegionLease, RegionTable};
+use crate::memory::{MemoryError, MemoryKind, RegionId, RegionLease, RegionTable};
 use crate::transfer::{Desc, TransferError, TransferOp, TransferRequest, TransportKind};
 use crate::wire::{ErrorCode, WireDesc, WireLimits};
 
@@ -34,6 +34,12 @@ pub struct ExportedRegion {
     pub len: u64,
     /// The `/dev/shm` file of a shareable region.
     pub shm_path: Option<String>,
+    /// Host or GPU memory (absent in metadata from agents that predate GPU memory: host).
+    #[serde(default)]
+    pub kind: MemoryKind,
+    /// The CUDA IPC export of a GPU region, for peers on the same host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_ipc: Option<crate::cuda::DeviceExport>,
 }
 
 /// What peers need to reach an agent.
@@ -235,6 +241,14 @@ impl Endpoint {
                         format!("region {id} is not exported"),
                     ));
                 }
+                // Requests that reach this point move bytes through host memory (TCP
+                // payloads, checksums); GPU memory is reached only through CUDA IPC.
+                if region.kind() != MemoryKind::Host {
+                    return Err(Refusal::new(
+                        ErrorCode::NotExported,
+                        format!("region {id} is GPU memory: only CUDA IPC reaches it"),
+                    ));
+                }
                 region
                     .check(d.offset, d.len)
                     .map_err(|e| Refusal::new(ErrorCode::OutOfBounds, e.to_string()))?;
@@ -387,7 +401,13 @@ mod tests {
             tcp_addr: SocketAddr::from(([127, 0, 0, 1], 1)),
             host_id: "h".into(),
             pid: 1,
-            regions: vec![ExportedRegion { id: RegionId(3), len: 100, shm_path: None }],
+            regions: vec![ExportedRegion {
+                id: RegionId(3),
+                len: 100,
+                shm_path: None,
+                kind: MemoryKind::Host,
+                cuda_ipc: None,
+            }],
             transports: vec![TransportKind::Tcp],
         };
         assert!(check_remote(&md, &[Desc::new(RegionId(3), 0, 100)]).is_ok());

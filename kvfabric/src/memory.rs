@@ -3,11 +3,15 @@
 //! Core concepts:
 //! - [`RegionId`]: a handle (slab index + generation), never a pointer. A stale id (its region
 //!   deregistered, the slot reused) is refused, not aliased.
-//! - [`Region`]: one registered range. Three kinds: owned host memory (anonymous mmap,
-//!   page-aligned, pre-faulted, optionally huge pages), shareable host memory (a file in
-//!   `/dev/shm` that a peer on the same host maps), and external memory the caller owns,
-//!   registered through an `unsafe` constructor. Registering is O(1) in the region's size: no
-//!   per-page work beyond what allocation itself does.
+//! - [`Region`]: one registered range. Host memory of three kinds: owned (anonymous mmap,
+//!   page-aligned, pre-faulted, optionally huge pages), shareable (a file in `/dev/shm` that a
+//!   peer on the same host maps), and external memory the caller owns, registered through an
+//!   `unsafe` constructor. GPU memory ([`MemoryKind::Device`]): allocated by kvfabric (an
+//!   owner value frees it with the region) or an engine's existing allocation, registered
+//!   through an `unsafe` constructor; the CPU never touches it: every host access of a device
+//!   region is refused with [`MemoryError::NotHostMemory`], so only CUDA copies reach it.
+//!   Registering is O(1) in the region's size: no per-page work beyond what allocation itself
+//!   does.
 //! - [`RegionLease`]: what an in-flight transfer holds. A region with leases cannot be
 //!   deregistered ([`MemoryError::RegionBusy`]), and owned memory stays mapped until the last
 //!   lease is gone, so bytes can never land in freed memory.
@@ -31,6 +35,9 @@ pub enum MemoryError {
     /// A zero-length region was asked for.
     #[error("region length must be at least 1 byte")]
     ZeroLength,
+    /// A region at address 0.
+    #[error("a region cannot start at address 0")]
+    NullAddress,
     /// The kernel refused the allocation.
     #[error("allocating {len} bytes failed: {source}")]
     Alloc {
@@ -81,6 +88,14 @@ pub enum MemoryError {
     /// The region table is full.
     #[error("too many regions registered (limit {0})")]
     TooManyRegions(usize),
+    /// A host access (a memcpy, a checksum, a view) of GPU memory.
+    #[error("region {id} is memory of CUDA device {ordinal}: only CUDA copies reach it")]
+    NotHostMemory {
+        /// The region.
+        id: RegionId,
+        /// Its device.
+        ordinal: u32,
+    },
 }
 
 /// What kind of region problem a [`MemoryError`] is: a `Copy` value that travels inside
@@ -88,7 +103,7 @@ pub enum MemoryError {
 /// reading the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MemoryErrorKind {
-    /// [`MemoryError::ZeroLength`].
+    /// [`MemoryError::ZeroLength`] or [`MemoryError::NullAddress`].
     ZeroLength,
     /// [`MemoryError::Alloc`] or [`MemoryError::HugePagesUnavailable`].
     OutOfMemory,
@@ -102,13 +117,15 @@ pub enum MemoryErrorKind {
     OutOfBounds,
     /// [`MemoryError::TooManyRegions`].
     TooManyRegions,
+    /// [`MemoryError::NotHostMemory`].
+    NotHostMemory,
 }
 
 impl MemoryError {
     /// Its kind.
     pub fn kind(&self) -> MemoryErrorKind {
         match self {
-            MemoryError::ZeroLength => MemoryErrorKind::ZeroLength,
+            MemoryError::ZeroLength | MemoryError::NullAddress => MemoryErrorKind::ZeroLength,
             MemoryError::Alloc { .. } | MemoryError::HugePagesUnavailable { .. } => {
                 MemoryErrorKind::OutOfMemory
             }
@@ -117,6 +134,7 @@ impl MemoryError {
             MemoryError::RegionBusy { .. } => MemoryErrorKind::RegionBusy,
             MemoryError::OutOfBounds { .. } => MemoryErrorKind::OutOfBounds,
             MemoryError::TooManyRegions(_) => MemoryErrorKind::TooManyRegions,
+            MemoryError::NotHostMemory { .. } => MemoryErrorKind::NotHostMemory,
         }
     }
 }
@@ -160,6 +178,44 @@ pub struct RegionOptions {
     pub export: bool,
 }
 
+/// GPU memory to register as a region ([`RegionTable::register_device`]).
+pub struct DeviceMemory {
+    /// Its device address.
+    pub addr: u64,
+    /// Bytes.
+    pub len: usize,
+    /// The CUDA device's ordinal in this process.
+    pub ordinal: u32,
+    /// What frees the memory when the region drops (a kvfabric allocation); None for an
+    /// engine's memory, which the engine frees after deregistering.
+    pub owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// Its CUDA IPC export, for peers on this host.
+    pub ipc: Option<crate::cuda::DeviceExport>,
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceMemory")
+            .field("len", &self.len)
+            .field("ordinal", &self.ordinal)
+            .field("owned", &self.owner.is_some())
+            .finish()
+    }
+}
+
+/// Where a region's bytes live.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryKind {
+    /// Host memory: the CPU reads and writes it.
+    #[default]
+    Host,
+    /// Memory of the CUDA device with this ordinal in the owning process.
+    Device(u32),
+}
+
 enum Backing {
     /// Anonymous mmap we own, `mapped` bytes (the length rounded up to the page size).
     Anonymous { mapped: usize },
@@ -167,6 +223,8 @@ enum Backing {
     Shared { path: PathBuf, _map: memmap2::MmapMut },
     /// Memory the caller owns.
     External,
+    /// Memory whose owner value (a CUDA allocation) frees it when the region drops.
+    Owned(#[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>),
 }
 
 /// One registered memory range.
@@ -175,6 +233,9 @@ pub struct Region {
     ptr: NonNull<u8>,
     len: usize,
     backing: Backing,
+    kind: MemoryKind,
+    /// The CUDA IPC export of a device region that peers on this host may map.
+    ipc: Option<crate::cuda::DeviceExport>,
     exported: bool,
     leases: AtomicUsize,
 }
@@ -184,6 +245,7 @@ impl std::fmt::Debug for Region {
         f.debug_struct("Region")
             .field("id", &self.id)
             .field("len", &self.len)
+            .field("kind", &self.kind)
             .field("shared", &self.shm_path())
             .field("exported", &self.exported)
             .field("leases", &self.leases.load(Ordering::Relaxed))
@@ -212,7 +274,7 @@ impl Drop for Region {
             Backing::Shared { path, .. } => {
                 let _ = std::fs::remove_file(path);
             }
-            Backing::External => {}
+            Backing::External | Backing::Owned(_) => {}
         }
     }
 }
@@ -231,6 +293,16 @@ impl Region {
     /// Whether it is empty (never: regions have at least one byte).
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Where its bytes live.
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    /// The CUDA IPC export of a device region (for peers on this host).
+    pub fn cuda_ipc(&self) -> Option<&crate::cuda::DeviceExport> {
+        self.ipc.as_ref()
     }
 
     /// Whether peers may access it.
@@ -264,9 +336,26 @@ impl Region {
         }
     }
 
+    /// Checks that `offset..offset+len` lies inside the region and that the CPU may touch
+    /// it (host memory).
+    fn check_host(&self, offset: u64, len: u64) -> Result<(), MemoryError> {
+        if let MemoryKind::Device(ordinal) = self.kind {
+            return Err(MemoryError::NotHostMemory { id: self.id, ordinal });
+        }
+        self.check(offset, len)
+    }
+
+    /// The device address of `offset` in a device region (range checked), with the device's
+    /// ordinal: what a CUDA copy takes.
+    pub fn device_addr(&self, offset: u64, len: u64) -> Option<(u32, u64)> {
+        let MemoryKind::Device(ordinal) = self.kind else { return None };
+        self.check(offset, len).ok()?;
+        Some((ordinal, self.ptr.as_ptr() as u64 + offset))
+    }
+
     /// Copies `src` into the region at `offset`.
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
-        self.check(offset, src.len() as u64)?;
+        self.check_host(offset, src.len() as u64)?;
         // SAFETY: the range was checked to lie inside the mapping, which is live while `self`
         // is; `src` is a distinct Rust allocation, so the ranges cannot overlap.
         unsafe {
@@ -281,7 +370,7 @@ impl Region {
 
     /// Copies bytes of the region at `offset` into `dst`.
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
-        self.check(offset, dst.len() as u64)?;
+        self.check_host(offset, dst.len() as u64)?;
         // SAFETY: as in `write_at`, with source and destination swapped.
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -295,7 +384,7 @@ impl Region {
 
     /// Fills `offset..offset+len` with `byte`.
     pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), MemoryError> {
-        self.check(offset, len)?;
+        self.check_host(offset, len)?;
         // SAFETY: the range was checked to lie inside the live mapping.
         unsafe {
             std::ptr::write_bytes(self.ptr.as_ptr().add(offset as usize), byte, len as usize)
@@ -305,7 +394,7 @@ impl Region {
 
     /// XXH3-64 of `offset..offset+len`.
     pub fn checksum(&self, offset: u64, len: u64) -> Result<u64, MemoryError> {
-        self.check(offset, len)?;
+        self.check_host(offset, len)?;
         // SAFETY: checked range of the live mapping; the slice lives only for this call and
         // is only read (concurrent writers make the hash unspecified, never unsound to read
         // as bytes).
@@ -331,7 +420,7 @@ impl Region {
     /// owner of the range, such as the block store with a pinned block, guarantees that no
     /// descriptor naming it is handed out for writing).
     pub unsafe fn view(&self, offset: u64, len: u64) -> Result<&[u8], MemoryError> {
-        self.check(offset, len)?;
+        self.check_host(offset, len)?;
         // SAFETY: the range is inside the live mapping (checked), which outlives `&self`; the
         // caller guarantees that nothing writes it while the view lives.
         Ok(unsafe { self.slice(offset, len) })
@@ -345,7 +434,7 @@ impl Region {
     /// exclusively (a reserved store slot, invisible until committed).
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn view_mut(&self, offset: u64, len: u64) -> Result<&mut [u8], MemoryError> {
-        self.check(offset, len)?;
+        self.check_host(offset, len)?;
         // SAFETY: the range is inside the live mapping (checked), which outlives `&self`; the
         // caller guarantees exclusive access to it while the view lives.
         Ok(unsafe {
@@ -353,9 +442,10 @@ impl Region {
         })
     }
 
-    /// Raw pointer to `offset` (checked), for copies between two regions.
+    /// Raw host pointer to `offset` (checked), for copies between two regions; refused for
+    /// device memory.
     pub fn ptr_at(&self, offset: u64, len: u64) -> Result<*mut u8, MemoryError> {
-        self.check(offset, len)?;
+        self.check_host(offset, len)?;
         // SAFETY: offset is within the mapping (checked above), so the add stays in bounds.
         Ok(unsafe { self.ptr.as_ptr().add(offset as usize) })
     }
@@ -602,6 +692,8 @@ impl RegionTable {
                     ptr,
                     len,
                     backing: Backing::Shared { path, _map: map },
+                    kind: MemoryKind::Host,
+                    ipc: None,
                     exported: opts.export,
                     leases: AtomicUsize::new(0),
                 })
@@ -612,6 +704,8 @@ impl RegionTable {
                     ptr,
                     len,
                     backing: Backing::Anonymous { mapped },
+                    kind: MemoryKind::Host,
+                    ipc: None,
                     exported: opts.export,
                     leases: AtomicUsize::new(0),
                 })
@@ -640,6 +734,39 @@ impl RegionTable {
                 ptr,
                 len,
                 backing: Backing::External,
+                kind: MemoryKind::Host,
+                ipc: None,
+                exported: export,
+                leases: AtomicUsize::new(0),
+            })
+        })
+    }
+
+    /// Registers GPU memory: an engine's allocation (the caller keeps owning it) when
+    /// `mem.owner` is None, else an allocation that the owner value frees when the region
+    /// drops.
+    ///
+    /// # Safety
+    /// `mem.addr..mem.addr+mem.len` must be memory of CUDA device `mem.ordinal`, valid and
+    /// unmoved until the region is deregistered (an engine's allocation) or dropped (with an
+    /// owner); `mem.ipc`, if any, must export exactly that memory.
+    pub unsafe fn register_device(
+        &self,
+        mem: DeviceMemory,
+        export: bool,
+    ) -> Result<Arc<Region>, MemoryError> {
+        if mem.len == 0 {
+            return Err(MemoryError::ZeroLength);
+        }
+        let ptr = NonNull::new(mem.addr as *mut u8).ok_or(MemoryError::NullAddress)?;
+        self.insert(|id| {
+            Ok(Region {
+                id,
+                ptr,
+                len: mem.len,
+                backing: mem.owner.map_or(Backing::External, Backing::Owned),
+                kind: MemoryKind::Device(mem.ordinal),
+                ipc: mem.ipc,
                 exported: export,
                 leases: AtomicUsize::new(0),
             })
@@ -846,6 +973,69 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A GPU region registered at an address no CPU may touch: every host access is refused
+    /// before any pointer is formed (this proves the refusal, not anything about a GPU).
+    #[test]
+    fn host_access_to_a_device_region_is_refused_and_its_addresses_are_checked() {
+        let table = RegionTable::new("kvfabric.test-device", 8);
+        let mem =
+            DeviceMemory { addr: 0x7f00_0000_0000, len: 4096, ordinal: 1, owner: None, ipc: None };
+        // SAFETY: nothing dereferences a device region's address: that is what this checks.
+        let r = unsafe { table.register_device(mem, true) }.unwrap();
+        assert_eq!(r.kind(), MemoryKind::Device(1));
+        let refused = |e: MemoryError| {
+            assert!(matches!(e, MemoryError::NotHostMemory { ordinal: 1, .. }), "{e}");
+            assert_eq!(e.kind(), MemoryErrorKind::NotHostMemory);
+        };
+        refused(r.write_at(0, &[1, 2, 3]).unwrap_err());
+        refused(r.read_at(0, &mut [0; 3]).unwrap_err());
+        refused(r.fill(0, 10, 0).unwrap_err());
+        refused(r.checksum(0, 10).unwrap_err());
+        refused(r.ptr_at(0, 10).unwrap_err());
+        // SAFETY: refused before any slice is formed.
+        refused(unsafe { r.view(0, 10) }.unwrap_err());
+        // SAFETY: as above.
+        refused(unsafe { r.view_mut(0, 10) }.unwrap_err());
+        let host = table.alloc(4096, RegionOptions::default()).unwrap();
+        refused(copy_between(&host, 0, &r, 0, 16).unwrap_err());
+        refused(copy_between(&r, 0, &host, 0, 16).unwrap_err());
+        assert_eq!(r.device_addr(4000, 96), Some((1, 0x7f00_0000_0000 + 4000)));
+        assert_eq!(r.device_addr(4000, 97), None);
+        assert_eq!(r.device_addr(u64::MAX, 2), None);
+        assert_eq!(host.device_addr(0, 1), None);
+        // Address 0 and zero lengths are refused.
+        let null = DeviceMemory { addr: 0, len: 1, ordinal: 0, owner: None, ipc: None };
+        // SAFETY: refused before registration.
+        let r0 = unsafe { table.register_device(null, false) };
+        assert!(matches!(r0, Err(MemoryError::NullAddress)));
+        let empty = DeviceMemory { addr: 4096, len: 0, ordinal: 0, owner: None, ipc: None };
+        // SAFETY: as above.
+        let r0 = unsafe { table.register_device(empty, false) };
+        assert!(matches!(r0, Err(MemoryError::ZeroLength)));
+        // An owner value is dropped with the region, not before.
+        let dropped = Arc::new(AtomicUsize::new(0));
+        struct Owner(Arc<AtomicUsize>);
+        impl Drop for Owner {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let owned = DeviceMemory {
+            addr: 8192,
+            len: 64,
+            ordinal: 0,
+            owner: Some(Box::new(Owner(dropped.clone()))),
+            ipc: None,
+        };
+        // SAFETY: never dereferenced.
+        let r2 = unsafe { table.register_device(owned, false) }.unwrap();
+        let id = r2.id();
+        drop(r2);
+        assert_eq!(dropped.load(Ordering::SeqCst), 0, "the table still holds the region");
+        table.deregister(id).unwrap();
+        assert_eq!(dropped.load(Ordering::SeqCst), 1);
+    }
 
     #[test]
     fn streaming_copies_equal_memmove_at_every_alignment_and_length() {

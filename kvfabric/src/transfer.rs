@@ -59,6 +59,8 @@ pub enum TransportKind {
     Shm,
     /// Any host: striped TCP connections.
     Tcp,
+    /// GPU memory: CUDA copies within this process, CUDA IPC to processes of this host.
+    Cuda,
 }
 
 impl TransportKind {
@@ -68,6 +70,7 @@ impl TransportKind {
             TransportKind::Local => "local",
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
+            TransportKind::Cuda => "cuda",
         }
     }
 }
@@ -223,6 +226,9 @@ pub enum TransferError {
     /// The agent is shutting down.
     #[error("agent is shutting down")]
     Shutdown,
+    /// A CUDA copy or mapping failed (the driver's error).
+    #[error("GPU copy failed: {0}")]
+    Device(String),
 }
 
 impl From<MemoryError> for TransferError {

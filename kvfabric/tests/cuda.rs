@@ -169,3 +169,114 @@ async fn copies_between_two_gpus_when_there_are_two() {
     s.record().unwrap().done().await.unwrap();
     assert!(back.as_slice() == host.as_slice());
 }
+
+mod agent {
+    use std::time::Duration;
+
+    use kvfabric::agent::{Agent, AgentConfig, AgentMetadata};
+    use kvfabric::memory::{MemoryKind, RegionOptions};
+    use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
+
+    use super::pattern;
+
+    const SECRET: &[u8] = b"cuda-agent-test";
+
+    /// Through the agent: host → GPU, GPU → GPU, GPU → host within one process, each a
+    /// transfer of a descriptor list on the cuda transport, the last with a notification.
+    #[tokio::test]
+    #[ignore = "needs an NVIDIA GPU and driver: scripts/gpu-check.sh runs it"]
+    async fn an_agent_moves_descriptor_lists_between_host_and_gpu_regions() {
+        let a = Agent::start(AgentConfig::new("cuda-local", SECRET.to_vec())).await.unwrap();
+        let len = 32usize << 20;
+        let host = a.alloc_region(len, RegionOptions::default()).unwrap();
+        host.write_at(0, &pattern(len, 9)).unwrap();
+        let g1 = a.alloc_device_region(0, len, false).unwrap();
+        let g2 = a.alloc_device_region(0, len, false).unwrap();
+        assert_eq!(g1.kind(), MemoryKind::Device(0));
+        let back = a.alloc_region(len, RegionOptions::default()).unwrap();
+        let descs = |r: &kvfabric::memory::Region| -> Vec<Desc> {
+            (0..len as u64).step_by(1 << 20).map(|o| Desc::new(r.id(), o, 1 << 20)).collect()
+        };
+        for (src, dst) in [(&host, &g1), (&g1, &g2)] {
+            let req = TransferRequest::new(TransferOp::Write, "cuda-local", descs(src), descs(dst));
+            assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Cuda);
+            a.post(req).unwrap().wait().await.unwrap();
+        }
+        let req = TransferRequest::new(TransferOp::Read, "cuda-local", descs(&back), descs(&g2))
+            .with_notify(b"landed".to_vec());
+        a.post(req).unwrap().wait().await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), a.next_notification())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.message, b"landed");
+        let mut got = vec![0u8; len];
+        back.read_at(0, &mut got).unwrap();
+        assert!(got == pattern(len, 9), "bytes differ after host -> GPU -> GPU -> host");
+        // Checksums of GPU memory are refused, typed.
+        let req = TransferRequest::new(TransferOp::Write, "cuda-local", descs(&host), descs(&g1))
+            .with_checksum();
+        assert!(a.post(req).unwrap().wait().await.is_err());
+    }
+
+    /// The child half of the IPC transfer test: loads the parent's metadata and WRITEs its
+    /// pattern into the parent's GPU region through CUDA IPC, with a notification.
+    #[tokio::test]
+    #[ignore = "needs an NVIDIA GPU and driver: scripts/gpu-check.sh runs it"]
+    async fn ipc_writer_child() {
+        let Ok(md) = std::env::var("KVFABRIC_TEST_CUDA_PEER") else { return };
+        let md = AgentMetadata::from_bytes(md.as_bytes()).unwrap();
+        let region = md.regions[0].id;
+        let len = md.regions[0].len as usize;
+        let b = Agent::start(AgentConfig::new("cuda-child", SECRET.to_vec())).await.unwrap();
+        b.load_peer(md).unwrap();
+        let src = b.alloc_region(len, RegionOptions::default()).unwrap();
+        src.write_at(0, &pattern(len, 0x77)).unwrap();
+        let req = TransferRequest::new(
+            TransferOp::Write,
+            "cuda-parent",
+            vec![Desc::new(src.id(), 0, len as u64)],
+            vec![Desc::new(region, 0, len as u64)],
+        )
+        .with_notify(b"from the child".to_vec());
+        assert_eq!(b.transport_for(&req).unwrap(), TransportKind::Cuda);
+        b.post(req).unwrap().wait().await.unwrap();
+    }
+
+    #[tokio::test]
+    #[ignore = "needs an NVIDIA GPU and driver: scripts/gpu-check.sh runs it"]
+    async fn a_peer_process_writes_into_an_exported_gpu_region_through_cuda_ipc() {
+        let a = Agent::start(AgentConfig::new("cuda-parent", SECRET.to_vec())).await.unwrap();
+        let len = 8usize << 20;
+        let g = a.alloc_device_region(0, len, true).unwrap();
+        let md = a.metadata();
+        assert!(md.regions[0].cuda_ipc.is_some(), "no IPC export in the metadata");
+        let child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "agent::ipc_writer_child", "--nocapture"])
+            .env("KVFABRIC_TEST_CUDA_PEER", String::from_utf8(md.to_bytes()).unwrap())
+            .output();
+        let n = tokio::time::timeout(Duration::from_secs(60), a.next_notification());
+        let (out, n) = tokio::join!(child, n);
+        let out = out.unwrap();
+        let log = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success() && log.contains("1 passed"), "child failed:\n{log}");
+        let n = n.unwrap().unwrap();
+        assert_eq!((n.from.as_str(), n.message.as_slice()), ("cuda-child", &b"from the child"[..]));
+        // Read the GPU region back through a local transfer.
+        let host = a.alloc_region(len, RegionOptions::default()).unwrap();
+        let req = TransferRequest::new(
+            TransferOp::Read,
+            "cuda-parent",
+            vec![Desc::new(host.id(), 0, len as u64)],
+            vec![Desc::new(g.id(), 0, len as u64)],
+        );
+        a.post(req).unwrap().wait().await.unwrap();
+        let mut got = vec![0u8; len];
+        host.read_at(0, &mut got).unwrap();
+        assert!(got == pattern(len, 0x77), "the child's bytes did not land");
+    }
+}

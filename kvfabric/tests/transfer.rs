@@ -283,11 +283,15 @@ async fn the_owner_refuses_descriptors_outside_its_exports() {
         id: private.id(),
         len: 65_536,
         shm_path: None,
+        kind: Default::default(),
+        cuda_ipc: None,
     });
     forged.regions.push(kvfabric::agent::ExportedRegion {
         id: kvfabric::RegionId(12345),
         len: 100,
         shm_path: None,
+        kind: Default::default(),
+        cuda_ipc: None,
     });
     a.load_peer(forged).unwrap();
     let cases = [

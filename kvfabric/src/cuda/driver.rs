@@ -419,6 +419,10 @@ pub struct IpcMapping {
 }
 
 impl IpcMapping {
+    /// The ordinal of its device in this process.
+    pub fn ordinal(&self) -> usize {
+        self.device.ordinal
+    }
     /// Its device address in this process.
     pub fn ptr(&self) -> u64 {
         self.ptr

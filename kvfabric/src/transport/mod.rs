@@ -21,12 +21,14 @@
 //! dropping the future stops the transfer — no byte lands after the drop completes (a
 //! one-sided transport waits for or cancels its outstanding work before it returns).
 //!
-//! The RDMA and CUDA transports of the next issues implement this trait the same way: RDMA
-//! posts one-sided READ/WRITE work requests on memory registered once per region, completes
-//! on the completion queue, and commits through the session (or with immediate data); CUDA
-//! copies device regions on streams (CUDA IPC across processes of one host) and commits the
-//! same way. Adding one means: a [`TransportKind`], a field in `Transports`, a rule in the
-//! agent's `choose_transport`, and the kind in the metadata the agent publishes.
+//! `cuda` (feature `cuda`) moves every job that touches GPU memory: CUDA copies on streams
+//! within this agent, CUDA IPC to peers of this host; the other transports refuse GPU
+//! regions (their host accesses fail with `NotHostMemory`). The RDMA transport of the next
+//! issue implements this trait the same way: one-sided READ/WRITE work requests on memory
+//! registered once per region, completed on the completion queue, committed through the
+//! session (or with immediate data). Adding one means: a [`TransportKind`], a field in
+//! `Transports`, a rule in the agent's `choose_transport`, and the kind in the metadata the
+//! agent publishes.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -39,6 +41,8 @@ use crate::transfer::{TransferError, TransferOp, TransportKind};
 
 pub use crate::endpoint::Piece;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod fault;
 pub mod local;
 pub mod shm;
@@ -125,6 +129,8 @@ pub(crate) struct Transports {
     pub(crate) local: Arc<dyn Transport>,
     pub(crate) shm: Arc<dyn Transport>,
     pub(crate) tcp: Arc<dyn Transport>,
+    /// GPU memory: within this agent and to peers on this host (feature `cuda`).
+    pub(crate) cuda: Option<Arc<dyn Transport>>,
 }
 
 impl Transports {
@@ -139,6 +145,10 @@ impl Transports {
             local: wrap(Arc::new(local::LocalTransport)),
             shm: wrap(Arc::new(shm::ShmTransport)),
             tcp: wrap(Arc::new(tcp::TcpTransport)),
+            #[cfg(feature = "cuda")]
+            cuda: Some(wrap(Arc::new(cuda::CudaTransport::default()))),
+            #[cfg(not(feature = "cuda"))]
+            cuda: None,
         }
     }
 }
