@@ -29,7 +29,7 @@
 #define KVF_MEM_HOST 0
 
 /**
- * Memory kind of `kvf_agent_register`: device memory (needs the CUDA backend).
+ * Memory kind of `kvf_agent_register`: CUDA device memory (needs an NVIDIA driver and GPU).
  */
 #define KVF_MEM_DEVICE 1
 
@@ -310,8 +310,11 @@ kvf_result kvf_agent_remove_peer(const struct kvf_agent *agent, const char *name
 /**
  * Registers `len` bytes at `addr` that the caller owns; `*region_out` receives the region
  * id used in descriptors and segments. `exported`: peers may read and write it (it appears
- * in the metadata exported after this call). `kind` is `KVF_MEM_HOST`; `KVF_MEM_DEVICE`
- * returns `KVF_UNSUPPORTED` until the CUDA backend lands.
+ * in the metadata exported after this call). `kind` is `KVF_MEM_HOST` or `KVF_MEM_DEVICE`:
+ * GPU memory (a CUDA device pointer), which the driver checks (device memory, inside one
+ * allocation: else `KVF_INVALID_ARGUMENT` or `KVF_OUT_OF_BOUNDS`) and whose device it names;
+ * exported GPU memory is published with a CUDA IPC handle for peers on this host. Without
+ * CUDA (no driver or no GPU), `KVF_MEM_DEVICE` is `KVF_UNSUPPORTED` and says why.
  *
  * # Safety
  * `agent` is a live agent; `addr..addr+len` is valid for reads and writes and stays valid

@@ -24,7 +24,7 @@ use crate::ptr::{self, Out, OutBuf};
 
 /// Memory kind of `kvf_agent_register`: host memory.
 pub const KVF_MEM_HOST: u32 = 0;
-/// Memory kind of `kvf_agent_register`: device memory (needs the CUDA backend).
+/// Memory kind of `kvf_agent_register`: CUDA device memory (needs an NVIDIA driver and GPU).
 pub const KVF_MEM_DEVICE: u32 = 1;
 /// Transfer direction: copy the peer's bytes into local memory.
 pub const KVF_OP_READ: u32 = 0;
@@ -362,8 +362,11 @@ pub unsafe extern "C" fn kvf_agent_remove_peer(
 
 /// Registers `len` bytes at `addr` that the caller owns; `*region_out` receives the region
 /// id used in descriptors and segments. `exported`: peers may read and write it (it appears
-/// in the metadata exported after this call). `kind` is `KVF_MEM_HOST`; `KVF_MEM_DEVICE`
-/// returns `KVF_UNSUPPORTED` until the CUDA backend lands.
+/// in the metadata exported after this call). `kind` is `KVF_MEM_HOST` or `KVF_MEM_DEVICE`:
+/// GPU memory (a CUDA device pointer), which the driver checks (device memory, inside one
+/// allocation: else `KVF_INVALID_ARGUMENT` or `KVF_OUT_OF_BOUNDS`) and whose device it names;
+/// exported GPU memory is published with a CUDA IPC handle for peers on this host. Without
+/// CUDA (no driver or no GPU), `KVF_MEM_DEVICE` is `KVF_UNSUPPORTED` and says why.
 ///
 /// # Safety
 /// `agent` is a live agent; `addr..addr+len` is valid for reads and writes and stays valid
@@ -385,10 +388,17 @@ pub unsafe extern "C" fn kvf_agent_register(
         match kind {
             KVF_MEM_HOST => {}
             KVF_MEM_DEVICE => {
-                return Err(FfiError::new(
-                    kvf_result::KVF_UNSUPPORTED,
-                    "device memory needs the CUDA backend, which this build does not have",
-                ))
+                if addr.is_null() {
+                    return Err(FfiError::null("addr"));
+                }
+                if let Err(why) = kvfabric::cuda::available() {
+                    return Err(FfiError::new(kvf_result::KVF_UNSUPPORTED, why.to_string()));
+                }
+                // SAFETY: the caller keeps the memory valid until deregistration (contract
+                // above); the driver checks that it is device memory inside one allocation.
+                let region = unsafe { a.ctx.agent.register_device(addr as u64, len, exported) }?;
+                out.set(region.id().0);
+                return Ok(());
             }
             k => return Err(FfiError::invalid(format!("unknown memory kind {k}"))),
         }

@@ -149,6 +149,18 @@ impl From<AgentError> for FfiError {
             AgentError::Memory(m) => m.into(),
             AgentError::Config(m) => FfiError::new(kvf_result::KVF_INVALID_CONFIG, m),
             AgentError::BadMetadata(m) => FfiError::invalid(format!("bad peer metadata: {m}")),
+            AgentError::Cuda(c) => {
+                use kvfabric::cuda::CudaError;
+                let code = match &c {
+                    CudaError::Unavailable(_) => kvf_result::KVF_UNSUPPORTED,
+                    CudaError::NotDeviceMemory(_) | CudaError::NoSuchDevice { .. } => {
+                        kvf_result::KVF_INVALID_ARGUMENT
+                    }
+                    CudaError::OutOfBounds { .. } => kvf_result::KVF_OUT_OF_BOUNDS,
+                    _ => kvf_result::KVF_IO,
+                };
+                FfiError::new(code, c.to_string())
+            }
             other => FfiError::new(kvf_result::KVF_IO, other.to_string()),
         }
     }

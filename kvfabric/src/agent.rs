@@ -329,12 +329,41 @@ impl Agent {
     }
 
     /// Registers GPU memory an engine owns (its KV cache tensors): `len` bytes at device
-    /// address `addr` on CUDA device `ordinal` of this process.
+    /// address `addr`. The driver confirms that it is device memory, names its device, and
+    /// checks that the range lies inside one allocation; with `export`, the region carries a
+    /// CUDA IPC export of that range for peers on this host.
     ///
     /// # Safety
-    /// The memory must be that device's, and stay valid until [`Agent::deregister`] succeeds
-    /// for the region.
+    /// The memory must stay valid until [`Agent::deregister`] succeeds for the region.
+    #[cfg(feature = "cuda")]
     pub unsafe fn register_device(
+        &self,
+        addr: u64,
+        len: usize,
+        export: bool,
+    ) -> Result<Arc<Region>, AgentError> {
+        let cuda = crate::cuda::probe().map_err(crate::cuda::CudaError::from)?;
+        let at = cuda.locate(addr, len)?;
+        let ipc = if export {
+            let device = cuda.device(at.ordinal)?;
+            // SAFETY: `locate` found `at.base` to be the live allocation holding the range.
+            Some(unsafe { device.export_range(at.base, len as u64, addr - at.base) }?)
+        } else {
+            None
+        };
+        let mem = DeviceMemory { addr, len, ordinal: at.ordinal as u32, owner: None, ipc };
+        // SAFETY: checked by the driver above; the caller keeps it valid (contract).
+        Ok(unsafe { self.inner.regions().register_device(mem, export) }?)
+    }
+
+    /// Registers GPU memory without asking the driver: `len` bytes at device address `addr`
+    /// on CUDA device `ordinal` of this process, without an IPC export (for callers that
+    /// know the memory, and for tests of GPU regions on machines without a GPU).
+    ///
+    /// # Safety
+    /// The memory must be that device's, and stay valid until [`Agent::deregister`]
+    /// succeeds for the region.
+    pub unsafe fn register_device_unchecked(
         &self,
         addr: u64,
         len: usize,
@@ -428,8 +457,8 @@ impl Agent {
         self.inner.peers.read().keys().cloned().collect()
     }
 
-    /// Validates and posts a transfer; it runs on the agent's runtime.
-    pub fn post(&self, req: TransferRequest) -> Result<TransferHandle, TransferError> {
+    /// Checks a request, leases its local regions and chooses its transport: the job, ready.
+    fn prepare(&self, req: TransferRequest) -> Result<(Job, Arc<dyn Transport>), TransferError> {
         let inner = &self.inner;
         let limits = &inner.config.limits;
         check_request(&req, limits.descs_per_transfer_max, &limits.wire)?;
@@ -438,16 +467,8 @@ impl Agent {
         if let Some(peer) = &peer {
             check_remote(peer.metadata(), &req.remote)?;
         }
-        let permit = inner
-            .in_flight
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| TransferError::Busy(limits.transfers_in_flight_max))?;
-        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let deadline = req.deadline.unwrap_or(limits.transfer_deadline);
-        let shared = TransferShared::new(deadline);
         let job = Job {
-            id,
+            id: inner.next_id.fetch_add(1, Ordering::Relaxed),
             op: req.op,
             peer,
             leases,
@@ -458,6 +479,28 @@ impl Agent {
             corrupt_checksums: false,
             endpoint: Arc::downgrade(inner.endpoint()),
         };
+        Ok((job, transport))
+    }
+
+    /// The job `post` would run for `req` (for tests of transports' internals).
+    #[cfg(test)]
+    pub(crate) fn job_for(&self, req: &TransferRequest) -> Result<Job, TransferError> {
+        self.prepare(req.clone()).map(|(job, _)| job)
+    }
+
+    /// Validates and posts a transfer; it runs on the agent's runtime.
+    pub fn post(&self, req: TransferRequest) -> Result<TransferHandle, TransferError> {
+        let inner = &self.inner;
+        let limits = &inner.config.limits;
+        let deadline = req.deadline.unwrap_or(limits.transfer_deadline);
+        let (job, transport) = self.prepare(req)?;
+        let permit = inner
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| TransferError::Busy(limits.transfers_in_flight_max))?;
+        let id = job.id;
+        let shared = TransferShared::new(deadline);
         if let Some(outcome) = transport.execute_inline(&job) {
             // Completed on this thread (a memcpy transport): no task, no wake-up. What it
             // held is released before the outcome is reported.
@@ -596,11 +639,22 @@ impl Agent {
             .cloned()
             .ok_or_else(|| TransferError::UnknownPeer(req.peer.clone()))?;
         if !peer.same_host() {
-            return Err(no(
-                "GPU memory to or from another host needs staging through host memory, which \
-                 is not built yet: copy to a host region first"
-                    .into(),
-            ));
+            // Local GPU memory to host memory of another host: staged through bounce
+            // buffers over TCP. GPU memory of another host: its owner must stage it.
+            let remote_host = req.remote.iter().all(|d| {
+                peer.metadata()
+                    .regions
+                    .iter()
+                    .any(|r| r.id == d.region && r.kind == MemoryKind::Host)
+            });
+            if !remote_host {
+                return Err(no(
+                    "GPU memory of another host is not reachable from here (no RDMA yet): its \
+                     owner stages it to host memory"
+                        .into(),
+                ));
+            }
+            return Ok((cuda, Some(peer)));
         }
         let all_ipc = req.remote.iter().all(|d| {
             peer.metadata().regions.iter().any(|r| r.id == d.region && r.cuda_ipc.is_some())

@@ -64,6 +64,9 @@ pub enum CudaError {
     /// No visible device has this UUID (an IPC handle from a GPU this process cannot see).
     #[error("no visible CUDA device has UUID {0}")]
     UnknownDevice(String),
+    /// An address that is not device memory.
+    #[error("address {0:#x} is not CUDA device memory")]
+    NotDeviceMemory(u64),
     /// A malformed IPC export.
     #[error("bad CUDA IPC export: {0}")]
     BadExport(&'static str),
@@ -86,8 +89,9 @@ pub const UUID_BYTES: usize = 16;
 
 /// A device buffer exported to other processes of the host: which GPU (by UUID, since
 /// ordinals differ between processes with different `CUDA_VISIBLE_DEVICES`), the IPC handle
-/// of its allocation, and the buffer's size. In metadata it is JSON with lowercase hex
-/// strings: `{"uuid": "<32 hex>", "handle": "<128 hex>", "len": N}`.
+/// of the allocation that holds it, and the buffer's place in that allocation. In metadata it
+/// is JSON with lowercase hex strings:
+/// `{"uuid": "<32 hex>", "handle": "<128 hex>", "len": N, "offset": N}`.
 #[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "ExportJson", into = "ExportJson")]
 pub struct DeviceExport {
@@ -97,6 +101,8 @@ pub struct DeviceExport {
     pub handle: [u8; IPC_HANDLE_BYTES],
     /// Bytes of the exported buffer.
     pub len: u64,
+    /// Where the buffer starts in the allocation the handle maps.
+    pub offset: u64,
 }
 
 impl fmt::Debug for DeviceExport {
@@ -113,6 +119,8 @@ struct ExportJson {
     uuid: String,
     handle: String,
     len: u64,
+    #[serde(default)]
+    offset: u64,
 }
 
 impl TryFrom<ExportJson> for DeviceExport {
@@ -122,13 +130,14 @@ impl TryFrom<ExportJson> for DeviceExport {
             uuid: unhex(&j.uuid).ok_or(CudaError::BadExport("uuid is not 32 hex digits"))?,
             handle: unhex(&j.handle).ok_or(CudaError::BadExport("handle is not 128 hex digits"))?,
             len: j.len,
+            offset: j.offset,
         })
     }
 }
 
 impl From<DeviceExport> for ExportJson {
     fn from(e: DeviceExport) -> Self {
-        ExportJson { uuid: hex(&e.uuid), handle: hex(&e.handle), len: e.len }
+        ExportJson { uuid: hex(&e.uuid), handle: hex(&e.handle), len: e.len, offset: e.offset }
     }
 }
 
@@ -169,7 +178,8 @@ pub fn check_range(offset: u64, len: u64, size: u64) -> Result<(), CudaError> {
 mod driver;
 #[cfg(feature = "cuda")]
 pub use driver::{
-    Cuda, Device, DeviceBuffer, Event, HostRegistration, IpcMapping, PinnedBuffer, Stream,
+    Cuda, Device, DeviceBuffer, DevicePointer, Event, HostRegistration, IpcMapping, PinnedBuffer,
+    Stream,
 };
 
 /// CUDA in this process: the devices, or why there are none. Looked up once; never panics.
@@ -198,7 +208,7 @@ mod tests {
         for (i, b) in handle.iter_mut().enumerate() {
             *b = (i as u8).wrapping_mul(37) ^ 0xa5;
         }
-        DeviceExport { uuid: *b"GPU-0123456789ab", handle, len: 1 << 30 }
+        DeviceExport { uuid: *b"GPU-0123456789ab", handle, len: 1 << 30, offset: 4096 }
     }
 
     #[test]
@@ -224,6 +234,7 @@ mod tests {
             ("handle", serde_json::json!(12)),
             ("len", serde_json::json!(-1)),
             ("len", serde_json::json!("big")),
+            ("offset", serde_json::json!(-4096)),
         ];
         for (field, value) in cases {
             let mut v = good.clone();

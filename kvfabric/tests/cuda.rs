@@ -219,6 +219,67 @@ mod agent {
         assert!(a.post(req).unwrap().wait().await.is_err());
     }
 
+    /// GPU memory to host memory of another host, and back: staged through pinned bounce
+    /// buffers over TCP (the agents run with shm off, so each treats the other as remote),
+    /// 20 MiB in odd-sized descriptors (three 8 MiB chunks), with checksums and a
+    /// notification.
+    #[tokio::test]
+    #[ignore = "needs an NVIDIA GPU and driver: scripts/gpu-check.sh runs it"]
+    async fn gpu_memory_reaches_another_host_staged_through_bounce_buffers() {
+        let config = |name: &str| {
+            let mut c = AgentConfig::new(name, SECRET.to_vec());
+            c.shm = false;
+            c
+        };
+        let a = Agent::start(config("cuda-stage-a")).await.unwrap();
+        let b = Agent::start(config("cuda-stage-b")).await.unwrap();
+        let len = 20usize << 20;
+        let remote =
+            b.alloc_region(len, RegionOptions { export: true, ..Default::default() }).unwrap();
+        a.load_peer(b.metadata()).unwrap();
+        b.load_peer(a.metadata()).unwrap();
+        let host = a.alloc_region(len, RegionOptions::default()).unwrap();
+        host.write_at(0, &pattern(len, 0x3c)).unwrap();
+        let g = a.alloc_device_region(0, len, false).unwrap();
+        let g2 = a.alloc_device_region(0, len, false).unwrap();
+        let whole = |r: &kvfabric::memory::Region| vec![Desc::new(r.id(), 0, len as u64)];
+        a.post(TransferRequest::new(TransferOp::Write, "cuda-stage-a", whole(&host), whole(&g)))
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        let cut = |r: &kvfabric::memory::Region| -> Vec<Desc> {
+            (0..len as u64)
+                .step_by(999_999)
+                .map(|o| Desc::new(r.id(), o, 999_999.min(len as u64 - o)))
+                .collect()
+        };
+        let req = TransferRequest::new(TransferOp::Write, "cuda-stage-b", cut(&g), cut(&remote))
+            .with_checksum()
+            .with_notify(b"staged".to_vec());
+        assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Cuda);
+        a.post(req).unwrap().wait().await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), b.next_notification())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.message, b"staged");
+        let mut got = vec![0u8; len];
+        remote.read_at(0, &mut got).unwrap();
+        assert!(got == pattern(len, 0x3c), "the staged WRITE landed other bytes");
+        let req = TransferRequest::new(TransferOp::Read, "cuda-stage-b", cut(&g2), cut(&remote))
+            .with_checksum();
+        a.post(req).unwrap().wait().await.unwrap();
+        host.fill(0, len as u64, 0).unwrap();
+        a.post(TransferRequest::new(TransferOp::Write, "cuda-stage-a", whole(&g2), whole(&host)))
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        host.read_at(0, &mut got).unwrap();
+        assert!(got == pattern(len, 0x3c), "the staged READ landed other bytes");
+    }
+
     /// The child half of the IPC transfer test: loads the parent's metadata and WRITEs its
     /// pattern into the parent's GPU region through CUDA IPC, with a notification.
     #[tokio::test]

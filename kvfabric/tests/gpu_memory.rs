@@ -20,7 +20,7 @@ async fn gpu_regions_are_published_and_refused_by_every_host_transport() {
     let b = agent("gpu-b").await;
     // An engine's GPU allocation, registered by address: nothing here dereferences it.
     // SAFETY: the address is never used for a host access (what this test checks).
-    let gpu = unsafe { b.register_device(0x7e00_0000_0000, 1 << 20, 0, true) }.unwrap();
+    let gpu = unsafe { b.register_device_unchecked(0x7e00_0000_0000, 1 << 20, 0, true) }.unwrap();
     let md = b.metadata();
     let exported = md.regions.iter().find(|r| r.id == gpu.id()).unwrap();
     assert_eq!(exported.kind, MemoryKind::Device(0));
@@ -103,7 +103,7 @@ async fn gpu_regions_are_published_and_refused_by_every_host_transport() {
 async fn a_local_transfer_with_a_gpu_region_needs_cuda_and_says_so() {
     let a = agent("gpu-local").await;
     // SAFETY: never dereferenced (see above).
-    let gpu = unsafe { a.register_device(0x7e00_0000_0000, 1 << 20, 0, false) }.unwrap();
+    let gpu = unsafe { a.register_device_unchecked(0x7e00_0000_0000, 1 << 20, 0, false) }.unwrap();
     let host = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
     host.fill(0, 1 << 20, 0x42).unwrap();
     let req = TransferRequest::new(

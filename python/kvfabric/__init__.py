@@ -168,15 +168,17 @@ class Op(_Handle):
 
 
 
-def _buffer_address(buf) -> tuple[int, int]:
-    """Address and length of a writable, contiguous buffer (numpy array, bytearray, a torch
-    tensor in host memory, ...)."""
+def _buffer_address(buf) -> tuple[int, int, int]:
+    """Address, length and memory kind of a writable, contiguous buffer (numpy array,
+    bytearray, a torch tensor in host memory or on a CUDA device, ...)."""
     if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # a torch tensor
-        if getattr(getattr(buf, "device", None), "type", "cpu") != "cpu":
-            raise ValueError("the tensor is not in host memory (device memory needs the CUDA backend)")
+        device = getattr(getattr(buf, "device", None), "type", "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"the tensor is on a {device} device: kvfabric takes host or CUDA memory")
         if not buf.is_contiguous():
             raise ValueError("the tensor must be contiguous")
-        return int(buf.data_ptr()), int(buf.numel()) * int(buf.element_size())
+        kind = KVF_MEM_DEVICE if device == "cuda" else KVF_MEM_HOST
+        return int(buf.data_ptr()), int(buf.numel()) * int(buf.element_size()), kind
     iface = getattr(buf, "__array_interface__", None)
     if iface is not None:
         if iface.get("strides") is not None:
@@ -184,12 +186,12 @@ def _buffer_address(buf) -> tuple[int, int]:
         addr, readonly = iface["data"]
         if readonly:
             raise ValueError("the array is read-only")
-        return addr, buf.nbytes
+        return addr, buf.nbytes, KVF_MEM_HOST
     mv = memoryview(buf)
     if mv.readonly or not mv.contiguous:
         raise ValueError("the buffer must be writable and contiguous")
     c = (ctypes.c_char * mv.nbytes).from_buffer(buf)
-    return ctypes.addressof(c), mv.nbytes
+    return ctypes.addressof(c), mv.nbytes, KVF_MEM_HOST
 
 
 class Agent(_Handle):
@@ -221,9 +223,11 @@ class Agent(_Handle):
         buf = (c_uint8 * len(metadata)).from_buffer_copy(metadata)
         self._err(lib().kvf_agent_load_peer(self._h, buf, len(metadata)))
 
-    def register(self, buf, exported: bool = False, kind: int = KVF_MEM_HOST) -> int:
-        """Registers a writable buffer the caller keeps alive; returns its region id."""
-        addr, n = _buffer_address(buf)
+    def register(self, buf, exported: bool = False) -> int:
+        """Registers a writable buffer the caller keeps alive; returns its region id. A torch
+        tensor on a CUDA device registers as GPU memory (the driver checks it; without CUDA
+        this raises with KVF_UNSUPPORTED)."""
+        addr, n, kind = _buffer_address(buf)
         region = c_uint64()
         self._err(lib().kvf_agent_register(self._h, addr, n, kind, exported, byref(region)))
         self._regions[region.value] = buf  # keeps the memory alive while registered

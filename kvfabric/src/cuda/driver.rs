@@ -85,6 +85,58 @@ impl Cuda {
             .ok_or(CudaError::NoSuchDevice { ordinal, count: self.devices.len() })
     }
 
+    /// What the driver knows of device address `addr`: that it is device memory, of which
+    /// device, and the allocation around it, which must hold `addr..addr+len`. This is how
+    /// an engine's memory registered by address is checked (and how its IPC export finds the
+    /// allocation's base).
+    pub fn locate(&self, addr: u64, len: usize) -> Result<DevicePointer, CudaError> {
+        let any = self.devices.first().ok_or(CudaUnavailable::NoDevice)?;
+        any.bind()?;
+        let mut memory_type: u32 = 0;
+        // SAFETY: a u32 out-parameter for an attribute whose value is a CUmemorytype (u32);
+        // the driver validates `addr`.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut memory_type as *mut u32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                addr,
+            )
+        }
+        .result()
+        .map_err(|_| CudaError::NotDeviceMemory(addr))?;
+        if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(CudaError::NotDeviceMemory(addr));
+        }
+        let mut ordinal: std::ffi::c_int = -1;
+        // SAFETY: a c_int out-parameter for the device-ordinal attribute.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut std::ffi::c_int).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        }
+        .result()
+        .map_err(driver("cuPointerGetAttribute"))?;
+        let ordinal = usize::try_from(ordinal).map_err(|_| CudaError::NotDeviceMemory(addr))?;
+        let device = self.device(ordinal)?;
+        device.bind()?;
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: out-parameters on the stack; the driver validates `addr`.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
+            .result()
+            .map_err(driver("cuMemGetAddressRange"))?;
+        let end = (addr - base).checked_add(len as u64);
+        if end.is_none_or(|e| e > size as u64) {
+            return Err(CudaError::OutOfBounds {
+                offset: addr - base,
+                len: len as u64,
+                size: size as u64,
+            });
+        }
+        Ok(DevicePointer { ordinal, base, size })
+    }
+
     /// The visible device with this UUID.
     pub fn device_by_uuid(&self, uuid: &[u8; UUID_BYTES]) -> Result<Arc<Device>, CudaError> {
         self.devices
@@ -93,6 +145,17 @@ impl Cuda {
             .cloned()
             .ok_or_else(|| CudaError::UnknownDevice(super::hex(uuid)))
     }
+}
+
+/// A device address as the driver sees it ([`Cuda::locate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevicePointer {
+    /// The device's ordinal.
+    pub ordinal: usize,
+    /// The start of the allocation that holds it.
+    pub base: u64,
+    /// The allocation's size.
+    pub size: usize,
 }
 
 /// One GPU.
@@ -202,17 +265,33 @@ impl Device {
 
     /// Exports `buf` for other processes of this host.
     pub fn export(&self, buf: &DeviceBuffer) -> Result<DeviceExport, CudaError> {
+        // SAFETY: `buf` is a live cuMemAlloc allocation of this device, whole.
+        unsafe { self.export_range(buf.ptr, buf.len as u64, 0) }
+    }
+
+    /// Exports `len` bytes at `offset` into the allocation that starts at `base` (found with
+    /// [`Cuda::locate`]): an engine's memory.
+    ///
+    /// # Safety
+    /// `base` must be the start of a live allocation of this device that holds
+    /// `offset..offset+len`.
+    pub unsafe fn export_range(
+        &self,
+        base: u64,
+        len: u64,
+        offset: u64,
+    ) -> Result<DeviceExport, CudaError> {
         self.bind()?;
         // SAFETY: CUipcMemHandle is plain bytes; zeroes are a valid value to overwrite.
         let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-        // SAFETY: `buf.ptr` is a live cuMemAlloc allocation of this device.
+        // SAFETY: `base` is a live allocation of this device (the caller's contract).
         unsafe {
-            sys::cuIpcGetMemHandle(&mut handle, buf.ptr)
+            sys::cuIpcGetMemHandle(&mut handle, base)
                 .result()
                 .map_err(driver("cuIpcGetMemHandle"))?;
         }
         let handle: [u8; IPC_HANDLE_BYTES] = handle.reserved.map(|b| b as u8);
-        Ok(DeviceExport { uuid: self.uuid, handle, len: buf.len as u64 })
+        Ok(DeviceExport { uuid: self.uuid, handle, len, offset })
     }
 
     /// Maps a buffer another process exported (on this device: see
@@ -239,7 +318,8 @@ impl Device {
             .result()
             .map_err(driver("cuIpcOpenMemHandle"))?;
         }
-        Ok(IpcMapping { device: self.clone(), ptr, len })
+        // The handle maps the whole allocation; the export is a range of it.
+        Ok(IpcMapping { device: self.clone(), base: ptr, ptr: ptr + export.offset, len })
     }
 
     /// Queues a wait for `event` on this device's waiting thread (started on first use).
@@ -414,6 +494,7 @@ impl Drop for HostRegistration {
 #[derive(Debug)]
 pub struct IpcMapping {
     device: Arc<Device>,
+    base: sys::CUdeviceptr,
     ptr: sys::CUdeviceptr,
     len: usize,
 }
@@ -441,7 +522,7 @@ impl Drop for IpcMapping {
     fn drop(&mut self) {
         if self.device.bind().is_ok() {
             // SAFETY: opened by cuIpcOpenMemHandle in `Device::open`, closed once here.
-            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result() {
+            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.base) }.result() {
                 tracing::warn!(error = ?e, "cuIpcCloseMemHandle failed");
             }
         }

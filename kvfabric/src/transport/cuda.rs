@@ -7,29 +7,56 @@
 //!   handle in its metadata (found by GPU UUID, since ordinals differ between processes), and
 //!   the copy runs here, one-sided, like `shm`; a notification goes through the session's
 //!   `Commit` after the last byte.
+//! - To host memory of a peer on another host: staged through pinned bounce buffers of two
+//!   8 MiB slots ([`super::staging`]), D2H of one chunk overlapping the TCP transfer of the
+//!   other (H2D and TCP reads the other way); checksums, when asked, cover the bounce bytes.
 //!
 //! Dropping a job's future stops queuing; copies already queued run to completion before the
 //! drop returns (the contract: no byte lands after it), and the job's leases are held until
-//! then. Checksums of GPU memory are not computed: a job that asks for them is refused with a
-//! typed error rather than silently unchecked.
+//! then. Checksums of GPU memory within the host are not computed: such a job is refused with
+//! a typed error rather than silently unchecked.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::cuda::{self, Cuda, Event, IpcMapping, Stream};
+use crate::cuda::{self, Cuda, Event, HostRegistration, IpcMapping, Stream};
 use crate::memory::{copy_between, MemoryKind, Region, RegionId, RegionLease};
 use crate::transfer::{TransferError, TransferOp, TransportKind};
 
+use super::staging::{self, Bounce, Part, Stager};
 use super::{Job, Transport, TransportFuture};
 
+/// Bytes of one bounce slot (a bounce buffer holds two).
+const STAGE_CHUNK: u64 = 8 << 20;
+/// Bounce buffers at most: staged jobs beyond this many wait for one.
+const BOUNCE_MAX: usize = 4;
+
 /// Moves bytes to, from and between GPUs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct CudaTransport {
     streams: Mutex<HashMap<u32, Arc<Stream>>>,
     /// Peers' GPU regions mapped here: (peer name, peer pid, region) → mapping.
     maps: Mutex<HashMap<(String, u32, RegionId), Arc<IpcMapping>>>,
+    /// The transport that carries staged chunks to other hosts.
+    net: Arc<dyn Transport>,
+    /// Pinned bounce buffers not in use.
+    bounces: Mutex<Vec<BounceBuf>>,
+    bounce_permits: tokio::sync::Semaphore,
+}
+
+/// A bounce buffer: a host region of two slots, page-locked for asynchronous copies.
+struct BounceBuf {
+    bounce: Bounce,
+    /// Unregistered after the lease is dropped (fields drop in order).
+    _pin: HostRegistration,
+}
+
+impl std::fmt::Debug for BounceBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BounceBuf").field("region", &self.bounce.lease.region().id()).finish()
+    }
 }
 
 /// Where one side of a piece is.
@@ -79,6 +106,51 @@ impl Drop for InFlight {
 }
 
 impl CudaTransport {
+    /// A CUDA transport whose staged chunks travel over `net`.
+    pub fn new(net: Arc<dyn Transport>) -> Self {
+        CudaTransport {
+            streams: Mutex::default(),
+            maps: Mutex::default(),
+            net,
+            bounces: Mutex::default(),
+            bounce_permits: tokio::sync::Semaphore::new(BOUNCE_MAX),
+        }
+    }
+
+    /// A free bounce buffer, allocated (and pinned) on first need.
+    fn take_bounce(&self, cuda: &Cuda, job: &Job) -> Result<BounceBuf, TransferError> {
+        if let Some(b) = self.bounces.lock().pop() {
+            return Ok(b);
+        }
+        let endpoint = job.endpoint()?;
+        let region = endpoint.regions().alloc(
+            (2 * STAGE_CHUNK) as usize,
+            crate::memory::RegionOptions { shared: false, huge_pages: false, export: false },
+        )?;
+        let ptr = region.ptr_at(0, 2 * STAGE_CHUNK)?;
+        let device = cuda.device(0).map_err(cuda_err)?;
+        // SAFETY: the region's mapping outlives the registration: the BounceBuf drops its
+        // lease (the table keeps the region registered and mapped) before unregistering.
+        let pin =
+            unsafe { device.register_host(ptr, (2 * STAGE_CHUNK) as usize) }.map_err(cuda_err)?;
+        Ok(BounceBuf {
+            bounce: Bounce { lease: RegionLease::new(region), slot_bytes: STAGE_CHUNK },
+            _pin: pin,
+        })
+    }
+
+    /// A job between local memory (GPU memory among it) and host memory of a peer on
+    /// another host: staged through a bounce buffer.
+    async fn run_staged(&self, job: &Job, cuda: &Cuda) -> Result<(), TransferError> {
+        let _permit = self.bounce_permits.acquire().await.map_err(|_| TransferError::Shutdown)?;
+        let buf = self.take_bounce(cuda, job)?;
+        let stager = CudaStager { t: self, cuda, used: Mutex::default(), ever: Mutex::default() };
+        let r = staging::run(job, &buf.bounce, &stager, self.net.as_ref()).await;
+        drop(stager);
+        self.bounces.lock().push(buf);
+        r
+    }
+
     fn stream(&self, cuda: &Cuda, ordinal: u32) -> Result<Arc<Stream>, TransferError> {
         let mut streams = self.streams.lock();
         if let Some(s) = streams.get(&ordinal) {
@@ -153,16 +225,19 @@ impl CudaTransport {
     }
 
     async fn run(&self, job: &Job) -> Result<(), TransferError> {
+        let cuda = cuda::probe().map_err(|why| TransferError::NoTransport {
+            peer: job.peer.as_ref().map(|p| p.metadata().name.clone()).unwrap_or_default(),
+            reason: why.to_string(),
+        })?;
+        if job.peer.as_ref().is_some_and(|p| !p.same_host()) {
+            return self.run_staged(job, &cuda).await;
+        }
         if job.checksum {
             return Err(TransferError::Invalid(
                 "checksums of GPU memory are not computed: post this transfer without checksum"
                     .into(),
             ));
         }
-        let cuda = cuda::probe().map_err(|why| TransferError::NoTransport {
-            peer: job.peer.as_ref().map(|p| p.metadata().name.clone()).unwrap_or_default(),
-            reason: why.to_string(),
-        })?;
         let mut guard =
             InFlight { events: Vec::new(), _leases: job.leases.clone(), _maps: Vec::new() };
         let mut used: Vec<u32> = Vec::new();
@@ -243,5 +318,80 @@ impl Transport for CudaTransport {
 
     fn execute<'a>(&'a self, job: &'a Job) -> TransportFuture<'a> {
         Box::pin(self.run(job))
+    }
+}
+
+/// Stages between local memory and a bounce slot with CUDA copies (a memcpy for host parts).
+struct CudaStager<'a> {
+    t: &'a CudaTransport,
+    cuda: &'a Cuda,
+    /// Devices with copies queued since the last fence.
+    used: Mutex<Vec<u32>>,
+    /// Every device this stager queued copies on: synchronized when it drops, so that a
+    /// dropped job's copies have run before the drop returns.
+    ever: Mutex<Vec<u32>>,
+}
+
+impl CudaStager<'_> {
+    fn copy(&self, job: &Job, part: &Part, slot: *mut u8, out: bool) -> Result<(), TransferError> {
+        let p = &job.pieces[part.piece];
+        let (off, len) = (p.local_offset + part.offset, part.len);
+        // SAFETY: `slot` holds `slot_offset + len` bytes (the slot's range was checked by
+        // staging, and parts fit in a slot).
+        let at = unsafe { slot.add(part.slot_offset as usize) };
+        let (src, dst) = match locate(job.region(p), off, len)? {
+            local if out => (local, Loc::Host(at)),
+            local => (Loc::Host(at), local),
+        };
+        let host_copy = || {
+            let (Loc::Host(s), Loc::Host(d)) = (src, dst) else { unreachable!("host parts") };
+            // SAFETY: both ranges were checked (the region's by `locate`, the slot's above)
+            // and lie in distinct regions.
+            unsafe { std::ptr::copy_nonoverlapping(s, d, len as usize) };
+            Ok(())
+        };
+        if let Some(o) = self.t.queue(self.cuda, src, dst, len, host_copy)? {
+            for list in [&self.used, &self.ever] {
+                let mut l = list.lock();
+                if !l.contains(&o) {
+                    l.push(o);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Stager for CudaStager<'_> {
+    fn stage_out(&self, job: &Job, part: &Part, slot: *mut u8) -> Result<(), TransferError> {
+        self.copy(job, part, slot, true)
+    }
+
+    fn stage_in(&self, job: &Job, part: &Part, slot: *mut u8) -> Result<(), TransferError> {
+        self.copy(job, part, slot, false)
+    }
+
+    fn fence(&self) -> impl std::future::Future<Output = Result<(), TransferError>> + Send {
+        let used = std::mem::take(&mut *self.used.lock());
+        let events: Result<Vec<Event>, TransferError> = used
+            .into_iter()
+            .map(|o| self.t.stream(self.cuda, o)?.record().map_err(cuda_err))
+            .collect();
+        async move {
+            for e in events? {
+                e.done().await.map_err(cuda_err)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+impl Drop for CudaStager<'_> {
+    fn drop(&mut self) {
+        for &o in self.ever.lock().iter() {
+            if let Ok(s) = self.t.stream(self.cuda, o) {
+                let _ = s.synchronize();
+            }
+        }
     }
 }

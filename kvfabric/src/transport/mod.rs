@@ -46,6 +46,7 @@ pub mod cuda;
 pub mod fault;
 pub mod local;
 pub mod shm;
+pub mod staging;
 pub mod tcp;
 
 /// A boxed future of a transport.
@@ -141,14 +142,15 @@ impl Transports {
                 None => t,
             }
         };
+        let tcp = wrap(Arc::new(tcp::TcpTransport));
         Transports {
             local: wrap(Arc::new(local::LocalTransport)),
             shm: wrap(Arc::new(shm::ShmTransport)),
-            tcp: wrap(Arc::new(tcp::TcpTransport)),
             #[cfg(feature = "cuda")]
-            cuda: Some(wrap(Arc::new(cuda::CudaTransport::default()))),
+            cuda: Some(wrap(Arc::new(cuda::CudaTransport::new(tcp.clone())))),
             #[cfg(not(feature = "cuda"))]
             cuda: None,
+            tcp,
         }
     }
 }
