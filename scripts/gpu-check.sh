@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks, for a machine with an NVIDIA GPU and driver but no Rust toolchain.
 #
-#   scripts/gpu-check.sh build [DIR]   here (with cargo): builds the CUDA test binary and the
+#   scripts/gpu-check.sh build [DIR]   here (with cargo): builds the GPU test binaries and the
 #                                      release `kvfabric` binary (feature cuda, driver loaded at
 #                                      run time), stripped, into DIR (default dist/gpu-check)
 #   scripts/gpu-check.sh run [DIR]     on the GPU machine: runs every CUDA test (the ones that
@@ -22,17 +22,24 @@ case "$cmd" in
     cd "$(dirname "$0")/.."
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/kvfabric/target}"
     # The test binary's path comes from cargo's JSON messages.
-    test_bin="$(cargo test -p kvfabric --features cuda --test cuda --no-run --message-format=json 2>/dev/null |
+    # The test binaries with GPU tests: kvfabric's tests/cuda.rs, kvfabric-tiers' device_tier.
+    # Their paths come from cargo's JSON messages.
+    built="$(cargo test -p kvfabric -p kvfabric-tiers --features kvfabric/cuda,kvfabric-tiers/cuda \
+        --test cuda --test device_tier --no-run --message-format=json 2>/dev/null |
       python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
-        print(m["executable"])')"
-    [ -x "$test_bin" ] || { echo "gpu-check: no CUDA test binary built" >&2; exit 1; }
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"], m["executable"])')"
+    rm -f "$dir"/*-tests
+    while read -r name exe; do
+      cp "$exe" "$dir/$name-tests"
+    done <<<"$built"
+    [ -x "$dir/cuda-tests" ] && [ -x "$dir/device_tier-tests" ] ||
+      { echo "gpu-check: the GPU test binaries were not built" >&2; exit 1; }
     cargo build --release -p kvfabric-cli --quiet
-    cp "$test_bin" "$dir/cuda-tests"
     cp "$CARGO_TARGET_DIR/release/kvfabric" "$dir/kvfabric"
-    strip "$dir/cuda-tests" "$dir/kvfabric"
+    strip "$dir"/*-tests "$dir/kvfabric"
     cp "$0" "$dir/gpu-check.sh"
     du -sh "$dir"
     ;;
@@ -42,10 +49,13 @@ for l in sys.stdin:
     status=0
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/nvidia-smi.txt" 2>&1 || true
     cat "$out/nvidia-smi.txt"
-    echo "== CUDA tests"
-    KVFABRIC_EXPECT_CUDA=1 "$dir/cuda-tests" --include-ignored --test-threads 1 2>&1 |
-      tee "$out/tests.log" || status=1
-    grep -q "test result: ok" "$out/tests.log" || status=1
+    for t in "$dir"/*-tests; do
+      name="$(basename "$t")"
+      echo "== $name"
+      KVFABRIC_EXPECT_CUDA=1 "$t" --include-ignored --test-threads 1 2>&1 |
+        tee "$out/$name.log" || status=1
+      grep -q "test result: ok" "$out/$name.log" || status=1
+    done
     echo "== bench transfer --transports cuda"
     "$dir/kvfabric" bench transfer --transports cuda --sizes 64K,1M,4M,64M --batches 1,16,256 \
       --max-transfer-mib 1024 --min-time-ms 200 --json --log-level warn \

@@ -21,10 +21,12 @@
 //! `onboard.rs` lookups and the path back into host memory, `handles.rs` [`WriteSlot`] and
 //! [`BlockRef`].
 
+mod device;
 mod handles;
 mod offload;
 mod onboard;
 
+pub use device::{DeviceBlockRef, DeviceSlots, DeviceTierConfig, DeviceWriteSlot};
 pub use handles::{BlockRef, ScratchSlot, WriteSlot};
 
 use std::sync::Arc;
@@ -70,6 +72,8 @@ pub struct StoreConfig {
     /// fetches blocks no local tier holds straight into host slots. Its agent must be the one
     /// the store is opened with.
     pub remote: Option<crate::remote::RemoteTier>,
+    /// G1: slots in GPU memory above the host tier (see [`DeviceTierConfig`]).
+    pub device: Option<DeviceTierConfig>,
 }
 
 impl StoreConfig {
@@ -86,6 +90,7 @@ impl StoreConfig {
             shared_host: true,
             host_free_target: 0,
             remote: None,
+            device: None,
         }
     }
 
@@ -162,6 +167,7 @@ struct Inner {
     region: HostRegion,
     stride: u64,
     host: Mutex<HostState>,
+    device: Option<device::DeviceTier>,
     disk: Option<DiskTier>,
     events: EventLog,
     metrics: StoreMetrics,
@@ -259,7 +265,12 @@ impl TieredStore {
             }
             None => None,
         };
+        let device = match &cfg.device {
+            Some(d) => Some(device::DeviceTier::open(d, agent, cfg.block_bytes)?),
+            None => None,
+        };
         let inner = Inner {
+            device,
             host: Mutex::new(HostState {
                 pool: SlotPool::new(cfg.host_blocks, cfg.host_policy),
                 filter: FrequencyFilter::new(
@@ -338,6 +349,10 @@ impl TieredStore {
     pub async fn remove(&self, hash: SequenceHash) -> bool {
         let inner = &self.inner;
         let mut any = false;
+        if inner.device.as_ref().is_some_and(|d| d.pool.lock().remove(hash).is_ok()) {
+            inner.events.removed(vec![hash], TierKind::Device);
+            any = true;
+        }
         if inner.host.lock().pool.remove(hash).is_ok() {
             inner.events.removed(vec![hash], TierKind::Host);
             any = true;
@@ -353,6 +368,9 @@ impl TieredStore {
 
     /// Forgets every block in every tier (the disk file is emptied) and emits `Cleared`.
     pub async fn clear(&self) -> Result<(), StoreError> {
+        if let Some(d) = &self.inner.device {
+            d.pool.lock().clear();
+        }
         self.inner.host.lock().pool.clear();
         if let Some(d) = &self.inner.disk {
             d.clear().await?;
@@ -374,6 +392,9 @@ impl TieredStore {
             .collect();
         if let Some(d) = &self.inner.disk {
             out.extend(d.blocks().into_iter().map(|(h, p)| (TierKind::Disk, h, p)));
+        }
+        if let Some(d) = &self.inner.device {
+            out.extend(d.pool.lock().blocks().into_iter().map(|(h, p)| (TierKind::Device, h, p)));
         }
         out
     }

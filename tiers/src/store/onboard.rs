@@ -25,9 +25,14 @@ impl TieredStore {
         let mut tiers = Vec::new();
         let mut to_prefetch = Vec::new();
         {
+            let mut device = inner.device.as_ref().map(|d| d.pool.lock());
             let mut host = inner.host.lock();
             for &h in hashes {
-                if let Some(slot) = host.pool.lookup(h) {
+                if let Some(slot) = device.as_mut().and_then(|d| d.lookup(h).map(|s| (s, d))) {
+                    let (slot, pool) = slot;
+                    pool.touch(slot);
+                    tiers.push(TierKind::Device);
+                } else if let Some(slot) = host.pool.lookup(h) {
                     host.pool.touch(slot);
                     host.filter.hit(h);
                     add(&inner.metrics.host.hits, 1);
@@ -160,7 +165,9 @@ impl TieredStore {
 
     /// The fastest local tier holding a block, without counting a hit.
     fn local_tier(&self, h: SequenceHash) -> Option<TierKind> {
-        if self.inner.host.lock().pool.lookup(h).is_some() {
+        if self.inner.device.as_ref().is_some_and(|d| d.pool.lock().lookup(h).is_some()) {
+            Some(TierKind::Device)
+        } else if self.inner.host.lock().pool.lookup(h).is_some() {
             Some(TierKind::Host)
         } else if self.inner.disk.as_ref().is_some_and(|d| d.has(h)) {
             Some(TierKind::Disk)

@@ -1,0 +1,381 @@
+//! G1, the device tier: block slots in GPU memory above the host tier.
+//!
+//! - **Store**: [`TieredStore::allocate_device`] reserves a G1 slot (invisible until commit);
+//!   the engine fills it on the GPU, then [`DeviceWriteSlot::commit`] makes it visible and
+//!   emits `Stored{device}`.
+//! - **Offload**: when G1 is full, its least recently used unpinned block moves down: copied
+//!   device → host (D2H) into a new G2 slot (`Stored{host}`) unless G2 holds it already, then
+//!   its G1 slot is freed (`Removed{device}`). If the copy fails the block stays in G1.
+//! - **Onboard**: [`TieredStore::get_device`] pins the leading run of cached blocks in G1,
+//!   bringing blocks up from G2 (and, through G2, from disk and the fabric) with H2D copies
+//!   into new G1 slots (`Stored{device}`).
+//!
+//! Every copy between G1 and G2 is a local transfer of the store's agent, so it runs on the
+//! `cuda` transport when the G1 region is GPU memory. The G1 region comes from the config:
+//! allocated on a CUDA device by the store, or a region registered with the agent — an
+//! engine's GPU KV buffer, or, in tests on machines without a GPU, host memory standing in
+//! for it (the local transport then copies with memcpy; the accounting, the events and the
+//! order of copies are the same, which is what such tests prove).
+
+use std::sync::Arc;
+
+use kvfabric::events::TierKind;
+use kvfabric::hash::SequenceHash;
+use kvfabric::memory::Region;
+use kvfabric::transfer::{Desc, TransferOp, TransferRequest};
+use parking_lot::Mutex;
+
+use crate::disk::format::align_up;
+use crate::pool::{EvictOutcome, PoolError, SlotPool, Victim};
+
+use super::{to_completion, BlockRef, Inner, StoreError, TieredStore};
+
+/// Where G1's slots live.
+#[derive(Debug, Clone)]
+pub enum DeviceSlots {
+    /// The store allocates them on this CUDA device (feature `cuda` of `kvfabric`).
+    Allocate {
+        /// The device's ordinal in this process.
+        ordinal: usize,
+    },
+    /// A region registered with the store's agent, at least `blocks × stride` bytes: an
+    /// engine's GPU KV buffer, or host memory standing in for GPU memory.
+    Region(Arc<Region>),
+}
+
+/// The device tier's configuration.
+#[derive(Debug, Clone)]
+pub struct DeviceTierConfig {
+    /// G1 slots.
+    pub blocks: u32,
+    /// Where they live.
+    pub slots: DeviceSlots,
+}
+
+#[derive(Debug)]
+pub(super) struct DeviceTier {
+    pub(super) region: Arc<Region>,
+    pub(super) pool: Mutex<SlotPool>,
+}
+
+impl DeviceTier {
+    pub(super) fn open(
+        cfg: &DeviceTierConfig,
+        agent: &kvfabric::agent::Agent,
+        block_bytes: u64,
+    ) -> Result<Self, StoreError> {
+        if cfg.blocks == 0 {
+            return Err(StoreError::Invalid("the device tier needs at least one block".into()));
+        }
+        let bytes = align_up(block_bytes)
+            .checked_mul(u64::from(cfg.blocks))
+            .filter(|&b| b <= usize::MAX as u64)
+            .ok_or_else(|| StoreError::Invalid("device tier too large".into()))?;
+        let region = match &cfg.slots {
+            DeviceSlots::Region(r) => {
+                if (r.len() as u64) < bytes {
+                    return Err(StoreError::Invalid(format!(
+                        "the device region holds {} bytes; {} blocks need {bytes}",
+                        r.len(),
+                        cfg.blocks
+                    )));
+                }
+                r.clone()
+            }
+            #[cfg(feature = "cuda")]
+            DeviceSlots::Allocate { ordinal } => {
+                agent.alloc_device_region(*ordinal, bytes as usize, true)?
+            }
+            #[cfg(not(feature = "cuda"))]
+            DeviceSlots::Allocate { .. } => {
+                let _ = agent;
+                return Err(StoreError::Invalid(
+                    kvfabric::cuda::CudaUnavailable::NotBuilt.to_string(),
+                ));
+            }
+        };
+        tracing::info!(blocks = cfg.blocks, kind = ?region.kind(), "block store: device tier");
+        Ok(DeviceTier {
+            region,
+            pool: Mutex::new(SlotPool::new(cfg.blocks, crate::policy::PolicyKind::Lru)),
+        })
+    }
+}
+
+/// A reserved G1 slot being filled on the GPU. Invisible until committed; dropped
+/// uncommitted, the slot is freed.
+#[derive(Debug)]
+pub struct DeviceWriteSlot {
+    store: Arc<Inner>,
+    slot: u32,
+    hash: SequenceHash,
+    parent: Option<SequenceHash>,
+    done: bool,
+}
+
+impl DeviceWriteSlot {
+    /// The G1 region.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.store.device().region
+    }
+
+    /// Byte offset of the slot in the region.
+    pub fn offset(&self) -> u64 {
+        self.store.slot_offset(self.slot)
+    }
+
+    /// Makes the block visible (`Stored{device}`), pinned: the returned ref unpins it.
+    pub fn commit(mut self) -> DeviceBlockRef {
+        self.done = true;
+        let _ = self.store.device().pool.lock().commit(self.slot, 1);
+        self.store.events.stored(self.hash, self.parent, TierKind::Device);
+        DeviceBlockRef { store: self.store.clone(), slot: self.slot, hash: self.hash }
+    }
+}
+
+impl Drop for DeviceWriteSlot {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.store.device().pool.lock().abort(self.slot);
+        }
+    }
+}
+
+/// A block pinned in G1: never evicted while held.
+#[derive(Debug)]
+pub struct DeviceBlockRef {
+    store: Arc<Inner>,
+    slot: u32,
+    hash: SequenceHash,
+}
+
+impl DeviceBlockRef {
+    /// Its key.
+    pub fn hash(&self) -> SequenceHash {
+        self.hash
+    }
+    /// The G1 region.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.store.device().region
+    }
+    /// Byte offset of the block in the region.
+    pub fn offset(&self) -> u64 {
+        self.store.slot_offset(self.slot)
+    }
+}
+
+impl Drop for DeviceBlockRef {
+    fn drop(&mut self) {
+        let _ = self.store.device().pool.lock().unpin(self.slot);
+    }
+}
+
+impl TieredStore {
+    /// Whether the store has a device tier.
+    pub fn has_device(&self) -> bool {
+        self.inner.device.is_some()
+    }
+
+    /// G1 blocks held and G1 capacity.
+    pub fn device_occupancy(&self) -> (u32, u32) {
+        self.inner.device.as_ref().map_or((0, 0), |d| {
+            let p = d.pool.lock();
+            (p.used(), p.capacity())
+        })
+    }
+
+    /// Reserves a G1 slot for a new block; fill it on the GPU, then commit. Moves least
+    /// recently used G1 blocks down to host memory under pressure.
+    pub async fn allocate_device(
+        &self,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+    ) -> Result<DeviceWriteSlot, StoreError> {
+        let slot = self.inner.reserve_device(hash, parent).await?;
+        Ok(DeviceWriteSlot { store: self.inner.clone(), slot, hash, parent, done: false })
+    }
+
+    /// Pins the leading run of `hashes` that some tier holds, in G1: blocks already there
+    /// are pinned, the others come up from host memory (and through it from disk and the
+    /// fabric) with host → device copies. Stops at the first block no tier holds.
+    pub async fn get_device(
+        &self,
+        hashes: &[SequenceHash],
+    ) -> Result<Vec<DeviceBlockRef>, StoreError> {
+        let inner = &self.inner;
+        let dev =
+            inner.device.as_ref().ok_or_else(|| StoreError::Invalid("no device tier".into()))?;
+        let mut refs = Vec::with_capacity(hashes.len());
+        let mut i = 0;
+        while i < hashes.len() {
+            // The run already in G1: pinned.
+            {
+                let mut pool = dev.pool.lock();
+                while let Some(slot) = hashes.get(i).and_then(|&h| pool.lookup(h)) {
+                    let _ = pool.pin(slot);
+                    pool.touch(slot);
+                    refs.push(DeviceBlockRef { store: inner.clone(), slot, hash: hashes[i] });
+                    i += 1;
+                }
+            }
+            if i == hashes.len() {
+                break;
+            }
+            // The next run not in G1: pinned in host memory first, then copied up.
+            let end = {
+                let pool = dev.pool.lock();
+                (i..hashes.len())
+                    .find(|&j| pool.lookup(hashes[j]).is_some())
+                    .unwrap_or(hashes.len())
+            };
+            let host = self.get(&hashes[i..end]).await?;
+            let (want, got) = (end - i, host.len());
+            for r in host {
+                let parent = (i > 0).then(|| hashes[i - 1]);
+                match inner.onboard_device(&r, parent).await {
+                    Ok(d) => refs.push(d),
+                    Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {
+                        // Another task brought it up meanwhile: take that copy.
+                        let mut pool = dev.pool.lock();
+                        let Some(slot) = pool.lookup(r.hash()) else { return Ok(refs) };
+                        let _ = pool.pin(slot);
+                        refs.push(DeviceBlockRef { store: inner.clone(), slot, hash: r.hash() });
+                    }
+                    Err(e) if refs.is_empty() => return Err(e),
+                    Err(_) => return Ok(refs),
+                }
+                i += 1;
+            }
+            if got < want {
+                break; // the run stopped below G1: nothing after it counts
+            }
+        }
+        Ok(refs)
+    }
+}
+
+impl Inner {
+    pub(super) fn device(&self) -> &DeviceTier {
+        // Only reachable through handles made by a store with a device tier.
+        self.device.as_ref().unwrap_or_else(|| unreachable!("no device tier"))
+    }
+
+    /// Reserves a G1 slot, evicting (D2H into host memory) until one is free.
+    async fn reserve_device(
+        self: &Arc<Self>,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+    ) -> Result<u32, StoreError> {
+        let dev =
+            self.device.as_ref().ok_or_else(|| StoreError::Invalid("no device tier".into()))?;
+        loop {
+            let victim = {
+                let mut pool = dev.pool.lock();
+                match pool.reserve(hash, parent) {
+                    Ok(slot) => return Ok(slot),
+                    Err(PoolError::Present(_)) => return Err(StoreError::AlreadyStored(hash)),
+                    Err(PoolError::BeingWritten) => return Err(StoreError::BeingWritten(hash)),
+                    Err(_) => pool.begin_evict().ok_or(StoreError::Full(TierKind::Device))?,
+                }
+            };
+            let inner = self.clone();
+            to_completion(&self.runtime, async move { inner.evict_device(victim).await }).await?;
+        }
+    }
+
+    /// Copies `len` bytes within the store's agent (D2H or H2D when one side is GPU memory).
+    async fn copy_local(
+        &self,
+        src: (&Arc<Region>, u64),
+        dst: (&Arc<Region>, u64),
+    ) -> Result<(), StoreError> {
+        let agent = &self.region.agent;
+        let len = self.cfg.block_bytes;
+        let req = TransferRequest::new(
+            TransferOp::Write,
+            agent.name(),
+            vec![Desc::new(src.0.id(), src.1, len)],
+            vec![Desc::new(dst.0.id(), dst.1, len)],
+        );
+        let r = match agent.post(req) {
+            Ok(h) => h.wait().await,
+            Err(e) => Err(e),
+        };
+        r.map_err(|e| StoreError::Invalid(format!("copy between G1 and G2: {e}")))
+    }
+
+    /// Moves a G1 victim down: into a host slot unless host memory holds it already, then
+    /// frees its G1 slot. A failed copy keeps it in G1.
+    async fn evict_device(self: &Arc<Self>, v: Victim) -> Result<(), StoreError> {
+        let dev = self.device();
+        let in_host = self.host.lock().pool.lookup(v.hash).is_some();
+        if !in_host {
+            match self.reserve_host(v.hash, v.parent).await {
+                Ok(hslot) => {
+                    let copied = self
+                        .copy_local(
+                            (&dev.region, self.slot_offset(v.slot)),
+                            (&self.region, self.slot_offset(hslot)),
+                        )
+                        .await;
+                    let mut host = self.host.lock();
+                    match copied {
+                        Ok(()) => {
+                            host.checksums[hslot as usize] = None;
+                            let _ = host.pool.commit(hslot, 0);
+                            drop(host);
+                            self.written.notify_waiters();
+                            self.events.stored(v.hash, v.parent, TierKind::Host);
+                        }
+                        Err(e) => {
+                            let _ = host.pool.abort(hslot);
+                            drop(host);
+                            self.written.notify_waiters();
+                            let _ = dev.pool.lock().finish_evict(v.slot, false);
+                            return Err(e);
+                        }
+                    }
+                }
+                // Another task is putting it in host memory (or did): G1 may drop it.
+                Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {}
+                Err(e) => {
+                    let _ = dev.pool.lock().finish_evict(v.slot, false);
+                    return Err(e);
+                }
+            }
+        }
+        if dev.pool.lock().finish_evict(v.slot, true) == Ok(EvictOutcome::Freed) {
+            self.events.removed(vec![v.hash], TierKind::Device);
+        }
+        Ok(())
+    }
+
+    /// Copies a block pinned in host memory into a new G1 slot, pinned.
+    async fn onboard_device(
+        self: &Arc<Self>,
+        host: &BlockRef,
+        parent: Option<SequenceHash>,
+    ) -> Result<DeviceBlockRef, StoreError> {
+        let dev = self.device();
+        let slot = self.reserve_device(host.hash(), parent).await?;
+        let copied = self
+            .copy_local(
+                (&self.region, self.slot_offset(host.slot)),
+                (&dev.region, self.slot_offset(slot)),
+            )
+            .await;
+        let mut pool = dev.pool.lock();
+        match copied {
+            Ok(()) => {
+                let _ = pool.commit(slot, 1);
+                drop(pool);
+                self.events.stored(host.hash(), parent, TierKind::Device);
+                Ok(DeviceBlockRef { store: self.clone(), slot, hash: host.hash() })
+            }
+            Err(e) => {
+                let _ = pool.abort(slot);
+                Err(e)
+            }
+        }
+    }
+}
