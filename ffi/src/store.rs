@@ -10,7 +10,8 @@ use kvfabric::control::Registration;
 use kvfabric::events::{ChannelSink, KvEvent, KvEventData, KvEventSink, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric::layout::ModelSpec;
-use kvfabric::memory::{copy_between, Region, RegionId};
+use kvfabric::memory::{copy_between, MemoryKind, Region, RegionId};
+use kvfabric::transfer::{Desc, TransferOp, TransferRequest};
 use kvfabric_tiers::disk::DiskConfig;
 use kvfabric_tiers::fabric::FabricNode;
 use kvfabric_tiers::publish::StorePublisher;
@@ -416,6 +417,7 @@ impl kvf_store {
             (self.store.clone(), segments.to_vec(), block_ids.to_vec(), regions.clone());
         let share = self.remote.clone().filter(|_| self.share);
         let counters = self.counters.clone();
+        let agent = self.ctx.agent.clone();
         let fut = async move {
             // Reserve every slot first: a save larger than what the host tier can free
             // fails whole (KVF_FULL) instead of evicting its own first blocks.
@@ -429,14 +431,23 @@ impl kvf_store {
                 }
             }
             let stored = slots.len() as u64;
-            let mut committed = Vec::new();
-            for (k, slot) in slots {
+            // Every piece: (engine region, offset) -> (store slot, offset).
+            let mut pieces = Vec::new();
+            for (k, slot) in &slots {
                 let mut at = 0;
                 for (s, region) in segs.iter().zip(&regs) {
-                    let src = s.offset + u64::from(ids[k]) * s.block_stride;
-                    copy_between(region, src, slot.region(), slot.offset() + at, s.bytes)?;
+                    let src = s.offset + u64::from(ids[*k]) * s.block_stride;
+                    pieces.push((
+                        (region.clone(), src),
+                        (slot.region().clone(), slot.offset() + at),
+                        s.bytes,
+                    ));
                     at += s.bytes;
                 }
+            }
+            copy_pieces(&agent, pieces).await?;
+            let mut committed = Vec::new();
+            for (k, slot) in slots {
                 match &share {
                     Some(_) => {
                         let i = first_block + k;
@@ -469,23 +480,58 @@ impl kvf_store {
         let (store, segs, ids, regs) =
             (self.store.clone(), segments.to_vec(), block_ids.to_vec(), regions.clone());
         let deadline = self.ctx.deadline;
+        let agent = self.ctx.agent.clone();
         let fut = async move {
             let refs = tokio::time::timeout(deadline, store.get(&hashes))
                 .await
                 .map_err(|_| FfiError::new(kvf_result::KVF_TIMED_OUT, "load timed out"))??;
             let loaded = refs.len().saturating_sub(first_block).min(ids.len());
+            let mut pieces = Vec::new();
             for (k, r) in refs.iter().skip(first_block).take(loaded).enumerate() {
                 let mut at = 0;
                 for (s, region) in segs.iter().zip(&regs) {
                     let dst = s.offset + u64::from(ids[k]) * s.block_stride;
-                    copy_between(r.region(), r.offset() + at, region, dst, s.bytes)?;
+                    pieces.push((
+                        (r.region().clone(), r.offset() + at),
+                        (region.clone(), dst),
+                        s.bytes,
+                    ));
                     at += s.bytes;
                 }
             }
+            copy_pieces(&agent, pieces).await?;
             Ok(loaded as u64)
         };
         Ok(kvf_op::spawn(self.ctx.rt().handle(), regions, fut))
     }
+}
+
+/// One copy of a save or load: (source region, offset) → (destination region, offset), bytes.
+type CopyPiece = ((Arc<Region>, u64), (Arc<Region>, u64), u64);
+
+/// Copies the pieces of a save or a load between an engine's KV buffers and store slots:
+/// with memcpy when every region is host memory, else as one local transfer of the agent
+/// (its `cuda` transport: a D2H or H2D copy per piece on a stream, one completion event), so
+/// that an engine's GPU KV buffers registered with `KVF_MEM_DEVICE` save and load directly.
+async fn copy_pieces(
+    agent: &kvfabric::agent::Agent,
+    pieces: Vec<CopyPiece>,
+) -> Result<(), FfiError> {
+    let gpu = pieces
+        .iter()
+        .any(|((s, _), (d, _), _)| s.kind() != MemoryKind::Host || d.kind() != MemoryKind::Host);
+    if !gpu {
+        for ((s, so), (d, dof), n) in &pieces {
+            copy_between(s, *so, d, *dof, *n)?;
+        }
+        return Ok(());
+    }
+    let (local, remote) = pieces
+        .iter()
+        .map(|((s, so), (d, dof), n)| (Desc::new(s.id(), *so, *n), Desc::new(d.id(), *dof, *n)))
+        .unzip();
+    let req = TransferRequest::new(TransferOp::Write, agent.name(), local, remote);
+    Ok(agent.post(req)?.wait().await?)
 }
 
 /// Opens a block store on `agent` into `*store_out`. Reads: block_tokens, block_bytes or
