@@ -7,8 +7,9 @@
 #   scripts/gpu-check.sh run [DIR]     on the GPU machine: runs every CUDA test (the ones that
 #                                      are ignored without a GPU) with KVFABRIC_EXPECT_CUDA=1, so
 #                                      a broken driver fails instead of skipping, then the cuda
-#                                      rows of `kvfabric bench transfer`; results (logs, JSON rows)
-#                                      go to $OUT when set, else DIR/results
+#                                      rows of `kvfabric bench transfer` and the G1 rows of
+#                                      `kvfabric bench tier`; results (logs, JSON rows) go to
+#                                      $OUT when set, else DIR/results
 #
 # Exit status: non-zero when a test fails or CUDA is missing on the GPU machine.
 set -euo pipefail
@@ -68,6 +69,9 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     print(f"{r['op']:>4} {r['desc_bytes']:>8} {r['batch']:>5} {r['gbps']:>7.2f} {r['limit_gbps']:>7.2f} {r['ratio_to_limit']:>5.2f}x")
 EOF
+    echo "== bench tier --g1-only"
+    "$dir/kvfabric" bench tier --g1-only --models smollm2-135m,llama-3.1-8b --depths 1,8,32 \
+      --total-mib 256 --reps 2 --log-level warn 2>&1 | tee "$out/bench-tier-g1.txt" || status=1
     exit $status
     ;;
   *)

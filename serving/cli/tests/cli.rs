@@ -154,6 +154,8 @@ fn bench_transfer_says_clearly_when_there_is_no_cuda() {
     };
     let e = one_line_error(&kvfabric(&["bench", "transfer", "--transports", "cuda"]));
     assert!(e.contains(&why.to_string()), "{e}");
+    let e = one_line_error(&kvfabric(&["bench", "tier", "--g1-only"]));
+    assert!(e.contains(&why.to_string()), "{e}");
     let out = kvfabric(&[
         "bench",
         "transfer",

@@ -56,6 +56,10 @@ pub struct DeviceTierConfig {
 pub(super) struct DeviceTier {
     pub(super) region: Arc<Region>,
     pub(super) pool: Mutex<SlotPool>,
+    /// The host tier page-locked for the copies between G1 and G2 (asynchronous DMA instead
+    /// of the driver staging pageable memory), while G1 is GPU memory.
+    #[cfg(feature = "cuda")]
+    _pinned_host: Option<kvfabric::cuda::HostRegistration>,
 }
 
 impl DeviceTier {
@@ -63,6 +67,7 @@ impl DeviceTier {
         cfg: &DeviceTierConfig,
         agent: &kvfabric::agent::Agent,
         block_bytes: u64,
+        host: &Arc<Region>,
     ) -> Result<Self, StoreError> {
         if cfg.blocks == 0 {
             return Err(StoreError::Invalid("the device tier needs at least one block".into()));
@@ -95,9 +100,36 @@ impl DeviceTier {
             }
         };
         tracing::info!(blocks = cfg.blocks, kind = ?region.kind(), "block store: device tier");
+        #[cfg(feature = "cuda")]
+        let _pinned_host = match region.kind() {
+            kvfabric::memory::MemoryKind::Device(ordinal) => {
+                let device = kvfabric::cuda::probe()
+                    .map_err(|e| StoreError::Invalid(e.to_string()))?
+                    .device(ordinal as usize)
+                    .map_err(|e| StoreError::Invalid(e.to_string()))?;
+                let ptr = host
+                    .ptr_at(0, host.len() as u64)
+                    .map_err(|e| StoreError::Invalid(e.to_string()))?;
+                // SAFETY: the host region stays mapped while the store lives: the store holds
+                // it, and the registration (in the store's device tier, dropped before the
+                // host region: see `Inner`) is undone first.
+                match unsafe { device.register_host(ptr, host.len()) } {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "host tier not page-locked: G1 copies go through the driver's staging");
+                        None
+                    }
+                }
+            }
+            kvfabric::memory::MemoryKind::Host => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let _ = host;
         Ok(DeviceTier {
             region,
             pool: Mutex::new(SlotPool::new(cfg.blocks, crate::policy::PolicyKind::Lru)),
+            #[cfg(feature = "cuda")]
+            _pinned_host,
         })
     }
 }

@@ -164,10 +164,12 @@ impl EventLog {
 #[derive(Debug)]
 struct Inner {
     cfg: StoreConfig,
+    /// Declared (so dropped) before the host region: it may hold the host region's
+    /// page-locking, undone before the region goes.
+    device: Option<device::DeviceTier>,
     region: HostRegion,
     stride: u64,
     host: Mutex<HostState>,
-    device: Option<device::DeviceTier>,
     disk: Option<DiskTier>,
     events: EventLog,
     metrics: StoreMetrics,
@@ -266,7 +268,7 @@ impl TieredStore {
             None => None,
         };
         let device = match &cfg.device {
-            Some(d) => Some(device::DeviceTier::open(d, agent, cfg.block_bytes)?),
+            Some(d) => Some(device::DeviceTier::open(d, agent, cfg.block_bytes, &region)?),
             None => None,
         };
         let inner = Inner {

@@ -49,6 +49,13 @@ pub struct TierArgs {
     /// Print one JSON object per row.
     #[arg(long)]
     json: bool,
+    /// Also G1 ↔ G2 rows: a device tier on GPU 0 moving blocks down to host memory (D2H) and
+    /// back up (H2D), against raw `cuMemcpy*Async` of the same blocks (needs an NVIDIA GPU).
+    #[arg(long)]
+    g1: bool,
+    /// Only the G1 ↔ G2 rows.
+    #[arg(long)]
+    g1_only: bool,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -176,7 +183,15 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
     let agent = Agent::start(AgentConfig::new("bench-tier", b"bench".to_vec())).await?;
     let prefer = if args.pread { IoPreference::Pread } else { IoPreference::Auto };
     let mut rows = Vec::new();
-    for model in &args.models {
+    if args.g1 || args.g1_only {
+        match kvfabric::cuda::available() {
+            Ok(()) => rows.extend(g1_rows(&args, &agent).await?),
+            Err(why) if args.g1_only => anyhow::bail!("bench tier --g1-only: {why}"),
+            Err(why) => eprintln!("bench tier: skipping the G1 rows: {why}"),
+        }
+    }
+    let disk_models: &[String] = if args.g1_only { &[] } else { &args.models };
+    for model in disk_models {
         let spec = ModelSpec::preset(model)?;
         let block_bytes = spec.block_layout(args.block_tokens)?.bytes_per_block();
         let n = ((args.total_mib << 20) / block_bytes).max(8);
@@ -358,7 +373,10 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
             r.ratio_to_verified_limit.map_or("-".into(), |x| format!("{x:.2}×")),
         );
     }
-    println!("limit: plain O_DIRECT sequential I/O of the same bytes, same request size, same depth, same run ({}); ratio: median over repetitions of store rate / plain rate, each pair back to back; +XXH3: plain reads that also hash each block, as the store's verification does", rows.first().map_or("", |r| r.io_backend));
+    if rows.iter().any(|r| r.io_backend == "cuda") {
+        println!("G1 rows (g1->g2, g2->g1): limit = raw cuMemcpy*Async of the same blocks between GPU memory and pinned host memory, same run");
+    }
+    println!("limit: plain O_DIRECT sequential I/O of the same bytes, same request size, same depth, same run ({}); ratio: median over repetitions of store rate / plain rate, each pair back to back; +XXH3: plain reads that also hash each block, as the store's verification does", rows.iter().find(|r| r.io_backend != "cuda").map_or("", |r| r.io_backend));
     Ok(())
 }
 
@@ -434,4 +452,93 @@ where
     let elapsed = start.elapsed();
     let lat = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
     Ok((lat, elapsed))
+}
+
+/// G1 ↔ G2 rows: per model and depth, a store with a device tier on GPU 0 of `n` blocks and
+/// a host tier of `2n`. `g1->g2`: G1 full, `n` new blocks allocated `depth` at a time, each
+/// moving a G1 block down (D2H). `g2->g1`: `n` blocks in host memory brought up with
+/// `get_device`, `depth` per call (H2D). Limit: the same blocks copied with raw
+/// `cuMemcpy*Async` between a device buffer and pinned host memory, `depth` per synchronize.
+async fn g1_rows(args: &TierArgs, agent: &Agent) -> anyhow::Result<Vec<Row>> {
+    use kvfabric_tiers::store::{DeviceSlots, DeviceTierConfig};
+    let cuda = kvfabric::cuda::probe()?;
+    let dev = cuda.device(0)?;
+    let stream = dev.stream()?;
+    let mut rows = Vec::new();
+    for model in &args.models {
+        let spec = ModelSpec::preset(model)?;
+        let block_bytes = spec.block_layout(args.block_tokens)?.bytes_per_block();
+        let n = ((args.total_mib << 20) / block_bytes).max(8);
+        let stride = align_up(block_bytes);
+        let raw_dev = dev.alloc((stride * n) as usize)?;
+        let raw_host = dev.alloc_pinned((stride * n) as usize)?;
+        for &depth in &args.depths {
+            eprintln!("{model}: G1 <-> G2, {} KiB blocks × {n}, depth {depth}", block_bytes >> 10);
+            let (mut down, mut up, mut d_lim, mut u_lim) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut d_lat, mut u_lat) = (Vec::new(), Vec::new());
+            for _ in 0..args.reps.max(1) {
+                let mut cfg = StoreConfig::new(block_bytes, (2 * n) as u32);
+                cfg.shared_host = false;
+                cfg.device = Some(DeviceTierConfig {
+                    blocks: n as u32,
+                    slots: DeviceSlots::Allocate { ordinal: 0 },
+                });
+                let store = TieredStore::open(cfg, agent, Arc::new(NullSink)).await?;
+                let first: Vec<SequenceHash> =
+                    (0..n).map(|i| SequenceHash(0x91_0000 + i)).collect();
+                let second: Vec<SequenceHash> =
+                    (0..n).map(|i| SequenceHash(0x92_0000 + i)).collect();
+                for &h in &first {
+                    drop(store.allocate_device(h, None).await?.commit());
+                }
+                let (lat, elapsed) = timed(&second, depth, |h| {
+                    let store = store.clone();
+                    async move {
+                        drop(store.allocate_device(h, None).await?.commit());
+                        Ok(())
+                    }
+                })
+                .await?;
+                down.push(gbps(block_bytes * n, elapsed));
+                d_lat.extend(lat);
+                // `first` is in host memory now; G1 holds `second`. Up again, `depth` per call.
+                let start = Instant::now();
+                for chunk in first.chunks(depth) {
+                    let t = Instant::now();
+                    let got = store.get_device(chunk).await?;
+                    anyhow::ensure!(got.len() == chunk.len(), "prefix not brought up to G1");
+                    u_lat.push(t.elapsed());
+                }
+                up.push(gbps(block_bytes * n, start.elapsed()));
+                drop(store);
+                // The limits, on the same block size and batch.
+                for (d2h, out) in [(true, &mut d_lim), (false, &mut u_lim)] {
+                    let start = Instant::now();
+                    for chunk in (0..n).collect::<Vec<_>>().chunks(depth) {
+                        for &i in chunk {
+                            let (h, d) = (
+                                raw_host.as_ptr().wrapping_add((i * stride) as usize),
+                                raw_dev.ptr() + i * stride,
+                            );
+                            // SAFETY: block i lies inside both buffers (n × stride bytes), which
+                            // outlive the synchronize below.
+                            unsafe {
+                                if d2h {
+                                    stream.copy_d2h(h, d, block_bytes as usize)?;
+                                } else {
+                                    stream.copy_h2d(d, h, block_bytes as usize)?;
+                                }
+                            }
+                        }
+                        stream.synchronize()?;
+                    }
+                    out.push(gbps(block_bytes * n, start.elapsed()));
+                }
+            }
+            rows.push(row("g1->g2", model, block_bytes, depth, n, &d_lat, &down, &d_lim, "cuda"));
+            rows.push(row("g2->g1", model, block_bytes, depth, n, &u_lat, &up, &u_lim, "cuda"));
+        }
+    }
+    Ok(rows)
 }
