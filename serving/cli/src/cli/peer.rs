@@ -36,6 +36,10 @@ pub struct PeerArgs {
     /// Seed of the region's fill pattern.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also export a region of this many bytes of GPU memory on CUDA device 0 (peers on this
+    /// host reach it through CUDA IPC); 0: none.
+    #[arg(long, default_value_t = 0)]
+    device_bytes: usize,
 }
 
 /// The byte at `i` of the pattern of `seed`; the tests recompute it.
@@ -85,6 +89,10 @@ pub async fn run(args: PeerArgs) -> anyhow::Result<()> {
         )
         .context("allocating the peer region")?;
     fill(&region, args.seed)?;
+    let _gpu = (args.device_bytes > 0)
+        .then(|| agent.alloc_device_region(0, args.device_bytes, true))
+        .transpose()
+        .context("allocating the peer's GPU region")?;
     emit(serde_json::json!({ "metadata": agent.metadata() }));
 
     let watcher = {

@@ -4,12 +4,20 @@
 //! against the limit measured in the same run: one raw `cuMemcpy*Async` of the same bytes,
 //! contiguous, followed by `cuStreamSynchronize`.
 //!
+//! Rows `cuda-ipc`: WRITE and READ between a GPU region of this process and a GPU region of
+//! a peer process (`kvfabric peer --device-bytes`) through the agent — descriptor lists on
+//! the `cuda` transport over CUDA IPC — against one raw `cuMemcpyDtoDAsync` of the same bytes
+//! within this process.
+//!
 //! On a machine without CUDA, [`rows`] fails with the typed reason (no driver, no GPU, a
 //! build without the feature), which the caller prints.
 
 use std::time::{Duration, Instant};
 
+use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::cuda::{self, DeviceBuffer, PinnedBuffer, Stream};
+use kvfabric::memory::MemoryKind;
+use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_serving::stats::{gbps, Percentiles};
 
 use super::transfer::{keep_measuring, Row};
@@ -79,6 +87,7 @@ pub async fn rows(
                 continue;
             }
             for op in [Op::H2d, Op::D2h, Op::D2d] {
+                eprintln!("[cuda] {} {desc}×{batch}", op.name());
                 // The limit: one contiguous copy, synchronized directly.
                 let mut limit = Vec::new();
                 let start = Instant::now();
@@ -122,5 +131,87 @@ pub async fn rows(
             }
         }
     }
+    rows.extend(ipc_rows(sizes, batches, max_bytes, min_time, &bufs, &stream).await?);
+    Ok(rows)
+}
+
+/// The `cuda-ipc` rows (see the module docs).
+async fn ipc_rows(
+    sizes: &[u64],
+    batches: &[usize],
+    max_bytes: usize,
+    min_time: Duration,
+    bufs: &Buffers,
+    stream: &Stream,
+) -> anyhow::Result<Vec<Row>> {
+    let secret = format!("{:016x}", super::transfer::rand_u64());
+    let dev_bytes = max_bytes.to_string();
+    let (mut child, md) =
+        super::transfer::spawn_peer(&secret, 4096, &["--device-bytes", &dev_bytes]).await?;
+    let remote = md
+        .regions
+        .iter()
+        .find(|r| r.kind != MemoryKind::Host)
+        .map(|r| r.id)
+        .ok_or_else(|| anyhow::anyhow!("the peer exported no GPU region"))?;
+    let agent = Agent::start(AgentConfig::new("bench-cuda", secret.into_bytes())).await?;
+    agent.load_peer(md.clone())?;
+    let local = agent.alloc_device_region(0, max_bytes, false)?;
+    let mut rows = Vec::new();
+    for &desc in sizes {
+        for &batch in batches {
+            let bytes = desc.saturating_mul(batch as u64);
+            if bytes > max_bytes as u64 {
+                continue;
+            }
+            let mut limit = Vec::new();
+            let start = Instant::now();
+            while keep_measuring(limit.len(), start, min_time) {
+                let t = Instant::now();
+                bufs.copy(stream, Op::D2d, 0, bytes)?;
+                stream.synchronize()?;
+                limit.push(t.elapsed());
+            }
+            let limit_gbps = gbps(bytes * limit.len() as u64, limit.iter().sum());
+            for op in [TransferOp::Write, TransferOp::Read] {
+                eprintln!("[cuda-ipc] {} {desc}×{batch}", kvfabric::agent::op_name(op));
+                let l: Vec<Desc> =
+                    (0..batch as u64).map(|i| Desc::new(local.id(), i * desc, desc)).collect();
+                let r: Vec<Desc> =
+                    (0..batch as u64).map(|i| Desc::new(remote, i * desc, desc)).collect();
+                let req = TransferRequest::new(op, &md.name, l, r)
+                    .with_transport(TransportKind::Cuda)
+                    .with_deadline(Duration::from_secs(60));
+                agent.post(req.clone())?.wait().await?;
+                let mut lat = Vec::new();
+                let start = Instant::now();
+                while keep_measuring(lat.len(), start, min_time) {
+                    let t = Instant::now();
+                    agent.post(req.clone())?.wait().await?;
+                    lat.push(t.elapsed());
+                }
+                let p = Percentiles::of(&lat);
+                let rate = gbps(bytes * lat.len() as u64, lat.iter().sum());
+                rows.push(Row {
+                    transport: "cuda-ipc",
+                    op: kvfabric::agent::op_name(op),
+                    desc_bytes: desc,
+                    batch,
+                    bytes,
+                    iterations: lat.len(),
+                    gbps: rate,
+                    p50_us: p.p50_us,
+                    p99_us: p.p99_us,
+                    limit: "cuMemcpyDtoDAsync",
+                    limit_gbps,
+                    ratio_to_limit: rate / limit_gbps,
+                    memcpy_gbps: f64::NAN,
+                    tcp_socket_gbps: f64::NAN,
+                    checksum: false,
+                });
+            }
+        }
+    }
+    let _ = child.start_kill();
     Ok(rows)
 }

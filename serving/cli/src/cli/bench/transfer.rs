@@ -146,9 +146,10 @@ pub(super) struct Row {
     pub(super) checksum: bool,
 }
 
-async fn spawn_peer(
+pub(super) async fn spawn_peer(
     secret: &str,
     region_bytes: usize,
+    extra: &[&str],
 ) -> anyhow::Result<(tokio::process::Child, AgentMetadata)> {
     let exe = std::env::current_exe().context("locating the kvfabric binary")?;
     let mut child = tokio::process::Command::new(exe)
@@ -161,6 +162,7 @@ async fn spawn_peer(
             "--seed",
             "1",
         ])
+        .args(extra)
         .env("KVFABRIC_SECRET", secret)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -222,7 +224,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
     }
 
     let secret = format!("{:016x}{:016x}", rand_u64(), rand_u64());
-    let (mut child, peer_md) = spawn_peer(&secret, region_bytes).await?;
+    let (mut child, peer_md) = spawn_peer(&secret, region_bytes, &[]).await?;
     let mut cfg = AgentConfig::new("bench", secret.clone().into_bytes());
     cfg.tcp_connections_per_peer = args.tcp_stripes;
     cfg.tcp_stripe_bytes = parse_size(&args.tcp_stripe_bytes)?;
@@ -340,7 +342,7 @@ fn print_rows(rows: &[Row], json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn rand_u64() -> u64 {
+pub(super) fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
