@@ -263,7 +263,8 @@ class WorkerStore:
 
     def register(self, parts: Sequence[tuple]) -> None:
         """The engine's paged buffers as (buffer, offset, block_stride, bytes) pieces of a
-        block, in block order; a buffer is a numpy array or a host torch tensor."""
+        block, in block order; a buffer is a numpy array or a torch tensor (on a CUDA device it
+        registers as GPU memory: saves and loads then copy D2H and H2D)."""
         regions: dict[int, int] = {}
         segs = []
         for buf, offset, stride, nbytes in parts:

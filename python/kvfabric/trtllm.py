@@ -17,10 +17,13 @@ The halves share :mod:`kvfabric.connector` with the vLLM connector: the schedule
 asks the worker stores of every rank; each worker owns a store. TensorRT-LLM hands the
 worker one pool tensor, ``[num_blocks, num_layers, 2, tokens_per_block * kv_heads *
 head_dim]``, where ``pool[block_id]`` is a whole block (every layer, K and V): one piece per
-block. The pool lives in GPU memory; until kvfabric registers device memory itself (the GPU
-issue), blocks go through a pinned host staging buffer: loads land in it and are copied to
-the pool on the engine's stream, saves are copied out of the pool and synchronised on the
-stream before the store reads them. Host tensors are registered directly.
+block. The pool lives in GPU memory: where kvfabric has CUDA it is registered as GPU memory
+and saves and loads copy straight between it and the store's host tier (D2H and H2D on
+kvfabric's stream; a save first synchronises the engine's stream, so the forward pass has
+written the blocks). Where registering it fails (a kvfabric without CUDA), blocks go through
+a pinned host staging buffer: loads land in it and are copied to the pool on the engine's
+stream, saves are copied out of the pool and synchronised on the stream before the store
+reads them. Host tensors are registered directly.
 
 A limit of TensorRT-LLM's interface: a worker cannot report that a promised block failed to
 load (vLLM's connector reports such blocks and vLLM recomputes them). The window is the
@@ -40,7 +43,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .connector import SchedulerLookup, WorkerStore
+from . import KvfError
+from .connector import SchedulerLookup, WorkerStore, log
 
 try:  # pragma: no cover - exercised only where TensorRT-LLM is installed
     try:
@@ -198,6 +202,7 @@ class KvfabricWorker(KvCacheConnectorWorker):
         self._store: Optional[WorkerStore] = None
         self._pool = None
         self._staging = None  # (host buffer, its blocks) when the pool is in device memory
+        self._direct_gpu = False  # the GPU pool is registered with kvfabric itself
         # Whether the scheduler keeps a finished request's blocks until get_finished reports
         # it (the same config key on both halves).
         self._delay = str(self._cfg.get("async_save", True)).lower() not in ("0", "false", "no", "off")
@@ -228,6 +233,12 @@ class KvfabricWorker(KvCacheConnectorWorker):
         else:  # pragma: no cover - needs a GPU
             import torch
 
+            try:
+                self._store.register([(kv_cache_tensor, 0, block, block)])
+                self._direct_gpu = True
+                return
+            except KvfError as e:  # no CUDA in this kvfabric: stage through host memory
+                log.warning("kvfabric: the GPU pool is staged through host memory (%s)", e)
             k = int(self._cfg.get("staging_blocks", 256))
             host = torch.empty((k,) + shape[1:], dtype=kv_cache_tensor.dtype, pin_memory=True)
             self._staging = (host, k)
@@ -271,6 +282,8 @@ class KvfabricWorker(KvCacheConnectorWorker):
 
     def _move(self, tokens, first, ids, stream, load: bool, req_id=None) -> int:
         st = self.store
+        if self._direct_gpu and not load and stream is not None:  # pragma: no cover - GPU
+            stream.synchronize()  # the forward pass has written the blocks before they are read
         if self._staging is None:
             if load:
                 return st.finish_load(st.start_load(tokens, first, ids), len(ids))

@@ -241,7 +241,7 @@ class KvfabricConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict):
-        """Registers each layer's paged buffer (numpy arrays or host torch tensors), in either
+        """Registers each layer's paged buffer (numpy arrays, host or CUDA torch tensors), in either
         of vLLM's layouts: K and V apart, ``[2, num_blocks, ...]`` (two pieces per layer), or
         blocks first, ``[num_blocks, ...]`` (the CPU backend's ``[num_blocks, kv_heads,
         block_size, 2 * head_size]``; one piece per layer)."""
@@ -265,6 +265,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             else:
                 raise ValueError(f"{name}: shape {shape} has no axis of {num_blocks} blocks")
             self._layers.append(name)
+        # GPU tensors register as GPU memory (saves and loads copy D2H and H2D on kvfabric's
+        # stream); the engine's stream is synchronised before a save reads them.
+        self._gpu = any(getattr(getattr(p[0], "device", None), "type", "cpu") == "cuda" for p in parts)
         self.worker_store.register(parts)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -289,8 +292,13 @@ class KvfabricConnector(KVConnectorBase_V1):
         pass
 
     def wait_for_save(self):
-        # Called after the forward pass: every layer of the step's blocks is written.
+        # Called after the forward pass: every layer of the step's blocks is written (on a
+        # GPU, once the engine's stream has run it).
         meta = self._get_connector_metadata()
+        if getattr(self, "_gpu", False) and any(r.save is not None for r in meta.requests):  # pragma: no cover - GPU
+            import torch
+
+            torch.cuda.current_stream().synchronize()
         for req in meta.requests:
             if req.save is None:
                 continue
