@@ -560,13 +560,7 @@ impl Agent {
                 }),
             };
         }
-        let peer = self
-            .inner
-            .peers
-            .read()
-            .get(&req.peer)
-            .cloned()
-            .ok_or_else(|| TransferError::UnknownPeer(req.peer.clone()))?;
+        let peer = self.peer(&req.peer)?;
         let shm_ok =
             || peer.same_host() && req.remote.iter().all(|d| peer.shm_map(d.region).is_some());
         match req.transport {
@@ -592,6 +586,16 @@ impl Agent {
             None if shm_ok() => Ok((t.shm.clone(), Some(peer))),
             None => Ok((t.tcp.clone(), Some(peer))),
         }
+    }
+
+    /// A loaded peer.
+    fn peer(&self, name: &str) -> Result<Arc<Peer>, TransferError> {
+        self.inner
+            .peers
+            .read()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| TransferError::UnknownPeer(name.to_string()))
     }
 
     /// Whether a request names GPU memory, here or at the peer.
@@ -631,13 +635,7 @@ impl Agent {
         if req.peer == self.inner.config.name {
             return Ok((cuda, None));
         }
-        let peer = self
-            .inner
-            .peers
-            .read()
-            .get(&req.peer)
-            .cloned()
-            .ok_or_else(|| TransferError::UnknownPeer(req.peer.clone()))?;
+        let peer = self.peer(&req.peer)?;
         if !peer.same_host() {
             // Local GPU memory to host memory of another host: staged through bounce
             // buffers over TCP. GPU memory of another host: its owner must stage it.
@@ -692,13 +690,7 @@ impl Agent {
                 body.len()
             )));
         }
-        let p = self
-            .inner
-            .peers
-            .read()
-            .get(peer)
-            .cloned()
-            .ok_or_else(|| TransferError::UnknownPeer(peer.to_string()))?;
+        let p = self.peer(peer)?;
         tokio::time::timeout(deadline, p.session.call(method, body))
             .await
             .map_err(|_| TransferError::TimedOut(deadline))?

@@ -294,17 +294,7 @@ impl CudaTransport {
                 Some(peer) => {
                     peer.session.commit(job.id, Vec::new(), Some(message.clone())).await?
                 }
-                None => {
-                    let n = crate::endpoint::Notification {
-                        from: endpoint.name().to_string(),
-                        transfer_id: job.id,
-                        message: message.clone(),
-                    };
-                    endpoint
-                        .deliver(n)
-                        .await
-                        .map_err(|r| TransferError::Remote { code: r.code, message: r.message })?;
-                }
+                None => job.deliver_here(message).await?,
             }
         }
         Ok(())

@@ -1,6 +1,5 @@
 //! `local`: both sides in this agent; one memcpy per descriptor.
 
-use crate::endpoint::Notification;
 use crate::memory::copy_between;
 use crate::transfer::{TransferError, TransferOp, TransportKind};
 
@@ -31,16 +30,7 @@ impl Transport for LocalTransport {
                 tokio::task::yield_now().await;
             }
             if let Some(message) = &job.notify {
-                let endpoint = job.endpoint()?;
-                let n = Notification {
-                    from: endpoint.name().to_string(),
-                    transfer_id: job.id,
-                    message: message.clone(),
-                };
-                endpoint
-                    .deliver(n)
-                    .await
-                    .map_err(|r| TransferError::Remote { code: r.code, message: r.message })?;
+                job.deliver_here(message).await?;
             }
             Ok(())
         })

@@ -119,6 +119,20 @@ impl Job {
         }
     }
 
+    /// Delivers the notification of a job within this agent to its own queue.
+    pub(crate) async fn deliver_here(&self, message: &[u8]) -> Result<(), TransferError> {
+        let endpoint = self.endpoint()?;
+        let n = crate::endpoint::Notification {
+            from: endpoint.name().to_string(),
+            transfer_id: self.id,
+            message: message.to_vec(),
+        };
+        endpoint
+            .deliver(n)
+            .await
+            .map_err(|r| TransferError::Remote { code: r.code, message: r.message })
+    }
+
     /// The local endpoint (gone once the agent shut down).
     pub fn endpoint(&self) -> Result<Arc<Endpoint>, TransferError> {
         self.endpoint.upgrade().ok_or(TransferError::Shutdown)

@@ -182,14 +182,7 @@ async fn ipc_rows(
                 let req = TransferRequest::new(op, &md.name, l, r)
                     .with_transport(TransportKind::Cuda)
                     .with_deadline(Duration::from_secs(60));
-                agent.post(req.clone())?.wait().await?;
-                let mut lat = Vec::new();
-                let start = Instant::now();
-                while keep_measuring(lat.len(), start, min_time) {
-                    let t = Instant::now();
-                    agent.post(req.clone())?.wait().await?;
-                    lat.push(t.elapsed());
-                }
+                let lat = super::transfer::measure_posts(&agent, &req, min_time).await?;
                 let p = Percentiles::of(&lat);
                 let rate = gbps(bytes * lat.len() as u64, lat.iter().sum());
                 rows.push(Row {

@@ -91,6 +91,24 @@ fn measure_sync(
     Ok(lat)
 }
 
+/// Posts `req` once to warm up, then until the stopping rule of [`keep_measuring`]; the
+/// latency of each transfer.
+pub(super) async fn measure_posts(
+    agent: &Agent,
+    req: &TransferRequest,
+    min_time: Duration,
+) -> anyhow::Result<Vec<Duration>> {
+    agent.post(req.clone())?.wait().await?;
+    let mut lat = Vec::new();
+    let start = Instant::now();
+    while keep_measuring(lat.len(), start, min_time) {
+        let t = Instant::now();
+        agent.post(req.clone())?.wait().await?;
+        lat.push(t.elapsed());
+    }
+    Ok(lat)
+}
+
 /// A plain blocking TCP socket pair on loopback: a sink thread reads length-prefixed
 /// buffers and acknowledges each with one byte.
 struct PlainSocket {
@@ -274,14 +292,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
                         .with_transport(transport)
                         .with_deadline(Duration::from_secs(60));
                 req.checksum = args.checksum;
-                agent.post(req.clone())?.wait().await?;
-                let mut lat = Vec::new();
-                let start = Instant::now();
-                while keep_measuring(lat.len(), start, min_time) {
-                    let t = Instant::now();
-                    agent.post(req.clone())?.wait().await?;
-                    lat.push(t.elapsed());
-                }
+                let lat = measure_posts(&agent, &req, min_time).await?;
                 let p = Percentiles::of(&lat);
                 let rate = gbps(bytes * lat.len() as u64, lat.iter().sum());
                 let (limit, limit_gbps) = match transport {
