@@ -176,6 +176,11 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
         args.depths.iter().all(|&d| (1..=4096).contains(&d)),
         "--depths must be 1..=4096"
     );
+    if args.g1_only {
+        // Before anything else starts (and logs): without CUDA there is nothing to measure.
+        kvfabric::cuda::available()
+            .map_err(|why| anyhow::anyhow!("bench tier --g1-only: {why}"))?;
+    }
     let work = tempfile::Builder::new()
         .prefix("kvfabric-bench-tier")
         .tempdir_in(&args.dir)
