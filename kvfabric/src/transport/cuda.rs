@@ -87,19 +87,24 @@ fn locate(r: &Region, offset: u64, len: u64) -> Result<Loc, TransferError> {
     })
 }
 
-/// Copies queued on streams, and what they touch: waited for even if the job is dropped.
+/// Copies queued on streams, and what they touch: if the job ends before its copies are
+/// known to have run (dropped, or failed after queuing some), the streams it used are
+/// synchronized before its leases go, so no byte lands after that.
 struct InFlight {
-    events: Vec<Event>,
+    streams: Vec<(u32, Arc<Stream>)>,
+    done: bool,
     _leases: Vec<RegionLease>,
     _maps: Vec<Arc<IpcMapping>>,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        for e in &self.events {
-            // Completed events return at once; a dropped job waits here for its copies.
-            if let Err(e) = e.synchronize() {
-                tracing::warn!(error = %e, "a CUDA copy of a dropped transfer failed");
+        if self.done {
+            return;
+        }
+        for (_, s) in &self.streams {
+            if let Err(e) = s.synchronize() {
+                tracing::warn!(error = %e, "a CUDA copy of an abandoned transfer failed");
             }
         }
     }
@@ -238,9 +243,12 @@ impl CudaTransport {
                     .into(),
             ));
         }
-        let mut guard =
-            InFlight { events: Vec::new(), _leases: job.leases.clone(), _maps: Vec::new() };
-        let mut used: Vec<u32> = Vec::new();
+        let mut guard = InFlight {
+            streams: Vec::new(),
+            done: false,
+            _leases: job.leases.clone(),
+            _maps: Vec::new(),
+        };
         let endpoint = job.endpoint()?;
         for p in &job.pieces {
             let local = job.region(p);
@@ -274,20 +282,23 @@ impl CudaTransport {
                 Ok(copy_between(s, so, d, dof, p.len())?)
             };
             if let Some(o) = self.queue(&cuda, src, dst, p.len(), host_copy)? {
-                if !used.contains(&o) {
-                    used.push(o);
+                if !guard.streams.iter().any(|(u, _)| *u == o) {
+                    guard.streams.push((o, self.stream(&cuda, o)?));
                 }
             }
             if let Some(l) = remote_lease {
                 guard._leases.push(l);
             }
         }
-        for o in used {
-            guard.events.push(self.stream(&cuda, o)?.record().map_err(cuda_err)?);
-        }
-        for e in guard.events.clone() {
+        let events = guard
+            .streams
+            .iter()
+            .map(|(_, s)| s.record().map_err(cuda_err))
+            .collect::<Result<Vec<Event>, _>>()?;
+        for e in events {
             e.done().await.map_err(cuda_err)?;
         }
+        guard.done = true;
         drop(guard);
         if let Some(message) = &job.notify {
             match &job.peer {
