@@ -188,7 +188,11 @@ impl CudaTransport {
             .ok_or_else(|| no(format!("region {region} has no CUDA IPC export")))?;
         let dev = cuda.device_by_uuid(&export.uuid).map_err(|e| no(e.to_string()))?;
         let m = Arc::new(dev.open(&export).map_err(cuda_err)?);
-        self.maps.lock().insert(key, m.clone());
+        let mut maps = self.maps.lock();
+        // Mappings of an earlier process of the same name (a restarted peer) are closed
+        // once no transfer holds them.
+        maps.retain(|(name, pid, _), _| name != &md.name || *pid == md.pid);
+        maps.insert(key, m.clone());
         Ok(m)
     }
 
