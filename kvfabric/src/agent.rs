@@ -29,8 +29,8 @@ use crate::session::proto::ServerParams;
 use crate::session::server::{ServerTimeouts, Services, SessionServer};
 use crate::session::SessionConfig;
 use crate::transfer::{
-    TransferError, TransferEvent, TransferHandle, TransferOp, TransferRequest, TransferShared,
-    TransportKind,
+    Desc, TransferError, TransferEvent, TransferHandle, TransferOp, TransferRequest,
+    TransferShared, TransportKind,
 };
 use crate::transport::fault::FaultInjector;
 use crate::transport::{Job, Transport, Transports};
@@ -599,20 +599,30 @@ impl Agent {
     }
 
     /// Whether a request names GPU memory, here or at the peer.
+    ///
+    /// Every `post` asks, so each region is looked up once per run of descriptors naming it
+    /// (a descriptor list names few regions), not once per descriptor.
     fn touches_gpu_memory(&self, req: &TransferRequest) -> bool {
+        fn regions_of(descs: &[Desc]) -> impl Iterator<Item = RegionId> + '_ {
+            descs
+                .iter()
+                .enumerate()
+                .filter(|&(i, d)| i == 0 || descs[i - 1].region != d.region)
+                .map(|(_, d)| d.region)
+        }
         let regions = self.inner.regions();
         let device = |id| regions.get(id).is_ok_and(|r| r.kind() != MemoryKind::Host);
-        if req.local.iter().any(|d| device(d.region)) {
+        if regions_of(&req.local).any(device) {
             return true;
         }
         if req.peer == self.inner.config.name {
-            return req.remote.iter().any(|d| device(d.region));
+            return regions_of(&req.remote).any(device);
         }
         let peers = self.inner.peers.read();
         let Some(peer) = peers.get(&req.peer) else { return false };
-        req.remote.iter().any(|d| {
-            peer.metadata().regions.iter().any(|r| r.id == d.region && r.kind != MemoryKind::Host)
-        })
+        let exported = &peer.metadata().regions;
+        regions_of(&req.remote)
+            .any(|id| exported.iter().any(|r| r.id == id && r.kind != MemoryKind::Host))
     }
 
     /// The route of a request that touches GPU memory: the CUDA transport within this agent
