@@ -352,17 +352,10 @@ impl Inner {
                         .await;
                     let mut host = self.host.lock();
                     match copied {
-                        Ok(()) => {
-                            host.checksums[hslot as usize] = None;
-                            let _ = host.pool.commit(hslot, 0);
-                            drop(host);
-                            self.written.notify_waiters();
-                            self.events.stored(v.hash, v.parent, TierKind::Host);
-                        }
+                        Ok(()) => self.commit_host(&mut host, hslot, (v.hash, v.parent), None, 0),
                         Err(e) => {
-                            let _ = host.pool.abort(hslot);
+                            self.abort_host(&mut host, hslot);
                             drop(host);
-                            self.written.notify_waiters();
                             let _ = dev.pool.lock().finish_evict(v.slot, false);
                             return Err(e);
                         }

@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use kvfabric::events::TierKind;
 use kvfabric::hash::SequenceHash;
 use kvfabric::memory::Region;
 
@@ -87,13 +86,11 @@ impl WriteSlot {
         let write_through = inner.cfg.write_through && inner.disk.is_some();
         {
             let mut host = inner.host.lock();
-            host.checksums[self.slot as usize] = None;
             // The background write-through holds a pin of its own, taken in the same critical
             // section as the commit so that the block cannot be evicted in between.
-            let _ = host.pool.commit(self.slot, pins + u32::from(write_through));
-            inner.written.notify_waiters();
+            let pins = pins + u32::from(write_through);
+            inner.commit_host(&mut host, self.slot, (self.hash, self.parent), None, pins);
             add(&inner.metrics.stored_blocks, 1);
-            inner.events.stored(self.hash, self.parent, TierKind::Host);
         }
         if write_through {
             let (inner, slot, hash, parent) = (inner.clone(), self.slot, self.hash, self.parent);
@@ -122,8 +119,7 @@ impl WriteSlot {
 impl Drop for WriteSlot {
     fn drop(&mut self) {
         if !self.done {
-            let _ = self.store.host.lock().pool.abort(self.slot);
-            self.store.written.notify_waiters();
+            self.store.abort_host(&mut self.store.host.lock(), self.slot);
         }
     }
 }

@@ -480,6 +480,29 @@ impl Inner {
     fn unpin(&self, slot: u32) {
         let _ = self.host.lock().pool.unpin(slot);
     }
+
+    /// Makes the block in reserved host `slot` visible with `pins` pins (`Stored{host}`) and
+    /// wakes onboards waiting for it; `checksum` is the XXH3 of its bytes when known.
+    fn commit_host(
+        &self,
+        host: &mut HostState,
+        slot: u32,
+        (hash, parent): (SequenceHash, Option<SequenceHash>),
+        checksum: Option<u64>,
+        pins: u32,
+    ) {
+        host.checksums[slot as usize] = checksum;
+        let _ = host.pool.commit(slot, pins);
+        self.written.notify_waiters();
+        self.events.stored(hash, parent, TierKind::Host);
+    }
+
+    /// Frees reserved host `slot`, whose block never arrived, and wakes onboards waiting
+    /// for it.
+    fn abort_host(&self, host: &mut HostState, slot: u32) {
+        let _ = host.pool.abort(slot);
+        self.written.notify_waiters();
+    }
 }
 
 /// Runs `fut` inline, in the caller's task (no spawn, no cross-thread wake on the data path);

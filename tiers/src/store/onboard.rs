@@ -231,31 +231,25 @@ impl Inner {
         let mut host = self.host.lock();
         match outcome {
             Ok(ReadOutcome::Hit { parent, checksum }) => {
-                host.checksums[slot as usize] = Some(checksum);
-                let _ = host.pool.commit(slot, 1);
-                self.written.notify_waiters();
-                self.events.stored(hash, parent, TierKind::Host);
+                self.commit_host(&mut host, slot, (hash, parent), Some(checksum), 1);
                 add(&self.metrics.onboard_blocks, 1);
                 add(&self.metrics.onboard_bytes, self.cfg.block_bytes);
                 self.metrics.onboard_latency.observe(start.elapsed());
                 Ok(Some(BlockRef { store: self.clone(), slot, hash }))
             }
             Ok(ReadOutcome::Miss) => {
-                let _ = host.pool.abort(slot);
-                self.written.notify_waiters();
+                self.abort_host(&mut host, slot);
                 Ok(None)
             }
             Ok(ReadOutcome::Corrupt) => {
-                let _ = host.pool.abort(slot);
-                self.written.notify_waiters();
+                self.abort_host(&mut host, slot);
                 add(&self.metrics.disk_corrupt_blocks, 1);
                 self.events.removed(vec![hash], TierKind::Disk);
                 tracing::warn!(%hash, "corrupt block on disk dropped");
                 Ok(None)
             }
             Err(e) => {
-                let _ = host.pool.abort(slot);
-                self.written.notify_waiters();
+                self.abort_host(&mut host, slot);
                 Err(e.into())
             }
         }
@@ -303,16 +297,10 @@ impl Inner {
         let mut refs = Vec::with_capacity(run);
         for (i, &slot) in slots.iter().enumerate() {
             if i < run {
-                let mut host = self.host.lock();
-                host.checksums[slot as usize] = None;
-                let _ = host.pool.commit(slot, 1);
-                self.written.notify_waiters();
-                self.events.stored(hashes[i], parent_of(i), TierKind::Host);
-                drop(host);
+                self.commit_host(&mut self.host.lock(), slot, (hashes[i], parent_of(i)), None, 1);
                 refs.push(BlockRef { store: self.clone(), slot, hash: hashes[i] });
             } else {
-                let _ = self.host.lock().pool.abort(slot);
-                self.written.notify_waiters();
+                self.abort_host(&mut self.host.lock(), slot);
             }
         }
         Ok(refs)
