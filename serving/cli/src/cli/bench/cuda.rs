@@ -18,9 +18,9 @@ use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::cuda::{self, DeviceBuffer, PinnedBuffer, Stream};
 use kvfabric::memory::MemoryKind;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
-use kvfabric_serving::stats::{gbps, Percentiles};
+use kvfabric_serving::stats::gbps;
 
-use super::transfer::{keep_measuring, Row};
+use super::transfer::{combos, keep_measuring, measure_posts, measure_sync, Row};
 
 #[derive(Debug, Clone, Copy)]
 enum Op {
@@ -80,55 +80,33 @@ pub async fn rows(
     };
     let stream = dev.stream()?;
     let mut rows = Vec::new();
-    for &desc in sizes {
-        for &batch in batches {
-            let bytes = desc.saturating_mul(batch as u64);
-            if bytes > max_bytes as u64 {
-                continue;
-            }
-            for op in [Op::H2d, Op::D2h, Op::D2d] {
-                eprintln!("[cuda] {} {desc}×{batch}", op.name());
-                // The limit: one contiguous copy, synchronized directly.
-                let mut limit = Vec::new();
-                let start = Instant::now();
-                while keep_measuring(limit.len(), start, min_time) {
-                    let t = Instant::now();
-                    bufs.copy(&stream, op, 0, bytes)?;
-                    stream.synchronize()?;
-                    limit.push(t.elapsed());
+    for (desc, batch) in combos(sizes, batches, max_bytes as u64) {
+        let bytes = desc * batch as u64;
+        for op in [Op::H2d, Op::D2h, Op::D2d] {
+            eprintln!("[cuda] {} {desc}×{batch}", op.name());
+            // The limit: one contiguous copy, synchronized directly.
+            let limit = measure_sync(min_time, || {
+                bufs.copy(&stream, op, 0, bytes)?;
+                Ok(stream.synchronize()?)
+            })?;
+            // kvfabric's path: a copy per descriptor, awaited through an event.
+            let mut ours = Vec::new();
+            let start = Instant::now();
+            while keep_measuring(ours.len(), start, min_time) {
+                let t = Instant::now();
+                for i in 0..batch as u64 {
+                    bufs.copy(&stream, op, i * desc, desc)?;
                 }
-                // kvfabric's path: a copy per descriptor, awaited through an event.
-                let mut ours = Vec::new();
-                let start = Instant::now();
-                while keep_measuring(ours.len(), start, min_time) {
-                    let t = Instant::now();
-                    for i in 0..batch as u64 {
-                        bufs.copy(&stream, op, i * desc, desc)?;
-                    }
-                    stream.record()?.done().await?;
-                    ours.push(t.elapsed());
-                }
-                let p = Percentiles::of(&ours);
-                let rate = gbps(bytes * ours.len() as u64, ours.iter().sum());
-                let limit_gbps = gbps(bytes * limit.len() as u64, limit.iter().sum());
-                rows.push(Row {
-                    transport: "cuda",
-                    op: op.name(),
-                    desc_bytes: desc,
-                    batch,
-                    bytes,
-                    iterations: ours.len(),
-                    gbps: rate,
-                    p50_us: p.p50_us,
-                    p99_us: p.p99_us,
-                    limit: "cuMemcpyAsync",
-                    limit_gbps,
-                    ratio_to_limit: rate / limit_gbps,
-                    memcpy_gbps: f64::NAN,
-                    tcp_socket_gbps: f64::NAN,
-                    checksum: false,
-                });
+                stream.record()?.done().await?;
+                ours.push(t.elapsed());
             }
+            let limit_gbps = gbps(bytes * limit.len() as u64, limit.iter().sum());
+            rows.push(Row::measured(
+                ("cuda", op.name()),
+                (desc, batch),
+                &ours,
+                ("cuMemcpyAsync", limit_gbps),
+            ));
         }
     }
     rows.extend(ipc_rows(sizes, batches, max_bytes, min_time, &bufs, &stream).await?);
@@ -158,51 +136,30 @@ async fn ipc_rows(
     agent.load_peer(md.clone())?;
     let local = agent.alloc_device_region(0, max_bytes, false)?;
     let mut rows = Vec::new();
-    for &desc in sizes {
-        for &batch in batches {
-            let bytes = desc.saturating_mul(batch as u64);
-            if bytes > max_bytes as u64 {
-                continue;
-            }
-            let mut limit = Vec::new();
-            let start = Instant::now();
-            while keep_measuring(limit.len(), start, min_time) {
-                let t = Instant::now();
-                bufs.copy(stream, Op::D2d, 0, bytes)?;
-                stream.synchronize()?;
-                limit.push(t.elapsed());
-            }
-            let limit_gbps = gbps(bytes * limit.len() as u64, limit.iter().sum());
-            for op in [TransferOp::Write, TransferOp::Read] {
-                eprintln!("[cuda-ipc] {} {desc}×{batch}", kvfabric::agent::op_name(op));
-                let l: Vec<Desc> =
-                    (0..batch as u64).map(|i| Desc::new(local.id(), i * desc, desc)).collect();
-                let r: Vec<Desc> =
-                    (0..batch as u64).map(|i| Desc::new(remote, i * desc, desc)).collect();
-                let req = TransferRequest::new(op, &md.name, l, r)
-                    .with_transport(TransportKind::Cuda)
-                    .with_deadline(Duration::from_secs(60));
-                let lat = super::transfer::measure_posts(&agent, &req, min_time).await?;
-                let p = Percentiles::of(&lat);
-                let rate = gbps(bytes * lat.len() as u64, lat.iter().sum());
-                rows.push(Row {
-                    transport: "cuda-ipc",
-                    op: kvfabric::agent::op_name(op),
-                    desc_bytes: desc,
-                    batch,
-                    bytes,
-                    iterations: lat.len(),
-                    gbps: rate,
-                    p50_us: p.p50_us,
-                    p99_us: p.p99_us,
-                    limit: "cuMemcpyDtoDAsync",
-                    limit_gbps,
-                    ratio_to_limit: rate / limit_gbps,
-                    memcpy_gbps: f64::NAN,
-                    tcp_socket_gbps: f64::NAN,
-                    checksum: false,
-                });
-            }
+    for (desc, batch) in combos(sizes, batches, max_bytes as u64) {
+        let bytes = desc * batch as u64;
+        let limit = measure_sync(min_time, || {
+            bufs.copy(stream, Op::D2d, 0, bytes)?;
+            Ok(stream.synchronize()?)
+        })?;
+        let limit_gbps = gbps(bytes * limit.len() as u64, limit.iter().sum());
+        for op in [TransferOp::Write, TransferOp::Read] {
+            let name = kvfabric::agent::op_name(op);
+            eprintln!("[cuda-ipc] {name} {desc}×{batch}");
+            let l: Vec<Desc> =
+                (0..batch as u64).map(|i| Desc::new(local.id(), i * desc, desc)).collect();
+            let r: Vec<Desc> =
+                (0..batch as u64).map(|i| Desc::new(remote, i * desc, desc)).collect();
+            let req = TransferRequest::new(op, &md.name, l, r)
+                .with_transport(TransportKind::Cuda)
+                .with_deadline(Duration::from_secs(60));
+            let lat = measure_posts(&agent, &req, min_time).await?;
+            rows.push(Row::measured(
+                ("cuda-ipc", name),
+                (desc, batch),
+                &lat,
+                ("cuMemcpyDtoDAsync", limit_gbps),
+            ));
         }
     }
     let _ = child.start_kill();

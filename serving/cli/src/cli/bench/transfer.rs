@@ -76,7 +76,7 @@ pub(super) fn keep_measuring(done: usize, start: Instant, min_time: Duration) ->
 
 /// Runs `f` (one iteration) until `min_time` and at least 5 iterations (at most 2000 or
 /// 4 × min_time), after one warm-up; returns the per-iteration latencies.
-fn measure_sync(
+pub(super) fn measure_sync(
     min_time: Duration,
     mut f: impl FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<Vec<Duration>> {
@@ -162,6 +162,47 @@ pub(super) struct Row {
     pub(super) memcpy_gbps: f64,
     pub(super) tcp_socket_gbps: f64,
     pub(super) checksum: bool,
+}
+
+/// The `(descriptor size, batch)` pairs whose transfer fits in `max_bytes`, sizes outer.
+pub(super) fn combos(sizes: &[u64], batches: &[usize], max_bytes: u64) -> Vec<(u64, usize)> {
+    sizes
+        .iter()
+        .flat_map(|&s| batches.iter().map(move |&b| (s, b)))
+        .filter(|&(s, b)| s.saturating_mul(b as u64) <= max_bytes)
+        .collect()
+}
+
+impl Row {
+    /// A row of `batch` descriptors of `desc` bytes whose transfers took `lat` each, against
+    /// `limit` measured at `limit_gbps`; no checksums, no memcpy or socket limit.
+    pub(super) fn measured(
+        (transport, op): (&'static str, &'static str),
+        (desc, batch): (u64, usize),
+        lat: &[Duration],
+        (limit, limit_gbps): (&'static str, f64),
+    ) -> Row {
+        let bytes = desc * batch as u64;
+        let p = Percentiles::of(lat);
+        let rate = gbps(bytes * lat.len() as u64, lat.iter().sum());
+        Row {
+            transport,
+            op,
+            desc_bytes: desc,
+            batch,
+            bytes,
+            iterations: lat.len(),
+            gbps: rate,
+            p50_us: p.p50_us,
+            p99_us: p.p99_us,
+            limit,
+            limit_gbps,
+            ratio_to_limit: rate / limit_gbps,
+            memcpy_gbps: f64::NAN,
+            tcp_socket_gbps: f64::NAN,
+            checksum: false,
+        }
+    }
 }
 
 pub(super) async fn spawn_peer(
@@ -257,11 +298,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
     let mut dst = vec![0u8; region_bytes];
     let mut plain = PlainSocket::start(region_bytes)?;
 
-    let combos: Vec<(u64, usize)> = sizes
-        .iter()
-        .flat_map(|&s| args.batches.iter().map(move |&b| (s, b)))
-        .filter(|&(s, b)| s.saturating_mul(b as u64) <= region_bytes as u64)
-        .collect();
+    let combos = combos(&sizes, &args.batches, region_bytes as u64);
     let total_rows = combos.len() * transports.len() * ops.len();
     let mut done = 0usize;
     for &(desc, batch) in &combos {
@@ -293,28 +330,20 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
                         .with_deadline(Duration::from_secs(60));
                 req.checksum = args.checksum;
                 let lat = measure_posts(&agent, &req, min_time).await?;
-                let p = Percentiles::of(&lat);
-                let rate = gbps(bytes * lat.len() as u64, lat.iter().sum());
-                let (limit, limit_gbps) = match transport {
+                let limit = match transport {
                     TransportKind::Tcp => ("tcp_socket", tcp_socket_gbps),
                     _ => ("memcpy", memcpy_gbps),
                 };
                 rows.push(Row {
-                    transport: transport.name(),
-                    op: kvfabric::agent::op_name(op),
-                    desc_bytes: desc,
-                    batch,
-                    bytes,
-                    iterations: lat.len(),
-                    gbps: rate,
-                    p50_us: p.p50_us,
-                    p99_us: p.p99_us,
-                    limit,
-                    limit_gbps,
-                    ratio_to_limit: rate / limit_gbps,
                     memcpy_gbps,
                     tcp_socket_gbps,
                     checksum: args.checksum,
+                    ..Row::measured(
+                        (transport.name(), kvfabric::agent::op_name(op)),
+                        (desc, batch),
+                        &lat,
+                        limit,
+                    )
                 });
             }
         }
