@@ -11,7 +11,8 @@
 #                                      `kvfabric bench tier`; results (logs, JSON rows) go to
 #                                      $OUT when set, else DIR/results
 #
-# Exit status: non-zero when a test fails or CUDA is missing on the GPU machine.
+# Exit status: non-zero when a test fails or CUDA is missing on the GPU machine. Each step has a
+# deadline (timeout), so a hung driver call cannot eat the whole lease.
 set -euo pipefail
 cmd="${1:-}"
 dir="${2:-dist/gpu-check}"
@@ -50,15 +51,16 @@ for l in sys.stdin:
     status=0
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/nvidia-smi.txt" 2>&1 || true
     cat "$out/nvidia-smi.txt"
+    uname -r; ldd --version 2>&1 | sed -n 1p
     for t in "$dir"/*-tests; do
       name="$(basename "$t")"
       echo "== $name"
-      KVFABRIC_EXPECT_CUDA=1 "$t" --include-ignored --test-threads 1 2>&1 |
+      KVFABRIC_EXPECT_CUDA=1 timeout 240 "$t" --include-ignored --test-threads 1 2>&1 |
         tee "$out/$name.log" || status=1
       grep -q "test result: ok" "$out/$name.log" || status=1
     done
     echo "== bench transfer --transports cuda"
-    "$dir/kvfabric" bench transfer --transports cuda --sizes 64K,1M,4M,64M --batches 1,16,256 \
+    timeout 180 "$dir/kvfabric" bench transfer --transports cuda --sizes 64K,1M,4M,64M --batches 1,16,256 \
       --max-transfer-mib 1024 --min-time-ms 200 --json --log-level warn \
       >"$out/bench-transfer-cuda.jsonl" 2>"$out/bench-transfer-cuda.err" || status=1
     cat "$out/bench-transfer-cuda.err"
@@ -70,7 +72,7 @@ for line in open(sys.argv[1]):
     print(f"{r['op']:>4} {r['desc_bytes']:>8} {r['batch']:>5} {r['gbps']:>7.2f} {r['limit_gbps']:>7.2f} {r['ratio_to_limit']:>5.2f}x")
 EOF
     echo "== bench tier --g1-only"
-    "$dir/kvfabric" bench tier --g1-only --models smollm2-135m,llama-3.1-8b --depths 1,8,32 \
+    timeout 120 "$dir/kvfabric" bench tier --g1-only --models smollm2-135m,llama-3.1-8b --depths 1,8,32 \
       --total-mib 256 --reps 2 --log-level warn 2>&1 | tee "$out/bench-tier-g1.txt" || status=1
     exit $status
     ;;

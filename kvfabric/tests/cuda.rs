@@ -53,7 +53,7 @@ async fn h2d_d2d_d2h_round_trip_through_pinned_registered_and_device_memory() {
     // SAFETY: `dst` outlives the registration, which drops first (declared after).
     let reg = unsafe { dev.register_host(dst.as_mut_ptr(), len) }.unwrap();
     let stream = dev.stream().unwrap();
-    let start = stream.record().unwrap();
+    let start = stream.record_timed().unwrap();
     // SAFETY: every range is inside its live buffer, which outlives the awaited event.
     unsafe {
         stream.copy_h2d(a.ptr(), src.as_ptr(), len).unwrap();
@@ -63,7 +63,7 @@ async fn h2d_d2d_d2h_round_trip_through_pinned_registered_and_device_memory() {
         }
         stream.copy_d2h(dst.as_mut_ptr(), b.ptr(), len).unwrap();
     }
-    let end = stream.record().unwrap();
+    let end = stream.record_timed().unwrap();
     end.done().await.unwrap();
     assert!(end.is_done().unwrap());
     let gpu_time = end.since(&start).unwrap();

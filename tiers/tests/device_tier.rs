@@ -154,6 +154,54 @@ async fn get_device_brings_a_prefix_up_from_host_and_disk_and_pins_it() {
     assert_eq!(s.device_occupancy(), (4, 4));
 }
 
+/// A run brought up into a full G1 moves as many least recently used blocks down as it
+/// needs, in one round (one `Removed{device}` event, one D2H transfer), and comes up in one
+/// transfer; every byte on both sides survives.
+#[tokio::test]
+async fn a_run_brought_up_into_a_full_g1_moves_the_victims_it_needs_down_in_one_round() {
+    let (s, g1, sink, _a) = store(4, 16, None).await;
+    for i in 0..8 {
+        put_device(&s, &g1, i).await;
+    }
+    // G1 holds 4..7 (4 oldest), host memory 0..3.
+    let _ = sink.take();
+    let run: Vec<SequenceHash> = (0..3).map(h).collect();
+    assert_eq!(s.lookup_prefix(&run), vec![TierKind::Host; 3]);
+    let refs = s.get_device(&run).await.unwrap();
+    assert_eq!(refs.iter().map(|r| r.hash()).collect::<Vec<_>>(), run);
+    for (i, r) in refs.iter().enumerate() {
+        let mut got = vec![0u8; BLOCK as usize];
+        r.region().read_at(r.offset(), &mut got).unwrap();
+        assert_eq!(got, content(i as u64), "block {i} in G1");
+    }
+    let events = sink.take();
+    let removed: Vec<Vec<u64>> = events
+        .iter()
+        .filter_map(|e| match &e.data {
+            KvEventData::Removed { sequence_hashes, tier: TierKind::Device } => {
+                Some(sequence_hashes.iter().map(|x| x.0 - 0xd000).collect())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(removed, vec![vec![4, 5, 6]], "three victims, least recently used first, one round");
+    let mut m = moves(&events);
+    m.sort();
+    let mut want =
+        vec![('+', TierKind::Host, 4), ('+', TierKind::Host, 5), ('+', TierKind::Host, 6)];
+    want.extend((0..3).map(|i| ('+', TierKind::Device, i)));
+    want.extend((4..7).map(|i| ('-', TierKind::Device, i)));
+    want.sort();
+    assert_eq!(m, want);
+    // The victims are in host memory, byte for byte; block 7 stayed in G1.
+    for i in 4..7 {
+        let b = s.get(&[h(i)]).await.unwrap();
+        assert_eq!(b[0].bytes(), &content(i)[..], "block {i} after going down");
+    }
+    assert_eq!(s.lookup_prefix(&[h(7)]), vec![TierKind::Device]);
+    assert_eq!(s.device_occupancy(), (4, 4));
+}
+
 #[tokio::test]
 async fn a_device_tier_of_pinned_blocks_is_full_typed_and_nothing_is_lost() {
     let (s, g1, _sink, _a) = store(2, 8, None).await;

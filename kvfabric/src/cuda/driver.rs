@@ -529,6 +529,32 @@ impl Drop for IpcMapping {
     }
 }
 
+/// One copy of a batch: addresses in the unified address space (device pointers, or host
+/// pointers as numbers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyOp {
+    /// Where the bytes go.
+    pub dst: u64,
+    /// Where they come from.
+    pub src: u64,
+    /// How many.
+    pub len: usize,
+}
+
+/// Whether this driver has `cuMemcpyBatchAsync` (CUDA 12.8 and later): looked up once, so
+/// that an older driver never reaches cudarc's panic on a missing symbol.
+fn batch_memcpy() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        // SAFETY: a symbol lookup in the driver library that `probe` already loaded; the
+        // symbol is not called here.
+        let has =
+            unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync") }.is_ok();
+        tracing::debug!(has, "cuMemcpyBatchAsync");
+        has
+    })
+}
+
 /// A CUDA stream: copies queued on it run in order, asynchronously.
 #[derive(Debug)]
 pub struct Stream {
@@ -585,11 +611,77 @@ impl Stream {
             .map_err(driver("cuMemcpyDtoDAsync"))
     }
 
+    /// Queues every copy of `copies` (host addresses as numbers: unified addressing tells
+    /// the driver each side's memory) with one `cuMemcpyBatchAsync` where the driver has it
+    /// (CUDA 12.8 and later), else one `cuMemcpyAsync` each. Copies within one call run in
+    /// no particular order, so none may read what another writes.
+    ///
+    /// # Safety
+    /// Every range must be valid for its length until an event recorded after this call has
+    /// completed; host sources must be pinned for the copies to be asynchronous.
+    pub unsafe fn copy_batch(&self, copies: &[CopyOp]) -> Result<(), CudaError> {
+        self.device.bind()?;
+        if copies.len() > 1 && batch_memcpy() {
+            let dsts: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.dst).collect();
+            let srcs: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.src).collect();
+            let sizes: Vec<usize> = copies.iter().map(|c| c.len).collect();
+            // SAFETY: plain C data; zero is "no hint" for both locations.
+            let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+            attrs.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+            let mut first = 0usize;
+            let mut failed = usize::MAX;
+            // SAFETY: three arrays of `copies.len()` entries, one attribute applying from
+            // copy 0, our live stream; the ranges are the caller's guarantee. The driver
+            // reads the arrays during the call only.
+            let r = unsafe {
+                sys::cuMemcpyBatchAsync(
+                    dsts.as_ptr().cast_mut(),
+                    srcs.as_ptr().cast_mut(),
+                    sizes.as_ptr().cast_mut(),
+                    copies.len(),
+                    &mut attrs,
+                    &mut first,
+                    1,
+                    &mut failed,
+                    self.cu(),
+                )
+            };
+            match r {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                e => {
+                    // The copies are idempotent (no copy of a call reads what another
+                    // writes), so queuing them again one by one after a partial batch
+                    // lands the same bytes; the driver's answer is logged once.
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        tracing::warn!(error = ?e, failed_copy = failed,
+                            "cuMemcpyBatchAsync failed: queuing copies one by one");
+                    });
+                }
+            }
+        }
+        for c in copies {
+            // SAFETY: as above, one copy at a time.
+            unsafe { sys::cuMemcpyAsync(c.dst, c.src, c.len, self.cu()) }
+                .result()
+                .map_err(driver("cuMemcpyAsync"))?;
+        }
+        Ok(())
+    }
+
     /// Records an event after everything queued so far.
     pub fn record(&self) -> Result<Event, CudaError> {
+        self.record_with(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+    }
+
+    /// Records an event that [`Event::since`] can time.
+    pub fn record_timed(&self) -> Result<Event, CudaError> {
+        self.record_with(sys::CUevent_flags::CU_EVENT_DEFAULT)
+    }
+
+    fn record_with(&self, flags: sys::CUevent_flags) -> Result<Event, CudaError> {
         self.device.bind()?;
-        let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
-            .map_err(driver("cuEventCreate"))?;
+        let raw = result::event::create(flags).map_err(driver("cuEventCreate"))?;
         let inner = Arc::new(EventInner { device: self.device.clone(), raw: Raw(raw.cast()) });
         // SAFETY: a fresh event and our stream, both of this context.
         unsafe { result::event::record(raw, self.cu()) }.map_err(driver("cuEventRecord"))?;

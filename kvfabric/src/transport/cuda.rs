@@ -1,8 +1,10 @@
 //! `cuda`: transfers that touch GPU memory (feature `cuda`).
 //!
 //! - Within this agent: every piece is one CUDA copy (H2D, D2H, D2D; host to host pieces of
-//!   a mixed job are a memcpy), queued on the stream of the device it touches, one stream per
-//!   device; the job completes when an event recorded after its last copy has.
+//!   a mixed job are a memcpy), pieces contiguous on both sides merged into one, queued with
+//!   one `cuMemcpyBatchAsync` per device on that device's stream (one `cuMemcpyAsync` each
+//!   on drivers before CUDA 12.8); the job completes when an event recorded after its last
+//!   copy has. Pieces of one job run in no particular order.
 //! - To a peer on the same host: the peer's GPU regions are mapped once through the CUDA IPC
 //!   handle in its metadata (found by GPU UUID, since ordinals differ between processes), and
 //!   the copy runs here, one-sided, like `shm`; a notification goes through the session's
@@ -21,7 +23,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::cuda::{self, Cuda, Event, HostRegistration, IpcMapping, Stream};
+use crate::cuda::{self, CopyOp, Cuda, Event, HostRegistration, IpcMapping, Stream};
 use crate::memory::{copy_between, MemoryKind, Region, RegionId, RegionLease};
 use crate::transfer::{TransferError, TransferOp, TransportKind};
 
@@ -72,6 +74,16 @@ fn cuda_err(e: cuda::CudaError) -> TransferError {
             TransferError::NoTransport { peer: String::new(), reason: why.to_string() }
         }
         other => TransferError::Device(other.to_string()),
+    }
+}
+
+impl Loc {
+    /// The address in the unified address space.
+    fn addr(self) -> u64 {
+        match self {
+            Loc::Host(p) => p as u64,
+            Loc::Device(_, a) => a,
+        }
     }
 }
 
@@ -254,6 +266,11 @@ impl CudaTransport {
             _maps: Vec::new(),
         };
         let endpoint = job.endpoint()?;
+        // The copies, grouped by the device whose stream takes them; runs of pieces that are
+        // contiguous on both sides become one copy.
+        let mut batches: Vec<(u32, Vec<CopyOp>)> = Vec::new();
+        // This job's peer mappings, looked up once per region.
+        let mut mapped: Vec<(RegionId, Arc<IpcMapping>)> = Vec::new();
         for p in &job.pieces {
             let local = job.region(p);
             let here = locate(local, p.local_offset, p.len())?;
@@ -263,42 +280,78 @@ impl CudaTransport {
                     (locate(lease.region(), p.remote.offset, p.len())?, Some(lease))
                 }
                 Some(_) => {
-                    let m = self.map(&cuda, job, p.remote.region)?;
+                    let m = match mapped.iter().find(|(r, _)| *r == p.remote.region) {
+                        Some((_, m)) => m.clone(),
+                        None => {
+                            let m = self.map(&cuda, job, p.remote.region)?;
+                            mapped.push((p.remote.region, m.clone()));
+                            m
+                        }
+                    };
                     cuda::check_range(p.remote.offset, p.len(), m.len() as u64)
                         .map_err(|e| TransferError::Invalid(e.to_string()))?;
-                    let loc = Loc::Device(m.ordinal() as u32, m.ptr() + p.remote.offset);
-                    guard._maps.push(m);
-                    (loc, None)
+                    (Loc::Device(m.ordinal() as u32, m.ptr() + p.remote.offset), None)
                 }
             };
             let (src, dst) = match job.op {
                 TransferOp::Write => (here, there),
                 TransferOp::Read => (there, here),
             };
-            let host_copy = || -> Result<(), TransferError> {
-                let remote = remote_lease.as_ref().ok_or_else(|| {
-                    TransferError::Invalid("host memory of a peer goes through shm or tcp".into())
-                })?;
-                let (s, so, d, dof) = match job.op {
-                    TransferOp::Write => (local, p.local_offset, remote.region(), p.remote.offset),
-                    TransferOp::Read => (remote.region(), p.remote.offset, local, p.local_offset),
-                };
-                Ok(copy_between(s, so, d, dof, p.len())?)
-            };
-            if let Some(o) = self.queue(&cuda, src, dst, p.len(), host_copy)? {
-                if !guard.streams.iter().any(|(u, _)| *u == o) {
-                    guard.streams.push((o, self.stream(&cuda, o)?));
+            let ordinal = match (src, dst) {
+                (Loc::Host(_), Loc::Host(_)) => {
+                    let remote = remote_lease.as_ref().ok_or_else(|| {
+                        TransferError::Invalid(
+                            "host memory of a peer goes through shm or tcp".into(),
+                        )
+                    })?;
+                    let (s, so, d, dof) = match job.op {
+                        TransferOp::Write => {
+                            (local, p.local_offset, remote.region(), p.remote.offset)
+                        }
+                        TransferOp::Read => {
+                            (remote.region(), p.remote.offset, local, p.local_offset)
+                        }
+                    };
+                    copy_between(s, so, d, dof, p.len())?;
+                    continue;
                 }
+                (Loc::Device(o, _), _) | (Loc::Host(_), Loc::Device(o, _)) => o,
+            };
+            let op = CopyOp { dst: dst.addr(), src: src.addr(), len: p.len() as usize };
+            let i = match batches.iter().position(|(o, _)| *o == ordinal) {
+                Some(i) => i,
+                None => {
+                    batches.push((ordinal, Vec::with_capacity(job.pieces.len())));
+                    batches.len() - 1
+                }
+            };
+            let ops = &mut batches[i].1;
+            match ops.last_mut() {
+                Some(last)
+                    if last.src + last.len as u64 == op.src
+                        && last.dst + last.len as u64 == op.dst =>
+                {
+                    last.len += op.len
+                }
+                _ => ops.push(op),
             }
             if let Some(l) = remote_lease {
                 guard._leases.push(l);
             }
         }
-        let events = guard
-            .streams
-            .iter()
-            .map(|(_, s)| s.record().map_err(cuda_err))
-            .collect::<Result<Vec<Event>, _>>()?;
+        guard._maps.extend(mapped.into_iter().map(|(_, m)| m));
+        let mut events = Vec::with_capacity(batches.len());
+        for (ordinal, ops) in &batches {
+            let stream = self.stream(&cuda, *ordinal)?;
+            guard.streams.push((*ordinal, stream.clone()));
+            // SAFETY: every range was checked against its region or mapping, which the job's
+            // leases (and the InFlight guard) keep alive until the event below completed. The
+            // pieces of a job run in no particular order, as with RDMA: pieces that write
+            // where another piece of the same job reads or writes get unspecified bytes, as
+            // the memory contract says of overlapping transfers.
+            unsafe { stream.copy_batch(ops) }.map_err(cuda_err)?;
+            events.push(stream.record().map_err(cuda_err)?);
+        }
         for e in events {
             e.done().await.map_err(cuda_err)?;
         }

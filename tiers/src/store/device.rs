@@ -262,21 +262,20 @@ impl TieredStore {
             };
             let host = self.get(&hashes[i..end]).await?;
             let (want, got) = (end - i, host.len());
-            for r in host {
-                let parent = (i > 0).then(|| hashes[i - 1]);
-                match inner.onboard_device(&r, parent).await {
-                    Ok(d) => refs.push(d),
-                    Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {
-                        // Another task brought it up meanwhile: take that copy.
-                        let mut pool = dev.pool.lock();
-                        let Some(slot) = pool.lookup(r.hash()) else { return Ok(refs) };
-                        let _ = pool.pin(slot);
-                        refs.push(DeviceBlockRef { store: inner.clone(), slot, hash: r.hash() });
-                    }
-                    Err(e) if refs.is_empty() => return Err(e),
-                    Err(_) => return Ok(refs),
-                }
-                i += 1;
+            let blocks: Vec<(SequenceHash, Option<SequenceHash>)> = host
+                .iter()
+                .enumerate()
+                .map(|(k, r)| (r.hash(), (i + k > 0).then(|| hashes[i + k - 1])))
+                .collect();
+            let (done, stop) = inner.onboard_devices(&host, &blocks).await;
+            let n = done.len();
+            i += n;
+            refs.extend(done);
+            if let Some(e) = stop {
+                return if refs.is_empty() { Err(e) } else { Ok(refs) };
+            }
+            if n < got {
+                return Ok(refs);
             }
             if got < want {
                 break; // the run stopped below G1: nothing after it counts
@@ -298,36 +297,73 @@ impl Inner {
         hash: SequenceHash,
         parent: Option<SequenceHash>,
     ) -> Result<u32, StoreError> {
-        let dev =
-            self.device.as_ref().ok_or_else(|| StoreError::Invalid("no device tier".into()))?;
+        self.reserve_devices(&[(hash, parent)])
+            .await
+            .pop()
+            .unwrap_or(Err(StoreError::Full(TierKind::Device)))
+    }
+
+    /// Reserves G1 slots for `blocks` in order, evicting until each has one: as many
+    /// victims at a time as slots are missing, moved down with one D2H transfer. A block
+    /// present or being written gets that error and the next one is tried; any other
+    /// failure ends the list (its error is the last entry).
+    async fn reserve_devices(
+        self: &Arc<Self>,
+        blocks: &[(SequenceHash, Option<SequenceHash>)],
+    ) -> Vec<Result<u32, StoreError>> {
+        let dev = self.device();
+        let mut out = Vec::with_capacity(blocks.len());
         loop {
-            let victim = {
+            let victims = {
                 let mut pool = dev.pool.lock();
-                match pool.reserve(hash, parent) {
-                    Ok(slot) => return Ok(slot),
-                    Err(PoolError::Present(_)) => return Err(StoreError::AlreadyStored(hash)),
-                    Err(PoolError::BeingWritten) => return Err(StoreError::BeingWritten(hash)),
-                    Err(_) => pool.begin_evict().ok_or(StoreError::Full(TierKind::Device))?,
+                while let Some(&(hash, parent)) = blocks.get(out.len()) {
+                    match pool.reserve(hash, parent) {
+                        Ok(slot) => out.push(Ok(slot)),
+                        Err(PoolError::Present(_)) => {
+                            out.push(Err(StoreError::AlreadyStored(hash)))
+                        }
+                        Err(PoolError::BeingWritten) => {
+                            out.push(Err(StoreError::BeingWritten(hash)))
+                        }
+                        Err(_) => break,
+                    }
                 }
+                let missing = blocks.len() - out.len();
+                std::iter::from_fn(|| pool.begin_evict()).take(missing).collect::<Vec<_>>()
             };
+            if out.len() == blocks.len() {
+                return out;
+            }
+            if victims.is_empty() {
+                out.push(Err(StoreError::Full(TierKind::Device)));
+                return out;
+            }
             let inner = self.clone();
-            to_completion(&self.runtime, async move { inner.evict_device(victim).await }).await?;
+            let evicted =
+                to_completion(&self.runtime, async move { inner.evict_devices(victims).await });
+            if let Err(e) = evicted.await {
+                out.push(Err(e));
+                return out;
+            }
         }
     }
 
-    /// Copies `len` bytes within the store's agent (D2H or H2D when one side is GPU memory).
-    async fn copy_local(
+    /// Copies blocks within the store's agent, one transfer for all: from `src` to `dst`
+    /// at each (source offset, destination offset) pair (D2H or H2D when one side is GPU
+    /// memory).
+    async fn copy_blocks(
         &self,
-        src: (&Arc<Region>, u64),
-        dst: (&Arc<Region>, u64),
+        src: &Arc<Region>,
+        dst: &Arc<Region>,
+        offsets: &[(u64, u64)],
     ) -> Result<(), StoreError> {
         let agent = &self.region.agent;
         let len = self.cfg.block_bytes;
         let req = TransferRequest::new(
             TransferOp::Write,
             agent.name(),
-            vec![Desc::new(src.0.id(), src.1, len)],
-            vec![Desc::new(dst.0.id(), dst.1, len)],
+            offsets.iter().map(|&(s, _)| Desc::new(src.id(), s, len)).collect(),
+            offsets.iter().map(|&(_, d)| Desc::new(dst.id(), d, len)).collect(),
         );
         let r = match agent.post(req) {
             Ok(h) => h.wait().await,
@@ -336,71 +372,132 @@ impl Inner {
         r.map_err(|e| StoreError::Invalid(format!("copy between G1 and G2: {e}")))
     }
 
-    /// Moves a G1 victim down: into a host slot unless host memory holds it already, then
-    /// frees its G1 slot. A failed copy keeps it in G1.
-    async fn evict_device(self: &Arc<Self>, v: Victim) -> Result<(), StoreError> {
+    /// Moves G1 victims down: each into a new host slot unless host memory holds it
+    /// already (all with one D2H transfer), then frees their G1 slots. Victims whose copy
+    /// failed stay in G1.
+    async fn evict_devices(self: &Arc<Self>, victims: Vec<Victim>) -> Result<(), StoreError> {
         let dev = self.device();
-        let in_host = self.host.lock().pool.lookup(v.hash).is_some();
-        if !in_host {
+        let (mut moves, mut drops, mut failed) = (Vec::new(), Vec::new(), None);
+        for v in victims {
+            if failed.is_some() {
+                let _ = dev.pool.lock().finish_evict(v.slot, false);
+                continue;
+            }
+            if self.host.lock().pool.lookup(v.hash).is_some() {
+                drops.push(v);
+                continue;
+            }
             match self.reserve_host(v.hash, v.parent).await {
-                Ok(hslot) => {
-                    let copied = self
-                        .copy_local(
-                            (&dev.region, self.slot_offset(v.slot)),
-                            (&self.region, self.slot_offset(hslot)),
-                        )
-                        .await;
-                    let mut host = self.host.lock();
-                    match copied {
-                        Ok(()) => self.commit_host(&mut host, hslot, (v.hash, v.parent), None, 0),
-                        Err(e) => {
-                            self.abort_host(&mut host, hslot);
-                            drop(host);
-                            let _ = dev.pool.lock().finish_evict(v.slot, false);
-                            return Err(e);
-                        }
-                    }
-                }
+                Ok(hslot) => moves.push((v, hslot)),
                 // Another task is putting it in host memory (or did): G1 may drop it.
-                Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => {}
+                Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => drops.push(v),
                 Err(e) => {
                     let _ = dev.pool.lock().finish_evict(v.slot, false);
-                    return Err(e);
+                    failed = Some(e);
                 }
             }
         }
-        if dev.pool.lock().finish_evict(v.slot, true) == Ok(EvictOutcome::Freed) {
-            self.events.removed(vec![v.hash], TierKind::Device);
+        let offsets: Vec<(u64, u64)> =
+            moves.iter().map(|(v, h)| (self.slot_offset(v.slot), self.slot_offset(*h))).collect();
+        let copied = match offsets.is_empty() {
+            true => Ok(()),
+            false => self.copy_blocks(&dev.region, &self.region, &offsets).await,
+        };
+        {
+            let mut host = self.host.lock();
+            for (v, hslot) in &moves {
+                match copied {
+                    Ok(()) => self.commit_host(&mut host, *hslot, (v.hash, v.parent), None, 0),
+                    Err(_) => self.abort_host(&mut host, *hslot),
+                }
+            }
         }
-        Ok(())
+        let mut removed = Vec::new();
+        {
+            let mut pool = dev.pool.lock();
+            let ok = copied.is_ok();
+            let ends = moves.iter().map(|(v, _)| (v, ok)).chain(drops.iter().map(|v| (v, true)));
+            for (v, copied) in ends {
+                if pool.finish_evict(v.slot, copied) == Ok(EvictOutcome::Freed) && copied {
+                    removed.push(v.hash);
+                }
+            }
+        }
+        if !removed.is_empty() {
+            self.events.removed(removed, TierKind::Device);
+        }
+        match (failed, copied) {
+            (Some(e), _) | (None, Err(e)) => Err(e),
+            (None, Ok(())) => Ok(()),
+        }
     }
 
-    /// Copies a block pinned in host memory into a new G1 slot, pinned.
-    async fn onboard_device(
+    /// Copies blocks pinned in host memory into new G1 slots, pinned, with one H2D
+    /// transfer. Returns the G1 refs of the leading blocks brought up (or found already
+    /// brought up by another task) and what stopped it before the end, if an error did.
+    async fn onboard_devices(
         self: &Arc<Self>,
-        host: &BlockRef,
-        parent: Option<SequenceHash>,
-    ) -> Result<DeviceBlockRef, StoreError> {
+        host: &[BlockRef],
+        blocks: &[(SequenceHash, Option<SequenceHash>)],
+    ) -> (Vec<DeviceBlockRef>, Option<StoreError>) {
         let dev = self.device();
-        let slot = self.reserve_device(host.hash(), parent).await?;
-        let copied = self
-            .copy_local(
-                (&self.region, self.slot_offset(host.slot)),
-                (&dev.region, self.slot_offset(slot)),
-            )
-            .await;
-        let mut pool = dev.pool.lock();
+        let mut reserved = self.reserve_devices(blocks).await;
+        let stop = match reserved.last() {
+            Some(Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)))
+            | Some(Ok(_))
+            | None => None,
+            Some(Err(_)) => reserved.pop().and_then(Result::err),
+        };
+        let offsets: Vec<(u64, u64)> = reserved
+            .iter()
+            .zip(host)
+            .filter_map(|(r, h)| {
+                r.as_ref().ok().map(|&s| (self.slot_offset(h.slot), self.slot_offset(s)))
+            })
+            .collect();
+        let copied = match offsets.is_empty() {
+            true => Ok(()),
+            false => self.copy_blocks(&self.region, &dev.region, &offsets).await,
+        };
+        let (mut refs, mut stored, mut ended) = (Vec::new(), Vec::new(), false);
+        {
+            let mut pool = dev.pool.lock();
+            for (r, &(hash, parent)) in reserved.into_iter().zip(blocks) {
+                let slot = match r {
+                    Ok(slot) if copied.is_err() => {
+                        let _ = pool.abort(slot);
+                        ended = true;
+                        continue;
+                    }
+                    Ok(slot) => {
+                        // Pinned for the ref, unless an earlier block ended the run.
+                        let _ = pool.commit(slot, u32::from(!ended));
+                        stored.push((hash, parent));
+                        slot
+                    }
+                    // Another task brought it up meanwhile: take that copy.
+                    Err(_) => match pool.lookup(hash) {
+                        Some(slot) if !ended => {
+                            let _ = pool.pin(slot);
+                            slot
+                        }
+                        _ => {
+                            ended = true;
+                            continue;
+                        }
+                    },
+                };
+                if !ended {
+                    refs.push(DeviceBlockRef { store: self.clone(), slot, hash });
+                }
+            }
+        }
+        for (hash, parent) in stored {
+            self.events.stored(hash, parent, TierKind::Device);
+        }
         match copied {
-            Ok(()) => {
-                let _ = pool.commit(slot, 1);
-                drop(pool);
-                self.events.stored(host.hash(), parent, TierKind::Device);
-                Ok(DeviceBlockRef { store: self.clone(), slot, hash: host.hash() })
-            }
-            Err(e) => {
-                let _ = pool.abort(slot);
-                Err(e)
-            }
+            Ok(()) => (refs, stop),
+            Err(e) => (refs, Some(e)),
         }
     }
 }
