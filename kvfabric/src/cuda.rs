@@ -178,8 +178,8 @@ pub fn check_range(offset: u64, len: u64, size: u64) -> Result<(), CudaError> {
 mod driver;
 #[cfg(feature = "cuda")]
 pub use driver::{
-    CopyOp, Cuda, Device, DeviceBuffer, DevicePointer, Event, HostRegistration, IpcMapping,
-    PinnedBuffer, Stream,
+    CopyOp, CopyTable, Cuda, Device, DeviceBuffer, DevicePointer, Event, HostRegistration,
+    IpcMapping, PinnedBuffer, Stream,
 };
 
 /// CUDA in this process: the devices, or why there are none. Looked up once; never panics.

@@ -180,6 +180,8 @@ mod agent {
     use super::pattern;
 
     const SECRET: &[u8] = b"cuda-agent-test";
+    /// Piece size of the IPC write: 16-byte aligned, so the gather kernel moves words.
+    const IPC_PIECE: u64 = 64 << 10;
 
     /// Through the agent: host → GPU, GPU → GPU, GPU → host within one process, each a
     /// transfer of a descriptor list on the cuda transport, the last with a notification.
@@ -217,6 +219,60 @@ mod agent {
         let req = TransferRequest::new(TransferOp::Write, "cuda-local", descs(&host), descs(&g1))
             .with_checksum();
         assert!(a.post(req).unwrap().wait().await.is_err());
+    }
+
+    /// Scattered descriptors of odd sizes (slot `i` against slot `n - 1 - i`, so none merge
+    /// and the driver gets one batch of many copies): host → GPU, GPU → GPU, and back to
+    /// host memory through lists contiguous on both sides (merged into one copy); every byte
+    /// lands where its descriptor says.
+    #[tokio::test]
+    #[ignore = "needs an NVIDIA GPU and driver: scripts/gpu-check.sh runs it"]
+    async fn scattered_descriptors_land_where_each_one_says() {
+        let a = Agent::start(AgentConfig::new("cuda-scatter", SECRET.to_vec())).await.unwrap();
+        // Odd pieces (the gather kernel's byte loop), and 16-byte multiples longer than one
+        // CTA's share (its word loops, several CTAs per piece).
+        for (piece, n) in [(65_537u64, 97u64), (262_160, 33)] {
+            scatter(&a, piece, n).await;
+        }
+    }
+
+    async fn scatter(a: &Agent, piece: u64, n: u64) {
+        let len = (piece * n) as usize;
+        let host = a.alloc_region(len, RegionOptions::default()).unwrap();
+        let src = pattern(len, 0x5a);
+        host.write_at(0, &src).unwrap();
+        let g1 = a.alloc_device_region(0, len, false).unwrap();
+        let g2 = a.alloc_device_region(0, len, false).unwrap();
+        let back = a.alloc_region(len, RegionOptions::default()).unwrap();
+        let fwd = |r: &kvfabric::memory::Region| -> Vec<Desc> {
+            (0..n).map(|i| Desc::new(r.id(), i * piece, piece)).collect()
+        };
+        let rev = |r: &kvfabric::memory::Region| -> Vec<Desc> {
+            (0..n).map(|i| Desc::new(r.id(), (n - 1 - i) * piece, piece)).collect()
+        };
+        // host slot i → g1 slot n-1-i → g2 slot i (reversed twice) → back, contiguous.
+        for req in [
+            TransferRequest::new(TransferOp::Write, "cuda-scatter", fwd(&host), rev(&g1)),
+            TransferRequest::new(TransferOp::Write, "cuda-scatter", rev(&g1), fwd(&g2)),
+            TransferRequest::new(TransferOp::Read, "cuda-scatter", fwd(&back), fwd(&g2)),
+        ] {
+            assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Cuda);
+            a.post(req).unwrap().wait().await.unwrap();
+        }
+        let mut got = vec![0u8; len];
+        back.read_at(0, &mut got).unwrap();
+        assert!(got == src, "bytes differ after a reversal there and back");
+        // One reversal only: g1 holds the slots in reverse order.
+        a.post(TransferRequest::new(TransferOp::Read, "cuda-scatter", fwd(&back), fwd(&g1)))
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        back.read_at(0, &mut got).unwrap();
+        for i in 0..n as usize {
+            let (p, j) = (piece as usize, n as usize - 1 - i);
+            assert!(got[i * p..(i + 1) * p] == src[j * p..(j + 1) * p], "slot {i} of {piece} B");
+        }
     }
 
     /// GPU memory to host memory of another host, and back: staged through pinned bounce
@@ -293,11 +349,26 @@ mod agent {
         b.load_peer(md).unwrap();
         let src = b.alloc_region(len, RegionOptions::default()).unwrap();
         src.write_at(0, &pattern(len, 0x77)).unwrap();
+        // Into this process's GPU memory first, then GPU to GPU through the IPC mapping in
+        // IPC_PIECE pieces, slot i to the parent's slot n-1-i (the gather kernel's work).
+        let g = b.alloc_device_region(0, len, false).unwrap();
+        let whole = |id| vec![Desc::new(id, 0, len as u64)];
+        b.post(TransferRequest::new(
+            TransferOp::Write,
+            "cuda-child",
+            whole(src.id()),
+            whole(g.id()),
+        ))
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+        let n = len as u64 / IPC_PIECE;
         let req = TransferRequest::new(
             TransferOp::Write,
             "cuda-parent",
-            vec![Desc::new(src.id(), 0, len as u64)],
-            vec![Desc::new(region, 0, len as u64)],
+            (0..n).map(|i| Desc::new(g.id(), i * IPC_PIECE, IPC_PIECE)).collect(),
+            (0..n).map(|i| Desc::new(region, (n - 1 - i) * IPC_PIECE, IPC_PIECE)).collect(),
         )
         .with_notify(b"from the child".to_vec());
         assert_eq!(b.transport_for(&req).unwrap(), TransportKind::Cuda);
@@ -338,6 +409,10 @@ mod agent {
         a.post(req).unwrap().wait().await.unwrap();
         let mut got = vec![0u8; len];
         host.read_at(0, &mut got).unwrap();
-        assert!(got == pattern(len, 0x77), "the child's bytes did not land");
+        let (want, p, n) = (pattern(len, 0x77), IPC_PIECE as usize, len / IPC_PIECE as usize);
+        for i in 0..n {
+            let j = n - 1 - i;
+            assert!(got[i * p..(i + 1) * p] == want[j * p..(j + 1) * p], "piece {i}");
+        }
     }
 }

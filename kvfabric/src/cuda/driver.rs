@@ -66,7 +66,14 @@ fn open_devices() -> Result<Cuda, CudaUnavailable> {
         let name = ctx.name().map_err(fail)?;
         // c_char is i8 on x86_64 and u8 on aarch64: reinterpret each byte.
         let uuid = ctx.uuid().map_err(fail)?.bytes.map(|b| b as u8);
-        devices.push(Arc::new(Device { ordinal, name, uuid, ctx, waiter: OnceLock::new() }));
+        devices.push(Arc::new(Device {
+            ordinal,
+            name,
+            uuid,
+            ctx,
+            waiter: OnceLock::new(),
+            kernels: OnceLock::new(),
+        }));
     }
     Ok(Cuda { devices })
 }
@@ -165,6 +172,25 @@ pub struct Device {
     uuid: [u8; UUID_BYTES],
     ctx: Arc<CudaContext>,
     waiter: OnceLock<Result<mpsc::Sender<Wait>, String>>,
+    /// The gather copy, JIT-compiled for this device on first use (or why it could not be).
+    kernels: OnceLock<Result<Kernels, String>>,
+}
+
+/// The gather copy (`copy_table.ptx`), NUL-terminated for `cuModuleLoadData`.
+const COPY_TABLE_PTX: &str = concat!(include_str!("copy_table.ptx"), "\0");
+/// Threads per CTA of the gather copy.
+const COPY_THREADS: u32 = 256;
+/// Bytes of one copy that one CTA of the gather copy moves (more CTAs for longer copies).
+const COPY_CTA_BYTES: u64 = 64 << 10;
+/// Bytes of one entry of a copy table: src, dst, len.
+const COPY_ENTRY_BYTES: usize = 24;
+
+/// A device's loaded kernels. The module stays loaded for the process's life, as the
+/// device's primary context does.
+#[derive(Debug)]
+struct Kernels {
+    _module: Raw,
+    copy_table: Raw,
 }
 
 impl std::fmt::Debug for Device {
@@ -216,6 +242,47 @@ impl Device {
         // SAFETY: a fresh allocation of at least `len` bytes that nobody else sees yet.
         unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
         Ok(PinnedBuffer { device: self.clone(), ptr: ptr.cast(), len })
+    }
+
+    /// A table for [`Stream::copy_table`] of up to `entries` copies: page-locked host memory
+    /// mapped into the GPU's address space, which the kernel reads directly.
+    pub fn alloc_copy_table(self: &Arc<Self>, entries: usize) -> Result<CopyTable, CudaError> {
+        self.bind()?;
+        let entries = entries.max(1);
+        let len = entries * COPY_ENTRY_BYTES;
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: the context is current; the memory is owned by the returned table.
+        let ptr = unsafe { result::malloc_host(len, flags) }.map_err(driver("cuMemHostAlloc"))?;
+        let buf = PinnedBuffer { device: self.clone(), ptr: ptr.cast(), len };
+        let mut device_ptr: sys::CUdeviceptr = 0;
+        // SAFETY: an out-parameter; `ptr` is a mapped allocation of this context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_ptr, ptr, 0) }
+            .result()
+            .map_err(driver("cuMemHostGetDevicePointer"))?;
+        Ok(CopyTable { buf, device_ptr, entries })
+    }
+
+    /// The gather copy's function, loading the module on first use.
+    fn copy_kernel(&self) -> Result<sys::CUfunction, CudaError> {
+        let loaded = self.kernels.get_or_init(|| {
+            self.bind().map_err(|e| e.to_string())?;
+            let mut module: sys::CUmodule = std::ptr::null_mut();
+            // SAFETY: a NUL-terminated PTX image, JIT-compiled for this context's device.
+            unsafe { sys::cuModuleLoadData(&mut module, COPY_TABLE_PTX.as_ptr().cast()) }
+                .result()
+                .map_err(|e| format!("cuModuleLoadData: {e:?}"))?;
+            let mut f: sys::CUfunction = std::ptr::null_mut();
+            // SAFETY: the module just loaded; the name is NUL-terminated.
+            unsafe { sys::cuModuleGetFunction(&mut f, module, c"kvf_copy_table".as_ptr()) }
+                .result()
+                .map_err(|e| format!("cuModuleGetFunction: {e:?}"))?;
+            tracing::debug!(device = self.ordinal, "CUDA gather copy loaded");
+            Ok(Kernels { _module: Raw(module.cast()), copy_table: Raw(f.cast()) })
+        });
+        match loaded {
+            Ok(k) => Ok(k.copy_table.0.cast()),
+            Err(e) => Err(CudaError::Driver { call: "cuModuleLoadData", message: e.clone() }),
+        }
     }
 
     /// Page-locks existing host memory (`cuMemHostRegister`, `PORTABLE`) so that copies
@@ -529,6 +596,21 @@ impl Drop for IpcMapping {
     }
 }
 
+/// Page-locked host memory that the GPU reads a list of copies from ([`Stream::copy_table`]).
+#[derive(Debug)]
+pub struct CopyTable {
+    buf: PinnedBuffer,
+    device_ptr: sys::CUdeviceptr,
+    entries: usize,
+}
+
+impl CopyTable {
+    /// How many copies it holds at most.
+    pub fn entries(&self) -> usize {
+        self.entries
+    }
+}
+
 /// One copy of a batch: addresses in the unified address space (device pointers, or host
 /// pointers as numbers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -669,6 +751,75 @@ impl Stream {
         Ok(())
     }
 
+    /// Queues device-to-device `copies` (addresses of this stream's device, its IPC mappings
+    /// included) as one launch of the gather kernel, which moves scattered blocks at memory
+    /// bandwidth where the copy engines pay microseconds per copy. `table` is filled here.
+    ///
+    /// # Safety
+    /// As [`Stream::copy_batch`], every address being device memory of this stream's device;
+    /// and `table` must be neither written (by another call) nor dropped until an event
+    /// recorded after this call has completed.
+    pub unsafe fn copy_table(
+        &self,
+        table: &mut CopyTable,
+        copies: &[CopyOp],
+    ) -> Result<(), CudaError> {
+        if copies.len() > table.entries {
+            return Err(CudaError::Driver {
+                call: "copy_table",
+                message: format!("{} copies for a table of {}", copies.len(), table.entries),
+            });
+        }
+        let f = self.device.copy_kernel()?;
+        self.device.bind()?;
+        let words = table.buf.ptr.cast::<u64>();
+        for (i, c) in copies.iter().enumerate() {
+            // SAFETY: entry i lies inside the table (checked above); the allocation is page
+            // aligned, so the u64 words are aligned; no kernel reads it (caller's guarantee).
+            unsafe {
+                words.add(3 * i).write(c.src);
+                words.add(3 * i + 1).write(c.dst);
+                words.add(3 * i + 2).write(c.len as u64);
+            }
+        }
+        let longest = copies.iter().map(|c| c.len as u64).max().unwrap_or(0);
+        let per = longest.div_ceil(COPY_CTA_BYTES).max(1);
+        let ctas = per * copies.len() as u64;
+        if ctas > i32::MAX as u64 {
+            return Err(CudaError::Driver {
+                call: "copy_table",
+                message: format!("{ctas} blocks exceed the grid"),
+            });
+        }
+        let (mut table_ptr, mut count) = (table.device_ptr, copies.len() as u32);
+        let mut per32 = per as u32;
+        let mut params: [*mut c_void; 3] = [
+            (&mut table_ptr as *mut sys::CUdeviceptr).cast(),
+            (&mut count as *mut u32).cast(),
+            (&mut per32 as *mut u32).cast(),
+        ];
+        // SAFETY: the kernel's three parameters (u64, u32, u32) in order, alive for the call
+        // (the driver copies them at launch); the grid fits; the table and every range are
+        // the caller's guarantee.
+        unsafe {
+            sys::cuLaunchKernel(
+                f,
+                ctas as u32,
+                1,
+                1,
+                COPY_THREADS,
+                1,
+                1,
+                0,
+                self.cu(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(driver("cuLaunchKernel"))
+    }
+
     /// Records an event after everything queued so far.
     pub fn record(&self) -> Result<Event, CudaError> {
         self.record_with(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
@@ -738,6 +889,22 @@ impl Event {
             Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
             Err(e) => Err(driver("cuEventQuery")(e)),
         }
+    }
+
+    /// As [`Event::done`], but first polls the event for up to `spin`, yielding to the
+    /// runtime between polls, before handing it to the device's waiting thread. Copies that
+    /// finish within tens of microseconds then complete without two thread wake-ups (the
+    /// waiting thread's and the runtime's), which on a virtual machine cost more than the
+    /// copy; longer ones cost at most `spin` of polling.
+    pub async fn done_polling(&self, spin: std::time::Duration) -> Result<(), CudaError> {
+        let start = std::time::Instant::now();
+        while start.elapsed() < spin {
+            if self.is_done()? {
+                return Ok(());
+            }
+            tokio::task::yield_now().await;
+        }
+        self.done().await
     }
 
     /// Completes when the event has; a failed copy before it is the error. Dropping the

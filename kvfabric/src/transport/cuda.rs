@@ -1,14 +1,18 @@
 //! `cuda`: transfers that touch GPU memory (feature `cuda`).
 //!
-//! - Within this agent: every piece is one CUDA copy (H2D, D2H, D2D; host to host pieces of
-//!   a mixed job are a memcpy), pieces contiguous on both sides merged into one, queued with
-//!   one `cuMemcpyBatchAsync` per device on that device's stream (one `cuMemcpyAsync` each
-//!   on drivers before CUDA 12.8); the job completes when an event recorded after its last
-//!   copy has. Pieces of one job run in no particular order.
+//! - Within this agent: every piece is one copy (host to host pieces of a mixed job are a
+//!   memcpy), pieces contiguous on both sides merged into one, on the stream of the device
+//!   they touch (one stream per device). Copies within one device go to the gather kernel
+//!   (`cuda/copy_table.ptx`): one launch moves a whole list of scattered blocks at memory
+//!   bandwidth. H2D, D2H and copies between devices go to the copy engines with one
+//!   `cuMemcpyBatchAsync` per device (one `cuMemcpyAsync` each on drivers before CUDA
+//!   12.8, and for a single copy). The job completes when an event recorded after its last
+//!   copy has: polled for a short while, then awaited on the device's waiting thread.
+//!   Pieces of one job run in no particular order.
 //! - To a peer on the same host: the peer's GPU regions are mapped once through the CUDA IPC
 //!   handle in its metadata (found by GPU UUID, since ordinals differ between processes), and
-//!   the copy runs here, one-sided, like `shm`; a notification goes through the session's
-//!   `Commit` after the last byte.
+//!   the copy runs here, one-sided, like `shm` (on the same GPU, a gather launch); a
+//!   notification goes through the session's `Commit` after the last byte.
 //! - To host memory of a peer on another host: staged through pinned bounce buffers of two
 //!   8 MiB slots ([`super::staging`]), D2H of one chunk overlapping the TCP transfer of the
 //!   other (H2D and TCP reads the other way); checksums, when asked, cover the bounce bytes.
@@ -23,7 +27,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::cuda::{self, CopyOp, Cuda, Event, HostRegistration, IpcMapping, Stream};
+use crate::cuda::{self, CopyOp, CopyTable, Cuda, Event, HostRegistration, IpcMapping, Stream};
 use crate::memory::{copy_between, MemoryKind, Region, RegionId, RegionLease};
 use crate::transfer::{TransferError, TransferOp, TransportKind};
 
@@ -34,6 +38,11 @@ use super::{Job, Transport, TransportFuture};
 const STAGE_CHUNK: u64 = 8 << 20;
 /// Bounce buffers at most: staged jobs beyond this many wait for one.
 const BOUNCE_MAX: usize = 4;
+/// Copies per copy table (24 bytes each): a job with more launches the gather kernel again.
+const TABLE_ENTRIES: usize = 4096;
+/// How long a job polls its completion event before waiting on the device's waiting thread
+/// (see [`Event::done_polling`]): long enough for the copies of a few small KV blocks.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Moves bytes to, from and between GPUs.
 #[derive(Debug)]
@@ -46,6 +55,8 @@ pub struct CudaTransport {
     /// Pinned bounce buffers not in use.
     bounces: Mutex<Vec<BounceBuf>>,
     bounce_permits: tokio::sync::Semaphore,
+    /// Copy tables of the gather kernel not in use, by device.
+    tables: Mutex<Vec<(u32, CopyTable)>>,
 }
 
 /// A bounce buffer: a host region of two slots, page-locked for asynchronous copies.
@@ -102,23 +113,49 @@ fn locate(r: &Region, offset: u64, len: u64) -> Result<Loc, TransferError> {
 /// Copies queued on streams, and what they touch: if the job ends before its copies are
 /// known to have run (dropped, or failed after queuing some), the streams it used are
 /// synchronized before its leases go, so no byte lands after that.
-struct InFlight {
+struct InFlight<'a> {
     streams: Vec<(u32, Arc<Stream>)>,
     done: bool,
     _leases: Vec<RegionLease>,
     _maps: Vec<Arc<IpcMapping>>,
+    /// Copy tables the GPU reads, back to `pool` once their kernels ran.
+    tables: Vec<(u32, CopyTable)>,
+    pool: &'a Mutex<Vec<(u32, CopyTable)>>,
 }
 
-impl Drop for InFlight {
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        for (_, s) in &self.streams {
-            if let Err(e) = s.synchronize() {
-                tracing::warn!(error = %e, "a CUDA copy of an abandoned transfer failed");
+        if !self.done {
+            for (_, s) in &self.streams {
+                if let Err(e) = s.synchronize() {
+                    tracing::warn!(error = %e, "a CUDA copy of an abandoned transfer failed");
+                    // A kernel may still read its table: never reuse or free it.
+                    std::mem::forget(std::mem::take(&mut self.tables));
+                }
             }
         }
+        self.pool.lock().append(&mut self.tables);
+    }
+}
+
+/// The copies of a job on one device's stream.
+struct DeviceWork {
+    ordinal: u32,
+    /// For the copy engines (H2D, D2H, D2D between devices): one `cuMemcpyBatchAsync`.
+    engine: Vec<CopyOp>,
+    /// Within the device (its IPC mappings included): the gather kernel.
+    gather: Vec<CopyOp>,
+}
+
+/// Appends `op`, merged into the last copy when contiguous with it on both sides.
+fn push_merged(ops: &mut Vec<CopyOp>, op: CopyOp) {
+    match ops.last_mut() {
+        Some(last)
+            if last.src + last.len as u64 == op.src && last.dst + last.len as u64 == op.dst =>
+        {
+            last.len += op.len
+        }
+        _ => ops.push(op),
     }
 }
 
@@ -131,6 +168,7 @@ impl CudaTransport {
             net,
             bounces: Mutex::default(),
             bounce_permits: tokio::sync::Semaphore::new(BOUNCE_MAX),
+            tables: Mutex::default(),
         }
     }
 
@@ -166,6 +204,18 @@ impl CudaTransport {
         drop(stager);
         self.bounces.lock().push(buf);
         r
+    }
+
+    /// A free copy table of `ordinal`'s device, allocated on first need.
+    fn take_table(&self, cuda: &Cuda, ordinal: u32) -> Result<CopyTable, TransferError> {
+        let mut tables = self.tables.lock();
+        if let Some(i) = tables.iter().position(|(o, _)| *o == ordinal) {
+            return Ok(tables.swap_remove(i).1);
+        }
+        drop(tables);
+        cuda.device(ordinal as usize)
+            .and_then(|d| d.alloc_copy_table(TABLE_ENTRIES))
+            .map_err(cuda_err)
     }
 
     fn stream(&self, cuda: &Cuda, ordinal: u32) -> Result<Arc<Stream>, TransferError> {
@@ -264,11 +314,13 @@ impl CudaTransport {
             done: false,
             _leases: job.leases.clone(),
             _maps: Vec::new(),
+            tables: Vec::new(),
+            pool: &self.tables,
         };
         let endpoint = job.endpoint()?;
         // The copies, grouped by the device whose stream takes them; runs of pieces that are
         // contiguous on both sides become one copy.
-        let mut batches: Vec<(u32, Vec<CopyOp>)> = Vec::new();
+        let mut work: Vec<DeviceWork> = Vec::new();
         // This job's peer mappings, looked up once per region.
         let mut mapped: Vec<(RegionId, Arc<IpcMapping>)> = Vec::new();
         for p in &job.pieces {
@@ -297,7 +349,7 @@ impl CudaTransport {
                 TransferOp::Write => (here, there),
                 TransferOp::Read => (there, here),
             };
-            let ordinal = match (src, dst) {
+            let (ordinal, within) = match (src, dst) {
                 (Loc::Host(_), Loc::Host(_)) => {
                     let remote = remote_lease.as_ref().ok_or_else(|| {
                         TransferError::Invalid(
@@ -315,45 +367,60 @@ impl CudaTransport {
                     copy_between(s, so, d, dof, p.len())?;
                     continue;
                 }
-                (Loc::Device(o, _), _) | (Loc::Host(_), Loc::Device(o, _)) => o,
+                (Loc::Device(o, _), Loc::Device(d, _)) => (o, o == d),
+                (Loc::Device(o, _), Loc::Host(_)) | (Loc::Host(_), Loc::Device(o, _)) => (o, false),
             };
             let op = CopyOp { dst: dst.addr(), src: src.addr(), len: p.len() as usize };
-            let i = match batches.iter().position(|(o, _)| *o == ordinal) {
-                Some(i) => i,
+            let w = match work.iter().position(|w| w.ordinal == ordinal) {
+                Some(i) => &mut work[i],
                 None => {
-                    batches.push((ordinal, Vec::with_capacity(job.pieces.len())));
-                    batches.len() - 1
+                    work.push(DeviceWork { ordinal, engine: Vec::new(), gather: Vec::new() });
+                    work.last_mut().expect("just pushed")
                 }
             };
-            let ops = &mut batches[i].1;
-            match ops.last_mut() {
-                Some(last)
-                    if last.src + last.len as u64 == op.src
-                        && last.dst + last.len as u64 == op.dst =>
-                {
-                    last.len += op.len
-                }
-                _ => ops.push(op),
-            }
+            push_merged(if within { &mut w.gather } else { &mut w.engine }, op);
             if let Some(l) = remote_lease {
                 guard._leases.push(l);
             }
         }
         guard._maps.extend(mapped.into_iter().map(|(_, m)| m));
-        let mut events = Vec::with_capacity(batches.len());
-        for (ordinal, ops) in &batches {
-            let stream = self.stream(&cuda, *ordinal)?;
-            guard.streams.push((*ordinal, stream.clone()));
-            // SAFETY: every range was checked against its region or mapping, which the job's
-            // leases (and the InFlight guard) keep alive until the event below completed. The
-            // pieces of a job run in no particular order, as with RDMA: pieces that write
-            // where another piece of the same job reads or writes get unspecified bytes, as
-            // the memory contract says of overlapping transfers.
-            unsafe { stream.copy_batch(ops) }.map_err(cuda_err)?;
+        let mut events = Vec::with_capacity(work.len());
+        for w in &mut work {
+            let stream = self.stream(&cuda, w.ordinal)?;
+            guard.streams.push((w.ordinal, stream.clone()));
+            // SAFETY (both calls): every range was checked against its region or mapping,
+            // which the job's leases (and the InFlight guard) keep alive until the event below
+            // completed; the guard also keeps each copy table until then. The pieces of a job
+            // run in no particular order, as with RDMA: pieces that write where another piece
+            // of the same job reads or writes get unspecified bytes, as the memory contract
+            // says of overlapping transfers.
+            if w.gather.len() > 1 {
+                for chunk in w.gather.chunks(TABLE_ENTRIES) {
+                    let mut table = self.take_table(&cuda, w.ordinal)?;
+                    match unsafe { stream.copy_table(&mut table, chunk) } {
+                        Ok(()) => guard.tables.push((w.ordinal, table)),
+                        Err(e) => {
+                            // Nothing was queued: the copy engines take these copies.
+                            static SAID: std::sync::Once = std::sync::Once::new();
+                            SAID.call_once(|| {
+                                tracing::warn!(error = %e,
+                                    "CUDA gather copy unavailable: device copies go to the copy engines");
+                            });
+                            self.tables.lock().push((w.ordinal, table));
+                            w.engine.extend_from_slice(chunk);
+                        }
+                    }
+                }
+            } else {
+                w.engine.append(&mut w.gather);
+            }
+            if !w.engine.is_empty() {
+                unsafe { stream.copy_batch(&w.engine) }.map_err(cuda_err)?;
+            }
             events.push(stream.record().map_err(cuda_err)?);
         }
         for e in events {
-            e.done().await.map_err(cuda_err)?;
+            e.done_polling(SPIN).await.map_err(cuda_err)?;
         }
         guard.done = true;
         drop(guard);
@@ -437,7 +504,7 @@ impl Stager for CudaStager<'_> {
             .collect();
         async move {
             for e in events? {
-                e.done().await.map_err(cuda_err)?;
+                e.done_polling(SPIN).await.map_err(cuda_err)?;
             }
             Ok(())
         }

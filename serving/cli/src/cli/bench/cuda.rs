@@ -1,26 +1,31 @@
-//! The `cuda` rows of `kvfabric bench transfer`: H2D, D2H (pinned host memory) and D2D copies
-//! of a descriptor list through `kvfabric::cuda` — one queued copy per descriptor on one
-//! stream, completion awaited through the device's waiting thread, as the data path does —
-//! against the limit measured in the same run: one raw `cuMemcpy*Async` of the same bytes,
-//! contiguous, followed by `cuStreamSynchronize`.
+//! The `cuda` rows of `kvfabric bench transfer`: H2D, D2H (page-locked host memory) and D2D
+//! copies of a descriptor list through the agent — a local transfer on the `cuda` transport,
+//! as the tiered store and the C ABI post them — against the limit measured in the same run:
+//! one raw `cuMemcpy*Async` of the same bytes, contiguous, followed by `cuStreamSynchronize`.
 //!
 //! Rows `cuda-ipc`: WRITE and READ between a GPU region of this process and a GPU region of
 //! a peer process (`kvfabric peer --device-bytes`) through the agent — descriptor lists on
 //! the `cuda` transport over CUDA IPC — against one raw `cuMemcpyDtoDAsync` of the same bytes
 //! within this process.
 //!
+//! Descriptors are scattered: descriptor `i` at slot `i` on one side and at slot
+//! `batch - 1 - i` on the other, so that no two are contiguous on both sides and the
+//! transport cannot merge them (KV blocks of a request rarely sit in order). Every
+//! descriptor is one copy: the ratio includes the per-copy cost.
+//!
 //! On a machine without CUDA, [`rows`] fails with the typed reason (no driver, no GPU, a
 //! build without the feature), which the caller prints.
 
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::cuda::{self, DeviceBuffer, PinnedBuffer, Stream};
-use kvfabric::memory::MemoryKind;
+use kvfabric::memory::{MemoryKind, Region, RegionId, RegionOptions};
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_serving::stats::gbps;
 
-use super::transfer::{combos, keep_measuring, measure_posts, measure_sync, Row};
+use super::transfer::{combos, measure_posts, measure_sync, Row};
 
 #[derive(Debug, Clone, Copy)]
 enum Op {
@@ -39,6 +44,7 @@ impl Op {
     }
 }
 
+/// The raw buffers of the limit.
 struct Buffers {
     host: PinnedBuffer,
     a: DeviceBuffer,
@@ -51,7 +57,7 @@ impl Buffers {
         anyhow::ensure!(off + len <= self.a.len() as u64, "copy outside the buffers");
         let (o, n) = (off as usize, len as usize);
         // SAFETY: `off + len` is inside every buffer (checked above); the buffers outlive the
-        // awaited event that ends each measurement.
+        // synchronize that ends each measurement.
         unsafe {
             match op {
                 Op::H2d => s.copy_h2d(self.a.ptr() + off, self.host.as_ptr().add(o), n)?,
@@ -61,6 +67,16 @@ impl Buffers {
         }
         Ok(())
     }
+}
+
+/// `batch` descriptors of `desc` bytes: slot `i` of `local` against slot `batch - 1 - i` of
+/// `remote`.
+fn scattered(local: RegionId, remote: RegionId, desc: u64, batch: usize) -> (Vec<Desc>, Vec<Desc>) {
+    let n = batch as u64;
+    (
+        (0..n).map(|i| Desc::new(local, i * desc, desc)).collect(),
+        (0..n).map(|i| Desc::new(remote, (n - 1 - i) * desc, desc)).collect(),
+    )
 }
 
 /// The rows for every `(descriptor size, batch)` that fits in `max_bytes`.
@@ -79,6 +95,17 @@ pub async fn rows(
         b: dev.alloc(max_bytes)?,
     };
     let stream = dev.stream()?;
+    let secret = format!("{:016x}", super::transfer::rand_u64());
+    let agent = Agent::start(AgentConfig::new("bench-cuda-local", secret.into_bytes())).await?;
+    // kvfabric's side: a host region page-locked in place (as the tiered store pins its host
+    // tier) and two GPU regions.
+    let host: Arc<Region> = agent.alloc_region(max_bytes, RegionOptions::default())?;
+    let host_ptr = host.ptr_at(0, max_bytes as u64)?;
+    // SAFETY: the region stays registered and mapped (the agent and `host` hold it) until
+    // after `_pinned` drops at the end of this function.
+    let _pinned = unsafe { dev.register_host(host_ptr, max_bytes) }?;
+    let a = agent.alloc_device_region(0, max_bytes, false)?;
+    let b = agent.alloc_device_region(0, max_bytes, false)?;
     let mut rows = Vec::new();
     for (desc, batch) in combos(sizes, batches, max_bytes as u64) {
         let bytes = desc * batch as u64;
@@ -89,17 +116,15 @@ pub async fn rows(
                 bufs.copy(&stream, op, 0, bytes)?;
                 Ok(stream.synchronize()?)
             })?;
-            // kvfabric's path: a copy per descriptor, awaited through an event.
-            let mut ours = Vec::new();
-            let start = Instant::now();
-            while keep_measuring(ours.len(), start, min_time) {
-                let t = Instant::now();
-                for i in 0..batch as u64 {
-                    bufs.copy(&stream, op, i * desc, desc)?;
-                }
-                stream.record()?.done().await?;
-                ours.push(t.elapsed());
-            }
+            let (src, dst) = match op {
+                Op::H2d => (&host, &a),
+                Op::D2h => (&a, &host),
+                Op::D2d => (&a, &b),
+            };
+            let (l, r) = scattered(src.id(), dst.id(), desc, batch);
+            let req = TransferRequest::new(TransferOp::Write, agent.name(), l, r)
+                .with_deadline(Duration::from_secs(60));
+            let ours = measure_posts(&agent, &req, min_time).await?;
             let limit_gbps = gbps(bytes * limit.len() as u64, limit.iter().sum());
             rows.push(Row::measured(
                 ("cuda", op.name()),
@@ -146,10 +171,7 @@ async fn ipc_rows(
         for op in [TransferOp::Write, TransferOp::Read] {
             let name = kvfabric::agent::op_name(op);
             eprintln!("[cuda-ipc] {name} {desc}×{batch}");
-            let l: Vec<Desc> =
-                (0..batch as u64).map(|i| Desc::new(local.id(), i * desc, desc)).collect();
-            let r: Vec<Desc> =
-                (0..batch as u64).map(|i| Desc::new(remote, i * desc, desc)).collect();
+            let (l, r) = scattered(local.id(), remote, desc, batch);
             let req = TransferRequest::new(op, &md.name, l, r)
                 .with_transport(TransportKind::Cuda)
                 .with_deadline(Duration::from_secs(60));

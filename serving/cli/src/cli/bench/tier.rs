@@ -461,8 +461,8 @@ where
 
 /// G1 ↔ G2 rows: per model and depth, a store with a device tier on GPU 0 of `n` blocks and
 /// a host tier of `2n`. `g1->g2`: G1 full, `n` new blocks allocated `depth` at a time, each
-/// moving a G1 block down (D2H). `g2->g1`: `n` blocks in host memory brought up with
-/// `get_device`, `depth` per call (H2D). Limit: the same blocks copied with raw
+/// moving a G1 block down (D2H). `g2->g1`: `n` blocks in host memory brought up into free
+/// G1 slots with `get_device`, `depth` per call (H2D). Limit: the same blocks copied with raw
 /// `cuMemcpy*Async` between a device buffer and pinned host memory, `depth` per synchronize.
 async fn g1_rows(args: &TierArgs, agent: &Agent) -> anyhow::Result<Vec<Row>> {
     use kvfabric_tiers::store::{DeviceSlots, DeviceTierConfig};
@@ -507,7 +507,13 @@ async fn g1_rows(args: &TierArgs, agent: &Agent) -> anyhow::Result<Vec<Row>> {
                 .await?;
                 down.push(gbps(block_bytes * n, elapsed));
                 d_lat.extend(lat);
-                // `first` is in host memory now; G1 holds `second`. Up again, `depth` per call.
+                // `first` is in host memory now; G1 holds `second`, which goes, so that the
+                // onboarding below measures H2D into free slots (evictions are the row above).
+                for &h in &second {
+                    store.remove(h).await;
+                }
+                anyhow::ensure!(store.device_occupancy().0 == 0, "G1 not emptied");
+                // Up again, `depth` per call.
                 let start = Instant::now();
                 for chunk in first.chunks(depth) {
                     let t = Instant::now();
