@@ -73,6 +73,7 @@ fn open_devices() -> Result<Cuda, CudaUnavailable> {
             ctx,
             waiter: OnceLock::new(),
             kernels: OnceLock::new(),
+            events: std::sync::Mutex::default(),
         }));
     }
     Ok(Cuda { devices })
@@ -174,7 +175,13 @@ pub struct Device {
     waiter: OnceLock<Result<mpsc::Sender<Wait>, String>>,
     /// The gather copy, JIT-compiled for this device on first use (or why it could not be).
     kernels: OnceLock<Result<Kernels, String>>,
+    /// Completed events without timing, for reuse: creating and destroying one per
+    /// transfer costs driver calls on the data path.
+    events: std::sync::Mutex<Vec<Raw>>,
 }
+
+/// Reusable events kept per device at most.
+const EVENTS_KEPT: usize = 256;
 
 /// The gather copy (`copy_table.ptx`), NUL-terminated for `cuModuleLoadData`.
 const COPY_TABLE_PTX: &str = concat!(include_str!("copy_table.ptx"), "\0");
@@ -244,22 +251,13 @@ impl Device {
         Ok(PinnedBuffer { device: self.clone(), ptr: ptr.cast(), len })
     }
 
-    /// A table for [`Stream::copy_table`] of up to `entries` copies: page-locked host memory
-    /// mapped into the GPU's address space, which the kernel reads directly.
+    /// A table for [`Stream::copy_table`] of up to `entries` copies: written in page-locked
+    /// host memory, copied to device memory (where the kernel's many readers hit the GPU's
+    /// caches instead of crossing PCIe) in stream order before the kernel runs.
     pub fn alloc_copy_table(self: &Arc<Self>, entries: usize) -> Result<CopyTable, CudaError> {
-        self.bind()?;
         let entries = entries.max(1);
         let len = entries * COPY_ENTRY_BYTES;
-        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-        // SAFETY: the context is current; the memory is owned by the returned table.
-        let ptr = unsafe { result::malloc_host(len, flags) }.map_err(driver("cuMemHostAlloc"))?;
-        let buf = PinnedBuffer { device: self.clone(), ptr: ptr.cast(), len };
-        let mut device_ptr: sys::CUdeviceptr = 0;
-        // SAFETY: an out-parameter; `ptr` is a mapped allocation of this context.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_ptr, ptr, 0) }
-            .result()
-            .map_err(driver("cuMemHostGetDevicePointer"))?;
-        Ok(CopyTable { buf, device_ptr, entries })
+        Ok(CopyTable { host: self.alloc_pinned(len)?, device: self.alloc(len)?, entries })
     }
 
     /// The gather copy's function, loading the module on first use.
@@ -599,8 +597,8 @@ impl Drop for IpcMapping {
 /// Page-locked host memory that the GPU reads a list of copies from ([`Stream::copy_table`]).
 #[derive(Debug)]
 pub struct CopyTable {
-    buf: PinnedBuffer,
-    device_ptr: sys::CUdeviceptr,
+    host: PinnedBuffer,
+    device: DeviceBuffer,
     entries: usize,
 }
 
@@ -772,7 +770,7 @@ impl Stream {
         }
         let f = self.device.copy_kernel()?;
         self.device.bind()?;
-        let words = table.buf.ptr.cast::<u64>();
+        let words = table.host.ptr.cast::<u64>();
         for (i, c) in copies.iter().enumerate() {
             // SAFETY: entry i lies inside the table (checked above); the allocation is page
             // aligned, so the u64 words are aligned; no kernel reads it (caller's guarantee).
@@ -791,7 +789,20 @@ impl Stream {
                 message: format!("{ctas} blocks exceed the grid"),
             });
         }
-        let (mut table_ptr, mut count) = (table.device_ptr, copies.len() as u32);
+        let table_bytes = copies.len() * COPY_ENTRY_BYTES;
+        // SAFETY: both table buffers hold `entries` entries; the host side stays unwritten
+        // until the caller's event (after this copy) completed.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                table.device.ptr,
+                table.host.ptr.cast(),
+                table_bytes,
+                self.cu(),
+            )
+        }
+        .result()
+        .map_err(driver("cuMemcpyHtoDAsync"))?;
+        let (mut table_ptr, mut count) = (table.device.ptr, copies.len() as u32);
         let mut per32 = per as u32;
         let mut params: [*mut c_void; 3] = [
             (&mut table_ptr as *mut sys::CUdeviceptr).cast(),
@@ -832,9 +843,17 @@ impl Stream {
 
     fn record_with(&self, flags: sys::CUevent_flags) -> Result<Event, CudaError> {
         self.device.bind()?;
-        let raw = result::event::create(flags).map_err(driver("cuEventCreate"))?;
-        let inner = Arc::new(EventInner { device: self.device.clone(), raw: Raw(raw.cast()) });
-        // SAFETY: a fresh event and our stream, both of this context.
+        let timed = flags != sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let kept =
+            if timed { None } else { self.device.events.lock().ok().and_then(|mut e| e.pop()) };
+        let raw = match kept {
+            Some(r) => r.0.cast(),
+            None => result::event::create(flags).map_err(driver("cuEventCreate"))?,
+        };
+        let inner =
+            Arc::new(EventInner { device: self.device.clone(), raw: Raw(raw.cast()), timed });
+        // SAFETY: an event of this context (fresh, or kept: recording again overwrites what
+        // it captured before) and our stream.
         unsafe { result::event::record(raw, self.cu()) }.map_err(driver("cuEventRecord"))?;
         Ok(Event { inner })
     }
@@ -862,10 +881,20 @@ impl Drop for Stream {
 struct EventInner {
     device: Arc<Device>,
     raw: Raw,
+    /// Created with timing (not kept for reuse).
+    timed: bool,
 }
 
 impl Drop for EventInner {
     fn drop(&mut self) {
+        if !self.timed {
+            if let Ok(mut kept) = self.device.events.lock() {
+                if kept.len() < EVENTS_KEPT {
+                    kept.push(self.raw);
+                    return;
+                }
+            }
+        }
         if self.device.bind().is_ok() {
             // SAFETY: created in `Stream::record`, destroyed once.
             let _ = unsafe { result::event::destroy(self.raw.0.cast()) };
