@@ -69,6 +69,45 @@ impl Buffers {
     }
 }
 
+/// Prints what each way of learning that one 64 KiB H2D copy completed costs (median): the
+/// floor (`cuStreamSynchronize` on this thread), an event synchronized on this thread, an
+/// event polled from this task, and an event awaited through the device's waiting thread.
+/// The data path polls, then waits; the difference to the floor is the fixed cost of every
+/// transfer on top of its copies.
+async fn completion_costs(bufs: &Buffers, s: &Stream, min_time: Duration) -> anyhow::Result<()> {
+    let len = 64 << 10;
+    let median = |mut v: Vec<Duration>| {
+        v.sort();
+        v.get(v.len() / 2).copied().unwrap_or_default()
+    };
+    let floor = measure_sync(min_time, || {
+        bufs.copy(s, Op::H2d, 0, len)?;
+        Ok(s.synchronize()?)
+    })?;
+    let event_sync = measure_sync(min_time, || {
+        bufs.copy(s, Op::H2d, 0, len)?;
+        Ok(s.record()?.synchronize()?)
+    })?;
+    let (mut polled, mut waited) = (Vec::new(), Vec::new());
+    for (out, spin) in [(&mut polled, Duration::from_millis(1)), (&mut waited, Duration::ZERO)] {
+        let start = std::time::Instant::now();
+        while super::transfer::keep_measuring(out.len(), start, min_time) {
+            let t = std::time::Instant::now();
+            bufs.copy(s, Op::H2d, 0, len)?;
+            s.record()?.done_polling(spin).await?;
+            out.push(t.elapsed());
+        }
+    }
+    eprintln!(
+        "cuda: completion of one 64 KiB H2D copy (median): stream synchronize {:?}, event synchronize {:?}, event polled {:?}, event awaited on the waiting thread {:?}",
+        median(floor),
+        median(event_sync),
+        median(polled),
+        median(waited)
+    );
+    Ok(())
+}
+
 /// `batch` descriptors of `desc` bytes: slot `i` of `local` against slot `batch - 1 - i` of
 /// `remote`.
 fn scattered(local: RegionId, remote: RegionId, desc: u64, batch: usize) -> (Vec<Desc>, Vec<Desc>) {
@@ -95,6 +134,7 @@ pub async fn rows(
         b: dev.alloc(max_bytes)?,
     };
     let stream = dev.stream()?;
+    completion_costs(&bufs, &stream, min_time).await?;
     let secret = format!("{:016x}", super::transfer::rand_u64());
     let agent = Agent::start(AgentConfig::new("bench-cuda-local", secret.into_bytes())).await?;
     // kvfabric's side: a host region page-locked in place (as the tiered store pins its host
