@@ -519,13 +519,21 @@ impl Agent {
         // its first poll, in field order — the job's leases, then the permit, then the exit
         // guard that marks the transfer quiesced.
         let running = Running { job, permit, exit: crate::transfer::ExitGuard(shared.clone()) };
-        let task = inner.runtime.spawn(async move {
+        // The deadline's timer belongs to the agent's runtime, whoever polls the work.
+        let expiry = {
+            let _in = inner.runtime.enter();
+            tokio::time::sleep(deadline)
+        };
+        let work = async move {
             task_shared.apply(TransferEvent::Start);
-            let outcome = tokio::time::timeout(deadline, transport.execute(&running.job)).await;
+            let outcome = tokio::select! {
+                r = transport.execute(&running.job) => Some(r),
+                _ = expiry => None,
+            };
             let event = match outcome {
-                Ok(Ok(())) => TransferEvent::Complete,
-                Ok(Err(e)) => TransferEvent::Fail(e),
-                Err(_) => TransferEvent::Deadline,
+                Some(Ok(())) => TransferEvent::Complete,
+                Some(Err(e)) => TransferEvent::Fail(e),
+                None => TransferEvent::Deadline,
             };
             // Release first, then report: whoever sees the outcome can deregister the
             // regions and post the next transfer at once.
@@ -534,7 +542,12 @@ impl Agent {
             drop(permit);
             drop(exit);
             task_shared.apply(event);
-        });
+        };
+        // A waiter on the handle moves the work too (see `Drive`): posted and awaited, a
+        // transfer completes on the waiter's thread without hand-offs between threads.
+        let drive = crate::transfer::Drive::new(work);
+        let _ = shared.drive.set(drive.clone());
+        let task = inner.runtime.spawn(crate::transfer::TaskDrive(drive));
         *shared.abort.lock() = Some(task.abort_handle());
         // A cancel that raced the spawn finds no abort handle; abort now.
         if shared.state.lock().status().is_terminal() {

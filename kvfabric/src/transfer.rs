@@ -341,6 +341,117 @@ pub(crate) struct TransferShared {
     /// byte of it can land anywhere.
     pub(crate) exited: std::sync::atomic::AtomicBool,
     pub(crate) exited_notify: tokio::sync::Notify,
+    /// The transfer's work when whoever waits on the handle may move it too ([`Drive`]).
+    pub(crate) drive: std::sync::OnceLock<Arc<Drive>>,
+}
+
+/// Which poller of a [`Drive`]: the transfer's own task, or a waiter on its handle.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Role {
+    Task = 0,
+    Waiter = 1,
+}
+
+type Work = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A transfer's work, polled by the task that runs it and also by a caller waiting on its
+/// handle: whichever runs when the work can progress moves it, the other finds it busy or
+/// over. A transfer posted and then awaited thus completes on the waiter's thread, without
+/// the two thread wake-ups of a hand-off to the task and back — on a virtual machine they
+/// cost more than a small GPU copy. The work wakes both pollers (the task's waker is always
+/// registered, so a waiter that gives up stalls nothing); it is dropped when it completes,
+/// or when its task is dropped unfinished (cancelled, or its runtime shut down).
+pub(crate) struct Drive {
+    work: Mutex<Option<Work>>,
+    wakers: Mutex<[Option<std::task::Waker>; 2]>,
+}
+
+impl std::fmt::Debug for Drive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drive").finish_non_exhaustive()
+    }
+}
+
+impl Drive {
+    pub(crate) fn new(work: impl std::future::Future<Output = ()> + Send + 'static) -> Arc<Self> {
+        Arc::new(Drive { work: Mutex::new(Some(Box::pin(work))), wakers: Mutex::default() })
+    }
+
+    /// Polls the work as `role`: ready once it is over, here or elsewhere.
+    pub(crate) fn poll_as(
+        self: &Arc<Self>,
+        role: Role,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        use std::task::Poll;
+        {
+            let mut wakers = self.wakers.lock();
+            let slot = &mut wakers[role as usize];
+            if !slot.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                *slot = Some(cx.waker().clone());
+            }
+        }
+        // Busy: the other poller is moving it, and the work wakes this one when it can go on.
+        let Some(mut work) = self.work.try_lock() else { return Poll::Pending };
+        let Some(fut) = work.as_mut() else { return Poll::Ready(()) };
+        let waker = std::task::Waker::from(self.clone());
+        match fut.as_mut().poll(&mut std::task::Context::from_waker(&waker)) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(()) => {
+                let done = work.take();
+                drop(work);
+                drop(done);
+                self.wake_all();
+                Poll::Ready(())
+            }
+        }
+    }
+
+    /// Drops the work if it is not over: what it holds is released (its task is gone).
+    fn abandon(&self) {
+        let work = self.work.lock().take();
+        if work.is_some() {
+            drop(work);
+            self.wake_all();
+        }
+    }
+
+    fn wake_all(&self) {
+        let wakers: Vec<std::task::Waker> = self.wakers.lock().iter().flatten().cloned().collect();
+        for w in wakers {
+            w.wake();
+        }
+    }
+}
+
+impl std::task::Wake for Drive {
+    fn wake(self: Arc<Self>) {
+        self.wake_all();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.wake_all();
+    }
+}
+
+/// The task side of a [`Drive`]; dropping it unfinished drops the work.
+pub(crate) struct TaskDrive(pub(crate) Arc<Drive>);
+
+impl std::future::Future for TaskDrive {
+    type Output = ();
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        self.0.poll_as(Role::Task, cx)
+    }
+}
+
+impl Drop for TaskDrive {
+    fn drop(&mut self) {
+        self.0.abandon();
+    }
 }
 
 /// Marks a transfer's task as gone when dropped — also when the task is aborted, since an
@@ -363,6 +474,7 @@ impl TransferShared {
             abort: Mutex::new(None),
             exited: std::sync::atomic::AtomicBool::new(false),
             exited_notify: tokio::sync::Notify::new(),
+            drive: std::sync::OnceLock::new(),
         })
     }
 
@@ -394,7 +506,7 @@ impl TransferHandle {
         self.shared.state.lock().status().clone()
     }
 
-    /// Waits until the transfer is over.
+    /// Waits until the transfer is over, moving it meanwhile where it can ([`Drive`]).
     pub async fn wait(&self) -> Result<(), TransferError> {
         loop {
             let notified = self.shared.changed.notified();
@@ -403,7 +515,17 @@ impl TransferHandle {
             if let Some(r) = self.shared.state.lock().result(self.shared.deadline) {
                 return r;
             }
-            notified.await;
+            match self.shared.drive.get() {
+                Some(drive) => {
+                    let drive = drive.clone();
+                    tokio::select! {
+                        biased;
+                        _ = notified.as_mut() => {}
+                        _ = std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx)) => {}
+                    }
+                }
+                None => notified.await,
+            }
         }
     }
 
@@ -483,5 +605,98 @@ mod tests {
         assert_eq!(s.result(d), Some(Err(TransferError::TimedOut(d))));
         s.apply(TransferEvent::Complete);
         assert_eq!(s.result(d), Some(Err(TransferError::TimedOut(d))));
+    }
+
+    /// Work that waits for a signal, counting its polls to completion and marking its drop.
+    fn signalled_work(
+        rx: tokio::sync::oneshot::Receiver<()>,
+        done: Arc<std::sync::atomic::AtomicUsize>,
+        dropped: Arc<std::sync::atomic::AtomicBool>,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        struct Mark(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Mark {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let mark = Mark(dropped);
+        async move {
+            let _mark = mark;
+            let _ = rx.await;
+            done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    fn counters() -> (Arc<std::sync::atomic::AtomicUsize>, Arc<std::sync::atomic::AtomicBool>) {
+        (Arc::default(), Arc::default())
+    }
+
+    #[tokio::test]
+    async fn a_waiter_alone_moves_the_work_to_its_end() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (done, dropped) = counters();
+        let drive = Drive::new(signalled_work(rx, done.clone(), dropped.clone()));
+        // No task: only the waiter polls.
+        let waiter = {
+            let drive = drive.clone();
+            tokio::spawn(
+                async move { std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx)).await },
+            )
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 0);
+        tx.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap();
+        assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst), "finished work is dropped");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn task_and_waiter_together_run_the_work_once_and_both_see_its_end() {
+        for _ in 0..200 {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let (done, dropped) = counters();
+            let drive = Drive::new(signalled_work(rx, done.clone(), dropped.clone()));
+            let task = tokio::spawn(TaskDrive(drive.clone()));
+            let waiter = {
+                let drive = drive.clone();
+                tokio::spawn(async move {
+                    std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx)).await
+                })
+            };
+            tokio::task::yield_now().await;
+            tx.send(()).unwrap();
+            let both = async { (task.await.unwrap(), waiter.await.unwrap()) };
+            tokio::time::timeout(Duration::from_secs(5), both).await.expect("a poller stalled");
+            assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 1);
+            assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_waiter_that_gives_up_stalls_nothing_and_a_dropped_task_drops_the_work() {
+        // The waiter polls once and leaves; the task alone finishes.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (done, dropped) = counters();
+        let drive = Drive::new(signalled_work(rx, done.clone(), dropped.clone()));
+        let once = std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx));
+        assert!(tokio::time::timeout(Duration::from_millis(10), once).await.is_err());
+        let task = tokio::spawn(TaskDrive(drive.clone()));
+        tx.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), task).await.unwrap().unwrap();
+        assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // A task dropped (aborted) before the end drops the work: what it held goes, and a
+        // waiter sees the end.
+        let (_tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (done, dropped) = counters();
+        let drive = Drive::new(signalled_work(rx, done.clone(), dropped.clone()));
+        let task = tokio::spawn(TaskDrive(drive.clone()));
+        tokio::task::yield_now().await;
+        task.abort();
+        let _ = task.await;
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst), "aborted work not dropped");
+        assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 0);
+        let after = std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx));
+        tokio::time::timeout(Duration::from_secs(5), after).await.unwrap();
     }
 }
