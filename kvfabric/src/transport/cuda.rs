@@ -390,15 +390,16 @@ impl CudaTransport {
         for w in &mut work {
             let stream = self.stream(&cuda, w.ordinal)?;
             guard.streams.push((w.ordinal, stream.clone()));
-            // SAFETY (both calls): every range was checked against its region or mapping,
-            // which the job's leases (and the InFlight guard) keep alive until the event below
-            // completed; the guard also keeps each copy table until then. The pieces of a job
-            // run in no particular order, as with RDMA: pieces that write where another piece
-            // of the same job reads or writes get unspecified bytes, as the memory contract
-            // says of overlapping transfers.
+            // Every range below was checked against its region or mapping, which the job's
+            // leases (and the InFlight guard) keep alive until the event below completed; the
+            // guard also keeps each copy table until then. The pieces of a job run in no
+            // particular order, as with RDMA: pieces that write where another piece of the
+            // same job reads or writes get unspecified bytes, as the memory contract says of
+            // overlapping transfers.
             if w.gather.len() > 1 {
                 for chunk in w.gather.chunks(TABLE_ENTRIES) {
                     let mut table = self.take_table(&cuda, w.ordinal)?;
+                    // SAFETY: as said above the loop; the table is this job's until its event.
                     match unsafe { stream.copy_table(&mut table, chunk) } {
                         Ok(()) => guard.tables.push((w.ordinal, table)),
                         Err(e) => {
@@ -417,6 +418,7 @@ impl CudaTransport {
                 w.engine.append(&mut w.gather);
             }
             if !w.engine.is_empty() {
+                // SAFETY: as said above the loop.
                 unsafe { stream.copy_batch(&w.engine) }.map_err(cuda_err)?;
             }
             events.push(stream.record().map_err(cuda_err)?);

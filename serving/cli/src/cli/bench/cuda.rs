@@ -121,13 +121,13 @@ async fn completion_costs(bufs: &Buffers, s: &Stream, min_time: Duration) -> any
         bufs.copy(s, Op::D2d, 0, total)?;
         Ok(s.synchronize()?)
     })?;
-    // SAFETY (both): the ranges lie in the buffers, which outlive the synchronize that ends
-    // each measurement; the table is rewritten only after the previous kernel ran.
     let batch = measure_sync(min_time, || {
+        // SAFETY: the ranges lie in the buffers, which outlive the synchronize below.
         unsafe { s.copy_batch(&copies) }?;
         Ok(s.synchronize()?)
     })?;
     let gather = measure_sync(min_time, || {
+        // SAFETY: as above; the table is rewritten only after the synchronize below.
         unsafe { s.copy_table(&mut table, &copies) }?;
         Ok(s.synchronize()?)
     })?;
