@@ -161,6 +161,8 @@ pub(crate) struct AgentInner {
     peers: RwLock<HashMap<String, Arc<Peer>>>,
     notify_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
     in_flight: Arc<Semaphore>,
+    /// How posted transfers ended, per transport.
+    counters: Arc<crate::transfer::TransferCounters>,
     next_id: AtomicU64,
     listen_addr: SocketAddr,
     host_id: String,
@@ -274,6 +276,7 @@ impl Agent {
             peers: RwLock::new(HashMap::new()),
             notify_rx: tokio::sync::Mutex::new(notify_rx),
             in_flight: Arc::new(Semaphore::new(config.limits.transfers_in_flight_max)),
+            counters: Arc::default(),
             next_id: AtomicU64::new(1),
             listen_addr,
             host_id: host_id(),
@@ -488,6 +491,12 @@ impl Agent {
         self.prepare(req.clone()).map(|(job, _)| job)
     }
 
+    /// How the transfers posted here ended, per transport (`/metrics`). Requests refused by
+    /// `post` itself (invalid, busy) are not transfers and are not counted.
+    pub fn transfer_counts(&self) -> Vec<crate::transfer::TransferCount> {
+        self.inner.counters.snapshot()
+    }
+
     /// Validates and posts a transfer; it runs on the agent's runtime.
     pub fn post(&self, req: TransferRequest) -> Result<TransferHandle, TransferError> {
         let inner = &self.inner;
@@ -500,7 +509,8 @@ impl Agent {
             .try_acquire_owned()
             .map_err(|_| TransferError::Busy(limits.transfers_in_flight_max))?;
         let id = job.id;
-        let shared = TransferShared::new(deadline);
+        let counted = (inner.counters.clone(), transport.kind(), job.bytes());
+        let shared = TransferShared::new(deadline, Some(counted));
         if let Some(outcome) = transport.execute_inline(&job) {
             // Completed on this thread (a memcpy transport): no task, no wake-up. What it
             // held is released before the outcome is reported.

@@ -199,6 +199,14 @@ pub fn available() -> Result<(), CudaUnavailable> {
     probe().map(|_| ())
 }
 
+/// The names of the GPUs this process sees, by ordinal, or why it sees none (`/health`).
+pub fn device_names() -> Result<Vec<String>, CudaUnavailable> {
+    #[cfg(feature = "cuda")]
+    return probe().map(|c| c.devices().iter().map(|d| d.name().to_string()).collect());
+    #[cfg(not(feature = "cuda"))]
+    return probe().map(|never| match never {});
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

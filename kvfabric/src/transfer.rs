@@ -11,6 +11,7 @@
 //!   terminal states are absorbing.
 //! - [`TransferHandle`]: what `post` returns: poll it, await it, or cancel it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -64,6 +65,10 @@ pub enum TransportKind {
 }
 
 impl TransportKind {
+    /// Every transport, in the order of their counters.
+    pub const ALL: [TransportKind; 4] =
+        [TransportKind::Local, TransportKind::Shm, TransportKind::Tcp, TransportKind::Cuda];
+
     /// Its name.
     pub fn name(self) -> &'static str {
         match self {
@@ -330,6 +335,68 @@ impl TransferState {
     }
 }
 
+/// Transfers that ended, per transport: how each ended, and the bytes of those that
+/// completed. An agent's counters, read by `/metrics`.
+#[derive(Debug, Default)]
+pub struct TransferCounters {
+    /// Per transport (in [`TransportKind::ALL`] order): done, failed, timed out, cancelled.
+    ended: [[AtomicU64; 4]; 4],
+    bytes: [AtomicU64; 4],
+}
+
+/// One transport's line of [`TransferCounters`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferCount {
+    /// The transport.
+    pub transport: TransportKind,
+    /// Transfers completed.
+    pub done: u64,
+    /// Transfers failed (an error from the transport, the peer or the memory).
+    pub failed: u64,
+    /// Transfers past their deadline.
+    pub timed_out: u64,
+    /// Transfers cancelled.
+    pub cancelled: u64,
+    /// Bytes of the completed transfers.
+    pub bytes: u64,
+}
+
+impl TransferCounters {
+    fn record(&self, transport: TransportKind, status: &TransferStatus, bytes: u64) {
+        let t = transport as usize;
+        let i = match status {
+            TransferStatus::Done => 0,
+            TransferStatus::Failed(_) => 1,
+            TransferStatus::TimedOut => 2,
+            TransferStatus::Cancelled => 3,
+            TransferStatus::Posted | TransferStatus::InFlight => return,
+        };
+        self.ended[t][i].fetch_add(1, Ordering::Relaxed);
+        if i == 0 {
+            self.bytes[t].fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// The counts now, one line per transport.
+    pub fn snapshot(&self) -> Vec<TransferCount> {
+        TransportKind::ALL
+            .iter()
+            .map(|&transport| {
+                let t = transport as usize;
+                let n = |i: usize| self.ended[t][i].load(Ordering::Relaxed);
+                TransferCount {
+                    transport,
+                    done: n(0),
+                    failed: n(1),
+                    timed_out: n(2),
+                    cancelled: n(3),
+                    bytes: self.bytes[t].load(Ordering::Relaxed),
+                }
+            })
+            .collect()
+    }
+}
+
 /// Shared between a handle and the task running the transfer.
 #[derive(Debug)]
 pub(crate) struct TransferShared {
@@ -343,6 +410,8 @@ pub(crate) struct TransferShared {
     pub(crate) exited_notify: tokio::sync::Notify,
     /// The transfer's work when whoever waits on the handle may move it too ([`Drive`]).
     pub(crate) drive: std::sync::OnceLock<Arc<Drive>>,
+    /// Where its end is counted: the agent's counters, its transport, its bytes.
+    counted: Option<(Arc<TransferCounters>, TransportKind, u64)>,
 }
 
 /// Which poller of a [`Drive`]: the transfer's own task, or a waiter on its handle.
@@ -466,7 +535,10 @@ impl Drop for ExitGuard {
 }
 
 impl TransferShared {
-    pub(crate) fn new(deadline: Duration) -> Arc<Self> {
+    pub(crate) fn new(
+        deadline: Duration,
+        counted: Option<(Arc<TransferCounters>, TransportKind, u64)>,
+    ) -> Arc<Self> {
         Arc::new(TransferShared {
             state: Mutex::new(TransferState::default()),
             changed: tokio::sync::Notify::new(),
@@ -475,11 +547,21 @@ impl TransferShared {
             exited: std::sync::atomic::AtomicBool::new(false),
             exited_notify: tokio::sync::Notify::new(),
             drive: std::sync::OnceLock::new(),
+            counted,
         })
     }
 
     pub(crate) fn apply(&self, event: TransferEvent) -> bool {
-        let changed = self.state.lock().apply(event);
+        let changed = {
+            let mut state = self.state.lock();
+            let changed = state.apply(event);
+            if changed && state.status().is_terminal() {
+                if let Some((counters, transport, bytes)) = &self.counted {
+                    counters.record(*transport, state.status(), *bytes);
+                }
+            }
+            changed
+        };
         if changed {
             self.changed.notify_waiters();
         }

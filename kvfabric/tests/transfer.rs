@@ -409,6 +409,14 @@ async fn deadlines_cancellation_and_the_in_flight_limit() {
     a.post(req()).unwrap().wait().await.unwrap();
     faults.fail_next(1);
     assert!(matches!(a.post(req()).unwrap().wait().await, Err(TransferError::Disconnected { .. })));
+    // Each end is counted once, on its transport; the request refused as busy is not a
+    // transfer.
+    let kind = a.transport_for(&req()).unwrap();
+    for c in a.transfer_counts() {
+        let ends = (c.done, c.failed, c.timed_out, c.cancelled, c.bytes);
+        let want = if c.transport == kind { (1, 1, 1, 1, 64) } else { (0, 0, 0, 0, 0) };
+        assert_eq!(ends, want, "{}", c.transport);
+    }
     drop(src);
     let id = a.metadata().regions.first().map(|r| r.id);
     assert!(id.is_none(), "a was never exporting");

@@ -98,17 +98,25 @@ impl Backend for LocalBackend {
             return json!({ "status": "failed", "reason": reason, "model": self.entry.info.id });
         }
         let degraded = self.store.degraded();
+        let failed: u64 = self.store.agent().transfer_counts().iter().map(|c| c.failed).sum();
+        let cuda = match kvfabric::cuda::device_names() {
+            Ok(names) => json!({ "available": true, "devices": names }),
+            Err(why) => json!({ "available": false, "reason": why.to_string() }),
+        };
         json!({
             "status": if degraded.is_empty() { "ok" } else { "degraded" },
             "reasons": degraded,
             "model": self.entry.info.id,
             "running": s.running.load(Ordering::Relaxed),
             "waiting": s.waiting.load(Ordering::Relaxed),
+            "transfers_failed": failed,
+            "cuda": cuda,
         })
     }
 
     fn metrics(&self, out: &mut Snapshot) {
         out.engine = Some(engine_snapshot(&self.sched, &self.store));
+        out.transfers = self.store.agent().transfer_counts();
     }
 }
 

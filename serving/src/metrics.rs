@@ -315,6 +315,8 @@ pub struct Snapshot {
     pub remote_prefill: Option<RemotePrefillSnapshot>,
     /// Prefill service (prefill workers).
     pub prefill_service: Option<PrefillServiceSnapshot>,
+    /// How the transfers of the component's agent ended, per transport.
+    pub transfers: Vec<kvfabric::transfer::TransferCount>,
 }
 
 /// A component whose counters are read at scrape time.
@@ -531,6 +533,9 @@ impl Collector for Components {
             if let Some(t) = store(s) {
                 let (h, d) = (t.host_used_blocks.into(), t.disk_used_blocks.into());
                 o.extend(tiered(&[("host", h), ("disk", d)]));
+                if t.device_capacity_blocks > 0 {
+                    o.extend(tiered(&[("device", t.device_used_blocks.into())]));
+                }
             }
         })?;
         family(
@@ -544,6 +549,9 @@ impl Collector for Components {
                 if let Some(t) = store(s) {
                     let (h, d) = (t.host_capacity_blocks.into(), t.disk_capacity_blocks.into());
                     o.extend(tiered(&[("host", h), ("disk", d)]));
+                    if t.device_capacity_blocks > 0 {
+                        o.extend(tiered(&[("device", t.device_capacity_blocks.into())]));
+                    }
                 }
             },
         )?;
@@ -613,6 +621,46 @@ impl Collector for Components {
             Some(Unit::Seconds),
             H,
             |s, o| o.extend(store(s).map(|t| (Vec::new(), Value::Histogram(t.onboard_latency)))),
+        )?;
+
+        // The agent's transfers.
+        family(
+            e,
+            s,
+            "kvfabric_transfers",
+            "Transfers ended, per transport and outcome (done, failed, timed_out, cancelled).",
+            None,
+            C,
+            |s, o| {
+                for c in &s.transfers {
+                    for (outcome, n) in [
+                        ("done", c.done),
+                        ("failed", c.failed),
+                        ("timed_out", c.timed_out),
+                        ("cancelled", c.cancelled),
+                    ] {
+                        let labels = vec![
+                            ("transport", LabelValue::from(c.transport.name())),
+                            ("outcome", LabelValue::from(outcome)),
+                        ];
+                        o.push((labels, Value::Int(n)));
+                    }
+                }
+            },
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_transfer",
+            "Bytes of completed transfers, per transport.",
+            Some(Unit::Bytes),
+            C,
+            |s, o| {
+                for c in &s.transfers {
+                    let labels = vec![("transport", LabelValue::from(c.transport.name()))];
+                    o.push((labels, Value::Int(c.bytes)));
+                }
+            },
         )?;
 
         // An attached engine.
@@ -895,13 +943,26 @@ mod tests {
         h.tokens(10, 3, 4);
         h.duration(Duration::from_millis(20));
         h.request(Outcome::Ok);
-        let store = MetricsSnapshot { offload_bytes: 4096, ..Default::default() };
+        let store = MetricsSnapshot {
+            offload_bytes: 4096,
+            device_used_blocks: 3,
+            device_capacity_blocks: 8,
+            ..Default::default()
+        };
         let snap = Snapshot {
             engine: Some(EngineSnapshot { store: Some(store), ..Default::default() }),
             prefill_service: Some(PrefillServiceSnapshot {
                 transfer_seconds: 1.5,
                 ..Default::default()
             }),
+            transfers: vec![kvfabric::transfer::TransferCount {
+                transport: kvfabric::transfer::TransportKind::Cuda,
+                done: 3,
+                failed: 1,
+                timed_out: 0,
+                cancelled: 0,
+                bytes: 1 << 20,
+            }],
             ..Default::default()
         };
         let text = encode(&registry(&h, Components::new().with(None, Arc::new(Fixed(snap)))));
@@ -916,6 +977,11 @@ mod tests {
             "kvfabric_prefill_transfer_seconds_total 1.5\n",
             "# UNIT kvfabric_kv_offload_bytes bytes\n",
             "kvfabric_kv_onboard_duration_seconds_bucket{le=\"+Inf\"} 0\n",
+            "kvfabric_kv_blocks{tier=\"device\"} 3\n",
+            "kvfabric_kv_capacity_blocks{tier=\"device\"} 8\n",
+            "kvfabric_transfers_total{transport=\"cuda\",outcome=\"done\"} 3\n",
+            "kvfabric_transfers_total{transport=\"cuda\",outcome=\"failed\"} 1\n",
+            "kvfabric_transfer_bytes_total{transport=\"cuda\"} 1048576\n",
         ] {
             assert!(text.contains(line), "{line:?} missing in\n{text}");
         }

@@ -107,7 +107,16 @@ async fn models_health_and_response_shapes() {
     assert_eq!(m["object"], "list");
     assert_eq!(m["data"][0]["id"], "mock");
     assert_eq!(get(s.addr, "/v1/models/mock").await.status, 200);
-    assert_eq!(get(s.addr, "/health").await.json()["status"], "ok");
+    let h = get(s.addr, "/health").await.json();
+    assert_eq!(h["status"], "ok");
+    // Failed transfers are counted, and whether this process can use a GPU is said, with
+    // the reason when it cannot (on a machine with a GPU and driver: its devices).
+    assert_eq!(h["transfers_failed"], 0);
+    match h["cuda"]["available"].as_bool() {
+        Some(true) => assert!(!h["cuda"]["devices"].as_array().unwrap().is_empty(), "{h}"),
+        Some(false) => assert!(h["cuda"]["reason"].as_str().unwrap().contains("CUDA"), "{h}"),
+        None => panic!("no cuda in /health: {h}"),
+    }
 
     let whole = post_json(s.addr, "/v1/chat/completions", &chat("Hello there", json!({}))).await;
     assert_eq!(whole.status, 200, "{}", whole.text());

@@ -99,6 +99,10 @@ pub struct StoreMetrics {
 /// A snapshot of the store's metrics and occupancy.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct MetricsSnapshot {
+    /// G1 (device tier) slots in use; 0 without a device tier.
+    pub device_used_blocks: u32,
+    /// G1 slots in all; 0 without a device tier.
+    pub device_capacity_blocks: u32,
     /// Host slots in use.
     pub host_used_blocks: u32,
     /// Host slots in all.

@@ -411,6 +411,11 @@ impl TieredStore {
         *self.inner.events.next.lock()
     }
 
+    /// The agent the store moves blocks with (its transfers, its regions).
+    pub fn agent(&self) -> &Agent {
+        &self.inner.region.agent
+    }
+
     /// Metrics and occupancy.
     pub fn metrics(&self) -> MetricsSnapshot {
         let m = &self.inner.metrics;
@@ -419,7 +424,10 @@ impl TieredStore {
             (h.pool.used(), h.pool.capacity())
         };
         let (disk_used, disk_cap) = self.inner.disk.as_ref().map_or((0, 0), |d| d.occupancy());
+        let (device_used, device_cap) = self.device_occupancy();
         MetricsSnapshot {
+            device_used_blocks: device_used,
+            device_capacity_blocks: device_cap,
             host_used_blocks: host_used,
             host_capacity_blocks: host_cap,
             disk_used_blocks: disk_used,
