@@ -1,8 +1,10 @@
 //! `cuda`: transfers that touch GPU memory (feature `cuda`).
 //!
 //! - Within this agent: every piece is one copy (host to host pieces of a mixed job are a
-//!   memcpy), pieces contiguous on both sides merged into one, on the stream of the device
-//!   they touch (one stream per device). Copies within one device go to the gather kernel
+//!   memcpy), pieces contiguous on both sides merged into one, on a stream of the device
+//!   they touch: one stream per direction (to the device, to the host, within it, to another
+//!   device, staging), so that H2D, D2H and device copies of concurrent jobs overlap. Copies
+//!   within one device go to the gather kernel
 //!   (`cuda/copy_table.ptx`): one launch moves a whole list of scattered blocks at memory
 //!   bandwidth. H2D, D2H and copies between devices go to the copy engines with one
 //!   `cuMemcpyBatchAsync` per device (one `cuMemcpyAsync` each on drivers before CUDA
@@ -49,7 +51,9 @@ const SPIN: std::time::Duration = std::time::Duration::from_millis(1);
 /// Moves bytes to, from and between GPUs.
 #[derive(Debug)]
 pub struct CudaTransport {
-    streams: Mutex<HashMap<u32, Arc<Stream>>>,
+    /// Streams by (device, lane): copies of different directions queue on different
+    /// streams, so the copy engines run H2D and D2H (and the gather kernel) side by side.
+    streams: Mutex<HashMap<(u32, Lane), Arc<Stream>>>,
     /// Peers' GPU regions mapped here: (peer name, peer pid, region) → mapping.
     maps: Mutex<HashMap<(String, u32, RegionId), Arc<IpcMapping>>>,
     /// The transport that carries staged chunks to other hosts.
@@ -140,13 +144,27 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// The copies of a job on one device's stream.
+/// Which of a device's streams a copy queues on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Lane {
+    /// Host to device: a copy engine.
+    ToDevice,
+    /// Device to host: the other copy engine.
+    ToHost,
+    /// Within the device (its IPC mappings included): the gather kernel.
+    Within,
+    /// To another device.
+    Across,
+    /// Chunks of staged jobs (to and from bounce buffers).
+    Staged,
+}
+
+/// The copies of a job on one stream of a device: one gather launch for `Within` (two
+/// copies or more), one `cuMemcpyBatchAsync` otherwise.
 struct DeviceWork {
     ordinal: u32,
-    /// For the copy engines (H2D, D2H, D2D between devices): one `cuMemcpyBatchAsync`.
-    engine: Vec<CopyOp>,
-    /// Within the device (its IPC mappings included): the gather kernel.
-    gather: Vec<CopyOp>,
+    lane: Lane,
+    ops: Vec<CopyOp>,
 }
 
 /// Appends `op`, merged into the last copy when contiguous with it on both sides.
@@ -220,13 +238,13 @@ impl CudaTransport {
             .map_err(cuda_err)
     }
 
-    fn stream(&self, cuda: &Cuda, ordinal: u32) -> Result<Arc<Stream>, TransferError> {
+    fn stream(&self, cuda: &Cuda, ordinal: u32, lane: Lane) -> Result<Arc<Stream>, TransferError> {
         let mut streams = self.streams.lock();
-        if let Some(s) = streams.get(&ordinal) {
+        if let Some(s) = streams.get(&(ordinal, lane)) {
             return Ok(s.clone());
         }
         let s = Arc::new(cuda.device(ordinal as usize).and_then(|d| d.stream()).map_err(cuda_err)?);
-        streams.insert(ordinal, s.clone());
+        streams.insert((ordinal, lane), s.clone());
         Ok(s)
     }
 
@@ -260,7 +278,8 @@ impl CudaTransport {
         Ok(m)
     }
 
-    /// Queues one copy; returns the device whose stream took it (None for a memcpy).
+    /// Queues one copy of a staged job (on the device's staging lane); returns the device
+    /// whose stream took it (None for a memcpy).
     fn queue(
         &self,
         cuda: &Cuda,
@@ -278,19 +297,22 @@ impl CudaTransport {
             (Loc::Host(s), Loc::Device(o, d)) => {
                 // SAFETY: both ranges were checked against their regions or mappings, which
                 // the job's leases (and the InFlight guard) keep alive until the copy ran.
-                unsafe { self.stream(cuda, o)?.copy_h2d(d, s, n) }.map_err(cuda_err)?;
+                unsafe { self.stream(cuda, o, Lane::Staged)?.copy_h2d(d, s, n) }
+                    .map_err(cuda_err)?;
                 o
             }
             (Loc::Device(o, s), Loc::Host(d)) => {
                 // SAFETY: both ranges were checked against their regions or mappings, which
                 // the job's leases (and the InFlight guard) keep alive until the copy ran.
-                unsafe { self.stream(cuda, o)?.copy_d2h(d, s, n) }.map_err(cuda_err)?;
+                unsafe { self.stream(cuda, o, Lane::Staged)?.copy_d2h(d, s, n) }
+                    .map_err(cuda_err)?;
                 o
             }
             (Loc::Device(o, s), Loc::Device(_, d)) => {
                 // SAFETY: both ranges were checked against their regions or mappings, which
                 // the job's leases (and the InFlight guard) keep alive until the copy ran.
-                unsafe { self.stream(cuda, o)?.copy_d2d(d, s, n) }.map_err(cuda_err)?;
+                unsafe { self.stream(cuda, o, Lane::Staged)?.copy_d2d(d, s, n) }
+                    .map_err(cuda_err)?;
                 o
             }
         };
@@ -351,7 +373,7 @@ impl CudaTransport {
                 TransferOp::Write => (here, there),
                 TransferOp::Read => (there, here),
             };
-            let (ordinal, within) = match (src, dst) {
+            let (ordinal, lane) = match (src, dst) {
                 (Loc::Host(_), Loc::Host(_)) => {
                     let remote = remote_lease.as_ref().ok_or_else(|| {
                         TransferError::Invalid(
@@ -369,18 +391,20 @@ impl CudaTransport {
                     copy_between(s, so, d, dof, p.len())?;
                     continue;
                 }
-                (Loc::Device(o, _), Loc::Device(d, _)) => (o, o == d),
-                (Loc::Device(o, _), Loc::Host(_)) | (Loc::Host(_), Loc::Device(o, _)) => (o, false),
+                (Loc::Device(o, _), Loc::Device(d, _)) if o == d => (o, Lane::Within),
+                (Loc::Device(o, _), Loc::Device(..)) => (o, Lane::Across),
+                (Loc::Device(o, _), Loc::Host(_)) => (o, Lane::ToHost),
+                (Loc::Host(_), Loc::Device(o, _)) => (o, Lane::ToDevice),
             };
             let op = CopyOp { dst: dst.addr(), src: src.addr(), len: p.len() as usize };
-            let w = match work.iter().position(|w| w.ordinal == ordinal) {
+            let w = match work.iter().position(|w| (w.ordinal, w.lane) == (ordinal, lane)) {
                 Some(i) => &mut work[i],
                 None => {
-                    work.push(DeviceWork { ordinal, engine: Vec::new(), gather: Vec::new() });
+                    work.push(DeviceWork { ordinal, lane, ops: Vec::new() });
                     work.last_mut().expect("just pushed")
                 }
             };
-            push_merged(if within { &mut w.gather } else { &mut w.engine }, op);
+            push_merged(&mut w.ops, op);
             if let Some(l) = remote_lease {
                 guard._leases.push(l);
             }
@@ -388,7 +412,7 @@ impl CudaTransport {
         guard._maps.extend(mapped.into_iter().map(|(_, m)| m));
         let mut events = Vec::with_capacity(work.len());
         for w in &mut work {
-            let stream = self.stream(&cuda, w.ordinal)?;
+            let stream = self.stream(&cuda, w.ordinal, w.lane)?;
             guard.streams.push((w.ordinal, stream.clone()));
             // Every range below was checked against its region or mapping, which the job's
             // leases (and the InFlight guard) keep alive until the event below completed; the
@@ -396,8 +420,9 @@ impl CudaTransport {
             // particular order, as with RDMA: pieces that write where another piece of the
             // same job reads or writes get unspecified bytes, as the memory contract says of
             // overlapping transfers.
-            if w.gather.len() > 1 {
-                for chunk in w.gather.chunks(TABLE_ENTRIES) {
+            let mut engine = Vec::new();
+            if w.lane == Lane::Within && w.ops.len() > 1 {
+                for chunk in w.ops.chunks(TABLE_ENTRIES) {
                     let mut table = self.take_table(&cuda, w.ordinal)?;
                     // SAFETY: as said above the loop; the table is this job's until its event.
                     match unsafe { stream.copy_table(&mut table, chunk) } {
@@ -410,16 +435,16 @@ impl CudaTransport {
                                     "CUDA gather copy unavailable: device copies go to the copy engines");
                             });
                             self.tables.lock().push((w.ordinal, table));
-                            w.engine.extend_from_slice(chunk);
+                            engine.extend_from_slice(chunk);
                         }
                     }
                 }
             } else {
-                w.engine.append(&mut w.gather);
+                engine = std::mem::take(&mut w.ops);
             }
-            if !w.engine.is_empty() {
+            if !engine.is_empty() {
                 // SAFETY: as said above the loop.
-                unsafe { stream.copy_batch(&w.engine) }.map_err(cuda_err)?;
+                unsafe { stream.copy_batch(&engine) }.map_err(cuda_err)?;
             }
             events.push(stream.record().map_err(cuda_err)?);
         }
@@ -504,7 +529,7 @@ impl Stager for CudaStager<'_> {
         let used = std::mem::take(&mut *self.used.lock());
         let events: Result<Vec<Event>, TransferError> = used
             .into_iter()
-            .map(|o| self.t.stream(self.cuda, o)?.record().map_err(cuda_err))
+            .map(|o| self.t.stream(self.cuda, o, Lane::Staged)?.record().map_err(cuda_err))
             .collect();
         async move {
             for e in events? {
@@ -518,7 +543,7 @@ impl Stager for CudaStager<'_> {
 impl Drop for CudaStager<'_> {
     fn drop(&mut self) {
         for &o in self.ever.lock().iter() {
-            if let Ok(s) = self.t.stream(self.cuda, o) {
+            if let Ok(s) = self.t.stream(self.cuda, o, Lane::Staged) {
                 let _ = s.synchronize();
             }
         }
