@@ -427,9 +427,10 @@ type Work = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 /// handle: whichever runs when the work can progress moves it, the other finds it busy or
 /// over. A transfer posted and then awaited thus completes on the waiter's thread, without
 /// the two thread wake-ups of a hand-off to the task and back — on a virtual machine they
-/// cost more than a small GPU copy. The work wakes both pollers (the task's waker is always
-/// registered, so a waiter that gives up stalls nothing); it is dropped when it completes,
-/// or when its task is dropped unfinished (cancelled, or its runtime shut down).
+/// cost more than a small GPU copy. While a waiter helps ([`Drive::help`]) the work wakes
+/// it alone (one poller per transfer, not two); a waiter that leaves wakes the task, which
+/// carries on. The work is dropped when it completes, or when its task is dropped
+/// unfinished (cancelled, or its runtime shut down).
 pub(crate) struct Drive {
     work: Mutex<Option<Work>>,
     wakers: Mutex<[Option<std::task::Waker>; 2]>,
@@ -476,6 +477,26 @@ impl Drive {
         }
     }
 
+    /// Moves the work as a waiter until it is over; when this future is dropped (the work
+    /// over, or the waiter gone), the task takes over.
+    pub(crate) async fn help(self: &Arc<Self>) {
+        struct Leave<'a>(&'a Drive);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                let task = {
+                    let mut wakers = self.0.wakers.lock();
+                    wakers[Role::Waiter as usize] = None;
+                    wakers[Role::Task as usize].clone()
+                };
+                if let Some(t) = task {
+                    t.wake();
+                }
+            }
+        }
+        let _leave = Leave(self);
+        std::future::poll_fn(|cx| self.poll_as(Role::Waiter, cx)).await
+    }
+
     /// Drops the work if it is not over: what it holds is released (its task is gone).
     fn abandon(&self) {
         let work = self.work.lock().take();
@@ -493,13 +514,26 @@ impl Drive {
     }
 }
 
+impl Drive {
+    /// The work can progress: the helping waiter moves it if there is one, else the task.
+    fn wake_one(&self) {
+        let one = {
+            let wakers = self.wakers.lock();
+            wakers[Role::Waiter as usize].clone().or_else(|| wakers[Role::Task as usize].clone())
+        };
+        if let Some(w) = one {
+            w.wake();
+        }
+    }
+}
+
 impl std::task::Wake for Drive {
     fn wake(self: Arc<Self>) {
-        self.wake_all();
+        self.wake_one();
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        self.wake_all();
+        self.wake_one();
     }
 }
 
@@ -603,7 +637,7 @@ impl TransferHandle {
                     tokio::select! {
                         biased;
                         _ = notified.as_mut() => {}
-                        _ = std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx)) => {}
+                        _ = drive.help() => {}
                     }
                 }
                 None => notified.await,
@@ -721,9 +755,7 @@ mod tests {
         // No task: only the waiter polls.
         let waiter = {
             let drive = drive.clone();
-            tokio::spawn(
-                async move { std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx)).await },
-            )
+            tokio::spawn(async move { drive.help().await })
         };
         tokio::task::yield_now().await;
         assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 0);
@@ -742,9 +774,7 @@ mod tests {
             let task = tokio::spawn(TaskDrive(drive.clone()));
             let waiter = {
                 let drive = drive.clone();
-                tokio::spawn(async move {
-                    std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx)).await
-                })
+                tokio::spawn(async move { drive.help().await })
             };
             tokio::task::yield_now().await;
             tx.send(()).unwrap();
@@ -761,7 +791,7 @@ mod tests {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (done, dropped) = counters();
         let drive = Drive::new(signalled_work(rx, done.clone(), dropped.clone()));
-        let once = std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx));
+        let once = drive.help();
         assert!(tokio::time::timeout(Duration::from_millis(10), once).await.is_err());
         let task = tokio::spawn(TaskDrive(drive.clone()));
         tx.send(()).unwrap();
@@ -778,7 +808,7 @@ mod tests {
         let _ = task.await;
         assert!(dropped.load(std::sync::atomic::Ordering::SeqCst), "aborted work not dropped");
         assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 0);
-        let after = std::future::poll_fn(|cx| drive.poll_as(Role::Waiter, cx));
+        let after = drive.help();
         tokio::time::timeout(Duration::from_secs(5), after).await.unwrap();
     }
 }
