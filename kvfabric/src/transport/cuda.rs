@@ -9,7 +9,9 @@
 //!   bandwidth. H2D, D2H and copies between devices go to the copy engines with one
 //!   `cuMemcpyBatchAsync` per device (one `cuMemcpyAsync` each on drivers before CUDA
 //!   12.8, and for a single copy). The job completes when an event recorded after its last
-//!   copy has: polled for a short while, then awaited on the device's waiting thread.
+//!   copy has: polled for up to 1 ms when the job's copies are first in line on their
+//!   streams, then (and for jobs queued behind others at once) awaited on the device's
+//!   waiting thread.
 //!   Pieces of one job run in no particular order.
 //! - To a peer on the same host: the peer's GPU regions are mapped once through the CUDA IPC
 //!   handle in its metadata (found by GPU UUID, since ordinals differ between processes), and
@@ -25,6 +27,7 @@
 //! a typed error rather than silently unchecked.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -54,6 +57,8 @@ pub struct CudaTransport {
     /// Streams by (device, lane): copies of different directions queue on different
     /// streams, so the copy engines run H2D and D2H (and the gather kernel) side by side.
     streams: Mutex<HashMap<(u32, Lane), Arc<Stream>>>,
+    /// Jobs with copies queued, per stream: a job queued behind others does not poll.
+    queued: Mutex<HashMap<(u32, Lane), Arc<AtomicUsize>>>,
     /// Peers' GPU regions mapped here: (peer name, peer pid, region) → mapping.
     maps: Mutex<HashMap<(String, u32, RegionId), Arc<IpcMapping>>>,
     /// The transport that carries staged chunks to other hosts.
@@ -121,6 +126,8 @@ fn locate(r: &Region, offset: u64, len: u64) -> Result<Loc, TransferError> {
 /// synchronized before its leases go, so no byte lands after that.
 struct InFlight<'a> {
     streams: Vec<(u32, Arc<Stream>)>,
+    /// The queued-jobs counters of those streams, counted down when the job ends.
+    queued: Vec<Arc<AtomicUsize>>,
     done: bool,
     _leases: Vec<RegionLease>,
     _maps: Vec<Arc<IpcMapping>>,
@@ -141,6 +148,9 @@ impl Drop for InFlight<'_> {
             }
         }
         self.pool.lock().append(&mut self.tables);
+        for q in &self.queued {
+            q.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -184,6 +194,7 @@ impl CudaTransport {
     pub fn new(net: Arc<dyn Transport>) -> Self {
         CudaTransport {
             streams: Mutex::default(),
+            queued: Mutex::default(),
             maps: Mutex::default(),
             net,
             bounces: Mutex::default(),
@@ -335,6 +346,7 @@ impl CudaTransport {
         }
         let mut guard = InFlight {
             streams: Vec::new(),
+            queued: Vec::new(),
             done: false,
             _leases: job.leases.clone(),
             _maps: Vec::new(),
@@ -411,9 +423,15 @@ impl CudaTransport {
         }
         guard._maps.extend(mapped.into_iter().map(|(_, m)| m));
         let mut events = Vec::with_capacity(work.len());
+        // Polling pays when this job's copies run next; behind other jobs on a stream it
+        // would spin for their copies too, so it waits on the device's thread instead.
+        let mut first_in_line = true;
         for w in &mut work {
             let stream = self.stream(&cuda, w.ordinal, w.lane)?;
             guard.streams.push((w.ordinal, stream.clone()));
+            let queued = self.queued.lock().entry((w.ordinal, w.lane)).or_default().clone();
+            first_in_line &= queued.fetch_add(1, Ordering::AcqRel) == 0;
+            guard.queued.push(queued);
             // Every range below was checked against its region or mapping, which the job's
             // leases (and the InFlight guard) keep alive until the event below completed; the
             // guard also keeps each copy table until then. The pieces of a job run in no
@@ -448,8 +466,9 @@ impl CudaTransport {
             }
             events.push(stream.record().map_err(cuda_err)?);
         }
+        let spin = if first_in_line { SPIN } else { std::time::Duration::ZERO };
         for e in events {
-            e.done_polling(SPIN).await.map_err(cuda_err)?;
+            e.done_polling(spin).await.map_err(cuda_err)?;
         }
         guard.done = true;
         drop(guard);
