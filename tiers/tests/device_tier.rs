@@ -202,6 +202,40 @@ async fn a_run_brought_up_into_a_full_g1_moves_the_victims_it_needs_down_in_one_
     assert_eq!(s.device_occupancy(), (4, 4));
 }
 
+/// Under pressure a larger G1 frees slots ahead of need: one round moves a sixteenth of it
+/// (here 4 of 64) down in one transfer, and the next allocations find free slots.
+#[tokio::test]
+async fn a_full_g1_frees_slots_ahead_a_batch_per_round() {
+    let (s, g1, sink, _a) = store(64, 128, None).await;
+    for i in 0..64 {
+        put_device(&s, &g1, i).await;
+    }
+    let _ = sink.take();
+    put_device(&s, &g1, 64).await;
+    let removed: Vec<Vec<u64>> = sink
+        .take()
+        .iter()
+        .filter_map(|e| match &e.data {
+            KvEventData::Removed { sequence_hashes, tier: TierKind::Device } => {
+                Some(sequence_hashes.iter().map(|x| x.0 - 0xd000).collect())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(removed, vec![vec![0, 1, 2, 3]], "the four oldest, in one round");
+    assert_eq!(s.device_occupancy(), (61, 64));
+    // Three more fit without moving anything.
+    for i in 65..68 {
+        put_device(&s, &g1, i).await;
+    }
+    assert!(moves(&sink.take()).iter().all(|m| m.0 == '+'), "nothing went down");
+    // Every block moved down is whole in host memory.
+    for i in 0..4 {
+        let b = s.get(&[h(i)]).await.unwrap();
+        assert_eq!(b[0].bytes(), &content(i)[..], "block {i}");
+    }
+}
+
 #[tokio::test]
 async fn a_device_tier_of_pinned_blocks_is_full_typed_and_nothing_is_lost() {
     let (s, g1, _sink, _a) = store(2, 8, None).await;

@@ -56,6 +56,8 @@ pub struct DeviceTierConfig {
 pub(super) struct DeviceTier {
     pub(super) region: Arc<Region>,
     pub(super) pool: Mutex<SlotPool>,
+    /// Whether an eviction round that frees slots ahead is running (one at a time).
+    evicting_ahead: std::sync::atomic::AtomicBool,
     /// The host tier page-locked for the copies between G1 and G2 (asynchronous DMA instead
     /// of the driver staging pageable memory), while G1 is GPU memory.
     #[cfg(feature = "cuda")]
@@ -128,6 +130,7 @@ impl DeviceTier {
         Ok(DeviceTier {
             region,
             pool: Mutex::new(SlotPool::new(cfg.blocks, crate::policy::PolicyKind::Lru)),
+            evicting_ahead: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "cuda")]
             _pinned_host,
         })
@@ -285,6 +288,12 @@ impl TieredStore {
     }
 }
 
+/// Blocks one eviction round moves down at least, for a G1 of `capacity` slots: a
+/// sixteenth, at most 16 (none extra below 32 slots).
+fn evict_ahead(capacity: u32) -> usize {
+    (capacity as usize / 16).min(16)
+}
+
 impl Inner {
     pub(super) fn device(&self) -> &DeviceTier {
         // Only reachable through handles made by a store with a device tier.
@@ -314,7 +323,7 @@ impl Inner {
         let dev = self.device();
         let mut out = Vec::with_capacity(blocks.len());
         loop {
-            let victims = {
+            let (victims, ahead): (Vec<Victim>, bool) = {
                 let mut pool = dev.pool.lock();
                 while let Some(&(hash, parent)) = blocks.get(out.len()) {
                     match pool.reserve(hash, parent) {
@@ -329,18 +338,38 @@ impl Inner {
                     }
                 }
                 let missing = blocks.len() - out.len();
-                std::iter::from_fn(|| pool.begin_evict()).take(missing).collect::<Vec<_>>()
+                // One round at a time frees slots ahead of need: a G1 under pressure moves
+                // blocks down a batch per transfer, not one per transfer.
+                let ahead = missing > 0
+                    && !dev.evicting_ahead.swap(true, std::sync::atomic::Ordering::AcqRel);
+                let take = match ahead {
+                    true => missing.max(evict_ahead(pool.capacity())),
+                    false => missing,
+                };
+                let victims = std::iter::from_fn(|| pool.begin_evict()).take(take).collect();
+                (victims, ahead)
             };
             if out.len() == blocks.len() {
                 return out;
             }
             if victims.is_empty() {
+                if ahead {
+                    dev.evicting_ahead.store(false, std::sync::atomic::Ordering::Release);
+                }
                 out.push(Err(StoreError::Full(TierKind::Device)));
                 return out;
             }
             let inner = self.clone();
-            let evicted =
-                to_completion(&self.runtime, async move { inner.evict_devices(victims).await });
+            let evicted = to_completion(&self.runtime, async move {
+                let r = inner.evict_devices(victims).await;
+                if ahead {
+                    inner
+                        .device()
+                        .evicting_ahead
+                        .store(false, std::sync::atomic::Ordering::Release);
+                }
+                r
+            });
             if let Err(e) = evicted.await {
                 out.push(Err(e));
                 return out;
