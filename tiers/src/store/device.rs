@@ -58,6 +58,8 @@ pub(super) struct DeviceTier {
     pub(super) pool: Mutex<SlotPool>,
     /// Whether an eviction round that frees slots ahead is running (one at a time).
     evicting_ahead: std::sync::atomic::AtomicBool,
+    /// Wakes the reservers that wait for that round.
+    ahead_done: tokio::sync::Notify,
     /// The host tier page-locked for the copies between G1 and G2 (asynchronous DMA instead
     /// of the driver staging pageable memory), while G1 is GPU memory.
     #[cfg(feature = "cuda")]
@@ -65,6 +67,12 @@ pub(super) struct DeviceTier {
 }
 
 impl DeviceTier {
+    /// Ends an eviction round that freed slots ahead, and wakes who waited for it.
+    fn end_round(&self) {
+        self.evicting_ahead.store(false, std::sync::atomic::Ordering::Release);
+        self.ahead_done.notify_waiters();
+    }
+
     pub(super) fn open(
         cfg: &DeviceTierConfig,
         agent: &kvfabric::agent::Agent,
@@ -131,6 +139,7 @@ impl DeviceTier {
             region,
             pool: Mutex::new(SlotPool::new(cfg.blocks, crate::policy::PolicyKind::Lru)),
             evicting_ahead: std::sync::atomic::AtomicBool::new(false),
+            ahead_done: tokio::sync::Notify::new(),
             #[cfg(feature = "cuda")]
             _pinned_host,
         })
@@ -323,6 +332,10 @@ impl Inner {
         let dev = self.device();
         let mut out = Vec::with_capacity(blocks.len());
         loop {
+            // Registered before the flag is read, so the end of a round is never missed.
+            let round_done = dev.ahead_done.notified();
+            tokio::pin!(round_done);
+            round_done.as_mut().enable();
             let (victims, ahead): (Vec<Victim>, bool) = {
                 let mut pool = dev.pool.lock();
                 while let Some(&(hash, parent)) = blocks.get(out.len()) {
@@ -342,8 +355,12 @@ impl Inner {
                 // blocks down a batch per transfer, not one per transfer.
                 let ahead = missing > 0
                     && !dev.evicting_ahead.swap(true, std::sync::atomic::Ordering::AcqRel);
+                let batch = evict_ahead(pool.capacity());
                 let take = match ahead {
-                    true => missing.max(evict_ahead(pool.capacity())),
+                    true => missing.max(batch),
+                    // Another round is freeing a batch: wait for it rather than move blocks
+                    // down one transfer each.
+                    false if batch > 0 && missing > 0 => 0,
                     false => missing,
                 };
                 let victims = std::iter::from_fn(|| pool.begin_evict()).take(take).collect();
@@ -354,21 +371,27 @@ impl Inner {
             }
             if victims.is_empty() {
                 if ahead {
-                    dev.evicting_ahead.store(false, std::sync::atomic::Ordering::Release);
+                    dev.end_round();
+                } else if evict_ahead(dev.pool.lock().capacity()) > 0 {
+                    round_done.await;
+                    continue;
                 }
                 out.push(Err(StoreError::Full(TierKind::Device)));
                 return out;
             }
             let inner = self.clone();
             let evicted = to_completion(&self.runtime, async move {
-                let r = inner.evict_devices(victims).await;
-                if ahead {
-                    inner
-                        .device()
-                        .evicting_ahead
-                        .store(false, std::sync::atomic::Ordering::Release);
+                /// Ends the round however the eviction ends.
+                struct Round<'a>(&'a DeviceTier, bool);
+                impl Drop for Round<'_> {
+                    fn drop(&mut self) {
+                        if self.1 {
+                            self.0.end_round();
+                        }
+                    }
                 }
-                r
+                let _round = Round(inner.device(), ahead);
+                inner.evict_devices(victims).await
             });
             if let Err(e) = evicted.await {
                 out.push(Err(e));
