@@ -3,7 +3,9 @@
 #
 #   scripts/gpu-check.sh build [DIR]   here (with cargo): builds the GPU test binaries and the
 #                                      release `kvfabric` binary (feature cuda, driver loaded at
-#                                      run time), stripped, into DIR (default dist/gpu-check)
+#                                      run time), the C ABI library and the Python binding
+#                                      with its GPU test, stripped, into DIR (default
+#                                      dist/gpu-check)
 #   scripts/gpu-check.sh run [DIR]     on the GPU machine: runs every CUDA test (the ones that
 #                                      are ignored without a GPU) with KVFABRIC_EXPECT_CUDA=1, so
 #                                      a broken driver fails instead of skipping, then the cuda
@@ -39,9 +41,14 @@ for l in sys.stdin:
     done <<<"$built"
     [ -x "$dir/cuda-tests" ] && [ -x "$dir/device_tier-tests" ] ||
       { echo "gpu-check: the GPU test binaries were not built" >&2; exit 1; }
-    cargo build --release -p kvfabric-cli --quiet
+    cargo build --release -p kvfabric-cli -p kvfabric-ffi --quiet
     cp "$CARGO_TARGET_DIR/release/kvfabric" "$dir/kvfabric"
-    strip "$dir"/*-tests "$dir/kvfabric"
+    cp "$CARGO_TARGET_DIR/release/libkvfabric_ffi.so" "$dir/libkvfabric_ffi.so"
+    strip "$dir"/*-tests "$dir/kvfabric" "$dir/libkvfabric_ffi.so"
+    # The Python binding and its GPU test (CUDA torch tensors through the C ABI).
+    rm -rf "$dir/python" && mkdir -p "$dir/python/tests"
+    cp -r python/kvfabric "$dir/python/"
+    cp python/tests/conftest.py python/tests/test_gpu.py "$dir/python/tests/"
     cp "$0" "$dir/gpu-check.sh"
     du -sh "$dir"
     ;;
@@ -59,6 +66,11 @@ for l in sys.stdin:
         tee "$out/$name.log" || status=1
       grep -q "test result: ok" "$out/$name.log" || status=1
     done
+    echo "== python: CUDA torch tensors through the C ABI"
+    (cd "$dir/python" && KVFABRIC_EXPECT_CUDA=1 KVFABRIC_LIB="$dir/libkvfabric_ffi.so" \
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1) |
+      tee "$out/python-gpu.log" || status=1
+    grep -q " passed" "$out/python-gpu.log" || status=1
     echo "== bench transfer --transports cuda"
     timeout 180 "$dir/kvfabric" bench transfer --transports cuda --sizes 64K,1M,4M,64M --batches 1,16,256 \
       --max-transfer-mib 1024 --min-time-ms 200 --json --log-level warn \
