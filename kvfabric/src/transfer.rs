@@ -434,6 +434,9 @@ type Work = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 pub(crate) struct Drive {
     work: Mutex<Option<Work>>,
     wakers: Mutex<[Option<std::task::Waker>; 2]>,
+    /// Set by a poller that found the work busy: the poller holding it polls again before
+    /// it lets go, so the wake-up that poller was answering is not lost.
+    repoll: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Drive {
@@ -444,7 +447,11 @@ impl std::fmt::Debug for Drive {
 
 impl Drive {
     pub(crate) fn new(work: impl std::future::Future<Output = ()> + Send + 'static) -> Arc<Self> {
-        Arc::new(Drive { work: Mutex::new(Some(Box::pin(work))), wakers: Mutex::default() })
+        Arc::new(Drive {
+            work: Mutex::new(Some(Box::pin(work))),
+            wakers: Mutex::default(),
+            repoll: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
     /// Polls the work as `role`: ready once it is over, here or elsewhere.
@@ -461,18 +468,30 @@ impl Drive {
                 *slot = Some(cx.waker().clone());
             }
         }
-        // Busy: the other poller is moving it, and the work wakes this one when it can go on.
-        let Some(mut work) = self.work.try_lock() else { return Poll::Pending };
-        let Some(fut) = work.as_mut() else { return Poll::Ready(()) };
+        use std::sync::atomic::Ordering::SeqCst;
         let waker = std::task::Waker::from(self.clone());
-        match fut.as_mut().poll(&mut std::task::Context::from_waker(&waker)) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(()) => {
-                let done = work.take();
-                drop(work);
-                drop(done);
-                self.wake_all();
-                Poll::Ready(())
+        loop {
+            // Busy: the poller holding the work sees the flag and polls again.
+            self.repoll.store(true, SeqCst);
+            let Some(mut work) = self.work.try_lock() else { return Poll::Pending };
+            loop {
+                self.repoll.store(false, SeqCst);
+                let Some(fut) = work.as_mut() else { return Poll::Ready(()) };
+                if fut.as_mut().poll(&mut std::task::Context::from_waker(&waker)).is_ready() {
+                    let done = work.take();
+                    drop(work);
+                    drop(done);
+                    self.wake_all();
+                    return Poll::Ready(());
+                }
+                if !self.repoll.load(SeqCst) {
+                    break;
+                }
+            }
+            drop(work);
+            // A poller that found it busy after the last look: take it again.
+            if !self.repoll.load(SeqCst) {
+                return Poll::Pending;
             }
         }
     }
@@ -782,6 +801,39 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(5), both).await.expect("a poller stalled");
             assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 1);
             assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
+        }
+    }
+
+    /// A wake-up that reaches the other poller while the work is being polled must not be
+    /// lost when that poller finds the work busy: the holder polls again. (Without that, TCP
+    /// transfers stalled until a timeout.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wake_up_that_finds_the_work_busy_is_not_lost() {
+        for _ in 0..10 {
+            let mut left = 10u32;
+            let work = std::future::poll_fn(move |cx| {
+                if left == 0 {
+                    return std::task::Poll::Ready(());
+                }
+                left -= 1;
+                // Woken from another thread (as I/O is) while still being polled: the
+                // woken poller finds the work busy.
+                let w = cx.waker().clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_micros(300));
+                    w.wake();
+                });
+                std::thread::sleep(Duration::from_millis(2));
+                std::task::Poll::Pending
+            });
+            let drive = Drive::new(work);
+            let task = tokio::spawn(TaskDrive(drive.clone()));
+            let waiter = {
+                let drive = drive.clone();
+                tokio::spawn(async move { drive.help().await })
+            };
+            let both = async { (task.await.unwrap(), waiter.await.unwrap()) };
+            tokio::time::timeout(Duration::from_secs(5), both).await.expect("a wake-up was lost");
         }
     }
 
