@@ -71,6 +71,19 @@ fn moves(events: &[KvEvent]) -> Vec<(char, TierKind, u64)> {
         .collect()
 }
 
+/// The blocks of each `Removed{device}` event, in order: one list per eviction round.
+fn removed_from_g1(events: &[KvEvent]) -> Vec<Vec<u64>> {
+    events
+        .iter()
+        .filter_map(|e| match &e.data {
+            KvEventData::Removed { sequence_hashes, tier: TierKind::Device } => {
+                Some(sequence_hashes.iter().map(|x| x.0 - 0xd000).collect())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn a_full_device_tier_moves_its_oldest_blocks_to_host_memory_byte_for_byte() {
     let (s, g1, sink, _a) = store(4, 16, None).await;
@@ -175,15 +188,7 @@ async fn a_run_brought_up_into_a_full_g1_moves_the_victims_it_needs_down_in_one_
         assert_eq!(got, content(i as u64), "block {i} in G1");
     }
     let events = sink.take();
-    let removed: Vec<Vec<u64>> = events
-        .iter()
-        .filter_map(|e| match &e.data {
-            KvEventData::Removed { sequence_hashes, tier: TierKind::Device } => {
-                Some(sequence_hashes.iter().map(|x| x.0 - 0xd000).collect())
-            }
-            _ => None,
-        })
-        .collect();
+    let removed = removed_from_g1(&events);
     assert_eq!(removed, vec![vec![4, 5, 6]], "three victims, least recently used first, one round");
     let mut m = moves(&events);
     m.sort();
@@ -212,16 +217,7 @@ async fn a_full_g1_frees_slots_ahead_a_batch_per_round() {
     }
     let _ = sink.take();
     put_device(&s, &g1, 64).await;
-    let removed: Vec<Vec<u64>> = sink
-        .take()
-        .iter()
-        .filter_map(|e| match &e.data {
-            KvEventData::Removed { sequence_hashes, tier: TierKind::Device } => {
-                Some(sequence_hashes.iter().map(|x| x.0 - 0xd000).collect())
-            }
-            _ => None,
-        })
-        .collect();
+    let removed = removed_from_g1(&sink.take());
     assert_eq!(removed, vec![vec![0, 1, 2, 3]], "the four oldest, in one round");
     assert_eq!(s.device_occupancy(), (61, 64));
     // Three more fit without moving anything.
