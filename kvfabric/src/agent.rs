@@ -510,7 +510,7 @@ impl Agent {
             .map_err(|_| TransferError::Busy(limits.transfers_in_flight_max))?;
         let id = job.id;
         let counted = (inner.counters.clone(), transport.kind(), job.bytes());
-        let shared = TransferShared::new(deadline, Some(counted));
+        let shared = TransferShared::new(deadline, counted);
         if let Some(outcome) = transport.execute_inline(&job) {
             // Completed on this thread (a memcpy transport): no task, no wake-up. What it
             // held is released before the outcome is reported.

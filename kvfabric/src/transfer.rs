@@ -411,7 +411,7 @@ pub(crate) struct TransferShared {
     /// The transfer's work when whoever waits on the handle may move it too ([`Drive`]).
     pub(crate) drive: std::sync::OnceLock<Arc<Drive>>,
     /// Where its end is counted: the agent's counters, its transport, its bytes.
-    counted: Option<(Arc<TransferCounters>, TransportKind, u64)>,
+    counted: (Arc<TransferCounters>, TransportKind, u64),
 }
 
 /// Which poller of a [`Drive`]: the transfer's own task, or a waiter on its handle.
@@ -590,7 +590,7 @@ impl Drop for ExitGuard {
 impl TransferShared {
     pub(crate) fn new(
         deadline: Duration,
-        counted: Option<(Arc<TransferCounters>, TransportKind, u64)>,
+        counted: (Arc<TransferCounters>, TransportKind, u64),
     ) -> Arc<Self> {
         Arc::new(TransferShared {
             state: Mutex::new(TransferState::default()),
@@ -609,9 +609,8 @@ impl TransferShared {
             let mut state = self.state.lock();
             let changed = state.apply(event);
             if changed && state.status().is_terminal() {
-                if let Some((counters, transport, bytes)) = &self.counted {
-                    counters.record(*transport, state.status(), *bytes);
-                }
+                let (counters, transport, bytes) = &self.counted;
+                counters.record(*transport, state.status(), *bytes);
             }
             changed
         };

@@ -604,13 +604,6 @@ pub struct CopyTable {
     entries: usize,
 }
 
-impl CopyTable {
-    /// How many copies it holds at most.
-    pub fn entries(&self) -> usize {
-        self.entries
-    }
-}
-
 /// One copy of a batch: addresses in the unified address space (device pointers, or host
 /// pointers as numbers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

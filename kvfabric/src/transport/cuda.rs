@@ -299,34 +299,17 @@ impl CudaTransport {
         len: u64,
         host_copy: impl FnOnce() -> Result<(), TransferError>,
     ) -> Result<Option<u32>, TransferError> {
-        let n = len as usize;
         let ordinal = match (src, dst) {
             (Loc::Host(_), Loc::Host(_)) => {
                 host_copy()?;
                 return Ok(None);
             }
-            (Loc::Host(s), Loc::Device(o, d)) => {
-                // SAFETY: both ranges were checked against their regions or mappings, which
-                // the job's leases (and the InFlight guard) keep alive until the copy ran.
-                unsafe { self.stream(cuda, o, Lane::Staged)?.copy_h2d(d, s, n) }
-                    .map_err(cuda_err)?;
-                o
-            }
-            (Loc::Device(o, s), Loc::Host(d)) => {
-                // SAFETY: both ranges were checked against their regions or mappings, which
-                // the job's leases (and the InFlight guard) keep alive until the copy ran.
-                unsafe { self.stream(cuda, o, Lane::Staged)?.copy_d2h(d, s, n) }
-                    .map_err(cuda_err)?;
-                o
-            }
-            (Loc::Device(o, s), Loc::Device(_, d)) => {
-                // SAFETY: both ranges were checked against their regions or mappings, which
-                // the job's leases (and the InFlight guard) keep alive until the copy ran.
-                unsafe { self.stream(cuda, o, Lane::Staged)?.copy_d2d(d, s, n) }
-                    .map_err(cuda_err)?;
-                o
-            }
+            (Loc::Device(o, _), _) | (_, Loc::Device(o, _)) => o,
         };
+        let op = CopyOp { dst: dst.addr(), src: src.addr(), len: len as usize };
+        // SAFETY: both ranges were checked against their regions or mappings, which the
+        // job's leases (and the InFlight guard) keep alive until the copy ran.
+        unsafe { self.stream(cuda, ordinal, Lane::Staged)?.copy_batch(&[op]) }.map_err(cuda_err)?;
         Ok(Some(ordinal))
     }
 

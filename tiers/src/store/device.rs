@@ -336,7 +336,7 @@ impl Inner {
             let round_done = dev.ahead_done.notified();
             tokio::pin!(round_done);
             round_done.as_mut().enable();
-            let (victims, ahead): (Vec<Victim>, bool) = {
+            let (victims, ahead, wait): (Vec<Victim>, bool, bool) = {
                 let mut pool = dev.pool.lock();
                 while let Some(&(hash, parent)) = blocks.get(out.len()) {
                     match pool.reserve(hash, parent) {
@@ -356,25 +356,27 @@ impl Inner {
                 let ahead = missing > 0
                     && !dev.evicting_ahead.swap(true, std::sync::atomic::Ordering::AcqRel);
                 let batch = evict_ahead(pool.capacity());
-                let take = match ahead {
-                    true => missing.max(batch),
-                    // Another round is freeing a batch: wait for it rather than move blocks
-                    // down one transfer each.
-                    false if batch > 0 && missing > 0 => 0,
-                    false => missing,
+                // Another round is freeing a batch: wait for it rather than move blocks down
+                // one transfer each.
+                let wait = !ahead && batch > 0 && missing > 0;
+                let take = match (ahead, wait) {
+                    (true, _) => missing.max(batch),
+                    (false, true) => 0,
+                    (false, false) => missing,
                 };
                 let victims = std::iter::from_fn(|| pool.begin_evict()).take(take).collect();
-                (victims, ahead)
+                (victims, ahead, wait)
             };
             if out.len() == blocks.len() {
                 return out;
             }
+            if wait {
+                round_done.await;
+                continue;
+            }
             if victims.is_empty() {
                 if ahead {
                     dev.end_round();
-                } else if evict_ahead(dev.pool.lock().capacity()) > 0 {
-                    round_done.await;
-                    continue;
                 }
                 out.push(Err(StoreError::Full(TierKind::Device)));
                 return out;
