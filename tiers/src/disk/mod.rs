@@ -5,9 +5,13 @@
 //!   is full the tier stops growing ([`DiskError::Full`] for the write that hit it) and from
 //!   then on makes room by evicting its own least recently used blocks.
 //! - Every slot carries a header with the block's sequence hash, parent and data checksum
-//!   ([`format`]). On open, the index is rebuilt from the headers; every read verifies the
-//!   data checksum, so a torn or corrupt block is dropped and reported as a miss, never
-//!   served.
+//!   ([`format`]). On open, the index (data checksums included) is rebuilt from the headers.
+//! - A read fetches the block's bytes alone, one request of exactly the data (the header is
+//!   not read again: the index knows the slot's checksum), and verifies the data checksum, so
+//!   a torn or corrupt block is dropped and reported as a miss, never served. Reading the
+//!   header along with the data, into a separate page, made every read two segments and cost
+//!   a fifth of the device's rate on this machine's virtio disk (measured: 2.5 → 2.0 GB/s for
+//!   360 KiB blocks at depth 8, same bytes).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -129,6 +133,9 @@ enum Reservation {
 struct DiskState {
     pool: SlotPool,
     write_seq: u64,
+    /// Each slot's data checksum, as written (or as its header said on open); valid for
+    /// slots the pool holds a block in.
+    checksums: Vec<u64>,
 }
 
 /// The disk tier.
@@ -197,6 +204,7 @@ impl DiskTier {
             state: Mutex::new(DiskState {
                 pool: SlotPool::new(cfg.capacity_blocks, cfg.policy),
                 write_seq: 1,
+                checksums: vec![0; cfg.capacity_blocks as usize],
             }),
             allocated: tokio::sync::Mutex::new(existing),
             reads_in_flight: std::sync::atomic::AtomicUsize::new(0),
@@ -252,6 +260,12 @@ impl DiskTier {
         headers.sort_by_key(|(_, h)| std::cmp::Reverse(h.write_seq));
         let mut st = self.state.lock();
         st.write_seq = headers.first().map_or(1, |(_, h)| h.write_seq + 1);
+        for (slot, h) in &headers {
+            // Slots past the capacity were not read (`existing` is capped by it).
+            if let Some(c) = st.checksums.get_mut(*slot as usize) {
+                *c = h.data_checksum;
+            }
+        }
         let skipped = st.pool.restore(headers.iter().map(|(slot, h)| (*slot, h.hash, h.parent)));
         discarded += skipped.len() as u32;
         let blocks = st.pool.blocks();
@@ -381,11 +395,12 @@ impl DiskTier {
             // SAFETY: the caller guarantees `src` is readable for data_bytes >= block_bytes.
             let data = unsafe { std::slice::from_raw_parts(src.ptr, self.block_bytes as usize) };
             let mut header = AlignedBuf::zeroed(HEADER_BYTES as usize);
+            let data_checksum = checksum.unwrap_or_else(|| kvfabric::hash::data_checksum(data));
             SlotHeader {
                 hash,
                 parent,
                 block_bytes: self.block_bytes,
-                data_checksum: checksum.unwrap_or_else(|| kvfabric::hash::data_checksum(data)),
+                data_checksum,
                 write_seq: seq,
             }
             .encode(header.as_mut_slice());
@@ -397,14 +412,15 @@ impl DiskTier {
             if n as u64 != self.slot_bytes {
                 return Err(DiskError::Short { op: "write", got: n, want: self.slot_bytes });
             }
-            Ok(())
+            Ok(data_checksum)
         }
         .await;
         let full = matches!(result, Err(DiskError::Full(_)));
         let allocated = if full { Some(*self.allocated.lock().await) } else { None };
         let mut st = self.state.lock();
         match result {
-            Ok(()) => {
+            Ok(data_checksum) => {
+                st.checksums[slot as usize] = data_checksum;
                 let _ = st.pool.commit(slot, 0);
                 Ok(WriteOutcome { already_present: false, evicted })
             }
@@ -447,22 +463,21 @@ impl DiskTier {
         dst: IoBuf,
         keep: Arc<dyn Send + Sync>,
     ) -> Result<ReadOutcome, DiskError> {
-        let slot = {
+        let (slot, parent, expected) = {
             let mut st = self.state.lock();
             let Some(slot) = st.pool.lookup(hash) else { return Ok(ReadOutcome::Miss) };
             let _ = st.pool.pin(slot);
             st.pool.touch(slot);
-            slot
+            (slot, st.pool.parent_of(hash), st.checksums[slot as usize])
         };
-        let header = Arc::new(AlignedBuf::zeroed(HEADER_BYTES as usize));
-        let bufs = [header.io_buf(), IoBuf { ptr: dst.ptr, len: self.data_bytes as usize }];
+        let data = [IoBuf { ptr: dst.ptr, len: self.data_bytes as usize }];
         let in_flight = InFlight::new(&self.reads_in_flight);
-        // SAFETY: the header is kept by the request; `dst` by the caller's keep value.
+        // SAFETY: `dst` is kept by the caller's keep value.
         let n = unsafe {
             self.io.readv(
-                u64::from(slot) * self.slot_bytes,
-                &bufs,
-                Box::new((header.clone(), keep.clone())),
+                u64::from(slot) * self.slot_bytes + HEADER_BYTES,
+                &data,
+                Box::new(keep.clone()),
             )
         }
         .await;
@@ -470,40 +485,37 @@ impl DiskTier {
         let parallel = self.block_bytes >= PARALLEL_VERIFY_MIN_BYTES
             && self.reads_in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0;
         let verdict = match n {
-            Ok(n) if n as u64 == self.slot_bytes => match SlotHeader::decode(header.as_slice()) {
-                Some(h) if h.hash == hash && h.block_bytes == self.block_bytes => {
-                    let len = self.block_bytes as usize;
-                    let sum = move || {
-                        // Capture the whole IoBuf (Send), not its raw-pointer field.
-                        let dst: IoBuf = dst;
-                        let _keep = keep;
-                        // SAFETY: the read completed into `dst`, valid for data_bytes >= len
-                        // bytes and unwritten while `keep` (moved here) lives.
-                        kvfabric::hash::data_checksum(unsafe {
-                            std::slice::from_raw_parts(dst.ptr, len)
-                        })
-                    };
-                    let sum = if parallel {
-                        // Only a runtime shutting down cancels it: an error, not a verdict on
-                        // the block, which stays on disk.
-                        tokio::task::spawn_blocking(sum).await.map_err(|e| {
-                            DiskError::Io(std::io::Error::other(format!(
-                                "checksum verification did not run: {e}"
-                            )))
-                        })
-                    } else {
-                        Ok(sum())
-                    };
-                    match sum {
-                        Ok(sum) if sum == h.data_checksum => {
-                            Ok(ReadOutcome::Hit { parent: h.parent, checksum: h.data_checksum })
-                        }
-                        Ok(_) => Ok(ReadOutcome::Corrupt),
-                        Err(e) => Err(e),
+            Ok(n) if n as u64 == self.data_bytes => {
+                let len = self.block_bytes as usize;
+                let sum = move || {
+                    // Capture the whole IoBuf (Send), not its raw-pointer field.
+                    let dst: IoBuf = dst;
+                    let _keep = keep;
+                    // SAFETY: the read completed into `dst`, valid for data_bytes >= len
+                    // bytes and unwritten while `keep` (moved here) lives.
+                    kvfabric::hash::data_checksum(unsafe {
+                        std::slice::from_raw_parts(dst.ptr, len)
+                    })
+                };
+                let sum = if parallel {
+                    // Only a runtime shutting down cancels it: an error, not a verdict on
+                    // the block, which stays on disk.
+                    tokio::task::spawn_blocking(sum).await.map_err(|e| {
+                        DiskError::Io(std::io::Error::other(format!(
+                            "checksum verification did not run: {e}"
+                        )))
+                    })
+                } else {
+                    Ok(sum())
+                };
+                match sum {
+                    Ok(sum) if sum == expected => {
+                        Ok(ReadOutcome::Hit { parent, checksum: expected })
                     }
+                    Ok(_) => Ok(ReadOutcome::Corrupt),
+                    Err(e) => Err(e),
                 }
-                _ => Ok(ReadOutcome::Corrupt),
-            },
+            }
             // A short read: the file was truncated under us or the slot was never fully
             // written: corrupt.
             Ok(_) => Ok(ReadOutcome::Corrupt),
