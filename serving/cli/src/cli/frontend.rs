@@ -8,11 +8,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvfabric_router::{RouterConfig, RoutingMode};
 use kvfabric_serving::http::{self, ServerConfig};
 use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
 
-use super::up::{parse_mode, shutdown_signal};
+use super::up::shutdown_signal;
 
 #[derive(Debug, Args)]
 pub struct FrontendArgs {
@@ -22,12 +21,8 @@ pub struct FrontendArgs {
     /// Port to listen on (0: any free port).
     #[arg(long, env = "KVFABRIC_PORT", default_value_t = 8000)]
     port: u16,
-    /// Routing: kv, round-robin, random, least-loaded.
-    #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
-    router: RoutingMode,
-    /// Softmax temperature of kv routing (0: always the cheapest worker).
-    #[arg(long, env = "KVFABRIC_ROUTER_TEMPERATURE", default_value_t = 0.0)]
-    router_temperature: f64,
+    #[command(flatten)]
+    routing: super::RoutingArgs,
     #[command(flatten)]
     control: super::control::ControlArgs,
     /// The workers' shared secret: every request connection to a worker authenticates with
@@ -48,11 +43,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();
     let (discovery, bus) = args.control.connect().await?;
     let cfg = RoutedConfig {
-        router: RouterConfig {
-            mode: args.router,
-            temperature: args.router_temperature,
-            ..RouterConfig::default()
-        },
+        router: args.routing.config(),
         max_attempts: args.max_attempts.max(1),
         name: args.name.clone(),
         first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),

@@ -236,6 +236,57 @@ pub fn one_line(e: &anyhow::Error) -> String {
     parts.join(": ")
 }
 
+/// How a routing frontend picks workers (`up`, `frontend`, `router`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct RoutingArgs {
+    /// Routing with several workers: kv, round-robin, random, least-loaded.
+    #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = up::parse_mode)]
+    pub router: kvfabric_router::RoutingMode,
+    /// Softmax temperature of kv routing (0: always the cheapest worker).
+    #[arg(long, env = "KVFABRIC_ROUTER_TEMPERATURE", default_value_t = 0.0,
+        value_parser = finite_non_negative)]
+    pub router_temperature: f64,
+    /// Weight of kv routing's prefill term (blocks the worker would have to compute) against
+    /// its load terms.
+    #[arg(long, env = "KVFABRIC_ROUTER_OVERLAP_WEIGHT",
+        default_value_t = kvfabric_router::RouterConfig::default().overlap_weight,
+        value_parser = finite_non_negative)]
+    pub router_overlap_weight: f64,
+    /// Active decode blocks on a worker that kv routing counts as one block of prefill
+    /// (larger: cache locality wins over spreading the decode load).
+    #[arg(long, env = "KVFABRIC_ROUTER_LOAD_SCALE",
+        default_value_t = kvfabric_router::RouterConfig::default().block_load_scale,
+        value_parser = finite_positive)]
+    pub router_load_scale: f64,
+}
+
+impl RoutingArgs {
+    /// The router's settings from these arguments (the rest default).
+    pub fn config(&self) -> kvfabric_router::RouterConfig {
+        kvfabric_router::RouterConfig {
+            mode: self.router,
+            temperature: self.router_temperature,
+            overlap_weight: self.router_overlap_weight,
+            block_load_scale: self.router_load_scale,
+            ..Default::default()
+        }
+    }
+}
+
+fn finite_non_negative(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a finite number >= 0")),
+    }
+}
+
+fn finite_positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a finite number > 0")),
+    }
+}
+
 /// The HTTP frontend's bounds (`up`, `frontend`): its listener and its requests' deadlines.
 #[derive(clap::Args, Debug, Clone)]
 pub struct HttpArgs {

@@ -5,13 +5,12 @@
 //! Prints `kvfabric router at http://ADDR/v1` when ready.
 
 use clap::Args;
-use kvfabric_router::{RouterConfig, RoutingMode};
 use kvfabric_serving::http;
 use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use super::up::{parse_mode, shutdown_signal};
+use super::up::shutdown_signal;
 
 #[derive(Debug, Args)]
 pub struct RouterArgs {
@@ -21,9 +20,8 @@ pub struct RouterArgs {
     /// Port to listen on (0: any free port).
     #[arg(long, env = "KVFABRIC_PORT", default_value_t = 8001)]
     port: u16,
-    /// Routing: kv, round-robin, random, least-loaded (for tracked requests).
-    #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
-    router: RoutingMode,
+    #[command(flatten)]
+    routing: super::RoutingArgs,
     #[command(flatten)]
     control: super::control::ControlArgs,
     #[command(flatten)]
@@ -38,7 +36,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     let (discovery, bus) = args.control.connect().await?;
     // The router sends no requests: the secret only satisfies the routed backend's check.
     let cfg = RoutedConfig {
-        router: RouterConfig { mode: args.router, ..RouterConfig::default() },
+        router: args.routing.config(),
         name: args.name.clone(),
         ..RoutedConfig::new(b"kvfabric-router-sends-no-requests".to_vec())
     };

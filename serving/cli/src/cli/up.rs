@@ -167,9 +167,8 @@ pub struct UpArgs {
     /// (to measure their overhead).
     #[arg(long, hide = true)]
     via_frontend: bool,
-    /// Routing with several workers: kv, round-robin, random, least-loaded.
-    #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
-    router: RoutingMode,
+    #[command(flatten)]
+    routing: super::RoutingArgs,
     #[command(flatten)]
     http: super::HttpArgs,
     /// Worker name in discovery (with several workers, the prefix of their names).
@@ -402,7 +401,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             stacks.push(stack);
         }
         let cfg = RoutedConfig {
-            router: kvfabric_router::RouterConfig { mode: args.router, ..Default::default() },
+            router: args.routing.config(),
             name: format!("{}-frontend", args.name),
             first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
             ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
@@ -411,10 +410,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         let describe = if disagg {
             format!(
                 "{} on {} prefill + {} decode workers, {:?} routing",
-                stacks[0].describe, args.prefill_workers, args.decode_workers, args.router
+                stacks[0].describe, args.prefill_workers, args.decode_workers, args.routing.router
             )
         } else {
-            format!("{} on {n} workers, {:?} routing", stacks[0].describe, args.router)
+            format!("{} on {n} workers, {:?} routing", stacks[0].describe, args.routing.router)
         };
         (Arc::new(remote), describe)
     };
