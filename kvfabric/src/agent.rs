@@ -19,7 +19,7 @@ use std::time::Duration;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, Semaphore};
 
-use crate::endpoint::{check_remote, check_request, Endpoint, MetadataError};
+use crate::endpoint::{check_remote, check_request, Endpoint, MetadataError, RdmaStatus};
 use crate::memory::{
     DeviceMemory, MemoryError, MemoryKind, Region, RegionId, RegionOptions, RegionTable,
 };
@@ -100,6 +100,8 @@ pub struct AgentConfig {
     pub limits: AgentLimits,
     /// Fault injection for tests: wraps every transport.
     pub faults: Option<Arc<FaultInjector>>,
+    /// Use RDMA between hosts when this host has a usable device (None: never).
+    pub rdma: Option<crate::transport::rdma::RdmaConfig>,
 }
 
 impl AgentConfig {
@@ -115,6 +117,7 @@ impl AgentConfig {
             inline_copy_bytes_max: 64 << 20,
             limits: AgentLimits::default(),
             faults: None,
+            rdma: Some(crate::transport::rdma::RdmaConfig::default()),
         }
     }
 }
@@ -167,6 +170,8 @@ pub(crate) struct AgentInner {
     listen_addr: SocketAddr,
     host_id: String,
     transports: Transports,
+    /// Whether RDMA is in use, and why not.
+    rdma_status: RdmaStatus,
     runtime: tokio::runtime::Handle,
     server: Mutex<Option<SessionServer>>,
 }
@@ -194,6 +199,36 @@ impl std::fmt::Debug for AgentInner {
 #[derive(Debug, Clone)]
 pub struct Agent {
     pub(crate) inner: Arc<AgentInner>,
+}
+
+/// Opens the RDMA transport when configured and possible; says why not (logged once per
+/// process, at info: a host without RDMA is normal).
+fn open_rdma(
+    config: &AgentConfig,
+    endpoint: &Arc<Endpoint>,
+) -> (Option<Arc<crate::transport::rdma::RdmaTransport>>, RdmaStatus) {
+    use crate::transport::rdma::RdmaTransport;
+    static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let Some(cfg) = &config.rdma else { return (None, RdmaStatus::Off) };
+    match RdmaTransport::open(cfg.clone(), Arc::downgrade(endpoint)) {
+        Ok(t) => {
+            let i = t.device();
+            let status = RdmaStatus::Device {
+                device: i.name.clone(),
+                port: i.port,
+                link_layer: i.link_layer.to_string(),
+            };
+            (Some(Arc::new(t)), status)
+        }
+        Err(why) => {
+            if !LOGGED.swap(true, Ordering::Relaxed) {
+                tracing::info!(reason = %why, "RDMA unavailable: transfers between hosts use TCP");
+            } else {
+                tracing::debug!(agent = %config.name, reason = %why, "RDMA unavailable: using TCP");
+            }
+            (None, RdmaStatus::Unavailable { reason: why.0 })
+        }
+    }
 }
 
 fn host_id() -> String {
@@ -247,7 +282,8 @@ impl Agent {
             notify_tx,
             config.limits.frame_timeout,
         ));
-        let services = Arc::new(Services { endpoint, rpc: RwLock::new(None) });
+        let (rdma, rdma_status) = open_rdma(&config, &endpoint);
+        let services = Arc::new(Services { endpoint, rpc: RwLock::new(None), rdma: rdma.clone() });
         let session = SessionConfig {
             name: config.name.clone(),
             secret: config.secret.clone(),
@@ -280,7 +316,11 @@ impl Agent {
             next_id: AtomicU64::new(1),
             listen_addr,
             host_id: host_id(),
-            transports: Transports::new(config.faults.clone()),
+            transports: Transports::new(
+                config.faults.clone(),
+                rdma.map(|t| t as Arc<dyn crate::transport::Transport>),
+            ),
+            rdma_status,
             runtime,
             server: Mutex::new(Some(server)),
             config,
@@ -400,13 +440,25 @@ impl Agent {
 
     /// Removes a region; fails while transfers use it.
     pub fn deregister(&self, id: RegionId) -> Result<(), AgentError> {
-        Ok(self.inner.regions().deregister(id)?)
+        self.inner.regions().deregister(id)?;
+        if let Some(rdma) = &self.inner.services.rdma {
+            rdma.forget_region(id);
+        }
+        Ok(())
+    }
+
+    /// Whether this agent moves bytes over RDMA, on which device, or why not.
+    pub fn rdma_status(&self) -> &RdmaStatus {
+        &self.inner.rdma_status
     }
 
     /// This agent's metadata, for peers to load. Regions registered later are not in it:
     /// export it again after registering (as with NIXL).
     pub fn metadata(&self) -> AgentMetadata {
         let mut transports = vec![TransportKind::Tcp];
+        if self.inner.transports.rdma.is_some() {
+            transports.insert(0, TransportKind::Rdma);
+        }
         if self.inner.config.shm {
             transports.insert(0, TransportKind::Shm);
         }
@@ -430,6 +482,7 @@ impl Agent {
                 })
                 .collect(),
             transports,
+            rdma: self.inner.rdma_status.clone(),
         }
     }
 
@@ -586,8 +639,23 @@ impl Agent {
         let peer = self.peer(&req.peer)?;
         let shm_ok =
             || peer.same_host() && req.remote.iter().all(|d| peer.shm_map(d.region).is_some());
+        let rdma = || {
+            let theirs = peer.metadata().transports.contains(&TransportKind::Rdma);
+            match (&t.rdma, theirs) {
+                (Some(r), true) => Ok(r.clone()),
+                (None, _) => Err(format!("this agent has none: {}", self.inner.rdma_status)),
+                (Some(_), false) => Err(format!("{} has none: {}", req.peer, peer.metadata().rdma)),
+            }
+        };
         match req.transport {
             Some(TransportKind::Tcp) => Ok((t.tcp.clone(), Some(peer))),
+            Some(TransportKind::Rdma) => match rdma() {
+                Ok(r) => Ok((r, Some(peer))),
+                Err(reason) => Err(TransferError::NoTransport {
+                    peer: req.peer.clone(),
+                    reason: format!("rdma: {reason}"),
+                }),
+            },
             Some(TransportKind::Shm) => {
                 if shm_ok() {
                     Ok((t.shm.clone(), Some(peer)))
@@ -607,7 +675,10 @@ impl Agent {
                 reason: "cuda is for GPU memory, and this transfer names none".into(),
             }),
             None if shm_ok() => Ok((t.shm.clone(), Some(peer))),
-            None => Ok((t.tcp.clone(), Some(peer))),
+            None => match rdma() {
+                Ok(r) => Ok((r, Some(peer))),
+                Err(_) => Ok((t.tcp.clone(), Some(peer))),
+            },
         }
     }
 

@@ -57,6 +57,45 @@ pub struct AgentMetadata {
     pub regions: Vec<ExportedRegion>,
     /// Transports it accepts.
     pub transports: Vec<TransportKind>,
+    /// Whether it moves bytes over RDMA, or why not (absent in metadata from agents that
+    /// predate RDMA: off).
+    #[serde(default)]
+    pub rdma: RdmaStatus,
+}
+
+/// An agent's RDMA: the device it uses, or why it uses none.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "state", rename_all = "lowercase")]
+pub enum RdmaStatus {
+    /// Not configured.
+    #[default]
+    Off,
+    /// No usable device (why).
+    Unavailable {
+        /// Why.
+        reason: String,
+    },
+    /// In use.
+    Device {
+        /// Device name.
+        device: String,
+        /// Port.
+        port: u8,
+        /// infiniband or ethernet.
+        link_layer: String,
+    },
+}
+
+impl std::fmt::Display for RdmaStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RdmaStatus::Off => f.write_str("RDMA is turned off"),
+            RdmaStatus::Unavailable { reason } => f.write_str(reason),
+            RdmaStatus::Device { device, port, link_layer } => {
+                write!(f, "{device} port {port} ({link_layer})")
+            }
+        }
+    }
 }
 
 impl AgentMetadata {
@@ -409,6 +448,7 @@ mod tests {
                 cuda_ipc: None,
             }],
             transports: vec![TransportKind::Tcp],
+            rdma: RdmaStatus::Off,
         };
         assert!(check_remote(&md, &[Desc::new(RegionId(3), 0, 100)]).is_ok());
         for bad in [

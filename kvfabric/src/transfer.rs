@@ -62,12 +62,19 @@ pub enum TransportKind {
     Tcp,
     /// GPU memory: CUDA copies within this process, CUDA IPC to processes of this host.
     Cuda,
+    /// Any host with an RDMA device: one-sided verbs READ/WRITE.
+    Rdma,
 }
 
 impl TransportKind {
     /// Every transport, in the order of their counters.
-    pub const ALL: [TransportKind; 4] =
-        [TransportKind::Local, TransportKind::Shm, TransportKind::Tcp, TransportKind::Cuda];
+    pub const ALL: [TransportKind; 5] = [
+        TransportKind::Local,
+        TransportKind::Shm,
+        TransportKind::Tcp,
+        TransportKind::Cuda,
+        TransportKind::Rdma,
+    ];
 
     /// Its name.
     pub fn name(self) -> &'static str {
@@ -76,6 +83,7 @@ impl TransportKind {
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
             TransportKind::Cuda => "cuda",
+            TransportKind::Rdma => "rdma",
         }
     }
 }
@@ -340,8 +348,8 @@ impl TransferState {
 #[derive(Debug, Default)]
 pub struct TransferCounters {
     /// Per transport (in [`TransportKind::ALL`] order): done, failed, timed out, cancelled.
-    ended: [[AtomicU64; 4]; 4],
-    bytes: [AtomicU64; 4],
+    ended: [[AtomicU64; 4]; TransportKind::ALL.len()],
+    bytes: [AtomicU64; TransportKind::ALL.len()],
 }
 
 /// One transport's line of [`TransferCounters`].

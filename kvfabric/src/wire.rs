@@ -157,6 +157,8 @@ mod kind {
     pub const ACK: u8 = 16;
     pub const RPC: u8 = 17;
     pub const RPC_REPLY: u8 = 18;
+    pub const RDMA_CONNECT: u8 = 19;
+    pub const RDMA_ACCEPT: u8 = 20;
 }
 
 /// A decoded message.
@@ -246,6 +248,11 @@ pub enum Message {
         /// The reply, encoded by the service.
         body: Vec<u8>,
     },
+    /// Client → server: connect RDMA queue pairs to these
+    /// ([`crate::transport::rdma::exchange`]).
+    RdmaConnect(crate::transport::rdma::exchange::Connect),
+    /// Server → client: its queue pairs and the keys of its exported regions.
+    RdmaAccept(crate::transport::rdma::exchange::Accept),
 }
 
 /// A decoded frame header.
@@ -267,7 +274,7 @@ impl FrameHeader {
             return Err(WireError::Version(b[4]));
         }
         let kind = b[5];
-        if !matches!(kind, 1..=4 | 10..=18) {
+        if !matches!(kind, 1..=4 | 10..=20) {
             return Err(WireError::UnknownKind(kind));
         }
         if u16::from_le_bytes([b[6], b[7]]) != 0 {
@@ -418,6 +425,8 @@ impl Message {
             Message::Ack => kind::ACK,
             Message::Rpc { .. } => kind::RPC,
             Message::RpcReply { .. } => kind::RPC_REPLY,
+            Message::RdmaConnect(_) => kind::RDMA_CONNECT,
+            Message::RdmaAccept(_) => kind::RDMA_ACCEPT,
         }
     }
 
@@ -468,6 +477,8 @@ impl Message {
                 out.extend_from_slice(body);
             }
             Message::RpcReply { body } => out.extend_from_slice(body),
+            Message::RdmaConnect(c) => out.extend_from_slice(&c.encode()),
+            Message::RdmaAccept(a) => out.extend_from_slice(&a.encode()),
         }
         let body_len = (out.len() - HEADER_BYTES) as u32;
         out[0..4].copy_from_slice(&body_len.to_le_bytes());
@@ -521,6 +532,20 @@ impl Message {
                 Message::Rpc { method, body }
             }
             kind::RPC_REPLY => Message::RpcReply { body: c.take(c.b.len())?.to_vec() },
+            kind::RDMA_CONNECT => {
+                let body = c.take(c.b.len())?;
+                Message::RdmaConnect(
+                    crate::transport::rdma::exchange::Connect::decode(body)
+                        .map_err(exchange_error)?,
+                )
+            }
+            kind::RDMA_ACCEPT => {
+                let body = c.take(c.b.len())?;
+                Message::RdmaAccept(
+                    crate::transport::rdma::exchange::Accept::decode(body)
+                        .map_err(exchange_error)?,
+                )
+            }
             other => return Err(WireError::UnknownKind(other)),
         };
         if !c.b.is_empty() {
@@ -549,6 +574,18 @@ impl Message {
             });
         }
         Ok((h, Message::decode(h.kind, body, limits)?))
+    }
+}
+
+fn exchange_error(e: crate::transport::rdma::exchange::ExchangeError) -> WireError {
+    use crate::transport::rdma::exchange::ExchangeError as E;
+    match e {
+        E::Truncated => WireError::Truncated,
+        E::Trailing(n) => WireError::Trailing(n),
+        E::TooMany { what, value, limit } => {
+            WireError::TooLarge { what, value: value as u64, limit: limit as u64 }
+        }
+        E::Invalid(what) => WireError::Invalid(what),
     }
 }
 

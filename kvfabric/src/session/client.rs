@@ -163,6 +163,24 @@ impl Session {
         }
     }
 
+    /// Asks the peer to connect RDMA queue pairs to ours; its queue pairs and region keys.
+    pub(crate) async fn rdma_connect(
+        &self,
+        connect: &crate::transport::rdma::exchange::Connect,
+    ) -> Result<crate::transport::rdma::exchange::Accept, TransferError> {
+        let mut c = self.conn(0).await?;
+        c.send(&Message::RdmaConnect(connect.clone())).await?;
+        match c.reply().await? {
+            Message::RdmaAccept(a) => {
+                c.keep();
+                Ok(a)
+            }
+            other => {
+                Err(TransferError::Protocol(format!("expected an RDMA accept, got {other:?}")))
+            }
+        }
+    }
+
     /// Calls the peer's RPC service.
     pub(crate) async fn call(&self, method: u16, body: Vec<u8>) -> Result<Vec<u8>, TransferError> {
         let mut c = self.conn(self.next_stripes(1)).await?;

@@ -84,6 +84,8 @@ pub fn kind_name(m: &Message) -> &'static str {
         Message::Ack => "Ack",
         Message::Rpc { .. } => "Rpc",
         Message::RpcReply { .. } => "RpcReply",
+        Message::RdmaConnect(_) => "RdmaConnect",
+        Message::RdmaAccept(_) => "RdmaAccept",
     }
 }
 
@@ -193,6 +195,7 @@ enum Expect {
     ReadData { payload: u64 },
     ChecksumList { count: usize },
     RpcReply,
+    RdmaAccept,
 }
 
 #[derive(Debug)]
@@ -289,6 +292,7 @@ impl ClientProto {
             },
             Message::Checksums { descs } => Expect::ChecksumList { count: descs.len() },
             Message::Rpc { .. } => Expect::RpcReply,
+            Message::RdmaConnect(_) => Expect::RdmaAccept,
             _ => return Err(SessionError::Misuse("only requests are sent as requests")),
         };
         let id = self.next_request;
@@ -398,9 +402,9 @@ impl ClientProto {
                 }
                 let next = match (&msg, expect) {
                     (Message::Error { .. }, _) => ClientState::Ready,
-                    (Message::Ack, Expect::Ack) | (Message::RpcReply { .. }, Expect::RpcReply) => {
-                        ClientState::Ready
-                    }
+                    (Message::Ack, Expect::Ack)
+                    | (Message::RpcReply { .. }, Expect::RpcReply)
+                    | (Message::RdmaAccept(_), Expect::RdmaAccept) => ClientState::Ready,
                     (Message::ChecksumList { checksums }, Expect::ChecksumList { count })
                         if checksums.len() == count =>
                     {
@@ -592,7 +596,8 @@ impl ServerProto {
                     Message::Read { .. }
                     | Message::Commit { .. }
                     | Message::Checksums { .. }
-                    | Message::Rpc { .. } => 0,
+                    | Message::Rpc { .. }
+                    | Message::RdmaConnect(_) => 0,
                     other => {
                         let e = SessionError::Unexpected { state: "idle", got: kind_name(other) };
                         return Err(self.close_with(ErrorCode::Malformed, h.request_id, e));

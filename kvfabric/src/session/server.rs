@@ -31,6 +31,8 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) struct Services {
     pub(crate) endpoint: Arc<Endpoint>,
     pub(crate) rpc: RwLock<Option<Arc<dyn RpcHandler>>>,
+    /// The RDMA transport, which answers peers' `RdmaConnect` (None: no device here).
+    pub(crate) rdma: Option<Arc<crate::transport::rdma::RdmaTransport>>,
 }
 
 impl std::fmt::Debug for Services {
@@ -168,6 +170,7 @@ impl Connection {
             };
             let endpoint = services.endpoint.clone();
             let rpc = services.rpc.read().clone();
+            let rdma = services.rdma.clone();
             drop(services);
             match message {
                 Message::Write { descs, .. } => self.write(&endpoint, &descs).await?,
@@ -217,6 +220,17 @@ impl Connection {
                             self.refuse(Refusal::new(ErrorCode::Unavailable, "service timed out"))
                                 .await?
                         }
+                    }
+                }
+                Message::RdmaConnect(connect) => {
+                    drop(endpoint);
+                    let answer = match &rdma {
+                        Some(t) => t.accept(&peer, &connect),
+                        None => Err("this agent has no RDMA device".to_string()),
+                    };
+                    match answer {
+                        Ok(accept) => self.reply(Message::RdmaAccept(accept)).await?,
+                        Err(why) => self.refuse(Refusal::new(ErrorCode::Unavailable, why)).await?,
                     }
                 }
                 // The state machine lets only requests through.

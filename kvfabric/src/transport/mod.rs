@@ -45,6 +45,7 @@ pub use crate::endpoint::Piece;
 pub mod cuda;
 pub mod fault;
 pub mod local;
+pub mod rdma;
 pub mod shm;
 pub mod staging;
 pub mod tcp;
@@ -146,10 +147,15 @@ pub(crate) struct Transports {
     pub(crate) tcp: Arc<dyn Transport>,
     /// GPU memory: within this agent and to peers on this host (feature `cuda`).
     pub(crate) cuda: Option<Arc<dyn Transport>>,
+    /// Between hosts with RDMA devices (None: no usable device, or turned off).
+    pub(crate) rdma: Option<Arc<dyn Transport>>,
 }
 
 impl Transports {
-    pub(crate) fn new(faults: Option<Arc<fault::FaultInjector>>) -> Self {
+    pub(crate) fn new(
+        faults: Option<Arc<fault::FaultInjector>>,
+        rdma: Option<Arc<dyn Transport>>,
+    ) -> Self {
         let wrap = |t: Arc<dyn Transport>| -> Arc<dyn Transport> {
             match &faults {
                 Some(f) => Arc::new(fault::FaultTransport::new(t, f.clone())),
@@ -164,6 +170,7 @@ impl Transports {
             cuda: Some(wrap(Arc::new(cuda::CudaTransport::new(tcp.clone())))),
             #[cfg(not(feature = "cuda"))]
             cuda: None,
+            rdma: rdma.map(wrap),
             tcp,
         }
     }

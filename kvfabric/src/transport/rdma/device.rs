@@ -1,0 +1,519 @@
+//! Owned verbs objects: an opened device with its protection domain, memory registrations,
+//! a completion queue and reliable-connected queue pairs. Each is released when dropped.
+
+use std::ffi::{c_void, CStr};
+use std::sync::Arc;
+
+use super::exchange::QpAddr;
+use super::verbs::{
+    self, consts, IbvCq, IbvMr, IbvQp, IbvQpAttr, IbvQpInitAttr, IbvWc, Unavailable, Verbs,
+};
+
+/// Why a verbs call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{call}: {reason}")]
+pub struct VerbsError {
+    /// The call.
+    pub call: &'static str,
+    /// errno's text.
+    pub reason: String,
+}
+
+fn errno(call: &'static str) -> VerbsError {
+    VerbsError { call, reason: std::io::Error::last_os_error().to_string() }
+}
+
+fn rc(call: &'static str, rc: i32) -> Result<(), VerbsError> {
+    match rc {
+        0 => Ok(()),
+        // Verbs calls return an errno, or -1 with errno set.
+        n if n > 0 => {
+            Err(VerbsError { call, reason: std::io::Error::from_raw_os_error(n).to_string() })
+        }
+        _ => Err(errno(call)),
+    }
+}
+
+/// What the transport needs to know of the device and port it uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device's name (`mlx5_0`).
+    pub name: String,
+    /// The port (1-based).
+    pub port: u8,
+    /// InfiniBand or Ethernet (RoCE).
+    pub link_layer: &'static str,
+    /// The port's LID (InfiniBand).
+    pub lid: u16,
+    /// GID index used.
+    pub gid_index: u8,
+    /// That GID.
+    pub gid: [u8; 16],
+    /// Active MTU, as verbs numbers it (1..=5).
+    pub mtu: u8,
+    /// Largest message, bytes.
+    pub max_msg_bytes: u64,
+    /// Entries per work request.
+    pub max_sge: u32,
+    /// Deepest send queue.
+    pub max_qp_wr: u32,
+    /// Deepest completion queue.
+    pub max_cqe: u32,
+    /// Outstanding RDMA READs a queue pair may initiate / answer.
+    pub max_rd_atomic: u8,
+    /// Whether GPU memory can be registered through dma-buf.
+    pub dmabuf: bool,
+}
+
+/// An open device with its protection domain.
+#[derive(Debug)]
+pub struct Device {
+    v: &'static Verbs,
+    ctx: *mut verbs::IbvContext,
+    pd: *mut c_void,
+    info: DeviceInfo,
+}
+
+// SAFETY: verbs objects may be used from any thread (libibverbs serializes where it must).
+unsafe impl Send for Device {}
+// SAFETY: as above.
+unsafe impl Sync for Device {}
+
+/// The names of the RDMA devices on this host (empty without any; why not where verbs are
+/// not installed).
+pub fn device_names() -> Result<Vec<String>, Unavailable> {
+    let v = verbs::verbs()?;
+    let mut n = 0;
+    // SAFETY: the library's list, read while it lives and freed right after.
+    unsafe {
+        let list = (v.get_device_list)(&mut n);
+        if list.is_null() {
+            return Ok(Vec::new());
+        }
+        let names = (0..n.max(0) as usize)
+            .map(|i| {
+                CStr::from_ptr((v.get_device_name)(*list.add(i))).to_string_lossy().into_owned()
+            })
+            .collect();
+        (v.free_device_list)(list);
+        Ok(names)
+    }
+}
+
+impl Device {
+    /// Opens `name` (or the first device with an active port), choosing its first active
+    /// port and, on Ethernet, the GID at `gid_index`.
+    pub fn open(name: Option<&str>, gid_index: u8) -> Result<Arc<Device>, Unavailable> {
+        let v = verbs::verbs()?;
+        let mut n = 0;
+        // SAFETY: the list is read while it lives; the chosen device is opened before it is
+        // freed (an open context does not need the list).
+        let (ctx, dev_name) = unsafe {
+            let list = (v.get_device_list)(&mut n);
+            if list.is_null() || n <= 0 {
+                if !list.is_null() {
+                    (v.free_device_list)(list);
+                }
+                return Err(Unavailable(
+                    "no RDMA device on this host (ibv_get_device_list found none)".into(),
+                ));
+            }
+            let mut opened = None;
+            let mut seen = Vec::new();
+            for i in 0..n as usize {
+                let d = *list.add(i);
+                let dn = CStr::from_ptr((v.get_device_name)(d)).to_string_lossy().into_owned();
+                seen.push(dn.clone());
+                if name.is_some_and(|want| want != dn) {
+                    continue;
+                }
+                let ctx = (v.open_device)(d);
+                if !ctx.is_null() {
+                    opened = Some((ctx, dn));
+                    break;
+                }
+            }
+            (v.free_device_list)(list);
+            match opened {
+                Some(o) => o,
+                None => {
+                    return Err(Unavailable(match name {
+                        Some(want) => format!(
+                            "RDMA device {want:?} not found or not openable (devices: {seen:?})"
+                        ),
+                        None => format!("no RDMA device could be opened (devices: {seen:?})"),
+                    }))
+                }
+            }
+        };
+        let close = |why: String| {
+            // SAFETY: the context opened above, not used after.
+            unsafe { (v.close_device)(ctx) };
+            Unavailable(why)
+        };
+        let mut attr = verbs::IbvDeviceAttr::default();
+        // SAFETY: an open context and a structure of the queried type.
+        if unsafe { (v.query_device)(ctx, &mut attr) } != 0 {
+            return Err(close(format!("{dev_name}: ibv_query_device failed")));
+        }
+        let mut port = None;
+        for p in 1..=attr.phys_port_cnt.max(1) {
+            let mut pa = verbs::IbvPortAttr::default();
+            // SAFETY: as above; the full structure is zeroed and the library fills its
+            // compatible prefix (what `verbs.h`'s inline wrapper does too).
+            if unsafe { (v.query_port)(ctx, p, &mut pa) } == 0 && pa.state == consts::PORT_ACTIVE {
+                port = Some((p, pa));
+                break;
+            }
+        }
+        let Some((port, pa)) = port else {
+            return Err(close(format!("{dev_name}: no active port")));
+        };
+        let mut gid = [0u8; 16];
+        let ethernet = pa.link_layer == consts::LINK_LAYER_ETHERNET;
+        if ethernet || pa.lid == 0 {
+            // SAFETY: an open context and a 16-byte GID buffer.
+            if unsafe { (v.query_gid)(ctx, port, i32::from(gid_index), &mut gid) } != 0
+                || gid == [0; 16]
+            {
+                return Err(close(format!("{dev_name} port {port}: no GID at index {gid_index}")));
+            }
+        }
+        // SAFETY: an open context.
+        let pd = unsafe { (v.alloc_pd)(ctx) };
+        if pd.is_null() {
+            return Err(close(format!("{dev_name}: ibv_alloc_pd failed")));
+        }
+        let info = DeviceInfo {
+            name: dev_name,
+            port,
+            link_layer: if ethernet { "ethernet" } else { "infiniband" },
+            lid: pa.lid,
+            gid_index,
+            gid,
+            mtu: (pa.active_mtu as u8).clamp(1, 5),
+            max_msg_bytes: u64::from(pa.max_msg_sz).max(1),
+            max_sge: attr.max_sge.clamp(1, 30) as u32,
+            max_qp_wr: attr.max_qp_wr.max(1) as u32,
+            max_cqe: attr.max_cqe.max(1) as u32,
+            max_rd_atomic: attr.max_qp_rd_atom.min(attr.max_qp_init_rd_atom).clamp(1, 16) as u8,
+            dmabuf: v.reg_dmabuf_mr.is_some(),
+        };
+        Ok(Arc::new(Device { v, ctx, pd, info }))
+    }
+
+    /// What was found.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Registers `len` bytes at `addr` for local access and remote READ and WRITE.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the registration is dropped.
+    pub unsafe fn register(self: &Arc<Self>, addr: *mut u8, len: usize) -> Result<Mr, VerbsError> {
+        let access = consts::ACCESS_LOCAL_WRITE
+            | consts::ACCESS_REMOTE_READ
+            | consts::ACCESS_REMOTE_WRITE
+            | consts::ACCESS_RELAXED_ORDERING;
+        // SAFETY: the caller keeps the memory; the protection domain is ours.
+        let mr = unsafe { (self.v.reg_mr)(self.pd, addr.cast(), len, access) };
+        if mr.is_null() {
+            return Err(errno("ibv_reg_mr"));
+        }
+        Ok(Mr { dev: self.clone(), mr })
+    }
+
+    /// Registers GPU memory exported as a dma-buf (`fd`, `offset`, `len`), addressed remotely
+    /// from `iova`.
+    ///
+    /// # Safety
+    /// The GPU memory and the dma-buf must stay alive until the registration is dropped.
+    pub unsafe fn register_dmabuf(
+        self: &Arc<Self>,
+        fd: i32,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<Mr, VerbsError> {
+        let Some(reg) = self.v.reg_dmabuf_mr else {
+            return Err(VerbsError {
+                call: "ibv_reg_dmabuf_mr",
+                reason: "not in this libibverbs (rdma-core 34+)".into(),
+            });
+        };
+        let access =
+            consts::ACCESS_LOCAL_WRITE | consts::ACCESS_REMOTE_READ | consts::ACCESS_REMOTE_WRITE;
+        // SAFETY: as the caller guarantees.
+        let mr = unsafe { reg(self.pd, offset, len, iova, fd, access) };
+        if mr.is_null() {
+            return Err(errno("ibv_reg_dmabuf_mr"));
+        }
+        Ok(Mr { dev: self.clone(), mr })
+    }
+
+    /// A completion queue of `entries`.
+    pub fn completion_queue(self: &Arc<Self>, entries: u32) -> Result<Cq, VerbsError> {
+        let n = entries.clamp(1, self.info.max_cqe) as i32;
+        // SAFETY: an open context; no channel (the queue is polled).
+        let cq = unsafe {
+            (self.v.create_cq)(self.ctx, n, std::ptr::null_mut(), std::ptr::null_mut(), 0)
+        };
+        if cq.is_null() {
+            return Err(errno("ibv_create_cq"));
+        }
+        Ok(Cq { dev: self.clone(), cq })
+    }
+
+    /// A reliable-connected queue pair on `cq`, in INIT, with a send queue of `depth` requests
+    /// of `max_sge` entries, and a first packet sequence number.
+    pub fn queue_pair(
+        self: &Arc<Self>,
+        cq: &Arc<Cq>,
+        depth: u32,
+        psn: u32,
+    ) -> Result<Qp, VerbsError> {
+        let mut init = IbvQpInitAttr {
+            qp_context: std::ptr::null_mut(),
+            send_cq: cq.cq,
+            recv_cq: cq.cq,
+            srq: std::ptr::null_mut(),
+            cap: verbs::IbvQpCap {
+                max_send_wr: depth.clamp(1, self.info.max_qp_wr),
+                max_recv_wr: 1,
+                max_send_sge: self.info.max_sge,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: consts::QPT_RC,
+            sq_sig_all: 0,
+        };
+        // SAFETY: our protection domain and completion queue, a filled structure.
+        let qp = unsafe { (self.v.create_qp)(self.pd, &mut init) };
+        if qp.is_null() {
+            return Err(errno("ibv_create_qp"));
+        }
+        let qp = Qp {
+            dev: self.clone(),
+            _cq: cq.clone(),
+            qp,
+            psn: psn & 0xff_ffff,
+            depth: init.cap.max_send_wr,
+        };
+        let mut a = IbvQpAttr {
+            qp_state: consts::QPS_INIT,
+            pkey_index: 0,
+            port_num: self.info.port,
+            qp_access_flags: (consts::ACCESS_LOCAL_WRITE
+                | consts::ACCESS_REMOTE_READ
+                | consts::ACCESS_REMOTE_WRITE) as u32,
+            ..Default::default()
+        };
+        qp.modify(
+            &mut a,
+            consts::QP_STATE | consts::QP_PKEY_INDEX | consts::QP_PORT | consts::QP_ACCESS_FLAGS,
+        )?;
+        Ok(qp)
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: every registration, queue and queue pair holds an Arc of this device, so
+        // none is left; the domain and the context are ours.
+        unsafe {
+            (self.v.dealloc_pd)(self.pd);
+            (self.v.close_device)(self.ctx);
+        }
+    }
+}
+
+/// A memory registration.
+#[derive(Debug)]
+pub struct Mr {
+    dev: Arc<Device>,
+    mr: *mut IbvMr,
+}
+
+// SAFETY: a registration is plain data once made; deregistration is thread-safe.
+unsafe impl Send for Mr {}
+// SAFETY: as above.
+unsafe impl Sync for Mr {}
+
+impl Mr {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: a live registration.
+        unsafe { (*self.mr).lkey }
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: a live registration.
+        unsafe { (*self.mr).rkey }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: ours, registered once, deregistered once.
+        unsafe { (self.dev.v.dereg_mr)(self.mr) };
+    }
+}
+
+/// A completion queue.
+#[derive(Debug)]
+pub struct Cq {
+    dev: Arc<Device>,
+    cq: *mut IbvCq,
+}
+
+// SAFETY: polling is thread-safe in libibverbs providers (they lock the queue).
+unsafe impl Send for Cq {}
+// SAFETY: as above.
+unsafe impl Sync for Cq {}
+
+impl Cq {
+    /// Up to `wc.len()` completions; how many.
+    pub fn poll(&self, wc: &mut [IbvWc]) -> Result<usize, VerbsError> {
+        // SAFETY: a live queue.
+        let n = unsafe { verbs::poll_cq(self.cq, wc) };
+        if n < 0 {
+            return Err(VerbsError { call: "ibv_poll_cq", reason: format!("returned {n}") });
+        }
+        Ok(n as usize)
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        // SAFETY: every queue pair on it holds an Arc of it, so none is left.
+        unsafe { (self.dev.v.destroy_cq)(self.cq) };
+    }
+}
+
+/// A reliable-connected queue pair.
+#[derive(Debug)]
+pub struct Qp {
+    dev: Arc<Device>,
+    _cq: Arc<Cq>,
+    qp: *mut IbvQp,
+    psn: u32,
+    depth: u32,
+}
+
+// SAFETY: posting is thread-safe in libibverbs providers; the transport posts each queue
+// pair from one task at a time anyway.
+unsafe impl Send for Qp {}
+// SAFETY: as above.
+unsafe impl Sync for Qp {}
+
+impl Qp {
+    fn modify(&self, a: &mut IbvQpAttr, mask: i32) -> Result<(), VerbsError> {
+        // SAFETY: a live queue pair and a filled attribute structure.
+        rc("ibv_modify_qp", unsafe { (self.dev.v.modify_qp)(self.qp, a, mask) })
+    }
+
+    /// Its address, for the peer.
+    pub fn addr(&self) -> QpAddr {
+        let i = &self.dev.info;
+        // SAFETY: a live queue pair.
+        let qpn = unsafe { (*self.qp).qp_num };
+        QpAddr { lid: i.lid, gid: i.gid, qpn, psn: self.psn, mtu: i.mtu }
+    }
+
+    /// Its send queue's depth.
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// Connects it to the peer's queue pair `remote`: INIT → RTR → RTS.
+    pub fn connect(&self, remote: &QpAddr) -> Result<(), VerbsError> {
+        let i = &self.dev.info;
+        let global = i.link_layer == "ethernet" || remote.lid == 0;
+        let mut a = IbvQpAttr {
+            qp_state: consts::QPS_RTR,
+            path_mtu: u32::from(remote.mtu.min(i.mtu)),
+            dest_qp_num: remote.qpn,
+            rq_psn: remote.psn,
+            max_dest_rd_atomic: i.max_rd_atomic,
+            min_rnr_timer: 12,
+            ah_attr: verbs::IbvAhAttr {
+                grh: verbs::IbvGlobalRoute {
+                    dgid: remote.gid,
+                    flow_label: 0,
+                    sgid_index: i.gid_index,
+                    hop_limit: if global { 64 } else { 0 },
+                    traffic_class: 0,
+                },
+                dlid: remote.lid,
+                sl: 0,
+                src_path_bits: 0,
+                static_rate: 0,
+                is_global: u8::from(global),
+                port_num: i.port,
+            },
+            ..Default::default()
+        };
+        self.modify(
+            &mut a,
+            consts::QP_STATE
+                | consts::QP_AV
+                | consts::QP_PATH_MTU
+                | consts::QP_DEST_QPN
+                | consts::QP_RQ_PSN
+                | consts::QP_MAX_DEST_RD_ATOMIC
+                | consts::QP_MIN_RNR_TIMER,
+        )?;
+        let mut a = IbvQpAttr {
+            qp_state: consts::QPS_RTS,
+            // 4.096 µs × 2^14 ≈ 67 ms per try, 7 tries: a dead peer fails work in ~0.5 s.
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            sq_psn: self.psn,
+            max_rd_atomic: i.max_rd_atomic,
+            ..Default::default()
+        };
+        self.modify(
+            &mut a,
+            consts::QP_STATE
+                | consts::QP_TIMEOUT
+                | consts::QP_RETRY_CNT
+                | consts::QP_RNR_RETRY
+                | consts::QP_SQ_PSN
+                | consts::QP_MAX_QP_RD_ATOMIC,
+        )
+    }
+
+    /// Moves it to the error state: its outstanding work is flushed (each request completes
+    /// with a flush error) and no byte moves after.
+    pub fn fail(&self) -> Result<(), VerbsError> {
+        let mut a = IbvQpAttr { qp_state: consts::QPS_ERR, ..Default::default() };
+        self.modify(&mut a, consts::QP_STATE)
+    }
+
+    /// Posts a chain of work requests.
+    ///
+    /// # Safety
+    /// The chain must be well formed (`next` links end in null; entries valid for the call)
+    /// and every byte it names registered, alive and not otherwise written until the
+    /// requests complete.
+    pub unsafe fn post(&self, first: *mut verbs::IbvSendWr) -> Result<(), VerbsError> {
+        // SAFETY: as the caller guarantees.
+        match unsafe { verbs::post_send(self.qp, first) } {
+            Ok(()) => Ok(()),
+            Err((code, _)) => Err(VerbsError {
+                call: "ibv_post_send",
+                reason: std::io::Error::from_raw_os_error(code.abs()).to_string(),
+            }),
+        }
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: ours; destroyed once. The transport drops a queue pair only once its work
+        // completed or was flushed.
+        unsafe { (self.dev.v.destroy_qp)(self.qp) };
+    }
+}
