@@ -683,7 +683,7 @@ impl Agent {
     }
 
     /// A loaded peer.
-    fn peer(&self, name: &str) -> Result<Arc<Peer>, TransferError> {
+    pub(crate) fn peer(&self, name: &str) -> Result<Arc<Peer>, TransferError> {
         self.inner
             .peers
             .read()

@@ -659,6 +659,7 @@ impl ServerProto {
                     | Message::ReadData { .. }
                     | Message::ChecksumList { .. }
                     | Message::RpcReply { .. }
+                    | Message::RdmaAccept(_)
             )
         {
             return Err(SessionError::Misuse("only replies answer a request"));
@@ -747,6 +748,33 @@ mod tests {
         (c, s)
     }
 
+    use crate::transport::rdma::exchange as rdma;
+
+    fn qp(i: u32) -> rdma::QpAddr {
+        rdma::QpAddr { lid: 1, gid: [i as u8; 16], qpn: i, psn: i, mtu: 5 }
+    }
+
+    /// RDMA keys go only to an authenticated peer that asked: a connect before the handshake
+    /// is refused, and neither side accepts an accept it did not ask for.
+    #[test]
+    fn rdma_exchange_only_after_authentication_and_only_as_asked() {
+        let mut s = server();
+        let _challenge = s.take_transmit();
+        let connect = Message::RdmaConnect(rdma::Connect { qps: vec![qp(1)] }).encode(1);
+        assert!(to_server(&mut s, &connect, 1 << 20).is_err(), "a connect before the hello");
+
+        let (mut c, mut s) = connected(1 << 20);
+        let accept = Message::RdmaAccept(rdma::Accept { qps: vec![qp(1)], regions: vec![] });
+        assert!(c.request(&accept).is_err(), "an accept is not a request");
+        assert!(
+            to_server(&mut s, &accept.encode(1), 1 << 20).is_err(),
+            "nor does a server take one"
+        );
+        // An accept answering an RPC is a protocol violation.
+        c.request(&Message::Rpc { method: 1, body: vec![] }).unwrap();
+        assert!(to_client(&mut c, &accept.encode(1), 1 << 20).is_err());
+    }
+
     fn desc(len: u64) -> WireDesc {
         WireDesc { region: 1, offset: 0, len, checksum: None }
     }
@@ -771,6 +799,18 @@ mod tests {
                 (
                     Message::Read { transfer_id: 2, descs: vec![desc(0)], checksums: false },
                     Message::ReadData { checksums: vec![] },
+                ),
+                (
+                    Message::RdmaConnect(rdma::Connect { qps: vec![qp(1), qp(2)] }),
+                    Message::RdmaAccept(rdma::Accept {
+                        qps: vec![qp(3), qp(4)],
+                        regions: vec![rdma::RegionKey {
+                            region: 1,
+                            addr: 4096,
+                            len: 8192,
+                            rkey: 5,
+                        }],
+                    }),
                 ),
             ];
             for (id, (request, reply)) in exchanges.into_iter().enumerate() {

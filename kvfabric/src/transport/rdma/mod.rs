@@ -611,3 +611,40 @@ pub fn availability() -> Result<Vec<String>, Unavailable> {
     }
     Ok(names)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::exchange::{Connect, QpAddr};
+    use crate::agent::{Agent, AgentConfig};
+    use crate::transfer::TransferError;
+    use crate::wire::ErrorCode;
+
+    /// Over a real session: an agent without a device answers a connect with a typed refusal
+    /// (and the session stays usable); the exchange needs the secret like everything else.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connect_to_an_agent_without_a_device_is_refused_typed() {
+        if super::availability().is_ok() {
+            eprintln!("SKIPPED: this host has an RDMA device (the hardware tests cover it)");
+            return;
+        }
+        let a = Agent::start(AgentConfig::new("a", b"k".to_vec())).await.unwrap();
+        let b = Agent::start(AgentConfig::new("b", b"k".to_vec())).await.unwrap();
+        a.load_peer(b.metadata()).unwrap();
+        let peer = a.peer("b").unwrap();
+        let connect =
+            Connect { qps: vec![QpAddr { lid: 1, gid: [0; 16], qpn: 5, psn: 6, mtu: 5 }] };
+        let e = peer.session.rdma_connect(&connect).await.unwrap_err();
+        assert!(
+            matches!(&e, TransferError::Remote { code: ErrorCode::Unavailable, message } if message.contains("no RDMA device")),
+            "{e}"
+        );
+        // The same session still answers.
+        assert_eq!(peer.session.checksums(Vec::new()).await.unwrap(), Vec::<u64>::new());
+
+        // Without the secret, no exchange at all.
+        let c = Agent::start(AgentConfig::new("c", b"other".to_vec())).await.unwrap();
+        c.load_peer(b.metadata()).unwrap();
+        let e = c.peer("b").unwrap().session.rdma_connect(&connect).await.unwrap_err();
+        assert!(matches!(e, TransferError::Auth(_)), "{e}");
+    }
+}
