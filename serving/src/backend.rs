@@ -111,6 +111,7 @@ impl Backend for LocalBackend {
             "waiting": s.waiting.load(Ordering::Relaxed),
             "transfers_failed": failed,
             "cuda": cuda,
+            "rdma": self.store.agent().rdma_status(),
         })
     }
 

@@ -117,6 +117,13 @@ async fn models_health_and_response_shapes() {
         Some(false) => assert!(h["cuda"]["reason"].as_str().unwrap().contains("CUDA"), "{h}"),
         None => panic!("no cuda in /health: {h}"),
     }
+    // So is RDMA: the device in use, or why there is none (then transfers between hosts
+    // use TCP).
+    match h["rdma"]["state"].as_str() {
+        Some("device") => assert!(h["rdma"]["device"].is_string(), "{h}"),
+        Some("unavailable") => assert!(!h["rdma"]["reason"].as_str().unwrap().is_empty(), "{h}"),
+        other => panic!("rdma in /health is {other:?}: {h}"),
+    }
 
     let whole = post_json(s.addr, "/v1/chat/completions", &chat("Hello there", json!({}))).await;
     assert_eq!(whole.status, 200, "{}", whole.text());
