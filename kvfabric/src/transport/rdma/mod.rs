@@ -29,6 +29,7 @@ pub mod completion;
 pub mod device;
 pub mod exchange;
 pub mod plan;
+pub mod raw;
 pub mod verbs;
 
 use std::collections::HashMap;

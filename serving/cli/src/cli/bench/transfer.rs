@@ -26,6 +26,8 @@ enum TransportArg {
     Tcp,
     /// H2D, D2H and D2D copies on GPU 0 (needs an NVIDIA GPU and driver).
     Cuda,
+    /// One-sided verbs READ/WRITE to the peer process (needs an RDMA device).
+    Rdma,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -251,6 +253,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         .filter_map(|t| match t {
             TransportArg::Shm => Some(TransportKind::Shm),
             TransportArg::Tcp => Some(TransportKind::Tcp),
+            TransportArg::Rdma => Some(TransportKind::Rdma),
             TransportArg::Cuda => None,
         })
         .collect();
@@ -289,6 +292,37 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
     cfg.tcp_stripe_bytes = parse_size(&args.tcp_stripe_bytes)?;
     let agent = Agent::start(cfg).await?;
     agent.load_peer(peer_md.clone())?;
+    // RDMA needs a device on both sides: without one, say why and measure the rest.
+    let mut transports = transports;
+    let mut rdma_loop = None;
+    if transports.contains(&TransportKind::Rdma) {
+        let why = if !peer_md.transports.contains(&TransportKind::Rdma) {
+            Some(format!("the peer has no RDMA: {}", peer_md.rdma))
+        } else if !matches!(agent.rdma_status(), kvfabric::endpoint::RdmaStatus::Device { .. }) {
+            Some(agent.rdma_status().to_string())
+        } else {
+            match kvfabric::transport::rdma::raw::PlainLoop::new(&Default::default(), region_bytes)
+            {
+                Ok(l) => {
+                    rdma_loop = Some(l);
+                    None
+                }
+                Err(e) => Some(format!("the plain verbs loop: {e}")),
+            }
+        };
+        if let Some(why) = why {
+            transports.retain(|&t| t != TransportKind::Rdma);
+            anyhow::ensure!(
+                !transports.is_empty() || !rows.is_empty(),
+                "bench transfer --transports rdma: {why}"
+            );
+            eprintln!("bench transfer: skipping the rdma rows: {why}");
+        }
+    }
+    if transports.is_empty() {
+        let _ = child.start_kill();
+        return print_rows(&rows, args.json);
+    }
     let local = agent.alloc_region(region_bytes, RegionOptions::default())?;
     local.fill(0, region_bytes as u64, 0x5a)?;
     let remote_id = peer_md.regions.first().context("peer exported no region")?.id;
@@ -312,6 +346,16 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         let memcpy_gbps = gbps(bytes * memcpy_lat.len() as u64, memcpy_lat.iter().sum());
         let sock_lat = measure_sync(min_time, || plain.send(&src[..n]))?;
         let tcp_socket_gbps = gbps(bytes * sock_lat.len() as u64, sock_lat.iter().sum());
+        // The plain verbs loop of the same bytes, per op (RDMA rows only).
+        let mut verbs_gbps = [f64::NAN; 2];
+        if let Some(l) = rdma_loop.as_mut() {
+            for (i, read) in [false, true].into_iter().enumerate() {
+                let lat = measure_sync(min_time, || {
+                    l.run(read, desc, batch).map_err(|e| anyhow::anyhow!("{e}"))
+                })?;
+                verbs_gbps[i] = gbps(bytes * lat.len() as u64, lat.iter().sum());
+            }
+        }
         let descs: Vec<Desc> =
             (0..batch as u64).map(|i| Desc::new(local.id(), i * desc, desc)).collect();
         let rdescs: Vec<Desc> =
@@ -332,6 +376,9 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
                 let lat = measure_posts(&agent, &req, min_time).await?;
                 let limit = match transport {
                     TransportKind::Tcp => ("tcp_socket", tcp_socket_gbps),
+                    TransportKind::Rdma => {
+                        ("verbs_loop", verbs_gbps[usize::from(op == TransferOp::Read)])
+                    }
                     _ => ("memcpy", memcpy_gbps),
                 };
                 rows.push(Row {
@@ -378,7 +425,7 @@ fn print_rows(rows: &[Row], json: bool) -> anyhow::Result<()> {
             r.ratio_to_limit
         );
     }
-    println!("limits: shm against single-thread memcpy, tcp against a plain blocking loopback socket, cuda against one raw cuMemcpy*Async of the same bytes, same run");
+    println!("limits: shm against single-thread memcpy, tcp against a plain blocking loopback socket, rdma against a plain verbs loop (the same WRITEs or READs posted as one chain between two queue pairs of the device), cuda against one raw cuMemcpy*Async of the same bytes, same run");
     Ok(())
 }
 
