@@ -207,15 +207,22 @@ impl Device {
         &self.info
     }
 
-    /// Registers `len` bytes at `addr` for local access and remote READ and WRITE.
+    /// Registers `len` bytes at `addr` for local access, and for remote READ and WRITE when
+    /// `remote` (memory exported to peers; anything else gets no remote access, so a peer
+    /// that guesses a key still cannot touch it).
     ///
     /// # Safety
     /// The memory must stay allocated until the registration is dropped.
-    pub unsafe fn register(self: &Arc<Self>, addr: *mut u8, len: usize) -> Result<Mr, VerbsError> {
-        let access = consts::ACCESS_LOCAL_WRITE
-            | consts::ACCESS_REMOTE_READ
-            | consts::ACCESS_REMOTE_WRITE
-            | consts::ACCESS_RELAXED_ORDERING;
+    pub unsafe fn register(
+        self: &Arc<Self>,
+        addr: *mut u8,
+        len: usize,
+        remote: bool,
+    ) -> Result<Mr, VerbsError> {
+        let mut access = consts::ACCESS_LOCAL_WRITE | consts::ACCESS_RELAXED_ORDERING;
+        if remote {
+            access |= consts::ACCESS_REMOTE_READ | consts::ACCESS_REMOTE_WRITE;
+        }
         // SAFETY: the caller keeps the memory; the protection domain is ours.
         let mr = unsafe { (self.v.reg_mr)(self.pd, addr.cast(), len, access) };
         if mr.is_null() {

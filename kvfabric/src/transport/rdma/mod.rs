@@ -98,6 +98,20 @@ struct Connection {
     qps: Vec<Qp>,
     keys: HashMap<u64, RegionKey>,
     broken: AtomicBool,
+    _budget: QpBudget,
+}
+
+/// Queue pairs counted against the completion queue's capacity while they exist.
+#[derive(Debug)]
+struct QpBudget {
+    n: usize,
+    open: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Drop for QpBudget {
+    fn drop(&mut self) {
+        self.open.fetch_sub(self.n, Ordering::AcqRel);
+    }
 }
 
 impl Connection {
@@ -145,6 +159,9 @@ pub struct RdmaTransport {
     /// Connections peers opened to this agent (kept so their queue pairs live).
     incoming: Mutex<HashMap<String, Arc<Connection>>>,
     shared: Arc<Shared>,
+    /// Entries of the completion queue (bounds the queue pairs open at once).
+    cq_entries: u32,
+    qps_open: Arc<std::sync::atomic::AtomicUsize>,
     next_transfer: AtomicU32,
     poller: Option<std::thread::JoinHandle<()>>,
 }
@@ -153,10 +170,13 @@ impl RdmaTransport {
     /// Opens the device and starts its completion thread; why not when this host has no
     /// usable device.
     pub fn open(cfg: RdmaConfig, endpoint: Weak<Endpoint>) -> Result<RdmaTransport, Unavailable> {
+        let mut cfg = cfg;
         let dev = Device::open(cfg.device.as_deref(), cfg.gid_index)?;
         let depth = cfg.queue_depth.clamp(1, dev.info().max_qp_wr);
+        cfg.queue_depth = depth;
+        // Room for 64 peers' queue pairs (each connection's send queues complete into it).
         let entries = (depth as usize * cfg.qps_per_peer.clamp(1, exchange::QPS_MAX) * 64)
-            .min(u32::MAX as usize) as u32;
+            .min(dev.info().max_cqe as usize) as u32;
         let cq = Arc::new(dev.completion_queue(entries).map_err(|e| Unavailable(e.to_string()))?);
         let shared = Arc::new(Shared::default());
         let poller = {
@@ -176,6 +196,8 @@ impl RdmaTransport {
             outgoing: tokio::sync::Mutex::new(HashMap::new()),
             incoming: Mutex::new(HashMap::new()),
             shared,
+            cq_entries: entries,
+            qps_open: Arc::default(),
             next_transfer: AtomicU32::new(1),
             poller: Some(poller),
         })
@@ -213,15 +235,30 @@ impl RdmaTransport {
             .ptr_at(0, len)
             .map_err(|e| TransferError::Local { kind: e.kind(), message: e.to_string() })?;
         // SAFETY: the registration keeps the region (and so its memory) alive.
-        let mr = unsafe { self.dev.register(base, len as usize) }.map_err(|e| {
-            TransferError::Protocol(format!("RDMA registration of region {}: {e}", region.id()))
-        })?;
+        let mr =
+            unsafe { self.dev.register(base, len as usize, arc.is_exported()) }.map_err(|e| {
+                TransferError::Protocol(format!("RDMA registration of region {}: {e}", region.id()))
+            })?;
         let r = Arc::new(Registration { mr, base: base as u64, len, _region: arc });
         self.registrations.lock().entry(region.id()).or_insert(r.clone());
         Ok(r)
     }
 
-    fn new_qps(&self, n: usize) -> Result<Vec<Qp>, TransferError> {
+    fn new_qps(&self, n: usize) -> Result<(Vec<Qp>, QpBudget), TransferError> {
+        // Every queue pair may have its whole send queue complete (or be flushed) at once:
+        // their depths must fit the shared completion queue, or it would overflow.
+        let most = (self.cq_entries / self.cfg.queue_depth.max(1)) as usize;
+        let open = self.qps_open.fetch_add(n, Ordering::AcqRel);
+        let budget = QpBudget { n, open: self.qps_open.clone() };
+        if open + n > most {
+            return Err(TransferError::NoTransport {
+                peer: String::new(),
+                reason: format!(
+                    "rdma: {open} queue pairs open; {n} more would overflow the completion queue \
+                     ({most} at most)"
+                ),
+            });
+        }
         let mut psn = [0u8; 4];
         let _ = getrandom::fill(&mut psn);
         let psn = u32::from_le_bytes(psn);
@@ -231,13 +268,14 @@ impl RdmaTransport {
                     .queue_pair(&self.cq, self.cfg.queue_depth, psn.wrapping_add(i as u32 * 7919))
                     .map_err(|e| TransferError::Protocol(format!("RDMA queue pair: {e}")))
             })
-            .collect()
+            .collect::<Result<Vec<_>, _>>()
+            .map(|qps| (qps, budget))
     }
 
     /// The owner's side of a connection: queue pairs for the client's, connected, and the
     /// keys of every exported host region.
     pub fn accept(&self, from: &str, connect: &Connect) -> Result<Accept, String> {
-        let qps = self.new_qps(connect.qps.len()).map_err(|e| e.to_string())?;
+        let (qps, budget) = self.new_qps(connect.qps.len()).map_err(|e| e.to_string())?;
         for (qp, remote) in qps.iter().zip(&connect.qps) {
             qp.connect(remote).map_err(|e| e.to_string())?;
         }
@@ -258,8 +296,12 @@ impl RdmaTransport {
             });
         }
         let accept = Accept { qps: qps.iter().map(Qp::addr).collect(), regions };
-        let conn =
-            Arc::new(Connection { qps, keys: HashMap::new(), broken: AtomicBool::new(false) });
+        let conn = Arc::new(Connection {
+            qps,
+            keys: HashMap::new(),
+            broken: AtomicBool::new(false),
+            _budget: budget,
+        });
         // A peer that connects again (it restarted, or its queue pairs failed) replaces its
         // old queue pairs.
         if let Some(old) = self.incoming.lock().insert(from.to_string(), conn) {
@@ -274,7 +316,7 @@ impl RdmaTransport {
         if let Some(c) = conns.get(name).filter(|c| !c.broken.load(Ordering::Acquire)) {
             return Ok(c.clone());
         }
-        let qps = self.new_qps(self.cfg.qps_per_peer.clamp(1, exchange::QPS_MAX))?;
+        let (qps, budget) = self.new_qps(self.cfg.qps_per_peer.clamp(1, exchange::QPS_MAX))?;
         let connect = Connect { qps: qps.iter().map(Qp::addr).collect() };
         let accept = peer.session.rdma_connect(&connect).await?;
         if accept.qps.len() != qps.len() {
@@ -289,7 +331,7 @@ impl RdmaTransport {
                 .map_err(|e| TransferError::Protocol(format!("RDMA connect to {name}: {e}")))?;
         }
         let keys = accept.regions.iter().map(|k| (k.region, *k)).collect();
-        let c = Arc::new(Connection { qps, keys, broken: AtomicBool::new(false) });
+        let c = Arc::new(Connection { qps, keys, broken: AtomicBool::new(false), _budget: budget });
         conns.insert(name.clone(), c.clone());
         Ok(c)
     }
