@@ -100,7 +100,8 @@ pub struct AgentConfig {
     pub limits: AgentLimits,
     /// Fault injection for tests: wraps every transport.
     pub faults: Option<Arc<FaultInjector>>,
-    /// Use RDMA between hosts when this host has a usable device (None: never).
+    /// Use RDMA between hosts when this host has a usable device (None: never). Default: what
+    /// `KVFABRIC_RDMA` says ([`crate::transport::rdma::RdmaConfig::from_env`]).
     pub rdma: Option<crate::transport::rdma::RdmaConfig>,
 }
 
@@ -117,7 +118,7 @@ impl AgentConfig {
             inline_copy_bytes_max: 64 << 20,
             limits: AgentLimits::default(),
             faults: None,
-            rdma: Some(crate::transport::rdma::RdmaConfig::default()),
+            rdma: crate::transport::rdma::RdmaConfig::from_env(),
         }
     }
 }

@@ -83,6 +83,37 @@ impl Default for RdmaConfig {
     }
 }
 
+impl RdmaConfig {
+    /// The configuration the environment asks for, as operators set it for every agent of a
+    /// process (workers, peers, the C ABI's): `KVFABRIC_RDMA` = `auto` (default: the first
+    /// device with an active port), `off`, or a device name (`mlx5_0`);
+    /// `KVFABRIC_RDMA_GID_INDEX` = the GID index on RoCE ports (default 0). None: off.
+    pub fn from_env() -> Option<RdmaConfig> {
+        Self::from_values(
+            std::env::var("KVFABRIC_RDMA").ok().as_deref(),
+            std::env::var("KVFABRIC_RDMA_GID_INDEX").ok().as_deref(),
+        )
+    }
+
+    fn from_values(rdma: Option<&str>, gid_index: Option<&str>) -> Option<RdmaConfig> {
+        let mut cfg = RdmaConfig::default();
+        match rdma.map(str::trim) {
+            None | Some("" | "auto") => {}
+            Some("off" | "0" | "false" | "no") => return None,
+            Some(device) => cfg.device = Some(device.to_string()),
+        }
+        if let Some(g) = gid_index {
+            match g.trim().parse::<u8>() {
+                Ok(i) => cfg.gid_index = i,
+                Err(_) => {
+                    tracing::warn!(value = g, "KVFABRIC_RDMA_GID_INDEX is not 0..=255; using 0")
+                }
+            }
+        }
+        Some(cfg)
+    }
+}
+
 /// A region registered with the device, kept alive while registered.
 #[derive(Debug)]
 struct Registration {
@@ -661,6 +692,17 @@ mod tests {
     use crate::agent::{Agent, AgentConfig};
     use crate::transfer::TransferError;
     use crate::wire::ErrorCode;
+
+    #[test]
+    fn the_environment_chooses_the_device_or_turns_rdma_off() {
+        use super::RdmaConfig;
+        assert_eq!(RdmaConfig::from_values(None, None), Some(RdmaConfig::default()));
+        assert_eq!(RdmaConfig::from_values(Some("auto"), None), Some(RdmaConfig::default()));
+        assert_eq!(RdmaConfig::from_values(Some("off"), Some("3")), None);
+        let c = RdmaConfig::from_values(Some("mlx5_1"), Some("3")).unwrap();
+        assert_eq!((c.device.as_deref(), c.gid_index), (Some("mlx5_1"), 3));
+        assert_eq!(RdmaConfig::from_values(None, Some("x")).unwrap().gid_index, 0);
+    }
 
     /// Over a real session: an agent without a device answers a connect with a typed refusal
     /// (and the session stays usable); the exchange needs the secret like everything else.
