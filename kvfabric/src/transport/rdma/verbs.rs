@@ -469,31 +469,49 @@ pub mod consts {
 type PollCq = unsafe extern "C" fn(*mut IbvCq, c_int, *mut IbvWc) -> c_int;
 type PostSend = unsafe extern "C" fn(*mut IbvQp, *mut IbvSendWr, *mut *mut IbvSendWr) -> c_int;
 
+type FnGetDeviceList = unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void;
+type FnFreeDeviceList = unsafe extern "C" fn(*mut *mut c_void);
+type FnGetDeviceName = unsafe extern "C" fn(*mut c_void) -> *const c_char;
+type FnOpenDevice = unsafe extern "C" fn(*mut c_void) -> *mut IbvContext;
+type FnCloseDevice = unsafe extern "C" fn(*mut IbvContext) -> c_int;
+type FnQueryDevice = unsafe extern "C" fn(*mut IbvContext, *mut IbvDeviceAttr) -> c_int;
+type FnQueryPort = unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr) -> c_int;
+type FnQueryGid = unsafe extern "C" fn(*mut IbvContext, u8, c_int, *mut Gid) -> c_int;
+type FnAllocPd = unsafe extern "C" fn(*mut IbvContext) -> *mut c_void;
+type FnDeallocPd = unsafe extern "C" fn(*mut c_void) -> c_int;
+type FnRegMr = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut IbvMr;
+type FnRegDmabufMr = unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut IbvMr;
+type FnDeregMr = unsafe extern "C" fn(*mut IbvMr) -> c_int;
+type FnCreateCq =
+    unsafe extern "C" fn(*mut IbvContext, c_int, *mut c_void, *mut c_void, c_int) -> *mut IbvCq;
+type FnDestroyCq = unsafe extern "C" fn(*mut IbvCq) -> c_int;
+type FnCreateQp = unsafe extern "C" fn(*mut c_void, *mut IbvQpInitAttr) -> *mut IbvQp;
+type FnModifyQp = unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int) -> c_int;
+type FnDestroyQp = unsafe extern "C" fn(*mut IbvQp) -> c_int;
+
 /// The library's entry points.
 #[allow(missing_docs)]
 #[derive(Debug)]
 pub struct Verbs {
-    pub get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void,
-    pub free_device_list: unsafe extern "C" fn(*mut *mut c_void),
-    pub get_device_name: unsafe extern "C" fn(*mut c_void) -> *const c_char,
-    pub open_device: unsafe extern "C" fn(*mut c_void) -> *mut IbvContext,
-    pub close_device: unsafe extern "C" fn(*mut IbvContext) -> c_int,
-    pub query_device: unsafe extern "C" fn(*mut IbvContext, *mut IbvDeviceAttr) -> c_int,
-    pub query_port: unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr) -> c_int,
-    pub query_gid: unsafe extern "C" fn(*mut IbvContext, u8, c_int, *mut Gid) -> c_int,
-    pub alloc_pd: unsafe extern "C" fn(*mut IbvContext) -> *mut c_void,
-    pub dealloc_pd: unsafe extern "C" fn(*mut c_void) -> c_int,
-    pub reg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut IbvMr,
+    pub get_device_list: FnGetDeviceList,
+    pub free_device_list: FnFreeDeviceList,
+    pub get_device_name: FnGetDeviceName,
+    pub open_device: FnOpenDevice,
+    pub close_device: FnCloseDevice,
+    pub query_device: FnQueryDevice,
+    pub query_port: FnQueryPort,
+    pub query_gid: FnQueryGid,
+    pub alloc_pd: FnAllocPd,
+    pub dealloc_pd: FnDeallocPd,
+    pub reg_mr: FnRegMr,
     /// rdma-core 34 and later.
-    pub reg_dmabuf_mr:
-        Option<unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut IbvMr>,
-    pub dereg_mr: unsafe extern "C" fn(*mut IbvMr) -> c_int,
-    pub create_cq:
-        unsafe extern "C" fn(*mut IbvContext, c_int, *mut c_void, *mut c_void, c_int) -> *mut IbvCq,
-    pub destroy_cq: unsafe extern "C" fn(*mut IbvCq) -> c_int,
-    pub create_qp: unsafe extern "C" fn(*mut c_void, *mut IbvQpInitAttr) -> *mut IbvQp,
-    pub modify_qp: unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int) -> c_int,
-    pub destroy_qp: unsafe extern "C" fn(*mut IbvQp) -> c_int,
+    pub reg_dmabuf_mr: Option<FnRegDmabufMr>,
+    pub dereg_mr: FnDeregMr,
+    pub create_cq: FnCreateCq,
+    pub destroy_cq: FnDestroyCq,
+    pub create_qp: FnCreateQp,
+    pub modify_qp: FnModifyQp,
+    pub destroy_qp: FnDestroyQp,
 }
 
 /// Why verbs cannot be used on this host.
@@ -525,35 +543,35 @@ fn load() -> Result<Verbs, Unavailable> {
     }
     let lib = Library(handle);
     macro_rules! f {
-        ($name:literal) => {{
+        ($name:literal, $ty:ty) => {{
             let p = sym(&lib, $name)
                 .ok_or_else(|| Unavailable(format!("libibverbs.so.1 lacks {:?}", $name)))?;
             // SAFETY: the symbol is the verbs function of that name, whose C signature is
-            // the field's type (checked against verbs.h by the ABI test).
-            unsafe { std::mem::transmute::<*mut c_void, _>(p) }
+            // the field's type (its structures are checked against verbs.h by the ABI test).
+            unsafe { std::mem::transmute::<*mut c_void, $ty>(p) }
         }};
     }
     Ok(Verbs {
-        get_device_list: f!(c"ibv_get_device_list"),
-        free_device_list: f!(c"ibv_free_device_list"),
-        get_device_name: f!(c"ibv_get_device_name"),
-        open_device: f!(c"ibv_open_device"),
-        close_device: f!(c"ibv_close_device"),
-        query_device: f!(c"ibv_query_device"),
-        query_port: f!(c"ibv_query_port"),
-        query_gid: f!(c"ibv_query_gid"),
-        alloc_pd: f!(c"ibv_alloc_pd"),
-        dealloc_pd: f!(c"ibv_dealloc_pd"),
-        reg_mr: f!(c"ibv_reg_mr"),
+        get_device_list: f!(c"ibv_get_device_list", FnGetDeviceList),
+        free_device_list: f!(c"ibv_free_device_list", FnFreeDeviceList),
+        get_device_name: f!(c"ibv_get_device_name", FnGetDeviceName),
+        open_device: f!(c"ibv_open_device", FnOpenDevice),
+        close_device: f!(c"ibv_close_device", FnCloseDevice),
+        query_device: f!(c"ibv_query_device", FnQueryDevice),
+        query_port: f!(c"ibv_query_port", FnQueryPort),
+        query_gid: f!(c"ibv_query_gid", FnQueryGid),
+        alloc_pd: f!(c"ibv_alloc_pd", FnAllocPd),
+        dealloc_pd: f!(c"ibv_dealloc_pd", FnDeallocPd),
+        reg_mr: f!(c"ibv_reg_mr", FnRegMr),
         // SAFETY: as in `f!`, for an optional symbol.
         reg_dmabuf_mr: sym(&lib, c"ibv_reg_dmabuf_mr")
-            .map(|p| unsafe { std::mem::transmute::<*mut c_void, _>(p) }),
-        dereg_mr: f!(c"ibv_dereg_mr"),
-        create_cq: f!(c"ibv_create_cq"),
-        destroy_cq: f!(c"ibv_destroy_cq"),
-        create_qp: f!(c"ibv_create_qp"),
-        modify_qp: f!(c"ibv_modify_qp"),
-        destroy_qp: f!(c"ibv_destroy_qp"),
+            .map(|p| unsafe { std::mem::transmute::<*mut c_void, FnRegDmabufMr>(p) }),
+        dereg_mr: f!(c"ibv_dereg_mr", FnDeregMr),
+        create_cq: f!(c"ibv_create_cq", FnCreateCq),
+        destroy_cq: f!(c"ibv_destroy_cq", FnDestroyCq),
+        create_qp: f!(c"ibv_create_qp", FnCreateQp),
+        modify_qp: f!(c"ibv_modify_qp", FnModifyQp),
+        destroy_qp: f!(c"ibv_destroy_qp", FnDestroyQp),
     })
 }
 
