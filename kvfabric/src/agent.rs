@@ -642,10 +642,22 @@ impl Agent {
             || peer.same_host() && req.remote.iter().all(|d| peer.shm_map(d.region).is_some());
         let rdma = || {
             let theirs = peer.metadata().transports.contains(&TransportKind::Rdma);
+            let link = |s: &RdmaStatus| match s {
+                RdmaStatus::Device { link_layer, .. } => Some(link_layer.clone()),
+                _ => None,
+            };
+            let (ours, peers) = (link(&self.inner.rdma_status), link(&peer.metadata().rdma));
             match (&t.rdma, theirs) {
-                (Some(r), true) => Ok(r.clone()),
                 (None, _) => Err(format!("this agent has none: {}", self.inner.rdma_status)),
                 (Some(_), false) => Err(format!("{} has none: {}", req.peer, peer.metadata().rdma)),
+                // InfiniBand and RoCE do not reach each other.
+                (Some(_), true) if peers.is_some() && ours != peers => Err(format!(
+                    "this agent's device is {}, {}'s is {}",
+                    self.inner.rdma_status,
+                    req.peer,
+                    peer.metadata().rdma
+                )),
+                (Some(r), true) => Ok(r.clone()),
             }
         };
         match req.transport {

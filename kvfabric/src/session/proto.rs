@@ -751,7 +751,7 @@ mod tests {
     use crate::transport::rdma::exchange as rdma;
 
     fn qp(i: u32) -> rdma::QpAddr {
-        rdma::QpAddr { lid: 1, gid: [i as u8; 16], qpn: i, psn: i, mtu: 5 }
+        rdma::QpAddr { lid: 1, gid: [i as u8; 16], qpn: i, psn: i, mtu: 5, rd_atomic: 1 }
     }
 
     /// RDMA keys go only to an authenticated peer that asked: a connect before the handshake

@@ -224,8 +224,14 @@ impl Connection {
                 }
                 Message::RdmaConnect(connect) => {
                     drop(endpoint);
-                    let answer = match &rdma {
-                        Some(t) => t.accept(&peer, &connect),
+                    let answer = match rdma {
+                        // Verbs calls and memory registration block: off the runtime's threads.
+                        Some(t) => {
+                            let from = peer.clone();
+                            tokio::task::spawn_blocking(move || t.accept(&from, &connect))
+                                .await
+                                .unwrap_or_else(|e| Err(format!("RDMA accept did not run: {e}")))
+                        }
                         None => Err("this agent has no RDMA device".to_string()),
                     };
                     match answer {

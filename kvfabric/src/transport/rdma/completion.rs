@@ -147,6 +147,11 @@ impl Tracker {
         self.posted.get(q).copied().unwrap_or(0)
     }
 
+    /// Requests of chain `q` finished so far.
+    pub fn done(&self, q: usize) -> u32 {
+        self.done.get(q).copied().unwrap_or(0)
+    }
+
     /// Records that `n` more requests of chain `q` were posted.
     pub fn posted(&mut self, q: usize, n: u32) {
         if let (Some(p), Some(&len)) = (self.posted.get_mut(q), self.len.get(q)) {

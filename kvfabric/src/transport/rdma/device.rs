@@ -9,6 +9,9 @@ use super::verbs::{
     self, consts, IbvCq, IbvMr, IbvQp, IbvQpAttr, IbvQpInitAttr, IbvWc, Unavailable, Verbs,
 };
 
+/// Scatter/gather entries per work request at most.
+const SGE_MAX: i32 = 8;
+
 /// Why a verbs call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{call}: {reason}")]
@@ -72,6 +75,8 @@ pub struct Device {
     ctx: *mut verbs::IbvContext,
     pd: *mut c_void,
     info: DeviceInfo,
+    /// Traffic class (RoCE) and service level of its queue pairs.
+    traffic: (u8, u8),
 }
 
 // SAFETY: verbs objects may be used from any thread (libibverbs serializes where it must).
@@ -100,15 +105,102 @@ pub fn device_names() -> Result<Vec<String>, Unavailable> {
     }
 }
 
+/// Where to find a device and how to address it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenOptions<'a> {
+    /// The device (None: the first with an active port).
+    pub name: Option<&'a str>,
+    /// The GID index on RoCE ports (None: the first RoCE v2 GID that maps an IPv4 address,
+    /// else the first RoCE v2 GID, else the first non-zero one).
+    pub gid_index: Option<u8>,
+    /// Traffic class of RoCE packets (the DSCP a lossless fabric expects, shifted left 2).
+    pub traffic_class: u8,
+    /// InfiniBand service level.
+    pub service_level: u8,
+}
+
+/// A port that can carry traffic.
+struct ActivePort {
+    port: u8,
+    attr: verbs::IbvPortAttr,
+    gid_index: u8,
+    gid: [u8; 16],
+}
+
+/// The first active port of an open context with a usable GID; why not.
+///
+/// # Safety
+/// `ctx` must be an open context.
+unsafe fn active_port(
+    v: &Verbs,
+    ctx: *mut verbs::IbvContext,
+    name: &str,
+    ports: u8,
+    gid_index: Option<u8>,
+) -> Result<ActivePort, String> {
+    let mut why = format!("{name}: no active port");
+    for p in 1..=ports.max(1) {
+        let mut pa = verbs::IbvPortAttr::default();
+        // SAFETY: an open context (the caller's); the structure is zeroed and the library
+        // fills its compatible prefix (what `verbs.h`'s inline wrapper does too).
+        if unsafe { (v.query_port)(ctx, p, &mut pa) } != 0 || pa.state != consts::PORT_ACTIVE {
+            continue;
+        }
+        let ethernet = pa.link_layer == consts::LINK_LAYER_ETHERNET;
+        let gid_at = |i: u8| -> Option<[u8; 16]> {
+            let mut gid = [0u8; 16];
+            // SAFETY: an open context and a 16-byte GID buffer.
+            let ok = unsafe { (v.query_gid)(ctx, p, i32::from(i), &mut gid) } == 0;
+            (ok && gid != [0; 16]).then_some(gid)
+        };
+        if !ethernet && pa.lid != 0 {
+            // InfiniBand with a LID: the GID is only used across subnets.
+            let gid_index = gid_index.unwrap_or(0);
+            return Ok(ActivePort {
+                port: p,
+                attr: pa,
+                gid_index,
+                gid: gid_at(gid_index).unwrap_or([0; 16]),
+            });
+        }
+        let chosen = match gid_index {
+            Some(i) => gid_at(i).map(|g| (i, g)),
+            None => {
+                let table = pa.gid_tbl_len.clamp(0, 256) as usize;
+                let roce_v2 = |i: usize| {
+                    std::fs::read_to_string(format!(
+                        "/sys/class/infiniband/{name}/ports/{p}/gid_attrs/types/{i}"
+                    ))
+                    .is_ok_and(|t| t.trim().eq_ignore_ascii_case("RoCE v2"))
+                };
+                let v4_mapped = |g: &[u8; 16]| g[..10] == [0; 10] && g[10..12] == [0xff, 0xff];
+                let gids: Vec<(u8, [u8; 16], bool)> = (0..table)
+                    .filter_map(|i| gid_at(i as u8).map(|g| (i as u8, g, roce_v2(i))))
+                    .collect();
+                gids.iter()
+                    .find(|(_, g, v2)| *v2 && v4_mapped(g))
+                    .or_else(|| gids.iter().find(|(_, _, v2)| *v2))
+                    .or_else(|| gids.first())
+                    .map(|&(i, g, _)| (i, g))
+            }
+        };
+        match chosen {
+            Some((gid_index, gid)) => return Ok(ActivePort { port: p, attr: pa, gid_index, gid }),
+            None => why = format!("{name} port {p}: no usable GID (index {gid_index:?})"),
+        }
+    }
+    Err(why)
+}
+
 impl Device {
-    /// Opens `name` (or the first device with an active port), choosing its first active
-    /// port and, on Ethernet, the GID at `gid_index`.
-    pub fn open(name: Option<&str>, gid_index: u8) -> Result<Arc<Device>, Unavailable> {
+    /// Opens the device `opts` names, or the first with an active port and a usable GID.
+    pub fn open(opts: OpenOptions<'_>) -> Result<Arc<Device>, Unavailable> {
         let v = verbs::verbs()?;
         let mut n = 0;
-        // SAFETY: the list is read while it lives; the chosen device is opened before it is
-        // freed (an open context does not need the list).
-        let (ctx, dev_name) = unsafe {
+        let mut tried = Vec::new();
+        // SAFETY: the list is read while it lives; a chosen device is opened before it is
+        // freed (an open context does not need the list); contexts not chosen are closed.
+        let found = unsafe {
             let list = (v.get_device_list)(&mut n);
             if list.is_null() || n <= 0 {
                 if !list.is_null() {
@@ -118,88 +210,101 @@ impl Device {
                     "no RDMA device on this host (ibv_get_device_list found none)".into(),
                 ));
             }
-            let mut opened = None;
-            let mut seen = Vec::new();
+            let mut found = None;
             for i in 0..n as usize {
                 let d = *list.add(i);
                 let dn = CStr::from_ptr((v.get_device_name)(d)).to_string_lossy().into_owned();
-                seen.push(dn.clone());
-                if name.is_some_and(|want| want != dn) {
+                if opts.name.is_some_and(|want| want != dn) {
                     continue;
                 }
                 let ctx = (v.open_device)(d);
-                if !ctx.is_null() {
-                    opened = Some((ctx, dn));
-                    break;
+                if ctx.is_null() {
+                    tried.push(format!("{dn}: cannot be opened"));
+                    continue;
+                }
+                let mut attr = verbs::IbvDeviceAttr::default();
+                if (v.query_device)(ctx, &mut attr) != 0 {
+                    tried.push(format!("{dn}: ibv_query_device failed"));
+                    (v.close_device)(ctx);
+                    continue;
+                }
+                match active_port(v, ctx, &dn, attr.phys_port_cnt, opts.gid_index) {
+                    Ok(port) => {
+                        found = Some((ctx, dn, attr, port));
+                        break;
+                    }
+                    Err(why) => {
+                        tried.push(why);
+                        (v.close_device)(ctx);
+                    }
                 }
             }
             (v.free_device_list)(list);
-            match opened {
-                Some(o) => o,
-                None => {
-                    return Err(Unavailable(match name {
-                        Some(want) => format!(
-                            "RDMA device {want:?} not found or not openable (devices: {seen:?})"
-                        ),
-                        None => format!("no RDMA device could be opened (devices: {seen:?})"),
-                    }))
-                }
-            }
+            found
         };
-        let close = |why: String| {
-            // SAFETY: the context opened above, not used after.
-            unsafe { (v.close_device)(ctx) };
-            Unavailable(why)
+        let Some((ctx, dev_name, attr, port)) = found else {
+            return Err(Unavailable(match (opts.name, tried.is_empty()) {
+                (Some(want), true) => format!("RDMA device {want:?} not found"),
+                _ => format!("no usable RDMA device: {}", tried.join("; ")),
+            }));
         };
-        let mut attr = verbs::IbvDeviceAttr::default();
-        // SAFETY: an open context and a structure of the queried type.
-        if unsafe { (v.query_device)(ctx, &mut attr) } != 0 {
-            return Err(close(format!("{dev_name}: ibv_query_device failed")));
-        }
-        let mut port = None;
-        for p in 1..=attr.phys_port_cnt.max(1) {
-            let mut pa = verbs::IbvPortAttr::default();
-            // SAFETY: as above; the full structure is zeroed and the library fills its
-            // compatible prefix (what `verbs.h`'s inline wrapper does too).
-            if unsafe { (v.query_port)(ctx, p, &mut pa) } == 0 && pa.state == consts::PORT_ACTIVE {
-                port = Some((p, pa));
-                break;
-            }
-        }
-        let Some((port, pa)) = port else {
-            return Err(close(format!("{dev_name}: no active port")));
-        };
-        let mut gid = [0u8; 16];
-        let ethernet = pa.link_layer == consts::LINK_LAYER_ETHERNET;
-        if ethernet || pa.lid == 0 {
-            // SAFETY: an open context and a 16-byte GID buffer.
-            if unsafe { (v.query_gid)(ctx, port, i32::from(gid_index), &mut gid) } != 0
-                || gid == [0; 16]
-            {
-                return Err(close(format!("{dev_name} port {port}: no GID at index {gid_index}")));
-            }
-        }
-        // SAFETY: an open context.
+        // SAFETY: the context opened above.
         let pd = unsafe { (v.alloc_pd)(ctx) };
         if pd.is_null() {
-            return Err(close(format!("{dev_name}: ibv_alloc_pd failed")));
+            // SAFETY: as above, not used after.
+            unsafe { (v.close_device)(ctx) };
+            return Err(Unavailable(format!("{dev_name}: ibv_alloc_pd failed")));
         }
+        let pa = port.attr;
         let info = DeviceInfo {
             name: dev_name,
-            port,
-            link_layer: if ethernet { "ethernet" } else { "infiniband" },
+            port: port.port,
+            link_layer: if pa.link_layer == consts::LINK_LAYER_ETHERNET {
+                "ethernet"
+            } else {
+                "infiniband"
+            },
             lid: pa.lid,
-            gid_index,
-            gid,
+            gid_index: port.gid_index,
+            gid: port.gid,
             mtu: (pa.active_mtu as u8).clamp(1, 5),
             max_msg_bytes: u64::from(pa.max_msg_sz).max(1),
-            max_sge: attr.max_sge.clamp(1, 30) as u32,
+            // Few entries per request: every send queue slot is sized for the most (704
+            // bytes at 30 on ConnectX), and a READ's are bounded by max_sge_rd.
+            max_sge: attr.max_sge.min(attr.max_sge_rd).clamp(1, SGE_MAX) as u32,
             max_qp_wr: attr.max_qp_wr.max(1) as u32,
             max_cqe: attr.max_cqe.max(1) as u32,
-            max_rd_atomic: attr.max_qp_rd_atom.min(attr.max_qp_init_rd_atom).clamp(1, 16) as u8,
+            max_rd_atomic: attr.max_qp_rd_atom.min(attr.max_qp_init_rd_atom).clamp(1, 255) as u8,
             dmabuf: v.reg_dmabuf_mr.is_some(),
         };
-        Ok(Arc::new(Device { v, ctx, pd, info }))
+        Ok(Arc::new(Device { v, ctx, pd, info, traffic: (opts.traffic_class, opts.service_level) }))
+    }
+
+    /// The next asynchronous event (a queue pair or completion queue in error, a port going
+    /// down), waiting at most `timeout`: its name and, for queue pair events, the queue pair
+    /// number. Every event read is acknowledged (destroying a queue pair waits for that).
+    pub fn async_event(&self, timeout: std::time::Duration) -> Option<(&'static str, Option<u32>)> {
+        // SAFETY: our open context's async fd, polled for reading.
+        let fd = unsafe { (*self.ctx).async_fd };
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let ready = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis().min(60_000) as i32) };
+        if ready <= 0 {
+            return None;
+        }
+        let mut ev = verbs::IbvAsyncEvent::default();
+        // SAFETY: the fd is readable, so this does not block; the event is acknowledged once.
+        unsafe {
+            if (self.v.get_async_event)(self.ctx, &mut ev) != 0 {
+                return None;
+            }
+            let qp = match ev.event_type {
+                1..=7 | 16 => (!ev.element.is_null()).then(|| (*(ev.element as *mut IbvQp)).qp_num),
+                _ => None,
+            };
+            (self.v.ack_async_event)(&mut ev);
+            Some((verbs::async_event_name(ev.event_type), qp))
+        }
     }
 
     /// What was found.
@@ -408,8 +513,9 @@ pub struct Qp {
     depth: u32,
 }
 
-// SAFETY: posting is thread-safe in libibverbs providers; the transport posts each queue
-// pair from one task at a time anyway.
+// SAFETY: posting is thread-safe in libibverbs providers (mlx5 locks the send queue unless
+// MLX5_SINGLE_THREADED is set, which kvfabric must not run under: transfers post to one queue
+// pair from several threads).
 unsafe impl Send for Qp {}
 // SAFETY: as above.
 unsafe impl Sync for Qp {}
@@ -425,7 +531,14 @@ impl Qp {
         let i = &self.dev.info;
         // SAFETY: a live queue pair.
         let qpn = unsafe { (*self.qp).qp_num };
-        QpAddr { lid: i.lid, gid: i.gid, qpn, psn: self.psn, mtu: i.mtu }
+        QpAddr {
+            lid: i.lid,
+            gid: i.gid,
+            qpn,
+            psn: self.psn,
+            mtu: i.mtu,
+            rd_atomic: i.max_rd_atomic,
+        }
     }
 
     /// Its send queue's depth.
@@ -442,6 +555,7 @@ impl Qp {
             path_mtu: u32::from(remote.mtu.min(i.mtu)),
             dest_qp_num: remote.qpn,
             rq_psn: remote.psn,
+            // READs we answer: what our adapter can.
             max_dest_rd_atomic: i.max_rd_atomic,
             min_rnr_timer: 12,
             ah_attr: verbs::IbvAhAttr {
@@ -450,10 +564,10 @@ impl Qp {
                     flow_label: 0,
                     sgid_index: i.gid_index,
                     hop_limit: if global { 64 } else { 0 },
-                    traffic_class: 0,
+                    traffic_class: self.dev.traffic.0,
                 },
                 dlid: remote.lid,
-                sl: 0,
+                sl: self.dev.traffic.1,
                 src_path_bits: 0,
                 static_rate: 0,
                 is_global: u8::from(global),
@@ -473,12 +587,14 @@ impl Qp {
         )?;
         let mut a = IbvQpAttr {
             qp_state: consts::QPS_RTS,
-            // 4.096 µs × 2^14 ≈ 67 ms per try, 7 tries: a dead peer fails work in ~0.5 s.
+            // 4.096 µs × 2^14 ≈ 67 ms per wait (1–4 waits per try by the spec), 7 tries: a
+            // dead peer fails work in 0.5–2 s.
             timeout: 14,
             retry_cnt: 7,
             rnr_retry: 7,
             sq_psn: self.psn,
-            max_rd_atomic: i.max_rd_atomic,
+            // READs we initiate: no more than the peer answers.
+            max_rd_atomic: i.max_rd_atomic.min(remote.rd_atomic),
             ..Default::default()
         };
         self.modify(
@@ -505,14 +621,21 @@ impl Qp {
     /// The chain must be well formed (`next` links end in null; entries valid for the call)
     /// and every byte it names registered, alive and not otherwise written until the
     /// requests complete.
-    pub unsafe fn post(&self, first: *mut verbs::IbvSendWr) -> Result<(), VerbsError> {
+    /// On failure, the error and the first request not posted (those before it were).
+    pub unsafe fn post(
+        &self,
+        first: *mut verbs::IbvSendWr,
+    ) -> Result<(), (VerbsError, *mut verbs::IbvSendWr)> {
         // SAFETY: as the caller guarantees.
         match unsafe { verbs::post_send(self.qp, first) } {
             Ok(()) => Ok(()),
-            Err((code, _)) => Err(VerbsError {
-                call: "ibv_post_send",
-                reason: std::io::Error::from_raw_os_error(code.abs()).to_string(),
-            }),
+            Err((code, bad)) => Err((
+                VerbsError {
+                    call: "ibv_post_send",
+                    reason: std::io::Error::from_raw_os_error(code.abs()).to_string(),
+                },
+                bad,
+            )),
         }
     }
 }

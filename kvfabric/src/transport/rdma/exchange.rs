@@ -11,7 +11,7 @@
 //! ```text
 //! Connect: u8 n | n × QpAddr
 //! Accept:  u8 n | n × QpAddr | u32 m | m × RegionKey
-//! QpAddr:    u16 lid | [u8; 16] gid | u32 qpn | u32 psn | u8 mtu            (27 bytes)
+//! QpAddr:    u16 lid | [u8; 16] gid | u32 qpn | u32 psn | u8 mtu | u8 rd_atomic (28 bytes)
 //! RegionKey: u64 region | u64 addr | u64 len | u32 rkey                   (28 bytes)
 //! ```
 
@@ -19,7 +19,7 @@
 pub const QPS_MAX: usize = 16;
 /// Most region keys in one accept.
 pub const REGIONS_MAX: usize = 65_536;
-const QP_ADDR_BYTES: usize = 27;
+const QP_ADDR_BYTES: usize = 28;
 const REGION_KEY_BYTES: usize = 28;
 
 /// The address of one queue pair: what the other side needs to connect its own to it.
@@ -35,6 +35,8 @@ pub struct QpAddr {
     pub psn: u32,
     /// Its path MTU as verbs numbers it: 1 = 256 … 5 = 4096 bytes.
     pub mtu: u8,
+    /// RDMA READs it answers at once (the other side initiates at most this many).
+    pub rd_atomic: u8,
 }
 
 /// A region the owner lets its peer read and write with one-sided operations.
@@ -98,6 +100,7 @@ impl QpAddr {
         out.extend_from_slice(&self.qpn.to_le_bytes());
         out.extend_from_slice(&self.psn.to_le_bytes());
         out.push(self.mtu);
+        out.push(self.rd_atomic);
     }
 
     fn take(c: &mut Cursor<'_>) -> Result<QpAddr, ExchangeError> {
@@ -105,7 +108,7 @@ impl QpAddr {
         let gid = c.array()?;
         let qpn = u32::from_le_bytes(c.array()?);
         let psn = u32::from_le_bytes(c.array()?);
-        let mtu = c.array::<1>()?[0];
+        let [mtu, rd_atomic] = c.array::<2>()?;
         if qpn >= 1 << 24 {
             return Err(ExchangeError::Invalid("queue pair number over 24 bits"));
         }
@@ -115,7 +118,10 @@ impl QpAddr {
         if !(1..=5).contains(&mtu) {
             return Err(ExchangeError::Invalid("path MTU (1..=5)"));
         }
-        Ok(QpAddr { lid, gid, qpn, psn, mtu })
+        if rd_atomic == 0 {
+            return Err(ExchangeError::Invalid("outstanding READs (at least 1)"));
+        }
+        Ok(QpAddr { lid, gid, qpn, psn, mtu, rd_atomic })
     }
 }
 
@@ -258,7 +264,14 @@ mod tests {
     use proptest::prelude::*;
 
     fn qp(i: u32) -> QpAddr {
-        QpAddr { lid: i as u16, gid: [i as u8; 16], qpn: 0x00ab_cd00 + i, psn: i * 7, mtu: 5 }
+        QpAddr {
+            lid: i as u16,
+            gid: [i as u8; 16],
+            qpn: 0x00ab_cd00 + i,
+            psn: i * 7,
+            mtu: 5,
+            rd_atomic: 16,
+        }
     }
 
     fn accept() -> Accept {
@@ -298,6 +311,10 @@ mod tests {
         );
         assert_eq!(bad_qp(&|q| q.mtu = 0), Err(ExchangeError::Invalid("path MTU (1..=5)")));
         assert_eq!(bad_qp(&|q| q.mtu = 6), Err(ExchangeError::Invalid("path MTU (1..=5)")));
+        assert_eq!(
+            bad_qp(&|q| q.rd_atomic = 0),
+            Err(ExchangeError::Invalid("outstanding READs (at least 1)"))
+        );
         assert_eq!(Connect::decode(&[0]), Err(ExchangeError::Invalid("no queue pair")));
         assert_eq!(
             Connect::decode(&[17]),

@@ -11,12 +11,15 @@
 //! - **Memory** is registered once per region, on first use (local) or when a peer connects
 //!   (exported), and deregistered when the region is.
 //! - **Work**: a job's descriptor pairs become chains of work requests within the device's
-//!   limits ([`plan`]), posted with at most the send queue's depth outstanding per queue
-//!   pair; one thread per device polls the completion queue for every transfer
-//!   ([`completion`]). An error completion, a dead peer (the adapter's retries run out in about
-//!   half a second) and a dropped transfer (a deadline, a cancel) fail the transfer typed;
-//!   the connection's queue pairs go to the error state, which flushes what they still hold,
-//!   and the next transfer connects again.
+//!   limits ([`plan`]). Every queue pair's send queue is shared by the transfers to that peer
+//!   through credits: a transfer posts only what the queue has room for and waits for
+//!   completions (its own or others') for more. One thread per device polls the completion
+//!   queue for every transfer ([`completion`]); another reads the device's asynchronous
+//!   events (which must be acknowledged before a queue pair can be destroyed). An error
+//!   completion, a dead peer (the adapter's retries run out in 0.5–2 s) and a dropped
+//!   transfer (a deadline, a cancel) fail the transfer typed; the connection's queue pairs go
+//!   to the error state, which flushes what they still hold, and the next transfer connects
+//!   again.
 //! - **Checksums and the notification** go through the session, as for `shm`: after the last
 //!   byte, a `Commit` that the owner verifies before it delivers the notification; a
 //!   checksummed READ first asks the owner for the checksums of its bytes.
@@ -33,7 +36,7 @@ pub mod raw;
 pub mod verbs;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -47,7 +50,7 @@ use crate::wire::WireDesc;
 
 use super::{Job, Transport, TransportFuture};
 use completion::{Progress, Tracker, WrId};
-use device::{Cq, Device, Mr, Qp};
+use device::{Cq, Device, Mr, OpenOptions, Qp};
 use exchange::{Accept, Connect, RegionKey};
 
 pub use device::DeviceInfo;
@@ -58,8 +61,12 @@ pub use verbs::Unavailable;
 pub struct RdmaConfig {
     /// The device (`mlx5_0`); None: the first with an active port.
     pub device: Option<String>,
-    /// GID index on RoCE ports.
-    pub gid_index: u8,
+    /// GID index on RoCE ports; None: the first RoCE v2 GID that maps an IPv4 address.
+    pub gid_index: Option<u8>,
+    /// Traffic class of RoCE packets (the DSCP of a lossless class, shifted left 2).
+    pub traffic_class: u8,
+    /// InfiniBand service level.
+    pub service_level: u8,
     /// Queue pairs per peer (1..=16).
     pub qps_per_peer: usize,
     /// Bytes per work request at most (work is striped over the queue pairs at this grain).
@@ -74,7 +81,9 @@ impl Default for RdmaConfig {
     fn default() -> Self {
         RdmaConfig {
             device: None,
-            gid_index: 0,
+            gid_index: None,
+            traffic_class: 0,
+            service_level: 0,
             qps_per_peer: 4,
             wr_bytes_max: 1 << 20,
             queue_depth: 256,
@@ -87,12 +96,26 @@ impl RdmaConfig {
     /// The configuration the environment asks for, as operators set it for every agent of a
     /// process (workers, peers, the C ABI's): `KVFABRIC_RDMA` = `auto` (default: the first
     /// device with an active port), `off`, or a device name (`mlx5_0`);
-    /// `KVFABRIC_RDMA_GID_INDEX` = the GID index on RoCE ports (default 0). None: off.
+    /// `KVFABRIC_RDMA_GID_INDEX` = the GID index on RoCE ports (default: chosen);
+    /// `KVFABRIC_RDMA_TRAFFIC_CLASS` and `KVFABRIC_RDMA_SERVICE_LEVEL` (default 0). None: off.
     pub fn from_env() -> Option<RdmaConfig> {
-        Self::from_values(
-            std::env::var("KVFABRIC_RDMA").ok().as_deref(),
-            std::env::var("KVFABRIC_RDMA_GID_INDEX").ok().as_deref(),
-        )
+        let var = |k: &str| std::env::var(k).ok();
+        let mut cfg = Self::from_values(
+            var("KVFABRIC_RDMA").as_deref(),
+            var("KVFABRIC_RDMA_GID_INDEX").as_deref(),
+        )?;
+        for (key, field) in [
+            ("KVFABRIC_RDMA_TRAFFIC_CLASS", &mut cfg.traffic_class),
+            ("KVFABRIC_RDMA_SERVICE_LEVEL", &mut cfg.service_level),
+        ] {
+            if let Some(v) = var(key) {
+                match v.trim().parse::<u8>() {
+                    Ok(x) => *field = x,
+                    Err(_) => tracing::warn!(key, value = %v, "not 0..=255; using 0"),
+                }
+            }
+        }
+        Some(cfg)
     }
 
     fn from_values(rdma: Option<&str>, gid_index: Option<&str>) -> Option<RdmaConfig> {
@@ -104,13 +127,26 @@ impl RdmaConfig {
         }
         if let Some(g) = gid_index {
             match g.trim().parse::<u8>() {
-                Ok(i) => cfg.gid_index = i,
+                Ok(i) => cfg.gid_index = Some(i),
                 Err(_) => {
-                    tracing::warn!(value = g, "KVFABRIC_RDMA_GID_INDEX is not 0..=255; using 0")
+                    tracing::warn!(
+                        value = g,
+                        "KVFABRIC_RDMA_GID_INDEX is not 0..=255; choosing one"
+                    )
                 }
             }
         }
         Some(cfg)
+    }
+
+    /// How to open the device.
+    pub fn open_options(&self) -> OpenOptions<'_> {
+        OpenOptions {
+            name: self.device.as_deref(),
+            gid_index: self.gid_index,
+            traffic_class: self.traffic_class,
+            service_level: self.service_level,
+        }
     }
 }
 
@@ -127,25 +163,59 @@ struct Registration {
 #[derive(Debug)]
 struct Connection {
     qps: Vec<Qp>,
+    /// Requests outstanding on each queue pair, every transfer's together.
+    outstanding: Vec<AtomicU32>,
+    /// Most outstanding per queue pair.
+    depth: u32,
+    /// Woken when completions free room in a send queue.
+    room_freed: tokio::sync::Notify,
     keys: HashMap<u64, RegionKey>,
     broken: AtomicBool,
     _budget: QpBudget,
 }
 
-/// Queue pairs counted against the completion queue's capacity while they exist.
-#[derive(Debug)]
-struct QpBudget {
-    n: usize,
-    open: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl Drop for QpBudget {
-    fn drop(&mut self) {
-        self.open.fetch_sub(self.n, Ordering::AcqRel);
-    }
-}
-
 impl Connection {
+    fn new(qps: Vec<Qp>, depth: u32, keys: HashMap<u64, RegionKey>, budget: QpBudget) -> Self {
+        let depth = qps.iter().map(Qp::depth).min().unwrap_or(1).min(depth).max(1);
+        Connection {
+            outstanding: qps.iter().map(|_| AtomicU32::new(0)).collect(),
+            qps,
+            depth,
+            room_freed: tokio::sync::Notify::new(),
+            keys,
+            broken: AtomicBool::new(false),
+            _budget: budget,
+        }
+    }
+
+    /// Takes room for up to `want` requests on queue pair `q`; how many.
+    fn take_room(&self, q: usize, want: u32) -> u32 {
+        let slot = &self.outstanding[q];
+        let mut cur = slot.load(Ordering::Acquire);
+        loop {
+            let n = want.min(self.depth.saturating_sub(cur));
+            if n == 0 {
+                return 0;
+            }
+            match slot.compare_exchange_weak(cur, cur + n, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return n,
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Gives back room for `n` finished requests on queue pair `q`.
+    fn give_room(&self, q: usize, n: u32) {
+        if n > 0 {
+            if let Some(slot) = self.outstanding.get(q) {
+                let _ = slot.fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| {
+                    Some(c.saturating_sub(n))
+                });
+            }
+            self.room_freed.notify_waiters();
+        }
+    }
+
     /// Moves every queue pair to the error state: outstanding work is flushed, none lands.
     fn fail(&self) {
         if !self.broken.swap(true, Ordering::AcqRel) {
@@ -158,6 +228,19 @@ impl Connection {
     }
 }
 
+/// Queue pairs counted against the completion queue's capacity while they exist.
+#[derive(Debug)]
+struct QpBudget {
+    n: usize,
+    open: Arc<AtomicUsize>,
+}
+
+impl Drop for QpBudget {
+    fn drop(&mut self) {
+        self.open.fetch_sub(self.n, Ordering::AcqRel);
+    }
+}
+
 /// A transfer's outstanding work, shared with the poller.
 #[derive(Debug)]
 struct InFlight {
@@ -166,9 +249,10 @@ struct InFlight {
     /// For the blocking wait of a dropped transfer.
     done: (std::sync::Mutex<bool>, std::sync::Condvar),
     peer: String,
+    conn: Arc<Connection>,
 }
 
-/// State shared with the completion thread.
+/// State shared with the completion and event threads.
 #[derive(Debug, Default)]
 struct Shared {
     inflight: Mutex<HashMap<u32, Arc<InFlight>>>,
@@ -176,6 +260,10 @@ struct Shared {
     /// Completion-queue failures (the thread stops polling; transfers time out).
     poll_error: Mutex<Option<String>>,
 }
+
+/// One peer's outgoing connection, behind its own lock (connecting waits for a round trip;
+/// other peers do not wait for it).
+type PeerSlot = Arc<tokio::sync::Mutex<Option<Arc<Connection>>>>;
 
 /// The RDMA transport of one agent.
 #[derive(Debug)]
@@ -186,23 +274,23 @@ pub struct RdmaTransport {
     endpoint: Weak<Endpoint>,
     registrations: Mutex<HashMap<RegionId, Arc<Registration>>>,
     /// Connections this agent opened, by peer name.
-    outgoing: tokio::sync::Mutex<HashMap<String, Arc<Connection>>>,
+    outgoing: Mutex<HashMap<String, PeerSlot>>,
     /// Connections peers opened to this agent (kept so their queue pairs live).
     incoming: Mutex<HashMap<String, Arc<Connection>>>,
     shared: Arc<Shared>,
     /// Entries of the completion queue (bounds the queue pairs open at once).
     cq_entries: u32,
-    qps_open: Arc<std::sync::atomic::AtomicUsize>,
+    qps_open: Arc<AtomicUsize>,
     next_transfer: AtomicU32,
-    poller: Option<std::thread::JoinHandle<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl RdmaTransport {
-    /// Opens the device and starts its completion thread; why not when this host has no
-    /// usable device.
+    /// Opens the device and starts its completion and event threads; why not when this host
+    /// has no usable device.
     pub fn open(cfg: RdmaConfig, endpoint: Weak<Endpoint>) -> Result<RdmaTransport, Unavailable> {
         let mut cfg = cfg;
-        let dev = Device::open(cfg.device.as_deref(), cfg.gid_index)?;
+        let dev = Device::open(cfg.open_options())?;
         let depth = cfg.queue_depth.clamp(1, dev.info().max_qp_wr);
         cfg.queue_depth = depth;
         // Room for 64 peers' queue pairs (each connection's send queues complete into it).
@@ -210,27 +298,35 @@ impl RdmaTransport {
             .min(dev.info().max_cqe as usize) as u32;
         let cq = Arc::new(dev.completion_queue(entries).map_err(|e| Unavailable(e.to_string()))?);
         let shared = Arc::new(Shared::default());
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map_err(|e| Unavailable(format!("starting {name}: {e}")))
+        };
         let poller = {
             let (cq, shared) = (cq.clone(), shared.clone());
-            std::thread::Builder::new()
-                .name("kvfabric-rdma-cq".into())
-                .spawn(move || poll_loop(&cq, &shared))
-                .map_err(|e| Unavailable(format!("starting the completion thread: {e}")))?
+            spawn("kvfabric-rdma-cq", Box::new(move || poll_loop(&cq, &shared)))?
         };
-        tracing::info!(device = %dev.info().name, port = dev.info().port, link_layer = dev.info().link_layer, "RDMA transport ready");
+        let events = {
+            let (dev, shared) = (dev.clone(), shared.clone());
+            spawn("kvfabric-rdma-ev", Box::new(move || event_loop(&dev, &shared)))?
+        };
+        let i = dev.info();
+        tracing::info!(device = %i.name, port = i.port, link_layer = i.link_layer, gid_index = i.gid_index, "RDMA transport ready");
         Ok(RdmaTransport {
             dev,
             cq,
             cfg,
             endpoint,
             registrations: Mutex::new(HashMap::new()),
-            outgoing: tokio::sync::Mutex::new(HashMap::new()),
+            outgoing: Mutex::new(HashMap::new()),
             incoming: Mutex::new(HashMap::new()),
             shared,
             cq_entries: entries,
             qps_open: Arc::default(),
             next_transfer: AtomicU32::new(1),
-            poller: Some(poller),
+            threads: vec![poller, events],
         })
     }
 
@@ -257,21 +353,22 @@ impl RdmaTransport {
             });
         }
         let endpoint = self.endpoint.upgrade().ok_or(TransferError::Shutdown)?;
-        let arc = endpoint
-            .regions()
-            .get(region.id())
-            .map_err(|e| TransferError::Local { kind: e.kind(), message: e.to_string() })?;
+        let local = |e: crate::memory::MemoryError| TransferError::Local {
+            kind: e.kind(),
+            message: e.to_string(),
+        };
+        let arc = endpoint.regions().get(region.id()).map_err(local)?;
         let len = arc.len() as u64;
-        let base = arc
-            .ptr_at(0, len)
-            .map_err(|e| TransferError::Local { kind: e.kind(), message: e.to_string() })?;
+        let base = arc.ptr_at(0, len).map_err(local)?;
         // SAFETY: the registration keeps the region (and so its memory) alive.
         let mr =
             unsafe { self.dev.register(base, len as usize, arc.is_exported()) }.map_err(|e| {
                 TransferError::Protocol(format!("RDMA registration of region {}: {e}", region.id()))
             })?;
-        let r = Arc::new(Registration { mr, base: base as u64, len, _region: arc });
-        self.registrations.lock().entry(region.id()).or_insert(r.clone());
+        let fresh = Arc::new(Registration { mr, base: base as u64, len, _region: arc });
+        // Two callers may have registered the region at once: the first one in the table is
+        // the registration (the other is dropped here, before anyone used its keys).
+        let r = self.registrations.lock().entry(region.id()).or_insert(fresh).clone();
         Ok(r)
     }
 
@@ -304,7 +401,8 @@ impl RdmaTransport {
     }
 
     /// The owner's side of a connection: queue pairs for the client's, connected, and the
-    /// keys of every exported host region.
+    /// keys of every exported host region. Blocking (verbs calls, memory registration):
+    /// the session server runs it on the blocking pool.
     pub fn accept(&self, from: &str, connect: &Connect) -> Result<Accept, String> {
         let (qps, budget) = self.new_qps(connect.qps.len()).map_err(|e| e.to_string())?;
         for (qp, remote) in qps.iter().zip(&connect.qps) {
@@ -327,24 +425,24 @@ impl RdmaTransport {
             });
         }
         let accept = Accept { qps: qps.iter().map(Qp::addr).collect(), regions };
-        let conn = Arc::new(Connection {
-            qps,
-            keys: HashMap::new(),
-            broken: AtomicBool::new(false),
-            _budget: budget,
-        });
-        // A peer that connects again (it restarted, or its queue pairs failed) replaces its
-        // old queue pairs.
-        if let Some(old) = self.incoming.lock().insert(from.to_string(), conn) {
+        let conn = Arc::new(Connection::new(qps, self.cfg.queue_depth, HashMap::new(), budget));
+        // A peer that connects again (it restarted, its queue pairs failed, or it needs keys
+        // of regions exported since) replaces its old queue pairs; they are failed, and
+        // destroyed outside the lock.
+        let old = self.incoming.lock().insert(from.to_string(), conn);
+        if let Some(old) = old {
             old.fail();
         }
         Ok(accept)
     }
 
-    async fn connection(&self, peer: &Peer) -> Result<Arc<Connection>, TransferError> {
+    /// The connection to `peer`: the one open, or a new one (also when `fresh`: the open one
+    /// lacks keys; it is left to the transfers using it, not failed).
+    async fn connection(&self, peer: &Peer, fresh: bool) -> Result<Arc<Connection>, TransferError> {
         let name = &peer.metadata().name;
-        let mut conns = self.outgoing.lock().await;
-        if let Some(c) = conns.get(name).filter(|c| !c.broken.load(Ordering::Acquire)) {
+        let slot = self.outgoing.lock().entry(name.clone()).or_default().clone();
+        let mut slot = slot.lock().await;
+        if let Some(c) = slot.as_ref().filter(|c| !fresh && !c.broken.load(Ordering::Acquire)) {
             return Ok(c.clone());
         }
         let (qps, budget) = self.new_qps(self.cfg.qps_per_peer.clamp(1, exchange::QPS_MAX))?;
@@ -362,18 +460,17 @@ impl RdmaTransport {
                 .map_err(|e| TransferError::Protocol(format!("RDMA connect to {name}: {e}")))?;
         }
         let keys = accept.regions.iter().map(|k| (k.region, *k)).collect();
-        let c = Arc::new(Connection { qps, keys, broken: AtomicBool::new(false), _budget: budget });
-        conns.insert(name.clone(), c.clone());
+        let c = Arc::new(Connection::new(qps, self.cfg.queue_depth, keys, budget));
+        *slot = Some(c.clone());
         Ok(c)
     }
 
     async fn run(&self, job: &Job) -> Result<(), TransferError> {
         let peer = job.peer()?;
-        let mut conn = self.connection(peer).await?;
-        // A region the peer registered after we connected: connect again for its key.
+        let mut conn = self.connection(peer, false).await?;
+        // A region the peer exported after we connected: a new connection brings its key.
         if job.pieces.iter().any(|p| !conn.keys.contains_key(&p.remote.region.0)) {
-            conn.fail();
-            conn = self.connection(peer).await?;
+            conn = self.connection(peer, true).await?;
         }
         let mut segs = Vec::with_capacity(job.pieces.len());
         for (i, p) in job.pieces.iter().enumerate() {
@@ -464,7 +561,7 @@ impl RdmaTransport {
         Ok(())
     }
 
-    /// Posts the chains and waits for their completions.
+    /// Posts the chains as the send queues have room and waits for their completions.
     async fn move_bytes(
         &self,
         conn: &Arc<Connection>,
@@ -484,69 +581,44 @@ impl RdmaTransport {
             wake: tokio::sync::Notify::new(),
             done: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
             peer: peer.to_string(),
+            conn: conn.clone(),
         });
         self.shared.inflight.lock().insert(id, flight.clone());
-        let guard =
-            FlightGuard { shared: &self.shared, id, flight: &flight, conn, finished: false };
+        let mut guard = FlightGuard { shared: &self.shared, id, flight: &flight, finished: false };
         let opcode = match op {
             TransferOp::Write => verbs::consts::WR_RDMA_WRITE,
             TransferOp::Read => verbs::consts::WR_RDMA_READ,
         };
-        let mut guard = guard;
         loop {
+            // Armed before looking for room, so that room freed meanwhile wakes us.
+            let room_freed = conn.room_freed.notified();
+            tokio::pin!(room_freed);
+            room_freed.as_mut().enable();
+            if let Some(e) = self.shared.poll_error.lock().clone() {
+                flight
+                    .tracker
+                    .lock()
+                    .fail(TransferError::Protocol(format!("RDMA completion queue: {e}")));
+                conn.fail();
+            }
             for (q, chain) in chains.iter().enumerate() {
-                let qp = &conn.qps[q];
-                let (start, room) = {
-                    let t = flight.tracker.lock();
-                    (t.next_index(q), t.room(q, qp.depth()))
-                };
+                // The tracker stays locked across the post: the poller cannot see a
+                // completion of requests not yet counted as posted.
+                let mut t = flight.tracker.lock();
+                let (start, want) = (t.next_index(q), t.room(q, conn.depth));
+                if want == 0 {
+                    continue;
+                }
+                let room = conn.take_room(q, want);
                 if room == 0 {
                     continue;
                 }
                 let batch = &chain[start as usize..(start + room) as usize];
-                let mut sges: Vec<verbs::IbvSge> =
-                    Vec::with_capacity(batch.iter().map(|w| w.sges.len()).sum());
-                for w in batch {
-                    sges.extend(w.sges.iter().map(|e| verbs::IbvSge {
-                        addr: e.addr,
-                        length: e.len,
-                        lkey: e.lkey,
-                    }));
-                }
-                let mut wrs: Vec<verbs::IbvSendWr> = Vec::with_capacity(batch.len());
-                let mut at = 0usize;
-                for (k, w) in batch.iter().enumerate() {
-                    let wr_id = WrId { transfer: id, qp: q as u8, index: start + k as u32 }.pack();
-                    wrs.push(verbs::IbvSendWr {
-                        wr_id,
-                        sg_list: sges[at..].as_mut_ptr(),
-                        num_sge: w.sges.len() as i32,
-                        opcode,
-                        // The last of a batch is signaled too, so the window always moves.
-                        send_flags: if w.signaled || k + 1 == batch.len() {
-                            verbs::consts::SEND_SIGNALED
-                        } else {
-                            0
-                        },
-                        remote_addr: w.remote_addr,
-                        rkey: w.rkey,
-                        ..Default::default()
-                    });
-                    at += w.sges.len();
-                }
-                for k in 1..wrs.len() {
-                    let next: *mut verbs::IbvSendWr = &mut wrs[k];
-                    wrs[k - 1].next = next;
-                }
-                // SAFETY: the chain is linked above and ends in null; its entries (`sges`)
-                // outlive the call; the bytes they name lie in registrations held by this
-                // transfer's job (leases) and by `self.registrations`, and stay so until
-                // every request completed or was flushed (the guard waits for that).
-                let posted = unsafe { qp.post(wrs.as_mut_ptr()) };
-                let mut t = flight.tracker.lock();
-                match posted {
+                match post_batch(&conn.qps[q], id, q, start, opcode, batch) {
                     Ok(()) => t.posted(q, room),
-                    Err(e) => {
+                    Err((e, posted)) => {
+                        t.posted(q, posted);
+                        conn.give_room(q, room - posted);
                         t.fail(TransferError::Protocol(format!("RDMA post to {peer}: {e}")));
                         drop(t);
                         conn.fail();
@@ -554,22 +626,76 @@ impl RdmaTransport {
                 }
             }
             let notified = flight.wake.notified();
-            match flight.tracker.lock().progress() {
-                Progress::Finished(outcome) => {
-                    guard.finished = true;
-                    if outcome.is_err() {
-                        conn.fail();
-                    }
-                    return outcome;
+            if let Progress::Finished(outcome) = flight.tracker.lock().progress() {
+                guard.finished = true;
+                if outcome.is_err() {
+                    conn.fail();
                 }
-                Progress::Pending => {}
+                return outcome;
             }
-            if let Some(e) = self.shared.poll_error.lock().clone() {
-                return Err(TransferError::Protocol(format!("RDMA completion queue: {e}")));
+            tokio::select! {
+                _ = notified => {}
+                _ = room_freed => {}
             }
-            notified.await;
         }
     }
+}
+
+/// Posts `batch` (requests `start..` of chain `q` of transfer `id`) as one linked chain, the
+/// last signaled. On failure, the error and how many of the batch were posted.
+fn post_batch(
+    qp: &Qp,
+    id: u32,
+    q: usize,
+    start: u32,
+    opcode: u32,
+    batch: &[plan::WorkRequest],
+) -> Result<(), (device::VerbsError, u32)> {
+    let mut sges: Vec<verbs::IbvSge> = batch
+        .iter()
+        .flat_map(|w| &w.sges)
+        .map(|e| verbs::IbvSge { addr: e.addr, length: e.len, lkey: e.lkey })
+        .collect();
+    let mut wrs: Vec<verbs::IbvSendWr> = Vec::with_capacity(batch.len());
+    let sge_base = sges.as_mut_ptr();
+    let mut at = 0usize;
+    for (k, w) in batch.iter().enumerate() {
+        wrs.push(verbs::IbvSendWr {
+            wr_id: WrId { transfer: id, qp: q as u8, index: start + k as u32 }.pack(),
+            // `at` stays within `sges` (the entries of the requests before this one).
+            sg_list: sge_base.wrapping_add(at),
+            num_sge: w.sges.len() as i32,
+            opcode,
+            // The last of a batch is signaled too, so that its room comes back.
+            send_flags: if w.signaled || k + 1 == batch.len() {
+                verbs::consts::SEND_SIGNALED
+            } else {
+                0
+            },
+            remote_addr: w.remote_addr,
+            rkey: w.rkey,
+            ..Default::default()
+        });
+        at += w.sges.len();
+    }
+    let base = wrs.as_mut_ptr();
+    for k in 1..wrs.len() {
+        // SAFETY: k - 1 and k are inside `wrs`, which is not resized after this.
+        unsafe { (*base.add(k - 1)).next = base.add(k) };
+    }
+    // SAFETY: the chain is linked above and ends in null; its entries (`sges`) outlive the
+    // call; the bytes they name lie in registrations held by the transfer's job (its leases)
+    // and by the transport, and stay so until every request completed or was flushed (the
+    // transfer's guard waits for that).
+    unsafe { qp.post(base) }.map_err(|(e, bad)| {
+        let posted = if bad.is_null() {
+            0
+        } else {
+            ((bad as usize).saturating_sub(base as usize) / std::mem::size_of::<verbs::IbvSendWr>())
+                .min(batch.len()) as u32
+        };
+        (e, posted)
+    })
 }
 
 /// Removes a transfer from the poller's table when it ends; a transfer dropped with work
@@ -579,14 +705,13 @@ struct FlightGuard<'a> {
     shared: &'a Shared,
     id: u32,
     flight: &'a Arc<InFlight>,
-    conn: &'a Arc<Connection>,
     finished: bool,
 }
 
 impl Drop for FlightGuard<'_> {
     fn drop(&mut self) {
         if !self.finished {
-            self.conn.fail();
+            self.flight.conn.fail();
             let (lock, cv) = &self.flight.done;
             let deadline = Instant::now() + Duration::from_secs(2);
             let mut done = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -614,7 +739,7 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
         let n = match cq.poll(&mut wc) {
             Ok(n) => n,
             Err(e) => {
-                tracing::error!(error = %e, "RDMA completion queue failed; RDMA transfers will time out");
+                tracing::error!(error = %e, "RDMA completion queue failed; RDMA transfers fail");
                 *shared.poll_error.lock() = Some(e.to_string());
                 for f in shared.inflight.lock().values() {
                     f.wake.notify_one();
@@ -638,13 +763,14 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
         for c in &wc[..n] {
             let id = WrId::unpack(c.wr_id);
             let Some(f) = table.get(&id.transfer) else { continue };
-            let p = f.tracker.lock().complete(
-                usize::from(id.qp),
-                id.index,
-                c.status,
-                c.vendor_err,
-                &f.peer,
-            );
+            let q = usize::from(id.qp);
+            let (p, freed) = {
+                let mut t = f.tracker.lock();
+                let before = t.done(q);
+                let p = t.complete(q, id.index, c.status, c.vendor_err, &f.peer);
+                (p, t.done(q) - before)
+            };
+            f.conn.give_room(q, freed);
             if matches!(p, Progress::Finished(_)) {
                 let (lock, cv) = &f.done;
                 *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
@@ -655,10 +781,25 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
     }
 }
 
+/// Reads and acknowledges the device's asynchronous events (a queue pair is destroyed only
+/// once its events are acknowledged), logging each kind once.
+fn event_loop(dev: &Device, shared: &Shared) {
+    let mut seen = std::collections::HashSet::new();
+    while !shared.stop.load(Ordering::Acquire) {
+        if let Some((what, qp)) = dev.async_event(Duration::from_millis(100)) {
+            if seen.insert(what) {
+                tracing::warn!(event = what, qp, device = %dev.info().name, "RDMA asynchronous event");
+            } else {
+                tracing::debug!(event = what, qp, "RDMA asynchronous event");
+            }
+        }
+    }
+}
+
 impl Drop for RdmaTransport {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
-        if let Some(t) = self.poller.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
@@ -700,8 +841,8 @@ mod tests {
         assert_eq!(RdmaConfig::from_values(Some("auto"), None), Some(RdmaConfig::default()));
         assert_eq!(RdmaConfig::from_values(Some("off"), Some("3")), None);
         let c = RdmaConfig::from_values(Some("mlx5_1"), Some("3")).unwrap();
-        assert_eq!((c.device.as_deref(), c.gid_index), (Some("mlx5_1"), 3));
-        assert_eq!(RdmaConfig::from_values(None, Some("x")).unwrap().gid_index, 0);
+        assert_eq!((c.device.as_deref(), c.gid_index), (Some("mlx5_1"), Some(3)));
+        assert_eq!(RdmaConfig::from_values(None, Some("x")).unwrap().gid_index, None);
     }
 
     /// Over a real session: an agent without a device answers a connect with a typed refusal
@@ -716,8 +857,9 @@ mod tests {
         let b = Agent::start(AgentConfig::new("b", b"k".to_vec())).await.unwrap();
         a.load_peer(b.metadata()).unwrap();
         let peer = a.peer("b").unwrap();
-        let connect =
-            Connect { qps: vec![QpAddr { lid: 1, gid: [0; 16], qpn: 5, psn: 6, mtu: 5 }] };
+        let connect = Connect {
+            qps: vec![QpAddr { lid: 1, gid: [0; 16], qpn: 5, psn: 6, mtu: 5, rd_atomic: 1 }],
+        };
         let e = peer.session.rdma_connect(&connect).await.unwrap_err();
         assert!(
             matches!(&e, TransferError::Remote { code: ErrorCode::Unavailable, message } if message.contains("no RDMA device")),

@@ -28,7 +28,7 @@ pub struct PlainLoop {
 impl PlainLoop {
     /// Opens the device and connects two queue pairs over `bytes`-long buffers.
     pub fn new(cfg: &RdmaConfig, bytes: usize) -> Result<PlainLoop, Unavailable> {
-        let dev = Device::open(cfg.device.as_deref(), cfg.gid_index)?;
+        let dev = Device::open(cfg.open_options())?;
         let err = |e: super::device::VerbsError| Unavailable(e.to_string());
         let cq = Arc::new(dev.completion_queue(4096).map_err(err)?);
         let depth = cfg.queue_depth;
@@ -63,10 +63,11 @@ impl PlainLoop {
             let mut sges: Vec<IbvSge> = (0..n)
                 .map(|i| IbvSge { addr: local + (at + i) as u64 * desc, length: desc as u32, lkey })
                 .collect();
+            let sge_base = sges.as_mut_ptr();
             let mut wrs: Vec<verbs::IbvSendWr> = (0..n)
                 .map(|i| verbs::IbvSendWr {
                     wr_id: (at + i) as u64,
-                    sg_list: &mut sges[i],
+                    sg_list: sge_base.wrapping_add(i),
                     num_sge: 1,
                     opcode: if read { consts::WR_RDMA_READ } else { consts::WR_RDMA_WRITE },
                     send_flags: if i + 1 == n { consts::SEND_SIGNALED } else { 0 },
@@ -75,14 +76,16 @@ impl PlainLoop {
                     ..Default::default()
                 })
                 .collect();
+            let base = wrs.as_mut_ptr();
             for k in 1..n {
-                let next: *mut verbs::IbvSendWr = &mut wrs[k];
-                wrs[k - 1].next = next;
+                // SAFETY: k - 1 and k are inside `wrs`, which is not resized after this.
+                unsafe { (*base.add(k - 1)).next = base.add(k) };
             }
             // SAFETY: the chain is linked and null-terminated; its entries and the buffers
             // they name live in `self` and are registered; this call waits for the chain's
             // last (signaled) completion before returning, so nothing is in flight after.
-            unsafe { self.qp.post(wrs.as_mut_ptr()) }.map_err(|e| Unavailable(e.to_string()))?;
+            unsafe { self.qp.post(wrs.as_mut_ptr()) }
+                .map_err(|(e, _)| Unavailable(e.to_string()))?;
             let mut wc = [IbvWc::default(); 16];
             let deadline = Instant::now() + Duration::from_secs(10);
             'wait: loop {

@@ -25,8 +25,54 @@ pub struct IbvContext {
     /// `struct ibv_context_ops`: 32 function pointers, of which `poll_cq` (11) and
     /// `post_send` (25) are called.
     pub ops: [*const c_void; 32],
-    /// The rest is not read.
+    /// Command fd (not used).
     pub cmd_fd: c_int,
+    /// The fd asynchronous events are read from.
+    pub async_fd: c_int,
+}
+
+/// `struct ibv_async_event`: the element (a queue pair, completion queue, ... or a port
+/// number) and the event's type.
+#[repr(C)]
+#[derive(Debug)]
+pub struct IbvAsyncEvent {
+    /// `union { struct ibv_cq *cq; struct ibv_qp *qp; ...; int port_num; }`.
+    pub element: *mut c_void,
+    /// `enum ibv_event_type`.
+    pub event_type: c_uint,
+}
+
+impl Default for IbvAsyncEvent {
+    fn default() -> Self {
+        IbvAsyncEvent { element: std::ptr::null_mut(), event_type: 0 }
+    }
+}
+
+/// `enum ibv_event_type`, by number.
+pub fn async_event_name(t: u32) -> &'static str {
+    const NAMES: [&str; 20] = [
+        "completion queue error",
+        "queue pair fatal error",
+        "queue pair request error",
+        "queue pair access error",
+        "communication established",
+        "send queue drained",
+        "path migrated",
+        "path migration error",
+        "device fatal error",
+        "port active",
+        "port error",
+        "LID change",
+        "P_Key change",
+        "subnet manager change",
+        "shared receive queue error",
+        "shared receive queue limit",
+        "queue pair last WQE reached",
+        "client reregister",
+        "GID change",
+        "work queue fatal error",
+    ];
+    NAMES.get(t as usize).copied().unwrap_or("unknown event")
 }
 
 /// Index of `poll_cq` in `struct ibv_context_ops`.
@@ -351,7 +397,8 @@ pub struct IbvDeviceAttr {
     device_cap_flags: c_uint,
     /// Entries per request.
     pub max_sge: c_int,
-    max_sge_rd: c_int,
+    /// Entries per READ request.
+    pub max_sge_rd: c_int,
     max_cq: c_int,
     /// Deepest completion queue.
     pub max_cqe: c_int,
@@ -488,6 +535,8 @@ type FnDestroyCq = unsafe extern "C" fn(*mut IbvCq) -> c_int;
 type FnCreateQp = unsafe extern "C" fn(*mut c_void, *mut IbvQpInitAttr) -> *mut IbvQp;
 type FnModifyQp = unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int) -> c_int;
 type FnDestroyQp = unsafe extern "C" fn(*mut IbvQp) -> c_int;
+type FnGetAsyncEvent = unsafe extern "C" fn(*mut IbvContext, *mut IbvAsyncEvent) -> c_int;
+type FnAckAsyncEvent = unsafe extern "C" fn(*mut IbvAsyncEvent);
 
 /// The library's entry points.
 #[allow(missing_docs)]
@@ -512,6 +561,8 @@ pub struct Verbs {
     pub create_qp: FnCreateQp,
     pub modify_qp: FnModifyQp,
     pub destroy_qp: FnDestroyQp,
+    pub get_async_event: FnGetAsyncEvent,
+    pub ack_async_event: FnAckAsyncEvent,
 }
 
 /// Why verbs cannot be used on this host.
@@ -572,6 +623,8 @@ fn load() -> Result<Verbs, Unavailable> {
         create_qp: f!(c"ibv_create_qp", FnCreateQp),
         modify_qp: f!(c"ibv_modify_qp", FnModifyQp),
         destroy_qp: f!(c"ibv_destroy_qp", FnDestroyQp),
+        get_async_event: f!(c"ibv_get_async_event", FnGetAsyncEvent),
+        ack_async_event: f!(c"ibv_ack_async_event", FnAckAsyncEvent),
     })
 }
 
@@ -665,6 +718,16 @@ mod tests {
                 offset_of!(IbvContext, ops) + OPS_POST_SEND * 8,
             ),
             ("offsetof(struct ibv_context, cmd_fd)", offset_of!(IbvContext, cmd_fd)),
+            ("offsetof(struct ibv_context, async_fd)", offset_of!(IbvContext, async_fd)),
+            ("sizeof(struct ibv_async_event)", size_of::<IbvAsyncEvent>()),
+            ("offsetof(struct ibv_async_event, element)", offset_of!(IbvAsyncEvent, element)),
+            ("offsetof(struct ibv_async_event, event_type)", offset_of!(IbvAsyncEvent, event_type)),
+            ("IBV_EVENT_QP_FATAL", 1),
+            ("IBV_EVENT_PATH_MIG_ERR", 7),
+            ("IBV_EVENT_DEVICE_FATAL", 8),
+            ("IBV_EVENT_QP_LAST_WQE_REACHED", 16),
+            ("IBV_EVENT_WQ_FATAL", 19),
+            ("offsetof(struct ibv_device_attr, max_sge_rd)", offset_of!(IbvDeviceAttr, max_sge_rd)),
             ("offsetof(struct ibv_cq, context)", offset_of!(IbvCq, context)),
             ("offsetof(struct ibv_qp, context)", offset_of!(IbvQp, context)),
             ("offsetof(struct ibv_qp, qp_num)", offset_of!(IbvQp, qp_num)),
