@@ -166,6 +166,15 @@ impl Tracker {
         self.len.clone_from(&self.posted);
     }
 
+    /// Counts every posted request of chain `q` as finished without a completion: for
+    /// requests a provider took as part of a refused chain, whose completions may never come
+    /// (they were not signaled). Only after [`Tracker::fail`], with the queue pair failed.
+    pub fn abandon(&mut self, q: usize) {
+        if let (Some(d), Some(&p)) = (self.done.get_mut(q), self.posted.get(q)) {
+            *d = (*d).max(p);
+        }
+    }
+
     /// A completion for request `index` of chain `q`.
     pub fn complete(
         &mut self,

@@ -195,7 +195,7 @@ unsafe fn active_port(
 impl Device {
     /// Opens the device `opts` names, or the first with an active port and a usable GID.
     pub fn open(opts: OpenOptions<'_>) -> Result<Arc<Device>, Unavailable> {
-        let v = verbs::verbs()?;
+        let v = verbs::verbs_for(opts.name)?;
         let mut n = 0;
         let mut tried = Vec::new();
         // SAFETY: the list is read while it lives; a chosen device is opened before it is

@@ -94,29 +94,29 @@ pub struct IbvCq {
 pub struct IbvQp {
     /// Its context.
     pub context: *mut IbvContext,
-    qp_context: *mut c_void,
-    pd: *mut c_void,
-    send_cq: *mut c_void,
-    recv_cq: *mut c_void,
-    srq: *mut c_void,
-    handle: u32,
+    pub(super) qp_context: *mut c_void,
+    pub(super) pd: *mut c_void,
+    pub(super) send_cq: *mut c_void,
+    pub(super) recv_cq: *mut c_void,
+    pub(super) srq: *mut c_void,
+    pub(super) handle: u32,
     /// Its number.
     pub qp_num: u32,
-    state: c_uint,
-    qp_type: c_uint,
+    pub(super) state: c_uint,
+    pub(super) qp_type: c_uint,
 }
 
 /// `struct ibv_mr`.
 #[repr(C)]
 #[derive(Debug)]
 pub struct IbvMr {
-    context: *mut c_void,
-    pd: *mut c_void,
+    pub(super) context: *mut c_void,
+    pub(super) pd: *mut c_void,
     /// Start address.
     pub addr: *mut c_void,
     /// Length.
     pub length: usize,
-    handle: u32,
+    pub(super) handle: u32,
     /// Local key.
     pub lkey: u32,
     /// Remote key.
@@ -632,6 +632,17 @@ fn load() -> Result<Verbs, Unavailable> {
 pub fn verbs() -> Result<&'static Verbs, Unavailable> {
     static VERBS: OnceLock<Result<Verbs, Unavailable>> = OnceLock::new();
     VERBS.get_or_init(load).as_ref().map_err(Clone::clone)
+}
+
+/// The verbs that serve the device `name`: the library's, or in this crate's tests the
+/// in-process double's for [`super::fake::DEVICE`].
+pub fn verbs_for(name: Option<&str>) -> Result<&'static Verbs, Unavailable> {
+    #[cfg(test)]
+    if name == Some(super::fake::DEVICE) {
+        return Ok(super::fake::verbs());
+    }
+    let _ = name;
+    verbs()
 }
 
 /// `ibv_poll_cq`: up to `wc.len()` completions of `cq`.

@@ -1,0 +1,505 @@
+//! A software RDMA device for this crate's tests: a [`Verbs`] table of Rust functions that
+//! behave as libibverbs does for one reliable-connected adapter in this process. The whole
+//! transport runs against it unchanged: device and port queries, memory registration with
+//! keys and access flags, queue pairs whose state transitions check the attribute masks RC
+//! requires, `post_send` through the context's operation table (RDMA WRITE and READ as
+//! copies between registered ranges of this process, key and bounds checks, a send queue of
+//! bounded depth that takes a chain only in part when full), completions through `poll_cq`,
+//! flushes of a queue pair in error, and retries exhausted toward a destroyed queue pair.
+//!
+//! What it cannot prove: anything about real adapters and wires. Work completes when it is
+//! posted (unless the test holds it), so the timing, ordering across queue pairs, PCIe and
+//! the adapter's own limits are not exercised; `scripts/rdma-check.sh` is for that.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::OnceLock;
+
+use parking_lot::Mutex;
+
+use super::verbs::{
+    consts, IbvAsyncEvent, IbvContext, IbvCq, IbvDeviceAttr, IbvMr, IbvPortAttr, IbvQp, IbvQpAttr,
+    IbvQpInitAttr, IbvSendWr, IbvWc, Verbs,
+};
+
+/// The double's device name.
+pub const DEVICE: &str = "kvfabric-fake0";
+const DEVICE_C: &std::ffi::CStr = c"kvfabric-fake0";
+
+#[derive(Debug)]
+struct MrRec {
+    addr: usize,
+    len: usize,
+    access: c_int,
+}
+
+#[derive(Debug)]
+struct QpRec {
+    cq: usize,
+    state: u32,
+    dest: u32,
+    depth: u32,
+    /// Requests taken, and completed as far as polled (they free the send queue).
+    taken: u64,
+    freed: u64,
+    /// Requests held back (the test holds execution): chain copies with their positions.
+    held: Vec<(u64, Box<IbvSendWr>, Vec<super::verbs::IbvSge>)>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    mrs: HashMap<u32, MrRec>,
+    qps: HashMap<u32, QpRec>,
+    /// Completions per completion queue, each with its queue pair and position.
+    cqs: HashMap<usize, VecDeque<(IbvWc, u32, u64)>>,
+    next_key: u32,
+    next_qpn: u32,
+    hold: bool,
+    /// Send queues take at most this many requests, whatever they were created with (a
+    /// provider that takes a chain only in part).
+    sq_limit: Option<u32>,
+}
+
+fn state() -> &'static Mutex<State> {
+    static S: OnceLock<Mutex<State>> = OnceLock::new();
+    S.get_or_init(|| Mutex::new(State { next_key: 0x100, next_qpn: 0x40, ..Default::default() }))
+}
+
+/// Holds posted work (it is taken, not executed) until [`release`]; a queue pair moved to
+/// the error state meanwhile flushes what it holds.
+pub fn hold() {
+    state().lock().hold = true;
+}
+
+/// Makes queue pairs created from now on take at most `n` outstanding requests, whatever
+/// their creator asked for (None: what it asked).
+pub fn limit_send_queues(n: Option<u32>) {
+    state().lock().sq_limit = n;
+}
+
+/// Serializes the tests that use the double's global switches (under `cargo test`, tests of
+/// one binary share the process).
+pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    SERIAL.lock().await
+}
+
+/// Executes the held work and stops holding.
+pub fn release() {
+    let mut st = state().lock();
+    st.hold = false;
+    let qpns: Vec<u32> = st.qps.keys().copied().collect();
+    for qpn in qpns {
+        let held = st.qps.get_mut(&qpn).map(|q| std::mem::take(&mut q.held)).unwrap_or_default();
+        for (pos, wr, sges) in held {
+            execute(&mut st, qpn, pos, &wr, &sges);
+        }
+    }
+}
+
+/// The double's table.
+pub fn verbs() -> &'static Verbs {
+    static V: OnceLock<Verbs> = OnceLock::new();
+    V.get_or_init(|| Verbs {
+        get_device_list,
+        free_device_list,
+        get_device_name,
+        open_device,
+        close_device,
+        query_device,
+        query_port,
+        query_gid,
+        alloc_pd,
+        dealloc_pd,
+        reg_mr,
+        reg_dmabuf_mr: None,
+        dereg_mr,
+        create_cq,
+        destroy_cq,
+        create_qp,
+        modify_qp,
+        destroy_qp,
+        get_async_event,
+        ack_async_event,
+    })
+}
+
+static DEVICE_TOKEN: u8 = 0;
+
+unsafe extern "C" fn get_device_list(n: *mut c_int) -> *mut *mut c_void {
+    let list: Box<[*mut c_void; 2]> =
+        Box::new([std::ptr::addr_of!(DEVICE_TOKEN) as *mut c_void, std::ptr::null_mut()]);
+    // SAFETY: the caller passes a valid out-pointer (verbs' contract).
+    unsafe { *n = 1 };
+    Box::into_raw(list).cast()
+}
+
+unsafe extern "C" fn free_device_list(list: *mut *mut c_void) {
+    // SAFETY: the list from get_device_list, freed once.
+    drop(unsafe { Box::from_raw(list.cast::<[*mut c_void; 2]>()) });
+}
+
+unsafe extern "C" fn get_device_name(_d: *mut c_void) -> *const c_char {
+    DEVICE_C.as_ptr()
+}
+
+unsafe extern "C" fn open_device(d: *mut c_void) -> *mut IbvContext {
+    let mut ops = [std::ptr::null::<c_void>(); 32];
+    ops[super::verbs::OPS_POLL_CQ] = poll_cq as *const c_void;
+    ops[super::verbs::OPS_POST_SEND] = post_send as *const c_void;
+    // SAFETY: eventfd with valid flags; never written, so polling it finds no event.
+    let async_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    Box::into_raw(Box::new(IbvContext { device: d, ops, cmd_fd: -1, async_fd }))
+}
+
+unsafe extern "C" fn close_device(ctx: *mut IbvContext) -> c_int {
+    // SAFETY: the context from open_device, closed once.
+    let ctx = unsafe { Box::from_raw(ctx) };
+    // SAFETY: our eventfd.
+    unsafe { libc::close(ctx.async_fd) };
+    0
+}
+
+unsafe extern "C" fn query_device(_ctx: *mut IbvContext, a: *mut IbvDeviceAttr) -> c_int {
+    // SAFETY: the caller's structure.
+    let a = unsafe { &mut *a };
+    a.max_mr_size = u64::MAX;
+    a.max_qp_wr = 64;
+    a.max_sge = 4;
+    a.max_sge_rd = 4;
+    a.max_cqe = 1 << 16;
+    a.max_qp_rd_atom = 16;
+    a.max_qp_init_rd_atom = 16;
+    a.phys_port_cnt = 1;
+    0
+}
+
+unsafe extern "C" fn query_port(_ctx: *mut IbvContext, _p: u8, pa: *mut IbvPortAttr) -> c_int {
+    // SAFETY: the caller's structure.
+    let pa = unsafe { &mut *pa };
+    pa.state = consts::PORT_ACTIVE;
+    pa.active_mtu = 5;
+    pa.max_msg_sz = 1 << 31;
+    pa.lid = 7;
+    pa.gid_tbl_len = 1;
+    pa.link_layer = consts::LINK_LAYER_INFINIBAND;
+    0
+}
+
+unsafe extern "C" fn query_gid(
+    _c: *mut IbvContext,
+    _p: u8,
+    _i: c_int,
+    gid: *mut [u8; 16],
+) -> c_int {
+    // SAFETY: the caller's 16 bytes.
+    unsafe { *gid = [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7] };
+    0
+}
+
+unsafe extern "C" fn alloc_pd(ctx: *mut IbvContext) -> *mut c_void {
+    Box::into_raw(Box::new(ctx)).cast()
+}
+
+unsafe extern "C" fn dealloc_pd(pd: *mut c_void) -> c_int {
+    // SAFETY: the domain from alloc_pd, freed once.
+    drop(unsafe { Box::from_raw(pd.cast::<*mut IbvContext>()) });
+    0
+}
+
+unsafe extern "C" fn reg_mr(
+    pd: *mut c_void,
+    addr: *mut c_void,
+    len: usize,
+    access: c_int,
+) -> *mut IbvMr {
+    let mut st = state().lock();
+    st.next_key += 1;
+    let key = st.next_key;
+    st.mrs.insert(key, MrRec { addr: addr as usize, len, access });
+    Box::into_raw(Box::new(IbvMr {
+        context: std::ptr::null_mut(),
+        pd,
+        addr,
+        length: len,
+        handle: key,
+        lkey: key,
+        rkey: key,
+    }))
+}
+
+unsafe extern "C" fn dereg_mr(mr: *mut IbvMr) -> c_int {
+    // SAFETY: the registration from reg_mr, freed once.
+    let mr = unsafe { Box::from_raw(mr) };
+    state().lock().mrs.remove(&mr.lkey);
+    0
+}
+
+unsafe extern "C" fn create_cq(
+    ctx: *mut IbvContext,
+    _cqe: c_int,
+    _c: *mut c_void,
+    _ch: *mut c_void,
+    _v: c_int,
+) -> *mut IbvCq {
+    let cq = Box::into_raw(Box::new(IbvCq { context: ctx }));
+    state().lock().cqs.insert(cq as usize, VecDeque::new());
+    cq
+}
+
+unsafe extern "C" fn destroy_cq(cq: *mut IbvCq) -> c_int {
+    state().lock().cqs.remove(&(cq as usize));
+    // SAFETY: the queue from create_cq, freed once.
+    drop(unsafe { Box::from_raw(cq) });
+    0
+}
+
+unsafe extern "C" fn create_qp(pd: *mut c_void, init: *mut IbvQpInitAttr) -> *mut IbvQp {
+    // SAFETY: our domain (it holds its context) and the caller's attributes.
+    let (ctx, init) = unsafe { (*pd.cast::<*mut IbvContext>(), &*init) };
+    if init.qp_type != consts::QPT_RC || init.cap.max_send_wr == 0 || init.cap.max_send_wr > 64 {
+        return std::ptr::null_mut();
+    }
+    let mut st = state().lock();
+    st.next_qpn += 1;
+    let qpn = st.next_qpn;
+    let depth = st.sq_limit.unwrap_or(init.cap.max_send_wr).min(init.cap.max_send_wr);
+    let qp = Box::into_raw(Box::new(IbvQp {
+        context: ctx,
+        qp_context: std::ptr::null_mut(),
+        pd,
+        send_cq: init.send_cq.cast(),
+        recv_cq: init.recv_cq.cast(),
+        srq: std::ptr::null_mut(),
+        handle: qpn,
+        qp_num: qpn,
+        state: 0,
+        qp_type: consts::QPT_RC,
+    }));
+    st.qps.insert(
+        qpn,
+        QpRec {
+            cq: init.send_cq as usize,
+            state: 0,
+            dest: 0,
+            depth,
+            taken: 0,
+            freed: 0,
+            held: Vec::new(),
+        },
+    );
+    qp
+}
+
+unsafe extern "C" fn modify_qp(qp: *mut IbvQp, a: *mut IbvQpAttr, mask: c_int) -> c_int {
+    use consts::*;
+    // SAFETY: a live queue pair and the caller's attributes.
+    let (qpn, a) = unsafe { ((*qp).qp_num, &*a) };
+    let mut st = state().lock();
+    let Some(rec) = st.qps.get_mut(&qpn) else { return libc::EINVAL };
+    // What RC requires for each transition (IB spec, table 91; what providers check).
+    let needs = match (rec.state, a.qp_state) {
+        (0, QPS_INIT) => QP_STATE | QP_PKEY_INDEX | QP_PORT | QP_ACCESS_FLAGS,
+        (QPS_INIT, QPS_RTR) => {
+            QP_STATE
+                | QP_AV
+                | QP_PATH_MTU
+                | QP_DEST_QPN
+                | QP_RQ_PSN
+                | QP_MAX_DEST_RD_ATOMIC
+                | QP_MIN_RNR_TIMER
+        }
+        (QPS_RTR, QPS_RTS) => {
+            QP_STATE | QP_TIMEOUT | QP_RETRY_CNT | QP_RNR_RETRY | QP_SQ_PSN | QP_MAX_QP_RD_ATOMIC
+        }
+        (_, QPS_ERR) => QP_STATE,
+        _ => return libc::EINVAL,
+    };
+    if mask & needs != needs {
+        return libc::EINVAL;
+    }
+    if a.qp_state == QPS_RTR && !(1..=5).contains(&a.path_mtu) {
+        return libc::EINVAL;
+    }
+    if mask & QP_DEST_QPN != 0 {
+        rec.dest = a.dest_qp_num;
+    }
+    rec.state = a.qp_state;
+    if a.qp_state == QPS_ERR {
+        // Flush what it holds: each request completes with a flush error.
+        let held = std::mem::take(&mut rec.held);
+        let cq = rec.cq;
+        for (pos, wr, _) in held {
+            push(&mut st, cq, qpn, pos, wr.wr_id, consts::WC_WR_FLUSH_ERR, wr.opcode);
+        }
+    }
+    0
+}
+
+unsafe extern "C" fn destroy_qp(qp: *mut IbvQp) -> c_int {
+    // SAFETY: a live queue pair, destroyed once.
+    let qpn = unsafe { (*qp).qp_num };
+    state().lock().qps.remove(&qpn);
+    // SAFETY: as above.
+    drop(unsafe { Box::from_raw(qp) });
+    0
+}
+
+unsafe extern "C" fn get_async_event(_c: *mut IbvContext, _e: *mut IbvAsyncEvent) -> c_int {
+    -1
+}
+
+unsafe extern "C" fn ack_async_event(_e: *mut IbvAsyncEvent) {}
+
+fn push(st: &mut State, cq: usize, qpn: u32, pos: u64, wr_id: u64, status: u32, opcode: u32) {
+    let mut wc = IbvWc::default();
+    wc.wr_id = wr_id;
+    wc.status = status;
+    wc.opcode = if opcode == consts::WR_RDMA_READ { 2 } else { 1 };
+    wc.qp_num = qpn;
+    if let Some(q) = st.cqs.get_mut(&cq) {
+        q.push_back((wc, qpn, pos));
+    }
+}
+
+/// Whether `[addr, addr + len)` lies in registration `key` with `access`.
+fn covered(st: &State, key: u32, addr: u64, len: u64, access: c_int) -> bool {
+    st.mrs.get(&key).is_some_and(|m| {
+        (m.access & access) == access
+            && addr >= m.addr as u64
+            && addr.checked_add(len).is_some_and(|end| end <= (m.addr + m.len) as u64)
+    })
+}
+
+/// Executes one request of queue pair `qpn`: the copy, then its completion (if signaled or
+/// failed); a failure moves the queue pair to the error state.
+fn execute(st: &mut State, qpn: u32, pos: u64, wr: &IbvSendWr, sges: &[super::verbs::IbvSge]) {
+    let Some(rec) = st.qps.get(&qpn) else { return };
+    let (cq, dest, signaled) = (rec.cq, rec.dest, wr.send_flags & consts::SEND_SIGNALED != 0);
+    if rec.state == consts::QPS_ERR {
+        push(st, cq, qpn, pos, wr.wr_id, consts::WC_WR_FLUSH_ERR, wr.opcode);
+        return;
+    }
+    let read = wr.opcode == consts::WR_RDMA_READ;
+    let total: u64 = sges.iter().map(|e| u64::from(e.length)).sum();
+    let status = if !st
+        .qps
+        .get(&dest)
+        .is_some_and(|d| d.state >= consts::QPS_RTR && d.state < consts::QPS_ERR)
+    {
+        // Nobody answers: the transport retries run out.
+        consts::WC_RETRY_EXC_ERR
+    } else if !sges.iter().all(|e| {
+        covered(
+            st,
+            e.lkey,
+            e.addr,
+            u64::from(e.length),
+            if read { consts::ACCESS_LOCAL_WRITE } else { 0 },
+        )
+    }) {
+        4 // local protection error
+    } else if !covered(
+        st,
+        wr.rkey,
+        wr.remote_addr,
+        total,
+        if read { consts::ACCESS_REMOTE_READ } else { consts::ACCESS_REMOTE_WRITE },
+    ) {
+        consts::WC_REM_ACCESS_ERR
+    } else {
+        let mut at = wr.remote_addr as usize;
+        for e in sges {
+            let (local, n) = (e.addr as usize as *mut u8, e.length as usize);
+            let remote = at as *mut u8;
+            // SAFETY: both ranges were checked against live registrations of this process's
+            // memory just above (the transport keeps them registered while work is out).
+            unsafe {
+                if read {
+                    std::ptr::copy(remote, local, n);
+                } else {
+                    std::ptr::copy(local, remote, n);
+                }
+            }
+            at += n;
+        }
+        consts::WC_SUCCESS
+    };
+    if status != consts::WC_SUCCESS {
+        if let Some(r) = st.qps.get_mut(&qpn) {
+            r.state = consts::QPS_ERR;
+        }
+        push(st, cq, qpn, pos, wr.wr_id, status, wr.opcode);
+    } else if signaled {
+        push(st, cq, qpn, pos, wr.wr_id, status, wr.opcode);
+    }
+}
+
+unsafe extern "C" fn post_send(
+    qp: *mut IbvQp,
+    wr: *mut IbvSendWr,
+    bad: *mut *mut IbvSendWr,
+) -> c_int {
+    // SAFETY: a live queue pair.
+    let qpn = unsafe { (*qp).qp_num };
+    let mut st = state().lock();
+    let Some(rec) = st.qps.get(&qpn) else { return libc::EINVAL };
+    if rec.state != consts::QPS_RTS && rec.state != consts::QPS_ERR {
+        // SAFETY: the caller's out-pointer.
+        unsafe { *bad = wr };
+        return libc::EINVAL;
+    }
+    let mut cur = wr;
+    while !cur.is_null() {
+        let rec = st.qps.get_mut(&qpn).expect("looked up above, under the same lock");
+        if rec.taken - rec.freed >= u64::from(rec.depth) {
+            // The send queue is full: the rest of the chain is not taken.
+            // SAFETY: the caller's out-pointer.
+            unsafe { *bad = cur };
+            return libc::ENOMEM;
+        }
+        rec.taken += 1;
+        let pos = rec.taken;
+        // SAFETY: the caller's chain: valid requests whose entries are valid for the call.
+        let (copy, sges) = unsafe {
+            let w = &*cur;
+            let sges = std::slice::from_raw_parts(w.sg_list, w.num_sge.max(0) as usize).to_vec();
+            let mut copy = Box::new(IbvSendWr::default());
+            copy.wr_id = w.wr_id;
+            copy.opcode = w.opcode;
+            copy.send_flags = w.send_flags;
+            copy.remote_addr = w.remote_addr;
+            copy.rkey = w.rkey;
+            (copy, sges)
+        };
+        if st.hold && st.qps[&qpn].state != consts::QPS_ERR {
+            if let Some(r) = st.qps.get_mut(&qpn) {
+                r.held.push((pos, copy, sges));
+            }
+        } else {
+            execute(&mut st, qpn, pos, &copy, &sges);
+        }
+        // SAFETY: as above.
+        cur = unsafe { (*cur).next };
+    }
+    0
+}
+
+unsafe extern "C" fn poll_cq(cq: *mut IbvCq, n: c_int, wc: *mut IbvWc) -> c_int {
+    let mut st = state().lock();
+    let mut got = 0;
+    while got < n.max(0) {
+        let Some((c, qpn, pos)) = st.cqs.get_mut(&(cq as usize)).and_then(VecDeque::pop_front)
+        else {
+            break;
+        };
+        // A completion frees its request's slot and every slot before it.
+        if let Some(r) = st.qps.get_mut(&qpn) {
+            r.freed = r.freed.max(pos);
+        }
+        // SAFETY: the caller's array of at least `n` completions.
+        unsafe { *wc.add(got as usize) = c };
+        got += 1;
+    }
+    got
+}
