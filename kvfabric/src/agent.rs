@@ -173,6 +173,8 @@ pub(crate) struct AgentInner {
     transports: Transports,
     /// Whether RDMA is in use, and why not.
     rdma_status: RdmaStatus,
+    /// The RDMA transport (also in `transports`, maybe wrapped for fault injection).
+    rdma: Option<Arc<crate::transport::rdma::RdmaTransport>>,
     runtime: tokio::runtime::Handle,
     server: Mutex<Option<SessionServer>>,
 }
@@ -284,7 +286,11 @@ impl Agent {
             config.limits.frame_timeout,
         ));
         let (rdma, rdma_status) = open_rdma(&config, &endpoint);
-        let services = Arc::new(Services { endpoint, rpc: RwLock::new(None), rdma: rdma.clone() });
+        let services = Arc::new(Services {
+            endpoint,
+            rpc: RwLock::new(None),
+            rdma: rdma.clone().map(|t| t as Arc<dyn crate::session::RdmaAcceptor>),
+        });
         let session = SessionConfig {
             name: config.name.clone(),
             secret: config.secret.clone(),
@@ -319,9 +325,10 @@ impl Agent {
             host_id: host_id(),
             transports: Transports::new(
                 config.faults.clone(),
-                rdma.map(|t| t as Arc<dyn crate::transport::Transport>),
+                rdma.clone().map(|t| t as Arc<dyn crate::transport::Transport>),
             ),
             rdma_status,
+            rdma,
             runtime,
             server: Mutex::new(Some(server)),
             config,
@@ -442,7 +449,7 @@ impl Agent {
     /// Removes a region; fails while transfers use it.
     pub fn deregister(&self, id: RegionId) -> Result<(), AgentError> {
         self.inner.regions().deregister(id)?;
-        if let Some(rdma) = &self.inner.services.rdma {
+        if let Some(rdma) = &self.inner.rdma {
             rdma.forget_region(id);
         }
         Ok(())

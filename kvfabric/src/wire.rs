@@ -20,6 +20,8 @@
 //! Decoding treats input as hostile: every length is checked against [`WireLimits`] before
 //! anything is allocated, and malformed input is a [`WireError`], never a panic.
 
+pub mod rdma;
+
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
@@ -249,10 +251,10 @@ pub enum Message {
         body: Vec<u8>,
     },
     /// Client → server: connect RDMA queue pairs to these
-    /// ([`crate::transport::rdma::exchange`]).
-    RdmaConnect(crate::transport::rdma::exchange::Connect),
+    /// ([`rdma`]).
+    RdmaConnect(rdma::Connect),
     /// Server → client: its queue pairs and the keys of its exported regions.
-    RdmaAccept(crate::transport::rdma::exchange::Accept),
+    RdmaAccept(rdma::Accept),
 }
 
 /// A decoded frame header.
@@ -534,17 +536,11 @@ impl Message {
             kind::RPC_REPLY => Message::RpcReply { body: c.take(c.b.len())?.to_vec() },
             kind::RDMA_CONNECT => {
                 let body = c.take(c.b.len())?;
-                Message::RdmaConnect(
-                    crate::transport::rdma::exchange::Connect::decode(body)
-                        .map_err(exchange_error)?,
-                )
+                Message::RdmaConnect(rdma::Connect::decode(body).map_err(exchange_error)?)
             }
             kind::RDMA_ACCEPT => {
                 let body = c.take(c.b.len())?;
-                Message::RdmaAccept(
-                    crate::transport::rdma::exchange::Accept::decode(body)
-                        .map_err(exchange_error)?,
-                )
+                Message::RdmaAccept(rdma::Accept::decode(body).map_err(exchange_error)?)
             }
             other => return Err(WireError::UnknownKind(other)),
         };
@@ -577,8 +573,8 @@ impl Message {
     }
 }
 
-fn exchange_error(e: crate::transport::rdma::exchange::ExchangeError) -> WireError {
-    use crate::transport::rdma::exchange::ExchangeError as E;
+fn exchange_error(e: rdma::ExchangeError) -> WireError {
+    use rdma::ExchangeError as E;
     match e {
         E::Truncated => WireError::Truncated,
         E::Trailing(n) => WireError::Trailing(n),

@@ -166,8 +166,8 @@ impl Session {
     /// Asks the peer to connect RDMA queue pairs to ours; its queue pairs and region keys.
     pub(crate) async fn rdma_connect(
         &self,
-        connect: &crate::transport::rdma::exchange::Connect,
-    ) -> Result<crate::transport::rdma::exchange::Accept, TransferError> {
+        connect: &crate::wire::rdma::Connect,
+    ) -> Result<crate::wire::rdma::Accept, TransferError> {
         let mut c = self.conn(0).await?;
         c.send(&Message::RdmaConnect(connect.clone())).await?;
         match c.reply().await? {

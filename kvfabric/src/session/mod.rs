@@ -41,6 +41,18 @@ pub trait RpcHandler: Send + Sync {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>;
 }
 
+/// What answers a peer's `RdmaConnect`: the RDMA transport, when this agent has a device.
+/// Called on the blocking pool (verbs calls and memory registration block).
+pub trait RdmaAcceptor: Send + Sync + std::fmt::Debug {
+    /// Queue pairs for the peer `from`'s, connected, and the keys of the exported regions;
+    /// or why not.
+    fn accept(
+        &self,
+        from: &str,
+        connect: &crate::wire::rdma::Connect,
+    ) -> Result<crate::wire::rdma::Accept, String>;
+}
+
 /// How this agent opens sessions with its peers.
 #[derive(Debug, Clone)]
 pub(crate) struct SessionConfig {

@@ -748,7 +748,7 @@ mod tests {
         (c, s)
     }
 
-    use crate::transport::rdma::exchange as rdma;
+    use crate::wire::rdma;
 
     fn qp(i: u32) -> rdma::QpAddr {
         rdma::QpAddr { lid: 1, gid: [i as u8; 16], qpn: i, psn: i, mtu: 5, rd_atomic: 1 }

@@ -32,7 +32,7 @@ pub(crate) struct Services {
     pub(crate) endpoint: Arc<Endpoint>,
     pub(crate) rpc: RwLock<Option<Arc<dyn RpcHandler>>>,
     /// The RDMA transport, which answers peers' `RdmaConnect` (None: no device here).
-    pub(crate) rdma: Option<Arc<crate::transport::rdma::RdmaTransport>>,
+    pub(crate) rdma: Option<Arc<dyn super::RdmaAcceptor>>,
 }
 
 impl std::fmt::Debug for Services {

@@ -30,7 +30,6 @@
 
 pub mod completion;
 pub mod device;
-pub mod exchange;
 #[cfg(test)]
 mod fake;
 pub mod plan;
@@ -51,6 +50,7 @@ use crate::transfer::{TransferError, TransferOp, TransportKind};
 use crate::wire::WireDesc;
 
 use super::{Job, Transport, TransportFuture};
+pub use crate::wire::rdma as exchange;
 use completion::{Progress, Tracker, WrId};
 use device::{Cq, Device, Mr, OpenOptions, Qp};
 use exchange::{Accept, Connect, RegionKey};
@@ -410,7 +410,7 @@ impl RdmaTransport {
     /// The owner's side of a connection: queue pairs for the client's, connected, and the
     /// keys of every exported host region. Blocking (verbs calls, memory registration):
     /// the session server runs it on the blocking pool.
-    pub fn accept(&self, from: &str, connect: &Connect) -> Result<Accept, String> {
+    fn accept_connect(&self, from: &str, connect: &Connect) -> Result<Accept, String> {
         let (qps, budget) = self.new_qps(connect.qps.len()).map_err(|e| e.to_string())?;
         for (qp, remote) in qps.iter().zip(&connect.qps) {
             qp.connect(remote).map_err(|e| e.to_string())?;
@@ -824,6 +824,12 @@ impl Drop for RdmaTransport {
     }
 }
 
+impl crate::session::RdmaAcceptor for RdmaTransport {
+    fn accept(&self, from: &str, connect: &Connect) -> Result<Accept, String> {
+        self.accept_connect(from, connect)
+    }
+}
+
 impl Transport for RdmaTransport {
     fn kind(&self) -> TransportKind {
         TransportKind::Rdma
@@ -844,6 +850,55 @@ pub fn availability() -> Result<Vec<String>, Unavailable> {
         ));
     }
     Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exchange::{Connect, QpAddr};
+    use crate::agent::{Agent, AgentConfig};
+    use crate::transfer::TransferError;
+    use crate::wire::ErrorCode;
+
+    #[test]
+    fn the_environment_chooses_the_device_or_turns_rdma_off() {
+        use super::RdmaConfig;
+        assert_eq!(RdmaConfig::from_values(None, None), Some(RdmaConfig::default()));
+        assert_eq!(RdmaConfig::from_values(Some("auto"), None), Some(RdmaConfig::default()));
+        assert_eq!(RdmaConfig::from_values(Some("off"), Some("3")), None);
+        let c = RdmaConfig::from_values(Some("mlx5_1"), Some("3")).unwrap();
+        assert_eq!((c.device.as_deref(), c.gid_index), (Some("mlx5_1"), Some(3)));
+        assert_eq!(RdmaConfig::from_values(None, Some("x")).unwrap().gid_index, None);
+    }
+
+    /// Over a real session: an agent without a device answers a connect with a typed refusal
+    /// (and the session stays usable); the exchange needs the secret like everything else.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connect_to_an_agent_without_a_device_is_refused_typed() {
+        if super::availability().is_ok() {
+            eprintln!("SKIPPED: this host has an RDMA device (the hardware tests cover it)");
+            return;
+        }
+        let a = Agent::start(AgentConfig::new("a", b"k".to_vec())).await.unwrap();
+        let b = Agent::start(AgentConfig::new("b", b"k".to_vec())).await.unwrap();
+        a.load_peer(b.metadata()).unwrap();
+        let peer = a.peer("b").unwrap();
+        let connect = Connect {
+            qps: vec![QpAddr { lid: 1, gid: [0; 16], qpn: 5, psn: 6, mtu: 5, rd_atomic: 1 }],
+        };
+        let e = peer.session.rdma_connect(&connect).await.unwrap_err();
+        assert!(
+            matches!(&e, TransferError::Remote { code: ErrorCode::Unavailable, message } if message.contains("no RDMA device")),
+            "{e}"
+        );
+        // The same session still answers.
+        assert_eq!(peer.session.checksums(Vec::new()).await.unwrap(), Vec::<u64>::new());
+
+        // Without the secret, no exchange at all.
+        let c = Agent::start(AgentConfig::new("c", b"other".to_vec())).await.unwrap();
+        c.load_peer(b.metadata()).unwrap();
+        let e = c.peer("b").unwrap().session.rdma_connect(&connect).await.unwrap_err();
+        assert!(matches!(e, TransferError::Auth(_)), "{e}");
+    }
 }
 
 #[cfg(test)]
@@ -1127,54 +1182,5 @@ mod double_tests {
             .unwrap_err();
         assert!(matches!(&e, TransferError::Protocol(m) if m.contains("ibv_post_send")), "{e}");
         a.post(small).unwrap().wait().await.unwrap();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::exchange::{Connect, QpAddr};
-    use crate::agent::{Agent, AgentConfig};
-    use crate::transfer::TransferError;
-    use crate::wire::ErrorCode;
-
-    #[test]
-    fn the_environment_chooses_the_device_or_turns_rdma_off() {
-        use super::RdmaConfig;
-        assert_eq!(RdmaConfig::from_values(None, None), Some(RdmaConfig::default()));
-        assert_eq!(RdmaConfig::from_values(Some("auto"), None), Some(RdmaConfig::default()));
-        assert_eq!(RdmaConfig::from_values(Some("off"), Some("3")), None);
-        let c = RdmaConfig::from_values(Some("mlx5_1"), Some("3")).unwrap();
-        assert_eq!((c.device.as_deref(), c.gid_index), (Some("mlx5_1"), Some(3)));
-        assert_eq!(RdmaConfig::from_values(None, Some("x")).unwrap().gid_index, None);
-    }
-
-    /// Over a real session: an agent without a device answers a connect with a typed refusal
-    /// (and the session stays usable); the exchange needs the secret like everything else.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_connect_to_an_agent_without_a_device_is_refused_typed() {
-        if super::availability().is_ok() {
-            eprintln!("SKIPPED: this host has an RDMA device (the hardware tests cover it)");
-            return;
-        }
-        let a = Agent::start(AgentConfig::new("a", b"k".to_vec())).await.unwrap();
-        let b = Agent::start(AgentConfig::new("b", b"k".to_vec())).await.unwrap();
-        a.load_peer(b.metadata()).unwrap();
-        let peer = a.peer("b").unwrap();
-        let connect = Connect {
-            qps: vec![QpAddr { lid: 1, gid: [0; 16], qpn: 5, psn: 6, mtu: 5, rd_atomic: 1 }],
-        };
-        let e = peer.session.rdma_connect(&connect).await.unwrap_err();
-        assert!(
-            matches!(&e, TransferError::Remote { code: ErrorCode::Unavailable, message } if message.contains("no RDMA device")),
-            "{e}"
-        );
-        // The same session still answers.
-        assert_eq!(peer.session.checksums(Vec::new()).await.unwrap(), Vec::<u64>::new());
-
-        // Without the secret, no exchange at all.
-        let c = Agent::start(AgentConfig::new("c", b"other".to_vec())).await.unwrap();
-        c.load_peer(b.metadata()).unwrap();
-        let e = c.peer("b").unwrap().session.rdma_connect(&connect).await.unwrap_err();
-        assert!(matches!(e, TransferError::Auth(_)), "{e}");
     }
 }

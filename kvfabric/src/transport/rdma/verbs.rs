@@ -634,17 +634,6 @@ pub fn verbs() -> Result<&'static Verbs, Unavailable> {
     VERBS.get_or_init(load).as_ref().map_err(Clone::clone)
 }
 
-/// The verbs that serve the device `name`: the library's, or in this crate's tests the
-/// in-process double's for [`super::fake::DEVICE`].
-pub fn verbs_for(name: Option<&str>) -> Result<&'static Verbs, Unavailable> {
-    #[cfg(test)]
-    if name == Some(super::fake::DEVICE) {
-        return Ok(super::fake::verbs());
-    }
-    let _ = name;
-    verbs()
-}
-
 /// `ibv_poll_cq`: up to `wc.len()` completions of `cq`.
 ///
 /// # Safety
