@@ -120,6 +120,75 @@ impl Job {
         }
     }
 
+    /// The remote side of every piece, for the owner; with `checksums` (one per piece).
+    fn remote_descs(&self, checksums: Option<&[u64]>) -> Vec<crate::wire::WireDesc> {
+        self.pieces
+            .iter()
+            .enumerate()
+            .map(|(i, p)| crate::wire::WireDesc {
+                region: p.remote.region.0,
+                offset: p.remote.offset,
+                len: p.len(),
+                checksum: checksums.and_then(|c| c.get(i).copied()),
+            })
+            .collect()
+    }
+
+    /// The checksum to send for the local bytes of every piece.
+    fn local_checksums(&self) -> Result<Vec<u64>, TransferError> {
+        self.pieces
+            .iter()
+            .map(|p| Ok(self.sent_checksum(self.region(p).checksum(p.local_offset, p.len())?)))
+            .collect()
+    }
+
+    /// Before a one-sided transfer (`shm`, `rdma`) moves bytes: for a checksummed READ, the
+    /// owner's checksums of its bytes (hashed before we copy them).
+    pub(crate) async fn one_sided_expected(
+        &self,
+        peer: &Peer,
+    ) -> Result<Option<Vec<u64>>, TransferError> {
+        if self.checksum && self.op == TransferOp::Read {
+            Ok(Some(peer.session.checksums(self.remote_descs(None)).await?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// After a one-sided transfer moved every byte: a WRITE with checksums or a notification
+    /// ends with a `Commit` (the owner verifies, then delivers the notification); a READ
+    /// checks its bytes against `expected`, then sends its notification.
+    pub(crate) async fn one_sided_finish(
+        &self,
+        peer: &Peer,
+        expected: Option<Vec<u64>>,
+    ) -> Result<(), TransferError> {
+        match self.op {
+            TransferOp::Write => {
+                let verify = if self.checksum {
+                    self.remote_descs(Some(&self.local_checksums()?))
+                } else {
+                    Vec::new()
+                };
+                if !verify.is_empty() || self.notify.is_some() {
+                    peer.session.commit(self.id, verify, self.notify.clone()).await?;
+                }
+            }
+            TransferOp::Read => {
+                if let Some(expected) = expected {
+                    let got = self.local_checksums()?;
+                    if let Some(i) = (0..got.len()).find(|&i| expected.get(i) != Some(&got[i])) {
+                        return Err(TransferError::Checksum { index: i });
+                    }
+                }
+                if self.notify.is_some() {
+                    peer.session.commit(self.id, Vec::new(), self.notify.clone()).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Delivers the notification of a job within this agent to its own queue.
     pub(crate) async fn deliver_here(&self, message: &[u8]) -> Result<(), TransferError> {
         let endpoint = self.endpoint()?;

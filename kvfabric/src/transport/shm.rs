@@ -12,7 +12,6 @@ use std::sync::Arc;
 
 use crate::memory::{copy_with_peer, PeerMapping, RegionLease};
 use crate::transfer::{TransferError, TransferOp, TransportKind};
-use crate::wire::WireDesc;
 
 use super::{Job, Transport, TransportFuture};
 
@@ -106,60 +105,10 @@ impl Transport for ShmTransport {
                     len: p.len(),
                 });
             }
-            let wire = |checksums: Option<&[u64]>| -> Vec<WireDesc> {
-                job.pieces
-                    .iter()
-                    .enumerate()
-                    .map(|(i, p)| WireDesc {
-                        region: p.remote.region.0,
-                        offset: p.remote.offset,
-                        len: p.len(),
-                        checksum: checksums.map(|c| c[i]),
-                    })
-                    .collect()
-            };
             let to_peer = job.op == TransferOp::Write;
-            // For a checksummed READ, the owner hashes its bytes before we copy them.
-            let expected = if job.checksum && !to_peer {
-                Some(peer.session.checksums(wire(None)).await?)
-            } else {
-                None
-            };
+            let expected = job.one_sided_expected(peer).await?;
             run_copies(&copies, to_peer).await?;
-            match job.op {
-                TransferOp::Write => {
-                    let verify = if job.checksum {
-                        let sums = copies
-                            .iter()
-                            .map(|c| {
-                                Ok(job.sent_checksum(
-                                    c.local.region().checksum(c.local_offset, c.len)?,
-                                ))
-                            })
-                            .collect::<Result<Vec<u64>, TransferError>>()?;
-                        wire(Some(&sums))
-                    } else {
-                        Vec::new()
-                    };
-                    if !verify.is_empty() || job.notify.is_some() {
-                        peer.session.commit(job.id, verify, job.notify.clone()).await?;
-                    }
-                }
-                TransferOp::Read => {
-                    if let Some(expected) = expected {
-                        for (i, (c, &e)) in copies.iter().zip(&expected).enumerate() {
-                            if job.sent_checksum(c.local.region().checksum(c.local_offset, c.len)?)
-                                != e
-                            {
-                                return Err(TransferError::Checksum { index: i });
-                            }
-                        }
-                    }
-                    if job.notify.is_some() {
-                        peer.session.commit(job.id, Vec::new(), job.notify.clone()).await?;
-                    }
-                }
-            }
+            job.one_sided_finish(peer, expected).await?;
             Ok(())
         })
     }

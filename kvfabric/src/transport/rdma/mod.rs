@@ -47,7 +47,6 @@ use crate::endpoint::Endpoint;
 use crate::memory::{Region, RegionId};
 use crate::peer::Peer;
 use crate::transfer::{TransferError, TransferOp, TransportKind};
-use crate::wire::WireDesc;
 
 use super::{Job, Transport, TransportFuture};
 pub use crate::wire::rdma as exchange;
@@ -507,23 +506,7 @@ impl RdmaTransport {
                 len: p.len(),
             });
         }
-        let wire = |checksums: Option<&[u64]>| -> Vec<WireDesc> {
-            job.pieces
-                .iter()
-                .enumerate()
-                .map(|(i, p)| WireDesc {
-                    region: p.remote.region.0,
-                    offset: p.remote.offset,
-                    len: p.len(),
-                    checksum: checksums.map(|c| c[i]),
-                })
-                .collect()
-        };
-        let expected = if job.checksum && job.op == TransferOp::Read {
-            Some(peer.session.checksums(wire(None)).await?)
-        } else {
-            None
-        };
+        let expected = job.one_sided_expected(peer).await?;
         let limits = plan::Limits {
             max_sge: self.dev.info().max_sge,
             wr_bytes_max: self.cfg.wr_bytes_max.min(self.dev.info().max_msg_bytes).max(1),
@@ -533,39 +516,7 @@ impl RdmaTransport {
         let chains =
             plan::plan(&segs, &limits).map_err(|e| TransferError::Invalid(e.to_string()))?;
         self.move_bytes(&conn, &peer.metadata().name, job.op, &chains).await?;
-        match job.op {
-            TransferOp::Write => {
-                let verify = if job.checksum {
-                    let sums = job
-                        .pieces
-                        .iter()
-                        .map(|p| {
-                            Ok(job.sent_checksum(job.region(p).checksum(p.local_offset, p.len())?))
-                        })
-                        .collect::<Result<Vec<u64>, TransferError>>()?;
-                    wire(Some(&sums))
-                } else {
-                    Vec::new()
-                };
-                if !verify.is_empty() || job.notify.is_some() {
-                    peer.session.commit(job.id, verify, job.notify.clone()).await?;
-                }
-            }
-            TransferOp::Read => {
-                if let Some(expected) = expected {
-                    for (i, (p, &e)) in job.pieces.iter().zip(&expected).enumerate() {
-                        if job.sent_checksum(job.region(p).checksum(p.local_offset, p.len())?) != e
-                        {
-                            return Err(TransferError::Checksum { index: i });
-                        }
-                    }
-                }
-                if let Some(n) = &job.notify {
-                    peer.session.commit(job.id, Vec::new(), Some(n.clone())).await?;
-                }
-            }
-        }
-        Ok(())
+        job.one_sided_finish(peer, expected).await
     }
 
     /// Posts the chains as the send queues have room and waits for their completions.
