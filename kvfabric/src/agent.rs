@@ -455,6 +455,12 @@ impl Agent {
         Ok(())
     }
 
+    /// Its RDMA transport, when it has one (tests look at its counters).
+    #[cfg(test)]
+    pub(crate) fn rdma_transport(&self) -> Option<&Arc<crate::transport::rdma::RdmaTransport>> {
+        self.inner.rdma.as_ref()
+    }
+
     /// Whether this agent moves bytes over RDMA, on which device, or why not.
     pub fn rdma_status(&self) -> &RdmaStatus {
         &self.inner.rdma_status

@@ -764,7 +764,8 @@ mod tests {
         assert!(to_server(&mut s, &connect, 1 << 20).is_err(), "a connect before the hello");
 
         let (mut c, mut s) = connected(1 << 20);
-        let accept = Message::RdmaAccept(rdma::Accept { qps: vec![qp(1)], regions: vec![] });
+        let accept =
+            Message::RdmaAccept(rdma::Accept { qps: vec![qp(1)], regions: vec![], mailbox: None });
         assert!(c.request(&accept).is_err(), "an accept is not a request");
         assert!(
             to_server(&mut s, &accept.encode(1), 1 << 20).is_err(),
@@ -810,6 +811,7 @@ mod tests {
                             len: 8192,
                             rkey: 5,
                         }],
+                        mailbox: None,
                     }),
                 ),
             ];

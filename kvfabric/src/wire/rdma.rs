@@ -10,9 +10,10 @@
 //!
 //! ```text
 //! Connect: u8 n | n × QpAddr
-//! Accept:  u8 n | n × QpAddr | u32 m | m × RegionKey
+//! Accept:  u8 n | n × QpAddr | u32 m | m × RegionKey | u8 has_mailbox [| Mailbox]
 //! QpAddr:    u16 lid | [u8; 16] gid | u32 qpn | u32 psn | u8 mtu | u8 rd_atomic (28 bytes)
 //! RegionKey: u64 region | u64 addr | u64 len | u32 rkey                   (28 bytes)
+//! Mailbox:   u64 addr | u32 rkey | u16 slots | u32 slot_bytes              (18 bytes)
 //! ```
 
 /// Most queue pairs one connection stripes over.
@@ -67,7 +68,32 @@ pub struct Accept {
     pub qps: Vec<QpAddr>,
     /// Its exported regions.
     pub regions: Vec<RegionKey>,
+    /// Where notifications carried by a WRITE with immediate data land (None: send them
+    /// through the session).
+    pub mailbox: Option<Mailbox>,
 }
+
+/// The owner's notification mailbox: `slots` slots of `slot_bytes`, written by WRITEs with
+/// immediate data on the first queue pair; the immediate names the message's sequence
+/// number, whose slot is `seq % slots`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mailbox {
+    /// Start of the slots.
+    pub addr: u64,
+    /// Their registration's remote key.
+    pub rkey: u32,
+    /// How many.
+    pub slots: u16,
+    /// Bytes of each (a header of [`MAILBOX_HEADER_BYTES`], then the message).
+    pub slot_bytes: u32,
+}
+
+/// A mailbox slot's header: the sender's transfer id (u64) and the message's length (u32).
+pub const MAILBOX_HEADER_BYTES: usize = 12;
+/// Most mailbox slots.
+pub const MAILBOX_SLOTS_MAX: u16 = 1024;
+/// Largest mailbox slot (one packet at the largest MTU).
+pub const MAILBOX_SLOT_BYTES_MAX: u32 = 4096;
 
 /// Why an exchange message was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -228,6 +254,16 @@ impl Accept {
         for r in regions {
             r.put(&mut out);
         }
+        match &self.mailbox {
+            None => out.push(0),
+            Some(m) => {
+                out.push(1);
+                out.extend_from_slice(&m.addr.to_le_bytes());
+                out.extend_from_slice(&m.rkey.to_le_bytes());
+                out.extend_from_slice(&m.slots.to_le_bytes());
+                out.extend_from_slice(&m.slot_bytes.to_le_bytes());
+            }
+        }
         out
     }
 
@@ -243,13 +279,34 @@ impl Accept {
             return Err(ExchangeError::Truncated);
         }
         let regions = (0..m).map(|_| RegionKey::take(&mut c)).collect::<Result<Vec<_>, _>>()?;
+        let mailbox = match c.array::<1>()?[0] {
+            0 => None,
+            1 => {
+                let addr = u64::from_le_bytes(c.array()?);
+                let rkey = u32::from_le_bytes(c.array()?);
+                let slots = u16::from_le_bytes(c.array()?);
+                let slot_bytes = u32::from_le_bytes(c.array()?);
+                if !(1..=MAILBOX_SLOTS_MAX).contains(&slots) {
+                    return Err(ExchangeError::Invalid("mailbox slots (1..=1024)"));
+                }
+                if !(MAILBOX_HEADER_BYTES as u32 + 1..=MAILBOX_SLOT_BYTES_MAX).contains(&slot_bytes)
+                {
+                    return Err(ExchangeError::Invalid("mailbox slot bytes (13..=4096)"));
+                }
+                if addr.checked_add(u64::from(slots) * u64::from(slot_bytes)).is_none() {
+                    return Err(ExchangeError::Invalid("mailbox wraps the address space"));
+                }
+                Some(Mailbox { addr, rkey, slots, slot_bytes })
+            }
+            _ => return Err(ExchangeError::Invalid("mailbox flag")),
+        };
         c.end()?;
         let mut ids: Vec<u64> = regions.iter().map(|r| r.region).collect();
         ids.sort_unstable();
         if ids.windows(2).any(|w| w[0] == w[1]) {
             return Err(ExchangeError::Invalid("a region listed twice"));
         }
-        Ok(Accept { qps, regions })
+        Ok(Accept { qps, regions, mailbox })
     }
 
     /// The key of a region.
@@ -281,6 +338,7 @@ mod tests {
                 RegionKey { region: 1, addr: 0x7f00_0000_0000, len: 1 << 30, rkey: 0x1234 },
                 RegionKey { region: 9, addr: 0x1000, len: 4096, rkey: 7 },
             ],
+            mailbox: Some(Mailbox { addr: 0x9000, rkey: 3, slots: 16, slot_bytes: 4096 }),
         }
     }
 
@@ -326,8 +384,9 @@ mod tests {
         b.push(0);
         assert_eq!(Connect::decode(&b), Err(ExchangeError::Trailing(1)));
 
-        let bad_region =
-            |r: RegionKey| Accept::decode(&Accept { qps: vec![qp(0)], regions: vec![r] }.encode());
+        let bad_region = |r: RegionKey| {
+            Accept::decode(&Accept { qps: vec![qp(0)], regions: vec![r], mailbox: None }.encode())
+        };
         assert_eq!(
             bad_region(RegionKey { region: 1, addr: u64::MAX - 10, len: 11, rkey: 1 }),
             Err(ExchangeError::Invalid("region wraps the address space"))
@@ -357,6 +416,34 @@ mod tests {
         short.extend_from_slice(&2u32.to_le_bytes());
         short.extend_from_slice(&[0; 30]);
         assert_eq!(Accept::decode(&short), Err(ExchangeError::Truncated));
+        // Mailboxes: bounded slots and sizes, no wrap, a flag of 0 or 1.
+        let bad_mailbox = |m: Mailbox| {
+            let mut a = accept();
+            a.mailbox = Some(m);
+            Accept::decode(&a.encode())
+        };
+        let ok = Mailbox { addr: 0x9000, rkey: 3, slots: 16, slot_bytes: 4096 };
+        assert_eq!(
+            bad_mailbox(Mailbox { slots: 0, ..ok }),
+            Err(ExchangeError::Invalid("mailbox slots (1..=1024)"))
+        );
+        assert_eq!(
+            bad_mailbox(Mailbox { slot_bytes: 12, ..ok }),
+            Err(ExchangeError::Invalid("mailbox slot bytes (13..=4096)"))
+        );
+        assert_eq!(
+            bad_mailbox(Mailbox { slot_bytes: 8192, ..ok }),
+            Err(ExchangeError::Invalid("mailbox slot bytes (13..=4096)"))
+        );
+        assert_eq!(
+            bad_mailbox(Mailbox { addr: u64::MAX - 100, ..ok }),
+            Err(ExchangeError::Invalid("mailbox wraps the address space"))
+        );
+        let mut flag = accept();
+        flag.mailbox = None;
+        let mut b = flag.encode();
+        *b.last_mut().unwrap() = 2;
+        assert_eq!(Accept::decode(&b), Err(ExchangeError::Invalid("mailbox flag")));
     }
 
     #[test]

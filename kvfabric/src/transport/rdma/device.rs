@@ -11,6 +11,8 @@ use super::verbs::{
 
 /// Scatter/gather entries per work request at most.
 const SGE_MAX: i32 = 8;
+/// Receive queue depth of every queue pair (the notification mailbox's slots at most).
+pub const RECV_DEPTH: u32 = 16;
 
 /// Why a verbs call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -403,7 +405,8 @@ impl Device {
             srq: std::ptr::null_mut(),
             cap: verbs::IbvQpCap {
                 max_send_wr: depth.clamp(1, self.info.max_qp_wr),
-                max_recv_wr: 1,
+                // Receives for notifications (WRITEs with immediate data) on the first one.
+                max_recv_wr: RECV_DEPTH,
                 max_send_sge: self.info.max_sge,
                 max_recv_sge: 1,
                 max_inline_data: 0,
@@ -617,6 +620,38 @@ impl Qp {
                 | consts::QP_SQ_PSN
                 | consts::QP_MAX_QP_RD_ATOMIC,
         )
+    }
+
+    /// Posts one receive without entries per id (each consumed by a WRITE with immediate
+    /// data from the peer).
+    pub fn post_receives(&self, ids: &[u64]) -> Result<(), VerbsError> {
+        let mut wrs: Vec<verbs::IbvRecvWr> = ids
+            .iter()
+            .map(|&wr_id| verbs::IbvRecvWr {
+                wr_id,
+                next: std::ptr::null_mut(),
+                sg_list: std::ptr::null_mut(),
+                num_sge: 0,
+            })
+            .collect();
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let base = wrs.as_mut_ptr();
+        for k in 1..wrs.len() {
+            // SAFETY: k - 1 and k are inside `wrs`, which is not resized after this.
+            unsafe { (*base.add(k - 1)).next = base.add(k) };
+        }
+        // SAFETY: a live queue pair and a linked, null-terminated chain without entries.
+        unsafe { verbs::post_recv(self.qp, base) }.map_err(|code| VerbsError {
+            call: "ibv_post_recv",
+            reason: std::io::Error::from_raw_os_error(code.abs()).to_string(),
+        })
+    }
+
+    /// Its path MTU in bytes toward `remote` (what one packet carries).
+    pub fn mtu_bytes(&self) -> u32 {
+        256 << (u32::from(self.dev.info.mtu.clamp(1, 5)) - 1)
     }
 
     /// Moves it to the error state: its outstanding work is flushed (each request completes

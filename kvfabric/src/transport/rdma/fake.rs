@@ -44,6 +44,11 @@ struct QpRec {
     freed: u64,
     /// Requests held back (the test holds execution): chain copies with their positions.
     held: Vec<(u64, Box<IbvSendWr>, Vec<super::verbs::IbvSge>)>,
+    /// Receives posted, by id.
+    receives: VecDeque<u64>,
+    /// WRITEs with immediate data that found no receive yet (the sender's adapter retries,
+    /// RNR): (immediate, sender, its position, its id, whether signaled).
+    waiting: VecDeque<(u32, u32, u64, u64, bool)>,
 }
 
 #[derive(Debug, Default)]
@@ -147,6 +152,7 @@ unsafe extern "C" fn open_device(d: *mut c_void) -> *mut IbvContext {
     let mut ops = [std::ptr::null::<c_void>(); 32];
     ops[super::verbs::OPS_POLL_CQ] = poll_cq as *const c_void;
     ops[super::verbs::OPS_POST_SEND] = post_send as *const c_void;
+    ops[super::verbs::OPS_POST_RECV] = post_recv as *const c_void;
     // SAFETY: eventfd with valid flags; never written, so polling it finds no event.
     let async_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     Box::into_raw(Box::new(IbvContext { device: d, ops, cmd_fd: -1, async_fd }))
@@ -286,6 +292,8 @@ unsafe extern "C" fn create_qp(pd: *mut c_void, init: *mut IbvQpInitAttr) -> *mu
             taken: 0,
             freed: 0,
             held: Vec::new(),
+            receives: VecDeque::new(),
+            waiting: VecDeque::new(),
         },
     );
     qp
@@ -352,11 +360,27 @@ unsafe extern "C" fn get_async_event(_c: *mut IbvContext, _e: *mut IbvAsyncEvent
 unsafe extern "C" fn ack_async_event(_e: *mut IbvAsyncEvent) {}
 
 fn push(st: &mut State, cq: usize, qpn: u32, pos: u64, wr_id: u64, status: u32, opcode: u32) {
+    let wc_opcode = if opcode == consts::WR_RDMA_READ { 2 } else { 1 };
+    push_wc(st, cq, qpn, pos, wr_id, status, wc_opcode, 0);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn push_wc(
+    st: &mut State,
+    cq: usize,
+    qpn: u32,
+    pos: u64,
+    wr_id: u64,
+    status: u32,
+    opcode: u32,
+    imm: u32,
+) {
     let mut wc = IbvWc::default();
     wc.wr_id = wr_id;
     wc.status = status;
-    wc.opcode = if opcode == consts::WR_RDMA_READ { 2 } else { 1 };
+    wc.opcode = opcode;
     wc.qp_num = qpn;
+    wc.imm_data = imm;
     if let Some(q) = st.cqs.get_mut(&cq) {
         q.push_back((wc, qpn, pos));
     }
@@ -430,9 +454,57 @@ fn execute(st: &mut State, qpn: u32, pos: u64, wr: &IbvSendWr, sges: &[super::ve
             r.state = consts::QPS_ERR;
         }
         push(st, cq, qpn, pos, wr.wr_id, status, wr.opcode);
+    } else if wr.opcode == consts::WR_RDMA_WRITE_WITH_IMM {
+        // The immediate consumes a receive of the destination: now, or when one is posted.
+        if let Some(d) = st.qps.get_mut(&dest) {
+            d.waiting.push_back((wr.imm_data, qpn, pos, wr.wr_id, signaled));
+        }
+        match_receives(st, dest);
     } else if signaled {
         push(st, cq, qpn, pos, wr.wr_id, status, wr.opcode);
     }
+}
+
+/// Pairs queue pair `qpn`'s waiting immediates with its receives: a receive completion
+/// there, the WRITE's completion at its sender.
+fn match_receives(st: &mut State, qpn: u32) {
+    loop {
+        let Some(d) = st.qps.get_mut(&qpn) else { return };
+        if d.receives.is_empty() || d.waiting.is_empty() {
+            return;
+        }
+        let recv = d.receives.pop_front().unwrap_or(0);
+        let (imm, sender, pos, wr_id, signaled) = d.waiting.pop_front().unwrap_or_default();
+        let dcq = d.cq;
+        push_wc(st, dcq, qpn, 0, recv, consts::WC_SUCCESS, consts::WC_RECV_RDMA_WITH_IMM, imm);
+        if signaled {
+            if let Some(scq) = st.qps.get(&sender).map(|s| s.cq) {
+                push_wc(st, scq, sender, pos, wr_id, consts::WC_SUCCESS, 1, 0);
+            }
+        }
+    }
+}
+
+unsafe extern "C" fn post_recv(
+    qp: *mut IbvQp,
+    wr: *mut super::verbs::IbvRecvWr,
+    _bad: *mut *mut super::verbs::IbvRecvWr,
+) -> c_int {
+    // SAFETY: a live queue pair.
+    let qpn = unsafe { (*qp).qp_num };
+    let mut st = state().lock();
+    let mut cur = wr;
+    while !cur.is_null() {
+        // SAFETY: the caller's chain of receives.
+        let (id, next) = unsafe { ((*cur).wr_id, (*cur).next) };
+        match st.qps.get_mut(&qpn) {
+            Some(r) if r.receives.len() < 16 => r.receives.push_back(id),
+            _ => return libc::ENOMEM,
+        }
+        cur = next;
+    }
+    match_receives(&mut st, qpn);
+    0
 }
 
 unsafe extern "C" fn post_send(
@@ -467,6 +539,7 @@ unsafe extern "C" fn post_send(
             let mut copy = Box::new(IbvSendWr::default());
             copy.wr_id = w.wr_id;
             copy.opcode = w.opcode;
+            copy.imm_data = w.imm_data;
             copy.send_flags = w.send_flags;
             copy.remote_addr = w.remote_addr;
             copy.rkey = w.rkey;

@@ -52,7 +52,7 @@ use super::{Job, Transport, TransportFuture};
 pub use crate::wire::rdma as exchange;
 use completion::{Progress, Tracker, WrId};
 use device::{Cq, Device, Mr, OpenOptions, Qp};
-use exchange::{Accept, Connect, RegionKey};
+use exchange::{Accept, Connect, Mailbox, RegionKey, MAILBOX_HEADER_BYTES};
 
 pub use device::DeviceInfo;
 pub use verbs::Unavailable;
@@ -176,8 +176,43 @@ struct Connection {
     room_freed: tokio::sync::Notify,
     keys: HashMap<u64, RegionKey>,
     broken: AtomicBool,
+    /// Outgoing: the peer's notification mailbox, and our staging buffer for it.
+    mailbox: Option<(Mailbox, Outbox)>,
+    /// Incoming: the id of the inbox our peer's notifications land in.
+    inbox: Option<u32>,
     _budget: QpBudget,
 }
+
+/// The sender's side of a peer's mailbox: one staging slot, and the next sequence number;
+/// notifications to one peer go one at a time (their order on the first queue pair is the
+/// order of their sequence numbers, which name the mailbox slots).
+#[derive(Debug)]
+struct Outbox {
+    // Declared before the buffer it registers: dropped first.
+    mr: Mr,
+    buf: Box<[u8]>,
+    seq: tokio::sync::Mutex<u32>,
+}
+
+/// The owner's side: where one peer's notifications land, `MAILBOX_SLOTS` slots written by
+/// WRITEs with immediate data; a receive is posted again once its slot's notification was
+/// delivered (so a slow consumer holds senders back instead of losing notifications).
+#[derive(Debug)]
+struct Inbox {
+    // Declared before the buffer it registers: dropped first.
+    _mr: Mr,
+    buf: Box<[u8]>,
+    id: u32,
+    slot_bytes: u32,
+    peer: String,
+    conn: Weak<Connection>,
+    endpoint: Weak<Endpoint>,
+}
+
+/// Slots of a notification mailbox (receives posted on the first queue pair).
+const MAILBOX_SLOTS: u16 = device::RECV_DEPTH as u16;
+/// The transfer number of receives' work request ids (no transfer has it).
+const RECV_TRANSFER: u32 = u32::MAX;
 
 impl Connection {
     fn new(qps: Vec<Qp>, depth: u32, keys: HashMap<u64, RegionKey>, budget: QpBudget) -> Self {
@@ -189,6 +224,8 @@ impl Connection {
             room_freed: tokio::sync::Notify::new(),
             keys,
             broken: AtomicBool::new(false),
+            mailbox: None,
+            inbox: None,
             _budget: budget,
         }
     }
@@ -264,6 +301,13 @@ struct Shared {
     stop: AtomicBool,
     /// Completion-queue failures (the thread stops polling; transfers time out).
     poll_error: Mutex<Option<String>>,
+    /// Peers' notification mailboxes on this agent, by id.
+    inboxes: Mutex<HashMap<u32, Arc<Inbox>>>,
+    /// Where deliveries of notifications run.
+    runtime: Option<tokio::runtime::Handle>,
+    /// Notifications sent as WRITEs with immediate data, and received so.
+    notifications_sent: std::sync::atomic::AtomicU64,
+    notifications_received: std::sync::atomic::AtomicU64,
 }
 
 /// One peer's outgoing connection, behind its own lock (connecting waits for a round trip;
@@ -287,6 +331,7 @@ pub struct RdmaTransport {
     cq_entries: u32,
     qps_open: Arc<AtomicUsize>,
     next_transfer: AtomicU32,
+    next_inbox: AtomicU32,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -302,7 +347,10 @@ impl RdmaTransport {
         let entries = (depth as usize * cfg.qps_per_peer.clamp(1, exchange::QPS_MAX) * 64)
             .min(dev.info().max_cqe as usize) as u32;
         let cq = Arc::new(dev.completion_queue(entries).map_err(|e| Unavailable(e.to_string()))?);
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            runtime: tokio::runtime::Handle::try_current().ok(),
+            ..Shared::default()
+        });
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
                 .name(name.into())
@@ -331,6 +379,7 @@ impl RdmaTransport {
             cq_entries: entries,
             qps_open: Arc::default(),
             next_transfer: AtomicU32::new(1),
+            next_inbox: AtomicU32::new(1),
             threads: vec![poller, events],
         })
     }
@@ -430,16 +479,110 @@ impl RdmaTransport {
                 rkey: reg.mr.rkey(),
             });
         }
-        let accept = Accept { qps: qps.iter().map(Qp::addr).collect(), regions };
-        let conn = Arc::new(Connection::new(qps, self.cfg.queue_depth, HashMap::new(), budget));
+        // The mailbox for the peer's notifications: slots of one packet at the path MTU.
+        let mtu = connect.qps.first().map_or(1, |q| q.mtu).min(self.dev.info().mtu).clamp(1, 5);
+        let slot_bytes = (256u32 << (mtu - 1)).min(exchange::MAILBOX_SLOT_BYTES_MAX);
+        let mut buf =
+            vec![0u8; usize::from(MAILBOX_SLOTS) * slot_bytes as usize].into_boxed_slice();
+        // SAFETY: the buffer lives in the inbox with the registration, which is dropped first.
+        let mr = unsafe { self.dev.register(buf.as_mut_ptr(), buf.len(), true) }
+            .map_err(|e| e.to_string())?;
+        let mailbox = Mailbox {
+            addr: buf.as_ptr() as u64,
+            rkey: mr.rkey(),
+            slots: MAILBOX_SLOTS,
+            slot_bytes,
+        };
+        let accept =
+            Accept { qps: qps.iter().map(Qp::addr).collect(), regions, mailbox: Some(mailbox) };
+        let inbox_id = self.next_inbox.fetch_add(1, Ordering::Relaxed) & 0xff_ffff;
+        let mut conn = Connection::new(qps, self.cfg.queue_depth, HashMap::new(), budget);
+        conn.inbox = Some(inbox_id);
+        let conn = Arc::new(conn);
+        let recv_id = WrId { transfer: RECV_TRANSFER, qp: 0, index: inbox_id }.pack();
+        conn.qps[0].post_receives(&[recv_id; MAILBOX_SLOTS as usize]).map_err(|e| e.to_string())?;
+        self.shared.inboxes.lock().insert(
+            inbox_id,
+            Arc::new(Inbox {
+                _mr: mr,
+                buf,
+                id: inbox_id,
+                slot_bytes,
+                peer: from.to_string(),
+                conn: Arc::downgrade(&conn),
+                endpoint: self.endpoint.clone(),
+            }),
+        );
         // A peer that connects again (it restarted, its queue pairs failed, or it needs keys
         // of regions exported since) replaces its old queue pairs; they are failed, and
-        // destroyed outside the lock.
+        // destroyed outside the lock, with their mailbox.
         let old = self.incoming.lock().insert(from.to_string(), conn);
         if let Some(old) = old {
             old.fail();
+            if let Some(id) = old.inbox {
+                self.shared.inboxes.lock().remove(&id);
+            }
         }
         Ok(accept)
+    }
+
+    /// Notifications sent and received as WRITEs with immediate data.
+    pub fn notifications(&self) -> (u64, u64) {
+        (
+            self.shared.notifications_sent.load(Ordering::Relaxed),
+            self.shared.notifications_received.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Sends `job`'s notification as a WRITE with immediate data into the peer's mailbox,
+    /// after every byte of the job completed: the completion says it landed, and the peer
+    /// delivers it in order.
+    async fn notify_by_write(
+        &self,
+        conn: &Arc<Connection>,
+        peer: &str,
+        job: &Job,
+        message: &[u8],
+    ) -> Result<(), TransferError> {
+        let Some((mailbox, outbox)) = &conn.mailbox else {
+            return Err(TransferError::Invalid("no mailbox".into()));
+        };
+        let len = MAILBOX_HEADER_BYTES + message.len();
+        let mut seq = outbox.seq.lock().await;
+        let slot = u64::from(*seq % u32::from(mailbox.slots));
+        let staged = outbox.buf.as_ptr() as *mut u8;
+        // SAFETY: the staging buffer holds one slot (`len` fits it: checked by the caller)
+        // and is written only here, under the sequence lock, while no request reads it (the
+        // previous notification completed before its holder let the lock go).
+        unsafe {
+            std::ptr::copy_nonoverlapping(job.id.to_le_bytes().as_ptr(), staged, 8);
+            std::ptr::copy_nonoverlapping(
+                (message.len() as u32).to_le_bytes().as_ptr(),
+                staged.add(8),
+                4,
+            );
+            std::ptr::copy_nonoverlapping(
+                message.as_ptr(),
+                staged.add(MAILBOX_HEADER_BYTES),
+                message.len(),
+            );
+        }
+        let wr = plan::WorkRequest {
+            sges: vec![plan::Sge { addr: staged as u64, len: len as u32, lkey: outbox.mr.lkey() }],
+            remote_addr: mailbox.addr + slot * u64::from(mailbox.slot_bytes),
+            rkey: mailbox.rkey,
+            bytes: len as u64,
+            signaled: true,
+            covers: 1,
+            imm: Some(*seq),
+        };
+        let mut chains: Vec<Vec<plan::WorkRequest>> =
+            (0..conn.qps.len()).map(|_| Vec::new()).collect();
+        chains[0].push(wr);
+        self.move_bytes(conn, peer, TransferOp::Write, &chains).await?;
+        *seq = seq.wrapping_add(1);
+        self.shared.notifications_sent.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// The connection to `peer`: the one open, or a new one (also when `fresh`: the open one
@@ -466,7 +609,20 @@ impl RdmaTransport {
                 .map_err(|e| TransferError::Protocol(format!("RDMA connect to {name}: {e}")))?;
         }
         let keys = accept.regions.iter().map(|k| (k.region, *k)).collect();
-        let c = Arc::new(Connection::new(qps, self.cfg.queue_depth, keys, budget));
+        let mut c = Connection::new(qps, self.cfg.queue_depth, keys, budget);
+        if let Some(m) = accept.mailbox {
+            let mut buf = vec![0u8; m.slot_bytes as usize].into_boxed_slice();
+            // SAFETY: the buffer lives in the outbox with the registration, dropped first.
+            match unsafe { self.dev.register(buf.as_mut_ptr(), buf.len(), false) } {
+                Ok(mr) => {
+                    c.mailbox = Some((m, Outbox { mr, buf, seq: tokio::sync::Mutex::new(0) }))
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %name, error = %e, "RDMA: no outbox; notifications go through the session")
+                }
+            }
+        }
+        let c = Arc::new(c);
         *slot = Some(c.clone());
         Ok(c)
     }
@@ -516,7 +672,19 @@ impl RdmaTransport {
         let chains =
             plan::plan(&segs, &limits).map_err(|e| TransferError::Invalid(e.to_string()))?;
         self.move_bytes(&conn, &peer.metadata().name, job.op, &chains).await?;
-        job.one_sided_finish(peer, expected).await
+        // A WRITE's notification rides a WRITE with immediate data when nothing else needs
+        // the session (no checksums for the owner to verify) and it fits a mailbox slot.
+        let fits = |m: &Mailbox| {
+            job.notify
+                .as_ref()
+                .is_some_and(|n| MAILBOX_HEADER_BYTES + n.len() <= m.slot_bytes as usize)
+        };
+        match (&job.notify, &conn.mailbox) {
+            (Some(n), Some((m, _))) if job.op == TransferOp::Write && !job.checksum && fits(m) => {
+                self.notify_by_write(&conn, &peer.metadata().name, job, n).await
+            }
+            _ => job.one_sided_finish(peer, expected).await,
+        }
     }
 
     /// Posts the chains as the send queues have room and waits for their completions.
@@ -635,7 +803,8 @@ fn post_batch(
             // `at` stays within `sges` (the entries of the requests before this one).
             sg_list: sge_base.wrapping_add(at),
             num_sge: w.sges.len() as i32,
-            opcode,
+            opcode: if w.imm.is_some() { verbs::consts::WR_RDMA_WRITE_WITH_IMM } else { opcode },
+            imm_data: w.imm.unwrap_or(0).to_be(),
             // The last of a batch is signaled too, so that its room comes back.
             send_flags: if w.signaled || k + 1 == batch.len() {
                 verbs::consts::SEND_SIGNALED
@@ -732,6 +901,10 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
         let table = shared.inflight.lock();
         for c in &wc[..n] {
             let id = WrId::unpack(c.wr_id);
+            if id.transfer == RECV_TRANSFER {
+                received(shared, id.index, c);
+                continue;
+            }
             let Some(f) = table.get(&id.transfer) else { continue };
             let q = usize::from(id.qp);
             let (p, freed) = {
@@ -749,6 +922,53 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
             f.wake.notify_one();
         }
     }
+}
+
+/// A receive of inbox `inbox` was consumed: a notification landed in its slot. It is copied
+/// out at once, delivered in order on the runtime, and the receive posted again once it was.
+fn received(shared: &Shared, inbox: u32, c: &verbs::IbvWc) {
+    // A flushed receive (the connection is going) carries nothing.
+    if c.status != verbs::consts::WC_SUCCESS || c.opcode != verbs::consts::WC_RECV_RDMA_WITH_IMM {
+        return;
+    }
+    let Some(inbox) = shared.inboxes.lock().get(&inbox).cloned() else { return };
+    let seq = u32::from_be(c.imm_data);
+    let sb = inbox.slot_bytes as usize;
+    let at = (seq % u32::from(MAILBOX_SLOTS)) as usize * sb;
+    // The peer's bytes: hostile. Read the slot as it is, then check the header.
+    let Some(slot) = inbox.buf.get(at..at + sb) else { return };
+    // SAFETY: the slot lies in the inbox's buffer (checked); the adapter wrote it before the
+    // receive completed, and no one writes it again until the receive is posted again.
+    let slot: Vec<u8> = unsafe { std::slice::from_raw_parts(slot.as_ptr(), sb).to_vec() };
+    let transfer_id = u64::from_le_bytes(slot[..8].try_into().unwrap_or_default());
+    let len = u32::from_le_bytes(slot[8..12].try_into().unwrap_or_default()) as usize;
+    let repost = {
+        let inbox = inbox.clone();
+        move || {
+            if let Some(conn) = inbox.conn.upgrade() {
+                let id = WrId { transfer: RECV_TRANSFER, qp: 0, index: inbox.id }.pack();
+                if let Err(e) = conn.qps[0].post_receives(&[id]) {
+                    tracing::warn!(peer = %inbox.peer, error = %e, "RDMA: a mailbox receive could not be posted again");
+                }
+            }
+        }
+    };
+    if len > sb - MAILBOX_HEADER_BYTES {
+        tracing::warn!(peer = %inbox.peer, len, "RDMA: a notification longer than its mailbox slot was dropped");
+        repost();
+        return;
+    }
+    shared.notifications_received.fetch_add(1, Ordering::Relaxed);
+    let message = slot[MAILBOX_HEADER_BYTES..MAILBOX_HEADER_BYTES + len].to_vec();
+    let (Some(rt), Some(endpoint)) = (shared.runtime.as_ref(), inbox.endpoint.upgrade()) else {
+        return;
+    };
+    let from = inbox.peer.clone();
+    rt.spawn(async move {
+        let n = crate::endpoint::Notification { from, transfer_id, message };
+        endpoint.deliver_waiting(n).await;
+        repost();
+    });
 }
 
 /// Reads and acknowledges the device's asynchronous events (a queue pair is destroyed only
@@ -952,6 +1172,70 @@ mod double_tests {
         }
         assert_eq!(rdma_count(&a).done, 4);
         assert_eq!(rdma_count(&a).failed, 0);
+        // Without checksums the WRITE's notification rode a WRITE with immediate data; with
+        // them it went with the Commit that the owner verifies.
+        assert_eq!(a.rdma_transport().unwrap().notifications().0, 1);
+        assert_eq!(b.rdma_transport().unwrap().notifications().1, 1);
+    }
+
+    /// Notifications by WRITE with immediate data: more of them than the mailbox has slots,
+    /// from concurrent transfers, each after its own bytes, none lost; one too large for a
+    /// slot goes through the session.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn notifications_ride_writes_with_immediate_data() {
+        let _serial = fake::serial().await;
+        let (a, b) = (agent("a").await, agent("b").await);
+        let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
+        let dst = b.alloc_region(1 << 20, exported()).unwrap();
+        link(&a, &b);
+        pattern(&src, 11);
+        let a = Arc::new(a);
+        let mut tasks = Vec::new();
+        for i in 0..40u64 {
+            let (a, sid, did) = (a.clone(), src.id(), dst.id());
+            tasks.push(tokio::spawn(async move {
+                let req = TransferRequest::new(
+                    TransferOp::Write,
+                    "b",
+                    vec![Desc::new(sid, i * 4096, 4096)],
+                    vec![Desc::new(did, i * 4096, 4096)],
+                )
+                .with_notify(format!("block {i}").into_bytes());
+                a.post(req).unwrap().wait().await
+            }));
+        }
+        let mut seen = Vec::new();
+        for _ in 0..40 {
+            let n = tokio::time::timeout(Duration::from_secs(5), b.next_notification())
+                .await
+                .unwrap()
+                .unwrap();
+            let text = String::from_utf8(n.message).unwrap();
+            let i: u64 = text.strip_prefix("block ").unwrap().parse().unwrap();
+            // Its bytes were there before it.
+            assert_eq!(bytes(&dst, i * 4096, 4096), bytes(&src, i * 4096, 4096), "{text}");
+            seen.push(i);
+        }
+        for t in tasks {
+            t.await.unwrap().unwrap();
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..40).collect::<Vec<_>>());
+        assert_eq!(a.rdma_transport().unwrap().notifications().0, 40);
+        assert_eq!(b.rdma_transport().unwrap().notifications().1, 40);
+        // Larger than a slot (4 KiB at this MTU): through the session.
+        let big = vec![7u8; 8192];
+        let req = TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(src.id(), 0, 16)],
+            vec![Desc::new(dst.id(), 0, 16)],
+        )
+        .with_notify(big.clone());
+        a.post(req).unwrap().wait().await.unwrap();
+        let n = b.next_notification().await.unwrap();
+        assert_eq!(n.message, big);
+        assert_eq!(a.rdma_transport().unwrap().notifications().0, 40);
     }
 
     /// Many transfers to one peer at once share its send queues (64 deep here) through

@@ -67,6 +67,8 @@ pub struct WorkRequest {
     /// Signaled only: the requests its completion completes (itself and the unsignaled ones
     /// before it in the chain).
     pub covers: u32,
+    /// A WRITE with this immediate data (a notification), consuming a receive of the peer's.
+    pub imm: Option<u32>,
 }
 
 /// Why a descriptor list cannot be planned.
@@ -140,6 +142,7 @@ pub fn plan(segments: &[Segment], limits: &Limits) -> Result<Vec<Vec<WorkRequest
                 bytes: n,
                 signaled: false,
                 covers: 0,
+                imm: None,
             });
             done += n;
         }

@@ -79,6 +79,8 @@ pub fn async_event_name(t: u32) -> &'static str {
 pub const OPS_POLL_CQ: usize = 11;
 /// Index of `post_send` in `struct ibv_context_ops`.
 pub const OPS_POST_SEND: usize = 25;
+/// Index of `post_recv` in `struct ibv_context_ops`.
+pub const OPS_POST_RECV: usize = 26;
 
 /// `struct ibv_cq` (its first field).
 #[repr(C)]
@@ -185,6 +187,21 @@ impl Default for IbvSendWr {
 // SAFETY: plain data; the pointers are only dereferenced by the library during a post, on the
 // thread that posts.
 unsafe impl Send for IbvSendWr {}
+
+/// `struct ibv_recv_wr`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct IbvRecvWr {
+    /// Our id, echoed by the completion.
+    pub wr_id: u64,
+    /// The next request of the chain, or null.
+    pub next: *mut IbvRecvWr,
+    /// Entries (none: a receive for a WRITE with immediate data, which carries no payload
+    /// into the receive queue).
+    pub sg_list: *mut IbvSge,
+    /// Entry count.
+    pub num_sge: c_int,
+}
 
 /// `struct ibv_wc`.
 #[repr(C)]
@@ -511,10 +528,13 @@ pub mod consts {
     pub const WC_RETRY_EXC_ERR: u32 = 12;
     /// `IBV_WC_REM_ACCESS_ERR`.
     pub const WC_REM_ACCESS_ERR: u32 = 10;
+    /// `IBV_WC_RECV_RDMA_WITH_IMM`: a receive consumed by a WRITE with immediate data.
+    pub const WC_RECV_RDMA_WITH_IMM: u32 = 129;
 }
 
 type PollCq = unsafe extern "C" fn(*mut IbvCq, c_int, *mut IbvWc) -> c_int;
 type PostSend = unsafe extern "C" fn(*mut IbvQp, *mut IbvSendWr, *mut *mut IbvSendWr) -> c_int;
+type PostRecv = unsafe extern "C" fn(*mut IbvQp, *mut IbvRecvWr, *mut *mut IbvRecvWr) -> c_int;
 
 type FnGetDeviceList = unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void;
 type FnFreeDeviceList = unsafe extern "C" fn(*mut *mut c_void);
@@ -669,6 +689,25 @@ pub unsafe fn post_send(qp: *mut IbvQp, wr: *mut IbvSendWr) -> Result<(), (c_int
     }
 }
 
+/// `ibv_post_recv`: posts the chain of receives starting at `wr`; the errno on failure.
+///
+/// # Safety
+/// `qp` must be a live queue pair and the chain well formed for the call.
+pub unsafe fn post_recv(qp: *mut IbvQp, wr: *mut IbvRecvWr) -> Result<(), c_int> {
+    let mut bad: *mut IbvRecvWr = std::ptr::null_mut();
+    // SAFETY: as the caller guarantees; post_recv is at OPS_POST_RECV of the context's table.
+    let rc = unsafe {
+        let ctx = (*qp).context;
+        let f: PostRecv = std::mem::transmute::<*const c_void, PostRecv>((*ctx).ops[OPS_POST_RECV]);
+        f(qp, wr, &mut bad)
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(rc)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -717,6 +756,14 @@ mod tests {
                 "offsetof(struct ibv_context, ops.post_send)",
                 offset_of!(IbvContext, ops) + OPS_POST_SEND * 8,
             ),
+            (
+                "offsetof(struct ibv_context, ops.post_recv)",
+                offset_of!(IbvContext, ops) + OPS_POST_RECV * 8,
+            ),
+            ("sizeof(struct ibv_recv_wr)", size_of::<IbvRecvWr>()),
+            ("offsetof(struct ibv_recv_wr, sg_list)", offset_of!(IbvRecvWr, sg_list)),
+            ("offsetof(struct ibv_recv_wr, num_sge)", offset_of!(IbvRecvWr, num_sge)),
+            ("IBV_WC_RECV_RDMA_WITH_IMM", consts::WC_RECV_RDMA_WITH_IMM as usize),
             ("offsetof(struct ibv_context, cmd_fd)", offset_of!(IbvContext, cmd_fd)),
             ("offsetof(struct ibv_context, async_fd)", offset_of!(IbvContext, async_fd)),
             ("sizeof(struct ibv_async_event)", size_of::<IbvAsyncEvent>()),
