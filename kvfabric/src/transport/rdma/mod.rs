@@ -20,9 +20,11 @@
 //!   transfer (a deadline, a cancel) fail the transfer typed; the connection's queue pairs go
 //!   to the error state, which flushes what they still hold, and the next transfer connects
 //!   again.
-//! - **Checksums and the notification** go through the session, as for `shm`: after the last
-//!   byte, a `Commit` that the owner verifies before it delivers the notification; a
-//!   checksummed READ first asks the owner for the checksums of its bytes.
+//! - **Notifications** of WRITEs without checksums ride a WRITE with immediate data into the
+//!   owner's mailbox after the last byte (the owner delivers them in order, and posts a slot's
+//!   receive again only once delivered). **Checksums** (and oversize notifications) go
+//!   through the session, as for `shm`: a `Commit` that the owner verifies before it delivers
+//!   the notification; a checksummed READ first asks the owner for the checksums of its bytes.
 //!
 //! What a host without a device cannot prove: that the queue pairs connect and move bytes on
 //! real hardware. `scripts/rdma-check.sh` runs the RDMA tests and benchmark rows from
