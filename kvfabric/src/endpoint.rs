@@ -222,14 +222,15 @@ impl Endpoint {
         &self.regions
     }
 
-    /// Queues a notification for the application, waiting at most the frame timeout for
-    /// room: a full queue is refused, never an unbounded wait.
-    /// Delivers a notification, waiting for room in the queue as long as it takes (the
-    /// sender is held back meanwhile, not refused); false once the agent is gone.
+    /// Queues a notification for the application, waiting as long as it takes for room
+    /// (RDMA mailboxes: their one delivery task, whose backlog is bounded); false once the
+    /// agent is gone.
     pub(crate) async fn deliver_waiting(&self, n: Notification) -> bool {
         self.notify_tx.send(n).await.is_ok()
     }
 
+    /// Queues a notification for the application, waiting at most the frame timeout for
+    /// room: a full queue is refused, never an unbounded wait.
     pub(crate) async fn deliver(&self, n: Notification) -> Result<(), Refusal> {
         match tokio::time::timeout(self.frame_timeout, self.notify_tx.send(n)).await {
             Ok(Ok(())) => Ok(()),

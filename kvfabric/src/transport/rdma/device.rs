@@ -39,6 +39,17 @@ fn rc(call: &'static str, rc: i32) -> Result<(), VerbsError> {
     }
 }
 
+/// What peers may do to a registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Nothing: local use only.
+    Local,
+    /// RDMA WRITE (a mailbox).
+    RemoteWrite,
+    /// RDMA READ and WRITE (exported regions).
+    RemoteReadWrite,
+}
+
 /// What the transport needs to know of the device and port it uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceInfo {
@@ -325,9 +336,9 @@ impl Device {
         &self.info
     }
 
-    /// Registers `len` bytes at `addr` for local access, and for remote READ and WRITE when
-    /// `remote` (memory exported to peers; anything else gets no remote access, so a peer
-    /// that guesses a key still cannot touch it).
+    /// Registers `len` bytes at `addr` for local access and what `remote` allows peers
+    /// (memory not exported gets no remote access, so a peer that guesses a key still cannot
+    /// touch it).
     ///
     /// # Safety
     /// The memory must stay allocated until the registration is dropped.
@@ -335,11 +346,15 @@ impl Device {
         self: &Arc<Self>,
         addr: *mut u8,
         len: usize,
-        remote: bool,
+        remote: Access,
     ) -> Result<Mr, VerbsError> {
         let mut access = consts::ACCESS_LOCAL_WRITE | consts::ACCESS_RELAXED_ORDERING;
-        if remote {
-            access |= consts::ACCESS_REMOTE_READ | consts::ACCESS_REMOTE_WRITE;
+        match remote {
+            Access::Local => {}
+            Access::RemoteWrite => access |= consts::ACCESS_REMOTE_WRITE,
+            Access::RemoteReadWrite => {
+                access |= consts::ACCESS_REMOTE_READ | consts::ACCESS_REMOTE_WRITE
+            }
         }
         // SAFETY: the caller keeps the memory; the protection domain is ours.
         let mr = unsafe { (self.v.reg_mr)(self.pd, addr.cast(), len, access) };

@@ -21,8 +21,8 @@
 //!   to the error state, which flushes what they still hold, and the next transfer connects
 //!   again.
 //! - **Notifications** of WRITEs without checksums ride a WRITE with immediate data into the
-//!   owner's mailbox after the last byte (the owner delivers them in order, and posts a slot's
-//!   receive again only once delivered). **Checksums** (and oversize notifications) go
+//!   owner's mailbox after the last byte (the owner copies the slot out, posts its receive
+//!   again, and delivers in order from a bounded backlog). **Checksums** (and oversize notifications) go
 //!   through the session, as for `shm`: a `Commit` that the owner verifies before it delivers
 //!   the notification; a checksummed READ first asks the owner for the checksums of its bytes.
 //!
@@ -53,7 +53,7 @@ use crate::transfer::{TransferError, TransferOp, TransportKind};
 use super::{Job, Transport, TransportFuture};
 pub use crate::wire::rdma as exchange;
 use completion::{Progress, Tracker, WrId};
-use device::{Cq, Device, Mr, OpenOptions, Qp};
+use device::{Access, Cq, Device, Mr, OpenOptions, Qp};
 use exchange::{Accept, Connect, Mailbox, RegionKey, MAILBOX_HEADER_BYTES};
 
 pub use device::DeviceInfo;
@@ -192,29 +192,104 @@ struct Connection {
 struct Outbox {
     // Declared before the buffer it registers: dropped first.
     mr: Mr,
-    buf: Box<[u8]>,
+    buf: RawBuf,
     seq: tokio::sync::Mutex<u32>,
 }
 
 /// The owner's side: where one peer's notifications land, `MAILBOX_SLOTS` slots written by
-/// WRITEs with immediate data; a receive is posted again once its slot's notification was
-/// delivered (so a slow consumer holds senders back instead of losing notifications).
+/// WRITEs with immediate data. A slot is copied out when its receive completes and the
+/// receive posted again at once; the notification goes to the inbox's one delivery task, in
+/// order, which waits for room in the agent's queue. Past `INBOX_BACKLOG` waiting
+/// notifications (a consumer that does not drain), new ones are dropped, counted and logged
+/// rather than stalling the peer's data (which shares the queue pair).
 #[derive(Debug)]
 struct Inbox {
     // Declared before the buffer it registers: dropped first.
     _mr: Mr,
-    buf: Box<[u8]>,
+    buf: RawBuf,
     id: u32,
     slot_bytes: u32,
     peer: String,
     conn: Weak<Connection>,
-    endpoint: Weak<Endpoint>,
+    deliveries: tokio::sync::mpsc::Sender<crate::endpoint::Notification>,
+}
+
+/// Notifications an inbox holds for delivery at most.
+const INBOX_BACKLOG: usize = 4096;
+/// How long a peer's replaced incoming connection lives on (its last work and notifications).
+const RETIRE_GRACE: Duration = Duration::from_secs(5);
+
+/// A zeroed heap buffer that the adapter reads or writes while we hold it: only raw pointers
+/// touch its bytes (no reference to them is ever made).
+#[derive(Debug)]
+struct RawBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a plain heap allocation; concurrent access is ordered by the protocol around it
+// (staged under the sequence lock, copied out after its receive completed).
+unsafe impl Send for RawBuf {}
+// SAFETY: as above.
+unsafe impl Sync for RawBuf {}
+
+impl RawBuf {
+    fn zeroed(len: usize) -> RawBuf {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), 64).expect("a small buffer");
+        // SAFETY: a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr =
+            std::ptr::NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        RawBuf { ptr, len: len.max(1) }
+    }
+
+    fn addr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// A copy of `len` bytes at `at`; None when they are not all inside.
+    fn copy_out(&self, at: usize, len: usize) -> Option<Vec<u8>> {
+        if at.checked_add(len)? > self.len {
+            return None;
+        }
+        let mut v = vec![0u8; len];
+        // SAFETY: the range is inside the allocation (checked); bytes copied through raw
+        // pointers only.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), v.as_mut_ptr(), len) };
+        Some(v)
+    }
+
+    /// Writes `parts` one after the other from offset 0; false when they do not fit.
+    fn stage(&self, parts: &[&[u8]]) -> bool {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total > self.len {
+            return false;
+        }
+        let mut at = 0;
+        for p in parts {
+            // SAFETY: inside the allocation (the total fits); raw pointers only.
+            unsafe {
+                std::ptr::copy_nonoverlapping(p.as_ptr(), self.ptr.as_ptr().add(at), p.len())
+            };
+            at += p.len();
+        }
+        true
+    }
+}
+
+impl Drop for RawBuf {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.len, 64).expect("as allocated");
+        // SAFETY: allocated in `zeroed` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+    }
 }
 
 /// Slots of a notification mailbox (receives posted on the first queue pair).
 const MAILBOX_SLOTS: u16 = device::RECV_DEPTH as u16;
-/// The transfer number of receives' work request ids (no transfer has it).
-const RECV_TRANSFER: u32 = u32::MAX;
+/// The queue pair index of receives' work request ids (no connection has that many queue
+/// pairs); their transfer field is the inbox's id.
+const RECV_QP: u8 = u8::MAX;
 
 impl Connection {
     fn new(qps: Vec<Qp>, depth: u32, keys: HashMap<u64, RegionKey>, budget: QpBudget) -> Self {
@@ -310,6 +385,8 @@ struct Shared {
     /// Notifications sent as WRITEs with immediate data, and received so.
     notifications_sent: std::sync::atomic::AtomicU64,
     notifications_received: std::sync::atomic::AtomicU64,
+    /// Notifications dropped because the agent's queue was not drained.
+    notifications_dropped: std::sync::atomic::AtomicU64,
 }
 
 /// One peer's outgoing connection, behind its own lock (connecting waits for a round trip;
@@ -416,12 +493,12 @@ impl RdmaTransport {
         let arc = endpoint.regions().get(region.id()).map_err(local)?;
         let len = arc.len() as u64;
         let base = arc.ptr_at(0, len).map_err(local)?;
+        let access = if arc.is_exported() { Access::RemoteReadWrite } else { Access::Local };
         // SAFETY: the region's memory stays allocated while it is in the table; the agent
         // drops this registration when the region leaves it (`forget_region`).
-        let mr =
-            unsafe { self.dev.register(base, len as usize, arc.is_exported()) }.map_err(|e| {
-                TransferError::Protocol(format!("RDMA registration of region {}: {e}", region.id()))
-            })?;
+        let mr = unsafe { self.dev.register(base, len as usize, access) }.map_err(|e| {
+            TransferError::Protocol(format!("RDMA registration of region {}: {e}", region.id()))
+        })?;
         let fresh = Arc::new(Registration { mr, base: base as u64, len });
         // Two callers may have registered the region at once: the first one in the table is
         // the registration (the other is dropped here, before anyone used its keys).
@@ -481,48 +558,86 @@ impl RdmaTransport {
                 rkey: reg.mr.rkey(),
             });
         }
-        // The mailbox for the peer's notifications: slots of one packet at the path MTU.
-        let mtu = connect.qps.first().map_or(1, |q| q.mtu).min(self.dev.info().mtu).clamp(1, 5);
-        let slot_bytes = (256u32 << (mtu - 1)).min(exchange::MAILBOX_SLOT_BYTES_MAX);
-        let mut buf =
-            vec![0u8; usize::from(MAILBOX_SLOTS) * slot_bytes as usize].into_boxed_slice();
-        // SAFETY: the buffer lives in the inbox with the registration, which is dropped first.
-        let mr = unsafe { self.dev.register(buf.as_mut_ptr(), buf.len(), true) }
-            .map_err(|e| e.to_string())?;
-        let mailbox = Mailbox {
-            addr: buf.as_ptr() as u64,
-            rkey: mr.rkey(),
-            slots: MAILBOX_SLOTS,
-            slot_bytes,
+        let qp_addrs: Vec<_> = qps.iter().map(Qp::addr).collect();
+        let inbox_id = {
+            let inboxes = self.shared.inboxes.lock();
+            let mut id = self.next_inbox.fetch_add(1, Ordering::Relaxed);
+            while inboxes.contains_key(&id) {
+                id = self.next_inbox.fetch_add(1, Ordering::Relaxed);
+            }
+            id
         };
-        let accept =
-            Accept { qps: qps.iter().map(Qp::addr).collect(), regions, mailbox: Some(mailbox) };
-        let inbox_id = self.next_inbox.fetch_add(1, Ordering::Relaxed) & 0xff_ffff;
         let mut conn = Connection::new(qps, self.cfg.queue_depth, HashMap::new(), budget);
         conn.inbox = Some(inbox_id);
         let conn = Arc::new(conn);
-        let recv_id = WrId { transfer: RECV_TRANSFER, qp: 0, index: inbox_id }.pack();
-        conn.qps[0].post_receives(&[recv_id; MAILBOX_SLOTS as usize]).map_err(|e| e.to_string())?;
-        self.shared.inboxes.lock().insert(
-            inbox_id,
-            Arc::new(Inbox {
-                _mr: mr,
-                buf,
-                id: inbox_id,
-                slot_bytes,
-                peer: from.to_string(),
-                conn: Arc::downgrade(&conn),
-                endpoint: self.endpoint.clone(),
-            }),
-        );
+        // The mailbox for the peer's notifications: slots of one packet at the path MTU, and
+        // a task that delivers them in order (none without a runtime: the session carries
+        // them then).
+        let mailbox = match (&self.shared.runtime, self.endpoint.upgrade()) {
+            (Some(rt), Some(endpoint)) => {
+                let mtu =
+                    connect.qps.first().map_or(1, |q| q.mtu).min(self.dev.info().mtu).clamp(1, 5);
+                let slot_bytes = (256u32 << (mtu - 1)).min(exchange::MAILBOX_SLOT_BYTES_MAX);
+                let buf = RawBuf::zeroed(usize::from(MAILBOX_SLOTS) * slot_bytes as usize);
+                // SAFETY: the buffer lives in the inbox with the registration, which is
+                // dropped first.
+                let mr = unsafe { self.dev.register(buf.addr(), buf.len, Access::RemoteWrite) }
+                    .map_err(|e| e.to_string())?;
+                let mailbox = Mailbox {
+                    addr: buf.addr() as u64,
+                    rkey: mr.rkey(),
+                    slots: MAILBOX_SLOTS,
+                    slot_bytes,
+                };
+                let recv_id = WrId { transfer: inbox_id, qp: RECV_QP, index: 0 }.pack();
+                conn.qps[0]
+                    .post_receives(&[recv_id; MAILBOX_SLOTS as usize])
+                    .map_err(|e| e.to_string())?;
+                let (tx, mut rx) = tokio::sync::mpsc::channel(INBOX_BACKLOG);
+                rt.spawn(async move {
+                    while let Some(n) = rx.recv().await {
+                        if !endpoint.deliver_waiting(n).await {
+                            return;
+                        }
+                    }
+                });
+                self.shared.inboxes.lock().insert(
+                    inbox_id,
+                    Arc::new(Inbox {
+                        _mr: mr,
+                        buf,
+                        id: inbox_id,
+                        slot_bytes,
+                        peer: from.to_string(),
+                        conn: Arc::downgrade(&conn),
+                        deliveries: tx,
+                    }),
+                );
+                Some(mailbox)
+            }
+            _ => None,
+        };
+        let accept = Accept { qps: qp_addrs, regions, mailbox };
         // A peer that connects again (it restarted, its queue pairs failed, or it needs keys
-        // of regions exported since) replaces its old queue pairs; they are failed, and
-        // destroyed outside the lock, with their mailbox.
+        // of regions exported since) may still finish work on its old queue pairs: they are
+        // kept a grace period, then failed and dropped with their mailbox (outside the lock).
         let old = self.incoming.lock().insert(from.to_string(), conn);
         if let Some(old) = old {
-            old.fail();
-            if let Some(id) = old.inbox {
-                self.shared.inboxes.lock().remove(&id);
+            let shared = self.shared.clone();
+            let retire = move || {
+                old.fail();
+                if let Some(id) = old.inbox {
+                    shared.inboxes.lock().remove(&id);
+                }
+            };
+            match &self.shared.runtime {
+                Some(rt) => {
+                    rt.spawn(async move {
+                        tokio::time::sleep(RETIRE_GRACE).await;
+                        retire();
+                    });
+                }
+                None => retire(),
             }
         }
         Ok(accept)
@@ -552,22 +667,15 @@ impl RdmaTransport {
         let len = MAILBOX_HEADER_BYTES + message.len();
         let mut seq = outbox.seq.lock().await;
         let slot = u64::from(*seq % u32::from(mailbox.slots));
-        let staged = outbox.buf.as_ptr() as *mut u8;
-        // SAFETY: the staging buffer holds one slot (`len` fits it: checked by the caller)
-        // and is written only here, under the sequence lock, while no request reads it (the
-        // previous notification completed before its holder let the lock go).
-        unsafe {
-            std::ptr::copy_nonoverlapping(job.id.to_le_bytes().as_ptr(), staged, 8);
-            std::ptr::copy_nonoverlapping(
-                (message.len() as u32).to_le_bytes().as_ptr(),
-                staged.add(8),
-                4,
-            );
-            std::ptr::copy_nonoverlapping(
-                message.as_ptr(),
-                staged.add(MAILBOX_HEADER_BYTES),
-                message.len(),
-            );
+        // The staging buffer is written only here, under the sequence lock, while no request
+        // reads it (the previous notification completed before its holder let the lock go).
+        let staged = outbox.buf.addr();
+        if !outbox.buf.stage(&[
+            &job.id.to_le_bytes(),
+            &(message.len() as u32).to_le_bytes(),
+            message,
+        ]) {
+            return Err(TransferError::Invalid("notification larger than a mailbox slot".into()));
         }
         let wr = plan::WorkRequest {
             sges: vec![plan::Sge { addr: staged as u64, len: len as u32, lkey: outbox.mr.lkey() }],
@@ -613,9 +721,9 @@ impl RdmaTransport {
         let keys = accept.regions.iter().map(|k| (k.region, *k)).collect();
         let mut c = Connection::new(qps, self.cfg.queue_depth, keys, budget);
         if let Some(m) = accept.mailbox {
-            let mut buf = vec![0u8; m.slot_bytes as usize].into_boxed_slice();
+            let buf = RawBuf::zeroed(m.slot_bytes as usize);
             // SAFETY: the buffer lives in the outbox with the registration, dropped first.
-            match unsafe { self.dev.register(buf.as_mut_ptr(), buf.len(), false) } {
+            match unsafe { self.dev.register(buf.addr(), buf.len, Access::Local) } {
                 Ok(mr) => {
                     c.mailbox = Some((m, Outbox { mr, buf, seq: tokio::sync::Mutex::new(0) }))
                 }
@@ -903,8 +1011,8 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
         let table = shared.inflight.lock();
         for c in &wc[..n] {
             let id = WrId::unpack(c.wr_id);
-            if id.transfer == RECV_TRANSFER {
-                received(shared, id.index, c);
+            if id.qp == RECV_QP {
+                received(shared, id.transfer, c);
                 continue;
             }
             let Some(f) = table.get(&id.transfer) else { continue };
@@ -929,48 +1037,55 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
 /// A receive of inbox `inbox` was consumed: a notification landed in its slot. It is copied
 /// out at once, delivered in order on the runtime, and the receive posted again once it was.
 fn received(shared: &Shared, inbox: u32, c: &verbs::IbvWc) {
-    // A flushed receive (the connection is going) carries nothing.
-    if c.status != verbs::consts::WC_SUCCESS || c.opcode != verbs::consts::WC_RECV_RDMA_WITH_IMM {
+    let Some(inbox) = shared.inboxes.lock().get(&inbox).cloned() else { return };
+    if c.status != verbs::consts::WC_SUCCESS {
+        // A flushed receive: the connection is going. Anything else broke it.
+        if c.status != verbs::consts::WC_WR_FLUSH_ERR {
+            tracing::warn!(peer = %inbox.peer, status = completion::status_name(c.status), "RDMA: a mailbox receive failed; the connection is dropped");
+            if let Some(conn) = inbox.conn.upgrade() {
+                conn.fail();
+            }
+        }
         return;
     }
-    let Some(inbox) = shared.inboxes.lock().get(&inbox).cloned() else { return };
+    if c.opcode != verbs::consts::WC_RECV_RDMA_WITH_IMM {
+        return;
+    }
     let seq = u32::from_be(c.imm_data);
     let sb = inbox.slot_bytes as usize;
     let at = (seq % u32::from(MAILBOX_SLOTS)) as usize * sb;
-    // The peer's bytes: hostile. Read the slot as it is, then check the header.
-    let Some(slot) = inbox.buf.get(at..at + sb) else { return };
-    // SAFETY: the slot lies in the inbox's buffer (checked); the adapter wrote it before the
-    // receive completed, and no one writes it again until the receive is posted again.
-    let slot: Vec<u8> = unsafe { std::slice::from_raw_parts(slot.as_ptr(), sb).to_vec() };
+    // The peer's bytes: hostile. Copy the slot out as it is, then check the copy.
+    let slot = inbox.buf.copy_out(at, sb);
+    // The slot is free once copied: its receive goes back at once (the next message for
+    // this slot needs it, and comes after this one). Senders are never held back here.
+    if let Some(conn) = inbox.conn.upgrade() {
+        let id = WrId { transfer: inbox.id, qp: RECV_QP, index: 0 }.pack();
+        if let Err(e) = conn.qps[0].post_receives(&[id]) {
+            tracing::warn!(peer = %inbox.peer, error = %e, "RDMA: a mailbox receive could not be posted again");
+        }
+    }
+    let Some(slot) = slot else { return };
     let transfer_id = u64::from_le_bytes(slot[..8].try_into().unwrap_or_default());
     let len = u32::from_le_bytes(slot[8..12].try_into().unwrap_or_default()) as usize;
-    let repost = {
-        let inbox = inbox.clone();
-        move || {
-            if let Some(conn) = inbox.conn.upgrade() {
-                let id = WrId { transfer: RECV_TRANSFER, qp: 0, index: inbox.id }.pack();
-                if let Err(e) = conn.qps[0].post_receives(&[id]) {
-                    tracing::warn!(peer = %inbox.peer, error = %e, "RDMA: a mailbox receive could not be posted again");
-                }
-            }
-        }
-    };
     if len > sb - MAILBOX_HEADER_BYTES {
         tracing::warn!(peer = %inbox.peer, len, "RDMA: a notification longer than its mailbox slot was dropped");
-        repost();
         return;
     }
-    shared.notifications_received.fetch_add(1, Ordering::Relaxed);
     let message = slot[MAILBOX_HEADER_BYTES..MAILBOX_HEADER_BYTES + len].to_vec();
-    let (Some(rt), Some(endpoint)) = (shared.runtime.as_ref(), inbox.endpoint.upgrade()) else {
-        return;
-    };
-    let from = inbox.peer.clone();
-    rt.spawn(async move {
-        let n = crate::endpoint::Notification { from, transfer_id, message };
-        endpoint.deliver_waiting(n).await;
-        repost();
-    });
+    // In order, through the inbox's one delivery task.
+    match inbox.deliveries.try_send(crate::endpoint::Notification {
+        from: inbox.peer.clone(),
+        transfer_id,
+        message,
+    }) {
+        Ok(()) => {
+            shared.notifications_received.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(_) => {
+            shared.notifications_dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(peer = %inbox.peer, backlog = INBOX_BACKLOG, "RDMA: a notification was dropped: the agent's notification queue is not drained");
+        }
+    }
 }
 
 /// Reads and acknowledges the device's asynchronous events (a queue pair is destroyed only
@@ -1178,6 +1293,42 @@ mod double_tests {
         // them it went with the Commit that the owner verifies.
         assert_eq!(a.rdma_transport().unwrap().notifications().0, 1);
         assert_eq!(b.rdma_transport().unwrap().notifications().1, 1);
+    }
+
+    /// A consumer that does not drain its notification queue (4 deep here) holds no sender
+    /// back: 40 WRITEs with notifications complete at once, and every notification is there,
+    /// in order per sender, when the consumer reads.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_consumer_that_does_not_drain_stalls_no_sender() {
+        let _serial = fake::serial().await;
+        let a = agent("a").await;
+        let mut cfg = AgentConfig::new("b", b"double".to_vec());
+        cfg.shm = false;
+        cfg.limits.notifications_queued_max = 4;
+        cfg.rdma = Some(RdmaConfig { device: Some(fake::DEVICE.into()), ..Default::default() });
+        let b = Agent::start(cfg).await.unwrap();
+        let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
+        let dst = b.alloc_region(1 << 20, exported()).unwrap();
+        link(&a, &b);
+        for i in 0..40u64 {
+            let req = TransferRequest::new(
+                TransferOp::Write,
+                "b",
+                vec![Desc::new(src.id(), i * 64, 64)],
+                vec![Desc::new(dst.id(), i * 64, 64)],
+            )
+            .with_notify(i.to_le_bytes().to_vec())
+            .with_deadline(Duration::from_secs(5));
+            a.post(req).unwrap().wait().await.unwrap();
+        }
+        for i in 0..40u64 {
+            let n = tokio::time::timeout(Duration::from_secs(5), b.next_notification())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(n.message, i.to_le_bytes(), "in order");
+        }
+        assert_eq!(b.rdma_transport().unwrap().notifications().1, 40);
     }
 
     /// Notifications by WRITE with immediate data: more of them than the mailbox has slots,

@@ -40,9 +40,15 @@ impl PlainLoop {
         let mut dst = vec![0u8; bytes.max(1)];
         // SAFETY: both buffers move into the struct (a Vec's heap buffer does not move with
         // it), whose fields drop the registrations before the buffers.
-        let src_mr = unsafe { dev.register(src.as_mut_ptr(), src.len(), true) }.map_err(err)?;
+        let src_mr = unsafe {
+            dev.register(src.as_mut_ptr(), src.len(), super::device::Access::RemoteReadWrite)
+        }
+        .map_err(err)?;
         // SAFETY: as above.
-        let dst_mr = unsafe { dev.register(dst.as_mut_ptr(), dst.len(), true) }.map_err(err)?;
+        let dst_mr = unsafe {
+            dev.register(dst.as_mut_ptr(), dst.len(), super::device::Access::RemoteReadWrite)
+        }
+        .map_err(err)?;
         Ok(PlainLoop { qp, _peer: peer, src_mr, dst_mr, cq, _dev: dev, src, dst })
     }
 
