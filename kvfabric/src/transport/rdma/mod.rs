@@ -347,7 +347,7 @@ impl Connection {
     }
 }
 
-/// Queue pairs counted against the completion queue's capacity while they exist.
+/// Completion queue entries reserved for a connection's queue pairs while they exist.
 #[derive(Debug)]
 struct QpBudget {
     n: usize,
@@ -408,7 +408,7 @@ pub struct RdmaTransport {
     shared: Arc<Shared>,
     /// Entries of the completion queue (bounds the queue pairs open at once).
     cq_entries: u32,
-    qps_open: Arc<AtomicUsize>,
+    cqes_reserved: Arc<AtomicUsize>,
     next_transfer: AtomicU32,
     next_inbox: AtomicU32,
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -456,7 +456,7 @@ impl RdmaTransport {
             incoming: Mutex::new(HashMap::new()),
             shared,
             cq_entries: entries,
-            qps_open: Arc::default(),
+            cqes_reserved: Arc::default(),
             next_transfer: AtomicU32::new(1),
             next_inbox: AtomicU32::new(1),
             threads: vec![poller, events],
@@ -506,18 +506,23 @@ impl RdmaTransport {
         Ok(r)
     }
 
-    fn new_qps(&self, n: usize) -> Result<(Vec<Qp>, QpBudget), TransferError> {
-        // Every queue pair may have its whole send queue complete (or be flushed) at once:
-        // their depths must fit the shared completion queue, or it would overflow.
-        let most = (self.cq_entries / self.cfg.queue_depth.max(1)) as usize;
-        let open = self.qps_open.fetch_add(n, Ordering::AcqRel);
-        let budget = QpBudget { n, open: self.qps_open.clone() };
-        if open + n > most {
+    /// `n` queue pairs, counted against the completion queue with `receives` more entries
+    /// (a mailbox's receives).
+    fn new_qps(&self, n: usize, receives: usize) -> Result<(Vec<Qp>, QpBudget), TransferError> {
+        // Every queue pair may have its whole send queue complete (or be flushed) at once,
+        // and every receive too: together they must fit the shared completion queue, or it
+        // would overflow.
+        let entries = n * self.cfg.queue_depth.max(1) as usize + receives;
+        let open = self.cqes_reserved.fetch_add(entries, Ordering::AcqRel);
+        let budget = QpBudget { n: entries, open: self.cqes_reserved.clone() };
+        if open + entries > self.cq_entries as usize {
             return Err(TransferError::NoTransport {
                 peer: String::new(),
                 reason: format!(
-                    "rdma: {open} queue pairs open; {n} more would overflow the completion queue \
-                     ({most} at most)"
+                    "rdma: the completion queue ({} entries) has room for {} more, not the {entries} \
+                     that {n} more queue pairs need",
+                    self.cq_entries,
+                    (self.cq_entries as usize).saturating_sub(open)
                 ),
             });
         }
@@ -538,7 +543,9 @@ impl RdmaTransport {
     /// keys of every exported host region. Blocking (verbs calls, memory registration):
     /// the session server runs it on the blocking pool.
     fn accept_connect(&self, from: &str, connect: &Connect) -> Result<Accept, String> {
-        let (qps, budget) = self.new_qps(connect.qps.len()).map_err(|e| e.to_string())?;
+        let (qps, budget) = self
+            .new_qps(connect.qps.len(), usize::from(MAILBOX_SLOTS))
+            .map_err(|e| e.to_string())?;
         for (qp, remote) in qps.iter().zip(&connect.qps) {
             qp.connect(remote).map_err(|e| e.to_string())?;
         }
@@ -704,7 +711,7 @@ impl RdmaTransport {
         if let Some(c) = slot.as_ref().filter(|c| !fresh && !c.broken.load(Ordering::Acquire)) {
             return Ok(c.clone());
         }
-        let (qps, budget) = self.new_qps(self.cfg.qps_per_peer.clamp(1, exchange::QPS_MAX))?;
+        let (qps, budget) = self.new_qps(self.cfg.qps_per_peer.clamp(1, exchange::QPS_MAX), 0)?;
         let connect = Connect { qps: qps.iter().map(Qp::addr).collect() };
         let accept = peer.session.rdma_connect(&connect).await?;
         if accept.qps.len() != qps.len() {
