@@ -24,5 +24,6 @@ pub mod openai;
 pub mod plan;
 pub mod protocol;
 pub mod routed;
+pub mod sla;
 pub mod stats;
 pub mod worker;
