@@ -8,6 +8,7 @@
 //! A transfer is finished when every request it posted is; its outcome is its first error,
 //! and the flushes that follow an error never replace it.
 
+use super::verbs::consts::{WC_SUCCESS, WC_WR_FLUSH_ERR};
 use crate::transfer::TransferError;
 use crate::wire::ErrorCode;
 
@@ -71,11 +72,6 @@ pub fn status_name(status: u32) -> &'static str {
     ];
     NAMES.get(status as usize).copied().unwrap_or("unknown status")
 }
-
-/// `IBV_WC_SUCCESS`.
-pub const WC_SUCCESS: u32 = 0;
-/// `IBV_WC_WR_FLUSH_ERR`: flushed from a queue pair in error.
-pub const WC_WR_FLUSH_ERR: u32 = 5;
 
 /// The transfer error an error completion means.
 pub fn status_error(status: u32, vendor_err: u32, peer: &str) -> TransferError {
@@ -206,11 +202,6 @@ impl Tracker {
             None => Ok(()),
             Some(e) => Err(e.clone()),
         })
-    }
-
-    /// The first error, if any.
-    pub fn error(&self) -> Option<&TransferError> {
-        self.error.as_ref()
     }
 }
 

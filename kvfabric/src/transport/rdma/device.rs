@@ -77,8 +77,6 @@ pub struct DeviceInfo {
     pub max_cqe: u32,
     /// Outstanding RDMA READs a queue pair may initiate / answer.
     pub max_rd_atomic: u8,
-    /// Whether GPU memory can be registered through dma-buf.
-    pub dmabuf: bool,
 }
 
 /// An open device with its protection domain.
@@ -299,7 +297,6 @@ impl Device {
             max_qp_wr: attr.max_qp_wr.max(1) as u32,
             max_cqe: attr.max_cqe.max(1) as u32,
             max_rd_atomic: attr.max_qp_rd_atom.min(attr.max_qp_init_rd_atom).clamp(1, 255) as u8,
-            dmabuf: v.reg_dmabuf_mr.is_some(),
         };
         Ok(Arc::new(Device { v, ctx, pd, info, traffic: (opts.traffic_class, opts.service_level) }))
     }
@@ -360,34 +357,6 @@ impl Device {
         let mr = unsafe { (self.v.reg_mr)(self.pd, addr.cast(), len, access) };
         if mr.is_null() {
             return Err(errno("ibv_reg_mr"));
-        }
-        Ok(Mr { dev: self.clone(), mr })
-    }
-
-    /// Registers GPU memory exported as a dma-buf (`fd`, `offset`, `len`), addressed remotely
-    /// from `iova`.
-    ///
-    /// # Safety
-    /// The GPU memory and the dma-buf must stay alive until the registration is dropped.
-    pub unsafe fn register_dmabuf(
-        self: &Arc<Self>,
-        fd: i32,
-        offset: u64,
-        len: usize,
-        iova: u64,
-    ) -> Result<Mr, VerbsError> {
-        let Some(reg) = self.v.reg_dmabuf_mr else {
-            return Err(VerbsError {
-                call: "ibv_reg_dmabuf_mr",
-                reason: "not in this libibverbs (rdma-core 34+)".into(),
-            });
-        };
-        let access =
-            consts::ACCESS_LOCAL_WRITE | consts::ACCESS_REMOTE_READ | consts::ACCESS_REMOTE_WRITE;
-        // SAFETY: as the caller guarantees.
-        let mr = unsafe { reg(self.pd, offset, len, iova, fd, access) };
-        if mr.is_null() {
-            return Err(errno("ibv_reg_dmabuf_mr"));
         }
         Ok(Mr { dev: self.clone(), mr })
     }
@@ -662,11 +631,6 @@ impl Qp {
             call: "ibv_post_recv",
             reason: std::io::Error::from_raw_os_error(code.abs()).to_string(),
         })
-    }
-
-    /// Its path MTU in bytes toward `remote` (what one packet carries).
-    pub fn mtu_bytes(&self) -> u32 {
-        256 << (u32::from(self.dev.info.mtu.clamp(1, 5)) - 1)
     }
 
     /// Moves it to the error state: its outstanding work is flushed (each request completes

@@ -117,7 +117,6 @@ pub fn verbs() -> &'static Verbs {
         alloc_pd,
         dealloc_pd,
         reg_mr,
-        reg_dmabuf_mr: None,
         dereg_mr,
         create_cq,
         destroy_cq,

@@ -650,11 +650,14 @@ impl RdmaTransport {
         Ok(accept)
     }
 
-    /// Notifications sent and received as WRITEs with immediate data.
-    pub fn notifications(&self) -> (u64, u64) {
+    /// Notifications sent and received as WRITEs with immediate data, and received ones
+    /// dropped because the agent's queue was not drained.
+    pub fn notifications(&self) -> (u64, u64, u64) {
+        let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         (
-            self.shared.notifications_sent.load(Ordering::Relaxed),
-            self.shared.notifications_received.load(Ordering::Relaxed),
+            n(&self.shared.notifications_sent),
+            n(&self.shared.notifications_received),
+            n(&self.shared.notifications_dropped),
         )
     }
 
@@ -1336,6 +1339,7 @@ mod double_tests {
             assert_eq!(n.message, i.to_le_bytes(), "in order");
         }
         assert_eq!(b.rdma_transport().unwrap().notifications().1, 40);
+        assert_eq!(b.rdma_transport().unwrap().notifications().2, 0, "none dropped");
     }
 
     /// Notifications by WRITE with immediate data: more of them than the mailbox has slots,

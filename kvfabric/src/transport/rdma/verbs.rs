@@ -547,7 +547,6 @@ type FnQueryGid = unsafe extern "C" fn(*mut IbvContext, u8, c_int, *mut Gid) -> 
 type FnAllocPd = unsafe extern "C" fn(*mut IbvContext) -> *mut c_void;
 type FnDeallocPd = unsafe extern "C" fn(*mut c_void) -> c_int;
 type FnRegMr = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut IbvMr;
-type FnRegDmabufMr = unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut IbvMr;
 type FnDeregMr = unsafe extern "C" fn(*mut IbvMr) -> c_int;
 type FnCreateCq =
     unsafe extern "C" fn(*mut IbvContext, c_int, *mut c_void, *mut c_void, c_int) -> *mut IbvCq;
@@ -573,8 +572,6 @@ pub struct Verbs {
     pub alloc_pd: FnAllocPd,
     pub dealloc_pd: FnDeallocPd,
     pub reg_mr: FnRegMr,
-    /// rdma-core 34 and later.
-    pub reg_dmabuf_mr: Option<FnRegDmabufMr>,
     pub dereg_mr: FnDeregMr,
     pub create_cq: FnCreateCq,
     pub destroy_cq: FnDestroyCq,
@@ -634,9 +631,6 @@ fn load() -> Result<Verbs, Unavailable> {
         alloc_pd: f!(c"ibv_alloc_pd", FnAllocPd),
         dealloc_pd: f!(c"ibv_dealloc_pd", FnDeallocPd),
         reg_mr: f!(c"ibv_reg_mr", FnRegMr),
-        // SAFETY: as in `f!`, for an optional symbol.
-        reg_dmabuf_mr: sym(&lib, c"ibv_reg_dmabuf_mr")
-            .map(|p| unsafe { std::mem::transmute::<*mut c_void, FnRegDmabufMr>(p) }),
         dereg_mr: f!(c"ibv_dereg_mr", FnDeregMr),
         create_cq: f!(c"ibv_create_cq", FnCreateCq),
         destroy_cq: f!(c"ibv_destroy_cq", FnDestroyCq),
