@@ -66,6 +66,10 @@ pub struct Profile {
     pub batch_max: u32,
     /// KV bytes per token (what a disaggregated prefill sends its decode worker).
     pub kv_bytes_per_token: u64,
+    /// Seconds a cached prompt token adds to a prefill (restoring its KV instead of computing
+    /// it); 0 when unmeasured.
+    #[serde(default)]
+    pub restore_s_per_token: f64,
 }
 
 impl Profile {
@@ -99,13 +103,95 @@ pub struct Workload {
     pub hit_rate: f64,
 }
 
-/// Latency targets (means), seconds.
+/// Latency targets, seconds: means, or a quantile (p50, p99) of each.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Targets {
     /// Time to first token.
     pub ttft_s: f64,
     /// Inter-token latency.
     pub itl_s: f64,
+    /// The quantile the targets are for (0.5, 0.99); None: means.
+    #[serde(default)]
+    pub quantile: Option<f64>,
+}
+
+impl Targets {
+    /// Targets for the means.
+    pub fn means(ttft_s: f64, itl_s: f64) -> Self {
+        Targets { ttft_s, itl_s, quantile: None }
+    }
+
+    /// Targets for quantile `q` (0 < q < 1) of TTFT and ITL.
+    pub fn at_quantile(ttft_s: f64, itl_s: f64, q: f64) -> Self {
+        Targets { ttft_s, itl_s, quantile: Some(q.clamp(0.01, 0.9999)) }
+    }
+
+    fn label(&self) -> String {
+        match self.quantile {
+            None => "mean".into(),
+            Some(q) => format!("p{}", (q * 100.0 * 100.0).round() / 100.0),
+        }
+    }
+}
+
+/// Waiting before service in an M/D/1 queue at utilisation `rho` with service time `s`: the
+/// mean `ρs / 2(1−ρ)` (exact), or its quantile `q` from the queue's exponential tail
+/// `P(W > t) ≈ C e^(−θt)` (Cramér–Lundberg: `θ` solves `λ(e^(θs) − 1) = θ`, and
+/// `C = (1−ρ) / (ρ e^(θs) − 1)`; exact in the limit of high quantiles, and within a few
+/// percent of a simulated queue at the p90–p99 targets the tests try).
+fn queue_wait(rho: f64, s: f64, q: Option<f64>) -> f64 {
+    if rho <= 0.0 {
+        return 0.0;
+    }
+    if rho >= 1.0 {
+        return f64::INFINITY;
+    }
+    let Some(q) = q else {
+        return rho * s / (2.0 * (1.0 - rho));
+    };
+    if rho <= 1.0 - q {
+        // A request waits at all with probability ρ.
+        return 0.0;
+    }
+    // x = θs solves ρ(eˣ − 1) = x, x > 0: bisect between 0 and an upper bound where the
+    // left side is ahead.
+    let f = |x: f64| rho * (x.exp() - 1.0) - x;
+    let mut hi = 1.0f64;
+    while f(hi) < 0.0 && hi < 700.0 {
+        hi *= 2.0;
+    }
+    let mut lo = 0.0f64;
+    for _ in 0..100 {
+        let mid = (lo + hi) / 2.0;
+        if f(mid) < 0.0 {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let x = hi;
+    let c = (1.0 - rho) / (rho * x.exp() - 1.0);
+    if c <= 1.0 - q {
+        return 0.0;
+    }
+    s * (c / (1.0 - q)).ln() / x
+}
+
+/// The highest utilisation at which `s + queue_wait(ρ)` stays within `ttft`.
+fn max_utilisation(s: f64, ttft: f64, q: Option<f64>) -> f64 {
+    if q.is_none() {
+        return 2.0 * (ttft - s) / (2.0 * ttft - s);
+    }
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    for _ in 0..60 {
+        let mid = (lo + hi) / 2.0;
+        if s + queue_wait(mid, s, q) <= ttft {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// A layout's requirement, or why it cannot meet the targets.
@@ -159,12 +245,19 @@ const WORKERS_MAX: u32 = 100_000;
 /// Plans `load` on an engine like `profile` for `targets`.
 pub fn plan(profile: &Profile, load: &Workload, targets: &Targets) -> Plan {
     let mut reasons = Vec::new();
-    let computed = load.isl * (1.0 - load.hit_rate.clamp(0.0, 1.0));
-    let s = profile.prefill_s.at(computed);
+    let hit = load.hit_rate.clamp(0.0, 1.0);
+    let computed = load.isl * (1.0 - hit);
+    let s = profile.prefill_s.at(computed) + profile.restore_s_per_token * load.isl * hit;
     let context = load.isl + load.osl / 2.0;
     reasons.push(format!(
+        "targets ({}): TTFT {:.0} ms, ITL {:.1} ms",
+        targets.label(),
+        targets.ttft_s * 1e3,
+        targets.itl_s * 1e3
+    ));
+    reasons.push(format!(
         "prefill of {computed:.0} uncached tokens ({:.0}% of {:.0} cached) takes {:.1} ms",
-        load.hit_rate * 100.0,
+        hit * 100.0,
         load.isl,
         s * 1e3
     ));
@@ -191,6 +284,126 @@ pub fn plan(profile: &Profile, load: &Workload, targets: &Targets) -> Plan {
     Plan { disaggregated, aggregated, choose_disaggregated, reasons }
 }
 
+/// The layout a plan picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layout {
+    /// Prefill and decode workers.
+    Disaggregated,
+    /// Aggregated workers.
+    Aggregated,
+    /// Neither meets the targets.
+    Neither,
+}
+
+impl Plan {
+    /// The layout chosen.
+    pub fn layout(&self) -> Layout {
+        if self.choose_disaggregated {
+            Layout::Disaggregated
+        } else if self.aggregated.workers().is_some() {
+            Layout::Aggregated
+        } else {
+            Layout::Neither
+        }
+    }
+
+    /// Workers of the chosen layout.
+    pub fn workers(&self) -> Option<u32> {
+        match self.layout() {
+            Layout::Disaggregated => self.disaggregated.workers(),
+            Layout::Aggregated => self.aggregated.workers(),
+            Layout::Neither => None,
+        }
+    }
+
+    fn summary(&self) -> String {
+        match (self.layout(), self.disaggregated.workers(), self.aggregated.workers()) {
+            (Layout::Disaggregated, Some(d), Some(a)) => {
+                format!("disaggregated wins ({d} workers against {a})")
+            }
+            (Layout::Aggregated, Some(d), Some(a)) => {
+                format!("aggregated wins ({a} workers against {d})")
+            }
+            (Layout::Disaggregated, Some(d), _) => {
+                format!("only disaggregation meets the targets ({d} workers)")
+            }
+            (Layout::Aggregated, _, Some(a)) => {
+                format!("only aggregation meets the targets ({a} workers)")
+            }
+            _ => "neither layout meets the targets".into(),
+        }
+    }
+}
+
+/// What would change the decision: for the prompt length, the answer length, the request
+/// rate and the hit rate in turn (the rest held), the nearest values below and above the
+/// workload's at which the plan picks another layout; one sentence each.
+pub fn what_changes(profile: &Profile, load: &Workload, targets: &Targets) -> Vec<String> {
+    let base = plan(profile, load, targets).layout();
+    let scale = |v: f64, up: bool| -> Vec<f64> {
+        (1..=24).map(|k| v * 2f64.powf(if up { k } else { -k } as f64 / 4.0)).collect()
+    };
+    let hits = |up: bool| -> Vec<f64> {
+        let mut v: Vec<f64> = (0..=19)
+            .map(|k| f64::from(k) * 0.05)
+            .filter(|&h| if up { h > load.hit_rate + 1e-9 } else { h < load.hit_rate - 1e-9 })
+            .collect();
+        if !up {
+            v.reverse();
+        }
+        v
+    };
+    type Set = fn(Workload, f64) -> Workload;
+    let params: [(&str, &str, f64, Set, bool); 4] = [
+        ("prompts of", "tokens", load.isl, |w, v| Workload { isl: v.round().max(1.0), ..w }, true),
+        ("answers of", "tokens", load.osl, |w, v| Workload { osl: v.round().max(1.0), ..w }, true),
+        ("a rate of", "requests/s", load.rate, |w, v| Workload { rate: v, ..w }, true),
+        ("a hit rate of", "", load.hit_rate, |w, v| Workload { hit_rate: v, ..w }, false),
+    ];
+    let mut out = Vec::new();
+    for (what, unit, now, set, geometric) in params {
+        for up in [false, true] {
+            let values = if geometric { scale(now, up) } else { hits(up) };
+            for v in values {
+                let p = plan(profile, &set(*load, v), targets);
+                if p.layout() != base {
+                    let shown = if geometric {
+                        format!("{} {unit}", significant(v))
+                    } else {
+                        format!("{:.0}%", v * 100.0)
+                    };
+                    let side = if up { "or more" } else { "or less" };
+                    out.push(format!("at {what} {shown} {side}, {}", p.summary()));
+                    break;
+                }
+            }
+        }
+    }
+    if out.is_empty() {
+        out.push(format!(
+            "nothing within 1/64× to 64× of the prompt and answer lengths and the rate, nor any hit rate, changes it: {}",
+            plan(profile, load, targets).summary()
+        ));
+    }
+    out
+}
+
+/// Two significant digits (1234 → 1200, 0.0123 → 0.012).
+fn significant(v: f64) -> String {
+    if v <= 0.0 || !v.is_finite() {
+        return format!("{v}");
+    }
+    let digits = v.log10().floor() as i32;
+    let unit = 10f64.powi(digits - 1);
+    let r = (v / unit).round() * unit;
+    if digits >= 1 {
+        format!("{r:.0}")
+    } else {
+        format!("{r:.*}", (1 - digits) as usize)
+    }
+}
+
 fn disaggregated(
     profile: &Profile,
     load: &Workload,
@@ -206,12 +419,19 @@ fn disaggregated(
             targets.ttft_s * 1e3
         ));
     }
-    let rho = 2.0 * (targets.ttft_s - s) / (2.0 * targets.ttft_s - s);
+    let rho = max_utilisation(s, targets.ttft_s, targets.quantile);
+    if rho <= 0.0 {
+        return Need::Infeasible(format!(
+            "a prefill ({:.1} ms) leaves no room for queueing within the TTFT target",
+            s * 1e3
+        ));
+    }
     let prefill = ((load.rate * s / rho).ceil() as u32).clamp(1, WORKERS_MAX);
     reasons.push(format!(
-        "prefill workers: {:.2} busy at most {:.0}% each (M/D/1 waiting keeps TTFT under {:.0} ms) → {prefill}",
+        "prefill workers: {:.2} busy at most {:.0}% each (M/D/1 waiting keeps the {} TTFT under {:.0} ms) → {prefill}",
         load.rate * s,
         rho * 100.0,
+        targets.label(),
         targets.ttft_s * 1e3
     ));
     let Some((b, itl)) = profile.best_batch(context, targets.itl_s) else {
@@ -259,16 +479,19 @@ fn aggregated(
         if batch > f64::from(profile.batch_max.max(1)) || itl > targets.itl_s {
             continue;
         }
-        // A new prompt waits for half the step in flight, then queues behind the worker's
-        // other prefills (M/D/1 on the prefill share).
-        let ttft = s + itl / 2.0 + prefill_share * s / (2.0 * (1.0 - prefill_share));
+        // A new prompt waits for the step in flight (uniform over a step: half of one on
+        // average, the quantile's share of one), then queues behind the worker's other
+        // prefills (M/D/1 on the prefill share).
+        let step_wait = itl * targets.quantile.unwrap_or(0.5);
+        let ttft = s + step_wait + queue_wait(prefill_share, s, targets.quantile);
         if ttft > targets.ttft_s {
             continue;
         }
         reasons.push(format!(
-            "aggregated workers: {n}, each {:.0}% prefill, decoding {batch:.1} sequences at {:.1} ms per token, TTFT ≈ {:.1} ms",
+            "aggregated workers: {n}, each {:.0}% prefill, decoding {batch:.1} sequences at {:.1} ms per token, {} TTFT ≈ {:.1} ms",
             prefill_share * 100.0,
             itl * 1e3,
+            targets.label(),
             ttft * 1e3
         ));
         return Need::Aggregated { workers: n };
@@ -295,6 +518,7 @@ mod tests {
             itl_s: vec![(1024.0, itl(1024.0)), (4096.0, itl(4096.0))],
             batch_max: 64,
             kv_bytes_per_token: 8192,
+            restore_s_per_token: 0.0,
         }
     }
 
@@ -319,7 +543,7 @@ mod tests {
     fn disaggregated_by_hand() {
         let p = mock_profile();
         let load = Workload { rate: 30.0, isl: 2000.0, osl: 128.0, hit_rate: 0.0 };
-        let plan = plan(&p, &load, &Targets { ttft_s: 0.2, itl_s: 0.02 });
+        let plan = plan(&p, &load, &Targets::means(0.2, 0.02));
         let Need::Disaggregated { prefill, decode, kv_bytes_per_s } = plan.disaggregated else {
             panic!("{plan:?}");
         };
@@ -330,7 +554,7 @@ mod tests {
         let cached = super::plan(
             &p,
             &Workload { hit_rate: 0.5, ..load },
-            &Targets { ttft_s: 0.2, itl_s: 0.02 },
+            &Targets::means(0.2, 0.02),
         );
         assert!(matches!(cached.disaggregated, Need::Disaggregated { prefill: 2, decode: 2, .. }));
     }
@@ -339,14 +563,14 @@ mod tests {
     fn infeasible_targets_say_why() {
         let p = mock_profile();
         let load = Workload { rate: 1.0, isl: 8000.0, osl: 16.0, hit_rate: 0.0 };
-        let plan = plan(&p, &load, &Targets { ttft_s: 0.1, itl_s: 0.02 });
+        let plan = plan(&p, &load, &Targets::means(0.1, 0.02));
         assert!(
             matches!(&plan.disaggregated, Need::Infeasible(why) if why.contains("exceeds the TTFT target"))
         );
         let plan = super::plan(
             &p,
             &Workload { isl: 100.0, ..load },
-            &Targets { ttft_s: 0.1, itl_s: 0.005 },
+            &Targets::means(0.1, 0.005),
         );
         assert!(
             matches!(&plan.disaggregated, Need::Infeasible(why) if why.contains("no decode batch"))
@@ -366,7 +590,7 @@ mod tests {
             [(30.0, 2000.0, 128.0, 0.2), (5.0, 500.0, 256.0, 0.05), (100.0, 1000.0, 64.0, 0.5)]
         {
             let load = Workload { rate, isl, osl, hit_rate: 0.0 };
-            let targets = Targets { ttft_s: ttft, itl_s: 0.02 };
+            let targets = Targets::means(ttft, 0.02);
             let s = p.prefill_s.at(isl);
             let dynamo_prefill = ((rate * isl / (isl / s)).ceil() as u32).max(1);
             let (b, itl) = p.best_batch(isl + osl / 2.0, targets.itl_s).unwrap();
@@ -392,15 +616,97 @@ mod tests {
         let short = plan(
             &p,
             &Workload { rate: 20.0, isl: 200.0, osl: 256.0, hit_rate: 0.0 },
-            &Targets { ttft_s: 0.1, itl_s: 0.02 },
+            &Targets::means(0.1, 0.02),
         );
         assert!(!short.choose_disaggregated, "{:#?}", short.reasons);
         let long = plan(
             &p,
             &Workload { rate: 20.0, isl: 4000.0, osl: 64.0, hit_rate: 0.0 },
-            &Targets { ttft_s: 0.4, itl_s: 0.0125 },
+            &Targets::means(0.4, 0.0125),
         );
         assert!(long.choose_disaggregated, "{:#?}", long.reasons);
         assert!(long.reasons.last().unwrap().starts_with("disaggregated"));
+    }
+
+    /// Quantile targets: the p99 wait the plan allows is what an M/D/1 queue at the planned
+    /// utilisation really shows (a Lindley-recursion simulation of 400k arrivals), within
+    /// 5%; a p99 target leaves less room for queueing than a mean target of the same value,
+    /// and a p50 target more.
+    #[test]
+    fn quantile_targets() {
+        use crate::engine::sampling::SplitMix64;
+        let s = 0.08;
+        for (ttft, q) in [(0.2, 0.99), (0.3, 0.99), (0.12, 0.9), (0.5, 0.99)] {
+            let rho = max_utilisation(s, ttft, Some(q));
+            assert!(rho > 0.05 && rho < 0.95, "{rho}");
+            let planned = queue_wait(rho, s, Some(q));
+            assert!((s + planned - ttft).abs() < 1e-6);
+            let rate = rho / s;
+            let mut rng = SplitMix64(7);
+            let mut w = 0.0f64;
+            let mut waits = Vec::with_capacity(400_000);
+            for _ in 0..400_000 {
+                waits.push(w);
+                let gap = -rng.next_f64().max(1e-300).ln() / rate;
+                w = (w + s - gap).max(0.0);
+            }
+            waits.sort_by(f64::total_cmp);
+            let simulated = crate::stats::quantile(&waits, q);
+            assert!(
+                (planned / simulated - 1.0).abs() < 0.05,
+                "ρ {rho:.3}: planned p{} wait {planned:.4} s, simulated {simulated:.4} s",
+                q * 100.0
+            );
+        }
+        assert_eq!(queue_wait(0.3, s, Some(0.5)), 0.0, "most requests do not wait at all");
+        assert!(max_utilisation(s, 0.2, Some(0.5)) > max_utilisation(s, 0.2, None));
+        assert!(max_utilisation(s, 0.2, Some(0.99)) < max_utilisation(s, 0.2, None));
+        let p = mock_profile();
+        let load = Workload { rate: 30.0, isl: 2000.0, osl: 128.0, hit_rate: 0.0 };
+        let mean = plan(&p, &load, &Targets::means(0.2, 0.02));
+        let p99 = plan(&p, &load, &Targets::at_quantile(0.2, 0.02, 0.99));
+        let prefill = |plan: &Plan| match plan.disaggregated {
+            Need::Disaggregated { prefill, .. } => prefill,
+            _ => panic!("{plan:?}"),
+        };
+        assert!(prefill(&p99) > prefill(&mean), "{:?} {:?}", p99.reasons, mean.reasons);
+        assert!(p99.aggregated.workers() >= mean.aggregated.workers());
+        assert!(p99.reasons[0].contains("p99"), "{:?}", p99.reasons);
+    }
+
+    /// The sentences of what_changes name values where the plan really flips: planning at the
+    /// value named picks the other layout, and the workload's own plan does not.
+    #[test]
+    fn what_changes_names_real_flips() {
+        let p = mock_profile();
+        let load = Workload { rate: 20.0, isl: 4000.0, osl: 64.0, hit_rate: 0.0 };
+        let targets = Targets::means(0.4, 0.0125);
+        assert_eq!(plan(&p, &load, &targets).layout(), Layout::Disaggregated);
+        let lines = what_changes(&p, &load, &targets);
+        let prompt = lines
+            .iter()
+            .find(|l| l.starts_with("at prompts of") && l.contains("or less"))
+            .unwrap_or_else(|| panic!("{lines:#?}"));
+        assert!(prompt.contains("aggregated wins"), "{prompt}");
+        let v: f64 = prompt.split_whitespace().nth(3).unwrap().parse().unwrap();
+        assert!(v < 4000.0);
+        // The named value is rounded to two digits: the flip holds a little below it.
+        let below = plan(&p, &Workload { isl: v * 0.95, ..load }, &targets);
+        assert_eq!(below.layout(), Layout::Aggregated, "{prompt}: {:#?}", below.reasons);
+        assert_eq!(significant(1234.0), "1200");
+        assert_eq!(significant(0.01234), "0.012");
+        assert_eq!(significant(5.0), "5.0");
+    }
+
+    #[test]
+    fn restoring_cached_tokens_costs_what_the_profile_says() {
+        let mut p = mock_profile();
+        let load = Workload { rate: 10.0, isl: 2000.0, osl: 64.0, hit_rate: 0.5 };
+        let free = plan(&p, &load, &Targets::means(0.2, 0.02));
+        p.restore_s_per_token = 10e-6;
+        let costly = plan(&p, &load, &Targets::means(0.2, 0.02));
+        // 1000 computed × 40 µs + 1000 restored × 10 µs = 50 ms.
+        assert!(free.reasons[1].ends_with("takes 40.0 ms"), "{:?}", free.reasons);
+        assert!(costly.reasons[1].ends_with("takes 50.0 ms"), "{:?}", costly.reasons);
     }
 }
