@@ -435,9 +435,8 @@ pub async fn measure_restore(
 ) -> Result<Vec<RestorePoint>, ProfileError> {
     let reps = reps.max(1);
     progress(Step::Total((contexts.len() * tiers.len() * reps) as u64));
-    let err = |tier: &'static str| move |e: &dyn std::fmt::Display| ProfileError::Restore {
-        tier,
-        message: e.to_string(),
+    let err = |tier: &'static str| {
+        move |e: &dyn std::fmt::Display| ProfileError::Restore { tier, message: e.to_string() }
     };
     let agent = Agent::start(AgentConfig::new("profile-restore", b"profile".to_vec()))
         .await
@@ -447,7 +446,9 @@ pub async fn measure_restore(
     for &ctx in contexts {
         let n = ctx.div_ceil(block_tokens.max(1)).max(1);
         let bytes = n as u64 * block_bytes;
-        let mut dst = vec![0u8; block_bytes as usize];
+        // Every block lands in its own place, as in an engine's KV memory (touched first, so
+        // that no page fault is timed).
+        let mut dst = vec![1u8; bytes as usize];
         for &tier in tiers {
             let tier: &'static str = match tier {
                 "host" => "host",
@@ -490,7 +491,11 @@ pub async fn measure_restore(
 
 type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
-async fn fill_store(store: &TieredStore, hashes: &[SequenceHash], bytes: u64) -> Result<(), AnyError> {
+async fn fill_store(
+    store: &TieredStore,
+    hashes: &[SequenceHash],
+    bytes: u64,
+) -> Result<(), AnyError> {
     let mut buf = vec![0u8; bytes as usize];
     let mut parent = None;
     for &h in hashes {
@@ -501,7 +506,7 @@ async fn fill_store(store: &TieredStore, hashes: &[SequenceHash], bytes: u64) ->
     Ok(())
 }
 
-/// Pins the chain and copies every block out.
+/// Pins the chain and copies every block out, block `i` to `dst[i * block_bytes..]`.
 async fn get_and_copy(
     store: &TieredStore,
     hashes: &[SequenceHash],
@@ -512,8 +517,8 @@ async fn get_and_copy(
     if refs.len() != hashes.len() {
         return Err(format!("{} of {} blocks restored", refs.len(), hashes.len()).into());
     }
-    for r in &refs {
-        r.read(dst)?;
+    for (r, out) in refs.iter().zip(dst.chunks_mut(store.block_bytes() as usize)) {
+        r.read(out)?;
     }
     Ok(t.elapsed())
 }
@@ -622,9 +627,8 @@ impl EngineProfile {
         let (prefill_s_fixed, prefill_s_per_token) = linear_fit(&cold).unwrap_or((0.0, 0.0));
         let kv: Vec<(f64, f64)> =
             decode.iter().map(|d| ((d.batch * d.context) as f64, d.itl_s)).collect();
-        let (decode_step_s, decode_s_per_kv_token) = linear_fit(&kv)
-            .or_else(|| kv.first().map(|&(_, y)| (y, 0.0)))
-            .unwrap_or((0.0, 0.0));
+        let (decode_step_s, decode_s_per_kv_token) =
+            linear_fit(&kv).or_else(|| kv.first().map(|&(_, y)| (y, 0.0))).unwrap_or((0.0, 0.0));
         let restores: Vec<f64> = prefill
             .iter()
             .filter(|p| p.cached_tokens > 0)
@@ -634,8 +638,7 @@ impl EngineProfile {
                 ((p.ttft_s - compute) / p.cached_tokens as f64).max(0.0)
             })
             .collect();
-        let restore_s_per_cached_token =
-            if restores.is_empty() { 0.0 } else { median(restores) };
+        let restore_s_per_cached_token = if restores.is_empty() { 0.0 } else { median(restores) };
         let created_unix_s = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -746,8 +749,20 @@ mod tests {
                 PrefillPoint { prompt_tokens: 200, cached_tokens: 96, ttft_s: 0.0058, reps: 1 },
             ],
             vec![
-                DecodePoint { batch: 1, context: 100, itl_s: 0.01, tokens_per_s: 100.0, samples: 9 },
-                DecodePoint { batch: 4, context: 100, itl_s: 0.02, tokens_per_s: 200.0, samples: 9 },
+                DecodePoint {
+                    batch: 1,
+                    context: 100,
+                    itl_s: 0.01,
+                    tokens_per_s: 100.0,
+                    samples: 9,
+                },
+                DecodePoint {
+                    batch: 4,
+                    context: 100,
+                    itl_s: 0.02,
+                    tokens_per_s: 200.0,
+                    samples: 9,
+                },
             ],
             vec![],
         );
@@ -762,10 +777,14 @@ mod tests {
         assert_eq!(planning.itl_s.len(), 1);
         assert_eq!(planning.batch_max, 8);
         let other = text.replace("\"version\":1", "\"version\":2");
-        assert!(matches!(EngineProfile::from_json(&other), Err(ProfileError::Format(m)) if m.contains("version")));
+        assert!(
+            matches!(EngineProfile::from_json(&other), Err(ProfileError::Format(m)) if m.contains("version"))
+        );
         let empty = EngineProfile { decode: vec![], ..p.clone() };
         let text = serde_json::to_string(&empty).unwrap();
-        assert!(matches!(EngineProfile::from_json(&text), Err(ProfileError::Format(m)) if m.contains("decode")));
+        assert!(
+            matches!(EngineProfile::from_json(&text), Err(ProfileError::Format(m)) if m.contains("decode"))
+        );
         assert!(EngineProfile::from_json("{").is_err());
     }
 }

@@ -551,11 +551,8 @@ mod tests {
         assert_eq!(kv_bytes_per_s, 30.0 * 2000.0 * 8192.0);
         // Half the prompt cached: S = 40 ms, ρ ≤ 2(0.16)/(0.36) = 0.889; 30 × 0.04 / 0.889 =
         // 1.35 → 2.
-        let cached = super::plan(
-            &p,
-            &Workload { hit_rate: 0.5, ..load },
-            &Targets::means(0.2, 0.02),
-        );
+        let cached =
+            super::plan(&p, &Workload { hit_rate: 0.5, ..load }, &Targets::means(0.2, 0.02));
         assert!(matches!(cached.disaggregated, Need::Disaggregated { prefill: 2, decode: 2, .. }));
     }
 
@@ -567,11 +564,7 @@ mod tests {
         assert!(
             matches!(&plan.disaggregated, Need::Infeasible(why) if why.contains("exceeds the TTFT target"))
         );
-        let plan = super::plan(
-            &p,
-            &Workload { isl: 100.0, ..load },
-            &Targets::means(0.1, 0.005),
-        );
+        let plan = super::plan(&p, &Workload { isl: 100.0, ..load }, &Targets::means(0.1, 0.005));
         assert!(
             matches!(&plan.disaggregated, Need::Infeasible(why) if why.contains("no decode batch"))
         );

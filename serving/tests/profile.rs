@@ -54,10 +54,17 @@ async fn profile_mock(mock: MockConfig) -> (EngineProfile, Agent) {
     };
     let (prefill, decode) = measure(&probe, &settings, 8, |_| {}).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let restore =
-        measure_restore(block_bytes, 16, &[256], &["host", "disk", "fabric"], dir.path(), 1, |_| {})
-            .await
-            .unwrap();
+    let restore = measure_restore(
+        block_bytes,
+        16,
+        &[256],
+        &["host", "disk", "fabric"],
+        dir.path(),
+        1,
+        |_| {},
+    )
+    .await
+    .unwrap();
     let p = EngineProfile::new(
         "in-process mock".into(),
         "mock".into(),
@@ -98,7 +105,8 @@ async fn the_profile_of_the_mock_recovers_its_time_model() {
     assert_eq!(cached.len(), 3, "{:?}", p.prefill);
     for c in &cached {
         assert_eq!(c.cached_tokens, c.prompt_tokens / 2, "{c:?}");
-        let cold = p.prefill.iter().find(|x| x.cached_tokens == 0 && x.prompt_tokens == c.prompt_tokens);
+        let cold =
+            p.prefill.iter().find(|x| x.cached_tokens == 0 && x.prompt_tokens == c.prompt_tokens);
         assert!(c.ttft_s < cold.unwrap().ttft_s, "{c:?}");
     }
     assert!(f.restore_s_per_cached_token < f.prefill_s_per_token, "{f:?}");

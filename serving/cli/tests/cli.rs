@@ -1,4 +1,4 @@
-//! The `kvfabric` binary as a user runs it: `plan` and `hash`, their JSON, and their errors.
+//! The `kvfabric` binary as a user runs it: `plan`, `profile` and `hash`, their JSON, and their errors.
 
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
@@ -515,4 +515,78 @@ fn the_mock_mirrors_a_model_directory() {
     let again = post_json(&addr, "/v1/chat/completions", &chat);
     assert_eq!(again["choices"][0]["message"]["content"], text);
     assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 32, "{again}");
+}
+
+/// `kvfabric profile` of the mock in process writes a profile and a plot that
+/// `kvfabric plan --sla` reads; bad profiles and bad targets are refused with the reason.
+#[test]
+fn profile_then_plan_with_an_sla() {
+    let dir = tempfile::tempdir().unwrap();
+    let (json, svg) = (dir.path().join("p.json"), dir.path().join("p.svg"));
+    let out = kvfabric(&[
+        "profile",
+        "--engine",
+        "mock",
+        "--prompts",
+        "64,256",
+        "--batches",
+        "1,4",
+        "--contexts",
+        "128",
+        "--decode-tokens",
+        "8",
+        "--reps",
+        "1",
+        "--tiers",
+        "host,disk",
+        "--disk-blocks",
+        "0",
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--out",
+        json.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+        "--json",
+    ]);
+    let p = stdout_json(&out);
+    assert_eq!(p["version"], 1);
+    assert_eq!(p["prefill"].as_array().unwrap().len(), 4, "cold and half cached, two lengths");
+    assert_eq!(p["decode"].as_array().unwrap().len(), 2);
+    assert_eq!(p["restore"].as_array().unwrap().len(), 2);
+    assert_eq!(p["kv_bytes_per_token"], 737_280 / 16, "SmolLM2's KV in f32");
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(plot.starts_with("<svg") && plot.contains("Decode: inter-token latency"));
+    let plan = stdout_json(&kvfabric(&[
+        "plan",
+        "--sla",
+        "--profile",
+        json.to_str().unwrap(),
+        "--rate",
+        "10",
+        "--isl",
+        "256",
+        "--osl",
+        "32",
+        "--ttft-ms",
+        "400",
+        "--itl-ms",
+        "30",
+        "--json",
+    ]));
+    let workers = plan["workers"].as_u64().unwrap();
+    assert!(workers >= 1, "{plan}");
+    assert!(["aggregated", "disaggregated"].contains(&plan["layout"].as_str().unwrap()));
+    assert!(!plan["plan"]["reasons"].as_array().unwrap().is_empty());
+    assert!(!plan["what_changes"].as_array().unwrap().is_empty());
+    // Refusals.
+    std::fs::write(dir.path().join("bad.json"), r#"{"version": 9}"#).unwrap();
+    let bad =
+        kvfabric(&["plan", "--sla", "--profile", dir.path().join("bad.json").to_str().unwrap()]);
+    assert!(one_line_error(&bad).contains("this build reads version 1"));
+    let bad =
+        kvfabric(&["plan", "--sla", "--profile", json.to_str().unwrap(), "--percentile", "p100"]);
+    assert!(one_line_error(&bad).contains("--percentile"));
+    let bad = kvfabric(&["plan", "--sla"]);
+    assert!(!bad.status.success(), "--sla needs --profile");
 }

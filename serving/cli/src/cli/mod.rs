@@ -23,6 +23,8 @@ mod hash;
 mod model_dir;
 pub mod peer;
 mod plan;
+mod plot;
+mod profile;
 mod route;
 mod soak;
 mod up;
@@ -66,8 +68,12 @@ enum Command {
     /// The KV-aware routing decision as a service (`POST /v1/route`) for gateways that send
     /// requests themselves, fed by discovery and the KV events like a frontend.
     Router(route::RouterArgs),
-    /// Capacity planning: KV bytes per token and per sequence, tier sizes, transfer times.
+    /// Capacity planning: KV bytes per token and per sequence, tier sizes, transfer times;
+    /// with --sla, workers for a workload and latency targets from a measured profile.
     Plan(plan::PlanArgs),
+    /// Measures an engine (in this process, or a server by URL) for planning: prefill and
+    /// decode curves, KV restore per tier; writes a profile (JSON) and a plot (SVG).
+    Profile(profile::ProfileArgs),
     /// Block and sequence hashes of a token sequence (Dynamo-compatible XXH3).
     Hash(hash::HashArgs),
     /// Writes a model directory (tokenizer, chat template, config.json with a KV shape of
@@ -140,6 +146,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Attach(args) => runtime()?.block_on(attach::run(args)),
         Command::Router(args) => runtime()?.block_on(route::run(args)),
         Command::Plan(args) => plan::run(args),
+        Command::Profile(args) => runtime()?.block_on(profile::run(args)),
         Command::Hash(args) => hash::run(args),
         Command::ModelDir(args) => model_dir::run(args),
         Command::Bench(args) => runtime()?.block_on(bench::run(args)),

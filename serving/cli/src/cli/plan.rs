@@ -10,7 +10,8 @@ use kvfabric_serving::plan::{plan, resolve_model, Link, PlanInput};
 llama-3.1-405b, mistral-7b, qwen3-8b, qwen3-32b, deepseek-r1.\n\
 Links (GB/s, one direction): pcie4 32, pcie5 64, pcie6 128, nvlink4 450, nvlink5 900, \
 25g 3.125, 100g 12.5, 200g 25, 400g 50, 800g 100; or NAME=GBPS.\n\
-Example: kvfabric plan --model llama-3.1-70b --context 8192,131072 --link pcie5,400g")]
+Example: kvfabric plan --model llama-3.1-70b --context 8192,131072 --link pcie5,400g
+With a measured profile (kvfabric profile): kvfabric plan --sla --profile profile.json --rate 20 --isl 1024 --osl 128 --hit-rate 0.3 --ttft-ms 300 --itl-ms 25 --percentile p99")]
 pub struct PlanArgs {
     /// A preset name, a Hugging Face config.json (or its directory), or a GGUF file.
     #[arg(long, short, env = "KVFABRIC_MODEL", default_value = "smollm2-135m")]
@@ -46,6 +47,122 @@ pub struct PlanArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Plan workers for a workload and latency targets from a measured --profile instead:
+    /// prefill and decode workers (disaggregated) against aggregated workers, the KV
+    /// bandwidth of the split, the choice, its reasons and what would change it.
+    #[arg(long, requires = "profile")]
+    sla: bool,
+    /// The profile (`kvfabric profile --out`).
+    #[arg(long)]
+    profile: Option<std::path::PathBuf>,
+    /// --sla: requests per second.
+    #[arg(long, default_value_t = 1.0)]
+    rate: f64,
+    /// --sla: mean prompt tokens.
+    #[arg(long, default_value_t = 512.0)]
+    isl: f64,
+    /// --sla: mean answer tokens.
+    #[arg(long, default_value_t = 128.0)]
+    osl: f64,
+    /// --sla: share of prompt tokens found cached (0..1).
+    #[arg(long, default_value_t = 0.0)]
+    hit_rate: f64,
+    /// --sla: time-to-first-token target, ms.
+    #[arg(long, default_value_t = 500.0)]
+    ttft_ms: f64,
+    /// --sla: inter-token latency target, ms.
+    #[arg(long, default_value_t = 50.0)]
+    itl_ms: f64,
+    /// --sla: what the targets bound: mean, or a percentile (p50, p90, p99, p99.9).
+    #[arg(long, default_value = "p99")]
+    percentile: String,
+}
+
+/// `mean` or `pNN`: None for the mean, else the quantile.
+pub fn parse_percentile(s: &str) -> anyhow::Result<Option<f64>> {
+    if s == "mean" {
+        return Ok(None);
+    }
+    let q: f64 = s
+        .strip_prefix('p')
+        .and_then(|n| n.parse().ok())
+        .filter(|q: &f64| *q > 0.0 && *q < 100.0)
+        .ok_or_else(|| anyhow::anyhow!("--percentile must be mean or p1..p99.99, got {s:?}"))?;
+    Ok(Some(q / 100.0))
+}
+
+fn positive(what: &str, v: f64) -> anyhow::Result<f64> {
+    anyhow::ensure!(v.is_finite() && v > 0.0, "{what} must be a number > 0, got {v}");
+    Ok(v)
+}
+
+fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
+    use kvfabric_serving::profile::EngineProfile;
+    use kvfabric_serving::sla::{plan, what_changes, Need, Targets, Workload};
+    let path = args.profile.as_ref().context("--sla needs --profile")?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let profile = EngineProfile::from_json(&text).with_context(|| path.display().to_string())?;
+    let curves = profile.planning()?;
+    anyhow::ensure!(
+        args.hit_rate.is_finite() && (0.0..1.0).contains(&args.hit_rate),
+        "--hit-rate must be in 0..1"
+    );
+    let load = Workload {
+        rate: positive("--rate", args.rate)?,
+        isl: positive("--isl", args.isl)?,
+        osl: positive("--osl", args.osl)?,
+        hit_rate: args.hit_rate,
+    };
+    let (ttft, itl) =
+        (positive("--ttft-ms", args.ttft_ms)? / 1e3, positive("--itl-ms", args.itl_ms)? / 1e3);
+    let targets = match parse_percentile(&args.percentile)? {
+        None => Targets::means(ttft, itl),
+        Some(q) => Targets::at_quantile(ttft, itl, q),
+    };
+    let p = plan(&curves, &load, &targets);
+    let changes = what_changes(&curves, &load, &targets);
+    if args.json {
+        let v = serde_json::json!({
+            "profile": path, "model": profile.model, "workload": load, "targets": targets,
+            "plan": p, "layout": p.layout(), "workers": p.workers(), "what_changes": changes,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{} ({}): {} req/s, {} prompt + {} answer tokens, {:.0}% cached",
+        profile.model,
+        path.display(),
+        load.rate,
+        load.isl,
+        load.osl,
+        load.hit_rate * 100.0
+    );
+    let need = |n: &Need| match n {
+        Need::Disaggregated { prefill, decode, kv_bytes_per_s } => format!(
+            "{prefill} prefill + {decode} decode workers, {:.2} GB/s of KV between them{}",
+            kv_bytes_per_s / 1e9,
+            if profile.kv_bytes_per_token == 0 {
+                " (KV size unknown: --kv-bytes-per-token)"
+            } else {
+                ""
+            }
+        ),
+        Need::Aggregated { workers } => format!("{workers} workers"),
+        Need::Infeasible(why) => format!("cannot meet the targets: {why}"),
+    };
+    println!("  disaggregated: {}", need(&p.disaggregated));
+    println!("  aggregated:    {}", need(&p.aggregated));
+    println!("why:");
+    for r in &p.reasons {
+        println!("  - {r}");
+    }
+    println!("what changes the decision:");
+    for c in &changes {
+        println!("  - {c}");
+    }
+    Ok(())
 }
 
 fn parse_count(what: &str, s: &str) -> anyhow::Result<u64> {
@@ -58,6 +175,9 @@ fn parse_count(what: &str, s: &str) -> anyhow::Result<u64> {
 }
 
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    if args.sla {
+        return run_sla(&args);
+    }
     let model = resolve_model(&args.model).with_context(|| format!("model {:?}", args.model))?;
     let dtype = args.dtype.as_deref().map(KvDtype::parse).transpose()?;
     let mut contexts = args

@@ -217,6 +217,14 @@ pub fn default_model_path() -> PathBuf {
     dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
+/// The directory of the disk tier (`--data-dir`, or ~/.cache/kvfabric/data).
+pub fn data_dir(opts: &EngineOpts) -> PathBuf {
+    opts.data_dir.clone().unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| ".".into());
+        home.join(".cache/kvfabric/data")
+    })
+}
+
 /// The worker's configuration from the command line: the engine (the model file must exist),
 /// the store under the data directory, the scheduler's settings.
 pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConfig> {
@@ -257,10 +265,7 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
             },
         },
     };
-    let data_dir = opts.data_dir.clone().unwrap_or_else(|| {
-        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| ".".into());
-        home.join(".cache/kvfabric/data")
-    });
+    let data_dir = data_dir(opts);
     Ok(WorkerConfig {
         name: name.to_string(),
         engine,

@@ -7,7 +7,7 @@ mod cuda;
 mod engine;
 mod fabric;
 mod router;
-mod serve;
+pub(crate) mod serve;
 mod sse;
 mod tier;
 mod transfer;

@@ -80,15 +80,15 @@ struct Row {
 }
 
 #[derive(Debug, Default)]
-struct Outcome {
-    ttft: Option<Duration>,
-    gaps: Vec<Duration>,
-    e2e: Duration,
-    prompt_tokens: u64,
-    completion_tokens: u64,
-    cached_tokens: u64,
-    text: String,
-    error: Option<String>,
+pub(crate) struct Outcome {
+    pub ttft: Option<Duration>,
+    pub gaps: Vec<Duration>,
+    pub e2e: Duration,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub cached_tokens: u64,
+    pub text: String,
+    pub error: Option<String>,
 }
 
 const WORDS: &[&str] = &[
@@ -109,13 +109,13 @@ fn words(rng: &mut SplitMix64, n: usize) -> String {
     s
 }
 
-struct Target {
+pub(crate) struct Target {
     addr: SocketAddr,
     host: String,
     prefix: String,
 }
 
-async fn target(url: &str) -> anyhow::Result<Target> {
+pub(crate) async fn target(url: &str) -> anyhow::Result<Target> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| {
@@ -146,7 +146,7 @@ impl Drop for AbortOnDrop {
 
 /// One HTTP/1.1 exchange (hyper); `on_data` sees each piece of the decoded body as it
 /// arrives.
-async fn exchange(
+pub(crate) async fn exchange(
     t: &Target,
     method: &str,
     path: &str,
@@ -179,7 +179,7 @@ async fn exchange(
     Ok(status)
 }
 
-async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome {
+pub(crate) async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome {
     let start = Instant::now();
     let mut out = Outcome::default();
     let mut sse = SseParser::default();
@@ -235,22 +235,20 @@ async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome {
     out
 }
 
+/// The first model the server lists.
+pub(crate) async fn first_model(t: &Target) -> anyhow::Result<String> {
+    let mut body = Vec::new();
+    let status = exchange(t, "GET", "/models", "", |d| body.extend_from_slice(d)).await?;
+    anyhow::ensure!(status == 200, "GET /models answered {status}");
+    let v: Value = serde_json::from_slice(&body).context("/models is not JSON")?;
+    Ok(v["data"][0]["id"].as_str().ok_or_else(|| anyhow::anyhow!("no model listed"))?.to_string())
+}
+
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let t = target(&args.url).await?;
     let model = match &args.model {
         Some(m) => m.clone(),
-        None => {
-            let mut body = Vec::new();
-            let status = exchange(&t, "GET", "/models", "", |d| body.extend_from_slice(d))
-                .await
-                .with_context(|| format!("GET {}/models", args.url))?;
-            anyhow::ensure!(status == 200, "GET /models answered {status}");
-            let v: Value = serde_json::from_slice(&body).context("/models is not JSON")?;
-            v["data"][0]["id"]
-                .as_str()
-                .ok_or_else(|| anyhow::anyhow!("no model listed"))?
-                .to_string()
-        }
+        None => first_model(&t).await.with_context(|| format!("GET {}/models", args.url))?,
     };
     let mut rng = SplitMix64(args.seed);
     let prefixes: Vec<String> =
