@@ -22,6 +22,7 @@ pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod plan;
+pub mod planner;
 pub mod profile;
 pub mod protocol;
 pub mod routed;

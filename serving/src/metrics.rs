@@ -88,6 +88,71 @@ pub struct HttpMetrics {
     prompt_tokens: Counter,
     generation_tokens: Counter,
     cached_prompt_tokens: Counter,
+    window: Arc<parking_lot::Mutex<Window>>,
+}
+
+/// The window being filled: since when, what, and the latency samples offered to it.
+#[derive(Debug)]
+struct Window {
+    since: std::time::Instant,
+    load: LoadWindow,
+    ttft_seen: u64,
+    itl_seen: u64,
+}
+
+impl Window {
+    fn new() -> Self {
+        Window {
+            since: std::time::Instant::now(),
+            load: LoadWindow::default(),
+            ttft_seen: 0,
+            itl_seen: 0,
+        }
+    }
+}
+
+/// What the frontend saw since the window was last taken ([`HttpMetrics::take_window`]): the
+/// planner's observation of its load.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadWindow {
+    /// How long it covers.
+    pub duration: Duration,
+    /// Requests finished (any outcome but a client error).
+    pub requests: u64,
+    /// Of them, failed (server errors).
+    pub errors: u64,
+    /// Prompt tokens of the requests finished.
+    pub prompt_tokens: u64,
+    /// Tokens they generated.
+    pub generated_tokens: u64,
+    /// Prompt tokens found cached.
+    pub cached_tokens: u64,
+    /// Times to first token, seconds (at most [`WINDOW_SAMPLES_MAX`], as for ITL).
+    pub ttft_s: Vec<f64>,
+    /// Inter-token latencies, seconds (at most [`WINDOW_SAMPLES_MAX`], a uniform sample of
+    /// them all past it).
+    pub itl_s: Vec<f64>,
+}
+
+/// Latency samples a window keeps of each kind.
+pub const WINDOW_SAMPLES_MAX: usize = 100_000;
+
+/// Reservoir sampling: the `seen`-th sample replaces a random kept one with probability
+/// `cap / seen`, so that the kept ones stay a uniform sample of all.
+fn keep_sample(v: &mut Vec<f64>, x: f64, seen: &mut u64) {
+    *seen += 1;
+    if v.len() < WINDOW_SAMPLES_MAX {
+        v.push(x);
+        return;
+    }
+    // A SplitMix64 step of the count: random enough to pick a slot.
+    let mut z = seen.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    let i = (z ^ (z >> 31)) % *seen;
+    if let Some(slot) = v.get_mut(i as usize) {
+        *slot = x;
+    }
 }
 
 impl Default for HttpMetrics {
@@ -100,6 +165,7 @@ impl Default for HttpMetrics {
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             cached_prompt_tokens: Counter::default(),
+            window: Arc::new(parking_lot::Mutex::new(Window::new())),
         }
     }
 }
@@ -114,16 +180,25 @@ impl HttpMetrics {
             Outcome::Cancelled => "cancelled",
         };
         self.requests.get_or_create(&vec![("outcome", v.into())]).inc();
+        if outcome != Outcome::ClientError {
+            let mut w = self.window.lock();
+            w.load.requests += 1;
+            w.load.errors += u64::from(outcome == Outcome::ServerError);
+        }
     }
 
     /// Time to the first token.
     pub fn first_token(&self, d: Duration) {
         self.ttft.observe(d.as_secs_f64());
+        let w = &mut *self.window.lock();
+        keep_sample(&mut w.load.ttft_s, d.as_secs_f64(), &mut w.ttft_seen);
     }
 
     /// Time between two tokens.
     pub fn inter_token(&self, d: Duration) {
         self.itl.observe(d.as_secs_f64());
+        let w = &mut *self.window.lock();
+        keep_sample(&mut w.load.itl_s, d.as_secs_f64(), &mut w.itl_seen);
     }
 
     /// A finished request's token counts.
@@ -131,6 +206,16 @@ impl HttpMetrics {
         self.prompt_tokens.inc_by(prompt);
         self.generation_tokens.inc_by(generated);
         self.cached_prompt_tokens.inc_by(cached);
+        let mut w = self.window.lock();
+        w.load.prompt_tokens += prompt;
+        w.load.generated_tokens += generated;
+        w.load.cached_tokens += cached;
+    }
+
+    /// What was seen since the last call (or since the start), and a new window.
+    pub fn take_window(&self) -> LoadWindow {
+        let old = std::mem::replace(&mut *self.window.lock(), Window::new());
+        LoadWindow { duration: old.since.elapsed(), ..old.load }
     }
 
     /// A request's end-to-end duration.
@@ -317,6 +402,31 @@ pub struct Snapshot {
     pub prefill_service: Option<PrefillServiceSnapshot>,
     /// How the transfers of the component's agent ended, per transport.
     pub transfers: Vec<kvfabric::transfer::TransferCount>,
+    /// The planner.
+    pub planner: Option<PlannerSnapshot>,
+}
+
+/// The planner's state and decisions.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PlannerSnapshot {
+    /// Workers serving (not counting draining ones).
+    pub workers: u64,
+    /// Workers the last decision asked for.
+    pub desired: u64,
+    /// Workers draining.
+    pub draining: u64,
+    /// Request rate observed over the last interval, requests/s.
+    pub observed_rate: f64,
+    /// Request rate predicted for the next interval, requests/s.
+    pub predicted_rate: f64,
+    /// TTFT at the target's quantile over the last interval, seconds.
+    pub observed_ttft_s: f64,
+    /// ITL at the target's quantile over the last interval, seconds.
+    pub observed_itl_s: f64,
+    /// Decisions by action: scale up, scale down, hold.
+    pub decisions: [u64; 3],
+    /// Scaling actions that failed.
+    pub scale_failures: u64,
 }
 
 /// A component whose counters are read at scrape time.
@@ -721,6 +831,72 @@ impl Collector for Components {
                     }
                 }
             },
+        )?;
+
+        // The planner.
+        let pl = |s: &Snapshot| s.planner.clone();
+        for (name, help, get) in [
+            (
+                "kvfabric_planner_workers",
+                "Workers serving (not draining).",
+                (|p: &PlannerSnapshot| p.workers) as fn(&PlannerSnapshot) -> u64,
+            ),
+            ("kvfabric_planner_desired_workers", "Workers the last decision asked for.", |p| {
+                p.desired
+            }),
+            ("kvfabric_planner_draining_workers", "Workers draining.", |p| p.draining),
+        ] {
+            family(e, s, name, help, None, G, |s, o| o.extend(pl(s).map(|p| plain(get(&p)))))?;
+        }
+        for (name, help, get) in [
+            (
+                "kvfabric_planner_observed_request_rate",
+                "Requests per second over the last interval.",
+                (|p: &PlannerSnapshot| p.observed_rate) as fn(&PlannerSnapshot) -> f64,
+            ),
+            (
+                "kvfabric_planner_predicted_request_rate",
+                "Requests per second predicted for the next interval.",
+                |p| p.predicted_rate,
+            ),
+            (
+                "kvfabric_planner_observed_ttft_seconds",
+                "Time to first token at the target's quantile over the last interval.",
+                |p| p.observed_ttft_s,
+            ),
+            (
+                "kvfabric_planner_observed_itl_seconds",
+                "Inter-token latency at the target's quantile over the last interval.",
+                |p| p.observed_itl_s,
+            ),
+        ] {
+            family(e, s, name, help, None, G, |s, o| {
+                o.extend(pl(s).map(|p| (Vec::new(), Value::Float(get(&p)))))
+            })?;
+        }
+        family(
+            e,
+            s,
+            "kvfabric_planner_decisions",
+            "Planner decisions by action.",
+            None,
+            C,
+            |s, o| {
+                if let Some(p) = pl(s) {
+                    for (action, n) in ["up", "down", "hold"].iter().zip(p.decisions) {
+                        o.push((vec![("action", LabelValue::from(*action))], Value::Int(n)));
+                    }
+                }
+            },
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_planner_scale_failures",
+            "Scaling actions that failed (a worker that did not start or stop).",
+            None,
+            C,
+            |s, o| o.extend(pl(s).map(|p| plain(p.scale_failures))),
         )?;
 
         // Routed backend.

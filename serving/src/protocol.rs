@@ -219,6 +219,24 @@ pub struct ServeStats {
     pub handshake_failed: AtomicU64,
     /// Requests refused after the handshake (malformed, late, over a limit).
     pub bad_requests: AtomicU64,
+    /// Requests read and not yet answered to the end (a draining worker waits for 0).
+    pub in_flight: AtomicU64,
+}
+
+/// Counts a request in flight while it lives.
+struct InFlight<'a>(&'a AtomicU64);
+
+impl<'a> InFlight<'a> {
+    fn new(n: &'a AtomicU64) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Writes one frame.
@@ -335,7 +353,7 @@ pub fn serve(
                     tracing::debug!(%from, %peer, "peer at its connection limit: refusing");
                     return;
                 };
-                if let Err(e) = handle(conn, backend, &limits).await {
+                if let Err(e) = handle(conn, backend, &limits, &stats.in_flight).await {
                     stats.bad_requests.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(%peer, error = %e, "frontend connection ended");
                 }
@@ -378,6 +396,7 @@ async fn handle(
     conn: TcpStream,
     backend: Arc<dyn Backend>,
     limits: &ServeLimits,
+    in_flight: &AtomicU64,
 ) -> Result<(), FrameError> {
     let (mut rd, mut wr) = conn.into_split();
     // The request must arrive promptly; a silent peer does not hold a task forever.
@@ -397,6 +416,7 @@ async fn handle(
             return Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into());
         }
     };
+    let _counted = InFlight::new(in_flight);
     if backend.model(&req.model).is_none() {
         let e = EngineError::invalid(format!("this worker does not serve {:?}", req.model));
         return write_frame(&mut wr, &GenEvent::Error(e)).await;

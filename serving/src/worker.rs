@@ -137,6 +137,41 @@ pub struct Served {
     pub server: tokio::task::JoinHandle<()>,
     /// What its `/metrics` shows.
     pub metrics: MetricsSource,
+    /// Its request port's counters (None for a prefill worker, which has none).
+    pub stats: Option<Arc<ServeStats>>,
+}
+
+/// A worker's drain, after it left discovery: waits until nothing is in flight — no request on
+/// its port (`stats`), no sequence in its engine — for `quiet` in a row (requests a router
+/// sent just before it saw the worker leave still arrive), or until `deadline`. True when it
+/// drained.
+pub async fn drain(
+    stats: Option<&ServeStats>,
+    sched: &Scheduler,
+    quiet: Duration,
+    deadline: Duration,
+) -> bool {
+    let start = tokio::time::Instant::now();
+    let mut idle_since: Option<tokio::time::Instant> = None;
+    loop {
+        let s = sched.stats();
+        let busy = stats.map_or(0, |st| st.in_flight.load(Ordering::Relaxed))
+            + s.running.load(Ordering::Relaxed)
+            + s.waiting.load(Ordering::Relaxed);
+        let now = tokio::time::Instant::now();
+        if busy == 0 {
+            let since = *idle_since.get_or_insert(now);
+            if now - since >= quiet {
+                return true;
+            }
+        } else {
+            idle_since = None;
+        }
+        if now - start >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The worker's load reports: this often.
@@ -303,7 +338,7 @@ impl WorkerStack {
         lease_ttl: Duration,
     ) -> Result<Served, WorkerError> {
         let local = LocalBackend::new(self.sched.clone(), self.store.clone());
-        let (addr, server, kind, metrics) = match role {
+        let (addr, server, kind, metrics, stats) = match role {
             Role::Prefill => {
                 // No request port: jobs come from its queue; KV goes out through its agent.
                 let stats = Arc::new(PrefillStats::default());
@@ -316,7 +351,7 @@ impl WorkerStack {
                     stats.clone(),
                 );
                 let metrics = MetricsSource::Prefill(Arc::new(local), stats);
-                (self.agent.listen_addr(), server, PREFILL_KIND, metrics)
+                (self.agent.listen_addr(), server, PREFILL_KIND, metrics, None)
             }
             Role::Aggregated | Role::Decode => {
                 let listener = tokio::net::TcpListener::bind(listen)
@@ -345,14 +380,15 @@ impl WorkerStack {
                     Arc::new(local)
                 };
                 let auth = Auth { name: name.to_string(), secret: self.secret.clone() };
+                let stats = Arc::new(ServeStats::default());
                 let server = crate::protocol::serve(
                     listener,
                     backend.clone(),
                     auth,
                     ServeLimits::default(),
-                    Arc::new(ServeStats::default()),
+                    stats.clone(),
                 );
-                (addr, server, WORKER_KIND, MetricsSource::Backend(backend))
+                (addr, server, WORKER_KIND, MetricsSource::Backend(backend), Some(stats))
             }
         };
         let mut md = self.metadata(addr);
@@ -364,7 +400,7 @@ impl WorkerStack {
         let instance = Instance { kind: kind.into(), id: name.to_string(), metadata };
         let registration = discovery.register(instance, lease_ttl).await?;
         tracing::info!(worker = %name, %addr, ?role, kind, "worker registered in discovery");
-        Ok(Served { addr, registration, server, metrics })
+        Ok(Served { addr, registration, server, metrics, stats })
     }
 
     /// Stops publishing; keeps host blocks across restarts by writing them to disk (bounded

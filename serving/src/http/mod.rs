@@ -53,6 +53,10 @@ pub struct ServerConfig {
     /// When set, every `/v1/` request must carry `Authorization: Bearer <key>` (401
     /// otherwise, before its body is read); `/health` and `/metrics` stay open.
     pub api_key: Option<String>,
+    /// The frontend's live metrics (a clone shares them: the planner reads its load here).
+    pub metrics: HttpMetrics,
+    /// More components shown in `/metrics`, unlabelled (the planner's).
+    pub sources: Vec<Arc<dyn Source>>,
 }
 
 impl Default for ServerConfig {
@@ -63,6 +67,8 @@ impl Default for ServerConfig {
             default_chat_max_tokens: 1024,
             listen: metrics::ListenStats::default(),
             api_key: None,
+            metrics: HttpMetrics::default(),
+            sources: Vec::new(),
         }
     }
 }
@@ -99,8 +105,11 @@ pub fn router_with(
     let mut cfg = cfg;
     cfg.request_timeout =
         cfg.request_timeout.clamp(Duration::from_millis(1), crate::engine::REQUEST_TIMEOUT_MAX);
-    let metrics = HttpMetrics::default();
+    let metrics = cfg.metrics.clone();
     let mut components = Components::new().with(None, Arc::new(backend.clone()));
+    for source in &cfg.sources {
+        components = components.with(None, source.clone());
+    }
     for (name, source) in workers {
         components = components.with(Some(name), source);
     }
@@ -123,8 +132,11 @@ pub fn router_with(
 pub fn routing_router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let limit = cfg.max_body_bytes;
-    let metrics = HttpMetrics::default();
-    let components = Components::new().with(None, Arc::new(backend.clone()));
+    let metrics = cfg.metrics.clone();
+    let mut components = Components::new().with(None, Arc::new(backend.clone()));
+    for source in &cfg.sources {
+        components = components.with(None, source.clone());
+    }
     let mut registry = metrics::registry(&metrics, components);
     cfg.listen.register(&mut registry);
     let state = Arc::new(AppState { backend, cfg, metrics, registry, created });

@@ -37,6 +37,8 @@ pub struct FrontendArgs {
     /// Frontend name.
     #[arg(long, env = "KVFABRIC_NAME", default_value = "frontend-0")]
     name: String,
+    #[command(flatten)]
+    planner: super::planning::PlannerArgs,
 }
 
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
@@ -50,27 +52,66 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         ..RoutedConfig::new(args.secret.clone().into_bytes())
     };
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
+    let metrics = kvfabric_serving::metrics::HttpMetrics::default();
+    let planner = match &args.planner.profile {
+        Some(profile) => {
+            let c = &args.control;
+            anyhow::ensure!(
+                !c.etcd.is_empty() && c.nats.is_some(),
+                "--planner starts worker processes that must find this frontend: it needs --etcd and --nats"
+            );
+            let mut env = vec![
+                ("KVFABRIC_SECRET".to_string(), args.secret.clone()),
+                ("KVFABRIC_ETCD".to_string(), c.etcd.join(",")),
+                ("KVFABRIC_NAMESPACE".to_string(), c.namespace.clone()),
+            ];
+            env.extend(c.nats.clone().map(|n| ("KVFABRIC_NATS".to_string(), n)));
+            Some(args.planner.start(profile, &args.name, env, metrics.clone()).await?)
+        }
+        None => None,
+    };
+    let sources: Vec<Arc<dyn kvfabric_serving::metrics::Source>> = planner
+        .iter()
+        .map(|p| p.state.clone() as Arc<dyn kvfabric_serving::metrics::Source>)
+        .collect();
     let addr = SocketAddr::new(args.host, args.port);
     let b = backend.clone();
-    serve_routed("frontend", &args.name, addr, &args.http, stop_signal, |c| http::router(b, c))
-        .await?;
+    let served = serve_routed(
+        "frontend",
+        &args.name,
+        addr,
+        &args.http,
+        metrics,
+        sources,
+        stop_signal,
+        |c| http::router(b, c),
+    )
+    .await;
+    if let Some(p) = planner {
+        p.stop().await;
+    }
     backend.stop();
-    Ok(())
+    served
 }
 
 /// Serves the routes `app` builds over a routed backend on `addr` until `stop`, announcing
 /// `kvfabric {what} at http://ADDR/v1` on stdout once listening (`frontend`, `router`).
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn serve_routed(
     what: &str,
     name: &str,
     addr: SocketAddr,
     args: &super::HttpArgs,
+    metrics: kvfabric_serving::metrics::HttpMetrics,
+    sources: Vec<Arc<dyn kvfabric_serving::metrics::Source>>,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
     app: impl FnOnce(ServerConfig) -> axum::Router,
 ) -> anyhow::Result<()> {
     let server_cfg = ServerConfig {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        metrics,
+        sources,
         ..ServerConfig::default()
     };
     let listen_stats = server_cfg.listen.clone();

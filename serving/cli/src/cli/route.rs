@@ -43,9 +43,16 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
     let addr = SocketAddr::new(args.host, args.port);
     let b = backend.clone();
-    super::frontend::serve_routed("router", &args.name, addr, &args.http, stop_signal, |c| {
-        http::routing_router(b, c)
-    })
+    super::frontend::serve_routed(
+        "router",
+        &args.name,
+        addr,
+        &args.http,
+        Default::default(),
+        Vec::new(),
+        stop_signal,
+        |c| http::routing_router(b, c),
+    )
     .await?;
     backend.stop();
     Ok(())

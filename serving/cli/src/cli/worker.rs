@@ -2,7 +2,8 @@
 //! embedded) under a lease, publishing its KV events and load on the event bus (NATS, or
 //! embedded), serving generation requests from frontends on its request port. Prints one
 //! JSON line (`{"worker": NAME, "addr": ..., "model": ...}`) on stdout when ready. On
-//! SIGINT/SIGTERM it leaves discovery, stops and keeps its host blocks on disk.
+//! SIGINT/SIGTERM it leaves discovery, drains (finishes the requests it has, within
+//! `--drain-timeout-s`), stops and keeps its host blocks on disk.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -45,7 +46,16 @@ pub struct WorkerArgs {
     /// Discovery lease TTL, seconds.
     #[arg(long, env = "KVFABRIC_LEASE_TTL_S", default_value_t = 10)]
     lease_ttl_s: u64,
+    /// On SIGTERM/SIGINT the worker leaves discovery, then finishes the requests it has for
+    /// at most this many seconds before it stops (a second signal stops it at once).
+    #[arg(long, env = "KVFABRIC_DRAIN_TIMEOUT_S", default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    drain_timeout_s: u64,
 }
+
+/// A drained worker has had nothing in flight for this long (longer than routers take to see
+/// it leave discovery).
+const DRAIN_QUIET: Duration = Duration::from_millis(1000);
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();
@@ -57,7 +67,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     );
     let stack = start_stack(&args.engine, &args.name, &discovery, bus.clone(), false).await?;
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
-    let Served { addr, registration, server, metrics: source } = stack
+    let Served { addr, registration, server, metrics: source, stats } = stack
         .serve(
             &args.name,
             args.role,
@@ -116,6 +126,25 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         }
     }
     registration.revoke().await;
+    if failure.is_none() {
+        // Drain: routers saw the worker leave; finish what was sent before they did.
+        let deadline = Duration::from_secs(args.drain_timeout_s);
+        tracing::info!(worker = %args.name, ?deadline, "draining: finishing the requests in flight");
+        let again = shutdown_signal();
+        let drained = tokio::select! {
+            d = kvfabric_serving::worker::drain(
+                stats.as_deref(), &stack.sched, DRAIN_QUIET, deadline) => d,
+            _ = again => false,
+        };
+        if drained {
+            tracing::info!(worker = %args.name, "drained");
+        } else {
+            let left = stats
+                .as_ref()
+                .map_or(0, |s| s.in_flight.load(std::sync::atomic::Ordering::Relaxed));
+            tracing::warn!(worker = %args.name, in_flight = left, "stopping before the requests in flight finished (drain deadline or a second signal)");
+        }
+    }
     server.abort();
     if let Some(m) = metrics {
         m.abort();

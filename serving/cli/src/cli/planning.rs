@@ -1,0 +1,170 @@
+//! `--planner` of `kvfabric frontend`: the live planner over local `kvfabric worker`
+//! processes (`super::scaler`), its settings, and its decision log.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use kvfabric_serving::metrics::HttpMetrics;
+use kvfabric_serving::planner::{self, PlannerConfig, PlannerState, Predictor, Scaler};
+use kvfabric_serving::profile::EngineProfile;
+use kvfabric_serving::sla::Targets;
+
+use super::scaler::{LocalWorkers, WorkerTemplate};
+
+/// The planner's options.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlannerArgs {
+    /// Scale local `kvfabric worker` processes with the planner, planning from this engine
+    /// profile (`kvfabric profile --out`).
+    #[arg(long = "planner", env = "KVFABRIC_PLANNER", value_name = "PROFILE")]
+    pub profile: Option<PathBuf>,
+    /// Fewest workers.
+    #[arg(long, env = "KVFABRIC_PLANNER_MIN_WORKERS", default_value_t = 1)]
+    pub planner_min_workers: u32,
+    /// Most workers.
+    #[arg(long, env = "KVFABRIC_PLANNER_MAX_WORKERS", default_value_t = 4)]
+    pub planner_max_workers: u32,
+    /// Seconds between decisions.
+    #[arg(long, env = "KVFABRIC_PLANNER_INTERVAL_S", default_value_t = 10.0)]
+    pub planner_interval_s: f64,
+    /// Time-to-first-token target, ms.
+    #[arg(long, env = "KVFABRIC_PLANNER_TTFT_MS", default_value_t = 500.0)]
+    pub planner_ttft_ms: f64,
+    /// Inter-token latency target, ms.
+    #[arg(long, env = "KVFABRIC_PLANNER_ITL_MS", default_value_t = 50.0)]
+    pub planner_itl_ms: f64,
+    /// What the targets bound: mean, or a percentile (p50, p90, p99).
+    #[arg(long, env = "KVFABRIC_PLANNER_PERCENTILE", default_value = "p99")]
+    pub planner_percentile: String,
+    /// How the next interval's rate is predicted: constant, ewma[:ALPHA], trend[:ALPHA:BETA].
+    #[arg(long, env = "KVFABRIC_PLANNER_PREDICTOR", default_value = "constant",
+        value_parser = Predictor::parse)]
+    pub planner_predictor: Predictor,
+    /// Intervals in a row the plan must ask for fewer workers before one drains.
+    #[arg(long, env = "KVFABRIC_PLANNER_SCALE_DOWN_AFTER", default_value_t = 2)]
+    pub planner_scale_down_after: u32,
+    /// Arguments of the workers it starts (`kvfabric worker ARGS`), split at whitespace: the
+    /// engine and its options. The secret and the control plane are the frontend's.
+    #[arg(
+        long,
+        env = "KVFABRIC_PLANNER_WORKER_ARGS",
+        default_value = "",
+        allow_hyphen_values = true
+    )]
+    pub planner_worker_args: String,
+    /// Seconds a worker may take to start.
+    #[arg(long, env = "KVFABRIC_PLANNER_START_TIMEOUT_S", default_value_t = 120)]
+    pub planner_start_timeout_s: u64,
+    /// Seconds a draining worker may take to finish its requests.
+    #[arg(long, env = "KVFABRIC_PLANNER_DRAIN_TIMEOUT_S", default_value_t = 60)]
+    pub planner_drain_timeout_s: u64,
+    /// Append each decision as a JSON line to this file.
+    #[arg(long, env = "KVFABRIC_PLANNER_LOG")]
+    pub planner_log: Option<PathBuf>,
+}
+
+/// A running planner and its workers.
+pub struct Running {
+    /// What `/metrics` shows of it.
+    pub state: Arc<PlannerState>,
+    task: tokio::task::JoinHandle<()>,
+    workers: Arc<LocalWorkers>,
+}
+
+impl Running {
+    /// Stops deciding, then drains every worker.
+    pub async fn stop(self) {
+        self.task.abort();
+        self.workers.shutdown().await;
+    }
+}
+
+impl PlannerArgs {
+    /// Reads the profile, starts the fewest workers, and starts deciding from `metrics`.
+    /// `env` is what each worker needs to join (the secret, the control plane).
+    pub async fn start(
+        &self,
+        profile: &std::path::Path,
+        name: &str,
+        env: Vec<(String, String)>,
+        metrics: HttpMetrics,
+    ) -> anyhow::Result<Running> {
+        let text = std::fs::read_to_string(profile)
+            .with_context(|| format!("reading the planner's profile {}", profile.display()))?;
+        let curves = EngineProfile::from_json(&text)
+            .and_then(|p| p.planning())
+            .with_context(|| profile.display().to_string())?;
+        anyhow::ensure!(
+            self.planner_min_workers >= 1 && self.planner_max_workers >= self.planner_min_workers,
+            "--planner-min-workers must be at least 1 and at most --planner-max-workers"
+        );
+        anyhow::ensure!(
+            self.planner_interval_s.is_finite() && self.planner_interval_s >= 0.1,
+            "--planner-interval-s must be at least 0.1"
+        );
+        for (what, v) in
+            [("--planner-ttft-ms", self.planner_ttft_ms), ("--planner-itl-ms", self.planner_itl_ms)]
+        {
+            anyhow::ensure!(v.is_finite() && v > 0.0, "{what} must be > 0");
+        }
+        let (ttft, itl) = (self.planner_ttft_ms / 1e3, self.planner_itl_ms / 1e3);
+        let targets = match super::plan::parse_percentile(&self.planner_percentile)? {
+            None => Targets::means(ttft, itl),
+            Some(q) => Targets::at_quantile(ttft, itl, q),
+        };
+        let cfg = PlannerConfig {
+            interval: Duration::from_secs_f64(self.planner_interval_s),
+            min_workers: self.planner_min_workers,
+            max_workers: self.planner_max_workers,
+            targets,
+            predictor: self.planner_predictor,
+            profile: curves,
+            scale_down_after: self.planner_scale_down_after,
+            history: 16,
+        };
+        let workers = Arc::new(LocalWorkers::new(WorkerTemplate {
+            exe: std::env::current_exe().context("finding the kvfabric binary")?,
+            args: self.planner_worker_args.split_whitespace().map(str::to_string).collect(),
+            env,
+            prefix: format!("{name}-w"),
+            start_timeout: Duration::from_secs(self.planner_start_timeout_s.max(1)),
+            drain_timeout: Duration::from_secs(self.planner_drain_timeout_s),
+        }));
+        let n = workers
+            .scale_to(self.planner_min_workers)
+            .await
+            .context("planner: starting the first workers")?;
+        tracing::info!(
+            workers = n,
+            min = self.planner_min_workers,
+            max = self.planner_max_workers,
+            interval_s = self.planner_interval_s,
+            "planner: started"
+        );
+        let mut log = match &self.planner_log {
+            Some(path) => Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .with_context(|| format!("opening {}", path.display()))?,
+            ),
+            None => None,
+        };
+        let state = Arc::new(PlannerState::starting(n));
+        let task = planner::spawn(cfg, metrics, workers.clone(), state.clone(), move |d| {
+            if let Some(f) = log.as_mut() {
+                if let Ok(line) = serde_json::to_string(d) {
+                    if let Err(e) = writeln!(f, "{line}") {
+                        tracing::warn!(error = %e, "planner: writing the decision log; no more lines");
+                        log = None;
+                    }
+                }
+            }
+        });
+        Ok(Running { state, task, workers })
+    }
+}

@@ -1,0 +1,219 @@
+//! The planner's scaler for one host: starts `kvfabric worker` processes (this binary) that
+//! join the frontend's discovery and event bus, and drains them on the way down (SIGTERM:
+//! the worker leaves discovery, finishes its requests, exits). A Kubernetes scaler would
+//! implement the same `kvfabric_serving::planner::Scaler` by patching replicas.
+
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvfabric_serving::planner::{ScaleError, ScaleFuture, Scaler};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// How to start a worker.
+#[derive(Debug, Clone)]
+pub struct WorkerTemplate {
+    /// The `kvfabric` binary.
+    pub exe: std::path::PathBuf,
+    /// Arguments after `worker` (engine options and the like).
+    pub args: Vec<String>,
+    /// Environment of the workers (the secret, the control plane's endpoints).
+    pub env: Vec<(String, String)>,
+    /// Worker names are `{prefix}-{n}`.
+    pub prefix: String,
+    /// A worker that has not said it is ready by then is killed and the start fails.
+    pub start_timeout: Duration,
+    /// A draining worker that has not exited by then is killed.
+    pub drain_timeout: Duration,
+}
+
+#[derive(Debug)]
+struct Running {
+    name: String,
+    child: Child,
+}
+
+/// Workers as processes on this host.
+#[derive(Debug)]
+pub struct LocalWorkers {
+    template: WorkerTemplate,
+    serving: tokio::sync::Mutex<Vec<Running>>,
+    count: AtomicU32,
+    draining: Arc<AtomicU32>,
+    next: AtomicU32,
+    drains: parking_lot::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl LocalWorkers {
+    /// No workers yet.
+    pub fn new(template: WorkerTemplate) -> Self {
+        LocalWorkers {
+            template,
+            serving: tokio::sync::Mutex::new(Vec::new()),
+            count: AtomicU32::new(0),
+            draining: Arc::new(AtomicU32::new(0)),
+            next: AtomicU32::new(0),
+            drains: parking_lot::Mutex::new(Vec::new()),
+        }
+    }
+
+    async fn start_one(&self) -> Result<Running, ScaleError> {
+        let t = &self.template;
+        let name = format!("{}-{}", t.prefix, self.next.fetch_add(1, Ordering::Relaxed));
+        let mut cmd = Command::new(&t.exe);
+        cmd.arg("worker")
+            .args(&t.args)
+            .args(["--name", &name])
+            .envs(t.env.iter().map(|(k, v)| (k, v)))
+            .env("KVFABRIC_DRAIN_TIMEOUT_S", t.drain_timeout.as_secs().to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true);
+        // SAFETY: runs in the forked child before exec, where only async-signal-safe calls
+        // are allowed: prctl(2) is a plain system call and touches no memory of ours.
+        unsafe {
+            cmd.pre_exec(|| {
+                // If this process dies without draining its workers (SIGKILL, a crash), they
+                // get SIGTERM and drain themselves. Tied to the thread that spawns them, a
+                // runtime worker thread that lives as long as the runtime.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child =
+            cmd.spawn().map_err(|e| ScaleError::Start(format!("{}: {e}", t.exe.display())))?;
+        let Some(stdout) = child.stdout.take() else {
+            return Err(ScaleError::Start(format!("{name}: no stdout")));
+        };
+        let mut lines = BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(t.start_timeout, lines.next_line()).await;
+        let line = match ready {
+            Ok(Ok(Some(line))) => line,
+            Ok(Ok(None)) | Ok(Err(_)) => {
+                let status = child.wait().await.ok();
+                return Err(ScaleError::Start(format!(
+                    "{name} exited before it was ready ({status:?}; its log is on stderr)"
+                )));
+            }
+            Err(_) => {
+                let _ = child.kill().await;
+                return Err(ScaleError::Start(format!(
+                    "{name} not ready within {:?}",
+                    t.start_timeout
+                )));
+            }
+        };
+        let ok = serde_json::from_str::<serde_json::Value>(&line)
+            .ok()
+            .is_some_and(|v| v["worker"].as_str() == Some(name.as_str()));
+        if !ok {
+            let _ = child.kill().await;
+            return Err(ScaleError::Start(format!(
+                "{name} said {line:?} instead of its ready line"
+            )));
+        }
+        // Keep reading (and dropping) what it prints, so that it never writes to a closed pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        tracing::info!(worker = %name, "planner: worker started");
+        Ok(Running { name, child })
+    }
+
+    /// Asks a worker to drain and stop; it is waited for (and killed past the drain
+    /// deadline) in the background.
+    fn drain_one(&self, mut w: Running) -> Result<(), ScaleError> {
+        let Some(pid) = w.child.id() else {
+            return Ok(()); // already exited
+        };
+        let pid = libc::pid_t::try_from(pid).map_err(|e| ScaleError::Stop(e.to_string()))?;
+        // SAFETY: kill(2) with a pid this process spawned and has not yet reaped (the Child
+        // still owns it, so the pid cannot have been reused) and a valid signal number.
+        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        if rc != 0 {
+            return Err(ScaleError::Stop(format!(
+                "{}: {}",
+                w.name,
+                std::io::Error::last_os_error()
+            )));
+        }
+        tracing::info!(worker = %w.name, "planner: worker draining");
+        self.draining.fetch_add(1, Ordering::Relaxed);
+        let draining = self.draining.clone();
+        let limit = self.template.drain_timeout + Duration::from_secs(10);
+        let task = tokio::spawn(async move {
+            match tokio::time::timeout(limit, w.child.wait()).await {
+                Ok(Ok(status)) => {
+                    tracing::info!(worker = %w.name, %status, "planner: worker stopped")
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(worker = %w.name, error = %e, "planner: waiting for a worker")
+                }
+                Err(_) => {
+                    tracing::warn!(worker = %w.name, "planner: worker still running past its drain deadline: killing it");
+                    let _ = w.child.kill().await;
+                }
+            }
+            draining.fetch_sub(1, Ordering::Relaxed);
+        });
+        let mut drains = self.drains.lock();
+        drains.retain(|t| !t.is_finished());
+        drains.push(task);
+        Ok(())
+    }
+
+    /// Drains every worker and waits for them (the frontend is stopping).
+    pub async fn shutdown(&self) {
+        let _ = self.scale_to(0).await;
+        let drains = std::mem::take(&mut *self.drains.lock());
+        for t in drains {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Scaler for LocalWorkers {
+    fn workers(&self) -> u32 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn draining(&self) -> u32 {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    fn scale_to(&self, n: u32) -> ScaleFuture<'_> {
+        Box::pin(async move {
+            let mut serving = self.serving.lock().await;
+            // Workers that died on their own are not serving.
+            serving.retain_mut(|w| {
+                let alive = matches!(w.child.try_wait(), Ok(None));
+                if !alive {
+                    tracing::warn!(worker = %w.name, "planner: worker exited on its own");
+                }
+                alive
+            });
+            let mut result = Ok(());
+            while serving.len() < n as usize {
+                match self.start_one().await {
+                    Ok(w) => serving.push(w),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            while serving.len() > n as usize {
+                // The newest first: the oldest hold the warmest caches.
+                let Some(w) = serving.pop() else { break };
+                if let Err(e) = self.drain_one(w) {
+                    result = Err(e);
+                }
+            }
+            let now = serving.len() as u32;
+            self.count.store(now, Ordering::Relaxed);
+            result.map(|()| now)
+        })
+    }
+}

@@ -1,0 +1,163 @@
+//! The live planner over real etcd and NATS: `kvfabric frontend --planner` starts local
+//! `kvfabric worker` processes (the mock engine) from a profile `kvfabric profile` measured,
+//! scales them up under a load one worker cannot serve within the targets, drains them when
+//! the load falls, and no request fails across the scale-down.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{get, post_json, Proc};
+use kvfabric::testkit::{EtcdServer, NatsServer};
+use serde_json::json;
+
+const MOCK: &str = "--engine mock --disk-blocks 0 --max-batch 8 --mock-prefill-us 40 \
+--mock-decode-us 8000 --mock-decode-kv-us 0.2";
+
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+async fn planner_workers(addr: SocketAddr) -> u64 {
+    metric(&get(addr, "/metrics").await.text(), "kvfabric_planner_workers").unwrap_or(0.0) as u64
+}
+
+/// Closed-loop clients until `stop`; counts successes and failures.
+fn load(
+    addr: SocketAddr,
+    clients: usize,
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..clients)
+        .map(|c| {
+            let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+            tokio::spawn(async move {
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let prompt = format!("client {c} request {i}: {}", "some words ".repeat(18));
+                    let body = json!({"model": "mock", "prompt": prompt, "max_tokens": 24,
+                        "ignore_eos": true, "temperature": 0});
+                    let r = post_json(addr, "/v1/completions", &body).await;
+                    if r.status == 200 {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                        eprintln!("request failed: {} {}", r.status, r.text());
+                    }
+                    i += 1;
+                }
+            })
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_planner_scales_workers_up_under_load_and_drains_them_without_losing_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = env!("CARGO_BIN_EXE_kvfabric");
+    // The engine's profile, measured.
+    let profile = dir.path().join("mock.json");
+    let st = Command::new(exe)
+        .args(["profile", "--prompts", "64,256", "--batches", "1,4,8", "--contexts", "256"])
+        .args(["--decode-tokens", "8", "--reps", "1", "--tiers", "none", "--json", "--out"])
+        .arg(&profile)
+        .args(MOCK.split_whitespace())
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let log = dir.path().join("decisions.jsonl");
+    let mut child = Command::new(exe)
+        .args(["frontend", "--port", "0", "--namespace", "plan", "--secret", "planner-test"])
+        .args(["--name", "planner-test-fe"])
+        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url(), "--planner"])
+        .arg(&profile)
+        .args(["--planner-min-workers", "1", "--planner-max-workers", "3"])
+        .args(["--planner-interval-s", "1", "--planner-ttft-ms", "150", "--planner-itl-ms", "30"])
+        .args(["--planner-percentile", "p90", "--planner-scale-down-after", "2"])
+        .args(["--planner-worker-args", &format!("{MOCK} --lease-ttl-s 2")])
+        .arg("--planner-log")
+        .arg(&log)
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("frontend printed nothing").unwrap();
+    std::thread::spawn(move || for _ in lines {});
+    let frontend = Proc(child);
+    let addr: SocketAddr = line
+        .strip_prefix("kvfabric frontend at http://")
+        .and_then(|r| r.strip_suffix("/v1"))
+        .unwrap_or_else(|| panic!("{line}"))
+        .parse()
+        .unwrap();
+    assert_eq!(planner_workers(addr).await, 1, "the fewest workers start with the frontend");
+
+    // 24 clients in a closed loop: one worker (8 sequences a step) queues them, so TTFT p90
+    // is far above 150 ms and the rate above what one worker decodes.
+    let (stop, ok, failed) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let heavy = load(addr, 24, stop.clone(), ok.clone(), failed.clone());
+    let start = Instant::now();
+    let mut most = 1;
+    while start.elapsed() < Duration::from_secs(25) && most < 3 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        most = most.max(planner_workers(addr).await);
+    }
+    assert!(most >= 2, "the planner did not scale up under load (workers: {most})");
+    stop.store(true, Ordering::Relaxed);
+    for t in heavy {
+        t.await.unwrap();
+    }
+    // A light load keeps running while workers drain: none of its requests may fail.
+    let stop = Arc::new(AtomicBool::new(false));
+    let light = load(addr, 2, stop.clone(), ok.clone(), failed.clone());
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) && planner_workers(addr).await > 1 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(planner_workers(addr).await, 1, "the planner did not scale back down");
+    // Past the drains (a worker stops within a second or so of its last request).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in light {
+        t.await.unwrap();
+    }
+    let metrics = get(addr, "/metrics").await.text();
+    assert_eq!(failed.load(Ordering::Relaxed), 0, "requests failed across scaling");
+    assert!(ok.load(Ordering::Relaxed) > 50);
+    assert_eq!(metric(&metrics, "kvfabric_planner_draining_workers"), Some(0.0), "{metrics}");
+    assert!(metrics.contains("kvfabric_planner_decisions_total{action=\"up\"}"), "{metrics}");
+    // The decision log has a line per interval, with its reasons.
+    let decisions: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(decisions.iter().any(|d| d["action"] == "up"));
+    assert!(decisions.iter().any(|d| d["action"] == "down"));
+    assert!(decisions.iter().all(|d| !d["reasons"].as_array().unwrap().is_empty()));
+    // A stopping frontend drains its workers: none is left behind.
+    let mut frontend = frontend;
+    // SAFETY: the pid of a child this test spawned and has not reaped.
+    assert_eq!(unsafe { libc::kill(frontend.0.id() as i32, libc::SIGTERM) }, 0);
+    let status = frontend.0.wait().unwrap();
+    assert!(status.success(), "{status}");
+    let left = Command::new("pgrep").args(["-f", "planner-test-fe-w-"]).output().unwrap();
+    assert!(left.stdout.is_empty(), "workers left: {}", String::from_utf8_lossy(&left.stdout));
+}

@@ -1,0 +1,598 @@
+//! The live planner (`kvfabric frontend --planner`, `kvfabric up --planner`): every interval
+//! it reads what the frontend saw ([`LoadWindow`]: request rate, prompt and answer lengths,
+//! hit rate, TTFT and ITL), predicts the next interval's load, plans the workers that load
+//! needs from the engine's measured profile ([`crate::sla::plan`]), and scales the workers
+//! through a [`Scaler`] between a minimum and a maximum.
+//!
+//! - **Prediction**: the request rate from a [`Predictor`] over the observed rates (the last
+//!   one; an exponential average; or a trend, Holt's linear smoothing); prompt and answer
+//!   lengths and the hit rate as exponential averages of the intervals that saw requests.
+//! - **Correction**: the profile can be wrong for the live mix. When the interval's TTFT or
+//!   ITL at the target's quantile is above the target and the plan would not add a worker,
+//!   one worker more than the current number is asked for (the reason says so).
+//! - **Hysteresis**: scaling up happens at once; scaling down only after the plan asked for
+//!   fewer workers `scale_down_after` intervals in a row, to the largest of those asks, so
+//!   that noise does not drain and restart workers.
+//! - **Draining** is the scaler's: a worker scaled down leaves discovery first (the routers
+//!   stop sending to it) and finishes what it has.
+//!
+//! The layout scaled is aggregated workers: the local scaler starts `kvfabric worker`
+//! processes of one role. The plan's disaggregated numbers are in the reasons, for an operator
+//! who runs prefill and decode pools.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::metrics::{HttpMetrics, LoadWindow, PlannerSnapshot, Snapshot, Source};
+use crate::sla::{plan, Profile, Targets, Workload};
+
+/// A future of the scaler.
+pub type ScaleFuture<'a> = Pin<Box<dyn Future<Output = Result<u32, ScaleError>> + Send + 'a>>;
+
+/// Why a scaling action failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScaleError {
+    /// A worker did not start.
+    #[error("starting a worker: {0}")]
+    Start(String),
+    /// A worker could not be told to stop.
+    #[error("stopping a worker: {0}")]
+    Stop(String),
+}
+
+/// Starts and drains workers. Implementations: local `kvfabric worker` processes (the
+/// binary's); a Kubernetes one would patch a Deployment's replicas.
+pub trait Scaler: Send + Sync + std::fmt::Debug + 'static {
+    /// Workers serving now (started and not draining).
+    fn workers(&self) -> u32;
+    /// Workers draining now.
+    fn draining(&self) -> u32;
+    /// Starts or drains workers until `n` serve; returns how many serve after it.
+    fn scale_to(&self, n: u32) -> ScaleFuture<'_>;
+}
+
+/// How the next interval's request rate is predicted from the observed ones.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Predictor {
+    /// The last interval's.
+    Constant,
+    /// An exponential average with weight `alpha` on the newest.
+    Ewma {
+        /// Weight of the newest observation (0..1].
+        alpha: f64,
+    },
+    /// Holt's linear smoothing: level and trend, extrapolated one interval.
+    Trend {
+        /// Weight of the newest observation in the level.
+        alpha: f64,
+        /// Weight of the newest change in the trend.
+        beta: f64,
+    },
+}
+
+impl Predictor {
+    /// Parses `constant`, `ewma`, `ewma:0.5`, `trend`, `trend:0.5:0.3`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let mut parts = s.split(':');
+        let name = parts.next().unwrap_or_default();
+        let nums: Result<Vec<f64>, _> = parts.map(str::parse::<f64>).collect();
+        let nums = nums.map_err(|_| format!("predictor {s:?}: the weights must be numbers"))?;
+        if nums.iter().any(|w| !(*w > 0.0 && *w <= 1.0)) {
+            return Err(format!("predictor {s:?}: weights must be in (0, 1]"));
+        }
+        match (name, nums.as_slice()) {
+            ("constant", []) => Ok(Predictor::Constant),
+            ("ewma", []) => Ok(Predictor::Ewma { alpha: 0.5 }),
+            ("ewma", [a]) => Ok(Predictor::Ewma { alpha: *a }),
+            ("trend", []) => Ok(Predictor::Trend { alpha: 0.6, beta: 0.4 }),
+            ("trend", [a, b]) => Ok(Predictor::Trend { alpha: *a, beta: *b }),
+            _ => {
+                Err(format!("unknown predictor {s:?} (constant, ewma[:ALPHA], trend[:ALPHA:BETA])"))
+            }
+        }
+    }
+
+    /// The next value after `history` (oldest first); 0 without history; never negative.
+    pub fn predict(&self, history: &[f64]) -> f64 {
+        let Some(&last) = history.last() else { return 0.0 };
+        let next = match *self {
+            Predictor::Constant => last,
+            Predictor::Ewma { alpha } => {
+                history[1..].iter().fold(history[0], |avg, &x| alpha * x + (1.0 - alpha) * avg)
+            }
+            Predictor::Trend { alpha, beta } => {
+                if history.len() < 2 {
+                    last
+                } else {
+                    let (mut level, mut trend) = (history[0], history[1] - history[0]);
+                    for &x in &history[1..] {
+                        let prev = level;
+                        level = alpha * x + (1.0 - alpha) * (level + trend);
+                        trend = beta * (level - prev) + (1.0 - beta) * trend;
+                    }
+                    level + trend
+                }
+            }
+        };
+        next.max(0.0)
+    }
+}
+
+/// The planner's settings.
+#[derive(Debug, Clone)]
+pub struct PlannerConfig {
+    /// How often it decides.
+    pub interval: Duration,
+    /// Fewest workers.
+    pub min_workers: u32,
+    /// Most workers.
+    pub max_workers: u32,
+    /// The latency targets.
+    pub targets: Targets,
+    /// The rate predictor.
+    pub predictor: Predictor,
+    /// The engine's measured curves.
+    pub profile: Profile,
+    /// Intervals in a row the plan must ask for fewer workers before any drains.
+    pub scale_down_after: u32,
+    /// Observed intervals kept for prediction.
+    pub history: usize,
+}
+
+/// What the planner saw in one interval.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Observed {
+    /// Requests finished.
+    pub requests: u64,
+    /// Of them, failed.
+    pub errors: u64,
+    /// Requests per second.
+    pub rate: f64,
+    /// Mean prompt tokens (None: no request finished).
+    pub isl: Option<f64>,
+    /// Mean answer tokens.
+    pub osl: Option<f64>,
+    /// Share of prompt tokens found cached.
+    pub hit_rate: Option<f64>,
+    /// TTFT at the target's quantile (or mean), seconds.
+    pub ttft_s: Option<f64>,
+    /// ITL at the target's quantile (or mean), seconds.
+    pub itl_s: Option<f64>,
+}
+
+impl Observed {
+    /// Summarises a window at quantile `q` (None: means).
+    pub fn of(w: &LoadWindow, q: Option<f64>) -> Self {
+        let secs = w.duration.as_secs_f64().max(1e-3);
+        let per = |x: u64| (w.requests > 0).then(|| x as f64 / w.requests as f64);
+        let stat = |v: &[f64]| -> Option<f64> {
+            if v.is_empty() {
+                return None;
+            }
+            match q {
+                None => Some(v.iter().sum::<f64>() / v.len() as f64),
+                Some(q) => {
+                    let mut s = v.to_vec();
+                    s.sort_by(f64::total_cmp);
+                    Some(crate::stats::quantile(&s, q))
+                }
+            }
+        };
+        Observed {
+            requests: w.requests,
+            errors: w.errors,
+            rate: w.requests as f64 / secs,
+            isl: per(w.prompt_tokens),
+            osl: per(w.generated_tokens),
+            hit_rate: (w.prompt_tokens > 0)
+                .then(|| w.cached_tokens as f64 / w.prompt_tokens as f64),
+            ttft_s: stat(&w.ttft_s),
+            itl_s: stat(&w.itl_s),
+        }
+    }
+}
+
+/// Which way a decision went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// More workers.
+    Up,
+    /// Fewer.
+    Down,
+    /// As many.
+    Hold,
+}
+
+/// One interval's decision, with its reasons (logged, kept for `/metrics`, and written as a
+/// JSON line to the planner's log when one is given).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Decision {
+    /// Interval number, from 1.
+    pub interval: u64,
+    /// When, milliseconds since the Unix epoch.
+    pub at_unix_ms: u64,
+    /// What the interval showed.
+    pub observed: Observed,
+    /// The load planned for.
+    pub predicted: Workload,
+    /// Workers the plan asks for (aggregated layout; None: no number meets the targets).
+    pub planned: Option<u32>,
+    /// Workers asked for after the correction, the bounds and the hysteresis.
+    pub desired: u32,
+    /// Workers serving before the action.
+    pub before: u32,
+    /// Workers serving after it.
+    pub after: u32,
+    /// Workers draining after it.
+    pub draining: u32,
+    /// The action.
+    pub action: Action,
+    /// Why, one line each.
+    pub reasons: Vec<String>,
+}
+
+/// The planner's pure part: from observations to the number of workers to run.
+#[derive(Debug)]
+pub struct Brain {
+    cfg: PlannerConfig,
+    rates: Vec<f64>,
+    isl: Option<f64>,
+    osl: Option<f64>,
+    hit: Option<f64>,
+    fewer_asks: Vec<u32>,
+    interval: u64,
+}
+
+/// Weight of the newest interval in the averages of lengths and hit rate.
+const MIX_ALPHA: f64 = 0.5;
+
+impl Brain {
+    /// A planner that has seen nothing.
+    pub fn new(cfg: PlannerConfig) -> Self {
+        Brain {
+            cfg,
+            rates: Vec::new(),
+            isl: None,
+            osl: None,
+            hit: None,
+            fewer_asks: Vec::new(),
+            interval: 0,
+        }
+    }
+
+    /// Decides from one interval's window with `current` workers serving.
+    pub fn decide(&mut self, window: &LoadWindow, current: u32) -> Decision {
+        self.interval += 1;
+        let q = self.cfg.targets.quantile;
+        let seen = Observed::of(window, q);
+        self.rates.push(seen.rate);
+        let keep = self.cfg.history.max(2);
+        if self.rates.len() > keep {
+            self.rates.remove(0);
+        }
+        let mix = |avg: Option<f64>, x: Option<f64>| match (avg, x) {
+            (Some(a), Some(x)) => Some(MIX_ALPHA * x + (1.0 - MIX_ALPHA) * a),
+            (a, x) => x.or(a),
+        };
+        self.isl = mix(self.isl, seen.isl);
+        self.osl = mix(self.osl, seen.osl);
+        self.hit = mix(self.hit, seen.hit_rate);
+        let predicted = Workload {
+            rate: self.cfg.predictor.predict(&self.rates),
+            isl: self.isl.unwrap_or(1.0).max(1.0),
+            osl: self.osl.unwrap_or(1.0).max(1.0),
+            hit_rate: self.hit.unwrap_or(0.0).clamp(0.0, 0.99),
+        };
+        let mut reasons = vec![format!(
+            "observed {:.2} req/s ({} requests, {} failed); predicted {:.2} req/s of {:.0} prompt + {:.0} answer tokens, {:.0}% cached",
+            seen.rate,
+            seen.requests,
+            seen.errors,
+            predicted.rate,
+            predicted.isl,
+            predicted.osl,
+            predicted.hit_rate * 100.0
+        )];
+        let (lo, hi) =
+            (self.cfg.min_workers.max(1), self.cfg.max_workers.max(self.cfg.min_workers.max(1)));
+        let planned = if predicted.rate <= 0.0 {
+            reasons.push("no load predicted".into());
+            Some(lo)
+        } else {
+            let p = plan(&self.cfg.profile, &predicted, &self.cfg.targets);
+            reasons.extend(p.reasons.iter().skip(1).cloned());
+            p.aggregated.workers()
+        };
+        let mut desired = match planned {
+            Some(n) => n,
+            None => {
+                reasons.push(format!(
+                    "no number of workers meets the targets: asking for the most ({hi})"
+                ));
+                hi
+            }
+        };
+        // Correction from what was measured.
+        let label = q.map_or("mean".to_string(), |q| format!("p{}", q * 100.0));
+        let t = &self.cfg.targets;
+        let over = [("TTFT", seen.ttft_s, t.ttft_s), ("ITL", seen.itl_s, t.itl_s)]
+            .into_iter()
+            .filter_map(|(what, got, target)| {
+                got.filter(|g| *g > target).map(|g| (what, g, target))
+            })
+            .collect::<Vec<_>>();
+        if !over.is_empty() && seen.requests >= 3 && desired <= current {
+            desired = current + 1;
+            for (what, got, target) in over {
+                reasons.push(format!(
+                    "observed {label} {what} {:.1} ms is above the target {:.1} ms: one worker more than now",
+                    got * 1e3,
+                    target * 1e3
+                ));
+            }
+        }
+        let bounded = desired.clamp(lo, hi);
+        if bounded != desired {
+            reasons.push(format!("{desired} workers bounded to {lo}..={hi}"));
+        }
+        desired = bounded;
+        // Hysteresis on the way down.
+        if desired < current {
+            self.fewer_asks.push(desired);
+            let after = self.cfg.scale_down_after.max(1) as usize;
+            if self.fewer_asks.len() < after {
+                reasons.push(format!(
+                    "fewer workers asked for {} of {after} intervals in a row: holding {current}",
+                    self.fewer_asks.len()
+                ));
+                desired = current;
+            } else {
+                let most = self.fewer_asks.iter().copied().max().unwrap_or(desired);
+                reasons.push(format!(
+                    "fewer workers asked for {after} intervals in a row: down to {most}"
+                ));
+                desired = most;
+                self.fewer_asks.clear();
+            }
+        } else {
+            self.fewer_asks.clear();
+        }
+        let action = match desired.cmp(&current) {
+            std::cmp::Ordering::Greater => Action::Up,
+            std::cmp::Ordering::Less => Action::Down,
+            std::cmp::Ordering::Equal => Action::Hold,
+        };
+        Decision {
+            interval: self.interval,
+            at_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            observed: seen,
+            predicted,
+            planned,
+            desired,
+            before: current,
+            after: current,
+            draining: 0,
+            action,
+            reasons,
+        }
+    }
+}
+
+/// The planner's state for `/metrics`.
+#[derive(Debug, Default)]
+pub struct PlannerState {
+    snapshot: Mutex<PlannerSnapshot>,
+    last: Mutex<Option<Decision>>,
+}
+
+impl PlannerState {
+    /// The state before the first decision: `workers` serving.
+    pub fn starting(workers: u32) -> Self {
+        let snapshot = PlannerSnapshot {
+            workers: u64::from(workers),
+            desired: u64::from(workers),
+            ..PlannerSnapshot::default()
+        };
+        PlannerState { snapshot: Mutex::new(snapshot), last: Mutex::new(None) }
+    }
+
+    /// The last decision.
+    pub fn last(&self) -> Option<Decision> {
+        self.last.lock().clone()
+    }
+}
+
+impl Source for PlannerState {
+    fn snapshot(&self, out: &mut Snapshot) {
+        out.planner = Some(self.snapshot.lock().clone());
+    }
+}
+
+/// Runs the planner until the task is aborted: every interval, a window of `metrics`, a
+/// decision, the scaling, `on_decision` (logging, a JSON-lines file).
+pub fn spawn(
+    cfg: PlannerConfig,
+    metrics: HttpMetrics,
+    scaler: Arc<dyn Scaler>,
+    state: Arc<PlannerState>,
+    mut on_decision: impl FnMut(&Decision) + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    let interval = cfg.interval.max(Duration::from_millis(100));
+    let mut brain = Brain::new(cfg);
+    tokio::spawn(async move {
+        // Start the window now: what came before the planner is not this interval's.
+        let _ = metrics.take_window();
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let window = metrics.take_window();
+            let current = scaler.workers();
+            let mut d = brain.decide(&window, current);
+            let mut failed = false;
+            if d.desired != current {
+                match scaler.scale_to(d.desired).await {
+                    Ok(n) => d.after = n,
+                    Err(e) => {
+                        failed = true;
+                        d.after = scaler.workers();
+                        d.reasons.push(format!("scaling failed: {e}"));
+                        tracing::warn!(error = %e, desired = d.desired, "planner: scaling failed");
+                    }
+                }
+            }
+            d.draining = scaler.draining();
+            {
+                let mut s = state.snapshot.lock();
+                s.workers = u64::from(d.after);
+                s.desired = u64::from(d.desired);
+                s.draining = u64::from(d.draining);
+                s.observed_rate = d.observed.rate;
+                s.predicted_rate = d.predicted.rate;
+                s.observed_ttft_s = d.observed.ttft_s.unwrap_or(0.0);
+                s.observed_itl_s = d.observed.itl_s.unwrap_or(0.0);
+                s.decisions[match d.action {
+                    Action::Up => 0,
+                    Action::Down => 1,
+                    Action::Hold => 2,
+                }] += 1;
+                s.scale_failures += u64::from(failed);
+            }
+            if d.action == Action::Hold {
+                tracing::debug!(workers = d.after, reasons = ?d.reasons, "planner: hold");
+            } else {
+                tracing::info!(
+                    action = ?d.action, before = d.before, after = d.after, desired = d.desired,
+                    reasons = ?d.reasons, "planner: scaling"
+                );
+            }
+            on_decision(&d);
+            *state.last.lock() = Some(d);
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sla::Curve;
+
+    fn mock_profile() -> Profile {
+        let itl = |ctx: f64| {
+            Curve::new(
+                (1..=8).map(|b| (f64::from(b), 8e-3 + 0.2e-6 * ctx * f64::from(b))).collect(),
+            )
+            .unwrap()
+        };
+        Profile {
+            prefill_s: Curve::new(vec![(0.0, 0.0), (4096.0, 4096.0 * 40e-6)]).unwrap(),
+            itl_s: vec![(512.0, itl(512.0)), (2048.0, itl(2048.0))],
+            batch_max: 8,
+            kv_bytes_per_token: 8192,
+            restore_s_per_token: 0.0,
+        }
+    }
+
+    fn cfg() -> PlannerConfig {
+        PlannerConfig {
+            interval: Duration::from_secs(10),
+            min_workers: 1,
+            max_workers: 8,
+            targets: Targets::at_quantile(0.3, 0.05, 0.99),
+            predictor: Predictor::Constant,
+            profile: mock_profile(),
+            scale_down_after: 2,
+            history: 8,
+        }
+    }
+
+    fn window(rate: f64, ttft: f64) -> LoadWindow {
+        let n = (rate * 10.0) as u64;
+        LoadWindow {
+            duration: Duration::from_secs(10),
+            requests: n,
+            errors: 0,
+            prompt_tokens: n * 512,
+            generated_tokens: n * 64,
+            cached_tokens: 0,
+            ttft_s: vec![ttft; n as usize],
+            itl_s: vec![0.009; n as usize * 63],
+        }
+    }
+
+    #[test]
+    fn predictors() {
+        let h = [10.0, 20.0, 30.0, 40.0];
+        assert_eq!(Predictor::Constant.predict(&h), 40.0);
+        assert_eq!(Predictor::Ewma { alpha: 1.0 }.predict(&h), 40.0);
+        assert_eq!(Predictor::Ewma { alpha: 0.5 }.predict(&[0.0, 8.0]), 4.0);
+        // A straight line is extrapolated exactly.
+        let t = Predictor::Trend { alpha: 0.6, beta: 0.4 }.predict(&h);
+        assert!((t - 50.0).abs() < 1e-9, "{t}");
+        assert_eq!(Predictor::Trend { alpha: 0.5, beta: 0.5 }.predict(&[10.0, 0.0, 0.0]), 0.0);
+        assert_eq!(Predictor::Constant.predict(&[]), 0.0);
+        assert_eq!(Predictor::parse("ewma:0.3"), Ok(Predictor::Ewma { alpha: 0.3 }));
+        assert!(Predictor::parse("trend:2:0.1").is_err());
+        assert!(Predictor::parse("prophet").is_err());
+    }
+
+    #[test]
+    fn scales_up_at_once_and_down_after_two_intervals_within_bounds() {
+        let mut b = Brain::new(cfg());
+        let idle =
+            b.decide(&LoadWindow { duration: Duration::from_secs(10), ..Default::default() }, 1);
+        assert_eq!((idle.action, idle.desired), (Action::Hold, 1), "{:?}", idle.reasons);
+        // 40 req/s of 512+64 tokens: prefill 20 ms each, 0.8 busy in prefill; decode batches
+        // of ~8 at ~9 ms: 4 workers or so.
+        let busy = b.decide(&window(40.0, 0.05), 1);
+        assert_eq!(busy.action, Action::Up, "{:?}", busy.reasons);
+        let n = busy.desired;
+        assert!((2..=8).contains(&n), "{n}: {:?}", busy.reasons);
+        assert_eq!(busy.planned, Some(n));
+        // The load halves: the first ask for fewer is held, the second acted on.
+        let first = b.decide(&window(10.0, 0.05), n);
+        assert_eq!((first.action, first.desired), (Action::Hold, n), "{:?}", first.reasons);
+        let second = b.decide(&window(10.0, 0.05), n);
+        assert_eq!(second.action, Action::Down, "{:?}", second.reasons);
+        assert!(second.desired < n);
+        // Far more than the bound allows.
+        let huge = b.decide(&window(2000.0, 0.05), second.desired);
+        assert_eq!(huge.desired, 8, "{:?}", huge.reasons);
+        assert!(huge.reasons.iter().any(|r| r.contains("bounded")), "{:?}", huge.reasons);
+    }
+
+    #[test]
+    fn a_missed_target_adds_a_worker_the_model_did_not_ask_for() {
+        let mut b = Brain::new(cfg());
+        // A light load the plan serves with one worker, but TTFT p99 is 900 ms.
+        let d = b.decide(&window(2.0, 0.9), 1);
+        assert_eq!(d.planned, Some(1));
+        assert_eq!((d.action, d.desired), (Action::Up, 2), "{:?}", d.reasons);
+        assert!(d.reasons.iter().any(|r| r.contains("above the target")), "{:?}", d.reasons);
+    }
+
+    #[test]
+    fn observations_of_a_window() {
+        let w = LoadWindow {
+            duration: Duration::from_secs(2),
+            requests: 4,
+            errors: 1,
+            prompt_tokens: 400,
+            generated_tokens: 40,
+            cached_tokens: 100,
+            ttft_s: vec![0.1, 0.2, 0.3, 0.4],
+            itl_s: vec![],
+        };
+        let o = Observed::of(&w, Some(0.5));
+        assert_eq!((o.rate, o.isl, o.osl, o.hit_rate), (2.0, Some(100.0), Some(10.0), Some(0.25)));
+        assert_eq!((o.ttft_s, o.itl_s), (Some(0.2), None));
+        assert!((Observed::of(&w, None).ttft_s.unwrap() - 0.25).abs() < 1e-12);
+    }
+}
