@@ -1162,4 +1162,31 @@ mod tests {
             assert!(text.contains(line), "{line:?} missing in\n{text}");
         }
     }
+
+    /// The planner's window: what was counted since the last take, then a fresh one; past
+    /// the sample cap, a uniform sample of all latencies (the quantiles of a window of a
+    /// million ITLs, half of 1 ms and half of 9 ms, stay at 1 and 9 ms).
+    #[test]
+    fn load_windows() {
+        let m = HttpMetrics::default();
+        m.request(Outcome::Ok);
+        m.request(Outcome::ServerError);
+        m.request(Outcome::ClientError);
+        m.tokens(100, 10, 40);
+        m.first_token(Duration::from_millis(5));
+        for i in 0..1_000_000u64 {
+            m.inter_token(Duration::from_millis(if i < 500_000 { 1 } else { 9 }));
+        }
+        let w = m.take_window();
+        assert_eq!((w.requests, w.errors), (2, 1), "client errors are not load");
+        assert_eq!((w.prompt_tokens, w.generated_tokens, w.cached_tokens), (100, 10, 40));
+        assert_eq!(w.ttft_s, vec![0.005]);
+        assert_eq!(w.itl_s.len(), WINDOW_SAMPLES_MAX);
+        let late = w.itl_s.iter().filter(|&&x| x > 0.005).count() as f64;
+        let share = late / WINDOW_SAMPLES_MAX as f64;
+        assert!((share - 0.5).abs() < 0.02, "{share}: the kept samples favour one half");
+        let again = m.take_window();
+        assert_eq!((again.requests, again.itl_s.len()), (0, 0));
+        assert!(again.duration < w.duration + Duration::from_secs(1));
+    }
 }

@@ -9,10 +9,18 @@
 //!   lengths and the hit rate as exponential averages of the intervals that saw requests.
 //! - **Correction**: the profile can be wrong for the live mix. When the interval's TTFT or
 //!   ITL at the target's quantile is above the target and the plan would not add a worker,
-//!   one worker more than the current number is asked for (the reason says so).
+//!   one worker more than the current number is asked for (the reason says so). The planner
+//!   remembers it: while the predicted rate is at least 90% of that load's, it asks for at
+//!   least that many workers, until 12 calm intervals (latencies under half their targets)
+//!   have passed. Without the memory, a load just past what the profile says one worker
+//!   holds makes the planner add a worker, then drain it two intervals later, again and
+//!   again. (Dynamo's planner scales its predicted load by the ratio of observed to expected
+//!   latency instead; a factor near 1 changes nothing where the plan's step is coarse, which
+//!   is where the flapping is.)
 //! - **Hysteresis**: scaling up happens at once; scaling down only after the plan asked for
-//!   fewer workers `scale_down_after` intervals in a row, to the largest of those asks, so
-//!   that noise does not drain and restart workers.
+//!   fewer workers `scale_down_after` intervals in a row, to the largest of those asks, each
+//!   planned for the predicted rate plus `scale_down_headroom`, so that noise does not drain
+//!   and restart workers.
 //! - **Draining** is the scaler's: a worker scaled down leaves discovery first (the routers
 //!   stop sending to it) and finishes what it has.
 //!
@@ -139,6 +147,9 @@ pub struct PlannerConfig {
     pub profile: Profile,
     /// Intervals in a row the plan must ask for fewer workers before any drains.
     pub scale_down_after: u32,
+    /// A scale-down plans for this much more than the predicted rate (0.25: 25%), so that
+    /// the noise of one interval's rate does not drain a worker the next one needs.
+    pub scale_down_headroom: f64,
     /// Observed intervals kept for prediction.
     pub history: usize,
 }
@@ -222,6 +233,8 @@ pub struct Decision {
     pub predicted: Workload,
     /// Workers the plan asks for (aggregated layout; None: no number meets the targets).
     pub planned: Option<u32>,
+    /// Workers a missed target taught this load needs (None: nothing learned, or forgotten).
+    pub learned_workers: Option<u32>,
     /// Workers asked for after the correction, the bounds and the hysteresis.
     pub desired: u32,
     /// Workers serving before the action.
@@ -246,10 +259,24 @@ pub struct Brain {
     hit: Option<f64>,
     fewer_asks: Vec<u32>,
     interval: u64,
+    learned: Option<Learned>,
+}
+
+/// What a missed target taught: at this rate, this many workers were needed.
+#[derive(Debug, Clone, Copy)]
+struct Learned {
+    rate: f64,
+    workers: u32,
+    /// Calm intervals left before it is forgotten.
+    calm_left: u32,
 }
 
 /// Weight of the newest interval in the averages of lengths and hit rate.
 const MIX_ALPHA: f64 = 0.5;
+/// An interval whose latencies were all under this share of their targets is calm.
+const CALM: f64 = 0.5;
+/// Calm intervals after which what a missed target taught is forgotten.
+const LEARNED_CALM: u32 = 12;
 
 impl Brain {
     /// A planner that has seen nothing.
@@ -262,6 +289,7 @@ impl Brain {
             hit: None,
             fewer_asks: Vec::new(),
             interval: 0,
+            learned: None,
         }
     }
 
@@ -326,8 +354,35 @@ impl Brain {
                 got.filter(|g| *g > target).map(|g| (what, g, target))
             })
             .collect::<Vec<_>>();
+        let calm = seen.requests >= 3
+            && [(seen.ttft_s, t.ttft_s), (seen.itl_s, t.itl_s)]
+                .iter()
+                .all(|(got, target)| got.is_none_or(|g| g <= target * CALM));
+        if let Some(l) = self.learned.as_mut().filter(|_| calm) {
+            l.calm_left = l.calm_left.saturating_sub(1);
+            if l.calm_left == 0 {
+                reasons.push(format!(
+                    "calm for {LEARNED_CALM} intervals: forgetting that {:.1} req/s needed {} workers",
+                    l.rate, l.workers
+                ));
+                self.learned = None;
+            }
+        }
+        if let Some(l) =
+            self.learned.filter(|l| predicted.rate >= l.rate * 0.9 && desired < l.workers)
+        {
+            reasons.push(format!(
+                "{:.1} req/s missed the targets with fewer than {} workers before: {} (the profile is optimistic under this load)",
+                l.rate, l.workers, l.workers
+            ));
+            desired = l.workers;
+        }
         if !over.is_empty() && seen.requests >= 3 && desired <= current {
             desired = current + 1;
+            // The profile was optimistic here: remember it, so that the worker added is not
+            // drained as soon as latencies recover under the same load.
+            self.learned =
+                Some(Learned { rate: seen.rate, workers: desired, calm_left: LEARNED_CALM });
             for (what, got, target) in over {
                 reasons.push(format!(
                     "observed {label} {what} {:.1} ms is above the target {:.1} ms: one worker more than now",
@@ -341,7 +396,24 @@ impl Brain {
             reasons.push(format!("{desired} workers bounded to {lo}..={hi}"));
         }
         desired = bounded;
-        // Hysteresis on the way down.
+        // Hysteresis on the way down: plan again with headroom, then wait for the asks.
+        if desired < current && predicted.rate > 0.0 && self.cfg.scale_down_headroom > 0.0 {
+            let more = Workload {
+                rate: predicted.rate * (1.0 + self.cfg.scale_down_headroom),
+                ..predicted
+            };
+            let with = plan(&self.cfg.profile, &more, &self.cfg.targets)
+                .aggregated
+                .workers()
+                .unwrap_or(hi);
+            if with > desired {
+                reasons.push(format!(
+                    "with {:.0}% headroom on the rate: {with} workers",
+                    self.cfg.scale_down_headroom * 100.0
+                ));
+                desired = with.clamp(lo, hi).min(current);
+            }
+        }
         if desired < current {
             self.fewer_asks.push(desired);
             let after = self.cfg.scale_down_after.max(1) as usize;
@@ -375,6 +447,7 @@ impl Brain {
             observed: seen,
             predicted,
             planned,
+            learned_workers: self.learned.map(|l| l.workers),
             desired,
             before: current,
             after: current,
@@ -509,6 +582,7 @@ mod tests {
             predictor: Predictor::Constant,
             profile: mock_profile(),
             scale_down_after: 2,
+            scale_down_headroom: 0.0,
             history: 8,
         }
     }
@@ -576,6 +650,38 @@ mod tests {
         assert_eq!(d.planned, Some(1));
         assert_eq!((d.action, d.desired), (Action::Up, 2), "{:?}", d.reasons);
         assert!(d.reasons.iter().any(|r| r.contains("above the target")), "{:?}", d.reasons);
+    }
+
+    /// Once a load missed the target with the workers the plan asked for, the planner does
+    /// not drain the worker it added as soon as latencies recover at the same load.
+    #[test]
+    fn a_missed_target_is_learned_and_does_not_flap() {
+        let mut b = Brain::new(cfg());
+        let d = b.decide(&window(2.0, 0.9), 1);
+        assert_eq!(d.desired, 2);
+        for _ in 0..4 {
+            let d = b.decide(&window(2.0, 0.2), 2);
+            assert_eq!(d.desired, 2, "{:?}", d.reasons);
+            assert_eq!(d.learned_workers, Some(2));
+        }
+        // A lower load is not held to it.
+        let lower = b.decide(&window(1.0, 0.2), 2);
+        assert_eq!(lower.learned_workers, Some(2));
+        assert!(!lower.reasons.iter().any(|r| r.contains("optimistic")), "{:?}", lower.reasons);
+        // Calm intervals (under half the target) make it forget.
+        let mut b = Brain::new(cfg());
+        b.decide(&window(2.0, 0.9), 1);
+        let mut n = 2;
+        let mut forgot_at = None;
+        for i in 0..20 {
+            let d = b.decide(&window(2.0, 0.05), n);
+            n = d.desired;
+            if d.learned_workers.is_none() && forgot_at.is_none() {
+                forgot_at = Some(i + 1);
+            }
+        }
+        assert_eq!(forgot_at, Some(LEARNED_CALM as usize));
+        assert_eq!(n, 1, "back to what the profile says");
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub struct PlannerArgs {
     /// Intervals in a row the plan must ask for fewer workers before one drains.
     #[arg(long, env = "KVFABRIC_PLANNER_SCALE_DOWN_AFTER", default_value_t = 2)]
     pub planner_scale_down_after: u32,
+    /// A scale-down plans for this share more than the predicted rate (0.25: 25%).
+    #[arg(long, env = "KVFABRIC_PLANNER_SCALE_DOWN_HEADROOM", default_value_t = 0.25)]
+    pub planner_scale_down_headroom: f64,
     /// Arguments of the workers it starts (`kvfabric worker ARGS`), split at whitespace: the
     /// engine and its options. The secret and the control plane are the frontend's.
     #[arg(
@@ -123,6 +126,7 @@ impl PlannerArgs {
             predictor: self.planner_predictor,
             profile: curves,
             scale_down_after: self.planner_scale_down_after,
+            scale_down_headroom: self.planner_scale_down_headroom,
             history: 16,
         };
         let workers = Arc::new(LocalWorkers::new(WorkerTemplate {

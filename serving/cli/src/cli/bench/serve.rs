@@ -52,6 +52,30 @@ pub struct ServeArgs {
     /// after the other.
     #[arg(long, default_value_t = 1)]
     turns: usize,
+    /// A load ramp instead of fixed levels: Poisson arrivals at RATE requests/s for SECONDS,
+    /// step after step (`8:60,16:60,32:60,16:60,8:60`); --concurrency then caps the requests
+    /// in flight (its first value).
+    #[arg(long, value_delimiter = ',', value_parser = parse_step)]
+    rate_steps: Vec<(f64, f64)>,
+    /// Write one JSON line per request (its start, TTFT and end in seconds from the level's
+    /// start, its error) to this file.
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
+    /// Plot the run over time to this SVG file: request rate, TTFT p50/p99 per window, and
+    /// with --planner-log the planner's workers.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+    /// Width of the plot's (and the ramp summary's) windows, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    window_s: f64,
+    /// The decision log of a planner serving the endpoint (`--planner-log` of the frontend),
+    /// drawn on the plot.
+    #[arg(long)]
+    planner_log: Option<std::path::PathBuf>,
+    /// A TTFT target, ms: drawn on the plot; with --rate-steps, the summary says how many
+    /// windows after each step up the TTFT p99 took to come back under it.
+    #[arg(long)]
+    ttft_target_ms: Option<f64>,
     /// Seed of the prompts and arrivals.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -61,6 +85,36 @@ pub struct ServeArgs {
     /// Print JSON rows.
     #[arg(long)]
     json: bool,
+}
+
+fn parse_step(s: &str) -> Result<(f64, f64), String> {
+    let (r, d) = s.split_once(':').ok_or_else(|| format!("{s:?}: a step is RATE:SECONDS"))?;
+    match (r.trim().parse::<f64>(), d.trim().parse::<f64>()) {
+        (Ok(r), Ok(d)) if r > 0.0 && r.is_finite() && d > 0.0 && d.is_finite() => Ok((r, d)),
+        _ => Err(format!("{s:?}: RATE and SECONDS must be numbers > 0")),
+    }
+}
+
+/// Arrival times (seconds from the start) of a Poisson process whose rate steps.
+fn arrivals(steps: &[(f64, f64)], rng: &mut SplitMix64) -> Vec<f64> {
+    let (mut out, mut t, mut end) = (Vec::new(), 0.0f64, 0.0f64);
+    for &(rate, secs) in steps {
+        let start = end;
+        end += secs;
+        t = t.max(start);
+        loop {
+            // Memoryless: restarting the draw at a step's start is exact.
+            let u = rng.next_f64().max(1e-12);
+            let next = t - u.ln() / rate;
+            if next >= end {
+                t = end;
+                break;
+            }
+            out.push(next);
+            t = next;
+        }
+    }
+    out
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -81,6 +135,8 @@ struct Row {
 
 #[derive(Debug, Default)]
 pub(crate) struct Outcome {
+    /// When it was sent, from the level's start.
+    pub sent: Duration,
     pub ttft: Option<Duration>,
     pub gaps: Vec<Duration>,
     pub e2e: Duration,
@@ -254,10 +310,19 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let prefixes: Vec<String> =
         (0..args.prefixes.max(1)).map(|_| words(&mut rng, args.prefix_words)).collect();
     let mut rows = Vec::new();
-    for &conc in &args.concurrency {
+    let ramp = (!args.rate_steps.is_empty()).then(|| arrivals(&args.rate_steps, &mut rng));
+    let run_start_unix_ms = unix_ms();
+    let levels: Vec<usize> = if ramp.is_some() {
+        args.concurrency.first().copied().into_iter().collect()
+    } else {
+        args.concurrency.clone()
+    };
+    let mut all: Vec<Outcome> = Vec::new();
+    for &conc in &levels {
         let conc = conc.max(1);
-        let turns = args.turns.max(1);
-        let sessions: Vec<(String, Vec<String>)> = (0..args.requests.max(1).div_ceil(turns))
+        let turns = if ramp.is_some() { 1 } else { args.turns.max(1) };
+        let count = ramp.as_ref().map_or(args.requests.max(1).div_ceil(turns), Vec::len);
+        let sessions: Vec<(String, Vec<String>)> = (0..count)
             .map(|_| {
                 let p = prefixes[(rng.next_u64() % prefixes.len() as u64) as usize].clone();
                 (p, (0..turns).map(|_| words(&mut rng, args.input_words)).collect())
@@ -288,8 +353,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let start = Instant::now();
         let mut tasks = Vec::new();
         let mut next_at = Instant::now();
-        for (prefix, users) in sessions {
-            if let Some(rate) = args.rate.filter(|r| *r > 0.0) {
+        for (k, (prefix, users)) in sessions.into_iter().enumerate() {
+            if let Some(at) = ramp.as_ref().and_then(|a| a.get(k)) {
+                let when = start + Duration::from_secs_f64(*at);
+                tokio::time::sleep_until(tokio::time::Instant::from_std(when)).await;
+            } else if let Some(rate) = args.rate.filter(|r| *r > 0.0) {
                 // Exponential gaps between conversations: a Poisson process.
                 let u = rng.next_f64().max(1e-12);
                 next_at += Duration::from_secs_f64(-u.ln() / rate);
@@ -309,7 +377,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                         "stream_options": {"include_usage": true},
                     })
                     .to_string();
-                    let o = one_request(&t, body, timeout).await;
+                    let sent = start.elapsed();
+                    let mut o = one_request(&t, body, timeout).await;
+                    o.sent = sent;
                     history = format!("{prompt}{}", o.text);
                     bar.inc(1);
                     let failed = o.error.is_some();
@@ -345,7 +415,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let completion: u64 = ok.iter().map(|o| o.completion_tokens).sum();
         rows.push(Row {
             concurrency: conc,
-            rate: args.rate,
+            rate: args.rate.or(ramp.as_ref().map(|a| a.len() as f64 / duration)),
             requests: outs.len(),
             errors: errors.len(),
             duration_s: duration,
@@ -357,8 +427,37 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             itl_ms: p3(&gaps),
             e2e_ms: p3(&e2es),
         });
+        all.extend(outs);
     }
+    if let Some(path) = &args.trace {
+        let mut text = String::new();
+        for o in &all {
+            let line = json!({
+                "sent_s": o.sent.as_secs_f64(),
+                "ttft_s": o.ttft.map(|d| d.as_secs_f64()),
+                "e2e_s": o.e2e.as_secs_f64(),
+                "error": o.error,
+            });
+            text.push_str(&format!("{line}\n"));
+        }
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let decisions = match &args.planner_log {
+        Some(path) => read_decisions(path, run_start_unix_ms)?,
+        None => Vec::new(),
+    };
+    if let Some(path) = &args.plot {
+        let svg = timeline(&all, &decisions, args.window_s, args.ttft_target_ms);
+        std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let ramp_rows = match (&ramp, args.ttft_target_ms) {
+        (Some(_), Some(target)) => ramp_summary(&all, &args.rate_steps, args.window_s, target),
+        _ => Vec::new(),
+    };
     if args.json {
+        for r in &ramp_rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
         for r in &rows {
             println!("{}", serde_json::to_string(r)?);
         }
@@ -401,5 +500,225 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             f(r.e2e_ms)
         );
     }
+    if !ramp_rows.is_empty() {
+        println!(
+            "\nramp (windows of {} s; TTFT target {} ms)",
+            args.window_s,
+            args.ttft_target_ms.unwrap_or_default()
+        );
+        println!(
+            "{:>6} {:>8} {:>8} {:>8} {:>14} {:>32}",
+            "step", "req/s", "sent", "errors", "TTFT p99 ms", "step up: under the target after"
+        );
+        for r in &ramp_rows {
+            let after = match (r.up, r.under_target_after_s) {
+                (false, _) => "-".to_string(),
+                (true, Some(s)) => format!("{s:.0} s"),
+                (true, None) => "never".to_string(),
+            };
+            println!(
+                "{:>6} {:>8.1} {:>8} {:>8} {:>14.1} {:>32}",
+                r.step, r.rate, r.requests, r.errors, r.ttft_p99_ms, after
+            );
+        }
+    }
+    if let Some(path) = &args.plot {
+        println!("timeline written to {}", path.display());
+    }
     Ok(())
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A planner decision as its log has it: when (seconds from the run's start), workers after
+/// it, workers asked for.
+#[derive(Debug, Clone, Copy)]
+struct Decided {
+    at_s: f64,
+    before: f64,
+    after: f64,
+    desired: f64,
+}
+
+fn read_decisions(path: &std::path::Path, start_unix_ms: u64) -> anyhow::Result<Vec<Decided>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}", path.display(), i + 1))?;
+        let (Some(at), Some(before), Some(after), Some(desired)) = (
+            v["at_unix_ms"].as_u64(),
+            v["before"].as_f64(),
+            v["after"].as_f64(),
+            v["desired"].as_f64(),
+        ) else {
+            anyhow::bail!("{} line {}: not a planner decision", path.display(), i + 1);
+        };
+        if at >= start_unix_ms {
+            out.push(Decided { at_s: (at - start_unix_ms) as f64 / 1e3, before, after, desired });
+        }
+    }
+    Ok(out)
+}
+
+/// One step of a ramp, measured.
+#[derive(Debug, serde::Serialize)]
+struct RampRow {
+    step: usize,
+    rate: f64,
+    requests: usize,
+    errors: usize,
+    ttft_p99_ms: f64,
+    /// For a step up: seconds from the step's start to the start of the first window whose
+    /// TTFT p99 is within the target and stays so for the rest of the step; None if none.
+    under_target_after_s: Option<f64>,
+    /// Whether this step raised the rate.
+    up: bool,
+}
+
+fn p99_ms(outs: &[&Outcome]) -> f64 {
+    let t: Vec<Duration> = outs.iter().filter_map(|o| o.ttft).collect();
+    Percentiles::of(&t).p99_us / 1e3
+}
+
+fn ramp_summary(
+    all: &[Outcome],
+    steps: &[(f64, f64)],
+    window_s: f64,
+    target_ms: f64,
+) -> Vec<RampRow> {
+    let window_s = window_s.max(0.1);
+    let mut rows = Vec::new();
+    let mut start = 0.0;
+    for (i, &(rate, secs)) in steps.iter().enumerate() {
+        let end = start + secs;
+        let within = |a: f64, b: f64| -> Vec<&Outcome> {
+            all.iter().filter(|o| (a..b).contains(&o.sent.as_secs_f64())).collect()
+        };
+        let outs = within(start, end);
+        let up = i > 0 && rate > steps[i - 1].0;
+        let under_target_after_s = if up {
+            let n = (secs / window_s).ceil() as usize;
+            let under: Vec<bool> = (0..n)
+                .map(|w| {
+                    let a = start + w as f64 * window_s;
+                    let ws = within(a, (a + window_s).min(end));
+                    ws.iter().all(|o| o.ttft.is_none()) || p99_ms(&ws) <= target_ms
+                })
+                .collect();
+            // The first window from which every window of the step is under the target.
+            let from = under.iter().rposition(|u| !u).map_or(0, |i| i + 1);
+            (from < n).then(|| from as f64 * window_s)
+        } else {
+            None
+        };
+        rows.push(RampRow {
+            step: i + 1,
+            rate,
+            requests: outs.len(),
+            errors: outs.iter().filter(|o| o.error.is_some()).count(),
+            ttft_p99_ms: p99_ms(&outs),
+            under_target_after_s,
+            up,
+        });
+        start = end;
+    }
+    rows
+}
+
+/// The run over time: request rate, TTFT p50/p99 per window (and the target), the planner's
+/// workers.
+fn timeline(
+    all: &[Outcome],
+    decisions: &[Decided],
+    window_s: f64,
+    target_ms: Option<f64>,
+) -> String {
+    use super::super::plot::{render, Chart, Series};
+    let window_s = window_s.max(0.1);
+    let end = all.iter().map(|o| o.sent.as_secs_f64()).fold(0.0, f64::max);
+    let n = (end / window_s).ceil() as usize + 1;
+    let (mut rate, mut p50, mut p99, mut errors) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for w in 0..n {
+        let a = w as f64 * window_s;
+        let ws: Vec<&Outcome> =
+            all.iter().filter(|o| (a..a + window_s).contains(&o.sent.as_secs_f64())).collect();
+        let mid = a + window_s / 2.0;
+        rate.push((mid, ws.len() as f64 / window_s));
+        errors.push((mid, ws.iter().filter(|o| o.error.is_some()).count() as f64 / window_s));
+        let t: Vec<Duration> = ws.iter().filter_map(|o| o.ttft).collect();
+        if !t.is_empty() {
+            let p = Percentiles::of(&t);
+            p50.push((mid, p.p50_us / 1e3));
+            p99.push((mid, p.p99_us / 1e3));
+        }
+    }
+    let mut ttft = vec![Series::line("TTFT p50", p50), Series::line("TTFT p99", p99.clone())];
+    if let Some(t) = target_ms {
+        let xs = (0.0, n as f64 * window_s);
+        ttft.push(Series { dashed: true, ..Series::line("target", vec![(xs.0, t), (xs.1, t)]) });
+    }
+    let mut charts = vec![
+        Chart {
+            title: "Load".into(),
+            x_label: "seconds".into(),
+            y_label: "requests/s".into(),
+            series: vec![Series::line("sent", rate), Series::line("failed", errors)],
+        },
+        Chart {
+            title: format!("Time to first token (windows of {window_s} s)"),
+            x_label: "seconds".into(),
+            y_label: "ms".into(),
+            series: ttft,
+        },
+    ];
+    if !decisions.is_empty() {
+        // From the run's start (the workers before the first decision) to its end.
+        let step = |f: fn(&Decided) -> f64| -> Vec<(f64, f64)> {
+            let first = decisions.first().map(|d| (0.0, d.before));
+            let last = decisions.last().map(|d| (end.max(d.at_s), f(d)));
+            first.into_iter().chain(decisions.iter().map(|d| (d.at_s, f(d)))).chain(last).collect()
+        };
+        charts.push(Chart {
+            title: "Planner".into(),
+            x_label: "seconds".into(),
+            y_label: "workers".into(),
+            series: vec![
+                Series { steps: true, ..Series::line("serving", step(|d| d.after)) },
+                Series {
+                    steps: true,
+                    dashed: true,
+                    ..Series::line("asked for", step(|d| d.desired))
+                },
+            ],
+        });
+    }
+    render(&charts, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ramps_arrive_at_each_steps_rate() {
+        let steps = [(50.0, 20.0), (200.0, 10.0), (10.0, 30.0)];
+        let a = arrivals(&steps, &mut SplitMix64(3));
+        let count = |lo: f64, hi: f64| a.iter().filter(|&&t| t >= lo && t < hi).count() as f64;
+        // Poisson counts: mean λt, sd √(λt); within 4 sd.
+        for (lo, hi, want) in [(0.0, 20.0, 1000.0), (20.0, 30.0, 2000.0), (30.0, 60.0, 300.0)] {
+            let got = count(lo, hi);
+            assert!((got - want).abs() < 4.0 * want.sqrt(), "{lo}..{hi}: {got} against {want}");
+        }
+        assert!(a.windows(2).all(|w| w[0] <= w[1]) && a.last().unwrap() < &60.0);
+        assert_eq!(parse_step("8:60"), Ok((8.0, 60.0)));
+        assert!(
+            parse_step("8").is_err() && parse_step("0:5").is_err() && parse_step("x:1").is_err()
+        );
+    }
 }
