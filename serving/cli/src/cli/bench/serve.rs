@@ -613,7 +613,7 @@ fn ramp_summary(
                 .collect();
             // The first window from which every window of the step is under the target.
             let from = under.iter().rposition(|u| !u).map_or(0, |i| i + 1);
-            (from < n).then(|| from as f64 * window_s)
+            (from < n).then_some(from as f64 * window_s)
         } else {
             None
         };
