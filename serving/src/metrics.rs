@@ -89,6 +89,9 @@ pub struct HttpMetrics {
     generation_tokens: Counter,
     cached_prompt_tokens: Counter,
     window: Arc<parking_lot::Mutex<Window>>,
+    /// Set by the first [`HttpMetrics::take_window`]: until someone reads windows, none is
+    /// filled (no lock taken per token).
+    window_on: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The window being filled: since when, what, and the latency samples offered to it.
@@ -117,8 +120,12 @@ impl Window {
 pub struct LoadWindow {
     /// How long it covers.
     pub duration: Duration,
+    /// Requests that arrived (submitted to the backend, refused at admission or not).
+    pub arrivals: u64,
     /// Requests finished (any outcome but a client error).
     pub requests: u64,
+    /// Requests whose token counts are in the sums below.
+    pub counted: u64,
     /// Of them, failed (server errors).
     pub errors: u64,
     /// Prompt tokens of the requests finished.
@@ -127,7 +134,8 @@ pub struct LoadWindow {
     pub generated_tokens: u64,
     /// Prompt tokens found cached.
     pub cached_tokens: u64,
-    /// Times to first token, seconds (at most [`WINDOW_SAMPLES_MAX`], as for ITL).
+    /// Times to first token, seconds (at most [`WINDOW_SAMPLES_MAX`], as for ITL); a request
+    /// that failed before its first token counts with the time it failed after.
     pub ttft_s: Vec<f64>,
     /// Inter-token latencies, seconds (at most [`WINDOW_SAMPLES_MAX`], a uniform sample of
     /// them all past it).
@@ -166,6 +174,7 @@ impl Default for HttpMetrics {
             generation_tokens: Counter::default(),
             cached_prompt_tokens: Counter::default(),
             window: Arc::new(parking_lot::Mutex::new(Window::new())),
+            window_on: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
     }
 }
@@ -180,7 +189,7 @@ impl HttpMetrics {
             Outcome::Cancelled => "cancelled",
         };
         self.requests.get_or_create(&vec![("outcome", v.into())]).inc();
-        if outcome != Outcome::ClientError {
+        if outcome != Outcome::ClientError && self.windowed() {
             let mut w = self.window.lock();
             w.load.requests += 1;
             w.load.errors += u64::from(outcome == Outcome::ServerError);
@@ -190,15 +199,40 @@ impl HttpMetrics {
     /// Time to the first token.
     pub fn first_token(&self, d: Duration) {
         self.ttft.observe(d.as_secs_f64());
-        let w = &mut *self.window.lock();
-        keep_sample(&mut w.load.ttft_s, d.as_secs_f64(), &mut w.ttft_seen);
+        self.window_ttft(d);
+    }
+
+    /// A request that failed before its first token, `d` after it arrived: its wait counts
+    /// in the window's TTFT (not in the histogram of first tokens).
+    pub fn no_first_token(&self, d: Duration) {
+        self.window_ttft(d);
+    }
+
+    fn window_ttft(&self, d: Duration) {
+        if self.windowed() {
+            let w = &mut *self.window.lock();
+            keep_sample(&mut w.load.ttft_s, d.as_secs_f64(), &mut w.ttft_seen);
+        }
+    }
+
+    /// A request submitted to the backend.
+    pub fn arrival(&self) {
+        if self.windowed() {
+            self.window.lock().load.arrivals += 1;
+        }
+    }
+
+    fn windowed(&self) -> bool {
+        self.window_on.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Time between two tokens.
     pub fn inter_token(&self, d: Duration) {
         self.itl.observe(d.as_secs_f64());
-        let w = &mut *self.window.lock();
-        keep_sample(&mut w.load.itl_s, d.as_secs_f64(), &mut w.itl_seen);
+        if self.windowed() {
+            let w = &mut *self.window.lock();
+            keep_sample(&mut w.load.itl_s, d.as_secs_f64(), &mut w.itl_seen);
+        }
     }
 
     /// A finished request's token counts.
@@ -206,14 +240,20 @@ impl HttpMetrics {
         self.prompt_tokens.inc_by(prompt);
         self.generation_tokens.inc_by(generated);
         self.cached_prompt_tokens.inc_by(cached);
+        if !self.windowed() {
+            return;
+        }
         let mut w = self.window.lock();
+        w.load.counted += 1;
         w.load.prompt_tokens += prompt;
         w.load.generated_tokens += generated;
         w.load.cached_tokens += cached;
     }
 
-    /// What was seen since the last call (or since the start), and a new window.
+    /// What was seen since the last call, and a new window. The first call starts the
+    /// windows (and returns an empty one).
     pub fn take_window(&self) -> LoadWindow {
+        self.window_on.store(true, std::sync::atomic::Ordering::Relaxed);
         let old = std::mem::replace(&mut *self.window.lock(), Window::new());
         LoadWindow { duration: old.since.elapsed(), ..old.load }
     }
@@ -1170,6 +1210,11 @@ mod tests {
     fn load_windows() {
         let m = HttpMetrics::default();
         m.request(Outcome::Ok);
+        assert_eq!(m.take_window().requests, 0, "nothing is windowed before the first take");
+        m.arrival();
+        m.arrival();
+        m.no_first_token(Duration::from_millis(700));
+        m.request(Outcome::Ok);
         m.request(Outcome::ServerError);
         m.request(Outcome::ClientError);
         m.tokens(100, 10, 40);
@@ -1180,7 +1225,8 @@ mod tests {
         let w = m.take_window();
         assert_eq!((w.requests, w.errors), (2, 1), "client errors are not load");
         assert_eq!((w.prompt_tokens, w.generated_tokens, w.cached_tokens), (100, 10, 40));
-        assert_eq!(w.ttft_s, vec![0.005]);
+        assert_eq!(w.ttft_s, vec![0.7, 0.005]);
+        assert_eq!((w.arrivals, w.counted), (2, 1));
         assert_eq!(w.itl_s.len(), WINDOW_SAMPLES_MAX);
         let late = w.itl_s.iter().filter(|&&x| x > 0.005).count() as f64;
         let share = late / WINDOW_SAMPLES_MAX as f64;

@@ -187,7 +187,11 @@ impl Default for Settings {
 pub struct PrefillPoint {
     /// Prompt tokens.
     pub prompt_tokens: usize,
-    /// Of them, found cached (as the engine reported).
+    /// The share of the prompt sent to be found cached (0: a cold prefill).
+    #[serde(default)]
+    pub cached_share: f64,
+    /// Of them, found cached (as the engine reported; a server that does not report its
+    /// cache hits says 0).
     pub cached_tokens: usize,
     /// Median time to the first token, seconds.
     pub ttft_s: f64,
@@ -351,6 +355,7 @@ pub async fn measure<P: Probe>(
         }
         prefill.push(PrefillPoint {
             prompt_tokens: len,
+            cached_share: 0.0,
             cached_tokens: 0,
             ttft_s: median(cold),
             reps,
@@ -372,6 +377,7 @@ pub async fn measure<P: Probe>(
             }
             prefill.push(PrefillPoint {
                 prompt_tokens: len,
+                cached_share: shared as f64 / len as f64,
                 cached_tokens: median(cached) as usize,
                 ttft_s: median(ttfts),
                 reps,
@@ -407,6 +413,11 @@ pub async fn measure<P: Probe>(
             }
             let samples = gaps.len();
             let itl = median(gaps);
+            if !(itl.is_finite() && itl > 0.0) {
+                return Err(ProfileError::Request(format!(
+                    "decode at batch {b}, context {ctx}: no inter-token gap measured (more --decode-tokens?)"
+                )));
+            }
             decode.push(DecodePoint {
                 batch: b,
                 context: ctx + n / 2,
@@ -621,7 +632,7 @@ impl EngineProfile {
     ) -> Self {
         let cold: Vec<(f64, f64)> = prefill
             .iter()
-            .filter(|p| p.cached_tokens == 0)
+            .filter(|p| p.cached_share == 0.0)
             .map(|p| (p.prompt_tokens as f64, p.ttft_s))
             .collect();
         let (prefill_s_fixed, prefill_s_per_token) = linear_fit(&cold).unwrap_or((0.0, 0.0));
@@ -631,7 +642,7 @@ impl EngineProfile {
             linear_fit(&kv).or_else(|| kv.first().map(|&(_, y)| (y, 0.0))).unwrap_or((0.0, 0.0));
         let restores: Vec<f64> = prefill
             .iter()
-            .filter(|p| p.cached_tokens > 0)
+            .filter(|p| p.cached_share > 0.0 && p.cached_tokens > 0)
             .map(|p| {
                 let computed = (p.prompt_tokens - p.cached_tokens.min(p.prompt_tokens)) as f64;
                 let compute = prefill_s_fixed + prefill_s_per_token * computed;
@@ -687,7 +698,7 @@ impl EngineProfile {
         let prefill_s = Curve::new(
             self.prefill
                 .iter()
-                .filter(|p| p.cached_tokens == 0 && ok(p.ttft_s))
+                .filter(|p| p.cached_share == 0.0 && ok(p.ttft_s))
                 .map(|p| (p.prompt_tokens as f64, p.ttft_s))
                 .collect(),
         )
@@ -710,11 +721,18 @@ impl EngineProfile {
         if itl_s.is_empty() {
             return Err(bad("decode"));
         }
+        if self.batch_max > crate::sla::BATCH_MAX as usize {
+            return Err(ProfileError::Format(format!(
+                "batch_max {} is above {}",
+                self.batch_max,
+                crate::sla::BATCH_MAX
+            )));
+        }
         let restore = self.fit.restore_s_per_cached_token;
         Ok(Profile {
             prefill_s,
             itl_s,
-            batch_max: u32::try_from(self.batch_max.max(1)).unwrap_or(u32::MAX),
+            batch_max: u32::try_from(self.batch_max.max(1)).unwrap_or(crate::sla::BATCH_MAX),
             kv_bytes_per_token: self.kv_bytes_per_token,
             restore_s_per_token: if ok(restore) { restore } else { 0.0 },
         })
@@ -744,9 +762,27 @@ mod tests {
             8192,
             8,
             vec![
-                PrefillPoint { prompt_tokens: 100, cached_tokens: 0, ttft_s: 0.005, reps: 1 },
-                PrefillPoint { prompt_tokens: 200, cached_tokens: 0, ttft_s: 0.009, reps: 1 },
-                PrefillPoint { prompt_tokens: 200, cached_tokens: 96, ttft_s: 0.0058, reps: 1 },
+                PrefillPoint {
+                    prompt_tokens: 100,
+                    cached_share: 0.0,
+                    cached_tokens: 0,
+                    ttft_s: 0.005,
+                    reps: 1,
+                },
+                PrefillPoint {
+                    prompt_tokens: 200,
+                    cached_share: 0.0,
+                    cached_tokens: 0,
+                    ttft_s: 0.009,
+                    reps: 1,
+                },
+                PrefillPoint {
+                    prompt_tokens: 200,
+                    cached_share: 0.48,
+                    cached_tokens: 96,
+                    ttft_s: 0.0058,
+                    reps: 1,
+                },
             ],
             vec![
                 DecodePoint {
@@ -786,5 +822,13 @@ mod tests {
             matches!(EngineProfile::from_json(&text), Err(ProfileError::Format(m)) if m.contains("decode"))
         );
         assert!(EngineProfile::from_json("{").is_err());
+        let huge = EngineProfile { batch_max: 1 << 40, ..p.clone() };
+        let text = serde_json::to_string(&huge).unwrap();
+        assert!(
+            matches!(EngineProfile::from_json(&text), Err(ProfileError::Format(m)) if m.contains("batch_max"))
+        );
+        // A curve without points in a file is refused when read, not a panic when used.
+        let bad = r#"{"prefill_s":{"points":[]},"itl_s":[],"batch_max":1,"kv_bytes_per_token":0}"#;
+        assert!(serde_json::from_str::<Profile>(bad).is_err());
     }
 }

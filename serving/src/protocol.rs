@@ -219,23 +219,24 @@ pub struct ServeStats {
     pub handshake_failed: AtomicU64,
     /// Requests refused after the handshake (malformed, late, over a limit).
     pub bad_requests: AtomicU64,
-    /// Requests read and not yet answered to the end (a draining worker waits for 0).
+    /// Connections accepted and not yet done: in the handshake, reading their request, or
+    /// streaming its answer (a draining worker waits for 0).
     pub in_flight: AtomicU64,
 }
 
-/// Counts a request in flight while it lives.
-struct InFlight<'a>(&'a AtomicU64);
+/// Counts a connection in flight while it lives.
+struct InFlight(Arc<ServeStats>);
 
-impl<'a> InFlight<'a> {
-    fn new(n: &'a AtomicU64) -> Self {
-        n.fetch_add(1, Ordering::Relaxed);
-        InFlight(n)
+impl InFlight {
+    fn new(stats: Arc<ServeStats>) -> Self {
+        stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(stats)
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -328,8 +329,10 @@ pub fn serve(
             };
             let (backend, auth, limits, stats, peers) =
                 (backend.clone(), auth.clone(), limits.clone(), stats.clone(), peers.clone());
+            let counted = InFlight::new(stats.clone());
             tokio::spawn(async move {
                 let _slot = slot;
+                let _counted = counted;
                 let mut conn = conn;
                 let _ = conn.set_nodelay(true);
                 let peer = match handshake::server(
@@ -353,7 +356,7 @@ pub fn serve(
                     tracing::debug!(%from, %peer, "peer at its connection limit: refusing");
                     return;
                 };
-                if let Err(e) = handle(conn, backend, &limits, &stats.in_flight).await {
+                if let Err(e) = handle(conn, backend, &limits).await {
                     stats.bad_requests.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(%peer, error = %e, "frontend connection ended");
                 }
@@ -396,7 +399,6 @@ async fn handle(
     conn: TcpStream,
     backend: Arc<dyn Backend>,
     limits: &ServeLimits,
-    in_flight: &AtomicU64,
 ) -> Result<(), FrameError> {
     let (mut rd, mut wr) = conn.into_split();
     // The request must arrive promptly; a silent peer does not hold a task forever.
@@ -416,7 +418,6 @@ async fn handle(
             return Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into());
         }
     };
-    let _counted = InFlight::new(in_flight);
     if backend.model(&req.model).is_none() {
         let e = EngineError::invalid(format!("this worker does not serve {:?}", req.model));
         return write_frame(&mut wr, &GenEvent::Error(e)).await;

@@ -25,9 +25,24 @@
 /// A measured curve: `y` against `x`, interpolated linearly between points, extended along
 /// the last segment past the ends (and never below zero).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "CurvePoints")]
 pub struct Curve {
-    /// Points, `x` ascending.
-    pub points: Vec<(f64, f64)>,
+    /// Points, `x` ascending, finite, at least one.
+    points: Vec<(f64, f64)>,
+}
+
+/// A curve as written, checked by [`Curve::new`] when read.
+#[derive(serde::Deserialize)]
+struct CurvePoints {
+    points: Vec<(f64, f64)>,
+}
+
+impl TryFrom<CurvePoints> for Curve {
+    type Error = String;
+
+    fn try_from(c: CurvePoints) -> Result<Self, String> {
+        Curve::new(c.points).ok_or_else(|| "a curve needs finite points, at least one".into())
+    }
 }
 
 impl Curve {
@@ -42,11 +57,16 @@ impl Curve {
         Some(Curve { points })
     }
 
+    /// Its points, `x` ascending.
+    pub fn points(&self) -> &[(f64, f64)] {
+        &self.points
+    }
+
     /// `y` at `x`.
     pub fn at(&self, x: f64) -> f64 {
         let p = &self.points;
-        if p.len() == 1 {
-            return p[0].1.max(0.0);
+        if p.len() <= 1 {
+            return p.first().map_or(0.0, |q| q.1.max(0.0));
         }
         let i = p.partition_point(|q| q.0 < x).clamp(1, p.len() - 1);
         let ((x0, y0), (x1, y1)) = (p[i - 1], p[i]);
@@ -62,7 +82,7 @@ pub struct Profile {
     /// Inter-token latency, seconds, against the decode batch, per context length (tokens):
     /// the curve of the nearest context length measured is used.
     pub itl_s: Vec<(f64, Curve)>,
-    /// Largest decode batch a worker holds.
+    /// Largest decode batch a worker holds (at most [`BATCH_MAX`]).
     pub batch_max: u32,
     /// KV bytes per token (what a disaggregated prefill sends its decode worker).
     pub kv_bytes_per_token: u64,
@@ -83,7 +103,7 @@ impl Profile {
 
     /// The largest batch whose ITL at `context` meets `itl_target`, and that ITL.
     fn best_batch(&self, context: f64, itl_target: f64) -> Option<(u32, f64)> {
-        (1..=self.batch_max.max(1))
+        (1..=self.batch_max.clamp(1, BATCH_MAX))
             .rev()
             .filter_map(|b| self.itl(context, f64::from(b)).map(|t| (b, t)))
             .find(|&(_, t)| t > 0.0 && t <= itl_target)
@@ -241,6 +261,9 @@ pub struct Plan {
 
 /// Most workers a plan considers.
 const WORKERS_MAX: u32 = 100_000;
+
+/// Largest decode batch a profile may give (plans try every batch up to it).
+pub const BATCH_MAX: u32 = 65_536;
 
 /// Plans `load` on an engine like `profile` for `targets`.
 pub fn plan(profile: &Profile, load: &Workload, targets: &Targets) -> Plan {
@@ -459,42 +482,62 @@ fn aggregated(
     context: f64,
     reasons: &mut Vec<String>,
 ) -> Need {
-    for n in 1..=WORKERS_MAX {
+    if profile.itl_s.is_empty() {
+        return Need::Infeasible("the profile has no decode curve".into());
+    }
+    // What `n` workers give: None when they cannot meet the targets. Feasibility only grows
+    // with n (each worker's prefill share, batch and so ITL and TTFT all fall), so the
+    // fewest feasible workers are found by bisection.
+    let at = |n: u32| -> Option<(f64, f64, f64, f64)> {
         let per_worker = load.rate / f64::from(n);
         let prefill_share = per_worker * s;
         if prefill_share >= 1.0 {
-            continue;
+            return None;
         }
         // Sequences decoding on a worker at once (Little's law), at the stretched ITL.
         let mut batch = 1.0f64;
         let mut itl = 0.0;
         for _ in 0..20 {
-            let base = match profile.itl(context, batch.ceil().max(1.0)) {
-                Some(t) => t,
-                None => return Need::Infeasible("the profile has no decode curve".into()),
-            };
+            let base = profile.itl(context, batch.ceil().max(1.0))?;
             itl = base / (1.0 - prefill_share);
             batch = (per_worker * load.osl * itl).max(1.0);
         }
         if batch > f64::from(profile.batch_max.max(1)) || itl > targets.itl_s {
-            continue;
+            return None;
         }
         // A new prompt waits for the step in flight (uniform over a step: half of one on
         // average, the quantile's share of one), then queues behind the worker's other
         // prefills (M/D/1 on the prefill share).
         let step_wait = itl * targets.quantile.unwrap_or(0.5);
         let ttft = s + step_wait + queue_wait(prefill_share, s, targets.quantile);
-        if ttft > targets.ttft_s {
-            continue;
+        (ttft <= targets.ttft_s).then_some((prefill_share, batch, itl, ttft))
+    };
+    let (mut lo, mut hi) = (0u32, 1u32);
+    while at(hi).is_none() {
+        if hi >= WORKERS_MAX {
+            return Need::Infeasible("no number of aggregated workers meets both targets".into());
         }
+        lo = hi;
+        hi = hi.saturating_mul(2).min(WORKERS_MAX);
+    }
+    // at(lo) fails (or lo = 0), at(hi) holds.
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if at(mid).is_some() {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    if let Some((prefill_share, batch, itl, ttft)) = at(hi) {
         reasons.push(format!(
-            "aggregated workers: {n}, each {:.0}% prefill, decoding {batch:.1} sequences at {:.1} ms per token, {} TTFT ≈ {:.1} ms",
+            "aggregated workers: {hi}, each {:.0}% prefill, decoding {batch:.1} sequences at {:.1} ms per token, {} TTFT ≈ {:.1} ms",
             prefill_share * 100.0,
             itl * 1e3,
             targets.label(),
             ttft * 1e3
         ));
-        return Need::Aggregated { workers: n };
+        return Need::Aggregated { workers: hi };
     }
     Need::Infeasible("no number of aggregated workers meets both targets".into())
 }

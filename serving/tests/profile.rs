@@ -101,7 +101,7 @@ async fn the_profile_of_the_mock_recovers_its_time_model() {
     assert!(within(step, 8e-3, 0.10), "{step} against {f:?} and {z:?}");
     assert!(within(kv, 0.2e-6, 0.10), "{kv} against {f:?} and {z:?}");
     // Cached halves were found cached (whole blocks) and cost less than computing them.
-    let cached: Vec<_> = p.prefill.iter().filter(|x| x.cached_tokens > 0).collect();
+    let cached: Vec<_> = p.prefill.iter().filter(|x| x.cached_share > 0.0).collect();
     assert_eq!(cached.len(), 3, "{:?}", p.prefill);
     for c in &cached {
         assert_eq!(c.cached_tokens, c.prompt_tokens / 2, "{c:?}");

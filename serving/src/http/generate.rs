@@ -45,6 +45,7 @@ pub(super) async fn start(
         Ok(x) => x,
         Err(e) => return Err(st.fail(e)),
     };
+    st.metrics.arrival();
     let mut gen = Generation {
         st: st.clone(),
         rx,
@@ -200,6 +201,8 @@ impl Generation {
         if ok {
             m.request(Outcome::Ok);
             m.duration(self.started.elapsed());
+        } else if self.last_token.is_none() {
+            m.no_first_token(self.started.elapsed());
         }
         m.tokens(
             self.prompt_tokens as u64,

@@ -105,8 +105,18 @@ impl PlannerArgs {
             "--planner-min-workers must be at least 1 and at most --planner-max-workers"
         );
         anyhow::ensure!(
-            self.planner_interval_s.is_finite() && self.planner_interval_s >= 0.1,
-            "--planner-interval-s must be at least 0.1"
+            self.planner_interval_s.is_finite()
+                && (0.1..=3600.0).contains(&self.planner_interval_s),
+            "--planner-interval-s must be between 0.1 and 3600"
+        );
+        anyhow::ensure!(
+            self.planner_drain_timeout_s <= 86_400 && self.planner_start_timeout_s <= 86_400,
+            "--planner-drain-timeout-s and --planner-start-timeout-s must be at most 86400"
+        );
+        anyhow::ensure!(
+            self.planner_scale_down_headroom.is_finite()
+                && (0.0..=10.0).contains(&self.planner_scale_down_headroom),
+            "--planner-scale-down-headroom must be between 0 and 10"
         );
         for (what, v) in
             [("--planner-ttft-ms", self.planner_ttft_ms), ("--planner-itl-ms", self.planner_itl_ms)]

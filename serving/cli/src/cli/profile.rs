@@ -101,13 +101,29 @@ impl Probe for HttpProbe {
         if let Some(e) = o.error {
             return Err(ProfileError::Request(e));
         }
-        let ttft = o.ttft.ok_or(ProfileError::NoTokens { prompt: prompt.len() })?;
-        let mut at = start + ttft;
-        let mut tokens = vec![at];
-        for g in o.gaps {
-            at += g;
-            tokens.push(at);
+        // Tokens whose text is empty (a partial character, a special token) send no event:
+        // the usage's count is the truth. Without a text event at all, the end of the stream
+        // is when the tokens had come.
+        let n = o.completion_tokens as usize;
+        if n == 0 {
+            return Err(ProfileError::NoTokens { prompt: prompt.len() });
         }
+        let first = start + o.ttft.unwrap_or(o.e2e);
+        let last = first + o.gaps.iter().sum::<Duration>();
+        let tokens = if o.gaps.len() + 1 == n {
+            let mut at = first;
+            std::iter::once(first)
+                .chain(o.gaps.iter().map(|g| {
+                    at += *g;
+                    at
+                }))
+                .collect()
+        } else {
+            // Spread evenly between the first and the last text event.
+            let step =
+                (last - first) / u32::try_from(n.saturating_sub(1).max(1)).unwrap_or(u32::MAX);
+            (0..n as u32).map(|i| first + step * i).collect()
+        };
         Ok(Trace { start, tokens, cached: o.cached_tokens as usize })
     }
 }
@@ -319,8 +335,7 @@ pub fn plot(p: &EngineProfile) -> String {
     let mut shares: Vec<Option<usize>> = Vec::new();
     let mut prefill = Vec::new();
     for r in &p.prefill {
-        let share = (r.cached_tokens > 0)
-            .then(|| (r.cached_tokens * 100).checked_div(r.prompt_tokens).unwrap_or(0));
+        let share = (r.cached_share > 0.0).then(|| (r.cached_share * 100.0).round() as usize);
         if !shares.contains(&share) {
             shares.push(share);
         }
@@ -330,8 +345,7 @@ pub fn plot(p: &EngineProfile) -> String {
             .prefill
             .iter()
             .filter(|r| {
-                let s = (r.cached_tokens > 0)
-                    .then(|| (r.cached_tokens * 100).checked_div(r.prompt_tokens).unwrap_or(0));
+                let s = (r.cached_share > 0.0).then(|| (r.cached_share * 100.0).round() as usize);
                 s == share
             })
             .map(|r| (r.prompt_tokens as f64, r.ttft_s * 1e3))

@@ -94,9 +94,12 @@ impl LocalWorkers {
         let line = match ready {
             Ok(Ok(Some(line))) => line,
             Ok(Ok(None)) | Ok(Err(_)) => {
+                // Closed stdout (or printed garbage): it is not going to serve. Killed, so
+                // that the wait cannot hang.
+                let _ = child.kill().await;
                 let status = child.wait().await.ok();
                 return Err(ScaleError::Start(format!(
-                    "{name} exited before it was ready ({status:?}; its log is on stderr)"
+                    "{name} closed its stdout before it was ready ({status:?}; its log is on stderr)"
                 )));
             }
             Err(_) => {
@@ -195,12 +198,13 @@ impl Scaler for LocalWorkers {
                 alive
             });
             let mut result = Ok(());
-            while serving.len() < n as usize {
-                match self.start_one().await {
-                    Ok(w) => serving.push(w),
-                    Err(e) => {
-                        result = Err(e);
-                        break;
+            if serving.len() < n as usize {
+                // Concurrently: scaling from 1 to 6 takes one start, not five.
+                let starts = (serving.len()..n as usize).map(|_| self.start_one());
+                for r in futures_util::future::join_all(starts).await {
+                    match r {
+                        Ok(w) => serving.push(w),
+                        Err(e) => result = Err(e),
                     }
                 }
             }

@@ -354,9 +354,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let mut tasks = Vec::new();
         let mut next_at = Instant::now();
         for (k, (prefix, users)) in sessions.into_iter().enumerate() {
-            if let Some(at) = ramp.as_ref().and_then(|a| a.get(k)) {
-                let when = start + Duration::from_secs_f64(*at);
-                tokio::time::sleep_until(tokio::time::Instant::from_std(when)).await;
+            let scheduled =
+                ramp.as_ref().and_then(|a| a.get(k)).map(|at| Duration::from_secs_f64(*at));
+            if let Some(at) = scheduled {
+                tokio::time::sleep_until(tokio::time::Instant::from_std(start + at)).await;
             } else if let Some(rate) = args.rate.filter(|r| *r > 0.0) {
                 // Exponential gaps between conversations: a Poisson process.
                 let u = rng.next_f64().max(1e-12);
@@ -380,6 +381,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                     let sent = start.elapsed();
                     let mut o = one_request(&t, body, timeout).await;
                     o.sent = sent;
+                    if let Some(due) = scheduled.filter(|d| *d < sent) {
+                        // Held back by the concurrency cap: the wait is the request's too
+                        // (no coordinated omission), and it counts when it was due.
+                        let late = sent - due;
+                        o.ttft = o.ttft.map(|t| t + late);
+                        o.e2e += late;
+                        o.sent = due;
+                    }
                     history = format!("{prompt}{}", o.text);
                     bar.inc(1);
                     let failed = o.error.is_some();
