@@ -204,7 +204,8 @@ pub struct PrefillPoint {
 pub struct DecodePoint {
     /// Sequences decoding together.
     pub batch: usize,
-    /// Their mean context length during the measurement, tokens.
+    /// Their context length: the prompt and half the --decode-tokens, tokens (a run that had
+    /// to generate more to overlap is filed under the same context).
     pub context: usize,
     /// Median inter-token latency while all of them decode, seconds.
     pub itl_s: f64,
@@ -388,39 +389,31 @@ pub async fn measure<P: Probe>(
     let mut decode = Vec::new();
     for &ctx in &s.contexts {
         for &b in &batches {
-            let n = s.decode_tokens.max(4);
-            let runs = (0..b).map(|_| probe.generate(prompts.fresh(ctx.max(1)), n));
-            let traces = futures_util::future::try_join_all(runs).await?;
-            // All decode from the last first token to the first last token.
-            let from = traces.iter().filter_map(|t| t.tokens.first()).max().copied();
-            let to = traces.iter().filter_map(|t| t.tokens.last()).min().copied();
+            // All `b` must decode together for a while: when the last one's first token
+            // comes after the first one's last (its prefill took that long), the run is
+            // repeated with twice the tokens, up to 8×.
+            let mut n = s.decode_tokens.max(4);
             let mut gaps = Vec::new();
-            if let (Some(from), Some(to)) = (from, to) {
-                for t in &traces {
-                    for w in t.tokens.windows(2) {
-                        if w[0] >= from && w[1] <= to {
-                            gaps.push((w[1] - w[0]).as_secs_f64());
-                        }
-                    }
+            for attempt in 0..4 {
+                let runs = (0..b).map(|_| probe.generate(prompts.fresh(ctx.max(1)), n));
+                let traces = futures_util::future::try_join_all(runs).await?;
+                gaps = steady_gaps(&traces);
+                if gaps.len() >= 2 * b || attempt == 3 {
+                    break;
                 }
-            }
-            if gaps.is_empty() {
-                // Too few tokens to overlap: every gap after each one's first token.
-                gaps = traces
-                    .iter()
-                    .flat_map(|t| t.tokens.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()))
-                    .collect();
+                n *= 2;
             }
             let samples = gaps.len();
             let itl = median(gaps);
             if !(itl.is_finite() && itl > 0.0) {
                 return Err(ProfileError::Request(format!(
-                    "decode at batch {b}, context {ctx}: no inter-token gap measured (more --decode-tokens?)"
+                    "decode at batch {b}, context {ctx}: the {b} sequences never decoded together, even with {n} tokens each (more --decode-tokens?)"
                 )));
             }
             decode.push(DecodePoint {
                 batch: b,
-                context: ctx + n / 2,
+                // Nominal (the planned tokens), so that the points of one context group.
+                context: ctx + s.decode_tokens.max(4) / 2,
                 itl_s: itl,
                 tokens_per_s: b as f64 / itl,
                 samples,
@@ -429,6 +422,20 @@ pub async fn measure<P: Probe>(
         }
     }
     Ok((prefill, decode))
+}
+
+/// The inter-token gaps while every trace decodes: from the last first token to the first
+/// last token.
+fn steady_gaps(traces: &[Trace]) -> Vec<f64> {
+    let from = traces.iter().filter_map(|t| t.tokens.first()).max().copied();
+    let to = traces.iter().filter_map(|t| t.tokens.last()).min().copied();
+    let (Some(from), Some(to)) = (from, to) else { return Vec::new() };
+    traces
+        .iter()
+        .flat_map(|t| t.tokens.windows(2))
+        .filter(|w| w[0] >= from && w[1] <= to)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .collect()
 }
 
 /// Measures restoring contexts of `contexts` tokens from host memory, a disk tier (files in

@@ -141,8 +141,12 @@ fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
     );
     let need = |n: &Need| match n {
         Need::Disaggregated { prefill, decode, kv_bytes_per_s } => format!(
-            "{prefill} prefill + {decode} decode workers, {:.2} GB/s of KV between them{}",
-            kv_bytes_per_s / 1e9,
+            "{prefill} prefill + {decode} decode workers, {} of KV between them{}",
+            if *kv_bytes_per_s >= 1e9 {
+                format!("{:.2} GB/s", kv_bytes_per_s / 1e9)
+            } else {
+                format!("{:.1} MB/s", kv_bytes_per_s / 1e6)
+            },
             if profile.kv_bytes_per_token == 0 {
                 " (KV size unknown: --kv-bytes-per-token)"
             } else {

@@ -283,7 +283,8 @@ pub(crate) async fn one_request(t: &Target, body: String, timeout: Duration) -> 
         Ok(Ok(status)) if status != 200 => {
             out.error = Some(format!("HTTP {status}: {}", String::from_utf8_lossy(&body_text)))
         }
-        Ok(Ok(_)) if out.ttft.is_none() && out.error.is_none() => {
+        // Tokens whose text is empty send no event; the usage still counts them.
+        Ok(Ok(_)) if out.ttft.is_none() && out.completion_tokens == 0 && out.error.is_none() => {
             out.error = Some("no tokens".into())
         }
         Ok(Ok(_)) => {}
