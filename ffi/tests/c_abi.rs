@@ -20,7 +20,9 @@ fn lib_dir() -> PathBuf {
 
 /// Writes a pkg-config file for this build into `dir` (from `kvfabric.pc.in`).
 fn pkg_config_dir(dir: &Path) -> PathBuf {
-    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let crate_dir = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    );
     let template = std::fs::read_to_string(crate_dir.join("kvfabric.pc.in")).unwrap();
     let pc = template
         .replace("@PREFIX@", &crate_dir.display().to_string())
@@ -41,7 +43,10 @@ fn pkg_config(pc_dir: &Path) -> Vec<String> {
 }
 
 fn build(out: &Path, asan: bool) -> PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/kvfabric_test.c");
+    let src = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+    .join("tests/c/kvfabric_test.c");
     let exe = out.join(if asan { "kvfabric_test_asan" } else { "kvfabric_test" });
     let mut flags = vec!["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-g", "-O1"];
     if asan {
@@ -103,7 +108,10 @@ fn c_tests_pass_under_address_sanitizer() {
 #[test]
 fn the_cpp_example_registers_a_pool_saves_looks_up_and_loads() {
     let dir = tempfile::tempdir().unwrap();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/cpp/kv_pool.cpp");
+    let src = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+    .join("../examples/cpp/kv_pool.cpp");
     let exe = dir.path().join("kv_pool");
     compile("g++", &src, &exe, &["-std=c++17", "-Wall", "-Wextra", "-Werror", "-g", "-O1"]);
     let o = Command::new(&exe).env_remove("LD_LIBRARY_PATH").output().expect("the example runs");

@@ -1,13 +1,13 @@
 //! The committed header is what cbindgen generates from the sources now.
 
-use std::path::Path;
-
 #[test]
 fn committed_header_is_current() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    );
     let config = cbindgen::Config::from_file(dir.join("cbindgen.toml")).expect("cbindgen.toml");
     let bindings = cbindgen::Builder::new()
-        .with_crate(dir)
+        .with_crate(&dir)
         .with_config(config)
         .generate()
         .expect("cbindgen parses the crate");

@@ -7,7 +7,11 @@ use kvfabric::gguf::GgufHeader;
 use kvfabric::layout::{AttentionKind, KvDtype, ModelSpec};
 
 fn data(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
+    std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+    .join("tests/data")
+    .join(name)
 }
 
 /// The default model; `scripts/test.sh` fetches it before running the tests.

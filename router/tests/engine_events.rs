@@ -9,7 +9,7 @@
 //! `scripts/test.sh` sets it (`scripts/setup.sh test` creates the environment).
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,11 @@ use kvfabric_router::PrefixIndex;
 use serde_json::{json, Value};
 
 fn data(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(rel)
+    std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+    .join("tests/data")
+    .join(rel)
 }
 
 /// The payload frame of a captured message (`frameN len=L: HEX` lines).
@@ -150,7 +154,11 @@ impl Drop for Publisher {
 
 impl Publisher {
     fn start(flavor: &str) -> Publisher {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/engines/kv_events.py");
+        let script = std::path::PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+        )
+        .join("tests/engines/kv_events.py");
         let mut child = Command::new(kvfabric::testkit::engine_python())
             .arg(script)
             .args(["--flavor", flavor])

@@ -60,7 +60,8 @@ pub trait Scaler: Send + Sync + std::fmt::Debug + 'static {
     fn workers(&self) -> u32;
     /// Workers draining now.
     fn draining(&self) -> u32;
-    /// Starts or drains workers until `n` serve; returns how many serve after it.
+    /// Starts or drains workers until `n` serve, replacing any that died on their own;
+    /// returns how many serve after it. The planner calls it every interval.
     fn scale_to(&self, n: u32) -> ScaleFuture<'_>;
 }
 
@@ -518,15 +519,14 @@ pub fn spawn(
             let current = scaler.workers();
             let mut d = brain.decide(&window, current);
             let mut failed = false;
-            if d.desired != current {
-                match scaler.scale_to(d.desired).await {
-                    Ok(n) => d.after = n,
-                    Err(e) => {
-                        failed = true;
-                        d.after = scaler.workers();
-                        d.reasons.push(format!("scaling failed: {e}"));
-                        tracing::warn!(error = %e, desired = d.desired, "planner: scaling failed");
-                    }
+            // Every interval, also when holding: a worker that died on its own is replaced.
+            match scaler.scale_to(d.desired).await {
+                Ok(n) => d.after = n,
+                Err(e) => {
+                    failed = true;
+                    d.after = scaler.workers();
+                    d.reasons.push(format!("scaling failed: {e}"));
+                    tracing::warn!(error = %e, desired = d.desired, "planner: scaling failed");
                 }
             }
             d.draining = scaler.draining();

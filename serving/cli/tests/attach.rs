@@ -38,7 +38,10 @@ struct FakeEngine {
 }
 
 fn fake_engine() -> FakeEngine {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../router/tests/engines");
+    let dir = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+    .join("../../router/tests/engines");
     let (proc, line) = spawn_line(
         Command::new(kvfabric::testkit::engine_python())
             .arg(dir.join("fake_engine.py"))

@@ -42,8 +42,12 @@ fn plan_json_has_the_documented_fields() {
 
 #[test]
 fn plan_reads_config_json_and_gguf() {
-    let cfg =
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../kvfabric/tests/data/deepseek-r1.config.json");
+    let cfg = &std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
+    )
+    .join("../../kvfabric/tests/data/deepseek-r1.config.json")
+    .to_string_lossy()
+    .into_owned();
     let v = stdout_json(&kvfabric(&["plan", "--model", cfg, "--json", "--block-tokens", "64"]));
     assert_eq!(v["kv_bytes_per_token"], 70_272);
     assert_eq!(v["kv_bytes_per_block"], 70_272 * 64);

@@ -1,7 +1,8 @@
 //! The live planner over real etcd and NATS: `kvfabric frontend --planner` starts local
 //! `kvfabric worker` processes (the mock engine) from a profile `kvfabric profile` measured,
 //! scales them up under a load one worker cannot serve within the targets, drains them when
-//! the load falls, and no request fails across the scale-down.
+//! the load falls, and no request fails across the scale-down. `kvfabric up --planner` does
+//! the same with workers in its own process.
 
 mod common;
 
@@ -58,13 +59,10 @@ fn load(
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_planner_scales_workers_up_under_load_and_drains_them_without_losing_requests() {
-    let dir = tempfile::tempdir().unwrap();
-    let exe = env!("CARGO_BIN_EXE_kvfabric");
-    // The engine's profile, measured.
-    let profile = dir.path().join("mock.json");
-    let st = Command::new(exe)
+/// The mock engine's profile, measured by `kvfabric profile`.
+fn measure_the_mock(dir: &std::path::Path) -> std::path::PathBuf {
+    let profile = dir.join("mock.json");
+    let st = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
         .args(["profile", "--prompts", "64,256", "--batches", "1,4,8", "--contexts", "256"])
         .args(["--decode-tokens", "8", "--reps", "1", "--tiers", "none", "--json", "--out"])
         .arg(&profile)
@@ -74,7 +72,14 @@ async fn the_planner_scales_workers_up_under_load_and_drains_them_without_losing
         .status()
         .unwrap();
     assert!(st.success());
+    profile
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_planner_scales_workers_up_under_load_and_drains_them_without_losing_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = env!("CARGO_BIN_EXE_kvfabric");
+    let profile = measure_the_mock(dir.path());
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
     let log = dir.path().join("decisions.jsonl");
     let mut child = Command::new(exe)
@@ -160,4 +165,70 @@ async fn the_planner_scales_workers_up_under_load_and_drains_them_without_losing
     assert!(status.success(), "{status}");
     let left = Command::new("pgrep").args(["-f", "planner-test-fe-w-"]).output().unwrap();
     assert!(left.stdout.is_empty(), "workers left: {}", String::from_utf8_lossy(&left.stdout));
+}
+
+/// `kvfabric up --planner`: the same, with the workers in the process (embedded control
+/// plane), from one worker up under load and back to one, no request failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_the_planner_scales_its_own_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = measure_the_mock(dir.path());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["up", "--port", "0", "--name", "planned", "--planner"])
+        .arg(&profile)
+        .args(["--planner-min-workers", "1", "--planner-max-workers", "3"])
+        .args(["--planner-interval-s", "1", "--planner-ttft-ms", "150", "--planner-itl-ms", "30"])
+        .args(["--planner-percentile", "p90", "--planner-scale-down-after", "2"])
+        .args(MOCK.split_whitespace())
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("up printed nothing").unwrap();
+    std::thread::spawn(move || for _ in lines {});
+    let up = Proc(child);
+    let addr: SocketAddr = line
+        .rsplit_once("at http://")
+        .and_then(|(_, r)| r.strip_suffix("/v1"))
+        .unwrap_or_else(|| panic!("{line}"))
+        .parse()
+        .unwrap();
+    assert!(line.contains("1..=3 planned workers"), "{line}");
+    assert_eq!(planner_workers(addr).await, 1);
+    let (stop, ok, failed) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let heavy = load(addr, 24, stop.clone(), ok.clone(), failed.clone());
+    let start = Instant::now();
+    let mut most = 1;
+    while start.elapsed() < Duration::from_secs(25) && most < 2 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        most = most.max(planner_workers(addr).await);
+    }
+    assert!(most >= 2, "up's planner did not scale up under load");
+    stop.store(true, Ordering::Relaxed);
+    for t in heavy {
+        t.await.unwrap();
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let light = load(addr, 1, stop.clone(), ok.clone(), failed.clone());
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) && planner_workers(addr).await > 1 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(planner_workers(addr).await, 1, "up's planner did not scale back down");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in light {
+        t.await.unwrap();
+    }
+    assert_eq!(failed.load(Ordering::Relaxed), 0, "requests failed across scaling");
+    let mut up = up;
+    // SAFETY: the pid of a child this test spawned and has not reaped.
+    assert_eq!(unsafe { libc::kill(up.0.id() as i32, libc::SIGTERM) }, 0);
+    assert!(up.0.wait().unwrap().success());
 }

@@ -12,7 +12,7 @@ use kvfabric_serving::planner::{self, PlannerConfig, PlannerState, Predictor, Sc
 use kvfabric_serving::profile::EngineProfile;
 use kvfabric_serving::sla::Targets;
 
-use super::scaler::{LocalWorkers, WorkerTemplate};
+use super::scaler::{InProcess, Kind, Processes, WorkerTemplate, Workers};
 
 /// The planner's options.
 #[derive(clap::Args, Debug, Clone)]
@@ -74,20 +74,21 @@ pub struct Running {
     /// What `/metrics` shows of it.
     pub state: Arc<PlannerState>,
     task: tokio::task::JoinHandle<()>,
-    workers: Arc<LocalWorkers>,
+    /// Drains every worker (not started until awaited).
+    shutdown: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
 }
 
 impl Running {
     /// Stops deciding, then drains every worker.
     pub async fn stop(self) {
         self.task.abort();
-        self.workers.shutdown().await;
+        self.shutdown.await;
     }
 }
 
 impl PlannerArgs {
-    /// Reads the profile, starts the fewest workers, and starts deciding from `metrics`.
-    /// `env` is what each worker needs to join (the secret, the control plane).
+    /// Starts the planner over `kvfabric worker` processes (`kvfabric frontend`); `env` is
+    /// what each worker needs to join (the secret, the control plane).
     pub async fn start(
         &self,
         profile: &std::path::Path,
@@ -95,6 +96,46 @@ impl PlannerArgs {
         env: Vec<(String, String)>,
         metrics: HttpMetrics,
     ) -> anyhow::Result<Running> {
+        let cfg = self.config(profile)?;
+        let kind = Processes(WorkerTemplate {
+            exe: std::env::current_exe().context("finding the kvfabric binary")?,
+            args: self.planner_worker_args.split_whitespace().map(str::to_string).collect(),
+            env,
+            prefix: format!("{name}-w"),
+            start_timeout: Duration::from_secs(self.planner_start_timeout_s.max(1)),
+            drain_timeout: Duration::from_secs(self.planner_drain_timeout_s),
+        });
+        self.run(cfg, kind, metrics).await
+    }
+
+    /// Starts the planner over worker stacks in this process (`kvfabric up`), registered in
+    /// `discovery`.
+    pub async fn start_in_process(
+        &self,
+        profile: &std::path::Path,
+        name: &str,
+        engine: super::up::EngineOpts,
+        discovery: Arc<dyn kvfabric::control::Discovery>,
+        bus: Arc<dyn kvfabric::control::EventBus>,
+        metrics: HttpMetrics,
+    ) -> anyhow::Result<Running> {
+        anyhow::ensure!(
+            self.planner_worker_args.trim().is_empty(),
+            "--planner-worker-args is for `kvfabric frontend`: `kvfabric up` runs its workers with its own engine options"
+        );
+        let cfg = self.config(profile)?;
+        let kind = InProcess {
+            engine,
+            discovery,
+            bus,
+            prefix: name.to_string(),
+            drain_timeout: Duration::from_secs(self.planner_drain_timeout_s),
+        };
+        self.run(cfg, kind, metrics).await
+    }
+
+    /// The planner's settings, with the curves of `profile`.
+    fn config(&self, profile: &std::path::Path) -> anyhow::Result<PlannerConfig> {
         let text = std::fs::read_to_string(profile)
             .with_context(|| format!("reading the planner's profile {}", profile.display()))?;
         let curves = EngineProfile::from_json(&text)
@@ -128,7 +169,7 @@ impl PlannerArgs {
             None => Targets::means(ttft, itl),
             Some(q) => Targets::at_quantile(ttft, itl, q),
         };
-        let cfg = PlannerConfig {
+        Ok(PlannerConfig {
             interval: Duration::from_secs_f64(self.planner_interval_s),
             min_workers: self.planner_min_workers,
             max_workers: self.planner_max_workers,
@@ -138,15 +179,19 @@ impl PlannerArgs {
             scale_down_after: self.planner_scale_down_after,
             scale_down_headroom: self.planner_scale_down_headroom,
             history: 16,
-        };
-        let workers = Arc::new(LocalWorkers::new(WorkerTemplate {
-            exe: std::env::current_exe().context("finding the kvfabric binary")?,
-            args: self.planner_worker_args.split_whitespace().map(str::to_string).collect(),
-            env,
-            prefix: format!("{name}-w"),
-            start_timeout: Duration::from_secs(self.planner_start_timeout_s.max(1)),
-            drain_timeout: Duration::from_secs(self.planner_drain_timeout_s),
-        }));
+        })
+    }
+
+    async fn run<K: Kind>(
+        &self,
+        cfg: PlannerConfig,
+        kind: K,
+        metrics: HttpMetrics,
+    ) -> anyhow::Result<Running>
+    where
+        K::Worker: std::fmt::Debug,
+    {
+        let workers = Arc::new(Workers::new(kind));
         let n = workers
             .scale_to(self.planner_min_workers)
             .await
@@ -179,6 +224,7 @@ impl PlannerArgs {
                 }
             }
         });
-        Ok(Running { state, task, workers })
+        let shutdown = Box::pin(async move { workers.shutdown().await });
+        Ok(Running { state, task, shutdown })
     }
 }

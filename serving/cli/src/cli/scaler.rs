@@ -1,14 +1,24 @@
-//! The planner's scaler for one host: starts `kvfabric worker` processes (this binary) that
-//! join the frontend's discovery and event bus, and drains them on the way down (SIGTERM:
-//! the worker leaves discovery, finishes its requests, exits). A Kubernetes scaler would
-//! implement the same `kvfabric_serving::planner::Scaler` by patching replicas.
+//! The planner's scalers for one host, over one pool ([`Workers`]) of two kinds:
+//! - [`Processes`] (`kvfabric frontend --planner`): `kvfabric worker` processes of this
+//!   binary that join the frontend's discovery and event bus, drained on the way down with
+//!   SIGTERM (the worker leaves discovery, finishes its requests, exits);
+//! - [`InProcess`] (`kvfabric up --planner`): worker stacks in this process, registered in
+//!   its embedded discovery, drained the same way in a task.
+//!
+//! A Kubernetes scaler would implement the same `kvfabric_serving::planner::Scaler` by
+//! patching replicas.
 
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvfabric::control::{Discovery, EventBus, Registration};
 use kvfabric_serving::planner::{ScaleError, ScaleFuture, Scaler};
+use kvfabric_serving::protocol::ServeStats;
+use kvfabric_serving::worker::{drain, Role, WorkerStack};
+
+use super::up::EngineOpts;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -29,28 +39,45 @@ pub struct WorkerTemplate {
     pub drain_timeout: Duration,
 }
 
-#[derive(Debug)]
-struct Running {
-    name: String,
-    child: Child,
+/// A kind of worker: how one starts, whether it still runs, how it drains.
+pub trait Kind: Send + Sync + std::fmt::Debug + 'static {
+    /// A running worker.
+    type Worker: Send + 'static;
+    /// Worker names are `{prefix}-{n}`.
+    fn prefix(&self) -> &str;
+    /// Starts worker `name` and waits until it serves.
+    fn start(
+        &self,
+        name: String,
+    ) -> impl std::future::Future<Output = Result<Self::Worker, ScaleError>> + Send;
+    /// Whether it still runs (it may have died on its own).
+    fn alive(w: &mut Self::Worker) -> bool;
+    /// Starts its drain; the future ends when it has stopped.
+    fn drain(&self, w: Self::Worker) -> Result<DrainFuture, ScaleError>;
 }
 
-/// Workers as processes on this host.
+/// A drain under way.
+pub type DrainFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A pool of workers of one kind: the planner's scaler.
 #[derive(Debug)]
-pub struct LocalWorkers {
-    template: WorkerTemplate,
-    serving: tokio::sync::Mutex<Vec<Running>>,
+pub struct Workers<K: Kind> {
+    kind: K,
+    serving: tokio::sync::Mutex<Vec<K::Worker>>,
     count: AtomicU32,
     draining: Arc<AtomicU32>,
     next: AtomicU32,
     drains: parking_lot::Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
-impl LocalWorkers {
+impl<K: Kind> Workers<K>
+where
+    K::Worker: std::fmt::Debug,
+{
     /// No workers yet.
-    pub fn new(template: WorkerTemplate) -> Self {
-        LocalWorkers {
-            template,
+    pub fn new(kind: K) -> Self {
+        Workers {
+            kind,
             serving: tokio::sync::Mutex::new(Vec::new()),
             count: AtomicU32::new(0),
             draining: Arc::new(AtomicU32::new(0)),
@@ -59,9 +86,105 @@ impl LocalWorkers {
         }
     }
 
-    async fn start_one(&self) -> Result<Running, ScaleError> {
-        let t = &self.template;
-        let name = format!("{}-{}", t.prefix, self.next.fetch_add(1, Ordering::Relaxed));
+    fn drain_one(&self, w: K::Worker) -> Result<(), ScaleError> {
+        let done = self.kind.drain(w)?;
+        self.draining.fetch_add(1, Ordering::Relaxed);
+        let draining = self.draining.clone();
+        let task = tokio::spawn(async move {
+            done.await;
+            draining.fetch_sub(1, Ordering::Relaxed);
+        });
+        let mut drains = self.drains.lock();
+        drains.retain(|t| !t.is_finished());
+        drains.push(task);
+        Ok(())
+    }
+
+    /// Drains every worker and waits for them (the frontend is stopping).
+    pub async fn shutdown(&self) {
+        let _ = self.scale_to(0).await;
+        let drains = std::mem::take(&mut *self.drains.lock());
+        for t in drains {
+            let _ = t.await;
+        }
+    }
+}
+
+impl<K: Kind> Scaler for Workers<K>
+where
+    K::Worker: std::fmt::Debug,
+{
+    fn workers(&self) -> u32 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn draining(&self) -> u32 {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    fn scale_to(&self, n: u32) -> ScaleFuture<'_> {
+        Box::pin(async move {
+            let mut serving = self.serving.lock().await;
+            // Workers that died on their own are not serving.
+            serving.retain_mut(|w| {
+                let alive = K::alive(w);
+                if !alive {
+                    tracing::warn!(worker = ?w, "planner: worker exited on its own");
+                }
+                alive
+            });
+            let mut result = Ok(());
+            if serving.len() < n as usize {
+                // Concurrently: scaling from 1 to 6 takes one start, not five.
+                let starts = (serving.len()..n as usize).map(|_| {
+                    let i = self.next.fetch_add(1, Ordering::Relaxed);
+                    self.kind.start(format!("{}-{i}", self.kind.prefix()))
+                });
+                for r in futures_util::future::join_all(starts).await {
+                    match r {
+                        Ok(w) => serving.push(w),
+                        Err(e) => result = Err(e),
+                    }
+                }
+            }
+            while serving.len() > n as usize {
+                // The newest first: the oldest hold the warmest caches.
+                let Some(w) = serving.pop() else { break };
+                if let Err(e) = self.drain_one(w) {
+                    result = Err(e);
+                }
+            }
+            let now = serving.len() as u32;
+            self.count.store(now, Ordering::Relaxed);
+            result.map(|()| now)
+        })
+    }
+}
+
+/// A worker process.
+#[derive(Debug)]
+pub struct Running {
+    name: String,
+    child: Child,
+}
+
+/// Workers as `kvfabric worker` processes.
+#[derive(Debug)]
+pub struct Processes(pub WorkerTemplate);
+
+impl Kind for Processes {
+    type Worker = Running;
+
+    fn prefix(&self) -> &str {
+        &self.0.prefix
+    }
+
+    fn alive(w: &mut Running) -> bool {
+        matches!(w.child.try_wait(), Ok(None))
+    }
+
+    async fn start(&self, name: String) -> Result<Running, ScaleError> {
+        let t = &self.0;
         let mut cmd = Command::new(&t.exe);
         cmd.arg("worker")
             .args(&t.args)
@@ -125,11 +248,10 @@ impl LocalWorkers {
         Ok(Running { name, child })
     }
 
-    /// Asks a worker to drain and stop; it is waited for (and killed past the drain
-    /// deadline) in the background.
-    fn drain_one(&self, mut w: Running) -> Result<(), ScaleError> {
+    /// SIGTERM; the worker is waited for, and killed past its drain deadline.
+    fn drain(&self, mut w: Running) -> Result<DrainFuture, ScaleError> {
         let Some(pid) = w.child.id() else {
-            return Ok(()); // already exited
+            return Ok(Box::pin(async {})); // already exited
         };
         let pid = libc::pid_t::try_from(pid).map_err(|e| ScaleError::Stop(e.to_string()))?;
         // SAFETY: kill(2) with a pid this process spawned and has not yet reaped (the Child
@@ -143,10 +265,8 @@ impl LocalWorkers {
             )));
         }
         tracing::info!(worker = %w.name, "planner: worker draining");
-        self.draining.fetch_add(1, Ordering::Relaxed);
-        let draining = self.draining.clone();
-        let limit = self.template.drain_timeout + Duration::from_secs(10);
-        let task = tokio::spawn(async move {
+        let limit = self.0.drain_timeout + Duration::from_secs(10);
+        Ok(Box::pin(async move {
             match tokio::time::timeout(limit, w.child.wait()).await {
                 Ok(Ok(status)) => {
                     tracing::info!(worker = %w.name, %status, "planner: worker stopped")
@@ -159,65 +279,94 @@ impl LocalWorkers {
                     let _ = w.child.kill().await;
                 }
             }
-            draining.fetch_sub(1, Ordering::Relaxed);
-        });
-        let mut drains = self.drains.lock();
-        drains.retain(|t| !t.is_finished());
-        drains.push(task);
-        Ok(())
-    }
-
-    /// Drains every worker and waits for them (the frontend is stopping).
-    pub async fn shutdown(&self) {
-        let _ = self.scale_to(0).await;
-        let drains = std::mem::take(&mut *self.drains.lock());
-        for t in drains {
-            let _ = t.await;
-        }
+        }))
     }
 }
 
-impl Scaler for LocalWorkers {
-    fn workers(&self) -> u32 {
-        self.count.load(Ordering::Relaxed)
+/// A worker in this process.
+pub struct Local {
+    name: String,
+    stack: WorkerStack,
+    registration: Registration,
+    server: tokio::task::JoinHandle<()>,
+    stats: Option<Arc<ServeStats>>,
+}
+
+impl std::fmt::Debug for Local {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+/// Workers as engines in this process (`kvfabric up --planner`), in its embedded discovery.
+#[derive(Debug)]
+pub struct InProcess {
+    /// The engine of every worker.
+    pub engine: EngineOpts,
+    /// Where they register.
+    pub discovery: Arc<dyn Discovery>,
+    /// Where they publish.
+    pub bus: Arc<dyn EventBus>,
+    /// Worker names are `{prefix}-{n}`.
+    pub prefix: String,
+    /// How long a draining worker may take to finish its requests.
+    pub drain_timeout: Duration,
+}
+
+impl Kind for InProcess {
+    type Worker = Local;
+
+    fn prefix(&self) -> &str {
+        &self.prefix
     }
 
-    fn draining(&self) -> u32 {
-        self.draining.load(Ordering::Relaxed)
+    fn alive(w: &mut Local) -> bool {
+        w.stack.sched.failure().is_none()
     }
 
-    fn scale_to(&self, n: u32) -> ScaleFuture<'_> {
-        Box::pin(async move {
-            let mut serving = self.serving.lock().await;
-            // Workers that died on their own are not serving.
-            serving.retain_mut(|w| {
-                let alive = matches!(w.child.try_wait(), Ok(None));
-                if !alive {
-                    tracing::warn!(worker = %w.name, "planner: worker exited on its own");
-                }
-                alive
-            });
-            let mut result = Ok(());
-            if serving.len() < n as usize {
-                // Concurrently: scaling from 1 to 6 takes one start, not five.
-                let starts = (serving.len()..n as usize).map(|_| self.start_one());
-                for r in futures_util::future::join_all(starts).await {
-                    match r {
-                        Ok(w) => serving.push(w),
-                        Err(e) => result = Err(e),
-                    }
-                }
-            }
-            while serving.len() > n as usize {
-                // The newest first: the oldest hold the warmest caches.
-                let Some(w) = serving.pop() else { break };
-                if let Err(e) = self.drain_one(w) {
-                    result = Err(e);
-                }
-            }
-            let now = serving.len() as u32;
-            self.count.store(now, Ordering::Relaxed);
-            result.map(|()| now)
+    async fn start(&self, name: String) -> Result<Local, ScaleError> {
+        let fail = |e: &dyn std::fmt::Display| ScaleError::Start(format!("{name}: {e}"));
+        let stack =
+            super::up::start_stack(&self.engine, &name, &self.discovery, self.bus.clone(), false)
+                .await
+                .map_err(|e| fail(&super::one_line(&e)))?;
+        let served = stack
+            .serve(
+                &name,
+                Role::Aggregated,
+                std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                &self.discovery,
+                &self.bus,
+                self.engine.max_batch,
+                self.engine.disagg(),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|e| fail(&e))?;
+        tracing::info!(worker = %name, "planner: worker started");
+        Ok(Local {
+            name,
+            stack,
+            registration: served.registration,
+            server: served.server,
+            stats: served.stats,
         })
+    }
+
+    fn drain(&self, w: Local) -> Result<DrainFuture, ScaleError> {
+        tracing::info!(worker = %w.name, "planner: worker draining");
+        let deadline = self.drain_timeout;
+        Ok(Box::pin(async move {
+            w.registration.revoke().await;
+            let quiet = super::worker::DRAIN_QUIET;
+            let drained = drain(w.stats.as_deref(), &w.stack.sched, quiet, deadline).await;
+            w.server.abort();
+            w.stack.shutdown().await;
+            if drained {
+                tracing::info!(worker = %w.name, "planner: worker stopped");
+            } else {
+                tracing::warn!(worker = %w.name, "planner: worker stopped at its drain deadline with requests in flight");
+            }
+        }))
     }
 }

@@ -174,6 +174,8 @@ pub struct UpArgs {
     /// Worker name in discovery (with several workers, the prefix of their names).
     #[arg(long, env = "KVFABRIC_NAME", default_value = "worker")]
     name: String,
+    #[command(flatten)]
+    planner: super::planning::PlannerArgs,
 }
 
 pub fn parse_mode(s: &str) -> Result<RoutingMode, String> {
@@ -345,13 +347,18 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
-    let server_cfg = ServerConfig {
+    let mut server_cfg = ServerConfig {
         request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
         api_key: args.http.api_key.clone().filter(|k| !k.is_empty()),
         ..ServerConfig::default()
     };
     let listen_stats = server_cfg.listen.clone();
     let disagg = args.prefill_workers > 0 || args.decode_workers > 0;
+    anyhow::ensure!(
+        args.planner.profile.is_none() || (!disagg && args.workers <= 1),
+        "with --planner the planner runs the workers (aggregated, from --planner-min-workers): \
+         --workers, --prefill-workers and --decode-workers do not apply"
+    );
     anyhow::ensure!(
         !disagg || (args.prefill_workers > 0 && args.decode_workers > 0),
         "disaggregated serving needs --prefill-workers and --decode-workers, both at least 1"
@@ -379,7 +386,42 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let mut registrations = Vec::new();
     let mut servers = Vec::new();
     let mut worker_metrics: Vec<(String, Arc<dyn kvfabric_serving::metrics::Source>)> = Vec::new();
-    let (backend, describe): (Arc<dyn Backend>, String) = if n == 1 && !args.via_frontend {
+    let mut planner = None;
+    let (backend, describe): (Arc<dyn Backend>, String) = if let Some(profile) =
+        &args.planner.profile
+    {
+        let running = args
+            .planner
+            .start_in_process(
+                profile,
+                &args.name,
+                engine.clone(),
+                discovery.clone(),
+                bus.clone(),
+                server_cfg.metrics.clone(),
+            )
+            .await?;
+        server_cfg.sources.push(running.state.clone());
+        planner = Some(running);
+        let cfg = RoutedConfig {
+            router: args.routing.config(),
+            name: format!("{}-frontend", args.name),
+            first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
+            ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
+        };
+        let remote = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
+        let describe = format!(
+            "{} {}..={} planned workers, {:?} routing",
+            match engine.engine {
+                EngineKind::Llama => "the llama engine on",
+                EngineKind::Mock => "the mock engine on",
+            },
+            args.planner.planner_min_workers,
+            args.planner.planner_max_workers,
+            args.routing.router
+        );
+        (Arc::new(remote), describe)
+    } else if n == 1 && !args.via_frontend {
         let stack = start_stack(&engine, &args.name, &discovery, bus.clone(), true).await?;
         let backend = Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
         let describe = stack.describe.clone();
@@ -440,7 +482,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
     let watchdog = tokio::spawn(async move {
         if scheds.is_empty() {
-            return;
+            // The planner's workers: it replaces one whose engine died. Holding the sender
+            // keeps the server up.
+            let _keep = failed_tx;
+            return std::future::pending().await;
         }
         let waits = scheds.iter().map(|s| Box::pin(s.failed()));
         let (reason, _, _) = futures_util::future::select_all(waits).await;
@@ -459,8 +504,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             }
         }
     };
-    http::listen::serve(listener, app, args.http.limits(), listen_stats, stop).await?;
+    let served = http::listen::serve(listener, app, args.http.limits(), listen_stats, stop).await;
     watchdog.abort();
+    if let Some(p) = planner {
+        p.stop().await;
+    }
+    served?;
     for r in registrations {
         r.revoke().await;
     }

@@ -55,7 +55,7 @@ pub struct WorkerArgs {
 
 /// A drained worker has had nothing in flight for this long (longer than routers take to see
 /// it leave discovery).
-const DRAIN_QUIET: Duration = Duration::from_millis(1000);
+pub(super) const DRAIN_QUIET: Duration = Duration::from_millis(1000);
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();
