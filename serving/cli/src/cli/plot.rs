@@ -33,6 +33,10 @@ pub struct Chart {
     pub x_label: String,
     /// Beside the y axis.
     pub y_label: String,
+    /// A log2 x axis (sizes, queue depths), ticks at powers of two.
+    pub x_log2: bool,
+    /// With `x_log2`: tick labels as sizes in bytes (4K, 1M) instead of numbers.
+    pub x_bytes: bool,
     /// Its lines.
     pub series: Vec<Series>,
 }
@@ -79,7 +83,40 @@ fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
+/// `2^k` bytes as 512, 4K, 1M, 2G.
+fn size_label(k: i32) -> String {
+    match k {
+        ..=9 => format!("{}", 1u64 << k.max(0)),
+        10..=19 => format!("{}K", 1u64 << (k - 10)),
+        20..=29 => format!("{}M", 1u64 << (k - 20)),
+        _ => format!("{}G", 1u64 << (k - 30).min(40)),
+    }
+}
+
 fn panel(out: &mut String, c: &Chart, ox: f64, oy: f64) {
+    let logged;
+    let c = if c.x_log2 {
+        // Positions in log2; points at x <= 0 cannot be drawn.
+        logged = Chart {
+            series: c
+                .series
+                .iter()
+                .map(|s| Series {
+                    points: s
+                        .points
+                        .iter()
+                        .filter(|p| p.0 > 0.0)
+                        .map(|p| (p.0.log2(), p.1))
+                        .collect(),
+                    ..s.clone()
+                })
+                .collect(),
+            ..c.clone()
+        };
+        &logged
+    } else {
+        c
+    };
     let pts: Vec<(f64, f64)> = c
         .series
         .iter()
@@ -122,7 +159,20 @@ fn panel(out: &mut String, c: &Chart, ox: f64, oy: f64) {
             label(t)
         );
     }
-    for t in ticks(x0, x1, 6) {
+    let xticks: Vec<(f64, String)> = if c.x_log2 {
+        let (a, b) = (x0.ceil() as i32, x1.floor() as i32);
+        let every = ((b - a) / 8 + 1).max(1) as usize;
+        (a..=b)
+            .step_by(every)
+            .map(|k| {
+                let text = if c.x_bytes { size_label(k) } else { label(2f64.powi(k)) };
+                (f64::from(k), text)
+            })
+            .collect()
+    } else {
+        ticks(x0, x1, 6).into_iter().map(|t| (t, label(t))).collect()
+    };
+    for (t, text) in xticks {
         let x = sx(t);
         let _ = writeln!(
             out,
@@ -130,7 +180,7 @@ fn panel(out: &mut String, c: &Chart, ox: f64, oy: f64) {
             oy + TOP,
             oy + TOP + ph,
             oy + TOP + ph + 16.0,
-            label(t)
+            esc(&text)
         );
     }
     let _ = writeln!(
@@ -227,6 +277,10 @@ mod tests {
         assert_eq!(label(2500.0), "2500");
         assert_eq!(label(0.25), "0.25");
         assert_eq!(label(3.0), "3");
+        assert_eq!(
+            (size_label(12), size_label(20), size_label(9)),
+            ("4K".into(), "1M".into(), "512".into())
+        );
     }
 
     #[test]
@@ -235,6 +289,8 @@ mod tests {
             title: "ITL <by batch>".into(),
             x_label: "batch".into(),
             y_label: "ms".into(),
+            x_log2: false,
+            x_bytes: false,
             series: vec![
                 Series::line("ctx 256", vec![(1.0, 8.0), (8.0, 9.0)]),
                 Series {
@@ -250,5 +306,14 @@ mod tests {
         assert!(svg.contains("ITL &lt;by batch&gt;"));
         assert!(svg.contains("stroke-dasharray"));
         assert!(!svg.contains("NaN"));
+        let sizes = Chart {
+            x_log2: true,
+            x_bytes: true,
+            series: vec![Series::line("shm", vec![(4096.0, 1.0), (67108864.0, 9.0), (0.0, 3.0)])],
+            ..Chart::default()
+        };
+        let svg = render(&[sizes], 1);
+        assert!(svg.contains(">4K<") && svg.contains(">64M<"), "{svg}");
+        assert!(!svg.contains("NaN") && !svg.contains("inf"));
     }
 }

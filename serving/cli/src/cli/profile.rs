@@ -374,12 +374,16 @@ pub fn plot(p: &EngineProfile) -> String {
         .collect();
     let mut charts = vec![
         Chart {
+            x_log2: false,
+            x_bytes: false,
             title: format!("Prefill: time to first token ({})", p.model),
             x_label: "prompt tokens".into(),
             y_label: "TTFT, ms".into(),
             series: prefill,
         },
         Chart {
+            x_log2: false,
+            x_bytes: false,
             title: "Decode: inter-token latency".into(),
             x_label: "sequences in the batch".into(),
             y_label: "ITL, ms".into(),
@@ -394,6 +398,8 @@ pub fn plot(p: &EngineProfile) -> String {
             }
         }
         charts.push(Chart {
+            x_log2: false,
+            x_bytes: false,
             title: "Restore a context's KV".into(),
             x_label: "context tokens".into(),
             y_label: "ms".into(),

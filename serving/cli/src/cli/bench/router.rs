@@ -52,6 +52,10 @@ pub struct RouterArgs {
     /// Workload seed.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Plot the simulation's TTFT p50 and p99 per routing mode, with the workload's floor
+    /// (dashed), to this SVG file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
     /// Print JSON objects instead of tables.
     #[arg(long)]
     json: bool,
@@ -248,6 +252,30 @@ pub fn run(args: RouterArgs) -> anyhow::Result<()> {
             throughput_tok_s: r.throughput_tok_s,
             throughput_req_s: r.throughput_req_s,
         });
+    }
+    if let Some(path) = &args.plot {
+        use super::super::plot::{render, Chart, Series};
+        let mut series: Vec<Series> = rows
+            .iter()
+            .map(|r| Series::line(r.mode, vec![(50.0, r.ttft_p50_ms), (99.0, r.ttft_p99_ms)]))
+            .collect();
+        series.push(Series {
+            dashed: true,
+            ..Series::line("floor (p50)", vec![(50.0, floor_ms), (99.0, floor_ms)])
+        });
+        let chart = Chart {
+            title: "Simulated TTFT by routing mode".into(),
+            x_label: format!(
+                "percentile ({} workers, {} conversations)",
+                cfg.workers, cfg.conversations
+            ),
+            y_label: "TTFT, ms".into(),
+            x_log2: false,
+            x_bytes: false,
+            series,
+        };
+        std::fs::write(path, render(&[chart], 1))
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
     }
     if args.json {
         println!(

@@ -675,12 +675,16 @@ fn timeline(
     }
     let mut charts = vec![
         Chart {
+            x_log2: false,
+            x_bytes: false,
             title: "Load".into(),
             x_label: "seconds".into(),
             y_label: "requests/s".into(),
             series: vec![Series::line("sent", rate), Series::line("failed", errors)],
         },
         Chart {
+            x_log2: false,
+            x_bytes: false,
             title: format!("Time to first token (windows of {window_s} s)"),
             x_label: "seconds".into(),
             y_label: "ms".into(),
@@ -695,6 +699,8 @@ fn timeline(
             first.into_iter().chain(decisions.iter().map(|d| (d.at_s, f(d)))).chain(last).collect()
         };
         charts.push(Chart {
+            x_log2: false,
+            x_bytes: false,
             title: "Planner".into(),
             x_label: "seconds".into(),
             y_label: "workers".into(),

@@ -56,6 +56,10 @@ pub struct TierArgs {
     /// Only the G1 ↔ G2 rows.
     #[arg(long)]
     g1_only: bool,
+    /// Also plot GB/s against queue depth per operation and model, with the plain I/O
+    /// limit of the same run (dashed), to this SVG file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -340,6 +344,10 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
             agent.deregister(plain_id)?;
         }
     }
+    if let Some(path) = &args.plot {
+        std::fs::write(path, plot_rows(&rows))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     if args.json {
         for r in &rows {
             println!("{}", serde_json::to_string(r)?);
@@ -383,6 +391,54 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
     }
     println!("limit: plain O_DIRECT sequential I/O of the same bytes, same request size, same depth, same run ({}); ratio: median over repetitions of store rate / plain rate, each pair back to back; +XXH3: plain reads that also hash each block, as the store's verification does", rows.iter().find(|r| r.io_backend != "cuda").map_or("", |r| r.io_backend));
     Ok(())
+}
+
+/// GB/s against queue depth, a panel per operation: a line per model (block size) and its
+/// plain I/O limit (dashed).
+fn plot_rows(rows: &[Row]) -> String {
+    use super::super::plot::{render, Chart, Series};
+    let mut ops: Vec<&str> = Vec::new();
+    for r in rows {
+        if !ops.contains(&r.op) {
+            ops.push(r.op);
+        }
+    }
+    let charts: Vec<Chart> = ops
+        .iter()
+        .map(|&op| {
+            let mut models: Vec<(&str, u64)> = Vec::new();
+            for r in rows.iter().filter(|r| r.op == op) {
+                if !models.contains(&(r.model.as_str(), r.block_bytes)) {
+                    models.push((&r.model, r.block_bytes));
+                }
+            }
+            let mut series = Vec::new();
+            for (m, b) in models {
+                let of = || rows.iter().filter(move |r| r.op == op && r.model == m);
+                let name = format!("{m} ({} KiB)", b >> 10);
+                series.push(Series::line(
+                    name.clone(),
+                    of().map(|r| (r.depth as f64, r.gbps)).collect(),
+                ));
+                series.push(Series {
+                    dashed: true,
+                    ..Series::line(
+                        format!("{name} limit"),
+                        of().map(|r| (r.depth as f64, r.limit_gbps)).collect(),
+                    )
+                });
+            }
+            Chart {
+                title: format!("{op}: GB/s by queue depth"),
+                x_label: "queue depth".into(),
+                y_label: "GB/s".into(),
+                x_log2: true,
+                x_bytes: false,
+                series,
+            }
+        })
+        .collect();
+    render(&charts, 2)
 }
 
 #[allow(clippy::too_many_arguments)]

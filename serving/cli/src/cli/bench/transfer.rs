@@ -68,6 +68,10 @@ pub struct TransferArgs {
     /// Print one JSON object per row instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also plot GB/s against descriptor size per transport and batch, with each
+    /// transport's limit measured in the same run, to this SVG file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 /// The stopping rule of every measurement: at least 5 iterations and `min_time`, at most
@@ -396,7 +400,70 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         }
     }
     let _ = child.start_kill();
+    if let Some(path) = &args.plot {
+        std::fs::write(path, plot_rows(&rows))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     print_rows(&rows, args.json)
+}
+
+/// GB/s against descriptor size, a panel per operation: a line per transport and batch, and
+/// each transport's limit (dashed).
+pub(super) fn plot_rows(rows: &[Row]) -> String {
+    use super::super::plot::{render, Chart, Series};
+    let mut ops: Vec<&str> = Vec::new();
+    for r in rows {
+        if !ops.contains(&r.op) {
+            ops.push(r.op);
+        }
+    }
+    let charts: Vec<Chart> = ops
+        .iter()
+        .map(|&op| {
+            let mut keys: Vec<(&str, usize)> = Vec::new();
+            for r in rows.iter().filter(|r| r.op == op) {
+                if !keys.contains(&(r.transport, r.batch)) {
+                    keys.push((r.transport, r.batch));
+                }
+            }
+            let mut series: Vec<Series> = keys
+                .iter()
+                .map(|&(t, b)| {
+                    let pts = rows
+                        .iter()
+                        .filter(|r| r.op == op && r.transport == t && r.batch == b)
+                        .map(|r| (r.desc_bytes as f64, r.gbps))
+                        .collect();
+                    Series::line(format!("{t}, batch {b}"), pts)
+                })
+                .collect();
+            let mut transports: Vec<&str> = Vec::new();
+            for k in &keys {
+                if !transports.contains(&k.0) {
+                    transports.push(k.0);
+                }
+            }
+            for t in transports {
+                // One limit per size: the best of the batches' (each row measured its own).
+                let mut best = std::collections::BTreeMap::<u64, f64>::new();
+                for r in rows.iter().filter(|r| r.op == op && r.transport == t) {
+                    let e = best.entry(r.desc_bytes).or_insert(0.0);
+                    *e = e.max(r.limit_gbps);
+                }
+                let pts = best.into_iter().map(|(d, g)| (d as f64, g)).collect();
+                series.push(Series { dashed: true, ..Series::line(format!("{t} limit"), pts) });
+            }
+            Chart {
+                title: format!("{op}: throughput by descriptor size"),
+                x_label: "descriptor size, bytes".into(),
+                y_label: "GB/s".into(),
+                x_log2: true,
+                x_bytes: true,
+                series,
+            }
+        })
+        .collect();
+    render(&charts, 2)
 }
 
 fn print_rows(rows: &[Row], json: bool) -> anyhow::Result<()> {
