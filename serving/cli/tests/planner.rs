@@ -59,6 +59,73 @@ fn load(
         .collect()
 }
 
+/// Drives `addr` with 24 closed-loop clients until the planner runs at least two workers,
+/// then with a light load until it is back to one, and waits past the drains. Returns the
+/// requests that succeeded and failed, and the most workers seen.
+async fn up_then_down(addr: SocketAddr) -> (u64, u64, u64) {
+    let (stop, ok, failed) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    // 24 clients: one worker (8 sequences a step) queues them, so TTFT p90 is far above
+    // 150 ms and the rate above what one worker decodes.
+    let heavy = load(addr, 24, stop.clone(), ok.clone(), failed.clone());
+    let start = Instant::now();
+    let mut most = 1;
+    while start.elapsed() < Duration::from_secs(25) && most < 2 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        most = most.max(planner_workers(addr).await);
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in heavy {
+        t.await.unwrap();
+    }
+    if most < 2 {
+        return (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed), most);
+    }
+    // A light load keeps running while workers drain: none of its requests may fail.
+    let stop = Arc::new(AtomicBool::new(false));
+    let light = load(addr, 2, stop.clone(), ok.clone(), failed.clone());
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) && planner_workers(addr).await > 1 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // Past the drains (a worker stops within a second or so of its last request).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in light {
+        t.await.unwrap();
+    }
+    (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed), most)
+}
+
+/// Starts `cmd` (a server that prints `... at http://ADDR/v1` first) with the planner
+/// settings both tests share, and returns it with its address (its later output drained).
+fn serve_planned(mut cmd: Command, profile: &std::path::Path) -> (Proc, SocketAddr, String) {
+    let mut child = cmd
+        .arg("--planner")
+        .arg(profile)
+        .args(["--planner-min-workers", "1", "--planner-max-workers", "3"])
+        .args(["--planner-interval-s", "1", "--planner-ttft-ms", "150", "--planner-itl-ms", "30"])
+        .args(["--planner-percentile", "p90", "--planner-scale-down-after", "2"])
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("the server printed nothing").unwrap();
+    std::thread::spawn(move || for _ in lines {});
+    let addr: SocketAddr = line
+        .rsplit_once("at http://")
+        .and_then(|(_, r)| r.strip_suffix("/v1"))
+        .unwrap_or_else(|| panic!("{line}"))
+        .parse()
+        .unwrap();
+    (Proc(child), addr, line)
+}
+
 /// The mock engine's profile, measured by `kvfabric profile`.
 fn measure_the_mock(dir: &std::path::Path) -> std::path::PathBuf {
     let profile = dir.join("mock.json");
@@ -82,70 +149,22 @@ async fn the_planner_scales_workers_up_under_load_and_drains_them_without_losing
     let profile = measure_the_mock(dir.path());
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
     let log = dir.path().join("decisions.jsonl");
-    let mut child = Command::new(exe)
-        .args(["frontend", "--port", "0", "--namespace", "plan", "--secret", "planner-test"])
+    let mut cmd = Command::new(exe);
+    cmd.args(["frontend", "--port", "0", "--namespace", "plan", "--secret", "planner-test"])
         .args(["--name", "planner-test-fe"])
-        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url(), "--planner"])
-        .arg(&profile)
-        .args(["--planner-min-workers", "1", "--planner-max-workers", "3"])
-        .args(["--planner-interval-s", "1", "--planner-ttft-ms", "150", "--planner-itl-ms", "30"])
-        .args(["--planner-percentile", "p90", "--planner-scale-down-after", "2"])
+        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url()])
         .args(["--planner-worker-args", &format!("{MOCK} --lease-ttl-s 2")])
         .arg("--planner-log")
-        .arg(&log)
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("frontend printed nothing").unwrap();
-    std::thread::spawn(move || for _ in lines {});
-    let frontend = Proc(child);
-    let addr: SocketAddr = line
-        .strip_prefix("kvfabric frontend at http://")
-        .and_then(|r| r.strip_suffix("/v1"))
-        .unwrap_or_else(|| panic!("{line}"))
-        .parse()
-        .unwrap();
+        .arg(&log);
+    let (frontend, addr, _) = serve_planned(cmd, &profile);
     assert_eq!(planner_workers(addr).await, 1, "the fewest workers start with the frontend");
 
-    // 24 clients in a closed loop: one worker (8 sequences a step) queues them, so TTFT p90
-    // is far above 150 ms and the rate above what one worker decodes.
-    let (stop, ok, failed) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let heavy = load(addr, 24, stop.clone(), ok.clone(), failed.clone());
-    let start = Instant::now();
-    let mut most = 1;
-    while start.elapsed() < Duration::from_secs(25) && most < 3 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        most = most.max(planner_workers(addr).await);
-    }
+    let (ok, failed, most) = up_then_down(addr).await;
     assert!(most >= 2, "the planner did not scale up under load (workers: {most})");
-    stop.store(true, Ordering::Relaxed);
-    for t in heavy {
-        t.await.unwrap();
-    }
-    // A light load keeps running while workers drain: none of its requests may fail.
-    let stop = Arc::new(AtomicBool::new(false));
-    let light = load(addr, 2, stop.clone(), ok.clone(), failed.clone());
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(30) && planner_workers(addr).await > 1 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
     assert_eq!(planner_workers(addr).await, 1, "the planner did not scale back down");
-    // Past the drains (a worker stops within a second or so of its last request).
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in light {
-        t.await.unwrap();
-    }
     let metrics = get(addr, "/metrics").await.text();
-    assert_eq!(failed.load(Ordering::Relaxed), 0, "requests failed across scaling");
-    assert!(ok.load(Ordering::Relaxed) > 50);
+    assert_eq!(failed, 0, "requests failed across scaling");
+    assert!(ok > 50);
     assert_eq!(metric(&metrics, "kvfabric_planner_draining_workers"), Some(0.0), "{metrics}");
     assert!(metrics.contains("kvfabric_planner_decisions_total{action=\"up\"}"), "{metrics}");
     // The decision log has a line per interval, with its reasons.
@@ -173,60 +192,15 @@ async fn the_planner_scales_workers_up_under_load_and_drains_them_without_losing
 async fn up_with_the_planner_scales_its_own_workers() {
     let dir = tempfile::tempdir().unwrap();
     let profile = measure_the_mock(dir.path());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["up", "--port", "0", "--name", "planned", "--planner"])
-        .arg(&profile)
-        .args(["--planner-min-workers", "1", "--planner-max-workers", "3"])
-        .args(["--planner-interval-s", "1", "--planner-ttft-ms", "150", "--planner-itl-ms", "30"])
-        .args(["--planner-percentile", "p90", "--planner-scale-down-after", "2"])
-        .args(MOCK.split_whitespace())
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("up printed nothing").unwrap();
-    std::thread::spawn(move || for _ in lines {});
-    let up = Proc(child);
-    let addr: SocketAddr = line
-        .rsplit_once("at http://")
-        .and_then(|(_, r)| r.strip_suffix("/v1"))
-        .unwrap_or_else(|| panic!("{line}"))
-        .parse()
-        .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["up", "--port", "0", "--name", "planned"]).args(MOCK.split_whitespace());
+    let (up, addr, line) = serve_planned(cmd, &profile);
     assert!(line.contains("1..=3 planned workers"), "{line}");
     assert_eq!(planner_workers(addr).await, 1);
-    let (stop, ok, failed) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let heavy = load(addr, 24, stop.clone(), ok.clone(), failed.clone());
-    let start = Instant::now();
-    let mut most = 1;
-    while start.elapsed() < Duration::from_secs(25) && most < 2 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        most = most.max(planner_workers(addr).await);
-    }
+    let (_, failed, most) = up_then_down(addr).await;
     assert!(most >= 2, "up's planner did not scale up under load");
-    stop.store(true, Ordering::Relaxed);
-    for t in heavy {
-        t.await.unwrap();
-    }
-    let stop = Arc::new(AtomicBool::new(false));
-    let light = load(addr, 1, stop.clone(), ok.clone(), failed.clone());
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(30) && planner_workers(addr).await > 1 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
     assert_eq!(planner_workers(addr).await, 1, "up's planner did not scale back down");
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in light {
-        t.await.unwrap();
-    }
-    assert_eq!(failed.load(Ordering::Relaxed), 0, "requests failed across scaling");
+    assert_eq!(failed, 0, "requests failed across scaling");
     let mut up = up;
     // SAFETY: the pid of a child this test spawned and has not reaped.
     assert_eq!(unsafe { libc::kill(up.0.id() as i32, libc::SIGTERM) }, 0);

@@ -50,6 +50,17 @@ const RIGHT: f64 = 16.0;
 const TOP: f64 = 34.0;
 const BOTTOM: f64 = 46.0;
 
+/// The distinct values of `items`, in the order they first appear (the series of a chart).
+pub fn distinct<T: PartialEq>(items: impl IntoIterator<Item = T>) -> Vec<T> {
+    let mut out = Vec::new();
+    for x in items {
+        if !out.contains(&x) {
+            out.push(x);
+        }
+    }
+    out
+}
+
 /// About `n` round tick values covering `lo..=hi`.
 fn ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
     let span = (hi - lo).max(1e-12);

@@ -391,12 +391,7 @@ pub fn plot(p: &EngineProfile) -> String {
         },
     ];
     if !p.restore.is_empty() {
-        let mut tiers: Vec<&str> = Vec::new();
-        for r in &p.restore {
-            if !tiers.contains(&r.tier.as_str()) {
-                tiers.push(&r.tier);
-            }
-        }
+        let tiers = super::plot::distinct(p.restore.iter().map(|r| r.tier.as_str()));
         charts.push(Chart {
             x_log2: false,
             x_bytes: false,

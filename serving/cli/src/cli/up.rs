@@ -343,6 +343,22 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
+/// The routing frontend over the workers in `discovery`.
+async fn routed_frontend(
+    args: &UpArgs,
+    engine: &EngineOpts,
+    discovery: &Arc<dyn Discovery>,
+    bus: &Arc<dyn EventBus>,
+) -> anyhow::Result<RoutedBackend> {
+    let cfg = RoutedConfig {
+        router: args.routing.config(),
+        name: format!("{}-frontend", args.name),
+        first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
+        ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
+    };
+    Ok(RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?)
+}
+
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
@@ -403,13 +419,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             .await?;
         server_cfg.sources.push(running.state.clone());
         planner = Some(running);
-        let cfg = RoutedConfig {
-            router: args.routing.config(),
-            name: format!("{}-frontend", args.name),
-            first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
-            ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
-        };
-        let remote = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
+        let remote = routed_frontend(&args, &engine, &discovery, &bus).await?;
         let describe = format!(
             "{} {}..={} planned workers, {:?} routing",
             match engine.engine {
@@ -447,13 +457,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             worker_metrics.push((name.clone(), Arc::new(served.metrics)));
             stacks.push(stack);
         }
-        let cfg = RoutedConfig {
-            router: args.routing.config(),
-            name: format!("{}-frontend", args.name),
-            first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
-            ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
-        };
-        let remote = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
+        let remote = routed_frontend(&args, &engine, &discovery, &bus).await?;
         let describe = if disagg {
             format!(
                 "{} on {} prefill + {} decode workers, {:?} routing",

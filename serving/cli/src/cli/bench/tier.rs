@@ -396,22 +396,14 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
 /// GB/s against queue depth, a panel per operation: a line per model (block size) and its
 /// plain I/O limit (dashed).
 fn plot_rows(rows: &[Row]) -> String {
-    use super::super::plot::{render, Chart, Series};
-    let mut ops: Vec<&str> = Vec::new();
-    for r in rows {
-        if !ops.contains(&r.op) {
-            ops.push(r.op);
-        }
-    }
+    use super::super::plot::{distinct, render, Chart, Series};
+    let ops = distinct(rows.iter().map(|r| r.op));
     let charts: Vec<Chart> = ops
         .iter()
         .map(|&op| {
-            let mut models: Vec<(&str, u64)> = Vec::new();
-            for r in rows.iter().filter(|r| r.op == op) {
-                if !models.contains(&(r.model.as_str(), r.block_bytes)) {
-                    models.push((&r.model, r.block_bytes));
-                }
-            }
+            let models = distinct(
+                rows.iter().filter(|r| r.op == op).map(|r| (r.model.as_str(), r.block_bytes)),
+            );
             let mut series = Vec::new();
             for (m, b) in models {
                 let of = || rows.iter().filter(move |r| r.op == op && r.model == m);

@@ -410,22 +410,12 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
 /// GB/s against descriptor size, a panel per operation: a line per transport and batch, and
 /// each transport's limit (dashed).
 pub(super) fn plot_rows(rows: &[Row]) -> String {
-    use super::super::plot::{render, Chart, Series};
-    let mut ops: Vec<&str> = Vec::new();
-    for r in rows {
-        if !ops.contains(&r.op) {
-            ops.push(r.op);
-        }
-    }
+    use super::super::plot::{distinct, render, Chart, Series};
+    let ops = distinct(rows.iter().map(|r| r.op));
     let charts: Vec<Chart> = ops
         .iter()
         .map(|&op| {
-            let mut keys: Vec<(&str, usize)> = Vec::new();
-            for r in rows.iter().filter(|r| r.op == op) {
-                if !keys.contains(&(r.transport, r.batch)) {
-                    keys.push((r.transport, r.batch));
-                }
-            }
+            let keys = distinct(rows.iter().filter(|r| r.op == op).map(|r| (r.transport, r.batch)));
             let mut series: Vec<Series> = keys
                 .iter()
                 .map(|&(t, b)| {
@@ -437,13 +427,7 @@ pub(super) fn plot_rows(rows: &[Row]) -> String {
                     Series::line(format!("{t}, batch {b}"), pts)
                 })
                 .collect();
-            let mut transports: Vec<&str> = Vec::new();
-            for k in &keys {
-                if !transports.contains(&k.0) {
-                    transports.push(k.0);
-                }
-            }
-            for t in transports {
+            for t in distinct(keys.iter().map(|k| k.0)) {
                 // One limit per size: the best of the batches' (each row measured its own).
                 let mut best = std::collections::BTreeMap::<u64, f64>::new();
                 for r in rows.iter().filter(|r| r.op == op && r.transport == t) {
