@@ -322,6 +322,8 @@ impl Brain {
             isl: self.isl.unwrap_or(1.0).max(1.0),
             osl: self.osl.unwrap_or(1.0).max(1.0),
             hit_rate: self.hit.unwrap_or(0.0).clamp(0.0, 0.99),
+            // The window has the mean prompt only: planned as if every prompt had it.
+            isl_dist: Default::default(),
         };
         let mut reasons = vec![format!(
             "observed {:.2} req/s ({} requests, {} failed); predicted {:.2} req/s of {:.0} prompt + {:.0} answer tokens, {:.0}% cached",

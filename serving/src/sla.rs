@@ -117,10 +117,94 @@ pub struct Workload {
     pub rate: f64,
     /// Mean prompt tokens.
     pub isl: f64,
-    /// Mean answer tokens.
+    /// Mean answer tokens (the decode model needs only the mean: Little's law).
     pub osl: f64,
     /// Share of prompt tokens found cached (0..1).
     pub hit_rate: f64,
+    /// How prompt lengths spread around `isl` (prefill queueing depends on it).
+    #[serde(default)]
+    pub isl_dist: LengthDist,
+}
+
+/// A distribution of lengths.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum LengthDist {
+    /// Every one at the mean.
+    #[default]
+    Fixed,
+    /// Uniform between two lengths (their middle is the mean).
+    Uniform {
+        /// Shortest.
+        lo: f64,
+        /// Longest.
+        hi: f64,
+    },
+    /// Exponential around the mean (many short, a few long).
+    Exponential,
+}
+
+/// Points a distribution is discretised into (quantile midpoints).
+const DIST_POINTS: usize = 32;
+
+impl LengthDist {
+    /// Lengths standing for the distribution of mean `mean`, equally likely.
+    pub fn points(&self, mean: f64) -> Vec<f64> {
+        let mid = |i: usize| (i as f64 + 0.5) / DIST_POINTS as f64;
+        match *self {
+            LengthDist::Fixed => vec![mean],
+            LengthDist::Uniform { lo, hi } => {
+                (0..DIST_POINTS).map(|i| lo + (hi - lo) * mid(i)).collect()
+            }
+            LengthDist::Exponential => {
+                (0..DIST_POINTS).map(|i| -mean * (1.0 - mid(i)).ln()).collect()
+            }
+        }
+    }
+
+    /// The same shape scaled by `k` (a uniform's ends move with the mean).
+    pub fn scaled(self, k: f64) -> Self {
+        match self {
+            LengthDist::Uniform { lo, hi } => LengthDist::Uniform { lo: lo * k, hi: hi * k },
+            other => other,
+        }
+    }
+}
+
+/// Prefill service times, equally likely.
+#[derive(Debug, Clone)]
+struct Service {
+    times: Vec<f64>,
+}
+
+impl Service {
+    fn mean(&self) -> f64 {
+        self.times.iter().sum::<f64>() / self.times.len().max(1) as f64
+    }
+
+    fn moment2(&self) -> f64 {
+        self.times.iter().map(|s| s * s).sum::<f64>() / self.times.len().max(1) as f64
+    }
+
+    /// E[e^(θS)] and E[S e^(θS)].
+    fn mgf(&self, theta: f64) -> (f64, f64) {
+        let n = self.times.len().max(1) as f64;
+        let e: f64 = self.times.iter().map(|s| (theta * s).exp()).sum::<f64>() / n;
+        let se: f64 = self.times.iter().map(|s| s * (theta * s).exp()).sum::<f64>() / n;
+        (e, se)
+    }
+
+    /// The service time a request counts in its own TTFT: the mean, or the quantile.
+    fn own(&self, q: Option<f64>) -> f64 {
+        match q {
+            None => self.mean(),
+            Some(q) => {
+                let mut t = self.times.clone();
+                t.sort_by(f64::total_cmp);
+                crate::stats::quantile(&t, q)
+            }
+        }
+    }
 }
 
 /// Latency targets, seconds: means, or a quantile (p50, p99) of each.
@@ -154,30 +238,33 @@ impl Targets {
     }
 }
 
-/// Waiting before service in an M/D/1 queue at utilisation `rho` with service time `s`: the
-/// mean `ρs / 2(1−ρ)` (exact), or its quantile `q` from the queue's exponential tail
-/// `P(W > t) ≈ C e^(−θt)` (Cramér–Lundberg: `θ` solves `λ(e^(θs) − 1) = θ`, and
-/// `C = (1−ρ) / (ρ e^(θs) − 1)`; exact in the limit of high quantiles, and within a few
-/// percent of a simulated queue at the p90–p99 targets the tests try).
-fn queue_wait(rho: f64, s: f64, q: Option<f64>) -> f64 {
+/// Waiting before service in an M/G/1 queue at utilisation `rho` with service times `svc`:
+/// the mean `λE[S²] / 2(1−ρ)` (Pollaczek–Khinchine, exact), or its quantile `q` from the
+/// queue's exponential tail `P(W > t) ≈ C e^(−θt)` (Cramér–Lundberg: `θ` solves
+/// `λ(E[e^(θS)] − 1) = θ`, and `C = (1−ρ) / (λE[S e^(θS)] − 1)`; exact in the limit of high
+/// quantiles, and within a few percent of a simulated queue at the p90–p99 targets the tests
+/// try). With one service time this is M/D/1.
+fn queue_wait(rho: f64, svc: &Service, q: Option<f64>) -> f64 {
     if rho <= 0.0 {
         return 0.0;
     }
     if rho >= 1.0 {
         return f64::INFINITY;
     }
+    let lambda = rho / svc.mean().max(1e-12);
     let Some(q) = q else {
-        return rho * s / (2.0 * (1.0 - rho));
+        return lambda * svc.moment2() / (2.0 * (1.0 - rho));
     };
     if rho <= 1.0 - q {
         // A request waits at all with probability ρ.
         return 0.0;
     }
-    // x = θs solves ρ(eˣ − 1) = x, x > 0: bisect between 0 and an upper bound where the
-    // left side is ahead.
-    let f = |x: f64| rho * (x.exp() - 1.0) - x;
-    let mut hi = 1.0f64;
-    while f(hi) < 0.0 && hi < 700.0 {
+    // θ > 0 solves λ(E[e^(θS)] − 1) = θ: bisect between 0 and an upper bound where the left
+    // side is ahead.
+    let f = |theta: f64| lambda * (svc.mgf(theta).0 - 1.0) - theta;
+    let smax = svc.times.iter().copied().fold(0.0, f64::max).max(1e-12);
+    let mut hi = 1.0 / smax;
+    while f(hi) < 0.0 && hi * smax < 700.0 {
         hi *= 2.0;
     }
     let mut lo = 0.0f64;
@@ -189,23 +276,27 @@ fn queue_wait(rho: f64, s: f64, q: Option<f64>) -> f64 {
             hi = mid;
         }
     }
-    let x = hi;
-    let c = (1.0 - rho) / (rho * x.exp() - 1.0);
-    if c <= 1.0 - q {
+    let theta = hi;
+    let c = (1.0 - rho) / (lambda * svc.mgf(theta).1 - 1.0);
+    if c.is_nan() || c <= 1.0 - q {
         return 0.0;
     }
-    s * (c / (1.0 - q)).ln() / x
+    (c / (1.0 - q)).ln() / theta
 }
 
-/// The highest utilisation at which `s + queue_wait(ρ)` stays within `ttft`.
-fn max_utilisation(s: f64, ttft: f64, q: Option<f64>) -> f64 {
+/// The highest utilisation at which a request's own prefill plus its wait stays within
+/// `ttft`.
+fn max_utilisation(svc: &Service, ttft: f64, q: Option<f64>) -> f64 {
+    let own = svc.own(q);
     if q.is_none() {
-        return 2.0 * (ttft - s) / (2.0 * ttft - s);
+        // E[S] + ρ a / (1−ρ) ≤ T with a = E[S²] / 2E[S].
+        let a = svc.moment2() / (2.0 * svc.mean().max(1e-12));
+        return ((ttft - own) / (ttft - own + a)).max(0.0);
     }
     let (mut lo, mut hi) = (0.0f64, 1.0f64);
     for _ in 0..60 {
         let mid = (lo + hi) / 2.0;
-        if s + queue_wait(mid, s, q) <= ttft {
+        if own + queue_wait(mid, svc, q) <= ttft {
             lo = mid;
         } else {
             hi = mid;
@@ -270,7 +361,15 @@ pub fn plan(profile: &Profile, load: &Workload, targets: &Targets) -> Plan {
     let mut reasons = Vec::new();
     let hit = load.hit_rate.clamp(0.0, 1.0);
     let computed = load.isl * (1.0 - hit);
-    let s = profile.prefill_s.at(computed) + profile.restore_s_per_token * load.isl * hit;
+    let svc = Service {
+        times: load
+            .isl_dist
+            .points(load.isl)
+            .into_iter()
+            .map(|x| profile.prefill_s.at(x * (1.0 - hit)) + profile.restore_s_per_token * x * hit)
+            .collect(),
+    };
+    let s = svc.mean();
     let context = load.isl + load.osl / 2.0;
     reasons.push(format!(
         "targets ({}): TTFT {:.0} ms, ITL {:.1} ms",
@@ -279,13 +378,25 @@ pub fn plan(profile: &Profile, load: &Workload, targets: &Targets) -> Plan {
         targets.itl_s * 1e3
     ));
     reasons.push(format!(
-        "prefill of {computed:.0} uncached tokens ({:.0}% of {:.0} cached) takes {:.1} ms",
+        "prefill of {computed:.0} uncached tokens ({:.0}% of {:.0} cached) takes {:.1} ms{}",
         hit * 100.0,
         load.isl,
-        s * 1e3
+        s * 1e3,
+        match load.isl_dist {
+            LengthDist::Fixed => String::new(),
+            _ => format!(
+                " on average ({} prompts; {} {:.1} ms)",
+                match load.isl_dist {
+                    LengthDist::Uniform { lo, hi } => format!("{lo:.0}..{hi:.0}-token"),
+                    _ => "exponentially spread".into(),
+                },
+                targets.label(),
+                svc.own(targets.quantile.or(Some(0.5))) * 1e3
+            ),
+        }
     ));
-    let disaggregated = disaggregated(profile, load, targets, s, context, &mut reasons);
-    let aggregated = aggregated(profile, load, targets, s, context, &mut reasons);
+    let disaggregated = disaggregated(profile, load, targets, &svc, context, &mut reasons);
+    let aggregated = aggregated(profile, load, targets, &svc, context, &mut reasons);
     let choose_disaggregated = match (disaggregated.workers(), aggregated.workers()) {
         (Some(d), Some(a)) => d < a,
         (Some(_), None) => true,
@@ -379,7 +490,16 @@ pub fn what_changes(profile: &Profile, load: &Workload, targets: &Targets) -> Ve
     };
     type Set = fn(Workload, f64) -> Workload;
     let params: [(&str, &str, f64, Set, bool); 4] = [
-        ("prompts of", "tokens", load.isl, |w, v| Workload { isl: v.round().max(1.0), ..w }, true),
+        (
+            "prompts of",
+            "tokens",
+            load.isl,
+            |w, v| {
+                let isl = v.round().max(1.0);
+                Workload { isl, isl_dist: w.isl_dist.scaled(isl / w.isl.max(1.0)), ..w }
+            },
+            true,
+        ),
         ("answers of", "tokens", load.osl, |w, v| Workload { osl: v.round().max(1.0), ..w }, true),
         ("a rate of", "requests/s", load.rate, |w, v| Workload { rate: v, ..w }, true),
         ("a hit rate of", "", load.hit_rate, |w, v| Workload { hit_rate: v, ..w }, false),
@@ -431,18 +551,19 @@ fn disaggregated(
     profile: &Profile,
     load: &Workload,
     targets: &Targets,
-    s: f64,
+    svc: &Service,
     context: f64,
     reasons: &mut Vec<String>,
 ) -> Need {
-    if s >= targets.ttft_s {
+    let s = svc.mean();
+    if svc.own(targets.quantile) >= targets.ttft_s {
         return Need::Infeasible(format!(
             "a prefill alone ({:.1} ms) exceeds the TTFT target ({:.1} ms)",
             s * 1e3,
             targets.ttft_s * 1e3
         ));
     }
-    let rho = max_utilisation(s, targets.ttft_s, targets.quantile);
+    let rho = max_utilisation(svc, targets.ttft_s, targets.quantile);
     if rho <= 0.0 {
         return Need::Infeasible(format!(
             "a prefill ({:.1} ms) leaves no room for queueing within the TTFT target",
@@ -451,7 +572,7 @@ fn disaggregated(
     }
     let prefill = ((load.rate * s / rho).ceil() as u32).clamp(1, WORKERS_MAX);
     reasons.push(format!(
-        "prefill workers: {:.2} busy at most {:.0}% each (M/D/1 waiting keeps the {} TTFT under {:.0} ms) → {prefill}",
+        "prefill workers: {:.2} busy at most {:.0}% each (M/G/1 waiting keeps the {} TTFT under {:.0} ms) → {prefill}",
         load.rate * s,
         rho * 100.0,
         targets.label(),
@@ -478,10 +599,11 @@ fn aggregated(
     profile: &Profile,
     load: &Workload,
     targets: &Targets,
-    s: f64,
+    svc: &Service,
     context: f64,
     reasons: &mut Vec<String>,
 ) -> Need {
+    let s = svc.mean();
     if profile.itl_s.is_empty() {
         return Need::Infeasible("the profile has no decode curve".into());
     }
@@ -507,9 +629,11 @@ fn aggregated(
         }
         // A new prompt waits for the step in flight (uniform over a step: half of one on
         // average, the quantile's share of one), then queues behind the worker's other
-        // prefills (M/D/1 on the prefill share).
+        // prefills (M/G/1 on the prefill share).
         let step_wait = itl * targets.quantile.unwrap_or(0.5);
-        let ttft = s + step_wait + queue_wait(prefill_share, s, targets.quantile);
+        let ttft = svc.own(targets.quantile)
+            + step_wait
+            + queue_wait(prefill_share, svc, targets.quantile);
         (ttft <= targets.ttft_s).then_some((prefill_share, batch, itl, ttft))
     };
     let (mut lo, mut hi) = (0u32, 1u32);
@@ -585,7 +709,13 @@ mod tests {
     #[test]
     fn disaggregated_by_hand() {
         let p = mock_profile();
-        let load = Workload { rate: 30.0, isl: 2000.0, osl: 128.0, hit_rate: 0.0 };
+        let load = Workload {
+            rate: 30.0,
+            isl: 2000.0,
+            osl: 128.0,
+            hit_rate: 0.0,
+            isl_dist: LengthDist::Fixed,
+        };
         let plan = plan(&p, &load, &Targets::means(0.2, 0.02));
         let Need::Disaggregated { prefill, decode, kv_bytes_per_s } = plan.disaggregated else {
             panic!("{plan:?}");
@@ -602,7 +732,13 @@ mod tests {
     #[test]
     fn infeasible_targets_say_why() {
         let p = mock_profile();
-        let load = Workload { rate: 1.0, isl: 8000.0, osl: 16.0, hit_rate: 0.0 };
+        let load = Workload {
+            rate: 1.0,
+            isl: 8000.0,
+            osl: 16.0,
+            hit_rate: 0.0,
+            isl_dist: LengthDist::Fixed,
+        };
         let plan = plan(&p, &load, &Targets::means(0.1, 0.02));
         assert!(
             matches!(&plan.disaggregated, Need::Infeasible(why) if why.contains("exceeds the TTFT target"))
@@ -625,7 +761,7 @@ mod tests {
         for (rate, isl, osl, ttft) in
             [(30.0, 2000.0, 128.0, 0.2), (5.0, 500.0, 256.0, 0.05), (100.0, 1000.0, 64.0, 0.5)]
         {
-            let load = Workload { rate, isl, osl, hit_rate: 0.0 };
+            let load = Workload { rate, isl, osl, hit_rate: 0.0, isl_dist: LengthDist::Fixed };
             let targets = Targets::means(ttft, 0.02);
             let s = p.prefill_s.at(isl);
             let dynamo_prefill = ((rate * isl / (isl / s)).ceil() as u32).max(1);
@@ -651,13 +787,25 @@ mod tests {
         let p = mock_profile();
         let short = plan(
             &p,
-            &Workload { rate: 20.0, isl: 200.0, osl: 256.0, hit_rate: 0.0 },
+            &Workload {
+                rate: 20.0,
+                isl: 200.0,
+                osl: 256.0,
+                hit_rate: 0.0,
+                isl_dist: LengthDist::Fixed,
+            },
             &Targets::means(0.1, 0.02),
         );
         assert!(!short.choose_disaggregated, "{:#?}", short.reasons);
         let long = plan(
             &p,
-            &Workload { rate: 20.0, isl: 4000.0, osl: 64.0, hit_rate: 0.0 },
+            &Workload {
+                rate: 20.0,
+                isl: 4000.0,
+                osl: 64.0,
+                hit_rate: 0.0,
+                isl_dist: LengthDist::Fixed,
+            },
             &Targets::means(0.4, 0.0125),
         );
         assert!(long.choose_disaggregated, "{:#?}", long.reasons);
@@ -672,33 +820,83 @@ mod tests {
     fn quantile_targets() {
         use crate::engine::sampling::SplitMix64;
         let s = 0.08;
-        for (ttft, q) in [(0.2, 0.99), (0.3, 0.99), (0.12, 0.9), (0.5, 0.99)] {
-            let rho = max_utilisation(s, ttft, Some(q));
+        let fixed = Service { times: vec![s] };
+        // Prefills of prompts spread uniformly: 20..140 ms.
+        let spread = Service {
+            times: LengthDist::Uniform { lo: 500.0, hi: 3500.0 }
+                .points(2000.0)
+                .into_iter()
+                .map(|x| x * 40e-6)
+                .collect(),
+        };
+        assert!((spread.mean() - s).abs() < 1e-9);
+        for (svc, ttft, q) in [
+            (&fixed, 0.2, 0.99),
+            (&fixed, 0.3, 0.99),
+            (&fixed, 0.12, 0.9),
+            (&fixed, 0.5, 0.99),
+            (&spread, 0.4, 0.99),
+            (&spread, 0.3, 0.9),
+        ] {
+            let rho = max_utilisation(svc, ttft, Some(q));
             assert!(rho > 0.05 && rho < 0.95, "{rho}");
-            let planned = queue_wait(rho, s, Some(q));
-            assert!((s + planned - ttft).abs() < 1e-6);
-            let rate = rho / s;
+            let planned = queue_wait(rho, svc, Some(q));
+            assert!((svc.own(Some(q)) + planned - ttft).abs() < 1e-6);
+            let rate = rho / svc.mean();
             let mut rng = SplitMix64(7);
             let mut w = 0.0f64;
             let mut waits = Vec::with_capacity(400_000);
             for _ in 0..400_000 {
                 waits.push(w);
                 let gap = -rng.next_f64().max(1e-300).ln() / rate;
-                w = (w + s - gap).max(0.0);
+                let service = svc.times[(rng.next_u64() % svc.times.len() as u64) as usize];
+                w = (w + service - gap).max(0.0);
             }
             waits.sort_by(f64::total_cmp);
             let simulated = crate::stats::quantile(&waits, q);
             assert!(
                 (planned / simulated - 1.0).abs() < 0.05,
-                "ρ {rho:.3}: planned p{} wait {planned:.4} s, simulated {simulated:.4} s",
+                "{} service times, ρ {rho:.3}: planned p{} wait {planned:.4} s, simulated {simulated:.4} s",
+                svc.times.len(),
                 q * 100.0
             );
+            // The mean too (Pollaczek–Khinchine is exact): within the simulation's noise.
+            let mean = waits.iter().sum::<f64>() / waits.len() as f64;
+            let pk = queue_wait(rho, svc, None);
+            assert!((pk / mean - 1.0).abs() < 0.05, "mean wait {pk} against {mean}");
         }
-        assert_eq!(queue_wait(0.3, s, Some(0.5)), 0.0, "most requests do not wait at all");
-        assert!(max_utilisation(s, 0.2, Some(0.5)) > max_utilisation(s, 0.2, None));
-        assert!(max_utilisation(s, 0.2, Some(0.99)) < max_utilisation(s, 0.2, None));
+        assert_eq!(queue_wait(0.3, &fixed, Some(0.5)), 0.0, "most requests do not wait at all");
+        assert!(max_utilisation(&fixed, 0.2, Some(0.5)) > max_utilisation(&fixed, 0.2, None));
+        assert!(max_utilisation(&fixed, 0.2, Some(0.99)) < max_utilisation(&fixed, 0.2, None));
+        // Spread prompts wait longer than prompts all of the mean length: a plan of the same
+        // mean needs at least as many prefill workers, and says why.
+        assert!(max_utilisation(&spread, 0.3, None) < max_utilisation(&fixed, 0.3, None));
         let p = mock_profile();
-        let load = Workload { rate: 30.0, isl: 2000.0, osl: 128.0, hit_rate: 0.0 };
+        let same = Workload {
+            rate: 30.0,
+            isl: 2000.0,
+            osl: 128.0,
+            hit_rate: 0.0,
+            isl_dist: LengthDist::Fixed,
+        };
+        let spread_load =
+            Workload { isl_dist: LengthDist::Uniform { lo: 500.0, hi: 3500.0 }, ..same };
+        let targets = Targets::at_quantile(0.4, 0.02, 0.99);
+        let (a, b) = (plan(&p, &same, &targets), plan(&p, &spread_load, &targets));
+        let prefill = |plan: &Plan| match plan.disaggregated {
+            Need::Disaggregated { prefill, .. } => prefill,
+            _ => panic!("{plan:?}"),
+        };
+        assert!(prefill(&b) > prefill(&a), "{:?}\n{:?}", a.reasons, b.reasons);
+        assert!(b.reasons[1].contains("500..3500-token prompts"), "{:?}", b.reasons);
+        let p = mock_profile();
+        let load = Workload {
+            rate: 30.0,
+            isl: 2000.0,
+            osl: 128.0,
+            hit_rate: 0.0,
+            isl_dist: LengthDist::Fixed,
+        };
         let mean = plan(&p, &load, &Targets::means(0.2, 0.02));
         let p99 = plan(&p, &load, &Targets::at_quantile(0.2, 0.02, 0.99));
         let prefill = |plan: &Plan| match plan.disaggregated {
@@ -715,7 +913,13 @@ mod tests {
     #[test]
     fn what_changes_names_real_flips() {
         let p = mock_profile();
-        let load = Workload { rate: 20.0, isl: 4000.0, osl: 64.0, hit_rate: 0.0 };
+        let load = Workload {
+            rate: 20.0,
+            isl: 4000.0,
+            osl: 64.0,
+            hit_rate: 0.0,
+            isl_dist: LengthDist::Fixed,
+        };
         let targets = Targets::means(0.4, 0.0125);
         assert_eq!(plan(&p, &load, &targets).layout(), Layout::Disaggregated);
         let lines = what_changes(&p, &load, &targets);
@@ -737,7 +941,13 @@ mod tests {
     #[test]
     fn restoring_cached_tokens_costs_what_the_profile_says() {
         let mut p = mock_profile();
-        let load = Workload { rate: 10.0, isl: 2000.0, osl: 64.0, hit_rate: 0.5 };
+        let load = Workload {
+            rate: 10.0,
+            isl: 2000.0,
+            osl: 64.0,
+            hit_rate: 0.5,
+            isl_dist: LengthDist::Fixed,
+        };
         let free = plan(&p, &load, &Targets::means(0.2, 0.02));
         p.restore_s_per_token = 10e-6;
         let costly = plan(&p, &load, &Targets::means(0.2, 0.02));

@@ -119,7 +119,13 @@ async fn the_profile_of_the_mock_recovers_its_time_model() {
     // The file round-trips and plans.
     let again = EngineProfile::from_json(&serde_json::to_string(&p).unwrap()).unwrap();
     let planning = again.planning().unwrap();
-    let load = Workload { rate: 10.0, isl: 1024.0, osl: 64.0, hit_rate: 0.0 };
+    let load = Workload {
+        rate: 10.0,
+        isl: 1024.0,
+        osl: 64.0,
+        hit_rate: 0.0,
+        isl_dist: Default::default(),
+    };
     let plan = plan(&planning, &load, &Targets::means(0.5, 0.02));
     assert!(plan.workers().is_some(), "{:#?}", plan.reasons);
     agent.shutdown();

@@ -569,7 +569,7 @@ fn profile_then_plan_with_an_sla() {
         "--rate",
         "10",
         "--isl",
-        "256",
+        "64..448",
         "--osl",
         "32",
         "--ttft-ms",
@@ -591,6 +591,11 @@ fn profile_then_plan_with_an_sla() {
     let bad =
         kvfabric(&["plan", "--sla", "--profile", json.to_str().unwrap(), "--percentile", "p100"]);
     assert!(one_line_error(&bad).contains("--percentile"));
+    assert_eq!(plan["workload"]["isl"], 256.0, "the range's middle");
+    assert_eq!(plan["workload"]["isl_dist"]["kind"], "uniform");
+    let bad =
+        kvfabric(&["plan", "--sla", "--profile", json.to_str().unwrap(), "--isl", "900..100"]);
+    assert!(one_line_error(&bad).contains("LO must be below HI"));
     let bad = kvfabric(&["plan", "--sla"]);
     assert!(!bad.status.success(), "--sla needs --profile");
 }

@@ -4,6 +4,7 @@ use anyhow::Context;
 use clap::Args;
 use kvfabric::layout::KvDtype;
 use kvfabric_serving::plan::{plan, resolve_model, Link, PlanInput};
+use kvfabric_serving::sla::LengthDist;
 
 #[derive(Debug, Args)]
 #[command(after_help = "Presets: smollm2-135m, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, \
@@ -58,12 +59,13 @@ pub struct PlanArgs {
     /// --sla: requests per second.
     #[arg(long, default_value_t = 1.0)]
     rate: f64,
-    /// --sla: mean prompt tokens.
-    #[arg(long, default_value_t = 512.0)]
-    isl: f64,
-    /// --sla: mean answer tokens.
-    #[arg(long, default_value_t = 128.0)]
-    osl: f64,
+    /// --sla: prompt tokens: a mean (`512`, every prompt that long), a uniform range
+    /// (`128..1024`), or exponentially spread around a mean (`exp:512`).
+    #[arg(long, default_value = "512")]
+    isl: String,
+    /// --sla: answer tokens, as --isl (the decode model uses their mean).
+    #[arg(long, default_value = "128")]
+    osl: String,
     /// --sla: share of prompt tokens found cached (0..1).
     #[arg(long, default_value_t = 0.0)]
     hit_rate: f64,
@@ -91,6 +93,26 @@ pub fn parse_percentile(s: &str) -> anyhow::Result<Option<f64>> {
     Ok(Some(q / 100.0))
 }
 
+/// `512`, `128..1024` or `exp:512`: the mean and the distribution.
+pub fn parse_lengths(what: &str, s: &str) -> anyhow::Result<(f64, LengthDist)> {
+    let num = |x: &str| -> anyhow::Result<f64> {
+        let v: f64 = x
+            .trim()
+            .parse()
+            .map_err(|_| anyhow::anyhow!("{what} {s:?}: expected N, LO..HI or exp:N (tokens)"))?;
+        positive(what, v)
+    };
+    if let Some(m) = s.strip_prefix("exp:") {
+        return Ok((num(m)?, LengthDist::Exponential));
+    }
+    if let Some((lo, hi)) = s.split_once("..") {
+        let (lo, hi) = (num(lo)?, num(hi)?);
+        anyhow::ensure!(lo < hi, "{what} {s:?}: LO must be below HI");
+        return Ok(((lo + hi) / 2.0, LengthDist::Uniform { lo, hi }));
+    }
+    Ok((num(s)?, LengthDist::Fixed))
+}
+
 fn positive(what: &str, v: f64) -> anyhow::Result<f64> {
     anyhow::ensure!(v.is_finite() && v > 0.0, "{what} must be a number > 0, got {v}");
     Ok(v)
@@ -99,6 +121,7 @@ fn positive(what: &str, v: f64) -> anyhow::Result<f64> {
 fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
     use kvfabric_serving::profile::EngineProfile;
     use kvfabric_serving::sla::{plan, what_changes, Need, Targets, Workload};
+
     let path = args.profile.as_ref().context("--sla needs --profile")?;
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -108,11 +131,14 @@ fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
         args.hit_rate.is_finite() && (0.0..1.0).contains(&args.hit_rate),
         "--hit-rate must be in 0..1"
     );
+    let (isl, isl_dist) = parse_lengths("--isl", &args.isl)?;
+    let (osl, _) = parse_lengths("--osl", &args.osl)?;
     let load = Workload {
         rate: positive("--rate", args.rate)?,
-        isl: positive("--isl", args.isl)?,
-        osl: positive("--osl", args.osl)?,
+        isl,
+        osl,
         hit_rate: args.hit_rate,
+        isl_dist,
     };
     let (ttft, itl) =
         (positive("--ttft-ms", args.ttft_ms)? / 1e3, positive("--itl-ms", args.itl_ms)? / 1e3);
