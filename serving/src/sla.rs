@@ -1,14 +1,16 @@
 //! SLA planning arithmetic: from an engine's measured times, a workload and latency targets,
 //! how many workers each layout needs — disaggregated (prefill and decode workers) or
-//! aggregated — and which needs fewer, with the reasons. The first piece of the planner of
-//! issue 22: `kvfabric profile` will produce the [`Profile`], `kvfabric plan --sla` and the
-//! live planner will call [`plan`].
+//! aggregated — and which needs fewer, with the reasons. `kvfabric profile` produces the
+//! [`Profile`] (through `crate::profile`); `kvfabric plan --sla` and the live planner
+//! (`crate::planner`) call [`plan`].
 //!
 //! The model, per worker, with requests spread evenly:
-//! - **Prefill** of one request takes `S = prefill(uncached prompt tokens)`. A prefill worker
-//!   is an M/D/1 queue: at utilisation ρ a request waits `ρS / 2(1−ρ)` on average before its
-//!   prefill, so TTFT ≈ `S + ρS / 2(1−ρ)`. Meeting the TTFT target allows
-//!   `ρ ≤ 2(T−S) / (2T−S)`; workers = `⌈λS / ρ⌉`.
+//! - **Prefill** of one request takes `S = prefill(uncached prompt tokens)` plus the restore
+//!   of its cached ones; `S` varies with the prompt length ([`LengthDist`]). A prefill worker
+//!   is an M/G/1 queue: at utilisation ρ a request waits `λE[S²] / 2(1−ρ)` on average
+//!   (`ρS / 2(1−ρ)` when every prompt has the mean length), and a quantile of the wait comes
+//!   from the queue's exponential tail ([`queue_wait`]). TTFT ≈ the request's own `S` plus
+//!   its wait; workers = `⌈λE[S] / ρ⌉` at the highest ρ that meets the target.
 //! - **Decode**: the largest batch `b` whose inter-token latency at the workload's mean
 //!   context (prompt + half the answer) meets the ITL target; a worker then makes `b / itl(b)`
 //!   tokens per second; workers = `⌈λ · OSL / (b / itl(b))⌉`.
@@ -812,7 +814,7 @@ mod tests {
         assert!(long.reasons.last().unwrap().starts_with("disaggregated"));
     }
 
-    /// Quantile targets: the p99 wait the plan allows is what an M/D/1 queue at the planned
+    /// Quantile targets: the p99 wait the plan allows is what an M/G/1 queue at the planned
     /// utilisation really shows (a Lindley-recursion simulation of 400k arrivals), within
     /// 5%; a p99 target leaves less room for queueing than a mean target of the same value,
     /// and a p50 target more.
