@@ -9,7 +9,7 @@
 //!   of its cached ones; `S` varies with the prompt length ([`LengthDist`]). A prefill worker
 //!   is an M/G/1 queue: at utilisation ρ a request waits `λE[S²] / 2(1−ρ)` on average
 //!   (`ρS / 2(1−ρ)` when every prompt has the mean length), and a quantile of the wait comes
-//!   from the queue's exponential tail ([`queue_wait`]). TTFT ≈ the request's own `S` plus
+//!   from the queue's exponential tail (Cramér–Lundberg). TTFT ≈ the request's own `S` plus
 //!   its wait; workers = `⌈λE[S] / ρ⌉` at the highest ρ that meets the target.
 //! - **Decode**: the largest batch `b` whose inter-token latency at the workload's mean
 //!   context (prompt + half the answer) meets the ITL target; a worker then makes `b / itl(b)`
