@@ -473,7 +473,6 @@ impl Brain {
 #[derive(Debug, Default)]
 pub struct PlannerState {
     snapshot: Mutex<PlannerSnapshot>,
-    last: Mutex<Option<Decision>>,
 }
 
 impl PlannerState {
@@ -484,12 +483,7 @@ impl PlannerState {
             desired: u64::from(workers),
             ..PlannerSnapshot::default()
         };
-        PlannerState { snapshot: Mutex::new(snapshot), last: Mutex::new(None) }
-    }
-
-    /// The last decision.
-    pub fn last(&self) -> Option<Decision> {
-        self.last.lock().clone()
+        PlannerState { snapshot: Mutex::new(snapshot) }
     }
 }
 
@@ -557,7 +551,6 @@ pub fn spawn(
                 );
             }
             on_decision(&d);
-            *state.last.lock() = Some(d);
         }
     })
 }

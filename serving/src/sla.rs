@@ -612,6 +612,8 @@ fn aggregated(
     // What `n` workers give: None when they cannot meet the targets. Feasibility only grows
     // with n (each worker's prefill share, batch and so ITL and TTFT all fall), so the
     // fewest feasible workers are found by bisection.
+    // A request's own prefill in its TTFT: the same for every n.
+    let own = svc.own(targets.quantile);
     let at = |n: u32| -> Option<(f64, f64, f64, f64)> {
         let per_worker = load.rate / f64::from(n);
         let prefill_share = per_worker * s;
@@ -633,9 +635,7 @@ fn aggregated(
         // average, the quantile's share of one), then queues behind the worker's other
         // prefills (M/G/1 on the prefill share).
         let step_wait = itl * targets.quantile.unwrap_or(0.5);
-        let ttft = svc.own(targets.quantile)
-            + step_wait
-            + queue_wait(prefill_share, svc, targets.quantile);
+        let ttft = own + step_wait + queue_wait(prefill_share, svc, targets.quantile);
         (ttft <= targets.ttft_s).then_some((prefill_share, batch, itl, ttft))
     };
     let (mut lo, mut hi) = (0u32, 1u32);

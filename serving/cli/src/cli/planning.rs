@@ -187,10 +187,7 @@ impl PlannerArgs {
         cfg: PlannerConfig,
         kind: K,
         metrics: HttpMetrics,
-    ) -> anyhow::Result<Running>
-    where
-        K::Worker: std::fmt::Debug,
-    {
+    ) -> anyhow::Result<Running> {
         let workers = Arc::new(Workers::new(kind));
         let n = workers
             .scale_to(self.planner_min_workers)

@@ -42,7 +42,7 @@ pub struct WorkerTemplate {
 /// A kind of worker: how one starts, whether it still runs, how it drains.
 pub trait Kind: Send + Sync + std::fmt::Debug + 'static {
     /// A running worker.
-    type Worker: Send + 'static;
+    type Worker: Send + std::fmt::Debug + 'static;
     /// Worker names are `{prefix}-{n}`.
     fn prefix(&self) -> &str;
     /// Starts worker `name` and waits until it serves.
@@ -70,10 +70,7 @@ pub struct Workers<K: Kind> {
     drains: parking_lot::Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
-impl<K: Kind> Workers<K>
-where
-    K::Worker: std::fmt::Debug,
-{
+impl<K: Kind> Workers<K> {
     /// No workers yet.
     pub fn new(kind: K) -> Self {
         Workers {
@@ -110,10 +107,7 @@ where
     }
 }
 
-impl<K: Kind> Scaler for Workers<K>
-where
-    K::Worker: std::fmt::Debug,
-{
+impl<K: Kind> Scaler for Workers<K> {
     fn workers(&self) -> u32 {
         self.count.load(Ordering::Relaxed)
     }
