@@ -167,6 +167,9 @@ async fn the_planner_scales_workers_up_under_load_and_drains_them_without_losing
     assert!(ok > 50);
     assert_eq!(metric(&metrics, "kvfabric_planner_draining_workers"), Some(0.0), "{metrics}");
     assert!(metrics.contains("kvfabric_planner_decisions_total{action=\"up\"}"), "{metrics}");
+    let health = get(addr, "/health").await.json();
+    assert_eq!(health["planner"]["workers"], 1, "{health}");
+    assert_eq!(health["planner"]["scale_failures"], 0, "{health}");
     // The decision log has a line per interval, with its reasons.
     let decisions: Vec<serde_json::Value> = std::fs::read_to_string(&log)
         .unwrap()

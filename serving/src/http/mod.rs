@@ -215,7 +215,29 @@ fn model_card(st: &AppState, info: &crate::engine::ModelInfo) -> Value {
 /// and `degraded`, 503 for anything else (no workers, failed), so load balancers need not
 /// parse the body.
 async fn health(State(st): State<Arc<AppState>>) -> Response {
-    let h = st.backend.health();
+    let mut h = st.backend.health();
+    // A planner beside the backend: its workers, and short of what it asked for is degraded.
+    for source in &st.cfg.sources {
+        let mut snap = metrics::Snapshot::default();
+        source.snapshot(&mut snap);
+        if let Some(p) = snap.planner {
+            h["planner"] = serde_json::json!({
+                "workers": p.workers, "desired": p.desired, "draining": p.draining,
+                "scale_failures": p.scale_failures,
+            });
+            if p.workers < p.desired && h["status"] == "ok" {
+                h["status"] = "degraded".into();
+                let why = format!(
+                    "planner: {} of {} workers serving (a worker did not start)",
+                    p.workers, p.desired
+                );
+                match h["reasons"].as_array_mut() {
+                    Some(r) => r.push(why.into()),
+                    None => h["reasons"] = serde_json::json!([why]),
+                }
+            }
+        }
+    }
     let serving = matches!(h["status"].as_str(), Some("ok" | "degraded"));
     let status = if serving { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, Json(h)).into_response()
