@@ -194,6 +194,23 @@ impl RoutedBackend {
         Ok(RoutedBackend { inner, feed: Arc::new(feed), task: Arc::new(task) })
     }
 
+    /// Waits until at least `n` workers are known (joined through discovery), up to
+    /// `timeout`; returns whether they are. A frontend that has just started its own workers
+    /// waits here before it takes requests: a worker registered in discovery reaches this
+    /// frontend through its watch a little later.
+    pub async fn wait_for_workers(&self, n: usize, timeout: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if self.inner.state.lock().workers.len() >= n {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     /// The counters.
     pub fn stats(&self) -> &RoutedStats {
         &self.inner.stats

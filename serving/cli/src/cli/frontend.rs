@@ -66,7 +66,14 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
                 ("KVFABRIC_NAMESPACE".to_string(), c.namespace.clone()),
             ];
             env.extend(c.nats.clone().map(|n| ("KVFABRIC_NATS".to_string(), n)));
-            Some(args.planner.start(profile, &args.name, env, metrics.clone()).await?)
+            let running = args.planner.start(profile, &args.name, env, metrics.clone()).await?;
+            // Its first workers are registered; take requests once this frontend sees them.
+            let min = args.planner.planner_min_workers;
+            let wait = Duration::from_secs(args.planner.planner_start_timeout_s.max(1));
+            if !backend.wait_for_workers(min as usize, wait).await {
+                tracing::warn!(min, "planner: the first workers are registered but this frontend does not see them yet");
+            }
+            Some(running)
         }
         None => None,
     };
