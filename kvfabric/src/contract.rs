@@ -48,6 +48,59 @@ pub struct Load {
     pub queued_prefill_tokens: u64,
 }
 
+/// One tier's occupancy, in blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TierUse {
+    /// Blocks held.
+    pub used: u64,
+    /// Blocks it can hold (0: the worker has no such tier).
+    pub capacity: u64,
+}
+
+/// One transport's totals in a worker's agent.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TransportTotals {
+    /// The transport's name (`shm`, `tcp`, `rdma`, `cuda`).
+    pub transport: String,
+    /// Bytes of completed transfers.
+    pub bytes: u64,
+    /// Transfers completed.
+    pub done: u64,
+    /// Transfers that failed, timed out or were cancelled.
+    pub failed: u64,
+}
+
+/// What a worker reports of itself beside its load, for dashboards: cumulative counters
+/// (a reader takes differences) and occupancy now. Optional in [`Message::Load`]: engines
+/// attached by `kvfabric attach` report load only.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct WorkerStats {
+    /// Sequences in the batch.
+    pub running: u64,
+    /// Requests waiting for a batch slot.
+    pub waiting: u64,
+    /// The worker is draining: it takes no new requests and finishes those it has.
+    pub draining: bool,
+    /// Occupancy per tier, indexed like [`TierKind::ALL`] (G1 device, G2 host, G3 disk, G4
+    /// remote).
+    pub tiers: [TierUse; 4],
+    /// Prompt tokens computed.
+    pub prefill_tokens: u64,
+    /// Prompt tokens found cached, per tier they came from (indexed like [`TierKind::ALL`]).
+    pub hit_tokens: [u64; 4],
+    /// Its agent's transfers per transport.
+    pub transfers: Vec<TransportTotals>,
+    /// Prefills a prefill worker did for it (a decode worker), and those it did itself.
+    pub remote_prefills: u64,
+    /// Prefills it did itself while remote prefill was configured.
+    pub local_prefills: u64,
+    /// Remote prefills that failed or timed out and were done locally instead.
+    pub prefill_fallbacks: u64,
+    /// When the report was sent, milliseconds since the Unix epoch (the bus's lag).
+    pub sent_at_ms: u64,
+}
+
 /// One block of a dump.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DumpBlock {
@@ -86,6 +139,9 @@ pub enum Message {
         source: String,
         /// Its load.
         load: Load,
+        /// The rest of what it reports (none from older workers and attached engines).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stats: Option<Box<WorkerStats>>,
     },
     /// Asks `worker` for a dump (topic [`KV_DUMP_REQUEST`]).
     DumpRequest {
@@ -180,6 +236,24 @@ mod tests {
             Message::Load {
                 source: "w-1".into(),
                 load: Load { active_blocks: 3, queued_prefill_tokens: 100 },
+                stats: None,
+            },
+            Message::Load {
+                source: "w-2".into(),
+                load: Load::default(),
+                stats: Some(Box::new(WorkerStats {
+                    running: 2,
+                    draining: true,
+                    tiers: [TierUse { used: 1, capacity: 4 }; 4],
+                    transfers: vec![TransportTotals {
+                        transport: "tcp".into(),
+                        bytes: 9,
+                        done: 1,
+                        failed: 0,
+                    }],
+                    sent_at_ms: 1,
+                    ..WorkerStats::default()
+                })),
             },
             Message::DumpRequest { from: "frontend-0".into(), worker: "w-0".into() },
         ]
@@ -222,7 +296,7 @@ mod tests {
     fn topics_are_spelled_once() {
         assert_eq!(all()[0].topic(), "kv-events");
         assert_eq!(all()[2].topic(), "load");
-        assert_eq!(all()[3].topic(), "kv-dump-request");
+        assert_eq!(all()[4].topic(), "kv-dump-request");
         assert_eq!(prefill_queue("p-0"), "prefill-p-0");
         assert_eq!(prefill_failed("d-0"), "prefill-failed-d-0");
     }

@@ -179,14 +179,24 @@ impl Router {
     }
 
     fn cost(&self, w: WorkerId, request_blocks: usize, cached: Run) -> f64 {
+        self.cost_terms(w, request_blocks, cached).iter().sum()
+    }
+
+    /// The three terms of a worker's cost in kv mode, which [`Router::scores`] sums: the
+    /// blocks it would prefill (the request's blocks less its cached run, each cached block
+    /// credited by its tier's weight, times the overlap weight), its decode load (active
+    /// blocks over the load scale), and the prefill queued on it (in blocks).
+    pub fn cost_terms(&self, w: WorkerId, request_blocks: usize, cached: Run) -> [f64; 3] {
         let credit: f64 = TierKind::ALL
             .iter()
             .map(|&t| f64::from(cached.per_tier[t as usize]) * self.weight(t))
             .sum();
         let load = self.load(w);
-        self.config.overlap_weight * (request_blocks as f64 - credit).max(0.0)
-            + load.active_blocks as f64 / self.config.block_load_scale.max(1e-9)
-            + load.queued_prefill_tokens as f64 / f64::from(self.config.block_tokens.max(1))
+        [
+            self.config.overlap_weight * (request_blocks as f64 - credit).max(0.0),
+            load.active_blocks as f64 / self.config.block_load_scale.max(1e-9),
+            load.queued_prefill_tokens as f64 / f64::from(self.config.block_tokens.max(1)),
+        ]
     }
 
     /// Overlap from the approximate (predicted) index at `now`.

@@ -348,7 +348,7 @@ impl Run {
             if let Some(load) =
                 engine_load(&String::from_utf8_lossy(&text), self.cfg.model.layout.block_tokens)
             {
-                let msg = Message::Load { source: self.cfg.name.clone(), load };
+                let msg = Message::Load { source: self.cfg.name.clone(), load, stats: None };
                 let _ = self.bus.publish(msg.topic(), msg.encode()).await;
             }
         }

@@ -45,6 +45,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     }
     /// Ends the tracking of a request that [`Backend::explain`] tracked.
     fn release(&self, _model: &str, _request_id: u64) {}
+    /// Its workers and control plane, as `/dashboard` shows them.
+    fn dashboard(&self) -> crate::dashboard::BackendView {
+        crate::dashboard::BackendView::default()
+    }
 }
 
 impl Source for Arc<dyn Backend> {
@@ -118,6 +122,80 @@ impl Backend for LocalBackend {
     fn metrics(&self, out: &mut Snapshot) {
         out.engine = Some(engine_snapshot(&self.sched, &self.store));
         out.transfers = self.store.agent().transfer_counts();
+    }
+
+    /// One engine: where the prompt's leading blocks are held in its store.
+    fn explain(&self, model: &str, prompt: &[u32], _track: bool) -> Result<Value, EngineError> {
+        use kvfabric::events::TierKind;
+        if model != self.entry.info.id {
+            return Err(EngineError::invalid(format!("the model {model:?} is not served here")));
+        }
+        let hashes = self.sched.sequence_hashes(prompt);
+        let mut held = std::collections::HashMap::new();
+        for (tier, hash, _) in self.store.snapshot() {
+            let best: &mut TierKind = held.entry(hash).or_insert(tier);
+            if (tier as usize) < (*best as usize) {
+                *best = tier;
+            }
+        }
+        let mut per_tier = [0u64; 4];
+        let mut run = 0u64;
+        for h in &hashes {
+            let Some(t) = held.get(h) else { break };
+            per_tier[*t as usize] += 1;
+            run += 1;
+        }
+        let block_tokens = u64::from(self.entry.info.layout.block_tokens);
+        let tiers: serde_json::Map<String, Value> = TierKind::ALL
+            .iter()
+            .map(|t| (t.name().to_string(), json!(per_tier[*t as usize])))
+            .collect();
+        let uncached = hashes.len() as f64 - run as f64;
+        Ok(json!({
+            "model": model,
+            "worker": self.entry.info.id,
+            "reason": format!(
+                "one engine in this process: {run} of {} blocks cached, {} to prefill",
+                hashes.len(), uncached
+            ),
+            "request_id": null,
+            "prompt_tokens": prompt.len(),
+            "blocks": hashes.len(),
+            "block_tokens": block_tokens,
+            "mode": "local",
+            "workers": [{
+                "worker": self.entry.info.id,
+                "cached_blocks": run,
+                "cached_tokens": run * block_tokens,
+                "cached_blocks_per_tier": tiers,
+                "active_blocks": 0,
+                "queued_prefill_tokens": self.sched.stats().queued_prefill_tokens.load(Ordering::Relaxed),
+                "cost": uncached,
+                "cost_terms": { "prefill_blocks": uncached, "decode_load": 0.0, "queued_prefill": 0.0 },
+            }],
+        }))
+    }
+
+    fn dashboard(&self) -> crate::dashboard::BackendView {
+        let mut snap = Snapshot::default();
+        self.metrics(&mut snap);
+        let s = self.sched.stats();
+        let draining = s.draining.load(Ordering::Relaxed);
+        let stats = crate::metrics::worker_stats(&snap, draining);
+        let block_tokens = u64::from(self.entry.info.layout.block_tokens.max(1));
+        let worker = crate::dashboard::WorkerView {
+            name: self.entry.info.id.clone(),
+            model: self.entry.info.id.clone(),
+            role: "aggregated",
+            state: if draining { "draining" } else { "serving" },
+            load: kvfabric::contract::Load {
+                active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(block_tokens),
+                queued_prefill_tokens: s.queued_prefill_tokens.load(Ordering::Relaxed),
+            },
+            stats: Some(stats),
+            ..Default::default()
+        };
+        crate::dashboard::BackendView { workers: vec![worker], ..Default::default() }
     }
 }
 

@@ -16,6 +16,7 @@
 
 pub mod attach;
 pub mod backend;
+pub mod dashboard;
 pub mod disagg;
 pub mod engine;
 pub mod http;

@@ -13,6 +13,8 @@
 //! Label values are escaped here ([`LabelValue`]): the encoder writes them verbatim.
 
 use std::fmt::Write as _;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -88,6 +90,11 @@ pub struct HttpMetrics {
     prompt_tokens: Counter,
     generation_tokens: Counter,
     cached_prompt_tokens: Counter,
+    /// The TTFT and ITL histograms' bucket counts again, readable (the dashboard's
+    /// percentiles); bucket `i` counts observations at most `LATENCY_BUCKETS[i]` (ITL:
+    /// `ITL_BUCKETS[i]`) and above the bucket before, the last one those above all bounds.
+    ttft_buckets: Arc<[AtomicU64]>,
+    itl_buckets: Arc<[AtomicU64]>,
     window: Arc<parking_lot::Mutex<Window>>,
     /// Set by the first [`HttpMetrics::take_window`]: until someone reads windows, none is
     /// filled (no lock taken per token).
@@ -142,6 +149,102 @@ pub struct LoadWindow {
     pub itl_s: Vec<f64>,
 }
 
+/// The frontend's cumulative counts ([`HttpMetrics::totals`]).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct HttpTotals {
+    /// Requests answered.
+    pub ok: u64,
+    /// Requests refused for the client's doing (4xx).
+    pub client_errors: u64,
+    /// Requests failed on the server's side (5xx).
+    pub server_errors: u64,
+    /// Requests whose client went away.
+    pub cancelled: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub generated_tokens: u64,
+    /// Prompt tokens whose KV came from the block store.
+    pub cached_prompt_tokens: u64,
+    /// TTFT observations per bucket of [`LATENCY_BUCKETS`] (not cumulative), and above.
+    pub ttft_buckets: Vec<u64>,
+    /// ITL observations per bucket of [`ITL_BUCKETS`] (not cumulative), and above.
+    pub itl_buckets: Vec<u64>,
+}
+
+fn bucket(counts: &[AtomicU64], bounds: &[f64], x: f64) {
+    let i = bounds.iter().position(|&b| x <= b).unwrap_or(bounds.len());
+    if let Some(c) = counts.get(i) {
+        c.fetch_add(1, Relaxed);
+    }
+}
+
+/// The `q` quantile of observations counted per bucket (`counts[i]` in `(bounds[i-1],
+/// bounds[i]]`, the last above every bound), interpolated linearly within its bucket as
+/// Prometheus's `histogram_quantile` does; None without observations. Past the last bound,
+/// the last bound.
+pub fn bucket_quantile(counts: &[u64], bounds: &[f64], q: f64) -> Option<f64> {
+    let total: u64 = counts.iter().sum();
+    if total == 0 || bounds.is_empty() {
+        return None;
+    }
+    let rank = q.clamp(0.0, 1.0) * total as f64;
+    let mut below = 0u64;
+    for (i, &c) in counts.iter().enumerate() {
+        if c > 0 && (below + c) as f64 >= rank {
+            let Some(&hi) = bounds.get(i) else { return bounds.last().copied() };
+            let lo = if i == 0 { 0.0 } else { bounds[i - 1] };
+            return Some(lo + (hi - lo) * ((rank - below as f64) / c as f64).clamp(0.0, 1.0));
+        }
+        below += c;
+    }
+    bounds.last().copied()
+}
+
+/// What a worker reports of itself in its load reports ([`kvfabric::contract::WorkerStats`])
+/// from its metrics snapshot.
+pub fn worker_stats(snap: &Snapshot, draining: bool) -> kvfabric::contract::WorkerStats {
+    use kvfabric::contract::{TierUse, TransportTotals, WorkerStats};
+    let mut out = WorkerStats { draining, ..WorkerStats::default() };
+    if let Some(e) = &snap.engine {
+        out.running = e.running;
+        out.waiting = e.waiting;
+        out.prefill_tokens = e.prefill_tokens;
+        // The engine counts hits from host, disk and remote; a device-tier hit is none of
+        // these.
+        out.hit_tokens = [0, e.hit_tokens[0], e.hit_tokens[1], e.hit_tokens[2]];
+        if let Some(m) = &e.store {
+            let t = |used: u32, capacity: u32| TierUse {
+                used: u64::from(used),
+                capacity: u64::from(capacity),
+            };
+            out.tiers[0] = t(m.device_used_blocks, m.device_capacity_blocks);
+            out.tiers[1] = t(m.host_used_blocks, m.host_capacity_blocks);
+            out.tiers[2] = t(m.disk_used_blocks, m.disk_capacity_blocks);
+        }
+    }
+    out.transfers = snap
+        .transfers
+        .iter()
+        .filter(|c| c.done + c.failed + c.timed_out + c.cancelled > 0)
+        .map(|c| TransportTotals {
+            transport: c.transport.name().to_string(),
+            bytes: c.bytes,
+            done: c.done,
+            failed: c.failed + c.timed_out + c.cancelled,
+        })
+        .collect();
+    if let Some(r) = &snap.remote_prefill {
+        out.remote_prefills = r.remote;
+        out.local_prefills = r.local;
+        out.prefill_fallbacks = r.fallbacks;
+    }
+    out.sent_at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    out
+}
+
 /// Latency samples a window keeps of each kind.
 pub const WINDOW_SAMPLES_MAX: usize = 100_000;
 
@@ -173,6 +276,8 @@ impl Default for HttpMetrics {
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             cached_prompt_tokens: Counter::default(),
+            ttft_buckets: (0..=LATENCY_BUCKETS.len()).map(|_| AtomicU64::new(0)).collect(),
+            itl_buckets: (0..=ITL_BUCKETS.len()).map(|_| AtomicU64::new(0)).collect(),
             window: Arc::new(parking_lot::Mutex::new(Window::new())),
             window_on: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
@@ -199,6 +304,7 @@ impl HttpMetrics {
     /// Time to the first token.
     pub fn first_token(&self, d: Duration) {
         self.ttft.observe(d.as_secs_f64());
+        bucket(&self.ttft_buckets, LATENCY_BUCKETS, d.as_secs_f64());
         self.window_ttft(d);
     }
 
@@ -229,6 +335,7 @@ impl HttpMetrics {
     /// Time between two tokens.
     pub fn inter_token(&self, d: Duration) {
         self.itl.observe(d.as_secs_f64());
+        bucket(&self.itl_buckets, ITL_BUCKETS, d.as_secs_f64());
         if self.windowed() {
             let w = &mut *self.window.lock();
             keep_sample(&mut w.load.itl_s, d.as_secs_f64(), &mut w.itl_seen);
@@ -256,6 +363,23 @@ impl HttpMetrics {
         self.window_on.store(true, std::sync::atomic::Ordering::Relaxed);
         let old = std::mem::replace(&mut *self.window.lock(), Window::new());
         LoadWindow { duration: old.since.elapsed(), ..old.load }
+    }
+
+    /// The cumulative counts now (what `/metrics` shows, readable).
+    pub fn totals(&self) -> HttpTotals {
+        let outcome = |v: &str| self.requests.get_or_create(&vec![("outcome", v.into())]).get();
+        let ld = |b: &[AtomicU64]| b.iter().map(|a| a.load(Relaxed)).collect();
+        HttpTotals {
+            ok: outcome("ok"),
+            client_errors: outcome("client_error"),
+            server_errors: outcome("server_error"),
+            cancelled: outcome("cancelled"),
+            prompt_tokens: self.prompt_tokens.get(),
+            generated_tokens: self.generation_tokens.get(),
+            cached_prompt_tokens: self.cached_prompt_tokens.get(),
+            ttft_buckets: ld(&self.ttft_buckets),
+            itl_buckets: ld(&self.itl_buckets),
+        }
     }
 
     /// A request's end-to-end duration.
@@ -447,7 +571,7 @@ pub struct Snapshot {
 }
 
 /// The planner's state and decisions.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PlannerSnapshot {
     /// Workers serving (not counting draining ones).
     pub workers: u64,

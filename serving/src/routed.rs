@@ -100,7 +100,27 @@ struct WorkerEntry {
     served: u64,
     /// Avoided until then: it did not answer in time (connection, handshake, first token).
     penalty_until: Option<Instant>,
+    /// Its role, as a dashboard names it.
+    role: &'static str,
+    /// Its last load report, when it came, and how old it was on arrival (ms).
+    load: contract::Load,
+    stats: Option<Box<contract::WorkerStats>>,
+    reported: Option<(Instant, Option<f64>)>,
 }
+
+/// A worker that left discovery, kept a few minutes for dashboards.
+#[derive(Debug)]
+struct Departed {
+    name: String,
+    left: Instant,
+    entry: WorkerEntry,
+}
+
+/// Departed workers are kept this long, and this many at most.
+const DEPARTED_KEEP: Duration = Duration::from_secs(300);
+const DEPARTED_MAX: usize = 64;
+/// A draining worker whose reports stopped this long ago has drained.
+const REPORTS_STOPPED: Duration = Duration::from_secs(2);
 
 #[derive(Debug)]
 struct ModelState {
@@ -113,6 +133,7 @@ struct ModelState {
 #[derive(Debug, Default)]
 struct State {
     workers: HashMap<String, WorkerEntry>,
+    departed: std::collections::VecDeque<Departed>,
     by_id: HashMap<WorkerId, String>,
     models: HashMap<String, ModelState>,
 }
@@ -120,6 +141,8 @@ struct State {
 #[derive(Debug)]
 struct Inner {
     cfg: RoutedConfig,
+    discovery: Arc<dyn Discovery>,
+    bus: Arc<dyn EventBus>,
     index: Arc<PrefixIndex>,
     state: Mutex<State>,
     codecs: Mutex<HashMap<CodecSpec, Arc<TextCodec>>>,
@@ -159,6 +182,8 @@ impl RoutedBackend {
             .map_or(1, |d| d.as_nanos() as u64);
         let inner = Arc::new(Inner {
             cfg,
+            discovery: discovery.clone(),
+            bus: bus.clone(),
             index: Arc::new(PrefixIndex::new()),
             state: Mutex::new(State::default()),
             codecs: Mutex::new(HashMap::new()),
@@ -250,10 +275,11 @@ impl RoutedBackend {
             let m = st.models.get(model).ok_or_else(unknown)?;
             let hashes = m.hasher.sequence_hashes(prompt);
             let scores = m.router.scores(&self.inner.index, &hashes, now);
-            let named: Vec<(String, kvfabric_router::Run, f64, kvfabric::contract::Load)> = scores
+            let named: Vec<Scored> = scores
                 .into_iter()
                 .filter_map(|(w, run, cost)| {
-                    st.by_id.get(&w).map(|n| (n.clone(), run, cost, m.router.load(w)))
+                    let terms = m.router.cost_terms(w, hashes.len(), run);
+                    st.by_id.get(&w).map(|n| (n.clone(), run, cost, m.router.load(w), terms))
                 })
                 .collect();
             (hashes, m.router.config().block_tokens, named)
@@ -273,7 +299,7 @@ impl RoutedBackend {
         let chosen = chosen.ok_or_else(unknown)?;
         let workers: Vec<Value> = scores
             .iter()
-            .map(|(name, run, cost, load)| {
+            .map(|(name, run, cost, load, terms)| {
                 let tiers: serde_json::Map<String, Value> = kvfabric::events::TierKind::ALL
                     .iter()
                     .map(|t| (t.name().to_string(), json!(run.per_tier[*t as usize])))
@@ -286,17 +312,25 @@ impl RoutedBackend {
                     "active_blocks": load.active_blocks,
                     "queued_prefill_tokens": load.queued_prefill_tokens,
                     "cost": cost,
+                    "cost_terms": {
+                        "prefill_blocks": terms[0],
+                        "decode_load": terms[1],
+                        "queued_prefill": terms[2],
+                    },
                 })
             })
             .collect();
+        let mode = format!("{:?}", self.inner.cfg.router.mode).to_lowercase();
+        let reason = explain_reason(&mode, &chosen, &scores, hashes.len(), track);
         Ok(json!({
             "model": model,
             "worker": chosen,
+            "reason": reason,
             "request_id": request_id,
             "prompt_tokens": prompt.len(),
             "blocks": hashes.len(),
             "block_tokens": block_tokens,
-            "mode": format!("{:?}", self.inner.cfg.router.mode).to_lowercase(),
+            "mode": mode,
             "workers": workers,
         }))
     }
@@ -304,6 +338,81 @@ impl RoutedBackend {
     /// Ends the tracking of a request from [`RoutedBackend::pick`].
     pub fn release(&self, model: &str, rid: u64, _completed: bool) {
         self.inner.with_router(model, |r| r.free(rid));
+    }
+
+    /// Its workers, those that left lately, and the control plane, for a dashboard.
+    pub fn dashboard(&self) -> crate::dashboard::BackendView {
+        use crate::dashboard::{BackendView, ControlView, WorkerView};
+        let now = Instant::now();
+        let view =
+            |name: &str, w: &WorkerEntry, state: &'static str, left: Option<Instant>| WorkerView {
+                name: name.to_string(),
+                model: w.model.clone(),
+                role: w.role,
+                state,
+                addr: Some(w.addr.to_string()),
+                requests: w.served,
+                load: w.load,
+                stats: w.stats.as_deref().cloned(),
+                indexed_blocks: self.inner.index.worker_blocks(w.wid) as u64,
+                report_age_s: w.reported.map(|(at, _)| (now - at).as_secs_f64()),
+                left_s_ago: left.map(|l| (now - l).as_secs_f64()),
+            };
+        let mut st = self.inner.state.lock();
+        st.departed.retain(|d| now - d.left < DEPARTED_KEEP);
+        let mut workers: Vec<WorkerView> = st
+            .workers
+            .iter()
+            .map(|(name, w)| {
+                let avoided = w.penalty_until.is_some_and(|t| t > now);
+                let draining = w.stats.as_ref().is_some_and(|s| s.draining);
+                let state = match (draining, avoided) {
+                    (true, _) => "draining",
+                    (false, true) => "avoided",
+                    (false, false) => "serving",
+                };
+                view(name, w, state, None)
+            })
+            .collect();
+        workers.sort_by(|a, b| a.name.cmp(&b.name));
+        let departed = st
+            .departed
+            .iter()
+            .rev()
+            .map(|d| {
+                let w = &d.entry;
+                let reporting = w.reported.is_some_and(|(at, _)| now - at < REPORTS_STOPPED);
+                let state = match w.stats.as_ref().is_some_and(|s| s.draining) {
+                    true if reporting => "draining",
+                    true => "drained",
+                    false => "lost",
+                };
+                let mut v = view(&d.name, w, state, Some(d.left));
+                v.indexed_blocks = 0;
+                v
+            })
+            .collect();
+        let bus_lag_ms =
+            st.workers.values().filter_map(|w| w.reported.and_then(|r| r.1)).reduce(f64::max);
+        drop(st);
+        let f = self.feed.stats();
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        BackendView {
+            workers,
+            departed,
+            control: Some(ControlView {
+                discovery: self.inner.discovery.status(),
+                bus: self.inner.bus.status(),
+                kv_events: ld(&f.applied),
+                kv_event_gaps: ld(&f.gaps),
+                kv_dumps: ld(&f.dumps),
+                dump_requests: ld(&f.dump_requests),
+                kv_events_malformed: ld(&f.malformed),
+                kv_events_unknown_worker: ld(&f.unknown),
+                bus_lag_ms,
+                routing: format!("{:?}", self.inner.cfg.router.mode).to_lowercase(),
+            }),
+        }
     }
 
     /// Stops following the control plane.
@@ -368,6 +477,13 @@ impl Inner {
         model.workers += 1;
         tracing::info!(worker = %inst.id, addr = %md.addr, model = %md.model.id, role = ?md.role, "worker joined");
         st.by_id.insert(wid, inst.id.clone());
+        st.departed.retain(|d| d.name != inst.id);
+        let role = match (&md.api, md.role) {
+            (WorkerApi::OpenAi { .. }, _) => "engine",
+            (_, protocol::Role::Aggregated) => "aggregated",
+            (_, protocol::Role::Prefill) => "prefill",
+            (_, protocol::Role::Decode) => "decode",
+        };
         st.workers.insert(
             inst.id,
             WorkerEntry {
@@ -377,6 +493,10 @@ impl Inner {
                 model: md.model.id,
                 served: 0,
                 penalty_until: None,
+                role,
+                load: contract::Load::default(),
+                stats: None,
+                reported: None,
             },
         );
     }
@@ -385,27 +505,48 @@ impl Inner {
         let mut st = self.state.lock();
         let Some(w) = st.workers.remove(name) else { return };
         tracing::info!(worker = %name, "worker left");
-        st.by_id.remove(&w.wid);
-        self.index.remove_worker(w.wid);
-        let gone = match st.models.get_mut(&w.model) {
+        let (wid, model) = (w.wid, w.model.clone());
+        if st.departed.len() >= DEPARTED_MAX {
+            st.departed.pop_front();
+        }
+        st.departed.push_back(Departed { name: name.to_string(), left: Instant::now(), entry: w });
+        st.by_id.remove(&wid);
+        self.index.remove_worker(wid);
+        let gone = match st.models.get_mut(&model) {
             Some(m) => {
-                m.router.remove_worker(w.wid);
+                m.router.remove_worker(wid);
                 m.workers -= 1;
                 m.workers == 0
             }
             None => false,
         };
         if gone {
-            st.models.remove(&w.model);
+            st.models.remove(&model);
         }
     }
 
     fn on_load(&self, bytes: &[u8]) {
-        let Ok(Message::Load { source, load }) = Message::decode(bytes) else { return };
+        let Ok(Message::Load { source, load, stats }) = Message::decode(bytes) else { return };
+        let lag_ms = stats.as_ref().and_then(|s| {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?;
+            Some((now.as_millis() as f64 - s.sent_at_ms as f64).max(0.0))
+        });
         let mut st = self.state.lock();
-        let Some(model) = st.workers.get(&source).map(|w| w.model.clone()) else { return };
-        if let Some(m) = st.models.get_mut(&model) {
-            m.router.report_load(worker_id(&source), load);
+        let st = &mut *st;
+        let entry = match st.workers.get_mut(&source) {
+            Some(w) => Some(w),
+            // A draining worker keeps reporting after it left discovery.
+            None => st.departed.iter_mut().find(|d| d.name == source).map(|d| &mut d.entry),
+        };
+        let Some(w) = entry else { return };
+        w.load = load;
+        w.stats = stats.map(|mut s| {
+            s.transfers.truncate(kvfabric::transfer::TransportKind::ALL.len());
+            s
+        });
+        w.reported = Some((Instant::now(), lag_ms));
+        if let Some(m) = st.models.get_mut(&w.model).filter(|_| st.by_id.contains_key(&w.wid)) {
+            m.router.report_load(w.wid, load);
         }
     }
 
@@ -650,6 +791,48 @@ impl Inner {
     }
 }
 
+/// Why `chosen` is where a request of `blocks` full blocks goes, in words.
+fn explain_reason(
+    mode: &str,
+    chosen: &str,
+    scores: &[Scored],
+    blocks: usize,
+    track: bool,
+) -> String {
+    let mut by_cost: Vec<&Scored> = scores.iter().collect();
+    by_cost.sort_by(|a, b| a.2.total_cmp(&b.2).then_with(|| a.0.cmp(&b.0)));
+    let Some(best) = by_cost.iter().find(|s| s.0 == chosen) else {
+        return format!("{mode} routing picked {chosen}");
+    };
+    let (_, run, cost, _, t) = best;
+    let tiers: Vec<String> = kvfabric::events::TierKind::ALL
+        .iter()
+        .filter(|k| run.per_tier[**k as usize] > 0)
+        .map(|k| format!("{} in {}", run.per_tier[*k as usize], k.name()))
+        .collect();
+    let cached = if tiers.is_empty() { String::new() } else { format!(": {}", tiers.join(", ")) };
+    let why = format!(
+        "{} of {blocks} blocks cached{cached}; cost {cost:.1} = {:.1} to prefill + {:.1} decode load + {:.1} queued prefill",
+        run.blocks, t[0], t[1], t[2]
+    );
+    let next = by_cost.iter().find(|s| s.0 != chosen);
+    match (mode, next) {
+        ("kv", Some(n)) if !track || n.2 >= *cost => format!(
+            "{chosen}: the lowest cost. {why}. Next: {} at {:.1} ({} blocks cached)",
+            n.0, n.2, n.1.blocks
+        ),
+        ("kv", None) => format!("{chosen}: the only worker. {why}"),
+        ("kv", Some(_)) => format!("{chosen}: drawn among the cheapest (temperature). {why}"),
+        (_, _) if track => format!("{chosen}: {mode} routing does not weigh cached blocks. {why}"),
+        (_, _) => format!(
+            "{mode} routing does not weigh cached blocks; by cost (kv routing) it would be {chosen}. {why}"
+        ),
+    }
+}
+
+/// A worker's name, leading cached run, cost, load and cost terms (`explain`).
+type Scored = (String, kvfabric_router::Run, f64, kvfabric::contract::Load, [f64; 3]);
+
 /// The worker a request attempt goes to.
 struct Target<'a> {
     model: &'a str,
@@ -817,6 +1000,10 @@ impl Backend for RoutedBackend {
 
     fn release(&self, model: &str, request_id: u64) {
         RoutedBackend::release(self, model, request_id, true);
+    }
+
+    fn dashboard(&self) -> crate::dashboard::BackendView {
+        RoutedBackend::dashboard(self)
     }
 
     fn metrics(&self, out: &mut Snapshot) {

@@ -24,7 +24,7 @@ use crate::disagg::{run_prefill_service, DecodeBackend, DisaggConfig, PrefillSta
 use crate::engine::llama::{LlamaEngine, LlamaOptions, Weights};
 use crate::engine::mock::{MockConfig, MockEngine};
 use crate::engine::{Engine, EngineError, Scheduler, SchedulerConfig};
-use crate::metrics::{Components, Snapshot, Source};
+use crate::metrics::{worker_stats, Components, Snapshot, Source};
 use crate::routed::{RoutedBackend, RoutedConfig};
 
 use crate::protocol::{Auth, ServeLimits, ServeStats};
@@ -122,6 +122,9 @@ pub struct WorkerStack {
     pub codec: CodecSpec,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     publisher: StorePublisher,
+    /// What its load reports say of it once it serves (its backend's counters); until
+    /// then, its engine's and store's.
+    report: Arc<parking_lot::Mutex<Option<MetricsSource>>>,
     /// The shared secret of its agent and its request port.
     secret: Vec<u8>,
 }
@@ -151,6 +154,7 @@ pub async fn drain(
     quiet: Duration,
     deadline: Duration,
 ) -> bool {
+    sched.stats().draining.store(true, Ordering::Relaxed);
     let start = tokio::time::Instant::now();
     let mut idle_since: Option<tokio::time::Instant> = None;
     loop {
@@ -289,9 +293,11 @@ impl WorkerStack {
             tasks.push(remote.follow(&**discovery, block_bytes, None).await?);
         }
 
-        // Load reports for the routers, a few times a second.
+        // Load reports for the routers, a few times a second, with what dashboards show.
+        let report: Arc<parking_lot::Mutex<Option<MetricsSource>>> = Arc::default();
         {
             let (bus, name, sched) = (bus.clone(), cfg.name.clone(), sched.clone());
+            let (store, report) = (store.clone(), report.clone());
             let bt = u64::from(block_tokens.max(1));
             tasks.push(tokio::spawn(async move {
                 let mut tick = tokio::time::interval(LOAD_PERIOD);
@@ -302,13 +308,24 @@ impl WorkerStack {
                         active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(bt),
                         queued_prefill_tokens: s.queued_prefill_tokens.load(Ordering::Relaxed),
                     };
-                    let msg = Message::Load { source: name.clone(), load };
+                    let mut snap = Snapshot::default();
+                    let source = report.lock().clone();
+                    match source {
+                        Some(source) => source.snapshot(&mut snap),
+                        None => {
+                            snap.engine = Some(crate::backend::engine_snapshot(&sched, &store));
+                            snap.transfers = store.agent().transfer_counts();
+                        }
+                    }
+                    let stats = worker_stats(&snap, s.draining.load(Ordering::Relaxed));
+                    let msg =
+                        Message::Load { source: name.clone(), load, stats: Some(Box::new(stats)) };
                     let _ = bus.publish(msg.topic(), msg.encode()).await;
                 }
             }));
         }
         let publisher = StorePublisher::start(bus, cfg.name.clone(), store.clone(), events).await?;
-        Ok(WorkerStack { sched, store, agent, describe, codec, tasks, publisher, secret })
+        Ok(WorkerStack { sched, store, agent, describe, codec, tasks, publisher, report, secret })
     }
 
     /// The metadata a worker registers, with its request port.
@@ -391,6 +408,7 @@ impl WorkerStack {
                 (addr, server, WORKER_KIND, MetricsSource::Backend(backend), Some(stats))
             }
         };
+        *self.report.lock() = Some(metrics.clone());
         let mut md = self.metadata(addr);
         md.role = role;
         let metadata = serde_json::to_value(md).map_err(|e| ControlError::Malformed {

@@ -122,6 +122,24 @@ impl Drop for Registration {
     }
 }
 
+/// Whether a control-plane backend is reachable now (for `/health` and dashboards).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ControlStatus {
+    /// The backend: `etcd`, `nats`, or `embedded` (in this process).
+    pub backend: &'static str,
+    /// It answered the last time it was asked (an embedded one always does).
+    pub connected: bool,
+    /// Why not, when not.
+    pub error: Option<String>,
+}
+
+impl ControlStatus {
+    /// An in-process backend: always there.
+    pub const fn embedded() -> Self {
+        ControlStatus { backend: "embedded", connected: true, error: None }
+    }
+}
+
 /// Instances under leases.
 pub trait Discovery: Send + Sync + std::fmt::Debug {
     /// Registers `instance` under a lease of `ttl`, kept alive until the registration is
@@ -134,6 +152,10 @@ pub trait Discovery: Send + Sync + std::fmt::Debug {
         &'a self,
         kind: &'a str,
     ) -> ControlFuture<'a, (Vec<Instance>, mpsc::Receiver<DiscoveryEvent>)>;
+    /// Whether the backend is reachable now.
+    fn status(&self) -> ControlStatus {
+        ControlStatus::embedded()
+    }
 }
 
 /// An item taken from a work queue; acknowledge it, or it is delivered again.
@@ -178,5 +200,9 @@ pub trait EventBus: Send + Sync + std::fmt::Debug {
     /// disconnects.
     fn connections(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
+    }
+    /// Whether the backend is reachable now.
+    fn status(&self) -> ControlStatus {
+        ControlStatus::embedded()
     }
 }

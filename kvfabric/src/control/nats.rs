@@ -114,6 +114,16 @@ impl EventBus for NatsBus {
         Some(self.connections.clone())
     }
 
+    fn status(&self) -> super::ControlStatus {
+        let state = self.client.connection_state();
+        let connected = state == async_nats::connection::State::Connected;
+        super::ControlStatus {
+            backend: "nats",
+            connected,
+            error: (!connected).then(|| format!("NATS connection {state}")),
+        }
+    }
+
     fn publish<'a>(&'a self, topic: &'a str, payload: Vec<u8>) -> ControlFuture<'a, ()> {
         Box::pin(async move {
             check_name(topic)?;

@@ -83,6 +83,8 @@ pub struct SchedulerStats {
     pub cancelled: AtomicU64,
     /// Requests failed by their deadline.
     pub deadline_exceeded: AtomicU64,
+    /// The worker is draining (it left discovery and finishes what it has).
+    pub draining: std::sync::atomic::AtomicBool,
 }
 
 fn bump(a: &AtomicU64, n: u64) {
@@ -106,6 +108,8 @@ pub struct Scheduler {
     max_waiting: usize,
     /// Why the engine thread died (None while it runs).
     failure: tokio::sync::watch::Receiver<Option<String>>,
+    /// How it names a prompt's blocks.
+    hasher: TokenBlockHasher,
 }
 
 impl std::fmt::Debug for Submission {
@@ -115,6 +119,11 @@ impl std::fmt::Debug for Submission {
 }
 
 impl Scheduler {
+    /// The names of `prompt`'s full blocks, as this engine stores them.
+    pub fn sequence_hashes(&self, prompt: &[u32]) -> Vec<kvfabric::hash::SequenceHash> {
+        self.hasher.sequence_hashes(prompt)
+    }
+
     /// Starts `engine` on its own thread. Store operations run on `runtime`, which must not
     /// be the engine thread's (it is a plain thread).
     pub fn start<E: Engine>(
@@ -142,7 +151,7 @@ impl Scheduler {
             engine,
             store,
             runtime,
-            hasher,
+            hasher: hasher.clone(),
             cfg,
             rx,
             stats: stats.clone(),
@@ -168,7 +177,7 @@ impl Scheduler {
                 }
             })
             .map_err(|e| EngineError::model(format!("starting the engine thread: {e}")))?;
-        Ok(Scheduler { tx, info, codec, stats, max_waiting, failure })
+        Ok(Scheduler { tx, info, codec, stats, max_waiting, failure, hasher })
     }
 
     /// Why the engine thread died, if it did: the engine serves nothing more.

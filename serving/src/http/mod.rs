@@ -12,6 +12,7 @@
 //! the driving of a generation and whole responses, `sse.rs` streamed (SSE) responses.
 
 mod api;
+mod dashboard;
 mod generate;
 pub mod listen;
 mod sse;
@@ -57,6 +58,8 @@ pub struct ServerConfig {
     pub metrics: HttpMetrics,
     /// More components shown in `/metrics`, unlabelled (the planner's).
     pub sources: Vec<Arc<dyn Source>>,
+    /// The server's name, as `/dashboard` shows it.
+    pub name: String,
 }
 
 impl Default for ServerConfig {
@@ -69,6 +72,7 @@ impl Default for ServerConfig {
             api_key: None,
             metrics: HttpMetrics::default(),
             sources: Vec::new(),
+            name: "kvfabric".into(),
         }
     }
 }
@@ -79,6 +83,8 @@ struct AppState {
     metrics: HttpMetrics,
     registry: Registry,
     created: u64,
+    started: Instant,
+    history: dashboard::History,
 }
 
 impl std::fmt::Debug for AppState {
@@ -115,7 +121,7 @@ pub fn router_with(
     }
     let mut registry = metrics::registry(&metrics, components);
     cfg.listen.register(&mut registry);
-    let state = Arc::new(AppState { backend, cfg, metrics, registry, created });
+    let state = AppState::new(backend, cfg, metrics, registry, created);
     let api = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
@@ -139,7 +145,7 @@ pub fn routing_router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
     }
     let mut registry = metrics::registry(&metrics, components);
     cfg.listen.register(&mut registry);
-    let state = Arc::new(AppState { backend, cfg, metrics, registry, created });
+    let state = AppState::new(backend, cfg, metrics, registry, created);
     let api = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/route", post(route_request))
@@ -149,10 +155,16 @@ pub fn routing_router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
 }
 
 fn finish(api: Router<Arc<AppState>>, state: Arc<AppState>, limit: usize) -> Router {
+    dashboard::History::start(&state);
     Router::new()
         .merge(api)
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
+        .route("/dashboard", get(dashboard::page))
+        .route("/dashboard/", get(dashboard::page))
+        .route("/dashboard/app.js", get(dashboard::script))
+        .route("/dashboard/style.css", get(dashboard::style))
+        .route("/dashboard/state", get(dashboard::state))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route", "not_found") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
@@ -324,6 +336,18 @@ async fn generate_from(
 }
 
 impl AppState {
+    fn new(
+        backend: Arc<dyn Backend>,
+        cfg: ServerConfig,
+        metrics: HttpMetrics,
+        registry: Registry,
+        created: u64,
+    ) -> Arc<Self> {
+        let history = dashboard::History::default();
+        let started = Instant::now();
+        Arc::new(AppState { backend, cfg, metrics, registry, created, started, history })
+    }
+
     /// Counts a failed request by the side at fault.
     fn count_failure(&self, e: &ApiError) {
         self.metrics.request(if e.status.is_client_error() {

@@ -162,6 +162,8 @@ pub(crate) struct Gateway {
     endpoints: Arc<[String]>,
     current: Arc<AtomicUsize>,
     timeout: Duration,
+    /// Why the last attempt to reach etcd failed; None once one answered again.
+    unreachable: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 impl Gateway {
@@ -185,7 +187,21 @@ impl Gateway {
         if out.is_empty() {
             return Err(backend("no etcd endpoint given"));
         }
-        Ok(Gateway { endpoints: out.into(), current: Arc::new(AtomicUsize::new(0)), timeout })
+        Ok(Gateway {
+            endpoints: out.into(),
+            current: Arc::new(AtomicUsize::new(0)),
+            timeout,
+            unreachable: Arc::default(),
+        })
+    }
+
+    /// Why etcd could not be reached the last time it was tried; None if it answered.
+    pub fn unreachable(&self) -> Option<String> {
+        self.unreachable.lock().clone()
+    }
+
+    fn reached(&self, outcome: Result<(), &ControlError>) {
+        *self.unreachable.lock() = outcome.err().map(ToString::to_string);
     }
 
     async fn send(
@@ -234,6 +250,7 @@ impl Gateway {
             match self.send(&self.endpoints[at], path, body.clone()).await {
                 Ok((resp, conn)) => {
                     self.current.store(at, Ordering::Relaxed);
+                    self.reached(Ok(()));
                     if resp.status() != hyper::StatusCode::OK {
                         let status = resp.status();
                         let bytes = read_limited(resp.into_body()).await;
@@ -250,6 +267,7 @@ impl Gateway {
                 Err(e) => last = e,
             }
         }
+        self.reached(Err(&last));
         Err(last)
     }
 
@@ -267,7 +285,13 @@ impl Gateway {
             serde_json::from_slice(&bytes?).map_err(malformed)
         })
         .await
-        .map_err(|_| ControlError::Timeout(what))?
+        .map_err(|_| self.timed_out(what))?
+    }
+
+    fn timed_out(&self, what: &'static str) -> ControlError {
+        let e = ControlError::Timeout(what);
+        self.reached(Err(&e));
+        e
     }
 
     /// Opens a server stream; the first message is awaited by the caller.
@@ -279,7 +303,7 @@ impl Gateway {
     ) -> Result<JsonStream, ControlError> {
         let (resp, conn) = tokio::time::timeout(self.timeout, self.open(path, req))
             .await
-            .map_err(|_| ControlError::Timeout(what))??;
+            .map_err(|_| self.timed_out(what))??;
         Ok(JsonStream { body: resp.into_body(), buf: Vec::new(), conn })
     }
 }

@@ -105,6 +105,11 @@ impl EtcdDiscovery {
 }
 
 impl Discovery for EtcdDiscovery {
+    fn status(&self) -> super::ControlStatus {
+        let error = self.etcd.unreachable();
+        super::ControlStatus { backend: "etcd", connected: error.is_none(), error }
+    }
+
     fn register(&self, instance: Instance, ttl: Duration) -> ControlFuture<'_, Registration> {
         Box::pin(async move {
             check_name(&instance.kind)?;

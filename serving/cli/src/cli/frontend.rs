@@ -119,6 +119,7 @@ pub(super) async fn serve_routed(
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         metrics,
         sources,
+        name: format!("{what} {name}"),
         ..ServerConfig::default()
     };
     let listen_stats = server_cfg.listen.clone();

@@ -366,6 +366,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let mut server_cfg = ServerConfig {
         request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
         api_key: args.http.api_key.clone().filter(|k| !k.is_empty()),
+        name: format!("up {}", args.name),
         ..ServerConfig::default()
     };
     let listen_stats = server_cfg.listen.clone();
