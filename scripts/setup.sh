@@ -5,13 +5,15 @@
 #   scripts/setup.sh test   also etcd-server and nats-server (integration tests start real
 #                           ones), pkg-config, g++ (the C++ example), Python's venv (the
 #                           binding's tests), and libibverbs-dev (the RDMA transport's verbs
-#                           ABI is checked against its verbs.h; its libibverbs1 is loaded)
+#                           ABI is checked against its verbs.h; its libibverbs1 is loaded),
+#                           chromium (the dashboard's browser test)
 # Building needs no system package beyond the C toolchain: etcd is reached over its HTTP/JSON
 # gateway, so there is no protoc step. Prints nothing on success unless it installed something.
 #   KVFABRIC_MODEL_DIR  where the model is cached (see scripts/fetch-model.sh)
 #   KVFABRIC_VENV       the test profile's Python environment (default ~/.cache/kvfabric/venv):
 #                       numpy and pytest (the binding's tests), msgspec and pyzmq (the engine
-#                       KV event publishers of the router's and attach's tests)
+#                       KV event publishers of the router's and attach's tests), playwright
+#                       (drives chromium in the dashboard's browser test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile="${1:-run}"
@@ -36,6 +38,7 @@ if [ "$profile" = test ]; then
   command -v g++ >/dev/null 2>&1 || need_apt+=(g++) # the C++ example (examples/cpp)
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
   [ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)
+  [ -x /usr/bin/chromium ] || need_apt+=(chromium) # the dashboard's browser test
 fi
 
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -60,9 +63,10 @@ scripts/fetch-model.sh >/dev/null
 
 if [ "$profile" = test ]; then
   venv="${KVFABRIC_VENV:-$HOME/.cache/kvfabric/venv}"
-  if ! "$venv/bin/python" -c "import numpy, pytest, msgspec, zmq" >/dev/null 2>&1; then
-    echo "setup: creating $venv (numpy, pytest, msgspec, pyzmq)" >&2
+  if ! "$venv/bin/python" -c "import numpy, pytest, msgspec, zmq, playwright" >/dev/null 2>&1; then
+    echo "setup: creating $venv (numpy, pytest, msgspec, pyzmq, playwright)" >&2
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q --disable-pip-version-check numpy pytest msgspec pyzmq >&2
+    # playwright drives Debian's chromium (never `playwright install`: no browser download).
+    "$venv/bin/pip" install -q --disable-pip-version-check numpy pytest msgspec pyzmq playwright >&2
   fi
 fi

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test of the workspace on a fresh Debian 12 machine of this kind, installing what
 # the tests need when it is missing (scripts/setup.sh test: etcd-server, nats-server, a C
-# compiler, the default model); with cargo-nextest when it is installed, else cargo test; then
-# the Python binding's tests in a virtual environment (numpy, pytest; msgspec and pyzmq for
-# the engine stand-ins that publish vLLM- and SGLang-format KV events).
+# compiler, chromium, the default model); with cargo-nextest when it is installed, else cargo
+# test; then the Python binding's tests in a virtual environment (numpy, pytest; msgspec and
+# pyzmq for the engine stand-ins that publish vLLM- and SGLang-format KV events; playwright for
+# the dashboard's browser test).
 #   CARGO_TARGET_DIR   reused when set (CI points it outside the clone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,8 @@ scripts/setup.sh test
 # The default model (SmolLM2-135M GGUF): real-model tests read it.
 KVFABRIC_TEST_MODEL="$(scripts/fetch-model.sh)"
 export KVFABRIC_TEST_MODEL
-# The Python that runs the engine stand-ins (msgspec, pyzmq) of the engine-event tests.
+# The Python that runs the engine stand-ins (msgspec, pyzmq) of the engine-event tests and
+# the dashboard's browser driver (playwright).
 KVFABRIC_TEST_PYTHON="${KVFABRIC_VENV:-$HOME/.cache/kvfabric/venv}/bin/python"
 export KVFABRIC_TEST_PYTHON
 

@@ -1,0 +1,273 @@
+//! `/dashboard` in a real browser: Debian's Chromium, headless, driven by Playwright
+//! (`tests/browser/dashboard_driver.py`), against `kvfabric frontend` and two `kvfabric
+//! worker` processes over real etcd and NATS. The page loads with no console errors, its
+//! numbers match `/metrics`, a killed worker leaves its workers table within its lease, and
+//! the cache map of a prompt sent before shows the worker that served it holding its blocks.
+//!
+//! Needs `/usr/bin/chromium` and Python with `playwright` (`scripts/setup.sh test` installs
+//! both; `KVFABRIC_TEST_PYTHON` names the Python, as `scripts/test.sh` sets it).
+//! `KVFABRIC_DASHBOARD_SCREENSHOT=FILE.png` also saves a screenshot of the page.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{get, post_json, spawn_worker, Proc};
+use kvfabric::testkit::{EtcdServer, NatsServer};
+use serde_json::{json, Value};
+
+const SECRET: &str = "dashboard-test-secret";
+const LEASE_S: u64 = 2;
+
+/// The Python with Playwright, and Chromium: present, or the test says how to get them.
+fn browser_python() -> std::path::PathBuf {
+    let p = std::env::var_os("KVFABRIC_TEST_PYTHON").map(std::path::PathBuf::from).unwrap_or_else(
+        || {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default())
+                .join(".cache/kvfabric/venv/bin/python")
+        },
+    );
+    let ok = Command::new(&p)
+        .args(["-c", "import playwright.sync_api"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "{} cannot import playwright: run scripts/setup.sh test (or set KVFABRIC_TEST_PYTHON)",
+        p.display()
+    );
+    assert!(
+        std::path::Path::new("/usr/bin/chromium").exists(),
+        "no /usr/bin/chromium: run scripts/setup.sh test (it installs Debian's chromium)"
+    );
+    p
+}
+
+/// The page in Chromium, one command at a time.
+struct Browser {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Browser {
+    fn open(base: &str) -> Self {
+        let driver = std::path::Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap())
+            .join("tests/browser/dashboard_driver.py");
+        let mut child = Command::new(browser_python())
+            .arg(driver)
+            .arg(base)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting the browser driver");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut b = Browser { child, stdin, stdout };
+        let ready = b.read();
+        assert_eq!(ready["ready"], true, "{ready}");
+        b
+    }
+
+    fn read(&mut self) -> Value {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("driver said {line:?}: {e}"))
+    }
+
+    fn ask(&mut self, cmd: Value) -> Value {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let v = self.read();
+        assert_eq!(v["errors"], json!([]), "the page logged errors: {v}");
+        v
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"cmd": "quit"}));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A metric's value in OpenMetrics text (the line `name value`).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics"))
+}
+
+/// The page's number in a cell (`1,234`).
+fn shown(snap: &Value, name: &str) -> f64 {
+    let text = snap["metrics"][name].as_str().unwrap_or_else(|| panic!("no {name}: {snap}"));
+    text.replace(',', "").parse().unwrap_or_else(|_| panic!("{name} shows {text:?}"))
+}
+
+fn names(rows: &Value) -> Vec<String> {
+    let mut v: Vec<String> =
+        rows.as_array().unwrap().iter().map(|r| r["worker"].as_str().unwrap().into()).collect();
+    v.sort();
+    v
+}
+
+fn worker(name: &str, etcd: &EtcdServer, nats: &NatsServer) -> Proc {
+    let (etcd, nats) = (etcd.endpoint(), nats.url());
+    let lease = LEASE_S.to_string();
+    let args = [
+        "--namespace",
+        "dash",
+        "--lease-ttl-s",
+        &lease,
+        "--etcd",
+        &etcd,
+        "--nats",
+        &nats,
+        "--secret",
+        SECRET,
+        "--engine",
+        "mock",
+        "--disk-blocks",
+        "0",
+        "--mock-decode-us",
+        "2000",
+    ];
+    spawn_worker(name, &args).0
+}
+
+fn frontend(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["frontend", "--port", "0", "--namespace", "dash", "--secret", SECRET])
+        .args(["--name", "dash-fe", "--etcd", &etcd.endpoint(), "--nats", &nats.url()])
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("the frontend printed nothing").unwrap();
+    std::thread::spawn(move || for _ in lines {});
+    let addr = line
+        .rsplit_once("at http://")
+        .and_then(|(_, r)| r.strip_suffix("/v1"))
+        .unwrap_or_else(|| panic!("{line}"))
+        .parse()
+        .unwrap();
+    (Proc(child), addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_the_fabric_in_a_real_browser() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let (_fe, addr) = frontend(&etcd, &nats);
+    let mut a = worker("dash-a", &etcd, &nats);
+    let _b = worker("dash-b", &etcd, &nats);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while get(addr, "/health").await.json()["workers"].as_array().map_or(0, Vec::len) < 2 {
+        assert!(Instant::now() < deadline, "the frontend did not see both workers");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A small load: prompts that share a long prefix, then one remembered prompt.
+    let prefix = "the fabric keeps every block of this shared system prompt ".repeat(6);
+    for i in 0..10 {
+        let body = json!({"model": "mock", "prompt": format!("{prefix} question {i}"),
+            "max_tokens": 8, "ignore_eos": true});
+        assert_eq!(post_json(addr, "/v1/completions", &body).await.status, 200);
+    }
+    let remembered = format!("{} a prompt the cache map must find", "kvfabric ".repeat(40));
+    let r = post_json(
+        addr,
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": remembered, "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let served_by = r.header("x-kvfabric-worker").expect("the serving worker's header").to_string();
+    // The workers' KV events reach the frontend's index through NATS.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    let mut page = Browser::open(&format!("http://{addr}"));
+    let snap = page.ask(json!({"cmd": "snapshot"}));
+    assert_eq!(snap["status"], "ok", "{snap}");
+    assert_eq!(names(&snap["workers"]), ["dash-a", "dash-b"], "{snap}");
+    for w in snap["workers"].as_array().unwrap() {
+        assert_eq!(w["state"], "serving", "{w}");
+        assert_eq!(w["role"], "aggregated", "{w}");
+    }
+    // Its numbers are those of /metrics (no request in flight now).
+    let m = get(addr, "/metrics").await.text();
+    assert_eq!(shown(&snap, "ok"), metric(&m, "kvfabric_requests_total{outcome=\"ok\"}"));
+    assert_eq!(shown(&snap, "ok"), 11.0);
+    assert_eq!(shown(&snap, "prompt_tokens"), metric(&m, "kvfabric_prompt_tokens_total"));
+    assert_eq!(
+        shown(&snap, "cached_prompt_tokens"),
+        metric(&m, "kvfabric_cached_prompt_tokens_total")
+    );
+    assert!(shown(&snap, "cached_prompt_tokens") > 0.0, "the shared prefix was not reused");
+    assert_eq!(shown(&snap, "generated_tokens"), metric(&m, "kvfabric_generation_tokens_total"));
+    assert_eq!(
+        shown(&snap, "ttft_count"),
+        metric(&m, "kvfabric_time_to_first_token_seconds_count")
+    );
+    let requests: f64 = snap["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["requests"].as_str().unwrap().replace(',', "").parse::<f64>().unwrap())
+        .sum();
+    assert_eq!(requests, 11.0, "{snap}");
+    assert!(snap["metrics"]["discovery"].as_str().unwrap().starts_with("etcd: connected"));
+    assert!(snap["metrics"]["bus"].as_str().unwrap().starts_with("nats: connected"));
+    assert!(shown(&snap, "kv_events") > 0.0, "{snap}");
+
+    // The cache map of the remembered prompt: the worker that served it holds its blocks,
+    // and the router would send it there again.
+    let map = page.ask(json!({"cmd": "cachemap", "prompt": remembered, "model": "mock"}));
+    let rows = map["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{map}");
+    let row = rows.iter().find(|r| r["worker"] == served_by.as_str()).expect("its row");
+    let cached: u64 = row["cached"].as_str().unwrap().parse().unwrap();
+    let host: u64 = row["host"].as_str().unwrap().parse().unwrap();
+    assert!(cached >= 20, "the serving worker holds {cached} blocks of it: {map}");
+    assert_eq!(host, cached, "its blocks are in the host tier: {map}");
+    assert_eq!(row["chosen"], true, "{map}");
+    assert!(map["reason"].as_str().unwrap().contains(&served_by), "{map}");
+    let other = rows.iter().find(|r| r["worker"] != served_by.as_str()).unwrap();
+    assert_eq!(other["chosen"], false, "{map}");
+
+    if let Some(path) = std::env::var_os("KVFABRIC_DASHBOARD_SCREENSHOT") {
+        page.ask(json!({"cmd": "screenshot", "path": path.to_string_lossy()}));
+    }
+
+    // A worker killed (no drain) leaves the workers table within its lease, and shows as
+    // lost among the departed.
+    a.0.kill().unwrap();
+    let killed = Instant::now();
+    let snap = loop {
+        let snap = page.ask(json!({"cmd": "snapshot"}));
+        if names(&snap["workers"]) == ["dash-b"] {
+            break snap;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(LEASE_S + 3),
+            "the killed worker is still shown after {:?}: {snap}",
+            killed.elapsed()
+        );
+    };
+    assert!(killed.elapsed() < Duration::from_secs(LEASE_S + 3));
+    let departed = snap["departed"].as_array().unwrap();
+    assert!(departed.iter().any(|d| d["worker"] == "dash-a" && d["state"] == "lost"), "{snap}");
+}
