@@ -76,6 +76,8 @@ pub struct TransportTotals {
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct WorkerStats {
+    /// Its role (`aggregated`, `prefill`, `decode`); empty before it serves.
+    pub role: String,
     /// Sequences in the batch.
     pub running: u64,
     /// Requests waiting for a batch slot.

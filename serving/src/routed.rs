@@ -130,9 +130,22 @@ struct ModelState {
     workers: usize,
 }
 
+/// A worker this frontend does not route to but hears report (a prefill worker), for
+/// dashboards; forgotten when its reports stop.
+#[derive(Debug)]
+struct Reporter {
+    load: contract::Load,
+    stats: Box<contract::WorkerStats>,
+    at: Instant,
+}
+
+/// Reporters kept at most (names come from the bus).
+const REPORTERS_MAX: usize = 256;
+
 #[derive(Debug, Default)]
 struct State {
     workers: HashMap<String, WorkerEntry>,
+    reporters: HashMap<String, Reporter>,
     departed: std::collections::VecDeque<Departed>,
     by_id: HashMap<WorkerId, String>,
     models: HashMap<String, ModelState>,
@@ -374,6 +387,16 @@ impl RoutedBackend {
                 view(name, w, state, None)
             })
             .collect();
+        st.reporters.retain(|_, r| now - r.at < REPORTS_STOPPED);
+        workers.extend(st.reporters.iter().map(|(name, r)| WorkerView {
+            name: name.clone(),
+            role: "prefill",
+            state: if r.stats.draining { "draining" } else { "serving" },
+            load: r.load,
+            stats: Some((*r.stats).clone()),
+            report_age_s: Some((now - r.at).as_secs_f64()),
+            ..WorkerView::default()
+        }));
         workers.sort_by(|a, b| a.name.cmp(&b.name));
         let departed = st
             .departed
@@ -538,7 +561,15 @@ impl Inner {
             // A draining worker keeps reporting after it left discovery.
             None => st.departed.iter_mut().find(|d| d.name == source).map(|d| &mut d.entry),
         };
-        let Some(w) = entry else { return };
+        let Some(w) = entry else {
+            // Prefill workers serve no requests of this frontend, but a dashboard shows them.
+            if let Some(stats) = stats.filter(|s| s.role == "prefill") {
+                if st.reporters.len() < REPORTERS_MAX || st.reporters.contains_key(&source) {
+                    st.reporters.insert(source, Reporter { load, stats, at: Instant::now() });
+                }
+            }
+            return;
+        };
         w.load = load;
         w.stats = stats.map(|mut s| {
             s.transfers.truncate(kvfabric::transfer::TransportKind::ALL.len());

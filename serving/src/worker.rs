@@ -124,7 +124,7 @@ pub struct WorkerStack {
     publisher: StorePublisher,
     /// What its load reports say of it once it serves (its backend's counters); until
     /// then, its engine's and store's.
-    report: Arc<parking_lot::Mutex<Option<MetricsSource>>>,
+    report: Arc<parking_lot::Mutex<Option<(MetricsSource, &'static str)>>>,
     /// The shared secret of its agent and its request port.
     secret: Vec<u8>,
 }
@@ -294,7 +294,7 @@ impl WorkerStack {
         }
 
         // Load reports for the routers, a few times a second, with what dashboards show.
-        let report: Arc<parking_lot::Mutex<Option<MetricsSource>>> = Arc::default();
+        let report: Arc<parking_lot::Mutex<Option<(MetricsSource, &'static str)>>> = Arc::default();
         {
             let (bus, name, sched) = (bus.clone(), cfg.name.clone(), sched.clone());
             let (store, report) = (store.clone(), report.clone());
@@ -310,14 +310,19 @@ impl WorkerStack {
                     };
                     let mut snap = Snapshot::default();
                     let source = report.lock().clone();
-                    match source {
-                        Some(source) => source.snapshot(&mut snap),
+                    let role = match source {
+                        Some((source, role)) => {
+                            source.snapshot(&mut snap);
+                            role
+                        }
                         None => {
                             snap.engine = Some(crate::backend::engine_snapshot(&sched, &store));
                             snap.transfers = store.agent().transfer_counts();
+                            ""
                         }
-                    }
-                    let stats = worker_stats(&snap, s.draining.load(Ordering::Relaxed));
+                    };
+                    let mut stats = worker_stats(&snap, s.draining.load(Ordering::Relaxed));
+                    stats.role = role.to_string();
                     let msg =
                         Message::Load { source: name.clone(), load, stats: Some(Box::new(stats)) };
                     let _ = bus.publish(msg.topic(), msg.encode()).await;
@@ -408,7 +413,12 @@ impl WorkerStack {
                 (addr, server, WORKER_KIND, MetricsSource::Backend(backend), Some(stats))
             }
         };
-        *self.report.lock() = Some(metrics.clone());
+        let role_name = match role {
+            Role::Aggregated => "aggregated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        };
+        *self.report.lock() = Some((metrics.clone(), role_name));
         let mut md = self.metadata(addr);
         md.role = role;
         let metadata = serde_json::to_value(md).map_err(|e| ControlError::Malformed {
