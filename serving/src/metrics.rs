@@ -1330,6 +1330,34 @@ mod tests {
     /// The planner's window: what was counted since the last take, then a fresh one; past
     /// the sample cap, a uniform sample of all latencies (the quantiles of a window of a
     /// million ITLs, half of 1 ms and half of 9 ms, stay at 1 and 9 ms).
+    /// Quantiles from bucket counts, computed by hand: 10 observations in (0, 1], 30 in
+    /// (1, 2], none in (2, 4], 10 above 4.
+    #[test]
+    fn bucket_quantiles_interpolate_within_their_bucket() {
+        let bounds = [1.0, 2.0, 4.0];
+        let counts = [10, 30, 0, 10];
+        // Rank 25 of 50: 15 into the (1, 2] bucket of 30.
+        assert_eq!(bucket_quantile(&counts, &bounds, 0.5), Some(1.5));
+        // Rank 5: half of the first bucket.
+        assert_eq!(bucket_quantile(&counts, &bounds, 0.1), Some(0.5));
+        // Rank 40 ends the second bucket exactly.
+        assert_eq!(bucket_quantile(&counts, &bounds, 0.8), Some(2.0));
+        // Above every bound: the last bound.
+        assert_eq!(bucket_quantile(&counts, &bounds, 0.99), Some(4.0));
+        assert_eq!(bucket_quantile(&[0, 0, 0, 0], &bounds, 0.5), None);
+        // The same observations through HttpMetrics.
+        let m = HttpMetrics::default();
+        for ms in [0.5, 0.7, 3.0, 40.0] {
+            m.first_token(Duration::from_secs_f64(ms / 1e3));
+        }
+        let t = m.totals();
+        assert_eq!(t.ttft_buckets.iter().sum::<u64>(), 4);
+        assert_eq!(t.ttft_buckets[0], 2, "two at most 1 ms");
+        assert_eq!(t.ttft_buckets[1], 1, "one in (1, 5] ms");
+        assert_eq!(t.ttft_buckets[4], 1, "one in (25, 50] ms");
+        assert_eq!(bucket_quantile(&t.ttft_buckets, LATENCY_BUCKETS, 0.5), Some(0.001));
+    }
+
     #[test]
     fn load_windows() {
         let m = HttpMetrics::default();
