@@ -151,7 +151,7 @@ impl Scheduler {
             engine,
             store,
             runtime,
-            hasher: hasher.clone(),
+            hasher,
             cfg,
             rx,
             stats: stats.clone(),
