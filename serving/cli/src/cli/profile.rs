@@ -76,6 +76,10 @@ pub struct ProfileArgs {
     /// Also an SVG plot of the curves.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// Measure nothing: read this profile (written before) and show it, with `--plot` drawn
+    /// from it.
+    #[arg(long, value_name = "PROFILE.json")]
+    from: Option<std::path::PathBuf>,
     /// Print the profile as JSON on stdout instead of tables.
     #[arg(long)]
     json: bool,
@@ -162,6 +166,18 @@ fn on_step(bar: &indicatif::ProgressBar) -> impl FnMut(Step) + '_ {
 }
 
 pub async fn run(args: ProfileArgs) -> anyhow::Result<()> {
+    if let Some(from) = &args.from {
+        let text = std::fs::read_to_string(from)
+            .with_context(|| format!("reading the profile {}", from.display()))?;
+        let profile =
+            EngineProfile::from_json(&text).with_context(|| from.display().to_string())?;
+        if let Some(path) = &args.plot {
+            std::fs::write(path, plot(&profile))
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        print!("{}", render(&profile));
+        return Ok(());
+    }
     anyhow::ensure!(!args.prompts.is_empty(), "--prompts: at least one length");
     anyhow::ensure!(
         !args.batches.is_empty() && !args.contexts.is_empty(),
