@@ -3,7 +3,10 @@
 //!
 //! The engine numbers its batches 0, 1, 2… On a (re)connect, and on a gap, the subscriber
 //! asks the engine's replay endpoint for every batch from the next one expected; live batches
-//! that arrive meanwhile are held (up to a bound) and applied after the replayed ones.
+//! that arrive meanwhile are held (up to a bound) and applied after the replayed ones. The
+//! engine answers a replay with what it had published when the request reached it, so a held
+//! batch published later may still follow a gap (a batch the live stream missed after that
+//! answer): replay is asked again for it, once, then the gap is lost.
 //! When replay is unavailable (no endpoint, no answer in time, or the engine no longer holds
 //! the batches), the worker's blocks are dropped ([`Action::Reset`]) and rebuilt from the
 //! events that follow.
@@ -45,6 +48,9 @@ pub struct Sequencer<P> {
     next: Option<u64>,
     /// A replay was asked from this and has not ended.
     replaying: Option<u64>,
+    /// The highest live batch received before that replay was asked: the engine had published
+    /// it, so the replay's answer reaches it if the engine still holds the batches.
+    covered: Option<u64>,
     /// Live batches received during a replay.
     held: VecDeque<(u64, P)>,
     /// Most live batches held during a replay (older ones are dropped: the replay or a
@@ -67,6 +73,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         Sequencer {
             next: None,
             replaying: None,
+            covered: None,
             held: VecDeque::new(),
             max_held,
             can_replay,
@@ -115,6 +122,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         if self.can_replay && self.replaying.is_none() {
             let from = self.next.unwrap_or(0);
             self.replaying = Some(from);
+            self.covered = None; // nothing is held outside a replay
             out.push(Action::AskReplay { from });
         }
     }
@@ -139,6 +147,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         match self.next {
             Some(n) if seq > n && self.can_replay => {
                 self.replaying = Some(n);
+                self.covered = Some(seq);
                 self.held.push_back((seq, payload));
                 out.push(Action::AskReplay { from: n });
             }
@@ -161,13 +170,14 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         self.apply(seq, payload, out);
     }
 
-    /// The replay ended (its end marker arrived): apply what was held.
+    /// The replay ended (its end marker arrived): apply what was held, up to a gap that a
+    /// new replay may fill.
     pub fn replay_ended(&mut self, out: &mut Vec<Action<P>>) {
         if let Some(from) = self.replaying.take() {
-            // Nothing replayed from `from`: the engine has published nothing since, so the
-            // next live batch must be `from` (a later one is a gap).
+            // Nothing replayed from `from`: the engine had published nothing since, so the
+            // next batch must be `from` (a later one is a gap).
             self.next.get_or_insert(from);
-            self.flush(out);
+            self.flush(true, out);
         }
     }
 
@@ -186,11 +196,24 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
                 self.next = Some(s);
             }
         }
-        self.flush(out);
+        self.flush(false, out);
     }
 
-    fn flush(&mut self, out: &mut Vec<Action<P>>) {
+    /// Applies the held batches in order. With `ask_again`, a gap before a batch that the
+    /// replay just ended did not cover (the engine published it after answering, and the
+    /// live stream missed what came between) starts a new replay, the rest staying held.
+    fn flush(&mut self, ask_again: bool, out: &mut Vec<Action<P>>) {
         while let Some((seq, payload)) = self.held.pop_front() {
+            if let Some(n) = self.next {
+                if ask_again && self.can_replay && seq > n && self.covered.is_none_or(|c| seq > c) {
+                    self.held.push_front((seq, payload));
+                    // All of these were published before this request: it covers them.
+                    self.covered = self.held.iter().map(|(s, _)| *s).max();
+                    self.replaying = Some(n);
+                    out.push(Action::AskReplay { from: n });
+                    return;
+                }
+            }
             self.in_order(seq, payload, out);
         }
     }
@@ -200,7 +223,11 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     fn in_order(&mut self, seq: u64, payload: P, out: &mut Vec<Action<P>>) {
         match self.next {
             Some(n) if seq > n => out.push(Action::Reset {
-                reason: format!("batches {n}..{seq} lost and the engine has no replay endpoint"),
+                reason: if self.can_replay {
+                    format!("batches {n}..{seq} lost: the engine's replay did not bring them")
+                } else {
+                    format!("batches {n}..{seq} lost and the engine has no replay endpoint")
+                },
             }),
             Some(n) if seq < n => {
                 if self.duplicate(seq, &payload) {
@@ -284,6 +311,67 @@ mod tests {
         s.replay_failed("timeout", &mut out);
         assert_eq!(applied(&out), [0, 3]);
         assert_eq!(resets(&out), 1);
+    }
+
+    #[test]
+    fn a_gap_among_the_batches_held_during_a_replay_is_asked_for_again() {
+        // The replay asked on connecting is answered before the engine publishes anything;
+        // batches 0 and 2 arrive live while that answer is on its way, batch 1 never does.
+        let mut s = Sequencer::new(true, 16);
+        let mut out = Vec::new();
+        s.connected(&mut out);
+        s.live(0, vec![0], &mut out);
+        s.live(2, vec![2], &mut out);
+        s.replay_ended(&mut out);
+        assert_eq!(
+            out[1..],
+            [Action::Apply { seq: 0, payload: vec![0] }, Action::AskReplay { from: 1 }]
+        );
+        s.live(3, vec![3], &mut out); // held again
+        s.replayed(1, vec![1], &mut out);
+        s.replayed(2, vec![2], &mut out);
+        s.replay_ended(&mut out);
+        assert_eq!(applied(&out), [0, 1, 2, 3]);
+        assert_eq!(resets(&out), 0);
+        assert_eq!(s.next(), Some(4));
+        // The same when the answer brings batch 0, whether the live batch 0 then comes as a
+        // duplicate or never (the subscription was not yet active at the engine's socket).
+        for live0 in [true, false] {
+            let mut s = Sequencer::new(true, 16);
+            let mut out = Vec::new();
+            s.connected(&mut out);
+            s.replayed(0, vec![0], &mut out);
+            if live0 {
+                s.live(0, vec![0], &mut out);
+            }
+            s.live(2, vec![2], &mut out);
+            s.replay_ended(&mut out);
+            assert_eq!(out.last(), Some(&Action::AskReplay { from: 1 }), "{live0}");
+            s.replayed(1, vec![1], &mut out);
+            s.replayed(2, vec![2], &mut out);
+            s.replay_ended(&mut out);
+            assert_eq!((applied(&out), resets(&out)), (vec![0, 1, 2], 0), "{live0}");
+        }
+        // A second replay, asked once batch 2 had arrived, that does not bring batch 1 either:
+        // the engine no longer holds it. A reset, not a third replay.
+        let mut s = Sequencer::new(true, 16);
+        let mut out = Vec::new();
+        s.connected(&mut out);
+        s.live(2, vec![2], &mut out);
+        s.replay_ended(&mut out);
+        assert_eq!(out, [Action::AskReplay { from: 0 }, Action::AskReplay { from: 0 }]);
+        out.clear();
+        s.replay_ended(&mut out);
+        assert_eq!((applied(&out), resets(&out)), (vec![2], 1));
+        assert!(!s.replaying());
+        // Likewise a gap seen live: the replay it asks covers the batch that showed it.
+        let mut s = Sequencer::new(true, 16);
+        let mut out = Vec::new();
+        s.live(0, vec![0], &mut out);
+        s.live(2, vec![2], &mut out);
+        s.replay_ended(&mut out);
+        assert_eq!((applied(&out), resets(&out)), (vec![0, 2], 1));
+        assert_eq!(out.iter().filter(|a| matches!(a, Action::AskReplay { .. })).count(), 1);
     }
 
     #[test]
