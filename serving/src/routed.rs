@@ -563,7 +563,7 @@ impl Inner {
         };
         let Some(w) = entry else {
             // Prefill workers serve no requests of this frontend, but a dashboard shows them.
-            if let Some(stats) = stats.filter(|s| s.role == "prefill") {
+            if let Some(stats) = stats.filter(|s| s.role == "prefill").map(bounded) {
                 if st.reporters.len() < REPORTERS_MAX || st.reporters.contains_key(&source) {
                     st.reporters.insert(source, Reporter { load, stats, at: Instant::now() });
                 }
@@ -571,10 +571,7 @@ impl Inner {
             return;
         };
         w.load = load;
-        w.stats = stats.map(|mut s| {
-            s.transfers.truncate(kvfabric::transfer::TransportKind::ALL.len());
-            s
-        });
+        w.stats = stats.map(bounded);
         w.reported = Some((Instant::now(), lag_ms));
         if let Some(m) = st.models.get_mut(&w.model).filter(|_| st.by_id.contains_key(&w.wid)) {
             m.router.report_load(w.wid, load);
@@ -859,6 +856,21 @@ fn explain_reason(
             "{mode} routing does not weigh cached blocks; by cost (kv routing) it would be {chosen}. {why}"
         ),
     }
+}
+
+/// A report off the bus, cut to what a dashboard shows: a transport per kind, short names.
+fn bounded(mut s: Box<contract::WorkerStats>) -> Box<contract::WorkerStats> {
+    let short = |x: &mut String| {
+        if x.len() > 32 {
+            *x = x.chars().take(32).collect();
+        }
+    };
+    s.transfers.truncate(kvfabric::transfer::TransportKind::ALL.len());
+    for t in &mut s.transfers {
+        short(&mut t.transport);
+    }
+    short(&mut s.role);
+    s
 }
 
 /// A worker's name, leading cached run, cost, load and cost terms (`explain`).

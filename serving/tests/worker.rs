@@ -76,6 +76,59 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     });
     assert!(served.metrics.render().contains("kvfabric_prefill_tokens_total"));
 
+    // The dashboard's view: the worker from discovery with its own report (role, host tier).
+    let dash = routed.clone();
+    common::wait_until(Duration::from_secs(10), || {
+        dash.dashboard().workers.first().and_then(|w| w.stats.as_ref()).is_some_and(|s| {
+            s.role == "aggregated" && s.tiers[1].capacity == 64 && s.prefill_tokens > 0
+        })
+    });
+    let view = routed.dashboard();
+    assert_eq!(view.workers.len(), 1);
+    assert_eq!((view.workers[0].name.as_str(), view.workers[0].state), ("w-0", "serving"));
+    assert!(view.workers[0].indexed_blocks >= 5, "{view:?}");
+    let control = view.control.expect("a routed backend has a control plane");
+    assert!(control.discovery.connected && control.bus.connected);
+    // A hostile report off the bus (a prefill worker's, with absurd numbers and a long
+    // name) is shown cut to size, and its sums saturate.
+    let evil = kvfabric::contract::Message::Load {
+        source: "evil".into(),
+        load: kvfabric::contract::Load { active_blocks: u64::MAX, queued_prefill_tokens: 1 },
+        stats: Some(Box::new(kvfabric::contract::WorkerStats {
+            role: "prefill".into(),
+            prefill_tokens: u64::MAX,
+            hit_tokens: [u64::MAX; 4],
+            transfers: (0..100)
+                .map(|i| kvfabric::contract::TransportTotals {
+                    transport: format!("{i}{}", "x".repeat(1000)),
+                    bytes: u64::MAX,
+                    done: 1,
+                    failed: 0,
+                })
+                .collect(),
+            ..Default::default()
+        })),
+    };
+    bus.publish(evil.topic(), evil.encode()).await.unwrap();
+    let dash = routed.clone();
+    common::wait_until(Duration::from_secs(10), || {
+        dash.dashboard().workers.iter().any(|w| w.name == "evil")
+    });
+    let view = routed.dashboard();
+    let evil = view.workers.iter().find(|w| w.name == "evil").unwrap();
+    assert_eq!(evil.role, "prefill");
+    let stats = evil.stats.as_ref().unwrap();
+    assert!(stats.transfers.len() <= 5 && stats.transfers.iter().all(|t| t.transport.len() <= 32));
+    let state = common::get(addr, "/dashboard/state").await;
+    assert_eq!(state.status, 200);
+    let state = state.json();
+    assert_eq!(state["version"], 1);
+    assert_eq!(state["prefill_tokens"], u64::MAX, "saturated: {state}");
+    assert_eq!(state["requests"]["ok"], 1);
+    let page = common::get(addr, "/dashboard").await;
+    assert_eq!(page.status, 200);
+    assert!(page.text().contains("/dashboard/app.js"));
+
     assert_eq!(common::get(addr, "/health").await.status, 200);
     served.registration.revoke().await;
     assert!(discovery.list(WORKER_KIND).await.unwrap().is_empty());
@@ -90,6 +143,11 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     assert_eq!(r.json()["error"]["code"], "service_unavailable");
     let h = common::get(addr, "/health").await;
     assert_eq!((h.status, h.json()["status"].as_str()), (503, Some("no workers")));
+    // Revoked without draining: among the departed, lost.
+    let view = routed.dashboard();
+    assert!(view.workers.iter().all(|w| w.name != "w-0"));
+    let left = view.departed.iter().find(|w| w.name == "w-0").expect("w-0 departed");
+    assert_eq!(left.state, "lost");
     served.server.abort();
     stack.shutdown().await;
 }

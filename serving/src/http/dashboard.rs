@@ -61,16 +61,18 @@ struct WorkTotals {
 impl WorkTotals {
     fn of(workers: &[&WorkerView]) -> Self {
         let mut t = WorkTotals::default();
+        // Reports come off the bus: sums saturate rather than trust their magnitudes.
         for s in workers.iter().filter_map(|w| w.stats.as_ref()) {
-            t.prefill_tokens += s.prefill_tokens;
+            t.prefill_tokens = t.prefill_tokens.saturating_add(s.prefill_tokens);
             for (a, b) in t.hit_tokens.iter_mut().zip(s.hit_tokens) {
-                *a += b;
+                *a = a.saturating_add(b);
             }
             for x in &s.transfers {
-                *t.transfer_bytes.entry(x.transport.clone()).or_default() += x.bytes;
+                let b = t.transfer_bytes.entry(x.transport.clone()).or_default();
+                *b = b.saturating_add(x.bytes);
             }
-            t.remote_prefills += s.remote_prefills;
-            t.prefill_fallbacks += s.prefill_fallbacks;
+            t.remote_prefills = t.remote_prefills.saturating_add(s.remote_prefills);
+            t.prefill_fallbacks = t.prefill_fallbacks.saturating_add(s.prefill_fallbacks);
         }
         t
     }
@@ -175,8 +177,8 @@ pub(super) async fn state(State(st): State<Arc<AppState>>) -> Json<Value> {
     let mut occupancy = [(0u64, 0u64); 4];
     for s in serving.iter().filter_map(|w| w.stats.as_ref()) {
         for (o, t) in occupancy.iter_mut().zip(&s.tiers) {
-            o.0 += t.used;
-            o.1 += t.capacity;
+            o.0 = o.0.saturating_add(t.used);
+            o.1 = o.1.saturating_add(t.capacity);
         }
     }
     let mut planner = None;
