@@ -67,6 +67,6 @@ if [ "$profile" = test ]; then
     echo "setup: creating $venv (numpy, pytest, msgspec, pyzmq, playwright)" >&2
     python3 -m venv "$venv"
     # playwright drives Debian's chromium (never `playwright install`: no browser download).
-    "$venv/bin/pip" install -q --disable-pip-version-check numpy pytest msgspec pyzmq playwright >&2
+    "$venv/bin/pip" install -q --disable-pip-version-check numpy pytest msgspec pyzmq "playwright==1.65.*" >&2
   fi
 fi

@@ -1327,9 +1327,6 @@ mod tests {
         }
     }
 
-    /// The planner's window: what was counted since the last take, then a fresh one; past
-    /// the sample cap, a uniform sample of all latencies (the quantiles of a window of a
-    /// million ITLs, half of 1 ms and half of 9 ms, stay at 1 and 9 ms).
     /// Quantiles from bucket counts, computed by hand: 10 observations in (0, 1], 30 in
     /// (1, 2], none in (2, 4], 10 above 4.
     #[test]
@@ -1358,6 +1355,9 @@ mod tests {
         assert_eq!(bucket_quantile(&t.ttft_buckets, LATENCY_BUCKETS, 0.5), Some(0.001));
     }
 
+    /// The planner's window: what was counted since the last take, then a fresh one; past
+    /// the sample cap, a uniform sample of all latencies (the quantiles of a window of a
+    /// million ITLs, half of 1 ms and half of 9 ms, stay at 1 and 9 ms).
     #[test]
     fn load_windows() {
         let m = HttpMetrics::default();

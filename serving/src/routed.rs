@@ -139,8 +139,11 @@ struct Reporter {
     at: Instant,
 }
 
-/// Reporters kept at most (names come from the bus).
+/// Reporters kept at most (names come from the bus), and their names' length at most.
 const REPORTERS_MAX: usize = 256;
+const NAME_MAX: usize = 128;
+/// A reporter whose reports stopped this long ago is forgotten.
+const REPORTER_KEEP: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Default)]
 struct State {
@@ -368,11 +371,13 @@ impl RoutedBackend {
                 load: w.load,
                 stats: w.stats.as_deref().cloned(),
                 indexed_blocks: self.inner.index.worker_blocks(w.wid) as u64,
-                report_age_s: w.reported.map(|(at, _)| (now - at).as_secs_f64()),
-                left_s_ago: left.map(|l| (now - l).as_secs_f64()),
+                report_age_s: w
+                    .reported
+                    .map(|(at, _)| now.saturating_duration_since(at).as_secs_f64()),
+                left_s_ago: left.map(|l| now.saturating_duration_since(l).as_secs_f64()),
             };
         let mut st = self.inner.state.lock();
-        st.departed.retain(|d| now - d.left < DEPARTED_KEEP);
+        st.departed.retain(|d| now.saturating_duration_since(d.left) < DEPARTED_KEEP);
         let mut workers: Vec<WorkerView> = st
             .workers
             .iter()
@@ -387,14 +392,14 @@ impl RoutedBackend {
                 view(name, w, state, None)
             })
             .collect();
-        st.reporters.retain(|_, r| now - r.at < REPORTS_STOPPED);
+        st.reporters.retain(|_, r| now.saturating_duration_since(r.at) < REPORTER_KEEP);
         workers.extend(st.reporters.iter().map(|(name, r)| WorkerView {
             name: name.clone(),
             role: "prefill",
             state: if r.stats.draining { "draining" } else { "serving" },
             load: r.load,
             stats: Some((*r.stats).clone()),
-            report_age_s: Some((now - r.at).as_secs_f64()),
+            report_age_s: Some(now.saturating_duration_since(r.at).as_secs_f64()),
             ..WorkerView::default()
         }));
         workers.sort_by(|a, b| a.name.cmp(&b.name));
@@ -404,8 +409,14 @@ impl RoutedBackend {
             .rev()
             .map(|d| {
                 let w = &d.entry;
-                let reporting = w.reported.is_some_and(|(at, _)| now - at < REPORTS_STOPPED);
-                let state = match w.stats.as_ref().is_some_and(|s| s.draining) {
+                let reporting = w
+                    .reported
+                    .is_some_and(|(at, _)| now.saturating_duration_since(at) < REPORTS_STOPPED);
+                // A worker that drains says so, and keeps reporting after it left; one that
+                // was killed or lost its lease left with its reports already stopped.
+                let drains = w.stats.as_ref().is_some_and(|s| s.draining)
+                    || w.reported.is_some_and(|(at, _)| at > d.left);
+                let state = match drains {
                     true if reporting => "draining",
                     true => "drained",
                     false => "lost",
@@ -475,12 +486,20 @@ impl Inner {
         let wid = worker_id(&inst.id);
         self.index.add_worker(wid);
         let mut st = self.state.lock();
+        // What a dashboard knows of it (its last report, the requests sent to it) carries
+        // over a re-registration or a return.
+        let mut before = None;
         if let Some(old) = st.workers.remove(&inst.id) {
             // Re-registered (new address or model): forget the old routing entry.
             if let Some(m) = st.models.get_mut(&old.model) {
                 m.router.remove_worker(old.wid);
                 m.workers -= 1;
             }
+            before = Some(old);
+        }
+        if let Some(i) = st.departed.iter().position(|d| d.name == inst.id) {
+            let gone = st.departed.remove(i).map(|d| d.entry);
+            before = before.or(gone);
         }
         let bt = md.model.layout.block_tokens;
         let Ok(hasher) = TokenBlockHasher::new(bt as usize, HashSeed::default()) else {
@@ -500,7 +519,6 @@ impl Inner {
         model.workers += 1;
         tracing::info!(worker = %inst.id, addr = %md.addr, model = %md.model.id, role = ?md.role, "worker joined");
         st.by_id.insert(wid, inst.id.clone());
-        st.departed.retain(|d| d.name != inst.id);
         let role = match (&md.api, md.role) {
             (WorkerApi::OpenAi { .. }, _) => "engine",
             (_, protocol::Role::Aggregated) => "aggregated",
@@ -514,12 +532,12 @@ impl Inner {
                 addr: md.addr,
                 api: md.api,
                 model: md.model.id,
-                served: 0,
+                served: before.as_ref().map_or(0, |b| b.served),
                 penalty_until: None,
                 role,
-                load: contract::Load::default(),
-                stats: None,
-                reported: None,
+                load: before.as_ref().map_or_else(contract::Load::default, |b| b.load),
+                stats: before.as_mut().and_then(|b| b.stats.take()),
+                reported: before.as_ref().and_then(|b| b.reported),
             },
         );
     }
@@ -550,9 +568,11 @@ impl Inner {
 
     fn on_load(&self, bytes: &[u8]) {
         let Ok(Message::Load { source, load, stats }) = Message::decode(bytes) else { return };
+        // A lag beyond an hour is a clock, not the bus: not shown.
         let lag_ms = stats.as_ref().and_then(|s| {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?;
             Some((now.as_millis() as f64 - s.sent_at_ms as f64).max(0.0))
+                .filter(|l| *l <= 3_600_000.0)
         });
         let mut st = self.state.lock();
         let st = &mut *st;
@@ -563,7 +583,8 @@ impl Inner {
         };
         let Some(w) = entry else {
             // Prefill workers serve no requests of this frontend, but a dashboard shows them.
-            if let Some(stats) = stats.filter(|s| s.role == "prefill").map(bounded) {
+            let named = source.len() <= NAME_MAX;
+            if let Some(stats) = stats.filter(|s| named && s.role == "prefill").map(bounded) {
                 if st.reporters.len() < REPORTERS_MAX || st.reporters.contains_key(&source) {
                     st.reporters.insert(source, Reporter { load, stats, at: Instant::now() });
                 }
@@ -850,7 +871,9 @@ fn explain_reason(
             n.0, n.2, n.1.blocks
         ),
         ("kv", None) => format!("{chosen}: the only worker. {why}"),
-        ("kv", Some(_)) => format!("{chosen}: drawn among the cheapest (temperature). {why}"),
+        ("kv", Some(_)) => format!(
+            "{chosen}: cheaper workers were passed over (avoided after not answering in time, or the temperature's draw). {why}"
+        ),
         (_, _) if track => format!("{chosen}: {mode} routing does not weigh cached blocks. {why}"),
         (_, _) => format!(
             "{mode} routing does not weigh cached blocks; by cost (kv routing) it would be {chosen}. {why}"

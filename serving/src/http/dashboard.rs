@@ -40,12 +40,16 @@ const PAGE: &str = include_str!("dashboard/index.html");
 const SCRIPT: &str = include_str!("dashboard/app.js");
 const STYLE: &str = include_str!("dashboard/style.css");
 
-/// What the history keeps of one moment: cumulative counts.
+/// What the history keeps of one moment: cumulative counts, each worker's apart (a rate is
+/// the sum of each worker's own increase: a worker that joins, leaves or re-registers adds
+/// no spike).
 #[derive(Debug, Clone)]
 struct Sample {
+    /// Unix time (what the page shows) and a monotonic clock (what rates divide by).
     at: f64,
+    mono: std::time::Instant,
     http: HttpTotals,
-    work: WorkTotals,
+    work: BTreeMap<String, WorkTotals>,
 }
 
 /// The workers' cumulative counters, summed.
@@ -59,6 +63,31 @@ struct WorkTotals {
 }
 
 impl WorkTotals {
+    /// What `b` added since `a`, per counter (a counter that went down adds nothing).
+    fn since(b: &WorkTotals, a: &WorkTotals) -> WorkTotals {
+        let d = |x: u64, y: u64| y.saturating_sub(x);
+        let mut hit_tokens = [0; 4];
+        for (i, h) in hit_tokens.iter_mut().enumerate() {
+            *h = d(a.hit_tokens[i], b.hit_tokens[i]);
+        }
+        WorkTotals {
+            prefill_tokens: d(a.prefill_tokens, b.prefill_tokens),
+            hit_tokens,
+            transfer_bytes: b
+                .transfer_bytes
+                .iter()
+                .map(|(k, v)| (k.clone(), d(a.transfer_bytes.get(k).copied().unwrap_or(0), *v)))
+                .collect(),
+            remote_prefills: d(a.remote_prefills, b.remote_prefills),
+            prefill_fallbacks: d(a.prefill_fallbacks, b.prefill_fallbacks),
+        }
+    }
+
+    /// Each worker's totals, by name.
+    fn per_worker(workers: &[&WorkerView]) -> BTreeMap<String, WorkTotals> {
+        workers.iter().map(|w| (w.name.clone(), WorkTotals::of(std::slice::from_ref(w)))).collect()
+    }
+
     fn of(workers: &[&WorkerView]) -> Self {
         let mut t = WorkTotals::default();
         // Reports come off the bus: sums saturate rather than trust their magnitudes.
@@ -122,13 +151,19 @@ impl History {
 
 fn sample(st: &AppState, view: &BackendView) -> Sample {
     let all: Vec<&WorkerView> = view.workers.iter().chain(&view.departed).collect();
-    Sample { at: unix_now(), http: st.metrics.totals(), work: WorkTotals::of(&all) }
+    Sample {
+        at: unix_now(),
+        mono: std::time::Instant::now(),
+        http: st.metrics.totals(),
+        work: WorkTotals::per_worker(&all),
+    }
 }
 
-/// Rates and percentiles between two samples. Counters that went down (a worker left with
-/// its counts) count as zero.
+/// Rates and percentiles between two samples: the frontend's own increases, and the sum of
+/// each worker's (a worker in only one of the two adds nothing). Reports come off the bus, so
+/// sums saturate and shares are clamped to [0, 1].
 fn point(a: &Sample, b: &Sample) -> Value {
-    let dt = (b.at - a.at).max(1e-3);
+    let dt = b.mono.saturating_duration_since(a.mono).as_secs_f64().max(1e-3);
     let d = |x: u64, y: u64| y.saturating_sub(x);
     let diff = |x: &[u64], y: &[u64]| -> Vec<u64> {
         x.iter().zip(y).map(|(p, q)| q.saturating_sub(*p)).collect()
@@ -137,19 +172,30 @@ fn point(a: &Sample, b: &Sample) -> Value {
     let itl = diff(&a.http.itl_buckets, &b.http.itl_buckets);
     let q = |c: &[u64], bounds: &[f64], p: f64| bucket_quantile(c, bounds, p);
     let (ha, hb) = (&a.http, &b.http);
-    let finished = d(ha.ok, hb.ok) + d(ha.server_errors, hb.server_errors);
-    let hits: Vec<u64> =
-        a.work.hit_tokens.iter().zip(b.work.hit_tokens).map(|(x, y)| d(*x, y)).collect();
-    let computed = d(a.work.prefill_tokens, b.work.prefill_tokens);
-    let prompt = computed + hits.iter().sum::<u64>();
-    let hit_rate: Vec<Option<f64>> =
-        hits.iter().map(|h| (prompt > 0).then(|| *h as f64 / prompt as f64)).collect();
-    let bytes: BTreeMap<&String, f64> = b
-        .work
-        .transfer_bytes
+    let finished = d(ha.ok, hb.ok).saturating_add(d(ha.server_errors, hb.server_errors));
+    let mut work = WorkTotals::default();
+    for (name, now) in &b.work {
+        let Some(before) = a.work.get(name) else { continue };
+        let inc = WorkTotals::since(now, before);
+        work.prefill_tokens = work.prefill_tokens.saturating_add(inc.prefill_tokens);
+        for (x, y) in work.hit_tokens.iter_mut().zip(inc.hit_tokens) {
+            *x = x.saturating_add(y);
+        }
+        for (k, v) in inc.transfer_bytes {
+            let e = work.transfer_bytes.entry(k).or_default();
+            *e = e.saturating_add(v);
+        }
+        work.remote_prefills = work.remote_prefills.saturating_add(inc.remote_prefills);
+        work.prefill_fallbacks = work.prefill_fallbacks.saturating_add(inc.prefill_fallbacks);
+    }
+    let prompt = work.hit_tokens.iter().fold(work.prefill_tokens as f64, |s, h| s + *h as f64);
+    let hit_rate: Vec<Option<f64>> = work
+        .hit_tokens
         .iter()
-        .map(|(k, v)| (k, d(a.work.transfer_bytes.get(k).copied().unwrap_or(0), *v) as f64 / dt))
+        .map(|h| (prompt > 0.0).then(|| (*h as f64 / prompt).clamp(0.0, 1.0)))
         .collect();
+    let bytes: BTreeMap<&String, f64> =
+        work.transfer_bytes.iter().map(|(k, v)| (k, *v as f64 / dt)).collect();
     json!({
         "t": b.at,
         "requests_per_s": finished as f64 / dt,
@@ -162,8 +208,8 @@ fn point(a: &Sample, b: &Sample) -> Value {
                    "p99": q(&itl, metrics::ITL_BUCKETS, 0.99) },
         "hit_rate": { "G1": hit_rate[0], "G2": hit_rate[1], "G3": hit_rate[2], "G4": hit_rate[3] },
         "kv_bytes_per_s": bytes,
-        "remote_prefills_per_s": d(a.work.remote_prefills, b.work.remote_prefills) as f64 / dt,
-        "prefill_fallbacks_per_s": d(a.work.prefill_fallbacks, b.work.prefill_fallbacks) as f64 / dt,
+        "remote_prefills_per_s": work.remote_prefills as f64 / dt,
+        "prefill_fallbacks_per_s": work.prefill_fallbacks as f64 / dt,
     })
 }
 
@@ -245,4 +291,50 @@ pub(super) async fn script() -> impl IntoResponse {
 /// `GET /dashboard/style.css`.
 pub(super) async fn style() -> impl IntoResponse {
     asset("text/css; charset=utf-8", STYLE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(after_s: u64, ok: u64, workers: &[(&str, u64, [u64; 4])]) -> Sample {
+        let work = workers
+            .iter()
+            .map(|(name, prefill, hits)| {
+                let t = WorkTotals {
+                    prefill_tokens: *prefill,
+                    hit_tokens: *hits,
+                    ..Default::default()
+                };
+                (name.to_string(), t)
+            })
+            .collect();
+        let mono = std::time::Instant::now() + Duration::from_secs(after_s);
+        let http = HttpTotals { ok, ..HttpTotals::default() };
+        Sample { at: after_s as f64, mono, http, work }
+    }
+
+    /// Per-worker increases: a worker that joins adds nothing in its first interval, one that
+    /// restarts (counters down) adds nothing, and absurd counters saturate and clamp.
+    #[test]
+    fn rates_are_sums_of_each_workers_increase() {
+        let a = sample(0, 10, &[("w-0", 100, [0, 100, 0, 0]), ("w-1", 50, [0; 4])]);
+        let b = sample(
+            2,
+            30,
+            &[("w-0", 200, [0, 300, 0, 0]), ("w-1", 0, [0; 4]), ("w-2", 9000, [0; 4])],
+        );
+        let p = point(&a, &b);
+        assert!((p["requests_per_s"].as_f64().unwrap() - 10.0).abs() < 0.1, "{p}");
+        // w-0 computed 100 and found 200 in G2; w-1 restarted; w-2 is new.
+        assert!((p["hit_rate"]["G2"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-9, "{p}");
+        assert_eq!(p["hit_rate"]["G1"], 0.0);
+        let evil =
+            sample(4, 30, &[("w-0", u64::MAX, [u64::MAX; 4]), ("w-1", u64::MAX, [u64::MAX; 4])]);
+        let p = point(&b, &evil);
+        for t in ["G1", "G2", "G3", "G4"] {
+            let h = p["hit_rate"][t].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&h), "{p}");
+        }
+    }
 }

@@ -123,7 +123,8 @@ fn panel<DB: DrawingBackend>(c: &Chart, area: &DrawingArea<DB, Shift>) -> PanelR
         all.clone().fold((f64::MAX, f64::MIN), |a, p| (a.0.min(p.0), a.1.max(p.0)));
     let mut y1 = all.clone().fold(f64::MIN, |a, p| a.max(p.1));
     let mut y0 = all.clone().fold(f64::MAX, |a, p| a.min(p.1)).min(0.0);
-    if lines.iter().all(Vec::is_empty) {
+    // Nothing to draw, or extremes whose span overflows: a unit panel.
+    if lines.iter().all(Vec::is_empty) || !(x1 - x0).is_finite() || !(y1 - y0).is_finite() {
         (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
     }
     if x1 <= x0 {

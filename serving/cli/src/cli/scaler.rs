@@ -351,6 +351,7 @@ impl Kind for InProcess {
         tracing::info!(worker = %w.name, "planner: worker draining");
         let deadline = self.drain_timeout;
         Ok(Box::pin(async move {
+            w.stack.sched.stats().draining.store(true, std::sync::atomic::Ordering::Relaxed);
             w.registration.revoke().await;
             let quiet = super::worker::DRAIN_QUIET;
             let drained = drain(w.stats.as_deref(), &w.stack.sched, quiet, deadline).await;

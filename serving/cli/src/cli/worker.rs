@@ -125,6 +125,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             tracing::error!(worker = %args.name, %reason, "engine failed: leaving discovery and exiting")
         }
     }
+    if failure.is_none() {
+        // Its reports say so from now on (dashboards show it draining).
+        stack.sched.stats().draining.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     registration.revoke().await;
     if failure.is_none() {
         // Drain: routers saw the worker leave; finish what was sent before they did.

@@ -140,7 +140,7 @@ function renderPlanner(p) {
   if (!p) return;
   kvRows($("#planner"), [
     ["workers (desired)", `${p.workers} (${p.desired})`], ["draining", num(p.draining)],
-    ["observed / predicted req/s", `${p.observed_rate.toFixed(2)} / ${p.predicted_rate.toFixed(2)}`],
+    ["observed / predicted req/s", `${num(p.observed_rate)} / ${num(p.predicted_rate)}`],
     ["observed TTFT / ITL", `${ms(p.observed_ttft_s)} / ${ms(p.observed_itl_s)}`],
     ["decisions up / down / hold", p.decisions.join(" / ")], ["scale failures", num(p.scale_failures)],
   ]);
@@ -194,6 +194,7 @@ async function poll() {
     render(s);
     document.body.dataset.updated = String(s.now_s);
   } catch (e) {
+    console.error("dashboard:", e);
     $("#status").textContent = "unreachable";
     $("#status").className = "badge bad";
     $("#updated").textContent = String(e.message || e);
