@@ -171,18 +171,24 @@ impl NatsServer {
 /// `scripts/setup.sh test` creates. Panics with what to do when it cannot import msgspec and
 /// zmq.
 pub fn engine_python() -> PathBuf {
+    test_python("msgspec, zmq")
+}
+
+/// The test suite's Python (as [`engine_python`]), checked to import `modules` (a Python
+/// import list); panics with what to do when it cannot.
+pub fn test_python(modules: &str) -> PathBuf {
     let p = std::env::var_os("KVFABRIC_TEST_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
         PathBuf::from(std::env::var("HOME").unwrap_or_default())
             .join(".cache/kvfabric/venv/bin/python")
     });
     let ok = Command::new(&p)
-        .args(["-c", "import msgspec, zmq"])
+        .args(["-c", &format!("import {modules}")])
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     assert!(
         ok,
-        "{} cannot import msgspec and zmq: run scripts/setup.sh test (or set KVFABRIC_TEST_PYTHON)",
+        "{} cannot import {modules}: run scripts/setup.sh test (or set KVFABRIC_TEST_PYTHON)",
         p.display()
     );
     p

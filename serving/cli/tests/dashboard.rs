@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{get, post_json, spawn_worker, Proc};
+use common::{get, post_json, spawn_server, spawn_worker, Proc};
 use kvfabric::testkit::{EtcdServer, NatsServer};
 use serde_json::{json, Value};
 
@@ -24,27 +24,11 @@ const LEASE_S: u64 = 3;
 
 /// The Python with Playwright, and Chromium: present, or the test says how to get them.
 fn browser_python() -> std::path::PathBuf {
-    let p = std::env::var_os("KVFABRIC_TEST_PYTHON").map(std::path::PathBuf::from).unwrap_or_else(
-        || {
-            std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default())
-                .join(".cache/kvfabric/venv/bin/python")
-        },
-    );
-    let ok = Command::new(&p)
-        .args(["-c", "import playwright.sync_api"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "{} cannot import playwright: run scripts/setup.sh test (or set KVFABRIC_TEST_PYTHON)",
-        p.display()
-    );
     assert!(
         std::path::Path::new("/usr/bin/chromium").exists(),
         "no /usr/bin/chromium: run scripts/setup.sh test (it installs Debian's chromium)"
     );
-    p
+    kvfabric::testkit::test_python("playwright.sync_api")
 }
 
 /// The page in Chromium, one command at a time; each answer within [`ANSWER_WITHIN`].
@@ -160,24 +144,17 @@ fn worker(name: &str, etcd: &EtcdServer, nats: &NatsServer) -> Proc {
 }
 
 fn frontend(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["frontend", "--port", "0", "--namespace", "dash", "--secret", SECRET])
-        .args(["--name", "dash-fe", "--etcd", &etcd.endpoint(), "--nats", &nats.url()])
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("the frontend printed nothing").unwrap();
-    std::thread::spawn(move || for _ in lines {});
-    let addr = line
-        .rsplit_once("at http://")
-        .and_then(|(_, r)| r.strip_suffix("/v1"))
-        .unwrap_or_else(|| panic!("{line}"))
-        .parse()
-        .unwrap();
-    (Proc(child), addr)
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["frontend", "--port", "0", "--namespace", "dash", "--secret", SECRET]).args([
+        "--name",
+        "dash-fe",
+        "--etcd",
+        &etcd.endpoint(),
+        "--nats",
+        &nats.url(),
+    ]);
+    let (proc, addr, _) = spawn_server(cmd);
+    (proc, addr)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,14 +6,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{get, post_json, Proc};
+use common::{get, post_json, spawn_server, Proc};
 use kvfabric::testkit::{EtcdServer, NatsServer};
 use serde_json::json;
 
@@ -103,27 +102,12 @@ async fn up_then_down(addr: SocketAddr) -> (u64, u64, u64) {
 /// Starts `cmd` (a server that prints `... at http://ADDR/v1` first) with the planner
 /// settings both tests share, and returns it with its address (its later output drained).
 fn serve_planned(mut cmd: Command, profile: &std::path::Path) -> (Proc, SocketAddr, String) {
-    let mut child = cmd
-        .arg("--planner")
+    cmd.arg("--planner")
         .arg(profile)
         .args(["--planner-min-workers", "1", "--planner-max-workers", "3"])
         .args(["--planner-interval-s", "1", "--planner-ttft-ms", "150", "--planner-itl-ms", "30"])
-        .args(["--planner-percentile", "p90", "--planner-scale-down-after", "2"])
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("the server printed nothing").unwrap();
-    std::thread::spawn(move || for _ in lines {});
-    let addr: SocketAddr = line
-        .rsplit_once("at http://")
-        .and_then(|(_, r)| r.strip_suffix("/v1"))
-        .unwrap_or_else(|| panic!("{line}"))
-        .parse()
-        .unwrap();
-    (Proc(child), addr, line)
+        .args(["--planner-percentile", "p90", "--planner-scale-down-after", "2"]);
+    spawn_server(cmd)
 }
 
 /// The mock engine's profile, measured by `kvfabric profile`.

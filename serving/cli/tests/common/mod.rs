@@ -56,3 +56,26 @@ pub fn shm_files(pid: u32) -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+/// Starts `cmd`, a server that prints `kvfabric WHAT at http://ADDR/v1` first, and returns it
+/// with its address and that line (its later output drained).
+pub fn spawn_server(mut cmd: std::process::Command) -> (Proc, std::net::SocketAddr, String) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = cmd
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the server");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("the server printed nothing").unwrap();
+    std::thread::spawn(move || for _ in lines {});
+    let addr = line
+        .rsplit_once("at http://")
+        .and_then(|(_, r)| r.strip_suffix("/v1"))
+        .unwrap_or_else(|| panic!("{line}"))
+        .parse()
+        .unwrap();
+    (Proc(child), addr, line)
+}
