@@ -6,10 +6,15 @@
 //! copies between registered ranges of this process, key and bounds checks, a send queue of
 //! bounded depth that takes a chain only in part when full), completions through `poll_cq`,
 //! flushes of a queue pair in error, and retries exhausted toward a destroyed queue pair.
+//! A WRITE with immediate data needs a receive posted at its peer, as on an adapter: one that
+//! finds none lands nothing (a one-packet WRITE answered RNR, retried by the requester with
+//! `rnr_retry` 7, that is, until a receive comes) and what its queue pair holds behind it
+//! waits with it.
 //!
 //! What it cannot prove: anything about real adapters and wires. Work completes when it is
-//! posted (unless the test holds it), so the timing, ordering across queue pairs, PCIe and
-//! the adapter's own limits are not exercised; `scripts/rdma-check.sh` is for that.
+//! posted (unless the test holds it or it waits for a receive), so the timing, ordering
+//! across queue pairs, PCIe and the adapter's own limits are not exercised;
+//! `scripts/rdma-check.sh` is for that.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_void};
@@ -42,14 +47,18 @@ struct QpRec {
     /// Requests taken, and completed as far as polled (they free the send queue).
     taken: u64,
     freed: u64,
-    /// Requests held back (the test holds execution): chain copies with their positions.
-    held: Vec<(u64, Box<IbvSendWr>, Vec<super::verbs::IbvSge>)>,
+    /// Requests held back (the test holds execution).
+    held: Vec<Stalled>,
     /// Receives posted, by id.
     receives: VecDeque<u64>,
-    /// WRITEs with immediate data that found no receive yet (the sender's adapter retries,
-    /// RNR): (immediate, sender, its position, its id, whether signaled).
-    waiting: VecDeque<(u32, u32, u64, u64, bool)>,
+    /// Requests stalled in order behind the first, a WRITE with immediate data that found no
+    /// receive at the peer (answered RNR: nothing of it landed; it is retried when the peer
+    /// posts a receive or goes away): their positions, copies and entries.
+    rnr: VecDeque<Stalled>,
 }
+
+/// A request taken but not executed: its position, a copy, its entries.
+type Stalled = (u64, Box<IbvSendWr>, Vec<super::verbs::IbvSge>);
 
 #[derive(Debug, Default)]
 struct State {
@@ -97,7 +106,7 @@ pub fn release() {
     for qpn in qpns {
         let held = st.qps.get_mut(&qpn).map(|q| std::mem::take(&mut q.held)).unwrap_or_default();
         for (pos, wr, sges) in held {
-            execute(&mut st, qpn, pos, &wr, &sges);
+            execute(&mut st, qpn, pos, wr, sges);
         }
     }
 }
@@ -292,7 +301,7 @@ unsafe extern "C" fn create_qp(pd: *mut c_void, init: *mut IbvQpInitAttr) -> *mu
             freed: 0,
             held: Vec::new(),
             receives: VecDeque::new(),
-            waiting: VecDeque::new(),
+            rnr: VecDeque::new(),
         },
     );
     qp
@@ -334,11 +343,14 @@ unsafe extern "C" fn modify_qp(qp: *mut IbvQp, a: *mut IbvQpAttr, mask: c_int) -
     rec.state = a.qp_state;
     if a.qp_state == QPS_ERR {
         // Flush what it holds: each request completes with a flush error.
-        let held = std::mem::take(&mut rec.held);
-        let cq = rec.cq;
+        let mut held = std::mem::take(&mut rec.rnr);
+        held.extend(std::mem::take(&mut rec.held));
+        let (cq, peer) = (rec.cq, rec.dest);
         for (pos, wr, _) in held {
             push(&mut st, cq, qpn, pos, wr.wr_id, consts::WC_WR_FLUSH_ERR, wr.opcode);
         }
+        // A peer retrying toward it (RNR) gets no answer any more.
+        retry_stalled(&mut st, peer, qpn);
     }
     0
 }
@@ -346,7 +358,12 @@ unsafe extern "C" fn modify_qp(qp: *mut IbvQp, a: *mut IbvQpAttr, mask: c_int) -
 unsafe extern "C" fn destroy_qp(qp: *mut IbvQp) -> c_int {
     // SAFETY: a live queue pair, destroyed once.
     let qpn = unsafe { (*qp).qp_num };
-    state().lock().qps.remove(&qpn);
+    let mut st = state().lock();
+    if let Some(rec) = st.qps.remove(&qpn) {
+        // A peer retrying toward it (RNR) gets no answer any more.
+        retry_stalled(&mut st, rec.dest, qpn);
+    }
+    drop(st);
     // SAFETY: as above.
     drop(unsafe { Box::from_raw(qp) });
     0
@@ -395,21 +412,40 @@ fn covered(st: &State, key: u32, addr: u64, len: u64, access: c_int) -> bool {
 }
 
 /// Executes one request of queue pair `qpn`: the copy, then its completion (if signaled or
-/// failed); a failure moves the queue pair to the error state.
-fn execute(st: &mut State, qpn: u32, pos: u64, wr: &IbvSendWr, sges: &[super::verbs::IbvSge]) {
-    let Some(rec) = st.qps.get(&qpn) else { return };
+/// failed); a failure moves the queue pair to the error state. A WRITE with immediate data
+/// that finds no receive at the peer, and every request behind it, waits (RNR).
+fn execute(
+    st: &mut State,
+    qpn: u32,
+    pos: u64,
+    wr: Box<IbvSendWr>,
+    sges: Vec<super::verbs::IbvSge>,
+) {
+    let Some(rec) = st.qps.get_mut(&qpn) else { return };
     let (cq, dest, signaled) = (rec.cq, rec.dest, wr.send_flags & consts::SEND_SIGNALED != 0);
     if rec.state == consts::QPS_ERR {
         push(st, cq, qpn, pos, wr.wr_id, consts::WC_WR_FLUSH_ERR, wr.opcode);
         return;
     }
+    if !rec.rnr.is_empty() {
+        // A queue pair executes in order: behind a request being retried, it waits.
+        rec.rnr.push_back((pos, wr, sges));
+        return;
+    }
+    let imm = wr.opcode == consts::WR_RDMA_WRITE_WITH_IMM;
+    let answered =
+        st.qps.get(&dest).is_some_and(|d| d.state >= consts::QPS_RTR && d.state < consts::QPS_ERR);
+    if imm && answered && st.qps.get(&dest).is_some_and(|d| d.receives.is_empty()) {
+        // Receiver not ready: the responder answers RNR before executing anything of this
+        // (one-packet) WRITE; the requester retries it, and its queue waits behind it.
+        if let Some(r) = st.qps.get_mut(&qpn) {
+            r.rnr.push_back((pos, wr, sges));
+        }
+        return;
+    }
     let read = wr.opcode == consts::WR_RDMA_READ;
     let total: u64 = sges.iter().map(|e| u64::from(e.length)).sum();
-    let status = if !st
-        .qps
-        .get(&dest)
-        .is_some_and(|d| d.state >= consts::QPS_RTR && d.state < consts::QPS_ERR)
-    {
+    let status = if !answered {
         // Nobody answers: the transport retries run out.
         consts::WC_RETRY_EXC_ERR
     } else if !sges.iter().all(|e| {
@@ -453,34 +489,27 @@ fn execute(st: &mut State, qpn: u32, pos: u64, wr: &IbvSendWr, sges: &[super::ve
             r.state = consts::QPS_ERR;
         }
         push(st, cq, qpn, pos, wr.wr_id, status, wr.opcode);
-    } else if wr.opcode == consts::WR_RDMA_WRITE_WITH_IMM {
-        // The immediate consumes a receive of the destination: now, or when one is posted.
-        if let Some(d) = st.qps.get_mut(&dest) {
-            d.waiting.push_back((wr.imm_data, qpn, pos, wr.wr_id, signaled));
+    } else {
+        if imm {
+            // The immediate consumes a receive of the destination (there is one: checked).
+            if let Some(d) = st.qps.get_mut(&dest) {
+                let (recv, dcq) = (d.receives.pop_front().unwrap_or(0), d.cq);
+                let imm = wr.imm_data;
+                push_wc(st, dcq, dest, 0, recv, status, consts::WC_RECV_RDMA_WITH_IMM, imm);
+            }
         }
-        match_receives(st, dest);
-    } else if signaled {
-        push(st, cq, qpn, pos, wr.wr_id, status, wr.opcode);
+        if signaled {
+            push(st, cq, qpn, pos, wr.wr_id, status, wr.opcode);
+        }
     }
 }
 
-/// Pairs queue pair `qpn`'s waiting immediates with its receives: a receive completion
-/// there, the WRITE's completion at its sender.
-fn match_receives(st: &mut State, qpn: u32) {
-    loop {
-        let Some(d) = st.qps.get_mut(&qpn) else { return };
-        if d.receives.is_empty() || d.waiting.is_empty() {
-            return;
-        }
-        let recv = d.receives.pop_front().unwrap_or(0);
-        let (imm, sender, pos, wr_id, signaled) = d.waiting.pop_front().unwrap_or_default();
-        let dcq = d.cq;
-        push_wc(st, dcq, qpn, 0, recv, consts::WC_SUCCESS, consts::WC_RECV_RDMA_WITH_IMM, imm);
-        if signaled {
-            if let Some(scq) = st.qps.get(&sender).map(|s| s.cq) {
-                push_wc(st, scq, sender, pos, wr_id, consts::WC_SUCCESS, 1, 0);
-            }
-        }
+/// Retries the requests of queue pair `qpn` stalled (RNR) toward `peer`: it posted a
+/// receive, or went away.
+fn retry_stalled(st: &mut State, qpn: u32, peer: u32) {
+    let Some(rec) = st.qps.get_mut(&qpn).filter(|r| r.dest == peer) else { return };
+    for (pos, wr, sges) in std::mem::take(&mut rec.rnr) {
+        execute(st, qpn, pos, wr, sges);
     }
 }
 
@@ -502,7 +531,10 @@ unsafe extern "C" fn post_recv(
         }
         cur = next;
     }
-    match_receives(&mut st, qpn);
+    // Its peer's WRITE with immediate data waiting for a receive gets through now.
+    if let Some(peer) = st.qps.get(&qpn).map(|r| r.dest) {
+        retry_stalled(&mut st, peer, qpn);
+    }
     0
 }
 
@@ -549,7 +581,7 @@ unsafe extern "C" fn post_send(
                 r.held.push((pos, copy, sges));
             }
         } else {
-            execute(&mut st, qpn, pos, &copy, &sges);
+            execute(&mut st, qpn, pos, copy, sges);
         }
         // SAFETY: as above.
         cur = unsafe { (*cur).next };
@@ -574,4 +606,120 @@ unsafe extern "C" fn poll_cq(cq: *mut IbvCq, n: c_int, wc: *mut IbvWc) -> c_int 
         got += 1;
     }
     got
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::super::device::{Access, Device, OpenOptions, Qp};
+    use super::super::verbs::{consts, IbvSendWr, IbvSge, IbvWc};
+
+    /// Posts one signaled WRITE (with immediate data `imm` if some) of `from`: (address,
+    /// bytes, local key), to `to`: (remote address, remote key).
+    fn write(qp: &Qp, wr_id: u64, from: (*mut u8, u32, u32), to: (u64, u32), imm: Option<u32>) {
+        let mut sge = IbvSge { addr: from.0 as u64, length: from.1, lkey: from.2 };
+        let mut wr = IbvSendWr {
+            wr_id,
+            sg_list: &mut sge,
+            num_sge: 1,
+            opcode: if imm.is_some() {
+                consts::WR_RDMA_WRITE_WITH_IMM
+            } else {
+                consts::WR_RDMA_WRITE
+            },
+            send_flags: consts::SEND_SIGNALED,
+            imm_data: imm.unwrap_or(0).to_be(),
+            remote_addr: to.0,
+            rkey: to.1,
+            ..Default::default()
+        };
+        // SAFETY: one request, its entry valid for the call, naming registered memory that
+        // outlives the test's work.
+        unsafe { qp.post(&mut wr) }.map_err(|(e, _)| e).unwrap();
+    }
+
+    /// The completions there are now: (queue pair, id, status, opcode, immediate).
+    fn completions(cq: &super::super::device::Cq) -> Vec<(u32, u64, u32, u32, u32)> {
+        let mut wc = vec![IbvWc::default(); 16];
+        let n = cq.poll(&mut wc).unwrap();
+        wc[..n]
+            .iter()
+            .map(|c| (c.qp_num, c.wr_id, c.status, c.opcode, u32::from_be(c.imm_data)))
+            .collect()
+    }
+
+    /// A WRITE with immediate data that finds no receive posted at its peer lands nothing
+    /// (as a one-packet WRITE answered RNR by the responder: the requester retries it), and
+    /// what its queue pair holds behind it waits too; a receive posted lets them through in
+    /// order. A responder that goes to the error state meanwhile fails the waiting WRITE as
+    /// a retry exhausted.
+    #[tokio::test]
+    async fn a_write_with_immediate_lands_nothing_until_a_receive_is_posted() {
+        let _serial = super::serial().await;
+        let dev = Device::open(OpenOptions {
+            name: Some(super::DEVICE),
+            gid_index: None,
+            traffic_class: 0,
+            service_level: 0,
+        })
+        .unwrap();
+        let cq = Arc::new(dev.completion_queue(64).unwrap());
+        let (a, b) = (dev.queue_pair(&cq, 8, 1).unwrap(), dev.queue_pair(&cq, 8, 2).unwrap());
+        a.connect(&b.addr()).unwrap();
+        b.connect(&a.addr()).unwrap();
+        let (qa, qb) = (a.addr().qpn, b.addr().qpn);
+        // The sender's bytes, the receiver's slot and a plain destination (raw pointers only,
+        // as the adapter writes them).
+        let src = super::super::RawBuf::zeroed(64);
+        let dst = super::super::RawBuf::zeroed(32);
+        // SAFETY: both buffers outlive their registrations (dropped first, declared after).
+        let (src_mr, dst_mr) = unsafe {
+            (
+                dev.register(src.addr(), 64, Access::Local).unwrap(),
+                dev.register(dst.addr(), 32, Access::RemoteWrite).unwrap(),
+            )
+        };
+        assert!(src.stage(&[b"one.....two.....three..."]));
+        let at = |off: usize| (src.addr().wrapping_add(off), 8, src_mr.lkey());
+        let (slot, plain) = (dst.addr() as u64, dst.addr() as u64 + 16);
+        let seen = |off: usize| dst.copy_out(off, 8).unwrap();
+
+        b.post_receives(&[100]).unwrap();
+        write(&a, 1, at(0), (slot, dst_mr.rkey()), Some(0));
+        assert_eq!(seen(0), b"one.....");
+        assert_eq!(
+            completions(&cq),
+            [
+                (qb, 100, consts::WC_SUCCESS, consts::WC_RECV_RDMA_WITH_IMM, 0),
+                (qa, 1, consts::WC_SUCCESS, 1, 0)
+            ]
+        );
+
+        // No receive left: the next one into the same slot must not overwrite it, and the
+        // plain WRITE posted behind it waits with it.
+        write(&a, 2, at(8), (slot, dst_mr.rkey()), Some(1));
+        write(&a, 3, at(16), (plain, dst_mr.rkey()), None);
+        assert_eq!(seen(0), b"one.....", "a WRITE with immediate landed without a receive");
+        assert_eq!(seen(16), [0; 8], "a request passed one waiting on its queue pair");
+        assert_eq!(completions(&cq), []);
+
+        b.post_receives(&[101]).unwrap();
+        assert_eq!((seen(0), seen(16)), (b"two.....".to_vec(), b"three...".to_vec()));
+        assert_eq!(
+            completions(&cq),
+            [
+                (qb, 101, consts::WC_SUCCESS, consts::WC_RECV_RDMA_WITH_IMM, 1),
+                (qa, 2, consts::WC_SUCCESS, 1, 0),
+                (qa, 3, consts::WC_SUCCESS, 1, 0)
+            ]
+        );
+
+        // Waiting when the responder fails: nobody answers the retries any more.
+        write(&a, 4, at(0), (slot, dst_mr.rkey()), Some(2));
+        assert_eq!(completions(&cq), []);
+        b.fail().unwrap();
+        assert_eq!(completions(&cq), [(qa, 4, consts::WC_RETRY_EXC_ERR, 1, 0)]);
+        assert_eq!(seen(0), b"two.....");
+    }
 }

@@ -1082,20 +1082,22 @@ fn received(shared: &Shared, inbox: u32, c: &verbs::IbvWc) {
         return;
     }
     let message = slot[MAILBOX_HEADER_BYTES..MAILBOX_HEADER_BYTES + len].to_vec();
-    // In order, through the inbox's one delivery task.
-    match inbox.deliveries.try_send(crate::endpoint::Notification {
-        from: inbox.peer.clone(),
-        transfer_id,
-        message,
-    }) {
-        Ok(()) => {
+    // In order, through the inbox's one delivery task; counted before it is handed over, so
+    // that whoever has the notification sees it counted.
+    match inbox.deliveries.try_reserve() {
+        Ok(permit) => {
             shared.notifications_received.fetch_add(1, Ordering::Relaxed);
+            permit.send(crate::endpoint::Notification {
+                from: inbox.peer.clone(),
+                transfer_id,
+                message,
+            });
         }
         Err(_) => {
             shared.notifications_dropped.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(peer = %inbox.peer, backlog = INBOX_BACKLOG, "RDMA: a notification was dropped: the agent's notification queue is not drained");
         }
-    }
+    };
 }
 
 /// Reads and acknowledges the device's asynchronous events (a queue pair is destroyed only
