@@ -770,6 +770,7 @@ impl Inner {
                     ));
                 }
                 Err(_) => {
+                    tracing::warn!(worker = %name, first_token = sent_token, "request deadline reached waiting for the worker's next event");
                     let _ = tx.send(GenEvent::Error(EngineError::Deadline {
                         timeout: wreq.request.timeout,
                     }));

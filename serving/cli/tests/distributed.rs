@@ -70,6 +70,11 @@ async fn frontend(etcd: &EtcdServer, nats: &NatsServer, mode: RoutingMode) -> Fr
 }
 
 async fn frontend_with(etcd: &EtcdServer, nats: &NatsServer, cfg: RoutedConfig) -> Frontend {
+    // The frontend's own log (retries, deadlines) beside the workers': a failure says why.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info,async_nats=warn"))
+        .with_test_writer()
+        .try_init();
     let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
     let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());

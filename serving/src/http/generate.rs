@@ -107,7 +107,8 @@ impl Generation {
     async fn admitted(&mut self) -> Result<(), ApiError> {
         let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
             Err(_) => {
-                return Err(EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into())
+                tracing::warn!(timeout = ?self.st.cfg.request_timeout, "request deadline reached before the backend admitted it (no first token)");
+                return Err(EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into());
             }
             Ok(None) => return Err(EngineError::Stopped.into()),
             Ok(Some(ev)) => ev,
@@ -133,9 +134,10 @@ impl Generation {
         loop {
             let ev = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
                 Err(_) => {
+                    tracing::warn!(worker = ?self.worker, timeout = ?self.st.cfg.request_timeout, "request deadline reached while streaming");
                     return Next::Failed(
                         EngineError::Deadline { timeout: self.st.cfg.request_timeout }.into(),
-                    )
+                    );
                 }
                 Ok(None) => return Next::Failed(EngineError::Stopped.into()),
                 Ok(Some(ev)) => ev,
