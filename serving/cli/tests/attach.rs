@@ -172,6 +172,17 @@ async fn attached_engines_are_routed_by_their_own_kv_events() {
     }
     let m = get(f, "/metrics").await.text();
     assert!(common::metric(&m, "kvfabric_frontend_kv_events_total") > 0.0, "{m}");
+    // The router's dashboard: both engines, as attached engines (load reports only).
+    assert_eq!(get(r, "/dashboard").await.status, 200);
+    let d = get(r, "/dashboard/state").await.json();
+    let shown: Vec<(&str, &str)> = d["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["name"].as_str().unwrap(), w["role"].as_str().unwrap()))
+        .collect();
+    assert_eq!(shown, [("engine-0", "engine"), ("engine-1", "engine")], "{d}");
+    assert!(d["control"]["kv_events"].as_u64() > Some(0), "{d}");
     // The sidecar's own counters: batches relayed, blocks held, nothing malformed or skipped.
     let (i, _) = engines.iter().enumerate().find(|(i, _)| format!("engine-{i}") == home).unwrap();
     let am = get(attached[i].1, "/metrics").await.text();
