@@ -674,6 +674,19 @@ mod tests {
 
     /// The mock engine's time model (prefill 40 µs per token; a decode step 8 ms plus 0.2 µs
     /// per token of KV held).
+    /// 30 requests/s of 2000-token prompts, 128 tokens out, nothing cached.
+    fn long_prompts() -> Workload {
+        Workload { rate: 30.0, isl: 2000.0, osl: 128.0, hit_rate: 0.0, isl_dist: LengthDist::Fixed }
+    }
+
+    /// The prefill workers of a plan's disaggregated layout.
+    fn prefill_workers(plan: &Plan) -> u32 {
+        match plan.disaggregated {
+            Need::Disaggregated { prefill, .. } => prefill,
+            _ => panic!("{plan:?}"),
+        }
+    }
+
     fn mock_profile() -> Profile {
         let prefill = Curve::new(vec![(0.0, 0.0), (8192.0, 8192.0 * 40e-6)]).unwrap();
         let itl = |ctx: f64| {
@@ -711,13 +724,7 @@ mod tests {
     #[test]
     fn disaggregated_by_hand() {
         let p = mock_profile();
-        let load = Workload {
-            rate: 30.0,
-            isl: 2000.0,
-            osl: 128.0,
-            hit_rate: 0.0,
-            isl_dist: LengthDist::Fixed,
-        };
+        let load = long_prompts();
         let plan = plan(&p, &load, &Targets::means(0.2, 0.02));
         let Need::Disaggregated { prefill, decode, kv_bytes_per_s } = plan.disaggregated else {
             panic!("{plan:?}");
@@ -874,38 +881,23 @@ mod tests {
         // mean needs at least as many prefill workers, and says why.
         assert!(max_utilisation(&spread, 0.3, None) < max_utilisation(&fixed, 0.3, None));
         let p = mock_profile();
-        let same = Workload {
-            rate: 30.0,
-            isl: 2000.0,
-            osl: 128.0,
-            hit_rate: 0.0,
-            isl_dist: LengthDist::Fixed,
-        };
+        let same = long_prompts();
         let spread_load =
             Workload { isl_dist: LengthDist::Uniform { lo: 500.0, hi: 3500.0 }, ..same };
         let targets = Targets::at_quantile(0.4, 0.02, 0.99);
         let (a, b) = (plan(&p, &same, &targets), plan(&p, &spread_load, &targets));
-        let prefill = |plan: &Plan| match plan.disaggregated {
-            Need::Disaggregated { prefill, .. } => prefill,
-            _ => panic!("{plan:?}"),
-        };
-        assert!(prefill(&b) > prefill(&a), "{:?}\n{:?}", a.reasons, b.reasons);
+        assert!(prefill_workers(&b) > prefill_workers(&a), "{:?}\n{:?}", a.reasons, b.reasons);
         assert!(b.reasons[1].contains("500..3500-token prompts"), "{:?}", b.reasons);
         let p = mock_profile();
-        let load = Workload {
-            rate: 30.0,
-            isl: 2000.0,
-            osl: 128.0,
-            hit_rate: 0.0,
-            isl_dist: LengthDist::Fixed,
-        };
+        let load = long_prompts();
         let mean = plan(&p, &load, &Targets::means(0.2, 0.02));
         let p99 = plan(&p, &load, &Targets::at_quantile(0.2, 0.02, 0.99));
-        let prefill = |plan: &Plan| match plan.disaggregated {
-            Need::Disaggregated { prefill, .. } => prefill,
-            _ => panic!("{plan:?}"),
-        };
-        assert!(prefill(&p99) > prefill(&mean), "{:?} {:?}", p99.reasons, mean.reasons);
+        assert!(
+            prefill_workers(&p99) > prefill_workers(&mean),
+            "{:?} {:?}",
+            p99.reasons,
+            mean.reasons
+        );
         assert!(p99.aggregated.workers() >= mean.aggregated.workers());
         assert!(p99.reasons[0].contains("p99"), "{:?}", p99.reasons);
     }
