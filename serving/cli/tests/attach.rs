@@ -9,26 +9,16 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{get, post_json, Proc};
+use common::{get, post_json, spawn_line, spawn_server, Proc};
 use kvfabric::testkit::{EtcdServer, NatsServer};
 use serde_json::{json, Value};
 
 const SECRET: &str = "attach-test-secret";
-
-/// Spawns a process and returns it with the first line it prints (its later output drained).
-fn spawn_line(cmd: &mut Command) -> (Proc, String) {
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("printed nothing").unwrap();
-    std::thread::spawn(move || for _ in lines {});
-    (Proc(child), line)
-}
 
 struct FakeEngine {
     proc: Proc,
@@ -82,15 +72,10 @@ fn attach(name: &str, e: &FakeEngine, model_dir: &Path, ctl: &[String]) -> (Proc
 }
 
 fn server(cmd: &str, ctl: &[String], extra: &[&str]) -> (Proc, SocketAddr) {
-    let (proc, line) = spawn_line(
-        Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-            .args([cmd, "--port", "0"])
-            .args(extra)
-            .args(ctl)
-            .env_remove("KVFABRIC_CONFIG"),
-    );
-    let url = line.split(" at http://").nth(1).unwrap_or_else(|| panic!("{line}"));
-    (proc, url.trim().trim_end_matches("/v1").parse().unwrap())
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    c.args([cmd, "--port", "0"]).args(extra).args(ctl);
+    let (proc, addr, _) = spawn_server(c);
+    (proc, addr)
 }
 
 async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {

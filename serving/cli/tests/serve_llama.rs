@@ -6,12 +6,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
-use common::{get, metric, post_json, streamed_text};
+use common::{get, metric, post_json, spawn_server, streamed_text, Proc};
 use serde_json::{json, Value};
 
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
@@ -26,22 +25,15 @@ fn model_path() -> PathBuf {
 }
 
 struct Up {
-    child: Child,
+    _proc: Proc,
     addr: SocketAddr,
     _dir: tempfile::TempDir,
 }
 
-impl Drop for Up {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn up(host_blocks: u32) -> Up {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["up", "--port", "0", "--disk-blocks", "256", "--max-batch", "4"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["up", "--port", "0", "--disk-blocks", "256", "--max-batch", "4"])
         // Every evicted block goes to disk (by default only reused ones do).
         .args(["--disk-admit-min-hits", "0"])
         .arg("--host-blocks")
@@ -49,18 +41,9 @@ fn up(host_blocks: u32) -> Up {
         .arg("--model")
         .arg(model_path())
         .arg("--data-dir")
-        .arg(dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn kvfabric up");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = lines.next().expect("kvfabric up printed nothing").unwrap();
-    let url = first.split(" at http://").nth(1).unwrap_or_else(|| panic!("no URL in {first:?}"));
-    let addr: SocketAddr = url.trim_end_matches("/v1").parse().unwrap();
-    // Keep draining stdout so the child never blocks on it.
-    std::thread::spawn(move || for _ in lines {});
-    Up { child, addr, _dir: dir }
+        .arg(dir.path());
+    let (proc, addr, _) = spawn_server(cmd);
+    Up { _proc: proc, addr, _dir: dir }
 }
 
 fn chat(messages: Value, max_tokens: u32) -> Value {

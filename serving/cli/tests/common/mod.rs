@@ -22,25 +22,30 @@ impl Drop for Proc {
     }
 }
 
-/// Starts `kvfabric worker --name NAME ARGS...` and returns it with the JSON line it prints
-/// once it serves (its later output is drained).
-pub fn spawn_worker(name: &str, args: &[&str]) -> (Proc, Value) {
+/// Starts `cmd` and returns it with the first line it prints on stdout (its later output is
+/// drained, so that it never blocks on a full pipe).
+pub fn spawn_line(cmd: &mut std::process::Command) -> (Proc, String) {
     use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["worker", "--name", name])
-        .args(args)
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn kvfabric worker");
+    use std::process::Stdio;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("worker printed nothing").unwrap();
+    let line = lines.next().expect("printed nothing").unwrap();
+    std::thread::spawn(move || for _ in lines {});
+    (Proc(child), line)
+}
+
+/// Starts `kvfabric worker --name NAME ARGS...` and returns it with the JSON line it prints
+/// once it serves.
+pub fn spawn_worker(name: &str, args: &[&str]) -> (Proc, Value) {
+    let (proc, line) = spawn_line(
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+            .args(["worker", "--name", name])
+            .args(args)
+            .env_remove("KVFABRIC_CONFIG"),
+    );
     let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
     assert_eq!(v["worker"], name, "{line}");
-    std::thread::spawn(move || for _ in lines {});
-    (Proc(child), v)
+    (proc, v)
 }
 
 /// The `/dev/shm` files of process `pid` (agents name them `kvfabric.{name}.{pid}.…`).
@@ -58,24 +63,14 @@ pub fn shm_files(pid: u32) -> Vec<String> {
 }
 
 /// Starts `cmd`, a server that prints `kvfabric WHAT at http://ADDR/v1` first, and returns it
-/// with its address and that line (its later output drained).
+/// with its address and that line.
 pub fn spawn_server(mut cmd: std::process::Command) -> (Proc, std::net::SocketAddr, String) {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-    let mut child = cmd
-        .env_remove("KVFABRIC_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn the server");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("the server printed nothing").unwrap();
-    std::thread::spawn(move || for _ in lines {});
+    let (proc, line) = spawn_line(cmd.env_remove("KVFABRIC_CONFIG"));
     let addr = line
         .rsplit_once("at http://")
-        .and_then(|(_, r)| r.strip_suffix("/v1"))
+        .and_then(|(_, r)| r.trim().strip_suffix("/v1"))
         .unwrap_or_else(|| panic!("{line}"))
         .parse()
         .unwrap();
-    (Proc(child), addr, line)
+    (proc, addr, line)
 }
