@@ -336,7 +336,7 @@ impl RoutedBackend {
                 })
             })
             .collect();
-        let mode = format!("{:?}", self.inner.cfg.router.mode).to_lowercase();
+        let mode = self.inner.mode_name();
         let reason = explain_reason(&mode, &chosen, &scores, hashes.len(), track);
         Ok(json!({
             "model": model,
@@ -421,9 +421,8 @@ impl RoutedBackend {
                     true => "drained",
                     false => "lost",
                 };
-                let mut v = view(&d.name, w, state, Some(d.left));
-                v.indexed_blocks = 0;
-                v
+                // Its blocks left the index with it: `indexed_blocks` reads 0.
+                view(&d.name, w, state, Some(d.left))
             })
             .collect();
         let bus_lag_ms =
@@ -444,7 +443,7 @@ impl RoutedBackend {
                 kv_events_malformed: ld(&f.malformed),
                 kv_events_unknown_worker: ld(&f.unknown),
                 bus_lag_ms,
-                routing: format!("{:?}", self.inner.cfg.router.mode).to_lowercase(),
+                routing: self.inner.mode_name(),
             }),
         }
     }
@@ -456,6 +455,11 @@ impl RoutedBackend {
 }
 
 impl Inner {
+    /// The routing mode, as `explain` and dashboards name it.
+    fn mode_name(&self) -> String {
+        format!("{:?}", self.cfg.router.mode).to_lowercase()
+    }
+
     async fn join(&self, inst: Instance) {
         let md: WorkerMetadata = match serde_json::from_value(inst.metadata.clone()) {
             Ok(m) => m,
