@@ -309,16 +309,16 @@ async fn restart_rebuilds_the_index_and_corrupt_blocks_are_never_served() {
         assert!(s.remove(h(5)).await);
     }
     // Corrupt block 3's data and block 4's header, directly in the file.
-    let (slot3, slot4, data_off) = {
+    let (data3, header4) = {
         let (s, _) = open(&a, 2, Some(disk(dir.path(), 64)), 0).await;
         let d = s.disk().unwrap();
-        (d.slot_offset(d.slot_of(h(3)).unwrap()), d.slot_offset(d.slot_of(h(4)).unwrap()), 4096u64)
+        (d.data_offset(d.slot_of(h(3)).unwrap()), d.header_offset(d.slot_of(h(4)).unwrap()))
     };
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new().write(true).open(dir.path().join("g3.slots")).unwrap();
-        f.write_at(&[0xff; 16], slot3 + data_off + 100).unwrap();
-        f.write_at(&[0x00; 8], slot4 + 8).unwrap();
+        f.write_at(&[0xff; 16], data3 + 100).unwrap();
+        f.write_at(&[0x00; 8], header4 + 8).unwrap();
     }
     let (s, sink) = open(&a, 2, Some(disk(dir.path(), 64)), 0).await;
     let ev = sink.snapshot();
@@ -362,11 +362,11 @@ async fn a_live_store_verifies_reads_against_the_checksums_it_wrote() {
         assert!(d.has(h(i)), "block {i} on disk");
     }
     let (slot1, slot2) =
-        (d.slot_offset(d.slot_of(h(1)).unwrap()), d.slot_offset(d.slot_of(h(2)).unwrap()));
+        (d.data_offset(d.slot_of(h(1)).unwrap()), d.header_offset(d.slot_of(h(2)).unwrap()));
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new().write(true).open(dir.path().join("g3.slots")).unwrap();
-        f.write_at(&[0xa5; 8], slot1 + 4096 + BLOCK - 8).unwrap();
+        f.write_at(&[0xa5; 8], slot1 + BLOCK - 8).unwrap();
         f.write_at(&[0x00; 8], slot2 + 8).unwrap();
     }
     // Two new blocks fill host memory: blocks 0..6 are on disk only, so the reads below
@@ -403,14 +403,14 @@ async fn large_blocks_read_concurrently_are_verified_and_a_corrupt_one_is_droppe
             s.put(h(i), i.checked_sub(1).map(h), &content(h(i), BIG)).await.unwrap();
         }
         let d = s.disk().unwrap();
-        let slot5 = d.slot_offset(d.slot_of(h(5)).unwrap());
+        let slot5 = d.data_offset(d.slot_of(h(5)).unwrap());
         (s, slot5)
     };
     drop(s);
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new().write(true).open(dir.path().join("g3.slots")).unwrap();
-        f.write_at(&[0x5a; 64], slot5 + 4096 + BIG - 64).unwrap();
+        f.write_at(&[0x5a; 64], slot5 + BIG - 64).unwrap();
     }
     let s = TieredStore::open(cfg, &a, RecordingSink::new()).await.unwrap();
     // Blocks 0..8 are read at once: eight reads in flight, verified in parallel.
@@ -588,12 +588,12 @@ async fn a_prefix_mixing_host_and_disk_blocks_comes_back_byte_for_byte() {
         let d = s.disk().unwrap();
         let slots: Vec<u32> = (0..14).map(|i| d.slot_of(h(i)).unwrap()).collect();
         assert!(slots.windows(2).filter(|w| w[1] == w[0] + 1).count() >= 10, "{slots:?}");
-        (d.slot_offset(slots[9]), ())
+        (d.data_offset(slots[9]), ())
     };
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new().write(true).open(dir.path().join("g3.slots")).unwrap();
-        f.write_at(&[0xee; 32], slot9 + 4096 + 500).unwrap();
+        f.write_at(&[0xee; 32], slot9 + 500).unwrap();
     }
     // A restarted store: every block on disk only.
     let (s, _) = open(&a, 16, Some(disk(dir.path(), 64)), 0).await;

@@ -10,6 +10,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 
+use kvfabric_tiers::disk::format::{SlotHeader, SlotLayout, MAGIC_BYTES};
 use serde_json::{json, Value};
 
 /// A `kvfabric up` process whose stderr lines are collected.
@@ -93,7 +94,7 @@ async fn up_logs_json_lines_and_a_corrupt_disk_block_is_a_warning_naming_it() {
     // Written back in the background: wait until some blocks are on disk.
     let on_disk = |p: &Path| {
         let bytes = std::fs::read(p).unwrap();
-        bytes.chunks(4096).filter(|page| page.starts_with(b"KVFBLK01")).count()
+        bytes.chunks(4096).filter(|page| page.starts_with(&MAGIC_BYTES)).count()
     };
     common::wait_until(std::time::Duration::from_secs(20), || on_disk(&slots) >= 4);
     let log = up.stop();
@@ -116,16 +117,21 @@ async fn up_logs_json_lines_and_a_corrupt_disk_block_is_a_warning_naming_it() {
     );
 
     // Corrupt the data of every block on disk (headers intact: found at restart, dropped
-    // when read).
+    // when read): each header says its block's size, its page says which slot it is.
     {
         use std::os::unix::fs::FileExt;
         let bytes = std::fs::read(&slots).unwrap();
         let f = std::fs::OpenOptions::new().write(true).open(&slots).unwrap();
+        let mut corrupted = 0;
         for (i, page) in bytes.chunks(4096).enumerate() {
-            if page.starts_with(b"KVFBLK01") {
-                f.write_at(&[0xa5; 32], (i as u64 + 1) * 4096 + 64).unwrap();
-            }
+            let Some(h) = SlotHeader::decode(page) else { continue };
+            let layout = SlotLayout::new(h.block_bytes);
+            let slot = (0..=i as u32).find(|&s| layout.header_offset(s) == i as u64 * 4096);
+            let slot = slot.expect("a header page lies where a slot's header does");
+            f.write_at(&[0xa5; 32], layout.data_offset(slot) + 64).unwrap();
+            corrupted += 1;
         }
+        assert!(corrupted >= 4, "{corrupted} blocks corrupted");
     }
 
     // Second run, at the default level: the same prompt reads its first block from disk.

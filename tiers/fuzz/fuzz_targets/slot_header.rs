@@ -4,7 +4,7 @@
 //! checksum are reached too; whatever decodes re-encodes to the same 64 bytes.
 #![no_main]
 
-use kvfabric_tiers::disk::format::SlotHeader;
+use kvfabric_tiers::disk::format::{SlotHeader, MAGIC_BYTES};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -14,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
     }
     // Fields from the fuzzer, framed as a writer would frame them.
     let mut page = vec![0u8; 4096];
-    page[..8].copy_from_slice(b"KVFBLK01");
+    page[..8].copy_from_slice(&MAGIC_BYTES);
     page[8..56].copy_from_slice(&data[..48]);
     let sum = xxhash_rust::xxh3::xxh3_64(&page[..56]);
     page[56..64].copy_from_slice(&sum.to_le_bytes());

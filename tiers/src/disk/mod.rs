@@ -4,8 +4,10 @@
 //! - The file grows in chunks with `fallocate` as slots are first used; when the filesystem
 //!   is full the tier stops growing ([`DiskError::Full`] for the write that hit it) and from
 //!   then on makes room by evicting its own least recently used blocks.
-//! - Every slot carries a header with the block's sequence hash, parent and data checksum
-//!   ([`format`]). On open, the index (data checksums included) is rebuilt from the headers.
+//! - Every slot has a header page with the block's sequence hash, parent and data checksum;
+//!   headers lie in groups ahead of their slots' data, so that adjacent slots' data is
+//!   contiguous ([`format`]). On open, the index (data checksums included) is rebuilt from the
+//!   headers, a group's header pages in one read.
 //! - A read fetches the block's bytes alone, one request of exactly the data (the header is
 //!   not read again: the index knows the slot's checksum), and verifies the data checksum, so
 //!   a torn or corrupt block is dropped and reported as a miss, never served. Reading the
@@ -27,7 +29,7 @@ use crate::pool::{PoolError, SlotPool, SlotState};
 pub mod format;
 pub mod io;
 
-use format::{align_up, SlotHeader, HEADER_BYTES};
+use format::{SlotHeader, SlotLayout, GROUP_SLOTS, HEADER_BYTES};
 use io::{AlignedBuf, DiskIo, IoBackend, IoBuf, IoPreference};
 
 /// How to open a disk tier.
@@ -145,7 +147,7 @@ pub struct DiskTier {
     io: DiskIo,
     block_bytes: u64,
     data_bytes: u64,
-    slot_bytes: u64,
+    layout: SlotLayout,
     grow_blocks: u32,
     state: Mutex<DiskState>,
     allocated: tokio::sync::Mutex<u32>,
@@ -190,16 +192,16 @@ impl DiskTier {
         }
         let file = Arc::new(io::open_direct(&cfg.path)?);
         let io = DiskIo::new(file.clone(), cfg.queue_depth, cfg.io)?;
-        let data_bytes = align_up(block_bytes);
-        let slot_bytes = HEADER_BYTES + data_bytes;
+        let layout = SlotLayout::new(block_bytes);
+        let data_bytes = layout.data_bytes();
         let len = file.metadata()?.len();
-        let existing = ((len / slot_bytes).min(u64::from(cfg.capacity_blocks))) as u32;
+        let existing = layout.slots_in(len).min(u64::from(cfg.capacity_blocks)) as u32;
         let tier = DiskTier {
             file,
             io,
             block_bytes,
             data_bytes,
-            slot_bytes,
+            layout,
             grow_blocks: cfg.grow_blocks.max(1),
             state: Mutex::new(DiskState {
                 pool: SlotPool::new(cfg.capacity_blocks, cfg.policy),
@@ -224,35 +226,41 @@ impl DiskTier {
     async fn rebuild(&self, slots: u32, depth: usize) -> Result<Recovered, DiskError> {
         let mut headers: Vec<(u32, SlotHeader)> = Vec::new();
         let mut discarded = 0u32;
-        let mut next = 0u32;
-        while next < slots {
-            let batch: Vec<u32> = (next..slots.min(next + depth as u32 * 4)).collect();
-            next += batch.len() as u32;
-            let reads = batch.iter().map(|&slot| async move {
-                let buf = Arc::new(AlignedBuf::zeroed(HEADER_BYTES as usize));
+        // A group's header pages in one read, `depth` groups at a time.
+        let groups: Vec<u32> = (0..slots).step_by(GROUP_SLOTS as usize).collect();
+        for batch in groups.chunks(depth) {
+            let reads = batch.iter().map(|&first| async move {
+                let count = (slots - first).min(GROUP_SLOTS as u32);
+                let buf = Arc::new(AlignedBuf::zeroed(count as usize * HEADER_BYTES as usize));
                 let io_buf = buf.io_buf();
                 // SAFETY: `buf` is kept alive by the request's keep value.
                 let n = unsafe {
                     self.io.readv(
-                        u64::from(slot) * self.slot_bytes,
+                        self.layout.header_offset(first),
                         &[io_buf],
                         Box::new(buf.clone()),
                     )
                 }
                 .await;
-                (
-                    slot,
-                    n.map(|n| {
-                        (n == HEADER_BYTES as usize)
-                            .then(|| SlotHeader::decode(buf.as_slice()))
-                            .flatten()
-                    }),
-                )
+                n.map(|n| {
+                    // Pages past a short read (a file truncated under us) are not headers.
+                    let pages: Vec<Option<SlotHeader>> = buf.as_slice()[..n]
+                        .chunks_exact(HEADER_BYTES as usize)
+                        .map(SlotHeader::decode)
+                        .collect();
+                    (first, count, pages)
+                })
             });
-            for (slot, r) in futures_util::future::join_all(reads).await {
-                match r? {
-                    Some(h) if h.block_bytes == self.block_bytes => headers.push((slot, h)),
-                    _ => discarded += 1,
+            for r in futures_util::future::join_all(reads).await {
+                let (first, count, pages) = r?;
+                discarded += count - pages.len() as u32;
+                for (i, page) in pages.into_iter().enumerate() {
+                    match page {
+                        Some(h) if h.block_bytes == self.block_bytes => {
+                            headers.push((first + i as u32, h))
+                        }
+                        _ => discarded += 1,
+                    }
                 }
             }
         }
@@ -351,10 +359,8 @@ impl DiskTier {
         let capacity = self.state.lock().pool.capacity();
         let want = (slot + 1).max(allocated.saturating_add(self.grow_blocks)).min(capacity);
         for target in [want, slot + 1] {
-            let (off, len) = (
-                u64::from(*allocated) * self.slot_bytes,
-                u64::from(target - *allocated) * self.slot_bytes,
-            );
+            let off = self.layout.file_bytes(*allocated);
+            let len = self.layout.file_bytes(target) - off;
             // SAFETY: fallocate on our open file descriptor; no memory is involved.
             let r = unsafe {
                 libc::fallocate(self.file.as_raw_fd(), 0, off as libc::off_t, len as libc::off_t)
@@ -391,7 +397,6 @@ impl DiskTier {
             // Capture the whole IoBuf (Send), not its raw-pointer field.
             let src: IoBuf = src;
             self.ensure_allocated(slot).await?;
-            let slot_off = u64::from(slot) * self.slot_bytes;
             // SAFETY: the caller guarantees `src` is readable for data_bytes >= block_bytes.
             let data = unsafe { std::slice::from_raw_parts(src.ptr, self.block_bytes as usize) };
             let mut header = AlignedBuf::zeroed(HEADER_BYTES as usize);
@@ -404,13 +409,25 @@ impl DiskTier {
                 write_seq: seq,
             }
             .encode(header.as_mut_slice());
-            // Header and data in one vectored write: a crash mid-write leaves a header that
-            // does not match the data, and the block is dropped on read, never served.
-            let bufs = [header.io_buf(), IoBuf { ptr: src.ptr, len: self.data_bytes as usize }];
-            // SAFETY: the header is owned by the request; `src` by the caller's keep value.
-            let n = unsafe { self.io.writev(slot_off, &bufs, Box::new((header, keep))) }.await?;
-            if n as u64 != self.slot_bytes {
-                return Err(DiskError::Short { op: "write", got: n, want: self.slot_bytes });
+            // Data and header as two requests submitted together: a crash between them leaves
+            // a header that does not match the data, and the block is dropped on read, never
+            // served.
+            let data = [IoBuf { ptr: src.ptr, len: self.data_bytes as usize }];
+            let head = [header.io_buf()];
+            // SAFETY: `src` is kept by the caller's keep value, the header by its request.
+            let (d, h) = unsafe {
+                futures_util::future::join(
+                    self.io.writev(self.layout.data_offset(slot), &data, keep),
+                    self.io.writev(self.layout.header_offset(slot), &head, Box::new(header)),
+                )
+            }
+            .await;
+            let (d, h) = (d?, h?);
+            if d as u64 != self.data_bytes {
+                return Err(DiskError::Short { op: "write", got: d, want: self.data_bytes });
+            }
+            if h as u64 != HEADER_BYTES {
+                return Err(DiskError::Short { op: "write", got: h, want: HEADER_BYTES });
             }
             Ok(data_checksum)
         }
@@ -473,14 +490,9 @@ impl DiskTier {
         let data = [IoBuf { ptr: dst.ptr, len: self.data_bytes as usize }];
         let in_flight = InFlight::new(&self.reads_in_flight);
         // SAFETY: `dst` is kept by the caller's keep value.
-        let n = unsafe {
-            self.io.readv(
-                u64::from(slot) * self.slot_bytes + HEADER_BYTES,
-                &data,
-                Box::new(keep.clone()),
-            )
-        }
-        .await;
+        let n =
+            unsafe { self.io.readv(self.layout.data_offset(slot), &data, Box::new(keep.clone())) }
+                .await;
         drop(in_flight);
         let parallel = self.block_bytes >= PARALLEL_VERIFY_MIN_BYTES
             && self.reads_in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0;
@@ -547,7 +559,7 @@ impl DiskTier {
         let buf = header.io_buf();
         // SAFETY: the zeroed header buffer is owned by the request.
         let _ =
-            unsafe { self.io.writev(u64::from(slot) * self.slot_bytes, &[buf], Box::new(header)) }
+            unsafe { self.io.writev(self.layout.header_offset(slot), &[buf], Box::new(header)) }
                 .await;
         let mut st = self.state.lock();
         let _ = st.pool.unpin(slot);
@@ -568,9 +580,14 @@ impl DiskTier {
         self.state.lock().pool.state(slot)
     }
 
-    /// Byte offset of a slot in the file (tests that corrupt blocks).
-    pub fn slot_offset(&self, slot: u32) -> u64 {
-        u64::from(slot) * self.slot_bytes
+    /// Byte offset of a slot's data in the file (tests that corrupt blocks).
+    pub fn data_offset(&self, slot: u32) -> u64 {
+        self.layout.data_offset(slot)
+    }
+
+    /// Byte offset of a slot's header page in the file (tests that corrupt headers).
+    pub fn header_offset(&self, slot: u32) -> u64 {
+        self.layout.header_offset(slot)
     }
 
     /// The slot holding a block (tests).

@@ -3,8 +3,14 @@
 //! each row, a plain O_DIRECT sequential write and read of the same bytes, in requests of the
 //! same size, at the same depth (io_uring, no headers, no checksums, no index), to and from
 //! memory allocated like the host tier's, is the limit. Rows `prefix` read the blocks back as
-//! a prompt's prefix is: `depth` consecutive blocks per `get`, one `get` at a time, against
-//! the same plain reads at that depth.
+//! a prompt's prefix is: consecutive blocks per `get`, one `get` at a time, against the same
+//! plain reads at that depth.
+//!
+//! `depth` is the I/O queue depth, the store's (`DiskConfig::queue_depth`) and the plain
+//! loop's alike. Callers keep `--outstanding` × depth requests outstanding (default 2), as the
+//! serving scheduler does: it asks a prompt chunk's disk blocks (32) of a tier whose queue
+//! depth is 16 at once, so the queue stays full while completed blocks are verified. The plain
+//! loops keep as many outstanding over a queue of the same depth.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,9 +36,15 @@ pub struct TierArgs {
     /// Tokens per block.
     #[arg(long, default_value_t = 16)]
     block_tokens: u32,
-    /// Queue depths.
+    /// I/O queue depths (the store's disk tier and the plain loop's).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
     depths: Vec<usize>,
+    /// Requests the callers keep outstanding, as a multiple of the depth: the store's
+    /// concurrent calls (blocks per `get` in the prefix rows) and the plain loop's requests.
+    /// 2 is what the serving scheduler asks of its disk tier (a prompt chunk of 32 blocks at
+    /// depth 16); 1 leaves the queue a request short while each completed block is hashed.
+    #[arg(long, default_value_t = 2)]
+    outstanding: usize,
     /// Bytes moved per measurement, MiB.
     #[arg(long, default_value_t = 128)]
     total_mib: u64,
@@ -68,6 +80,8 @@ struct Row {
     model: String,
     block_bytes: u64,
     depth: usize,
+    /// Requests outstanding (store calls, or blocks per `get` in the prefix rows).
+    outstanding: usize,
     blocks: u64,
     gbps: f64,
     p50_us: f64,
@@ -94,15 +108,16 @@ enum Plain {
     ReadHash,
 }
 
-/// Plain sequential O_DIRECT I/O of `n` requests of `req` bytes at `depth`, to and from
-/// `memory` (allocated like the store's host tier, request i at offset i × req): GB/s.
+/// Plain sequential O_DIRECT I/O of `n` requests of `req` bytes at `depth`, `outstanding`
+/// of them asked at a time, to and from `memory` (allocated like the store's host tier,
+/// request i at offset i × req): GB/s.
 #[allow(clippy::too_many_arguments)]
 async fn plain(
     path: &std::path::Path,
     op: Plain,
     req: u64,
     n: u64,
-    depth: usize,
+    (depth, outstanding): (usize, usize),
     prefer: IoPreference,
     memory: &Arc<kvfabric::memory::Region>,
 ) -> anyhow::Result<f64> {
@@ -144,7 +159,7 @@ async fn plain(
                 Ok(n)
             }
         })
-        .buffer_unordered(depth)
+        .buffer_unordered(outstanding)
         .collect()
         .await;
     let elapsed = start.elapsed();
@@ -159,7 +174,7 @@ async fn plain_reads(
     path: &std::path::Path,
     req: u64,
     n: u64,
-    depth: usize,
+    depth: (usize, usize),
     prefer: IoPreference,
     memory: &Arc<kvfabric::memory::Region>,
 ) -> anyhow::Result<(f64, f64)> {
@@ -180,6 +195,7 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
         args.depths.iter().all(|&d| (1..=4096).contains(&d)),
         "--depths must be 1..=4096"
     );
+    anyhow::ensure!((1..=16).contains(&args.outstanding), "--outstanding must be 1..=16");
     if args.g1_only {
         // Before anything else starts (and logs): without CUDA there is nothing to measure.
         kvfabric::cuda::available()
@@ -206,7 +222,11 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
         let n = ((args.total_mib << 20) / block_bytes).max(8);
         let data = align_up(block_bytes);
         for &depth in &args.depths {
-            eprintln!("{model}: {} KiB blocks × {n}, depth {depth}", block_bytes >> 10);
+            let ask = depth * args.outstanding;
+            eprintln!(
+                "{model}: {} KiB blocks × {n}, depth {depth}, {ask} outstanding",
+                block_bytes >> 10
+            );
             let slots = work.path().join(format!("{model}-{depth}.slots"));
             let mut disk = DiskConfig::new(&slots, n as u32);
             disk.queue_depth = depth;
@@ -244,8 +264,16 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 let plain_first = rep % 2 == 1;
                 if plain_first {
                     w_lim.push(
-                        plain(&limit_path, Plain::Write, data, n, depth, prefer, &plain_memory)
-                            .await?,
+                        plain(
+                            &limit_path,
+                            Plain::Write,
+                            data,
+                            n,
+                            (depth, ask),
+                            prefer,
+                            &plain_memory,
+                        )
+                        .await?,
                     );
                 }
                 let _ = std::fs::remove_file(&slots);
@@ -256,7 +284,7 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                     kvfabric_tiers::synthetic::fill(h, &mut buf);
                     store.put(h, None, &buf).await?;
                 }
-                let (lat, elapsed) = timed(&hashes, depth, |h| {
+                let (lat, elapsed) = timed(&hashes, ask, |h| {
                     let store = store.clone();
                     async move {
                         let written = store.offload(&[h]).await?;
@@ -271,20 +299,29 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 lats.0.extend(lat);
                 if !plain_first {
                     w_lim.push(
-                        plain(&limit_path, Plain::Write, data, n, depth, prefer, &plain_memory)
-                            .await?,
+                        plain(
+                            &limit_path,
+                            Plain::Write,
+                            data,
+                            n,
+                            (depth, ask),
+                            prefer,
+                            &plain_memory,
+                        )
+                        .await?,
                     );
                 }
                 if plain_first {
                     let (raw, hashed) =
-                        plain_reads(&limit_path, data, n, depth, prefer, &plain_memory).await?;
+                        plain_reads(&limit_path, data, n, (depth, ask), prefer, &plain_memory)
+                            .await?;
                     r_lim.push(raw);
                     v_lim.push(hashed);
                 }
 
                 // Onboard: a restarted store rebuilds its index, then disk → host at `depth`.
                 let store = TieredStore::open(cfg.clone(), &agent, Arc::new(NullSink)).await?;
-                let (lat, elapsed) = timed(&hashes, depth, |h| {
+                let (lat, elapsed) = timed(&hashes, ask, |h| {
                     let store = store.clone();
                     async move {
                         let got = store.get(&[h]).await?;
@@ -306,11 +343,11 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 on.push(gbps(block_bytes * n, elapsed));
                 lats.1.extend(lat);
 
-                // Onboard of prefixes: `depth` consecutive blocks per `get`, one `get` at a
+                // Onboard of prefixes: `ask` consecutive blocks per `get`, one `get` at a
                 // time (a prompt's cached blocks, as the scheduler asks for them).
                 let store = TieredStore::open(cfg.clone(), &agent, Arc::new(NullSink)).await?;
                 let start = Instant::now();
-                for chunk in hashes.chunks(depth) {
+                for chunk in hashes.chunks(ask) {
                     let t = Instant::now();
                     let got = store.get(chunk).await?;
                     anyhow::ensure!(got.len() == chunk.len(), "prefix not onboarded");
@@ -321,19 +358,30 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 drop(store);
                 if !plain_first {
                     let (raw, hashed) =
-                        plain_reads(&limit_path, data, n, depth, prefer, &plain_memory).await?;
+                        plain_reads(&limit_path, data, n, (depth, ask), prefer, &plain_memory)
+                            .await?;
                     r_lim.push(raw);
                     v_lim.push(hashed);
                 }
             }
-            rows.push(row("offload", model, block_bytes, depth, n, &lats.0, &off, &w_lim, backend));
+            rows.push(row(
+                "offload",
+                model,
+                block_bytes,
+                (depth, ask),
+                n,
+                &lats.0,
+                &off,
+                &w_lim,
+                backend,
+            ));
             let mut onboard =
-                row("onboard", model, block_bytes, depth, n, &lats.1, &on, &r_lim, backend);
+                row("onboard", model, block_bytes, (depth, ask), n, &lats.1, &on, &r_lim, backend);
             onboard.verified_limit_gbps = Some(median(&v_lim));
             onboard.ratio_to_verified_limit = Some(median(&paired_ratios(&on, &v_lim)));
             rows.push(onboard);
             let mut prefix =
-                row("prefix", model, block_bytes, depth, n, &lats.2, &pre, &r_lim, backend);
+                row("prefix", model, block_bytes, (depth, ask), n, &lats.2, &pre, &r_lim, backend);
             prefix.verified_limit_gbps = Some(median(&v_lim));
             prefix.ratio_to_verified_limit = Some(median(&paired_ratios(&pre, &v_lim)));
             rows.push(prefix);
@@ -355,11 +403,12 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:>8} {:>14} {:>9} {:>5} {:>6} {:>7} {:>10} {:>10} {:>10} {:>6} {:>12} {:>8}",
+        "{:>8} {:>14} {:>9} {:>5} {:>4} {:>6} {:>7} {:>10} {:>10} {:>10} {:>6} {:>12} {:>8}",
         "op",
         "model",
         "block",
         "depth",
+        "out",
         "blocks",
         "GB/s",
         "p50",
@@ -371,11 +420,12 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
     );
     for r in &rows {
         println!(
-            "{:>8} {:>14} {:>7}Ki {:>5} {:>6} {:>7.2} {:>8.0}µs {:>8.0}µs {:>10.2} {:>5.2}× {:>12} {:>8}",
+            "{:>8} {:>14} {:>7}Ki {:>5} {:>4} {:>6} {:>7.2} {:>8.0}µs {:>8.0}µs {:>10.2} {:>5.2}× {:>12} {:>8}",
             r.op,
             r.model,
             r.block_bytes >> 10,
             r.depth,
+            r.outstanding,
             r.blocks,
             r.gbps,
             r.p50_us,
@@ -389,7 +439,7 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
     if rows.iter().any(|r| r.io_backend == "cuda") {
         println!("G1 rows (g1->g2, g2->g1): limit = raw cuMemcpy*Async of the same blocks between GPU memory and pinned host memory, same run");
     }
-    println!("limit: plain O_DIRECT sequential I/O of the same bytes, same request size, same depth, same run ({}); ratio: median over repetitions of store rate / plain rate, each pair back to back; +XXH3: plain reads that also hash each block, as the store's verification does", rows.iter().find(|r| r.io_backend != "cuda").map_or("", |r| r.io_backend));
+    println!("limit: plain O_DIRECT sequential I/O of the same bytes, same request size, same queue depth and requests outstanding, same run ({}); ratio: median over repetitions of store rate / plain rate, each pair back to back; +XXH3: plain reads that also hash each block, as the store's verification does", rows.iter().find(|r| r.io_backend != "cuda").map_or("", |r| r.io_backend));
     Ok(())
 }
 
@@ -438,7 +488,7 @@ fn row(
     op: &'static str,
     model: &str,
     block_bytes: u64,
-    depth: usize,
+    (depth, outstanding): (usize, usize),
     n: u64,
     lat: &[Duration],
     rates: &[f64],
@@ -452,6 +502,7 @@ fn row(
         model: model.to_string(),
         block_bytes,
         depth,
+        outstanding,
         blocks: n,
         gbps: median(rates),
         p50_us: p.p50_us,
@@ -595,8 +646,28 @@ async fn g1_rows(args: &TierArgs, agent: &Agent) -> anyhow::Result<Vec<Row>> {
                     out.push(gbps(block_bytes * n, start.elapsed()));
                 }
             }
-            rows.push(row("g1->g2", model, block_bytes, depth, n, &d_lat, &down, &d_lim, "cuda"));
-            rows.push(row("g2->g1", model, block_bytes, depth, n, &u_lat, &up, &u_lim, "cuda"));
+            rows.push(row(
+                "g1->g2",
+                model,
+                block_bytes,
+                (depth, depth),
+                n,
+                &d_lat,
+                &down,
+                &d_lim,
+                "cuda",
+            ));
+            rows.push(row(
+                "g2->g1",
+                model,
+                block_bytes,
+                (depth, depth),
+                n,
+                &u_lat,
+                &up,
+                &u_lim,
+                "cuda",
+            ));
         }
     }
     Ok(rows)
