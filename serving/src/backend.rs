@@ -211,6 +211,8 @@ pub fn engine_snapshot(sched: &Scheduler, store: &TieredStore) -> EngineSnapshot
         waiting: ld(&s.waiting),
         running: ld(&s.running),
         steps: ld(&s.steps),
+        queue_time: s.queue_time.snapshot(),
+        prefill_time: s.prefill_time.snapshot(),
         store: Some(store.metrics()),
     }
 }

@@ -467,6 +467,10 @@ pub struct EngineSnapshot {
     pub running: u64,
     /// Engine steps.
     pub steps: u64,
+    /// Per request: arrival at the engine to the start of its first step.
+    pub queue_time: HistogramSnapshot,
+    /// Per request: the start of its first step to its first token.
+    pub prefill_time: HistogramSnapshot,
     /// The store.
     pub store: Option<MetricsSnapshot>,
 }
@@ -776,6 +780,32 @@ impl Collector for Components {
         family(e, s, "kvfabric_engine_steps", "Engine steps.", None, C, |s, o| {
             o.extend(s.engine.as_ref().map(|x| plain(x.steps)))
         })?;
+        family(
+            e,
+            s,
+            "kvfabric_engine_queue_time",
+            "Per request, from its arrival at the engine to the start of its first step: a batch slot, its cached blocks' import, and the step in flight.",
+            Some(Unit::Seconds),
+            H,
+            |s, o| {
+                o.extend(s.engine.as_ref().map(|x| (Vec::new(), Value::Histogram(x.queue_time.clone()))))
+            },
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_engine_prefill_time",
+            "Per request, from the start of its first step to its first token.",
+            Some(Unit::Seconds),
+            H,
+            |s, o| {
+                o.extend(
+                    s.engine
+                        .as_ref()
+                        .map(|x| (Vec::new(), Value::Histogram(x.prefill_time.clone()))),
+                )
+            },
+        )?;
         let store = |s: &Snapshot| s.engine.as_ref().and_then(|x| x.store.clone());
         family(
             e,

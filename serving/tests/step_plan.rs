@@ -183,3 +183,54 @@ async fn prompt_chunks_ride_with_the_decodes_on_an_engine_whose_mixed_steps_amor
     assert_eq!(a_out, a_split);
     assert_eq!(b_out, b_split);
 }
+
+/// The engine's per-request timing in `/metrics`: two 20-token prompts arrive together on an
+/// engine that computes 20 prompt tokens per step at 1 ms a token (and whose mixed steps do
+/// not amortize, so a prompt is never split around a decode). One runs first; the other waits
+/// for that step (its queue time), then runs its own. Lower bounds only: each bound is a
+/// sleep the mock did, so no clock can make it fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_and_prefill_times_split_what_a_request_waited_for_from_its_own_steps() {
+    let layout = ModelSpec::preset("smollm2-135m")
+        .unwrap()
+        .with_dtype(KvDtype::F32)
+        .block_layout(16)
+        .unwrap();
+    let agent = Agent::start(AgentConfig::new("timing", b"s".to_vec())).await.unwrap();
+    let store = TieredStore::open(
+        StoreConfig::new(layout.bytes_per_block(), 64),
+        &agent,
+        Arc::new(NullSink),
+    )
+    .await
+    .unwrap();
+    let mock = MockConfig { prefill_us_per_token: 1000.0, ..MockConfig::zero_delay() };
+    let steps = Arc::new(Mutex::new(Vec::new()));
+    let engine = StepLog {
+        inner: MockEngine::new("mock", layout, mock).unwrap(),
+        amortize: false,
+        steps: steps.clone(),
+    };
+    let sched = Scheduler::start(
+        engine,
+        store,
+        SchedulerConfig { step_tokens: A_PROMPT, ..SchedulerConfig::default() },
+        tokio::runtime::Handle::current(),
+    )
+    .unwrap();
+    let prompt = |k: u32| (0..A_PROMPT as u32).map(|i| 97 + (i * k) % 26).collect::<Vec<_>>();
+    let first = sched.submit(request(prompt(3), 2)).unwrap();
+    let second = sched.submit(request(prompt(5), 2)).unwrap();
+    let (a, b) = tokio::join!(collect(first), collect(second));
+    assert_eq!((a.len(), b.len()), (2, 2));
+    let (queue, prefill) =
+        (sched.stats().queue_time.snapshot(), sched.stats().prefill_time.snapshot());
+    assert_eq!((queue.count, prefill.count), (2, 2));
+    let step = A_PROMPT as f64 * 1e-3;
+    assert!(queue.sum_s >= step, "one of them waited for the other's step: {queue:?}");
+    assert!(prefill.sum_s >= 2.0 * step, "each ran a step of its own: {prefill:?}");
+    // Each prompt whole in a step of its own (the steps are recorded, so the bounds above
+    // hold for the plan that ran).
+    let prompt_steps = steps.lock().iter().filter(|s| s.iter().any(|&(_, _, n)| n > 1)).count();
+    assert_eq!(prompt_steps, 2, "{:?}", steps.lock());
+}

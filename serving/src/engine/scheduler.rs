@@ -85,6 +85,13 @@ pub struct SchedulerStats {
     pub deadline_exceeded: AtomicU64,
     /// The worker is draining (it left discovery and finishes what it has).
     pub draining: std::sync::atomic::AtomicBool,
+    /// Per request: from its arrival at the engine to the start of the first step that
+    /// computes it (waiting for a batch slot, importing its cached blocks, and the step in
+    /// flight when it came, which a new request always waits for).
+    pub queue_time: kvfabric_tiers::metrics::Histogram,
+    /// Per request: from the start of its first step to its first token (its prompt's
+    /// steps, and any steps that ran between them).
+    pub prefill_time: kvfabric_tiers::metrics::Histogram,
 }
 
 fn bump(a: &AtomicU64, n: u64) {
@@ -286,6 +293,10 @@ struct Seq {
     hits: CacheHits,
     /// `Started` was sent: the imports are done and the sequence takes part in steps.
     started: bool,
+    /// When it reached the engine.
+    arrived: Instant,
+    /// When its first step started.
+    first_step: Option<Instant>,
 }
 
 impl Seq {
@@ -402,6 +413,8 @@ impl<E: Engine> Loop<E> {
                 imported: 0,
                 hits: CacheHits::default(),
                 started: false,
+                arrived: sub.arrived,
+                first_step: None,
             };
             seq.import_tiers = self.cached_prefix(&seq);
             tracing::debug!(
@@ -632,6 +645,7 @@ impl<E: Engine> Loop<E> {
             })
             .collect();
         let wants: Vec<bool> = inputs.iter().map(|x| x.logits).collect();
+        let step_start = Instant::now();
         let result = self.engine.step_next(&inputs);
         drop(inputs);
         bump(&self.stats.steps, 1);
@@ -648,6 +662,10 @@ impl<E: Engine> Loop<E> {
                 let mut next = next.into_iter();
                 for (&(i, _, n), want) in plan.iter().zip(wants) {
                     let s = &mut self.running[i];
+                    if s.first_step.is_none() {
+                        s.first_step = Some(step_start);
+                        self.stats.queue_time.observe(step_start - s.arrived);
+                    }
                     if s.prompt_left() > 0 {
                         bump(&self.stats.prefill_tokens, n.min(s.prompt_left()) as u64);
                     }
@@ -661,6 +679,11 @@ impl<E: Engine> Loop<E> {
                     };
                     outcomes[i] = Self::advance(s, n, &self.codec, self.engine.info().context_len);
                     bump(&self.stats.generated_tokens, 1);
+                    if s.generated == 1 {
+                        self.stats
+                            .prefill_time
+                            .observe(s.first_step.map_or(Duration::ZERO, |t| t.elapsed()));
+                    }
                 }
             }
         }
