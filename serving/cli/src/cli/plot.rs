@@ -17,12 +17,15 @@ pub struct Series {
     pub steps: bool,
     /// Drawn dashed (limits, targets).
     pub dashed: bool,
+    /// Drawn in the colour of the chart's series at this index (a limit beside what it
+    /// bounds) instead of a colour of its own.
+    pub color_of: Option<usize>,
 }
 
 impl Series {
     /// A solid line through `points`.
     pub fn line(name: impl Into<String>, points: Vec<(f64, f64)>) -> Self {
-        Series { name: name.into(), points, steps: false, dashed: false }
+        Series { name: name.into(), points, steps: false, dashed: false, color_of: None }
     }
 }
 
@@ -161,8 +164,21 @@ fn panel<DB: DrawingBackend>(c: &Chart, area: &DrawingArea<DB, Shift>) -> PanelR
         .label_style(("sans-serif", 14))
         .axis_desc_style(("sans-serif", 15))
         .draw()?;
+    // Each series takes the palette's next colour, unless it is drawn in the colour of an
+    // earlier series that has one of its own.
+    let mut colors: Vec<RGBColor> = Vec::with_capacity(c.series.len());
+    let mut next = 0;
+    for (i, s) in c.series.iter().enumerate() {
+        match s.color_of.filter(|&k| k < i && c.series[k].color_of.is_none()) {
+            Some(k) => colors.push(colors[k]),
+            None => {
+                colors.push(PALETTE[next % PALETTE.len()]);
+                next += 1;
+            }
+        }
+    }
     for (i, (s, pts)) in c.series.iter().zip(&lines).enumerate() {
-        let color = PALETTE[i % PALETTE.len()];
+        let color = colors[i];
         let style = color.stroke_width(2);
         let drawn = if s.dashed {
             chart.draw_series(DashedLineSeries::new(pts.iter().copied(), 6, 4, style))?
@@ -241,6 +257,28 @@ mod tests {
         assert_eq!(drawn(&s, false), vec![(0.0, 1.0), (5.0, 1.0), (5.0, 2.0)]);
         let s = Series::line("sizes", vec![(4096.0, 1.0), (0.0, 3.0), (f64::NAN, 1.0)]);
         assert_eq!(drawn(&s, true), vec![(12.0, 1.0)]);
+    }
+
+    /// A limit drawn in its measurement's colour takes no colour of the palette: the next
+    /// measurement gets the palette's second, and the third is never used.
+    #[test]
+    fn a_limit_in_its_measurements_colour_leaves_the_palette_to_the_others() {
+        let hex = |c: RGBColor| format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2);
+        let c = Chart {
+            series: vec![
+                Series::line("a", vec![(1.0, 1.0), (2.0, 2.0)]),
+                Series {
+                    dashed: true,
+                    color_of: Some(0),
+                    ..Series::line("a limit", vec![(1.0, 3.0), (2.0, 3.0)])
+                },
+                Series::line("b", vec![(1.0, 2.0), (2.0, 1.0)]),
+            ],
+            ..Chart::default()
+        };
+        let svg = render(&[c], 1).to_uppercase();
+        assert!(svg.contains(&hex(PALETTE[0])) && svg.contains(&hex(PALETTE[1])), "{svg}");
+        assert!(!svg.contains(&hex(PALETTE[2])), "the limit took a colour: {svg}");
     }
 
     #[test]

@@ -464,6 +464,7 @@ fn plot_rows(rows: &[Row]) -> String {
                 ));
                 series.push(Series {
                     dashed: true,
+                    color_of: Some(series.len() - 1),
                     ..Series::line(
                         format!("{name} limit"),
                         of().map(|r| (r.depth as f64, r.limit_gbps)).collect(),
