@@ -88,9 +88,13 @@ async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>) -> Vec<
     tokens
 }
 
-/// Sequence A decodes 300 tokens; once it has produced 5, B arrives with a 200-token prompt
-/// (four chunks of 64). Returns every step, A's id, B's id and both outputs.
-async fn run(amortize: bool) -> (Vec<Step>, u64, u64, Vec<u32>, Vec<u32>) {
+/// A scheduler over a SmolLM2-layout mock of `mock` whose steps are recorded, composing
+/// steps of at most `step_tokens` prompt tokens (and the agent its store lives in).
+async fn scheduler(
+    mock: MockConfig,
+    amortize: bool,
+    step_tokens: usize,
+) -> (Scheduler, Arc<Mutex<Vec<Step>>>, Agent) {
     let layout = ModelSpec::preset("smollm2-135m")
         .unwrap()
         .with_dtype(KvDtype::F32)
@@ -104,21 +108,23 @@ async fn run(amortize: bool) -> (Vec<Step>, u64, u64, Vec<u32>, Vec<u32>) {
     )
     .await
     .unwrap();
-    // A small decode delay keeps A running while B is admitted (not a timing assertion).
-    let mock = MockConfig { decode_step_us: 200.0, ..MockConfig::zero_delay() };
     let steps = Arc::new(Mutex::new(Vec::new()));
     let engine = StepLog {
         inner: MockEngine::new("mock", layout, mock).unwrap(),
         amortize,
         steps: steps.clone(),
     };
-    let sched = Scheduler::start(
-        engine,
-        store,
-        SchedulerConfig { step_tokens: 64, ..SchedulerConfig::default() },
-        tokio::runtime::Handle::current(),
-    )
-    .unwrap();
+    let cfg = SchedulerConfig { step_tokens, ..SchedulerConfig::default() };
+    let sched = Scheduler::start(engine, store, cfg, tokio::runtime::Handle::current()).unwrap();
+    (sched, steps, agent)
+}
+
+/// Sequence A decodes 300 tokens; once it has produced 5, B arrives with a 200-token prompt
+/// (four chunks of 64). Returns every step, A's id, B's id and both outputs.
+async fn run(amortize: bool) -> (Vec<Step>, u64, u64, Vec<u32>, Vec<u32>) {
+    // A small decode delay keeps A running while B is admitted (not a timing assertion).
+    let mock = MockConfig { decode_step_us: 200.0, ..MockConfig::zero_delay() };
+    let (sched, steps, _agent) = scheduler(mock, amortize, 64).await;
     let a_prompt: Vec<u32> = (0..A_PROMPT as u32).map(|i| 97 + i % 26).collect();
     let b_prompt: Vec<u32> = (0..B_PROMPT as u32).map(|i| 97 + (i * 7) % 26).collect();
     let mut a_rx = sched.submit(request(a_prompt, 300)).unwrap();
@@ -191,33 +197,8 @@ async fn prompt_chunks_ride_with_the_decodes_on_an_engine_whose_mixed_steps_amor
 /// sleep the mock did, so no clock can make it fail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_and_prefill_times_split_what_a_request_waited_for_from_its_own_steps() {
-    let layout = ModelSpec::preset("smollm2-135m")
-        .unwrap()
-        .with_dtype(KvDtype::F32)
-        .block_layout(16)
-        .unwrap();
-    let agent = Agent::start(AgentConfig::new("timing", b"s".to_vec())).await.unwrap();
-    let store = TieredStore::open(
-        StoreConfig::new(layout.bytes_per_block(), 64),
-        &agent,
-        Arc::new(NullSink),
-    )
-    .await
-    .unwrap();
     let mock = MockConfig { prefill_us_per_token: 1000.0, ..MockConfig::zero_delay() };
-    let steps = Arc::new(Mutex::new(Vec::new()));
-    let engine = StepLog {
-        inner: MockEngine::new("mock", layout, mock).unwrap(),
-        amortize: false,
-        steps: steps.clone(),
-    };
-    let sched = Scheduler::start(
-        engine,
-        store,
-        SchedulerConfig { step_tokens: A_PROMPT, ..SchedulerConfig::default() },
-        tokio::runtime::Handle::current(),
-    )
-    .unwrap();
+    let (sched, steps, _agent) = scheduler(mock, false, A_PROMPT).await;
     let prompt = |k: u32| (0..A_PROMPT as u32).map(|i| 97 + (i * k) % 26).collect::<Vec<_>>();
     let first = sched.submit(request(prompt(3), 2)).unwrap();
     let second = sched.submit(request(prompt(5), 2)).unwrap();

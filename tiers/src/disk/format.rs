@@ -222,22 +222,31 @@ mod tests {
         }
     }
 
+    /// A header without a parent.
+    const ORPHAN: SlotHeader = SlotHeader {
+        hash: SequenceHash(42),
+        parent: None,
+        block_bytes: 4096,
+        data_checksum: 1,
+        write_seq: 3,
+    };
+
+    /// `h` encoded, changed by `edit`, and checksummed again (a writer's framing around
+    /// fields no writer writes).
+    fn resealed(h: &SlotHeader, edit: impl FnOnce(&mut [u8])) -> Vec<u8> {
+        let mut page = vec![0u8; HEADER_BYTES as usize];
+        h.encode(&mut page);
+        edit(&mut page);
+        let sum = xxh3_64(&page[..56]);
+        page[56..64].copy_from_slice(&sum.to_le_bytes());
+        page
+    }
+
     /// A header of the first layout (a page before each block's data), even correctly
     /// checksummed, is foreign: such files are discarded slot by slot, never misread.
     #[test]
     fn a_header_of_the_first_layout_is_foreign() {
-        let h = SlotHeader {
-            hash: SequenceHash(42),
-            parent: None,
-            block_bytes: 4096,
-            data_checksum: 1,
-            write_seq: 3,
-        };
-        let mut page = vec![0u8; 4096];
-        h.encode(&mut page);
-        page[..8].copy_from_slice(b"KVFBLK01");
-        let sum = xxh3_64(&page[..56]);
-        page[56..64].copy_from_slice(&sum.to_le_bytes());
+        let page = resealed(&ORPHAN, |p| p[..8].copy_from_slice(b"KVFBLK01"));
         assert_eq!(SlotHeader::decode(&page), None);
     }
 
@@ -245,19 +254,8 @@ mod tests {
     /// not a header `encode` writes: refused (found by the `slot_header` fuzz target).
     #[test]
     fn a_parent_word_without_its_flag_is_refused() {
-        let h = SlotHeader {
-            hash: SequenceHash(42),
-            parent: None,
-            block_bytes: 4096,
-            data_checksum: 1,
-            write_seq: 3,
-        };
-        let mut page = vec![0u8; 4096];
-        h.encode(&mut page);
-        assert_eq!(SlotHeader::decode(&page), Some(h));
-        page[16] = 1; // the parent word
-        let sum = xxh3_64(&page[..56]);
-        page[56..64].copy_from_slice(&sum.to_le_bytes());
+        assert_eq!(SlotHeader::decode(&resealed(&ORPHAN, |_| {})), Some(ORPHAN));
+        let page = resealed(&ORPHAN, |p| p[16] = 1); // the parent word
         assert_eq!(SlotHeader::decode(&page), None);
     }
 }

@@ -244,10 +244,9 @@ impl DiskTier {
                 .await;
                 n.map(|n| {
                     // Pages past a short read (a file truncated under us) are not headers.
-                    let pages: Vec<Option<SlotHeader>> = buf.as_slice()[..n]
-                        .chunks_exact(HEADER_BYTES as usize)
-                        .map(SlotHeader::decode)
-                        .collect();
+                    let read = &buf.as_slice()[..n.min(buf.len())];
+                    let pages: Vec<Option<SlotHeader>> =
+                        read.chunks_exact(HEADER_BYTES as usize).map(SlotHeader::decode).collect();
                     (first, count, pages)
                 })
             });

@@ -257,24 +257,17 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
             let mut lats = (Vec::new(), Vec::new(), Vec::new());
             // Repetitions interleave the store and the plain I/O, so that both see the same
             // machine; the medians are reported.
+            let plain_write =
+                || plain(&limit_path, Plain::Write, data, n, (depth, ask), prefer, &plain_memory);
+            let plain_read =
+                || plain_reads(&limit_path, data, n, (depth, ask), prefer, &plain_memory);
             for rep in 0..args.reps.max(1) {
                 // Every other repetition runs the plain I/O first: what ran just before (the
                 // backing store's own caching and write-back of the other file) then favours
                 // neither side.
                 let plain_first = rep % 2 == 1;
                 if plain_first {
-                    w_lim.push(
-                        plain(
-                            &limit_path,
-                            Plain::Write,
-                            data,
-                            n,
-                            (depth, ask),
-                            prefer,
-                            &plain_memory,
-                        )
-                        .await?,
-                    );
+                    w_lim.push(plain_write().await?);
                 }
                 let _ = std::fs::remove_file(&slots);
                 // Offload: every block in host memory first, then host → disk at `depth`.
@@ -298,23 +291,10 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 off.push(gbps(block_bytes * n, elapsed));
                 lats.0.extend(lat);
                 if !plain_first {
-                    w_lim.push(
-                        plain(
-                            &limit_path,
-                            Plain::Write,
-                            data,
-                            n,
-                            (depth, ask),
-                            prefer,
-                            &plain_memory,
-                        )
-                        .await?,
-                    );
+                    w_lim.push(plain_write().await?);
                 }
                 if plain_first {
-                    let (raw, hashed) =
-                        plain_reads(&limit_path, data, n, (depth, ask), prefer, &plain_memory)
-                            .await?;
+                    let (raw, hashed) = plain_read().await?;
                     r_lim.push(raw);
                     v_lim.push(hashed);
                 }
@@ -357,9 +337,7 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 pre.push(gbps(block_bytes * n, start.elapsed()));
                 drop(store);
                 if !plain_first {
-                    let (raw, hashed) =
-                        plain_reads(&limit_path, data, n, (depth, ask), prefer, &plain_memory)
-                            .await?;
+                    let (raw, hashed) = plain_read().await?;
                     r_lim.push(raw);
                     v_lim.push(hashed);
                 }
