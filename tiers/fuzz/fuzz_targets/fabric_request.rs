@@ -8,10 +8,12 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&m, body)) = data.split_first() else { return };
-    // Methods 0..=5: the four known ones and unknown neighbours.
-    match Request::decode(u16::from(m % 6), body) {
+    // Methods 0..=6: the five known ones and unknown neighbours.
+    match Request::decode(u16::from(m % 7), body) {
         Ok(Request::Get(b) | Request::Put(b)) => assert!(b.blocks.len() <= BLOCKS_PER_CALL_MAX),
-        Ok(Request::Lookup(l)) => assert!(l.hashes.len() <= LOOKUP_HASHES_MAX),
+        Ok(Request::Lookup(l) | Request::Prefix(l)) => {
+            assert!(l.hashes.len() <= LOOKUP_HASHES_MAX)
+        }
         Ok(Request::Hello(_)) | Err(_) => {}
     }
 });
