@@ -295,6 +295,41 @@ async fn a_free_target_writes_back_in_the_background_and_loses_nothing() {
     }
 }
 
+/// A slot file of the first layout (a header page before each block, magic `KVFBLK01`) is
+/// recognised on open: said, and none of its blocks read as this layout's. A file of this
+/// layout is not taken for one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_file_of_the_first_layout_is_recognised_and_not_read() {
+    use kvfabric_tiers::disk::format::FIRST_LAYOUT_MAGIC;
+    use kvfabric_tiers::disk::DiskTier;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = disk(dir.path(), 64);
+    {
+        let (tier, recovered) = DiskTier::open(&cfg, BLOCK).await.unwrap();
+        assert!(!recovered.first_layout);
+        drop(tier);
+    }
+    {
+        let a = agent().await;
+        let (s, _) = open(&a, 2, Some(cfg.clone()), 0).await;
+        put(&s, 0).await;
+        assert_eq!(s.offload(&[h(0)]).await.unwrap(), 1);
+    }
+    let (_, recovered) = DiskTier::open(&cfg, BLOCK).await.unwrap();
+    assert_eq!((recovered.blocks.len(), recovered.first_layout), (1, false));
+    // Slot 0 as the first layout wrote it: its header at offset 0, then the block.
+    {
+        use std::os::unix::fs::FileExt;
+        let mut page = vec![0u8; 4096];
+        page[..8].copy_from_slice(&FIRST_LAYOUT_MAGIC);
+        let f = std::fs::OpenOptions::new().write(true).open(&cfg.path).unwrap();
+        f.write_at(&page, 0).unwrap();
+    }
+    let (_, recovered) = DiskTier::open(&cfg, BLOCK).await.unwrap();
+    assert!(recovered.first_layout);
+    assert!(recovered.blocks.is_empty());
+}
+
 /// A block goes to disk as two requests, data and header. A crash between them can leave a
 /// new block's header over an older block's data: after a restart the header is indexed,
 /// and the read that finds data not matching it drops the block. The older bytes are never

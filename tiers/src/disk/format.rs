@@ -45,6 +45,9 @@ pub const ALIGN: u64 = 4096;
 /// The first 8 bytes of every header page.
 pub const MAGIC_BYTES: [u8; 8] = *b"KVFBLK02";
 const MAGIC: u64 = u64::from_le_bytes(MAGIC_BYTES);
+/// The first 8 bytes of a header of the first layout (a header page before each block): a
+/// file that starts with one was written by an earlier kvfabric.
+pub const FIRST_LAYOUT_MAGIC: [u8; 8] = *b"KVFBLK01";
 /// Slots per group (a format constant: a file is read with the layout it was written with).
 pub const GROUP_SLOTS: u64 = 64;
 

@@ -123,6 +123,9 @@ pub struct Recovered {
     /// Slots whose header was unreadable (torn, foreign, another block size) or a stale
     /// duplicate.
     pub discarded: u32,
+    /// The file was written in the first layout (by an earlier kvfabric): none of its blocks
+    /// is read, and its slots are rewritten as they are reused.
+    pub first_layout: bool,
 }
 
 /// A slot to write into, or nothing to write.
@@ -226,6 +229,7 @@ impl DiskTier {
     async fn rebuild(&self, slots: u32, depth: usize) -> Result<Recovered, DiskError> {
         let mut headers: Vec<(u32, SlotHeader)> = Vec::new();
         let mut discarded = 0u32;
+        let mut first_layout = false;
         // A group's header pages in one read, `depth` groups at a time.
         let groups: Vec<u32> = (0..slots).step_by(GROUP_SLOTS as usize).collect();
         for batch in groups.chunks(depth) {
@@ -245,13 +249,16 @@ impl DiskTier {
                 n.map(|n| {
                     // Pages past a short read (a file truncated under us) are not headers.
                     let read = &buf.as_slice()[..n.min(buf.len())];
+                    // Slot 0's header lies at offset 0 in both layouts.
+                    let old = first == 0 && read.starts_with(&format::FIRST_LAYOUT_MAGIC);
                     let pages: Vec<Option<SlotHeader>> =
                         read.chunks_exact(HEADER_BYTES as usize).map(SlotHeader::decode).collect();
-                    (first, count, pages)
+                    (first, count, pages, old)
                 })
             });
             for r in futures_util::future::join_all(reads).await {
-                let (first, count, pages) = r?;
+                let (first, count, pages, old) = r?;
+                first_layout |= old;
                 discarded += count - pages.len() as u32;
                 for (i, page) in pages.into_iter().enumerate() {
                     match page {
@@ -276,7 +283,7 @@ impl DiskTier {
         let skipped = st.pool.restore(headers.iter().map(|(slot, h)| (*slot, h.hash, h.parent)));
         discarded += skipped.len() as u32;
         let blocks = st.pool.blocks();
-        Ok(Recovered { blocks, discarded })
+        Ok(Recovered { blocks, discarded, first_layout })
     }
 
     /// The I/O backend in use.

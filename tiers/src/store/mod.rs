@@ -257,7 +257,14 @@ impl TieredStore {
                 for (hash, parent) in recovered.blocks {
                     events.stored(hash, parent, TierKind::Disk);
                 }
-                if recovered.discarded > 0 {
+                if recovered.first_layout {
+                    tracing::warn!(
+                        path = %d.path.display(),
+                        "disk tier: the slot file is in the layout of an earlier kvfabric (a \
+                         header before each block): none of its blocks is read; its slots are \
+                         rewritten as they are reused"
+                    );
+                } else if recovered.discarded > 0 {
                     tracing::info!(
                         discarded = recovered.discarded,
                         "disk tier: unreadable or stale slots discarded"
