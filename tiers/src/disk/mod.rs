@@ -149,7 +149,6 @@ pub struct DiskTier {
     file: Arc<File>,
     io: DiskIo,
     block_bytes: u64,
-    data_bytes: u64,
     layout: SlotLayout,
     grow_blocks: u32,
     state: Mutex<DiskState>,
@@ -196,14 +195,12 @@ impl DiskTier {
         let file = Arc::new(io::open_direct(&cfg.path)?);
         let io = DiskIo::new(file.clone(), cfg.queue_depth, cfg.io)?;
         let layout = SlotLayout::new(block_bytes);
-        let data_bytes = layout.data_bytes();
         let len = file.metadata()?.len();
         let existing = layout.slots_in(len).min(u64::from(cfg.capacity_blocks)) as u32;
         let tier = DiskTier {
             file,
             io,
             block_bytes,
-            data_bytes,
             layout,
             grow_blocks: cfg.grow_blocks.max(1),
             state: Mutex::new(DiskState {
@@ -320,7 +317,7 @@ impl DiskTier {
 
     /// Bytes one slot buffer must span (the block rounded up to 4 KiB).
     pub fn data_bytes(&self) -> u64 {
-        self.data_bytes
+        self.layout.data_bytes()
     }
 
     /// Reserves a slot, evicting the tier's own LRU blocks when full.
@@ -418,7 +415,7 @@ impl DiskTier {
             // Data and header as two requests submitted together: a crash between them leaves
             // a header that does not match the data, and the block is dropped on read, never
             // served.
-            let data = [IoBuf { ptr: src.ptr, len: self.data_bytes as usize }];
+            let data = [IoBuf { ptr: src.ptr, len: self.data_bytes() as usize }];
             let head = [header.io_buf()];
             // SAFETY: `src` is kept by the caller's keep value, the header by its request.
             let (d, h) = unsafe {
@@ -429,8 +426,8 @@ impl DiskTier {
             }
             .await;
             let (d, h) = (d?, h?);
-            if d as u64 != self.data_bytes {
-                return Err(DiskError::Short { op: "write", got: d, want: self.data_bytes });
+            if d as u64 != self.data_bytes() {
+                return Err(DiskError::Short { op: "write", got: d, want: self.data_bytes() });
             }
             if h as u64 != HEADER_BYTES {
                 return Err(DiskError::Short { op: "write", got: h, want: HEADER_BYTES });
@@ -493,7 +490,7 @@ impl DiskTier {
             st.pool.touch(slot);
             (slot, st.pool.parent_of(hash), st.checksums[slot as usize])
         };
-        let data = [IoBuf { ptr: dst.ptr, len: self.data_bytes as usize }];
+        let data = [IoBuf { ptr: dst.ptr, len: self.data_bytes() as usize }];
         let in_flight = InFlight::new(&self.reads_in_flight);
         // SAFETY: `dst` is kept by the caller's keep value.
         let n =
@@ -503,7 +500,7 @@ impl DiskTier {
         let parallel = self.block_bytes >= PARALLEL_VERIFY_MIN_BYTES
             && self.reads_in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0;
         let verdict = match n {
-            Ok(n) if n as u64 == self.data_bytes => {
+            Ok(n) if n as u64 == self.data_bytes() => {
                 let len = self.block_bytes as usize;
                 let sum = move || {
                     // Capture the whole IoBuf (Send), not its raw-pointer field.
