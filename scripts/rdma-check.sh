@@ -10,8 +10,9 @@
 #                                       test (the ignored ones included), then the rdma rows of
 #                                       `kvfabric bench transfer` (two processes: this one and
 #                                       its `kvfabric peer`) against the plain verbs loop of the
-#                                       same bytes; logs and JSON rows go to $OUT when set, else
-#                                       DIR/results
+#                                       same bytes, and with a GPU the same rows between GPU
+#                                       memory (GPUDirect RDMA, `--gpu`); logs and JSON rows go
+#                                       to $OUT when set, else DIR/results
 #
 # Exit status: non-zero when a test fails or no device is usable. Each step has a deadline.
 set -euo pipefail
@@ -26,7 +27,7 @@ case "$cmd" in
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/kvfabric/target}"
     # The hardware tests (tests/rdma.rs) and the library's unit tests (the verbs ABI against
     # the RDMA host's own verbs.h, the exchange, the planning, the software-device tests).
-    built="$(cargo test -p kvfabric --lib --test rdma --no-run --message-format=json 2>/dev/null |
+    built="$(cargo test -p kvfabric --features cuda --lib --test rdma --no-run --message-format=json 2>/dev/null |
       python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
@@ -64,6 +65,15 @@ for l in sys.stdin:
     timeout 600 "$dir/kvfabric" bench transfer --transports rdma \
       --sizes 4K,64K,1M,4M,64M --batches 1,16,256 --max-transfer-mib 1024 2>&1 |
       tee "$out/bench-transfer.txt" || status=1
+    echo "== kvfabric bench transfer --transports rdma --gpu (GPUDirect RDMA; hosts with a GPU)"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      timeout 600 "$dir/kvfabric" bench transfer --transports rdma --gpu \
+        --sizes 4K,64K,1M,4M,64M --batches 1,16,256 --max-transfer-mib 1024 2>&1 |
+        tee "$out/bench-transfer-gpu.txt" ||
+        echo "no GPUDirect rows: the reason is above (not a failure of the RDMA checks)"
+    else
+      echo "no GPU here (nvidia-smi not found): no GPUDirect rows" | tee "$out/bench-transfer-gpu.txt"
+    fi
     exit $status
     ;;
   *)

@@ -220,6 +220,7 @@ fn open_rdma(
                 device: i.name.clone(),
                 port: i.port,
                 link_layer: i.link_layer.to_string(),
+                gpu: t.gpu_direct().ok().map(|how| how.to_string()),
             };
             (Some(Arc::new(t)), status)
         }
@@ -653,26 +654,7 @@ impl Agent {
         let peer = self.peer(&req.peer)?;
         let shm_ok =
             || peer.same_host() && req.remote.iter().all(|d| peer.shm_map(d.region).is_some());
-        let rdma = || {
-            let theirs = peer.metadata().transports.contains(&TransportKind::Rdma);
-            let link = |s: &RdmaStatus| match s {
-                RdmaStatus::Device { link_layer, .. } => Some(link_layer.clone()),
-                _ => None,
-            };
-            let (ours, peers) = (link(&self.inner.rdma_status), link(&peer.metadata().rdma));
-            match (&t.rdma, theirs) {
-                (None, _) => Err(format!("this agent has none: {}", self.inner.rdma_status)),
-                (Some(_), false) => Err(format!("{} has none: {}", req.peer, peer.metadata().rdma)),
-                // InfiniBand and RoCE do not reach each other.
-                (Some(_), true) if peers.is_some() && ours != peers => Err(format!(
-                    "this agent's device is {}, {}'s is {}",
-                    self.inner.rdma_status,
-                    req.peer,
-                    peer.metadata().rdma
-                )),
-                (Some(r), true) => Ok(r.clone()),
-            }
-        };
+        let rdma = || self.rdma_route(&peer);
         match req.transport {
             Some(TransportKind::Tcp) => Ok((t.tcp.clone(), Some(peer))),
             Some(TransportKind::Rdma) => match rdma() {
@@ -706,6 +688,65 @@ impl Agent {
                 Err(_) => Ok((t.tcp.clone(), Some(peer))),
             },
         }
+    }
+
+    /// The RDMA transport to `peer`, or why there is none: both agents need a device, on the
+    /// same kind of link.
+    fn rdma_route(&self, peer: &Peer) -> Result<Arc<dyn Transport>, String> {
+        let md = peer.metadata();
+        let theirs = md.transports.contains(&TransportKind::Rdma);
+        let link = |s: &RdmaStatus| match s {
+            RdmaStatus::Device { link_layer, .. } => Some(link_layer.clone()),
+            _ => None,
+        };
+        let (ours, peers) = (link(&self.inner.rdma_status), link(&md.rdma));
+        match (&self.inner.transports.rdma, theirs) {
+            (None, _) => Err(format!("this agent has none: {}", self.inner.rdma_status)),
+            (Some(_), false) => Err(format!("{} has none: {}", md.name, md.rdma)),
+            // InfiniBand and RoCE do not reach each other.
+            (Some(_), true) if peers.is_some() && ours != peers => Err(format!(
+                "this agent's device is {}, {}'s is {}",
+                self.inner.rdma_status, md.name, md.rdma
+            )),
+            (Some(r), true) => Ok(r.clone()),
+        }
+    }
+
+    /// GPUDirect RDMA for a request that names GPU memory: the adapters move the bytes to
+    /// and from GPU memory on either side, with no copy through host memory. Why not: no
+    /// RDMA route, a side whose adapter cannot reach GPU memory, or checksums (computed by
+    /// the CPU, which cannot read GPU memory; staging checksums its bounce buffers).
+    fn gpu_direct_route(
+        &self,
+        req: &TransferRequest,
+        peer: &Peer,
+    ) -> Result<Arc<dyn Transport>, String> {
+        let rdma = self.rdma_route(peer)?;
+        if req.checksum {
+            return Err("checksums of GPU memory are computed on host memory".into());
+        }
+        let gpu_of = |s: &RdmaStatus| match s {
+            RdmaStatus::Device { gpu, .. } => gpu.is_some(),
+            _ => false,
+        };
+        let regions = self.inner.regions();
+        let local_gpu = req
+            .local
+            .iter()
+            .any(|d| regions.get(d.region).is_ok_and(|r| r.kind() != MemoryKind::Host));
+        if local_gpu && !gpu_of(&self.inner.rdma_status) {
+            let why = self.inner.rdma.as_ref().and_then(|t| t.gpu_direct().err()).unwrap_or("");
+            return Err(format!("this agent's adapter does not reach GPU memory: {why}"));
+        }
+        let md = peer.metadata();
+        let remote_gpu = req
+            .remote
+            .iter()
+            .any(|d| md.regions.iter().any(|r| r.id == d.region && r.kind != MemoryKind::Host));
+        if remote_gpu && !gpu_of(&md.rdma) {
+            return Err(format!("{}'s adapter does not reach GPU memory ({})", md.name, md.rdma));
+        }
+        Ok(rdma)
     }
 
     /// A loaded peer.
@@ -752,8 +793,25 @@ impl Agent {
         req: &TransferRequest,
     ) -> Result<(Arc<dyn Transport>, PeerRoute), TransferError> {
         let no = |reason: String| TransferError::NoTransport { peer: req.peer.clone(), reason };
+        let other_agent = req.peer != self.inner.config.name;
+        if req.transport == Some(TransportKind::Rdma) && other_agent {
+            let peer = self.peer(&req.peer)?;
+            return match self.gpu_direct_route(req, &peer) {
+                Ok(rdma) => Ok((rdma, Some(peer))),
+                Err(why) => Err(no(format!("rdma: {why}"))),
+            };
+        }
         if let Some(k) = req.transport.filter(|&k| k != TransportKind::Cuda) {
-            return Err(no(format!("{k} cannot reach GPU memory; use cuda")));
+            return Err(no(format!("{k} cannot reach GPU memory; use cuda or rdma")));
+        }
+        // Another host, both adapters reaching GPU memory: GPUDirect RDMA, no staging.
+        if other_agent && req.transport.is_none() {
+            let peer = self.peer(&req.peer)?;
+            if !peer.same_host() {
+                if let Ok(rdma) = self.gpu_direct_route(req, &peer) {
+                    return Ok((rdma, Some(peer)));
+                }
+            }
         }
         let cuda = self
             .inner
@@ -776,11 +834,11 @@ impl Agent {
                     .any(|r| r.id == d.region && r.kind == MemoryKind::Host)
             });
             if !remote_host {
-                return Err(no(
-                    "GPU memory of another host is not reachable from here (no RDMA yet): its \
-                     owner stages it to host memory"
-                        .into(),
-                ));
+                let why = self.gpu_direct_route(req, &peer).err().unwrap_or_default();
+                return Err(no(format!(
+                    "GPU memory of another host is reachable only over GPUDirect RDMA ({why}): \
+                     its owner stages it to host memory"
+                )));
             }
             return Ok((cuda, Some(peer)));
         }

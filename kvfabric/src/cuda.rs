@@ -174,6 +174,16 @@ pub fn check_range(offset: u64, len: u64, size: u64) -> Result<(), CudaError> {
     }
 }
 
+/// A range of device memory exported as a dma-buf ([`Cuda::dmabuf`]), for an RDMA adapter to
+/// register (GPUDirect RDMA).
+#[derive(Debug)]
+pub struct DmaBuf {
+    /// The dma-buf.
+    pub fd: std::os::fd::OwnedFd,
+    /// Where the range's first byte lies in it.
+    pub offset: u64,
+}
+
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]

@@ -83,6 +83,11 @@ pub enum RdmaStatus {
         port: u8,
         /// infiniband or ethernet.
         link_layer: String,
+        /// How the device reaches GPU memory (`dma-buf`, `nvidia-peermem`); absent where it
+        /// does not (GPU memory then moves between hosts staged through host memory), and in
+        /// metadata from agents that predate it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu: Option<String>,
     },
 }
 
@@ -91,8 +96,12 @@ impl std::fmt::Display for RdmaStatus {
         match self {
             RdmaStatus::Off => f.write_str("RDMA is turned off"),
             RdmaStatus::Unavailable { reason } => f.write_str(reason),
-            RdmaStatus::Device { device, port, link_layer } => {
-                write!(f, "{device} port {port} ({link_layer})")
+            RdmaStatus::Device { device, port, link_layer, gpu } => {
+                write!(f, "{device} port {port} ({link_layer})")?;
+                match gpu {
+                    Some(how) => write!(f, ", GPU memory through {how}"),
+                    None => Ok(()),
+                }
             }
         }
     }

@@ -192,3 +192,68 @@ async fn a_dead_peer_fails_rdma_transfers_typed() {
     assert!(matches!(e, TransferError::Disconnected { .. } | TransferError::Remote { .. }), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(5), "failed after {:?}", t0.elapsed());
 }
+
+/// GPUDirect RDMA on a host whose adapter reaches its GPU: host memory to a GPU region of
+/// the peer, that region to a GPU region here, then to host memory of the peer, every hop
+/// an RDMA transfer between the adapter and GPU memory; the bytes arrive intact, at offsets
+/// and in pieces. Where the host has no GPU or its adapter does not reach GPU memory, it
+/// says so and checks nothing more.
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device and a GPU it reaches: scripts/rdma-check.sh runs it"]
+async fn gpu_memory_over_rdma_arrives_intact() {
+    let (a, b) = (agent("a").await, agent("b").await);
+    assert!(
+        matches!(a.rdma_status(), RdmaStatus::Device { .. }),
+        "{NEEDS_DEVICE}: {}",
+        a.rdma_status()
+    );
+    if let Err(why) = kvfabric::cuda::available() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let RdmaStatus::Device { gpu: Some(how), .. } = a.rdma_status() else {
+        eprintln!("SKIPPED: the adapter does not reach GPU memory: {}", a.rdma_status());
+        return;
+    };
+    eprintln!("GPU memory through {how}");
+    const LEN: usize = 8 << 20;
+    let host_a = a.alloc_region(LEN, RegionOptions::default()).unwrap();
+    let gpu_b = b.alloc_device_region(0, LEN, true).unwrap();
+    let gpu_a = a.alloc_device_region(0, LEN, false).unwrap();
+    let host_b = b.alloc_region(LEN, exported()).unwrap();
+    pattern(&host_a, 11);
+    link(&a, &b);
+    // Pieces of several sizes at different offsets on each side.
+    let pieces = [(0u64, 4096u64, 1u64), (100, 9000, 65_536), (70_000, 1 << 20, 5 << 20)];
+    let descs = |r: &Region, side: usize| -> Vec<Desc> {
+        pieces.iter().map(|p| Desc::new(r.id(), [p.0, p.1][side], p.2)).collect()
+    };
+    let rdma = |op, local, remote| {
+        TransferRequest::new(op, "b", local, remote)
+            .with_transport(TransportKind::Rdma)
+            .with_deadline(Duration::from_secs(10))
+    };
+    // host a → GPU b, GPU b → GPU a (a READ), GPU a → host b.
+    a.post(rdma(TransferOp::Write, descs(&host_a, 0), descs(&gpu_b, 1)))
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    a.post(rdma(TransferOp::Read, descs(&gpu_a, 0), descs(&gpu_b, 1)))
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    a.post(rdma(TransferOp::Write, descs(&gpu_a, 0), descs(&host_b, 1)))
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    for &(l, r, n) in &pieces {
+        assert_eq!(bytes(&host_b, r, n as usize), bytes(&host_a, l, n as usize));
+    }
+    let rdma =
+        a.transfer_counts().into_iter().find(|c| c.transport == TransportKind::Rdma).unwrap();
+    assert_eq!((rdma.done, rdma.failed), (3, 0));
+}

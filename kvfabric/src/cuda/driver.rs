@@ -8,7 +8,7 @@ use std::sync::{mpsc, Arc, OnceLock};
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 
-use super::{CudaError, CudaUnavailable, DeviceExport, IPC_HANDLE_BYTES, UUID_BYTES};
+use super::{CudaError, CudaUnavailable, DeviceExport, DmaBuf, IPC_HANDLE_BYTES, UUID_BYTES};
 
 fn driver(call: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |e| CudaError::Driver { call, message: format!("{e:?}") }
@@ -145,6 +145,55 @@ impl Cuda {
         Ok(DevicePointer { ordinal, base, size })
     }
 
+    /// A dma-buf of the device memory at `addr..addr+len`, for an RDMA adapter to register
+    /// (GPUDirect RDMA). The allocation around the range is exported whole, its ends rounded
+    /// out to host pages as the driver requires; the registration then covers the range
+    /// only, at [`DmaBuf::offset`] into it.
+    pub fn dmabuf(&self, addr: u64, len: usize) -> Result<DmaBuf, CudaError> {
+        let at = self.locate(addr, len)?;
+        let device = self.device(at.ordinal)?;
+        if !device.dmabuf_supported()? {
+            return Err(CudaError::Driver {
+                call: "cuMemGetHandleForAddressRange",
+                message: format!(
+                    "GPU {} ({}) cannot export dma-bufs: its driver or kernel predates them",
+                    at.ordinal, device.name
+                ),
+            });
+        }
+        device.bind()?;
+        // SAFETY: sysconf has no preconditions.
+        let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+            .ok()
+            .filter(|p| p.is_power_of_two())
+            .unwrap_or(4096);
+        let start = at.base & !(page - 1);
+        let end = (at.base + at.size as u64).div_ceil(page) * page;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: a c_int out-parameter for a dma-buf descriptor; the range is the live
+        // allocation `locate` found, rounded to pages as the call requires.
+        unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                start,
+                (end - start) as usize,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        }
+        .result()
+        .map_err(driver("cuMemGetHandleForAddressRange"))?;
+        if fd < 0 {
+            return Err(CudaError::Driver {
+                call: "cuMemGetHandleForAddressRange",
+                message: format!("returned descriptor {fd}"),
+            });
+        }
+        // SAFETY: a descriptor the driver just opened for us; nothing else owns it.
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(DmaBuf { fd, offset: addr - start })
+    }
+
     /// The visible device with this UUID.
     pub fn device_by_uuid(&self, uuid: &[u8; UUID_BYTES]) -> Result<Arc<Device>, CudaError> {
         self.devices
@@ -225,6 +274,23 @@ impl Device {
     /// Its UUID, the same in every process.
     pub fn uuid(&self) -> [u8; UUID_BYTES] {
         self.uuid
+    }
+
+    /// Whether the driver can export this device's memory as dma-bufs (for GPUDirect RDMA
+    /// without the `nvidia-peermem` module).
+    pub fn dmabuf_supported(&self) -> Result<bool, CudaError> {
+        let mut v: std::ffi::c_int = 0;
+        // SAFETY: a c_int out-parameter for an integer attribute of a valid device.
+        unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut v,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+                self.ctx.cu_device(),
+            )
+        }
+        .result()
+        .map_err(driver("cuDeviceGetAttribute"))?;
+        Ok(v != 0)
     }
 
     fn bind(&self) -> Result<(), CudaError> {

@@ -50,6 +50,20 @@ pub enum Access {
     RemoteReadWrite,
 }
 
+impl Access {
+    /// The registration's access flags: local writes, and what peers may do.
+    fn flags(self) -> i32 {
+        let local = consts::ACCESS_LOCAL_WRITE | consts::ACCESS_RELAXED_ORDERING;
+        match self {
+            Access::Local => local,
+            Access::RemoteWrite => local | consts::ACCESS_REMOTE_WRITE,
+            Access::RemoteReadWrite => {
+                local | consts::ACCESS_REMOTE_READ | consts::ACCESS_REMOTE_WRITE
+            }
+        }
+    }
+}
+
 /// What the transport needs to know of the device and port it uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceInfo {
@@ -345,18 +359,44 @@ impl Device {
         len: usize,
         remote: Access,
     ) -> Result<Mr, VerbsError> {
-        let mut access = consts::ACCESS_LOCAL_WRITE | consts::ACCESS_RELAXED_ORDERING;
-        match remote {
-            Access::Local => {}
-            Access::RemoteWrite => access |= consts::ACCESS_REMOTE_WRITE,
-            Access::RemoteReadWrite => {
-                access |= consts::ACCESS_REMOTE_READ | consts::ACCESS_REMOTE_WRITE
-            }
-        }
         // SAFETY: the caller keeps the memory; the protection domain is ours.
-        let mr = unsafe { (self.v.reg_mr)(self.pd, addr.cast(), len, access) };
+        let mr = unsafe { (self.v.reg_mr)(self.pd, addr.cast(), len, remote.flags()) };
         if mr.is_null() {
             return Err(errno("ibv_reg_mr"));
+        }
+        Ok(Mr { dev: self.clone(), mr })
+    }
+
+    /// Whether the library can register dma-bufs (rdma-core 34 and later).
+    pub fn has_dmabuf(&self) -> bool {
+        self.v.reg_dmabuf_mr.is_some()
+    }
+
+    /// Registers `len` bytes at `offset` into a dma-buf (GPU memory its driver exported),
+    /// addressed as `iova` by work requests and peers. The registration holds its own
+    /// reference to the buffer: `fd` may be closed afterwards.
+    ///
+    /// # Safety
+    /// The memory behind the dma-buf must stay allocated until the registration is dropped.
+    pub unsafe fn register_dmabuf(
+        self: &Arc<Self>,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        remote: Access,
+    ) -> Result<Mr, VerbsError> {
+        use std::os::fd::AsRawFd;
+        let Some(reg) = self.v.reg_dmabuf_mr else {
+            return Err(VerbsError {
+                call: "ibv_reg_dmabuf_mr",
+                reason: "this libibverbs predates it (rdma-core 34)".into(),
+            });
+        };
+        // SAFETY: a live descriptor; the caller keeps the memory; the domain is ours.
+        let mr = unsafe { reg(self.pd, offset, len, iova, fd.as_raw_fd(), remote.flags()) };
+        if mr.is_null() {
+            return Err(errno("ibv_reg_dmabuf_mr"));
         }
         Ok(Mr { dev: self.clone(), mr })
     }

@@ -33,9 +33,15 @@ const DEVICE_C: &std::ffi::CStr = c"kvfabric-fake0";
 
 #[derive(Debug)]
 struct MrRec {
+    /// The address work requests and peers use for its first byte (the memory's own for
+    /// `reg_mr`, the `iova` of `reg_dmabuf_mr`).
     addr: usize,
     len: usize,
     access: c_int,
+    /// Where its first byte is in this process.
+    host: usize,
+    /// The double's own mapping of a dma-buf (address, bytes), unmapped on deregistration.
+    mapping: Option<(usize, usize)>,
 }
 
 #[derive(Debug)]
@@ -127,6 +133,7 @@ pub fn verbs() -> &'static Verbs {
         dealloc_pd,
         reg_mr,
         dereg_mr,
+        reg_dmabuf_mr: Some(reg_dmabuf_mr),
         create_cq,
         destroy_cq,
         create_qp,
@@ -230,7 +237,10 @@ unsafe extern "C" fn reg_mr(
     let mut st = state().lock();
     st.next_key += 1;
     let key = st.next_key;
-    st.mrs.insert(key, MrRec { addr: addr as usize, len, access });
+    st.mrs.insert(
+        key,
+        MrRec { addr: addr as usize, len, access, host: addr as usize, mapping: None },
+    );
     Box::into_raw(Box::new(IbvMr {
         context: std::ptr::null_mut(),
         pd,
@@ -242,11 +252,167 @@ unsafe extern "C" fn reg_mr(
     }))
 }
 
+/// A dma-buf's registration: the double maps the descriptor (a memfd standing in for GPU
+/// memory, see [`GpuMemory`]) as a driver's dma-buf attachment would give the adapter its
+/// pages, and addresses the range as `iova`.
+unsafe extern "C" fn reg_dmabuf_mr(
+    pd: *mut c_void,
+    offset: u64,
+    len: usize,
+    iova: u64,
+    fd: c_int,
+    access: c_int,
+) -> *mut IbvMr {
+    let Some(bytes) = (offset as usize).checked_add(len).filter(|_| len > 0) else {
+        // SAFETY: errno is thread-local.
+        unsafe { *libc::__errno_location() = libc::EINVAL };
+        return std::ptr::null_mut();
+    };
+    // SAFETY: a shared mapping of a descriptor the caller holds open; the kernel checks it
+    // (a file shorter than the range faults only where touched, which the bounds forbid).
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if map == libc::MAP_FAILED {
+        return std::ptr::null_mut();
+    }
+    let host = map as usize + offset as usize;
+    let mut st = state().lock();
+    st.next_key += 1;
+    let key = st.next_key;
+    let rec =
+        MrRec { addr: iova as usize, len, access, host, mapping: Some((map as usize, bytes)) };
+    st.mrs.insert(key, rec);
+    Box::into_raw(Box::new(IbvMr {
+        context: std::ptr::null_mut(),
+        pd,
+        addr: iova as usize as *mut c_void,
+        length: len,
+        handle: key,
+        lkey: key,
+        rkey: key,
+    }))
+}
+
 unsafe extern "C" fn dereg_mr(mr: *mut IbvMr) -> c_int {
-    // SAFETY: the registration from reg_mr, freed once.
+    // SAFETY: the registration from reg_mr or reg_dmabuf_mr, freed once.
     let mr = unsafe { Box::from_raw(mr) };
-    state().lock().mrs.remove(&mr.lkey);
+    let rec = state().lock().mrs.remove(&mr.lkey);
+    if let Some((addr, bytes)) = rec.and_then(|r| r.mapping) {
+        // SAFETY: the double's own mapping, made at registration; no request uses it now
+        // (the transport keeps registrations while its work is out).
+        unsafe { libc::munmap(addr as *mut c_void, bytes) };
+    }
     0
+}
+
+/// Memory standing in for a GPU's, for the transport's GPU paths: its device addresses are a
+/// range reserved without access, so that any CPU access through them faults; its bytes are
+/// a memfd, which [`dmabuf`] exports as the CUDA driver exports GPU memory as a dma-buf, and
+/// which the test reads through a mapping of its own.
+///
+/// What it cannot prove: that CUDA exports GPU memory this way, and that an adapter reads
+/// and writes GPU memory through its dma-buf (PCIe peer-to-peer).
+#[derive(Debug)]
+pub struct GpuMemory {
+    /// Its device address.
+    pub addr: u64,
+    /// Bytes.
+    pub len: usize,
+    /// The memfd (the registry names it by number while this value lives).
+    _fd: std::os::fd::OwnedFd,
+    /// The test's view of the bytes.
+    view: *mut u8,
+}
+
+// SAFETY: the view is a shared mapping owned by the value; tests read it between transfers.
+unsafe impl Send for GpuMemory {}
+// SAFETY: as above.
+unsafe impl Sync for GpuMemory {}
+
+fn gpus() -> &'static Mutex<Vec<(u64, usize, std::os::fd::RawFd)>> {
+    static G: OnceLock<Mutex<Vec<(u64, usize, std::os::fd::RawFd)>>> = OnceLock::new();
+    G.get_or_init(Mutex::default)
+}
+
+impl GpuMemory {
+    /// `len` bytes of zeroes.
+    pub fn new(len: usize) -> GpuMemory {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        // SAFETY: a NUL-terminated name; the descriptor is owned below.
+        let fd = unsafe { libc::memfd_create(c"kvfabric-fake-gpu".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: a fresh descriptor nothing else owns.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        // SAFETY: our descriptor.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) }, 0);
+        let map = |prot, flags, fd| {
+            // SAFETY: a new mapping of `len` bytes, owned by the value.
+            let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };
+            assert_ne!(p, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
+            p as *mut u8
+        };
+        let reserved = map(libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1);
+        let view = map(libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd());
+        gpus().lock().push((reserved as u64, len, fd.as_raw_fd()));
+        GpuMemory { addr: reserved as u64, len, _fd: fd, view }
+    }
+
+    /// Its bytes now.
+    pub fn bytes(&self, offset: usize, len: usize) -> Vec<u8> {
+        assert!(offset + len <= self.len);
+        // SAFETY: inside the view; nothing writes it during the call (tests read it between
+        // transfers).
+        unsafe { std::slice::from_raw_parts(self.view.add(offset), len) }.to_vec()
+    }
+
+    /// Writes `data` at `offset` (as a kernel on the GPU would).
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        assert!(offset + data.len() <= self.len);
+        // SAFETY: inside the view; no transfer runs on it during the call.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.view.add(offset), data.len()) };
+    }
+}
+
+impl Drop for GpuMemory {
+    fn drop(&mut self) {
+        gpus().lock().retain(|g| g.0 != self.addr);
+        // SAFETY: the value's own mappings, made in `new`.
+        unsafe {
+            libc::munmap(self.view.cast(), self.len);
+            libc::munmap(self.addr as *mut c_void, self.len);
+        }
+    }
+}
+
+/// The dma-buf of fake GPU memory at `addr..addr+len` (what `Cuda::dmabuf` is for real GPU
+/// memory): a duplicate of the memfd, and the range's offset into it.
+pub fn dmabuf(addr: u64, len: usize) -> Result<crate::cuda::DmaBuf, String> {
+    use std::os::fd::FromRawFd;
+    let gpus = gpus().lock();
+    let (base, _, fd) = gpus
+        .iter()
+        .find(|(base, size, _)| {
+            addr >= *base && addr.checked_add(len as u64).is_some_and(|e| e <= base + *size as u64)
+        })
+        .copied()
+        .ok_or_else(|| format!("{addr:#x}+{len} is not fake GPU memory"))?;
+    // SAFETY: a live descriptor of a registered fake GPU (its value unregisters it before
+    // closing it, under this lock).
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    // SAFETY: the duplicate is ours.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(dup) };
+    Ok(crate::cuda::DmaBuf { fd, offset: addr - base })
 }
 
 unsafe extern "C" fn create_cq(
@@ -402,13 +568,17 @@ fn push_wc(
     }
 }
 
-/// Whether `[addr, addr + len)` lies in registration `key` with `access`.
-fn covered(st: &State, key: u32, addr: u64, len: u64, access: c_int) -> bool {
-    st.mrs.get(&key).is_some_and(|m| {
-        (m.access & access) == access
-            && addr >= m.addr as u64
-            && addr.checked_add(len).is_some_and(|end| end <= (m.addr + m.len) as u64)
-    })
+/// Where `[addr, addr + len)` of registration `key` lies in this process, if it lies in the
+/// registration and `access` is allowed.
+fn covered(st: &State, key: u32, addr: u64, len: u64, access: c_int) -> Option<usize> {
+    st.mrs
+        .get(&key)
+        .filter(|m| {
+            (m.access & access) == access
+                && addr >= m.addr as u64
+                && addr.checked_add(len).is_some_and(|end| end <= (m.addr + m.len) as u64)
+        })
+        .map(|m| m.host + (addr as usize - m.addr))
 }
 
 /// Executes one request of queue pair `qpn`: the copy, then its completion (if signaled or
@@ -445,34 +615,29 @@ fn execute(
     }
     let read = wr.opcode == consts::WR_RDMA_READ;
     let total: u64 = sges.iter().map(|e| u64::from(e.length)).sum();
+    let local: Option<Vec<usize>> = sges
+        .iter()
+        .map(|e| {
+            let access = if read { consts::ACCESS_LOCAL_WRITE } else { 0 };
+            covered(st, e.lkey, e.addr, u64::from(e.length), access)
+        })
+        .collect();
+    let remote_access = if read { consts::ACCESS_REMOTE_READ } else { consts::ACCESS_REMOTE_WRITE };
     let status = if !answered {
         // Nobody answers: the transport retries run out.
         consts::WC_RETRY_EXC_ERR
-    } else if !sges.iter().all(|e| {
-        covered(
-            st,
-            e.lkey,
-            e.addr,
-            u64::from(e.length),
-            if read { consts::ACCESS_LOCAL_WRITE } else { 0 },
-        )
-    }) {
+    } else if local.is_none() {
         4 // local protection error
-    } else if !covered(
-        st,
-        wr.rkey,
-        wr.remote_addr,
-        total,
-        if read { consts::ACCESS_REMOTE_READ } else { consts::ACCESS_REMOTE_WRITE },
-    ) {
-        consts::WC_REM_ACCESS_ERR
-    } else {
-        let mut at = wr.remote_addr as usize;
-        for e in sges {
-            let (local, n) = (e.addr as usize as *mut u8, e.length as usize);
+    } else if let (Some(local), Some(remote)) =
+        (&local, covered(st, wr.rkey, wr.remote_addr, total, remote_access))
+    {
+        let mut at = remote;
+        for (e, &l) in sges.iter().zip(local) {
+            let (local, n) = (l as *mut u8, e.length as usize);
             let remote = at as *mut u8;
-            // SAFETY: both ranges were checked against live registrations of this process's
-            // memory just above (the transport keeps them registered while work is out).
+            // SAFETY: both ranges were checked against live registrations of memory mapped
+            // in this process just above (the transport keeps them registered while work is
+            // out).
             unsafe {
                 if read {
                     std::ptr::copy(remote, local, n);
@@ -483,6 +648,8 @@ fn execute(
             at += n;
         }
         consts::WC_SUCCESS
+    } else {
+        consts::WC_REM_ACCESS_ERR
     };
     if status != consts::WC_SUCCESS {
         if let Some(r) = st.qps.get_mut(&qpn) {

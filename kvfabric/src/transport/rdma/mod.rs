@@ -9,7 +9,9 @@
 //!   ([`exchange`]): `RdmaConnect` with the client's queue pairs, `RdmaAccept` with the
 //!   owner's and the remote keys of what it exports. A peer without the secret learns no key.
 //! - **Memory** is registered once per region, on first use (local) or when a peer connects
-//!   (exported), and deregistered when the region is.
+//!   (exported), and deregistered when the region is. GPU memory too, where the adapter
+//!   reaches it ([`GpuDirect`]): through a dma-buf the CUDA driver exports, or through
+//!   `nvidia-peermem`; GPU regions are addressed by their device addresses.
 //! - **Work**: a job's descriptor pairs become chains of work requests within the device's
 //!   limits ([`plan`]). Every queue pair's send queue is shared by the transfers to that peer
 //!   through credits: a transfer posts only what the queue has room for and waits for
@@ -46,7 +48,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::endpoint::Endpoint;
-use crate::memory::{Region, RegionId};
+use crate::memory::{MemoryKind, Region, RegionId};
 use crate::peer::Peer;
 use crate::transfer::{TransferError, TransferOp, TransportKind};
 
@@ -412,6 +414,92 @@ pub struct RdmaTransport {
     next_transfer: AtomicU32,
     next_inbox: AtomicU32,
     threads: Vec<std::thread::JoinHandle<()>>,
+    /// How GPU memory reaches the adapter, or why it does not.
+    gpu: Result<GpuDirect, String>,
+    /// Regions whose registration failed when a peer connected (logged once each).
+    refused: Mutex<std::collections::HashSet<RegionId>>,
+}
+
+/// How the adapter reaches GPU memory (GPUDirect RDMA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuDirect {
+    /// A dma-buf the CUDA driver exports, registered with `ibv_reg_dmabuf_mr` (Linux 5.12,
+    /// rdma-core 34, an open NVIDIA kernel module).
+    DmaBuf,
+    /// The device address registered with plain `ibv_reg_mr`, which the `nvidia-peermem`
+    /// kernel module resolves.
+    PeerMem,
+}
+
+impl std::fmt::Display for GpuDirect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GpuDirect::DmaBuf => "dma-buf",
+            GpuDirect::PeerMem => "nvidia-peermem",
+        })
+    }
+}
+
+/// Registers GPU memory at device address `addr` the way `how` says, addressed by that
+/// address (the iova of a dma-buf's registration), as host memory is by its own.
+///
+/// # Safety
+/// The memory must stay allocated until the registration is dropped; `dmabuf` must export
+/// exactly it.
+unsafe fn register_gpu(
+    dev: &Arc<Device>,
+    how: GpuDirect,
+    dmabuf: impl FnOnce() -> Result<crate::cuda::DmaBuf, String>,
+    addr: u64,
+    len: usize,
+    access: Access,
+) -> Result<Mr, String> {
+    use std::os::fd::AsFd;
+    match how {
+        GpuDirect::DmaBuf => {
+            let buf = dmabuf()?;
+            // SAFETY: the caller keeps the memory; the descriptor is live for the call (the
+            // registration holds the buffer after it).
+            unsafe { dev.register_dmabuf(buf.fd.as_fd(), buf.offset, len, addr, access) }
+        }
+        // SAFETY: as above; nvidia-peermem resolves the device address.
+        GpuDirect::PeerMem => unsafe { dev.register(addr as *mut u8, len, access) },
+    }
+    .map_err(|e| e.to_string())
+}
+
+/// How this host's adapter can reach GPU memory, or why it cannot: a dma-buf where both the
+/// verbs library and a GPU's driver support them, else `nvidia-peermem` where it is loaded.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub(crate) fn gpu_direct(dev: &Device) -> Result<GpuDirect, String> {
+    #[cfg(test)]
+    if dev.info().name == fake::DEVICE {
+        return Ok(GpuDirect::DmaBuf);
+    }
+    let cuda = crate::cuda::probe().map_err(|e| e.to_string())?;
+    #[cfg(feature = "cuda")]
+    {
+        let dmabuf_gpus =
+            cuda.devices().iter().filter(|d| d.dmabuf_supported().unwrap_or(false)).count();
+        if dev.has_dmabuf() && dmabuf_gpus > 0 {
+            return Ok(GpuDirect::DmaBuf);
+        }
+        if std::path::Path::new("/sys/module/nvidia_peermem").exists() {
+            return Ok(GpuDirect::PeerMem);
+        }
+        Err(format!(
+            "GPU memory cannot be registered with {}: {}, and the nvidia-peermem module is not \
+             loaded",
+            dev.info().name,
+            if dev.has_dmabuf() {
+                "no GPU's driver exports dma-bufs"
+            } else {
+                "its libibverbs cannot register dma-bufs (rdma-core 34)"
+            }
+        ))
+    }
+    #[cfg(not(feature = "cuda"))]
+    match cuda {}
 }
 
 impl RdmaTransport {
@@ -446,6 +534,13 @@ impl RdmaTransport {
         };
         let i = dev.info();
         tracing::info!(device = %i.name, port = i.port, link_layer = i.link_layer, gid_index = i.gid_index, "RDMA transport ready");
+        let gpu = gpu_direct(&dev);
+        match &gpu {
+            Ok(how) => tracing::info!(device = %i.name, through = %how, "RDMA reaches GPU memory"),
+            Err(why) => {
+                tracing::info!(device = %i.name, reason = %why, "RDMA does not reach GPU memory; it moves between hosts staged through host memory")
+            }
+        }
         Ok(RdmaTransport {
             dev,
             cq,
@@ -460,6 +555,8 @@ impl RdmaTransport {
             next_transfer: AtomicU32::new(1),
             next_inbox: AtomicU32::new(1),
             threads: vec![poller, events],
+            gpu,
+            refused: Mutex::default(),
         })
     }
 
@@ -468,22 +565,36 @@ impl RdmaTransport {
         self.dev.info()
     }
 
+    /// How the adapter reaches GPU memory, or why it does not.
+    pub fn gpu_direct(&self) -> Result<GpuDirect, &str> {
+        self.gpu.as_ref().copied().map_err(String::as_str)
+    }
+
+    /// A dma-buf of GPU memory at `addr..addr+len`: the CUDA driver's, or the software
+    /// device's for its fake GPU memory.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn dmabuf_of(&self, addr: u64, len: usize) -> Result<crate::cuda::DmaBuf, String> {
+        #[cfg(test)]
+        if self.dev.info().name == fake::DEVICE {
+            return fake::dmabuf(addr, len);
+        }
+        let cuda = crate::cuda::probe().map_err(|e| e.to_string())?;
+        #[cfg(feature = "cuda")]
+        return cuda.dmabuf(addr, len).map_err(|e| e.to_string());
+        #[cfg(not(feature = "cuda"))]
+        match cuda {}
+    }
+
     /// Forgets a region's registration (it is being deregistered): peers' keys for it stop
     /// working once in-flight transfers holding it end.
     pub fn forget_region(&self, id: RegionId) {
         self.registrations.lock().remove(&id);
+        self.refused.lock().remove(&id);
     }
 
     fn registration(&self, region: &Region) -> Result<Arc<Registration>, TransferError> {
         if let Some(r) = self.registrations.lock().get(&region.id()) {
             return Ok(r.clone());
-        }
-        if region.kind() != crate::memory::MemoryKind::Host {
-            return Err(TransferError::NoTransport {
-                peer: String::new(),
-                reason: "rdma moves host memory; GPU memory through dma-buf is not built yet"
-                    .into(),
-            });
         }
         let endpoint = self.endpoint.upgrade().ok_or(TransferError::Shutdown)?;
         let local = |e: crate::memory::MemoryError| TransferError::Local {
@@ -492,14 +603,42 @@ impl RdmaTransport {
         };
         let arc = endpoint.regions().get(region.id()).map_err(local)?;
         let len = arc.len() as u64;
-        let base = arc.ptr_at(0, len).map_err(local)?;
         let access = if arc.is_exported() { Access::RemoteReadWrite } else { Access::Local };
-        // SAFETY: the region's memory stays allocated while it is in the table; the agent
-        // drops this registration when the region leaves it (`forget_region`).
-        let mr = unsafe { self.dev.register(base, len as usize, access) }.map_err(|e| {
+        let failed = |e: String| {
             TransferError::Protocol(format!("RDMA registration of region {}: {e}", region.id()))
-        })?;
-        let fresh = Arc::new(Registration { mr, base: base as u64, len });
+        };
+        let (base, mr) = match arc.kind() {
+            MemoryKind::Host => {
+                let base = arc.ptr_at(0, len).map_err(local)?;
+                // SAFETY: the region's memory stays allocated while it is in the table; the
+                // agent drops this registration when the region leaves it (`forget_region`).
+                let mr = unsafe { self.dev.register(base, len as usize, access) };
+                (base as u64, mr.map_err(|e| failed(e.to_string()))?)
+            }
+            MemoryKind::Device(_) => {
+                let (_, addr) = arc.device_addr(0, len).ok_or_else(|| {
+                    TransferError::Invalid(format!("region {} is not GPU memory", region.id()))
+                })?;
+                let how = self.gpu.as_ref().map_err(|why| TransferError::NoTransport {
+                    peer: String::new(),
+                    reason: format!("rdma cannot reach GPU memory here: {why}"),
+                })?;
+                // SAFETY: as for host memory: the region's GPU memory stays allocated until
+                // `forget_region`.
+                let mr = unsafe {
+                    register_gpu(
+                        &self.dev,
+                        *how,
+                        || self.dmabuf_of(addr, len as usize),
+                        addr,
+                        len as usize,
+                        access,
+                    )
+                };
+                (addr, mr.map_err(failed)?)
+            }
+        };
+        let fresh = Arc::new(Registration { mr, base, len });
         // Two callers may have registered the region at once: the first one in the table is
         // the registration (the other is dropped here, before anyone used its keys).
         let r = self.registrations.lock().entry(region.id()).or_insert(fresh).clone();
@@ -551,13 +690,19 @@ impl RdmaTransport {
         }
         let endpoint = self.endpoint.upgrade().ok_or("agent shut down")?;
         let mut regions = Vec::new();
-        for r in endpoint
-            .regions()
-            .all()
-            .into_iter()
-            .filter(|r| r.is_exported() && r.kind() == crate::memory::MemoryKind::Host)
-        {
-            let reg = self.registration(&r).map_err(|e| e.to_string())?;
+        let reachable = |r: &Region| r.kind() == MemoryKind::Host || self.gpu.is_ok();
+        for r in endpoint.regions().all().into_iter().filter(|r| r.is_exported() && reachable(r)) {
+            let reg = match self.registration(&r) {
+                Ok(reg) => reg,
+                Err(e) if r.kind() != MemoryKind::Host => {
+                    // The peer learns no key for it: its transfers there fail typed.
+                    if self.refused.lock().insert(r.id()) {
+                        tracing::warn!(region = %r.id(), error = %e, "RDMA: GPU region not exported to peers");
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e.to_string()),
+            };
             regions.push(RegionKey {
                 region: r.id().0,
                 addr: reg.base,
@@ -758,7 +903,20 @@ impl RdmaTransport {
         for (i, p) in job.pieces.iter().enumerate() {
             let region = job.region(p);
             let reg = self.registration(region)?;
-            let local = region.ptr_at(p.local_offset, p.len())?;
+            let local = match region.kind() {
+                MemoryKind::Host => region.ptr_at(p.local_offset, p.len())? as u64,
+                MemoryKind::Device(_) => {
+                    region
+                        .device_addr(p.local_offset, p.len())
+                        .ok_or_else(|| {
+                            TransferError::Invalid(format!(
+                                "range outside GPU region {}",
+                                region.id()
+                            ))
+                        })?
+                        .1
+                }
+            };
             let key = conn.keys.get(&p.remote.region.0).ok_or_else(|| {
                 TransferError::RemoteDescriptor {
                     index: i,
@@ -775,7 +933,7 @@ impl RdmaTransport {
                 }
             })?;
             segs.push(plan::Segment {
-                local_addr: local as u64,
+                local_addr: local,
                 lkey: reg.mr.lkey(),
                 remote_addr,
                 rkey: key.rkey,
@@ -1583,5 +1741,176 @@ mod double_tests {
             .unwrap_err();
         assert!(matches!(&e, TransferError::Protocol(m) if m.contains("ibv_post_send")), "{e}");
         a.post(small).unwrap().wait().await.unwrap();
+    }
+
+    /// GPUDirect RDMA through dma-bufs, over the software device and its fake GPU memory
+    /// ([`fake::GpuMemory`]: device addresses the CPU cannot touch, bytes in a memfd that the
+    /// double's `ibv_reg_dmabuf_mr` maps). Host to GPU, GPU to GPU and GPU to host, at
+    /// offsets into the allocation (the dma-buf offset), chosen without being asked when the
+    /// peer is on another host; with checksums, refused typed. A CPU access through a GPU
+    /// address would fault (the test would crash). What it cannot prove is said at
+    /// [`fake::GpuMemory`].
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn gpu_memory_moves_through_dma_bufs_without_touching_the_cpu() {
+        let _serial = fake::serial().await;
+        let (a, b) = (agent("a").await, agent("b").await);
+        for x in [&a, &b] {
+            let RdmaStatus::Device { gpu, .. } = x.rdma_status() else { panic!() };
+            assert_eq!(gpu.as_deref(), Some("dma-buf"));
+            assert!(x.rdma_status().to_string().ends_with("GPU memory through dma-buf"));
+        }
+        const LEN: usize = 1 << 20;
+        let (gpu_a, gpu_b) = (fake::GpuMemory::new(3 * LEN), fake::GpuMemory::new(3 * LEN));
+        // Regions start inside their allocations: their dma-buf offsets are not zero.
+        let (off_a, off_b) = (LEN + 100, 2 * LEN - 4096);
+        // SAFETY: fake GPU memory, alive until the end of the test (after the agents' use).
+        let ga = unsafe { a.register_device_unchecked(gpu_a.addr + off_a as u64, LEN, 0, false) }
+            .unwrap();
+        // SAFETY: as above.
+        let gb = unsafe { b.register_device_unchecked(gpu_b.addr + off_b as u64, LEN, 0, true) }
+            .unwrap();
+        let host_a = a.alloc_region(LEN, RegionOptions::default()).unwrap();
+        let host_b = b.alloc_region(LEN, exported()).unwrap();
+        pattern(&host_a, 7);
+        // b is on another host, as a's peer: the route is chosen, not asked for.
+        let mut md = b.metadata();
+        md.host_id = "another-host".into();
+        a.load_peer(md).unwrap();
+        b.load_peer(a.metadata()).unwrap();
+
+        // Host memory to the peer's GPU memory, with a notification after the last byte.
+        let (l, r) = (Desc::new(host_a.id(), 4096, 300_000), Desc::new(gb.id(), 5000, 300_000));
+        let req = TransferRequest::new(TransferOp::Write, "b", vec![l], vec![r])
+            .with_notify(b"in gpu".to_vec());
+        assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Rdma);
+        a.post(req).unwrap().wait().await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), b.next_notification())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.message, b"in gpu");
+        assert_eq!(gpu_b.bytes(off_b + 5000, 300_000), bytes(&host_a, 4096, 300_000));
+        assert!(gpu_b.bytes(off_b, 5000).iter().all(|&x| x == 0), "nothing before the range");
+
+        // The peer's GPU memory to ours (both sides' adapters on GPU memory): a READ.
+        gpu_b.write(off_b + 600_000, &[0xab; 70_000]);
+        let req = TransferRequest::new(
+            TransferOp::Read,
+            "b",
+            vec![Desc::new(ga.id(), 10, 70_000)],
+            vec![Desc::new(gb.id(), 600_000, 70_000)],
+        );
+        assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Rdma);
+        a.post(req).unwrap().wait().await.unwrap();
+        assert_eq!(gpu_a.bytes(off_a + 10, 70_000), vec![0xab; 70_000]);
+
+        // Our GPU memory to the peer's host memory, asked for by name.
+        gpu_a.write(off_a + 200_000, &(0..=255u8).cycle().take(65_536).collect::<Vec<_>>());
+        let mut req = TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(ga.id(), 200_000, 65_536)],
+            vec![Desc::new(host_b.id(), 1, 65_536)],
+        );
+        req.transport = Some(TransportKind::Rdma);
+        a.post(req).unwrap().wait().await.unwrap();
+        assert_eq!(bytes(&host_b, 1, 65_536), gpu_a.bytes(off_a + 200_000, 65_536));
+
+        // Checksums are computed on host memory: GPUDirect refuses them, typed, and asked by
+        // name it says why.
+        let mut req = TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(host_a.id(), 0, 4096)],
+            vec![Desc::new(gb.id(), 0, 4096)],
+        );
+        req.checksum = true;
+        req.transport = Some(TransportKind::Rdma);
+        let e = a.transport_for(&req).unwrap_err();
+        assert!(
+            matches!(&e, TransferError::NoTransport { reason, .. } if reason.contains("checksums")),
+            "{e}"
+        );
+        assert_eq!(rdma_count(&a).done, 3);
+        assert_eq!(rdma_count(&a).failed, 0);
+    }
+
+    /// A peer whose adapter does not reach GPU memory (as its metadata says) is not sent
+    /// GPU bytes over RDMA: asked by name, the request is refused with the reason. A GPU
+    /// region whose dma-buf cannot be made is left out of the keys a peer gets: transfers
+    /// there fail typed, and the owner's other regions still work.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn gpu_memory_a_side_cannot_reach_is_refused_typed() {
+        let _serial = fake::serial().await;
+        let (a, b) = (agent("a").await, agent("b").await);
+        let gpu_a = fake::GpuMemory::new(1 << 20);
+        // SAFETY: fake GPU memory, alive until the end of the test.
+        let ga = unsafe { a.register_device_unchecked(gpu_a.addr, 1 << 20, 0, false) }.unwrap();
+        let host_b = b.alloc_region(1 << 20, exported()).unwrap();
+        let mut md = b.metadata();
+        let RdmaStatus::Device { gpu, .. } = &mut md.rdma else { panic!() };
+        *gpu = None;
+        a.load_peer(md).unwrap();
+        b.load_peer(a.metadata()).unwrap();
+        // The peer's host memory is reachable: our adapter reads our GPU memory.
+        let mut req = TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(ga.id(), 0, 4096)],
+            vec![Desc::new(host_b.id(), 0, 4096)],
+        );
+        req.transport = Some(TransportKind::Rdma);
+        a.post(req).unwrap().wait().await.unwrap();
+
+        // GPU memory of b: b's adapter does not reach it, by b's metadata.
+        let gpu_b = fake::GpuMemory::new(1 << 20);
+        // SAFETY: fake GPU memory, alive until the end of the test.
+        let gb = unsafe { b.register_device_unchecked(gpu_b.addr, 1 << 20, 0, true) }.unwrap();
+        let mut md = b.metadata();
+        let RdmaStatus::Device { gpu, .. } = &mut md.rdma else { panic!() };
+        *gpu = None;
+        a.load_peer(md).unwrap();
+        let mut req = TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(ga.id(), 0, 4096)],
+            vec![Desc::new(gb.id(), 0, 4096)],
+        );
+        req.transport = Some(TransportKind::Rdma);
+        let e = a.transport_for(&req).unwrap_err();
+        assert!(
+            matches!(&e, TransferError::NoTransport { reason, .. }
+                if reason.contains("b's adapter does not reach GPU memory")),
+            "{e}"
+        );
+
+        // With the true metadata, a GPU region of b whose dma-buf cannot be made (its
+        // memory is not the fake GPU's): b leaves it out of the keys, and says so once.
+        // SAFETY: never touched: its registration fails before any transfer.
+        let bogus = unsafe { b.register_device_unchecked(0x1000, 1 << 20, 0, true) }.unwrap();
+        a.load_peer(b.metadata()).unwrap();
+        let req = TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(ga.id(), 0, 4096)],
+            vec![Desc::new(bogus.id(), 0, 4096)],
+        )
+        .with_transport(TransportKind::Rdma);
+        let e = a.post(req).unwrap().wait().await.unwrap_err();
+        assert!(
+            matches!(&e, TransferError::RemoteDescriptor { reason, .. }
+                if reason.contains("not exported to this agent over RDMA")),
+            "{e}"
+        );
+        // b's GPU region that does register works on the same connection's next one.
+        let req = TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(ga.id(), 0, 4096)],
+            vec![Desc::new(gb.id(), 0, 4096)],
+        )
+        .with_transport(TransportKind::Rdma);
+        a.post(req).unwrap().wait().await.unwrap();
+        assert_eq!(gpu_b.bytes(0, 4096), gpu_a.bytes(0, 4096));
     }
 }

@@ -21,21 +21,54 @@ pub struct PlainLoop {
     dst_mr: Mr,
     cq: Arc<Cq>,
     _dev: Arc<Device>,
-    src: Vec<u8>,
-    dst: Vec<u8>,
+    buffers: Buffers,
+}
+
+/// The two buffers the loop moves bytes between.
+#[derive(Debug)]
+enum Buffers {
+    Host(Vec<u8>, Vec<u8>),
+    #[cfg(feature = "cuda")]
+    Gpu(crate::cuda::DeviceBuffer, crate::cuda::DeviceBuffer),
+}
+
+impl Buffers {
+    /// The addresses work requests use: (src, dst).
+    fn addrs(&self) -> (u64, u64) {
+        match self {
+            Buffers::Host(s, d) => (s.as_ptr() as u64, d.as_ptr() as u64),
+            #[cfg(feature = "cuda")]
+            Buffers::Gpu(s, d) => (s.ptr(), d.ptr()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Buffers::Host(s, _) => s.len(),
+            #[cfg(feature = "cuda")]
+            Buffers::Gpu(s, _) => s.len(),
+        }
+    }
+}
+
+/// Two queue pairs of the device connected to each other.
+fn connected(cfg: &RdmaConfig) -> Result<(Arc<Device>, Arc<Cq>, Qp, Qp), Unavailable> {
+    let dev = Device::open(cfg.open_options())?;
+    let err = |e: super::device::VerbsError| Unavailable(e.to_string());
+    let cq = Arc::new(dev.completion_queue(4096).map_err(err)?);
+    let depth = cfg.queue_depth;
+    let qp = dev.queue_pair(&cq, depth, 1).map_err(err)?;
+    let peer = dev.queue_pair(&cq, depth, 2).map_err(err)?;
+    qp.connect(&peer.addr()).map_err(err)?;
+    peer.connect(&qp.addr()).map_err(err)?;
+    Ok((dev, cq, qp, peer))
 }
 
 impl PlainLoop {
     /// Opens the device and connects two queue pairs over `bytes`-long buffers.
     pub fn new(cfg: &RdmaConfig, bytes: usize) -> Result<PlainLoop, Unavailable> {
-        let dev = Device::open(cfg.open_options())?;
+        let (dev, cq, qp, peer) = connected(cfg)?;
         let err = |e: super::device::VerbsError| Unavailable(e.to_string());
-        let cq = Arc::new(dev.completion_queue(4096).map_err(err)?);
-        let depth = cfg.queue_depth;
-        let qp = dev.queue_pair(&cq, depth, 1).map_err(err)?;
-        let peer = dev.queue_pair(&cq, depth, 2).map_err(err)?;
-        qp.connect(&peer.addr()).map_err(err)?;
-        peer.connect(&qp.addr()).map_err(err)?;
         let mut src = vec![0x5au8; bytes.max(1)];
         let mut dst = vec![0u8; bytes.max(1)];
         // SAFETY: both buffers move into the struct (a Vec's heap buffer does not move with
@@ -49,20 +82,53 @@ impl PlainLoop {
             dev.register(dst.as_mut_ptr(), dst.len(), super::device::Access::RemoteReadWrite)
         }
         .map_err(err)?;
-        Ok(PlainLoop { qp, _peer: peer, src_mr, dst_mr, cq, _dev: dev, src, dst })
+        let buffers = Buffers::Host(src, dst);
+        Ok(PlainLoop { qp, _peer: peer, src_mr, dst_mr, cq, _dev: dev, buffers })
+    }
+
+    /// The same loop between two buffers of GPU `ordinal`'s memory, registered as the
+    /// transport registers GPU regions (GPUDirect RDMA: a dma-buf, or `nvidia-peermem`).
+    #[cfg(feature = "cuda")]
+    pub fn gpu(cfg: &RdmaConfig, bytes: usize, ordinal: usize) -> Result<PlainLoop, Unavailable> {
+        let (dev, cq, qp, peer) = connected(cfg)?;
+        let how = super::gpu_direct(&dev).map_err(Unavailable)?;
+        let cuda = crate::cuda::probe().map_err(|e| Unavailable(e.to_string()))?;
+        let gpu = cuda.device(ordinal).map_err(|e| Unavailable(e.to_string()))?;
+        let alloc = || gpu.alloc(bytes.max(1)).map_err(|e| Unavailable(e.to_string()));
+        let (src, dst) = (alloc()?, alloc()?);
+        let register = |b: &crate::cuda::DeviceBuffer| {
+            let dmabuf = || cuda.dmabuf(b.ptr(), b.len()).map_err(|e| e.to_string());
+            // SAFETY: the buffers move into the struct, whose fields drop the registrations
+            // before the buffers; the dma-buf is the buffer's own.
+            unsafe {
+                super::register_gpu(
+                    &dev,
+                    how,
+                    dmabuf,
+                    b.ptr(),
+                    b.len(),
+                    super::device::Access::RemoteReadWrite,
+                )
+            }
+            .map_err(Unavailable)
+        };
+        let (src_mr, dst_mr) = (register(&src)?, register(&dst)?);
+        let buffers = Buffers::Gpu(src, dst);
+        Ok(PlainLoop { qp, _peer: peer, src_mr, dst_mr, cq, _dev: dev, buffers })
     }
 
     /// One iteration: `batch` requests of `desc` bytes (WRITE: src → dst; READ: dst → src),
     /// waited for.
     pub fn run(&mut self, read: bool, desc: u64, batch: usize) -> Result<(), Unavailable> {
         let total = desc.saturating_mul(batch as u64);
-        if total > self.src.len() as u64 || desc > u64::from(u32::MAX) {
+        if total > self.buffers.len() as u64 || desc > u64::from(u32::MAX) {
             return Err(Unavailable(format!("{batch} × {desc} bytes do not fit the buffers")));
         }
         let depth = self.qp.depth() as usize;
         // Local `src`, remote `dst`: a WRITE moves src → dst, a READ dst → src.
-        let (local, lkey) = (self.src.as_ptr() as u64, self.src_mr.lkey());
-        let (remote, rkey) = (self.dst.as_ptr() as u64, self.dst_mr.rkey());
+        let (src, dst) = self.buffers.addrs();
+        let (local, lkey) = (src, self.src_mr.lkey());
+        let (remote, rkey) = (dst, self.dst_mr.rkey());
         let mut at = 0usize;
         while at < batch {
             let n = (batch - at).min(depth);

@@ -548,6 +548,8 @@ type FnAllocPd = unsafe extern "C" fn(*mut IbvContext) -> *mut c_void;
 type FnDeallocPd = unsafe extern "C" fn(*mut c_void) -> c_int;
 type FnRegMr = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut IbvMr;
 type FnDeregMr = unsafe extern "C" fn(*mut IbvMr) -> c_int;
+/// `ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)`.
+type FnRegDmabufMr = unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut IbvMr;
 type FnCreateCq =
     unsafe extern "C" fn(*mut IbvContext, c_int, *mut c_void, *mut c_void, c_int) -> *mut IbvCq;
 type FnDestroyCq = unsafe extern "C" fn(*mut IbvCq) -> c_int;
@@ -573,6 +575,8 @@ pub struct Verbs {
     pub dealloc_pd: FnDeallocPd,
     pub reg_mr: FnRegMr,
     pub dereg_mr: FnDeregMr,
+    /// Registration of a dma-buf (GPU memory): rdma-core 34 and later; None before.
+    pub reg_dmabuf_mr: Option<FnRegDmabufMr>,
     pub create_cq: FnCreateCq,
     pub destroy_cq: FnDestroyCq,
     pub create_qp: FnCreateQp,
@@ -632,6 +636,10 @@ fn load() -> Result<Verbs, Unavailable> {
         dealloc_pd: f!(c"ibv_dealloc_pd", FnDeallocPd),
         reg_mr: f!(c"ibv_reg_mr", FnRegMr),
         dereg_mr: f!(c"ibv_dereg_mr", FnDeregMr),
+        reg_dmabuf_mr: sym(&lib, c"ibv_reg_dmabuf_mr").map(|p| {
+            // SAFETY: the symbol is `ibv_reg_dmabuf_mr`, whose C signature is the type's.
+            unsafe { std::mem::transmute::<*mut c_void, FnRegDmabufMr>(p) }
+        }),
         create_cq: f!(c"ibv_create_cq", FnCreateCq),
         destroy_cq: f!(c"ibv_destroy_cq", FnDestroyCq),
         create_qp: f!(c"ibv_create_qp", FnCreateQp),
@@ -881,7 +889,10 @@ mod tests {
             ("IBV_WC_TM_RNDV_INCOMPLETE", 23),
         ];
         let dir = tempfile::tempdir().unwrap();
-        let mut c = String::from("#include <stdio.h>\n#include <stddef.h>\n#include <infiniband/verbs.h>\nint main(void) {\n");
+        let mut c = String::from("#include <stdio.h>\n#include <stddef.h>\n#include <stdint.h>\n#include <infiniband/verbs.h>\n");
+        // The optional entry point's signature (a mismatch fails the build below).
+        c.push_str("struct ibv_mr *(*reg_dmabuf)(struct ibv_pd *, uint64_t, size_t, uint64_t, int, int) = ibv_reg_dmabuf_mr;\n");
+        c.push_str("int main(void) {\n");
         for (expr, _) in &ours {
             c.push_str(&format!("  printf(\"%s %zu\\n\", \"{expr}\", (size_t)({expr}));\n"));
         }
@@ -890,7 +901,14 @@ mod tests {
         let exe = dir.path().join("abi");
         std::fs::write(&src, c).unwrap();
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let out = match std::process::Command::new(&cc).arg(&src).arg("-o").arg(&exe).output() {
+        let out = match std::process::Command::new(&cc)
+            .arg("-Werror=incompatible-pointer-types")
+            .arg(&src)
+            .arg("-libverbs")
+            .arg("-o")
+            .arg(&exe)
+            .output()
+        {
             Ok(out) => out,
             Err(e) => {
                 eprintln!("SKIPPED: no C compiler to build the ABI check ({cc}: {e})");

@@ -65,6 +65,10 @@ pub struct TransferArgs {
     /// TCP transfers are cut into pieces of this size, spread over the connections.
     #[arg(long, default_value = "256K")]
     tcp_stripe_bytes: String,
+    /// RDMA rows between GPU memory on both sides (GPUDirect RDMA: GPU 0 here and in the
+    /// peer), against the plain verbs loop between two GPU buffers; only `--transports rdma`.
+    #[arg(long)]
+    gpu: bool,
     /// Print one JSON object per row instead of a table.
     #[arg(long)]
     json: bool,
@@ -271,6 +275,13 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         })
         .collect();
     anyhow::ensure!(args.max_transfer_mib >= 1, "--max-transfer-mib must be >= 1");
+    anyhow::ensure!(
+        !args.gpu || transports == [TransportKind::Rdma] && !with_cuda,
+        "--gpu measures GPUDirect RDMA: use it with --transports rdma alone"
+    );
+    if args.gpu {
+        kvfabric::cuda::available().context("bench transfer --gpu")?;
+    }
     let region_bytes = (args.max_transfer_mib << 20) as usize;
     let min_time = Duration::from_millis(args.min_time_ms.max(1));
 
@@ -290,7 +301,9 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
     }
 
     let secret = format!("{:016x}{:016x}", rand_u64(), rand_u64());
-    let (mut child, peer_md) = spawn_peer(&secret, region_bytes, &[]).await?;
+    let device_bytes = region_bytes.to_string();
+    let extra: &[&str] = if args.gpu { &["--device-bytes", &device_bytes] } else { &[] };
+    let (mut child, peer_md) = spawn_peer(&secret, region_bytes, extra).await?;
     let mut cfg = AgentConfig::new("bench", secret.clone().into_bytes());
     cfg.tcp_connections_per_peer = args.tcp_stripes;
     cfg.tcp_stripe_bytes = parse_size(&args.tcp_stripe_bytes)?;
@@ -304,9 +317,18 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
             Some(format!("the peer has no RDMA: {}", peer_md.rdma))
         } else if !matches!(agent.rdma_status(), kvfabric::endpoint::RdmaStatus::Device { .. }) {
             Some(agent.rdma_status().to_string())
+        } else if args.gpu && !reaches_gpu(agent.rdma_status()) {
+            Some(format!("this agent's adapter does not reach GPU memory: {}", agent.rdma_status()))
+        } else if args.gpu && !reaches_gpu(&peer_md.rdma) {
+            Some(format!("the peer's adapter does not reach GPU memory: {}", peer_md.rdma))
         } else {
-            match kvfabric::transport::rdma::raw::PlainLoop::new(&Default::default(), region_bytes)
-            {
+            use kvfabric::transport::rdma::raw::PlainLoop;
+            let plain = if args.gpu {
+                PlainLoop::gpu(&Default::default(), region_bytes, 0)
+            } else {
+                PlainLoop::new(&Default::default(), region_bytes)
+            };
+            match plain {
                 Ok(l) => {
                     rdma_loop = Some(l);
                     None
@@ -327,9 +349,17 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         let _ = child.start_kill();
         return print_rows(&rows, args.json);
     }
-    let local = agent.alloc_region(region_bytes, RegionOptions::default())?;
-    local.fill(0, region_bytes as u64, 0x5a)?;
-    let remote_id = peer_md.regions.first().context("peer exported no region")?.id;
+    let (local, remote_id) = if args.gpu {
+        let remote = peer_md.regions.iter().find(|r| r.kind != kvfabric::memory::MemoryKind::Host);
+        (
+            agent.alloc_device_region(0, region_bytes, false)?,
+            remote.context("the peer exported no GPU region")?.id,
+        )
+    } else {
+        let local = agent.alloc_region(region_bytes, RegionOptions::default())?;
+        local.fill(0, region_bytes as u64, 0x5a)?;
+        (local, peer_md.regions.first().context("peer exported no region")?.id)
+    };
 
     // The machine's limits, measured on the same bytes.
     let src = vec![0x5au8; region_bytes];
@@ -380,17 +410,19 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
                 let lat = measure_posts(&agent, &req, min_time).await?;
                 let limit = match transport {
                     TransportKind::Tcp => ("tcp_socket", tcp_socket_gbps),
-                    TransportKind::Rdma => {
-                        ("verbs_loop", verbs_gbps[usize::from(op == TransferOp::Read)])
-                    }
+                    TransportKind::Rdma => (
+                        if args.gpu { "verbs_loop_gpu" } else { "verbs_loop" },
+                        verbs_gbps[usize::from(op == TransferOp::Read)],
+                    ),
                     _ => ("memcpy", memcpy_gbps),
                 };
+                let name = if args.gpu { "rdma-gpu" } else { transport.name() };
                 rows.push(Row {
                     memcpy_gbps,
                     tcp_socket_gbps,
                     checksum: args.checksum,
                     ..Row::measured(
-                        (transport.name(), kvfabric::agent::op_name(op)),
+                        (name, kvfabric::agent::op_name(op)),
                         (desc, batch),
                         &lat,
                         limit,
@@ -405,6 +437,11 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     print_rows(&rows, args.json)
+}
+
+/// Whether an agent's RDMA status says its adapter reaches GPU memory.
+fn reaches_gpu(status: &kvfabric::endpoint::RdmaStatus) -> bool {
+    matches!(status, kvfabric::endpoint::RdmaStatus::Device { gpu: Some(_), .. })
 }
 
 /// GB/s against descriptor size, a panel per operation: a line per transport and batch, and
