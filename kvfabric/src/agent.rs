@@ -538,6 +538,10 @@ impl Agent {
         if let Some(peer) = &peer {
             check_remote(peer.metadata(), &req.remote)?;
         }
+        // GPU memory staged through host memory to another host: the chunks go over RDMA
+        // when both agents have it.
+        let stage_over_rdma = transport.kind() == TransportKind::Cuda
+            && peer.as_ref().is_some_and(|p| !p.same_host() && self.rdma_route(p).is_ok());
         let job = Job {
             id: inner.next_id.fetch_add(1, Ordering::Relaxed),
             op: req.op,
@@ -548,6 +552,7 @@ impl Agent {
             notify: req.notify,
             inline_bytes_max: inner.config.inline_copy_bytes_max,
             corrupt_checksums: false,
+            stage_over_rdma,
             endpoint: Arc::downgrade(inner.endpoint()),
         };
         Ok((job, transport))

@@ -18,8 +18,10 @@
 //!   the copy runs here, one-sided, like `shm` (on the same GPU, a gather launch); a
 //!   notification goes through the session's `Commit` after the last byte.
 //! - To host memory of a peer on another host: staged through pinned bounce buffers of two
-//!   8 MiB slots ([`super::staging`]), D2H of one chunk overlapping the TCP transfer of the
-//!   other (H2D and TCP reads the other way); checksums, when asked, cover the bounce bytes.
+//!   8 MiB slots ([`super::staging`]), D2H of one chunk overlapping the network transfer of
+//!   the other (H2D and network reads the other way); checksums, when asked, cover the bounce
+//!   bytes. The network is RDMA when both agents have it, else TCP. (Where both adapters
+//!   reach GPU memory, the agent routes such a job to GPUDirect RDMA instead: no staging.)
 //!
 //! Dropping a job's future stops queuing; copies already queued run to completion before the
 //! drop returns (the contract: no byte lands after it), and the job's leases are held until
@@ -61,8 +63,10 @@ pub struct CudaTransport {
     queued: Mutex<HashMap<(u32, Lane), Arc<AtomicUsize>>>,
     /// Peers' GPU regions mapped here: (peer name, peer pid, region) → mapping.
     maps: Mutex<HashMap<(String, u32, RegionId), Arc<IpcMapping>>>,
-    /// The transport that carries staged chunks to other hosts.
+    /// The transport that carries staged chunks to other hosts, and the one that does when
+    /// both agents have RDMA ([`Job::stage_over_rdma`]).
     net: Arc<dyn Transport>,
+    rdma: Option<Arc<dyn Transport>>,
     /// Pinned bounce buffers not in use.
     bounces: Mutex<Vec<BounceBuf>>,
     bounce_permits: tokio::sync::Semaphore,
@@ -190,13 +194,15 @@ fn push_merged(ops: &mut Vec<CopyOp>, op: CopyOp) {
 }
 
 impl CudaTransport {
-    /// A CUDA transport whose staged chunks travel over `net`.
-    pub fn new(net: Arc<dyn Transport>) -> Self {
+    /// A CUDA transport whose staged chunks travel over `net`, or `rdma` for jobs that say
+    /// so.
+    pub fn new(net: Arc<dyn Transport>, rdma: Option<Arc<dyn Transport>>) -> Self {
         CudaTransport {
             streams: Mutex::default(),
             queued: Mutex::default(),
             maps: Mutex::default(),
             net,
+            rdma,
             bounces: Mutex::default(),
             bounce_permits: tokio::sync::Semaphore::new(BOUNCE_MAX),
             tables: Mutex::default(),
@@ -231,7 +237,11 @@ impl CudaTransport {
         let _permit = self.bounce_permits.acquire().await.map_err(|_| TransferError::Shutdown)?;
         let buf = self.take_bounce(cuda, job)?;
         let stager = CudaStager { t: self, cuda, used: Mutex::default(), ever: Mutex::default() };
-        let r = staging::run(job, &buf.bounce, &stager, self.net.as_ref()).await;
+        let net = match &self.rdma {
+            Some(rdma) if job.stage_over_rdma => rdma.as_ref(),
+            _ => self.net.as_ref(),
+        };
+        let r = staging::run(job, &buf.bounce, &stager, net).await;
         drop(stager);
         self.bounces.lock().push(buf);
         r

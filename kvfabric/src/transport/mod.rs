@@ -90,6 +90,9 @@ pub struct Job {
     pub inline_bytes_max: u64,
     /// Fault injection: send checksums that do not match (the receiver must refuse).
     pub(crate) corrupt_checksums: bool,
+    /// A staged job's chunks travel over RDMA (both agents have a device on the same kind of
+    /// link), not TCP.
+    pub(crate) stage_over_rdma: bool,
     pub(crate) endpoint: Weak<Endpoint>,
 }
 
@@ -232,14 +235,15 @@ impl Transports {
             }
         };
         let tcp = wrap(Arc::new(tcp::TcpTransport));
+        let rdma = rdma.map(wrap);
         Transports {
             local: wrap(Arc::new(local::LocalTransport)),
             shm: wrap(Arc::new(shm::ShmTransport)),
             #[cfg(feature = "cuda")]
-            cuda: Some(wrap(Arc::new(cuda::CudaTransport::new(tcp.clone())))),
+            cuda: Some(wrap(Arc::new(cuda::CudaTransport::new(tcp.clone(), rdma.clone())))),
             #[cfg(not(feature = "cuda"))]
             cuda: None,
-            rdma: rdma.map(wrap),
+            rdma,
             tcp,
         }
     }

@@ -115,6 +115,7 @@ impl Bounce {
             notify: if last && job.op == TransferOp::Write { job.notify.clone() } else { None },
             inline_bytes_max: 0,
             corrupt_checksums: job.corrupt_checksums,
+            stage_over_rdma: false,
             endpoint: job.endpoint.clone(),
         }
     }
@@ -189,7 +190,7 @@ pub async fn run(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::agent::{Agent, AgentConfig};
     use crate::memory::{RegionId, RegionOptions};
@@ -198,7 +199,7 @@ mod tests {
     /// Host memory standing in for GPU memory: a memcpy instead of a CUDA copy, counted, and
     /// failing on demand.
     #[derive(Default)]
-    struct Memcpy {
+    pub(crate) struct Memcpy {
         copies: std::sync::atomic::AtomicUsize,
         fail_at: Option<usize>,
     }

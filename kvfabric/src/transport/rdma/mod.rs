@@ -1913,4 +1913,59 @@ mod double_tests {
         a.post(req).unwrap().wait().await.unwrap();
         assert_eq!(gpu_b.bytes(0, 4096), gpu_a.bytes(0, 4096));
     }
+
+    /// GPU memory whose adapter path is missing is staged through host memory; between two
+    /// agents with RDMA the staged chunks go over it (`Job::stage_over_rdma`). Here the
+    /// staging runs over the RDMA transport with a memcpy for the CUDA copies (as the
+    /// staging tests do over TCP): every byte both ways through two 64 KiB slots, with and
+    /// without checksums, and the WRITE's notification after its last chunk. Which transport
+    /// the agent picks for a staged job needs CUDA, so only hardware shows that.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn staged_chunks_travel_over_rdma() {
+        use crate::memory::RegionLease;
+        use crate::transport::staging::{run, tests::Memcpy, Bounce};
+        use crate::transport::Transport;
+        let _serial = fake::serial().await;
+        let (a, b) = (agent("a").await, agent("b").await);
+        const LEN: usize = 1 << 20;
+        let local = a.alloc_region(LEN, RegionOptions::default()).unwrap();
+        let remote = b.alloc_region(LEN, exported()).unwrap();
+        let bounce = a.alloc_region(2 << 16, RegionOptions::default()).unwrap();
+        let bounce = Bounce { lease: RegionLease::new(bounce), slot_bytes: 1 << 16 };
+        link(&a, &b);
+        let rdma: Arc<dyn Transport> = a.rdma_transport().unwrap().clone();
+        // Pieces of odd sizes, split across chunks.
+        let (mut ld, mut rd, mut off) = (Vec::new(), Vec::new(), 0u64);
+        while off < LEN as u64 {
+            let n = 30_001.min(LEN as u64 - off);
+            ld.push(Desc::new(local.id(), off, n));
+            rd.push(Desc::new(remote.id(), LEN as u64 - off - n, n));
+            off += n;
+        }
+        for checksum in [false, true] {
+            pattern(&local, 21 + u8::from(checksum));
+            let mut req = TransferRequest::new(TransferOp::Write, "b", ld.clone(), rd.clone())
+                .with_notify(b"staged".to_vec());
+            req.checksum = checksum;
+            let job = a.job_for(&req).unwrap();
+            run(&job, &bounce, &Memcpy::default(), rdma.as_ref()).await.unwrap();
+            let n = tokio::time::timeout(Duration::from_secs(5), b.next_notification())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(n.message, b"staged");
+            for (l, r) in ld.iter().zip(&rd) {
+                assert_eq!(bytes(&local, l.offset, l.len), bytes(&remote, r.offset, r.len));
+            }
+            let want = bytes(&local, 0, LEN as u64);
+            local.fill(0, LEN as u64, 0).unwrap();
+            let mut req = TransferRequest::new(TransferOp::Read, "b", ld.clone(), rd.clone());
+            req.checksum = checksum;
+            let job = a.job_for(&req).unwrap();
+            run(&job, &bounce, &Memcpy::default(), rdma.as_ref()).await.unwrap();
+            assert!(bytes(&local, 0, LEN as u64) == want, "the READ staged in other bytes");
+        }
+        // The unchecked WRITE's notification rode a WRITE with immediate data: RDMA moved it.
+        assert_eq!(a.rdma_transport().unwrap().notifications().0, 1);
+    }
 }
