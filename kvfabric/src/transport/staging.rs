@@ -189,19 +189,18 @@ pub async fn run(
     Ok(())
 }
 
+/// A stager for tests (here and over other network transports).
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::agent::{Agent, AgentConfig};
-    use crate::memory::{RegionId, RegionOptions};
-    use crate::transfer::TransferRequest;
+pub(crate) mod test_stager {
+    use super::{Job, Part, Stager};
+    use crate::transfer::TransferError;
 
     /// Host memory standing in for GPU memory: a memcpy instead of a CUDA copy, counted, and
     /// failing on demand.
     #[derive(Default)]
     pub(crate) struct Memcpy {
-        copies: std::sync::atomic::AtomicUsize,
-        fail_at: Option<usize>,
+        pub(crate) copies: std::sync::atomic::AtomicUsize,
+        pub(crate) fail_at: Option<usize>,
     }
 
     impl Memcpy {
@@ -244,6 +243,15 @@ pub(crate) mod tests {
             Ok(())
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_stager::Memcpy;
+    use super::*;
+    use crate::agent::{Agent, AgentConfig};
+    use crate::memory::{RegionId, RegionOptions};
+    use crate::transfer::TransferRequest;
 
     async fn pair() -> (Agent, Agent) {
         let a = Agent::start(AgentConfig::new("stage-a", b"staging".to_vec())).await.unwrap();

@@ -1923,7 +1923,7 @@ mod double_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn staged_chunks_travel_over_rdma() {
         use crate::memory::RegionLease;
-        use crate::transport::staging::{run, tests::Memcpy, Bounce};
+        use crate::transport::staging::{run, test_stager::Memcpy, Bounce};
         use crate::transport::Transport;
         let _serial = fake::serial().await;
         let (a, b) = (agent("a").await, agent("b").await);
