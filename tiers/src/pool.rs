@@ -102,6 +102,8 @@ pub struct SlotPool {
     writing: HashMap<SequenceHash, u32>,
     free: Vec<u32>,
     policy: Box<dyn EvictionPolicy>,
+    /// Slots marked evicting (begun, not finished).
+    evicting: u32,
 }
 
 impl SlotPool {
@@ -114,6 +116,7 @@ impl SlotPool {
             // Lowest slot first: a growing disk file stays compact.
             free: (0..capacity).rev().collect(),
             policy: policy.build(capacity),
+            evicting: 0,
         }
     }
 
@@ -331,6 +334,7 @@ impl SlotPool {
         match &mut self.slots[slot as usize] {
             SlotState::Ready { hash, parent, pins: 0, evicting } if !*evicting => {
                 *evicting = true;
+                self.evicting += 1;
                 Some(Victim { slot, hash: *hash, parent: *parent })
             }
             // The policy only ever holds unpinned, non-evicting ready slots.
@@ -341,6 +345,7 @@ impl SlotPool {
     /// Ends an eviction: frees the slot if `copied` and nobody pinned it meanwhile.
     pub fn finish_evict(&mut self, slot: u32, copied: bool) -> Result<EvictOutcome, PoolError> {
         if let SlotState::Orphan { pins, evicting: true } = self.state(slot) {
+            self.evicting -= 1;
             // Cleared while its copy ran: free it now unless someone still holds it.
             if pins == 0 {
                 self.free_slot(slot);
@@ -352,6 +357,7 @@ impl SlotPool {
         let SlotState::Ready { hash, pins, evicting: true, .. } = self.state(slot) else {
             return Err(PoolError::NotFound);
         };
+        self.evicting -= 1;
         if copied && pins == 0 {
             self.index.remove(&hash);
             self.free_slot(slot);
@@ -364,6 +370,11 @@ impl SlotPool {
             self.policy.insert(slot);
         }
         Ok(EvictOutcome::Kept)
+    }
+
+    /// Evictions begun and not finished: slots that will be free or evictable again soon.
+    pub fn evictions_in_flight(&self) -> u32 {
+        self.evicting
     }
 
     /// Takes every free slot at or above `first` out of use (a disk that cannot grow past it).
@@ -423,8 +434,14 @@ impl SlotPool {
             }
             free[s as usize] = true;
         }
-        let mut evictable = 0;
+        let (mut evictable, mut evicting) = (0, 0);
         for (i, st) in self.slots.iter().enumerate() {
+            if matches!(
+                st,
+                SlotState::Ready { evicting: true, .. } | SlotState::Orphan { evicting: true, .. }
+            ) {
+                evicting += 1;
+            }
             let is_free = matches!(st, SlotState::Free);
             if is_free != free[i] {
                 return Err(format!("slot {i}: state {st:?} but free-list says {}", free[i]));
@@ -446,6 +463,9 @@ impl SlotPool {
                 }
                 _ => {}
             }
+        }
+        if evicting != self.evicting {
+            return Err(format!("{evicting} slots evicting, counted {}", self.evicting));
         }
         if evictable != self.policy.len() {
             return Err(format!("{evictable} evictable slots, policy holds {}", self.policy.len()));

@@ -260,6 +260,44 @@ async fn write_through_puts_every_block_on_disk() {
     );
 }
 
+/// Write-through holds each committed block (a pin) until its disk write ends. A burst of
+/// saves larger than the host tier waits for those writes to release slots instead of
+/// failing `Full`: every block is stored, and every one comes back with its bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_larger_than_host_waits_for_write_through_instead_of_failing() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent().await;
+    let mut cfg = StoreConfig::new(BLOCK, 8);
+    cfg.disk = Some(disk(dir.path(), 64));
+    cfg.write_through = true;
+    cfg.shared_host = false;
+    let s = TieredStore::open(cfg, &a, RecordingSink::new()).await.unwrap();
+    let puts = (0..40u64).map(|i| {
+        let s = &s;
+        async move { s.put(h(i), None, &content(h(i), BLOCK)).await }
+    });
+    let results = futures_util::future::join_all(puts).await;
+    for (i, r) in results.iter().enumerate() {
+        assert!(r.is_ok(), "block {i}: {r:?}");
+    }
+    for i in 0..40 {
+        assert_bytes(&s, i).await;
+    }
+    // A store whose every host slot a user holds has nothing to wait for: full at once.
+    let mut cfg = StoreConfig::new(BLOCK, 2);
+    cfg.shared_host = false;
+    let s = TieredStore::open(cfg, &a, RecordingSink::new()).await.unwrap();
+    for i in 0..2 {
+        s.put(h(i), None, &content(h(i), BLOCK)).await.unwrap();
+    }
+    let held = s.get(&[h(0), h(1)]).await.unwrap();
+    let t0 = std::time::Instant::now();
+    let e = s.put(h(2), None, &content(h(2), BLOCK)).await.unwrap_err();
+    assert!(matches!(e, StoreError::Full(TierKind::Host)), "{e}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(1), "{:?}", t0.elapsed());
+    drop(held);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_free_target_writes_back_in_the_background_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();

@@ -91,7 +91,8 @@ pub struct Job {
     /// Fault injection: send checksums that do not match (the receiver must refuse).
     pub(crate) corrupt_checksums: bool,
     /// A staged job's chunks travel over RDMA (both agents have a device on the same kind of
-    /// link), not TCP.
+    /// link), not TCP. (Read by the CUDA transport only.)
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) stage_over_rdma: bool,
     pub(crate) endpoint: Weak<Endpoint>,
 }

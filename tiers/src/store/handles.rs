@@ -90,13 +90,19 @@ impl WriteSlot {
             // section as the commit so that the block cannot be evicted in between.
             let pins = pins + u32::from(write_through);
             inner.commit_host(&mut host, self.slot, (self.hash, self.parent), None, pins);
+            host.writing_through += u32::from(write_through);
             add(&inner.metrics.stored_blocks, 1);
         }
         if write_through {
             let (inner, slot, hash, parent) = (inner.clone(), self.slot, self.hash, self.parent);
             inner.runtime.clone().spawn(async move {
                 let _ = inner.offload_slot(slot, hash, parent).await;
-                inner.unpin(slot);
+                {
+                    let mut host = inner.host.lock();
+                    let _ = host.pool.unpin(slot);
+                    host.writing_through -= 1;
+                }
+                inner.released.notify_waiters();
             });
         }
         inner.keep_free();

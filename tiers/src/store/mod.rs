@@ -135,6 +135,8 @@ struct HostState {
     /// offload computes it, off the committing engine's path (committed blocks are immutable,
     /// and most blocks evicted from a busy tier are never written to disk at all).
     checksums: Vec<Option<u64>>,
+    /// Committed blocks whose write-through to disk is in flight (each holds a pin).
+    writing_through: u32,
 }
 
 #[derive(Debug)]
@@ -179,6 +181,9 @@ struct Inner {
     /// Notified whenever a host slot being written is committed or aborted (onboards that
     /// found their block being written wait on it).
     written: tokio::sync::Notify,
+    /// Notified whenever an eviction or a write-through ends: a reservation that found every
+    /// host slot held by them waits for it.
+    released: tokio::sync::Notify,
 }
 
 /// The host tier's region, registered with the agent for as long as the store lives.
@@ -287,6 +292,7 @@ impl TieredStore {
                     (cfg.host_blocks as usize * 4).max(1024),
                 ),
                 checksums: vec![None; cfg.host_blocks as usize],
+                writing_through: 0,
             }),
             region: HostRegion { region: Some(region), agent: agent.clone() },
             stride,
@@ -296,6 +302,7 @@ impl TieredStore {
             runtime: tokio::runtime::Handle::current(),
             freeing: std::sync::atomic::AtomicBool::new(false),
             written: tokio::sync::Notify::new(),
+            released: tokio::sync::Notify::new(),
             cfg,
         };
         Ok(TieredStore { inner: Arc::new(inner) })
@@ -494,6 +501,8 @@ impl Inner {
 
     fn unpin(&self, slot: u32) {
         let _ = self.host.lock().pool.unpin(slot);
+        // It may be evictable now: a reservation waiting for a slot looks again.
+        self.released.notify_waiters();
     }
 
     /// Makes the block in reserved host `slot` visible with `pins` pins (`Stored{host}`) and

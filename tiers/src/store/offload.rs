@@ -50,6 +50,17 @@ impl TieredStore {
 /// Blocks the background write-back evicts (and writes to disk) at once.
 const WRITE_BACK_DEPTH: usize = 8;
 
+/// How long a reservation waits, at most, for host slots held by evictions and
+/// write-throughs in flight (disk writes) before the tier counts as full.
+const RESERVE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What a reservation does next.
+enum Next {
+    Evict(Victim, bool),
+    /// Every slot is pinned or being evicted, some by disk writes in flight: wait for one.
+    Wait,
+}
+
 impl Inner {
     /// Reserves a host slot, evicting (and offloading) victims until one is free.
     pub(super) async fn reserve_host(
@@ -77,8 +88,13 @@ impl Inner {
         self: &Arc<Self>,
         mut take: impl FnMut(&mut crate::pool::SlotPool) -> Result<u32, Option<StoreError>>,
     ) -> Result<u32, StoreError> {
+        let deadline = tokio::time::Instant::now() + RESERVE_WAIT;
         loop {
-            let (victim, admitted) = {
+            // Armed before looking: a release after the look wakes the wait below.
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            let next = {
                 let mut host = self.host.lock();
                 match take(&mut host.pool) {
                     Ok(slot) => return Ok(slot),
@@ -86,18 +102,46 @@ impl Inner {
                     Err(None) => match host.pool.begin_evict() {
                         Some(v) => {
                             let admitted = host.filter.admits(v.hash);
-                            (v, admitted)
+                            Next::Evict(v, admitted)
                         }
-                        None => return Err(StoreError::Full(TierKind::Host)),
+                        // Pinned by users only: nothing says when they let go.
+                        None if host.pool.evictions_in_flight() == 0
+                            && host.writing_through == 0 =>
+                        {
+                            return Err(StoreError::Full(TierKind::Host))
+                        }
+                        None => Next::Wait,
                     },
                 }
             };
-            // The eviction (an offload, then freeing the slot) completes even if this future
-            // is dropped, so no slot stays marked evicting.
-            let inner = self.clone();
-            to_completion(&self.runtime, async move { inner.evict_host(victim, admitted).await })
-                .await?;
+            match next {
+                Next::Evict(victim, admitted) => {
+                    // The eviction (an offload, then freeing the slot) completes even if this
+                    // future is dropped, so no slot stays marked evicting.
+                    let inner = self.clone();
+                    to_completion(&self.runtime, async move {
+                        inner.evict_host(victim, admitted).await
+                    })
+                    .await?;
+                }
+                Next::Wait => {
+                    if tokio::time::timeout_at(deadline, released).await.is_err() {
+                        return Err(StoreError::Full(TierKind::Host));
+                    }
+                }
+            }
         }
+    }
+
+    /// Ends an eviction of host `slot` and wakes reservations waiting for one.
+    fn end_eviction(
+        &self,
+        slot: u32,
+        copied: bool,
+    ) -> Result<crate::pool::EvictOutcome, PoolError> {
+        let r = self.host.lock().pool.finish_evict(slot, copied);
+        self.released.notify_waiters();
+        r
     }
 
     /// Starts a background eviction when fewer than `host_free_target` host slots are free
@@ -159,7 +203,7 @@ impl Inner {
         };
         if offload {
             if let Err(e) = self.offload_slot(v.slot, v.hash, v.parent).await {
-                let _ = self.host.lock().pool.finish_evict(v.slot, false);
+                let _ = self.end_eviction(v.slot, false);
                 return Err(e);
             }
         } else if let (None, Some(remote)) = (&self.disk, &self.cfg.remote) {
@@ -173,7 +217,7 @@ impl Inner {
                 let loc = [(self.region.id(), self.slot_offset(v.slot))];
                 let stored = remote.put(&[v.hash], &[v.parent], &loc).await;
                 if !matches!(stored.as_deref(), Ok([true])) {
-                    let _ = self.host.lock().pool.finish_evict(v.slot, false);
+                    let _ = self.end_eviction(v.slot, false);
                     return Err(StoreError::Remote(match stored {
                         Err(e) => e.to_string(),
                         Ok(_) => "the fabric did not take the block".into(),
@@ -181,10 +225,15 @@ impl Inner {
                 }
             }
         }
-        let mut host = self.host.lock();
-        if host.pool.finish_evict(v.slot, true) == Ok(crate::pool::EvictOutcome::Freed) {
-            self.events.removed(vec![v.hash], TierKind::Host);
+        {
+            // The event goes out under the lock: a new copy of the block stored in the freed
+            // slot cannot be announced before this one's removal.
+            let mut host = self.host.lock();
+            if host.pool.finish_evict(v.slot, true) == Ok(crate::pool::EvictOutcome::Freed) {
+                self.events.removed(vec![v.hash], TierKind::Host);
+            }
         }
+        self.released.notify_waiters();
         Ok(())
     }
 
