@@ -69,6 +69,9 @@ pub struct BackendView {
     pub workers: Vec<WorkerView>,
     /// Workers that left in the last minutes.
     pub departed: Vec<WorkerView>,
+    /// KV fabric nodes in discovery (`kvfabric fabric`, role `fabric`): the G4 tier of the
+    /// workers that use it. Their tier occupancy is their own host and disk tiers.
+    pub fabric: Vec<WorkerView>,
     /// The control plane, for a routing backend.
     pub control: Option<ControlView>,
 }

@@ -204,7 +204,7 @@ pub fn bucket_quantile(counts: &[u64], bounds: &[f64], q: f64) -> Option<f64> {
 /// What a worker reports of itself in its load reports ([`kvfabric::contract::WorkerStats`])
 /// from its metrics snapshot.
 pub fn worker_stats(snap: &Snapshot, draining: bool) -> kvfabric::contract::WorkerStats {
-    use kvfabric::contract::{TierUse, TransportTotals, WorkerStats};
+    use kvfabric::contract::WorkerStats;
     let mut out = WorkerStats { draining, ..WorkerStats::default() };
     if let Some(e) = &snap.engine {
         out.running = e.running;
@@ -214,35 +214,68 @@ pub fn worker_stats(snap: &Snapshot, draining: bool) -> kvfabric::contract::Work
         // these.
         out.hit_tokens = [0, e.hit_tokens[0], e.hit_tokens[1], e.hit_tokens[2]];
         if let Some(m) = &e.store {
-            let t = |used: u32, capacity: u32| TierUse {
-                used: u64::from(used),
-                capacity: u64::from(capacity),
-            };
-            out.tiers[0] = t(m.device_used_blocks, m.device_capacity_blocks);
-            out.tiers[1] = t(m.host_used_blocks, m.host_capacity_blocks);
-            out.tiers[2] = t(m.disk_used_blocks, m.disk_capacity_blocks);
+            out.tiers = tier_use(m);
         }
     }
-    out.transfers = snap
-        .transfers
-        .iter()
-        .filter(|c| c.done + c.failed + c.timed_out + c.cancelled > 0)
-        .map(|c| TransportTotals {
-            transport: c.transport.name().to_string(),
-            bytes: c.bytes,
-            done: c.done,
-            failed: c.failed + c.timed_out + c.cancelled,
-        })
-        .collect();
+    out.transfers = transport_totals(&snap.transfers);
     if let Some(r) = &snap.remote_prefill {
         out.remote_prefills = r.remote;
         out.local_prefills = r.local;
         out.prefill_fallbacks = r.fallbacks;
     }
-    out.sent_at_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    out.sent_at_ms = now_ms();
     out
+}
+
+/// What a KV fabric node (`kvfabric fabric`) reports of itself: role `fabric`, its store's
+/// tiers, its agent's transfers.
+pub fn fabric_stats(
+    store: &kvfabric_tiers::metrics::MetricsSnapshot,
+    transfers: &[kvfabric::transfer::TransferCount],
+) -> kvfabric::contract::WorkerStats {
+    kvfabric::contract::WorkerStats {
+        role: "fabric".into(),
+        tiers: tier_use(store),
+        transfers: transport_totals(transfers),
+        sent_at_ms: now_ms(),
+        ..Default::default()
+    }
+}
+
+/// Occupancy per tier (G1–G3; a store holds no G4 of its own).
+fn tier_use(m: &kvfabric_tiers::metrics::MetricsSnapshot) -> [kvfabric::contract::TierUse; 4] {
+    let t = |used: u32, capacity: u32| kvfabric::contract::TierUse {
+        used: u64::from(used),
+        capacity: u64::from(capacity),
+    };
+    [
+        t(m.device_used_blocks, m.device_capacity_blocks),
+        t(m.host_used_blocks, m.host_capacity_blocks),
+        t(m.disk_used_blocks, m.disk_capacity_blocks),
+        Default::default(),
+    ]
+}
+
+/// The transports an agent used, with their totals.
+fn transport_totals(
+    counts: &[kvfabric::transfer::TransferCount],
+) -> Vec<kvfabric::contract::TransportTotals> {
+    counts
+        .iter()
+        .filter(|c| c.done + c.failed + c.timed_out + c.cancelled > 0)
+        .map(|c| kvfabric::contract::TransportTotals {
+            transport: c.transport.name().to_string(),
+            bytes: c.bytes,
+            done: c.done,
+            failed: c.failed + c.timed_out + c.cancelled,
+        })
+        .collect()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Latency samples a window keeps of each kind.

@@ -22,6 +22,7 @@ use kvfabric::control::{Discovery, DiscoveryEvent, EventBus, Instance};
 use kvfabric::hash::{HashSeed, TokenBlockHasher};
 use kvfabric_router::feed::{worker_id, FeedStats, IndexFeed};
 use kvfabric_router::{PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
+use kvfabric_tiers::remote::protocol::{NodeInfo, FABRIC_KIND};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
@@ -145,9 +146,24 @@ const NAME_MAX: usize = 128;
 /// A reporter whose reports stopped this long ago is forgotten.
 const REPORTER_KEEP: Duration = Duration::from_secs(10);
 
+/// A KV fabric node in discovery (`kvfabric fabric`): never routed to. Its KV events fill the
+/// index (so they are not "unknown", and the cache map sees what it holds), and its load
+/// reports (role `fabric`: tier occupancy, transfers) show on dashboards.
+#[derive(Debug)]
+struct FabricEntry {
+    wid: WorkerId,
+    addr: SocketAddr,
+    stats: Option<Box<contract::WorkerStats>>,
+    reported: Option<Instant>,
+}
+
+/// Fabric nodes kept at most (names come from discovery).
+const FABRIC_MAX: usize = 256;
+
 #[derive(Debug, Default)]
 struct State {
     workers: HashMap<String, WorkerEntry>,
+    fabric: HashMap<String, FabricEntry>,
     reporters: HashMap<String, Reporter>,
     departed: std::collections::VecDeque<Departed>,
     by_id: HashMap<WorkerId, String>,
@@ -193,6 +209,7 @@ impl RoutedBackend {
             |e: kvfabric::control::ControlError| EngineError::model(format!("control plane: {e}"));
         let mut loads = bus.subscribe(contract::LOAD).await.map_err(ctl)?;
         let (initial, mut watch) = discovery.watch(&cfg.kind).await.map_err(ctl)?;
+        let (nodes, mut fabric_watch) = discovery.watch(FABRIC_KIND).await.map_err(ctl)?;
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
@@ -211,19 +228,27 @@ impl RoutedBackend {
         for inst in initial {
             inner.join(inst).await;
         }
+        for inst in nodes {
+            inner.join_fabric(inst);
+        }
         let feed = IndexFeed::start(bus.clone(), inner.index.clone(), inner.cfg.name.clone())
             .await
             .map_err(ctl)?;
         let i = inner.clone();
         let task = tokio::spawn(async move {
-            let (mut load_open, mut watch_open) = (true, true);
-            while load_open || watch_open {
+            let (mut load_open, mut watch_open, mut fabric_open) = (true, true, true);
+            while load_open || watch_open || fabric_open {
                 tokio::select! {
                     biased;
                     d = watch.recv(), if watch_open => match d {
                         Some(DiscoveryEvent::Joined(inst)) => i.join(inst).await,
                         Some(DiscoveryEvent::Left { id, .. }) => i.leave(&id),
                         None => watch_open = false,
+                    },
+                    d = fabric_watch.recv(), if fabric_open => match d {
+                        Some(DiscoveryEvent::Joined(inst)) => i.join_fabric(inst),
+                        Some(DiscoveryEvent::Left { id, .. }) => i.leave_fabric(&id),
+                        None => fabric_open = false,
                     },
                     m = loads.recv(), if load_open => match m {
                         Some(bytes) => i.on_load(&bytes),
@@ -427,12 +452,28 @@ impl RoutedBackend {
             .collect();
         let bus_lag_ms =
             st.workers.values().filter_map(|w| w.reported.and_then(|r| r.1)).reduce(f64::max);
+        let mut fabric: Vec<WorkerView> = st
+            .fabric
+            .iter()
+            .map(|(name, f)| WorkerView {
+                name: name.clone(),
+                role: "fabric",
+                state: "serving",
+                addr: Some(f.addr.to_string()),
+                stats: f.stats.as_deref().cloned(),
+                indexed_blocks: self.inner.index.worker_blocks(f.wid) as u64,
+                report_age_s: f.reported.map(|at| now.saturating_duration_since(at).as_secs_f64()),
+                ..WorkerView::default()
+            })
+            .collect();
+        fabric.sort_by(|a, b| a.name.cmp(&b.name));
         drop(st);
         let f = self.feed.stats();
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         BackendView {
             workers,
             departed,
+            fabric,
             control: Some(ControlView {
                 discovery: self.inner.discovery.status(),
                 bus: self.inner.bus.status(),
@@ -546,6 +587,42 @@ impl Inner {
         );
     }
 
+    /// A fabric node joined discovery: its events go to the index from now on.
+    fn join_fabric(&self, inst: Instance) {
+        let info: NodeInfo = match serde_json::from_value(inst.metadata) {
+            Ok(i) if inst.id.len() <= NAME_MAX => i,
+            Ok(_) => {
+                tracing::warn!(node = %inst.id.chars().take(64).collect::<String>(), "ignoring a fabric node with an overlong name");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(node = %inst.id, error = %e, "ignoring a fabric node whose metadata cannot be read");
+                return;
+            }
+        };
+        let wid = worker_id(&inst.id);
+        let mut st = self.state.lock();
+        if st.by_id.contains_key(&wid) {
+            tracing::warn!(node = %inst.id, "ignoring a fabric node named as a worker is");
+            return;
+        }
+        if !st.fabric.contains_key(&inst.id) && st.fabric.len() >= FABRIC_MAX {
+            tracing::warn!(node = %inst.id, max = FABRIC_MAX, "ignoring a fabric node: too many");
+            return;
+        }
+        self.index.add_worker(wid);
+        let before = st.fabric.remove(&inst.id);
+        tracing::info!(node = %inst.id, addr = %info.agent.tcp_addr, "fabric node joined");
+        let (stats, reported) = before.map_or((None, None), |b| (b.stats, b.reported));
+        st.fabric.insert(inst.id, FabricEntry { wid, addr: info.agent.tcp_addr, stats, reported });
+    }
+
+    fn leave_fabric(&self, name: &str) {
+        let Some(f) = self.state.lock().fabric.remove(name) else { return };
+        self.index.remove_worker(f.wid);
+        tracing::info!(node = %name, "fabric node left");
+    }
+
     fn leave(&self, name: &str) {
         let mut st = self.state.lock();
         let Some(w) = st.workers.remove(name) else { return };
@@ -580,6 +657,11 @@ impl Inner {
         });
         let mut st = self.state.lock();
         let st = &mut *st;
+        if let Some(f) = st.fabric.get_mut(&source) {
+            f.stats = stats.map(bounded);
+            f.reported = Some(Instant::now());
+            return;
+        }
         let entry = match st.workers.get_mut(&source) {
             Some(w) => Some(w),
             // A draining worker keeps reporting after it left discovery.

@@ -1,8 +1,9 @@
 //! `/dashboard` in a real browser: Debian's Chromium, headless, driven by Playwright
-//! (`tests/browser/dashboard_driver.py`), against `kvfabric frontend` and two `kvfabric
-//! worker` processes over real etcd and NATS. The page loads with no console errors, its
-//! numbers match `/metrics`, a killed worker leaves its workers table within its lease, and
-//! the cache map of a prompt sent before shows the worker that served it holding its blocks.
+//! (`tests/browser/dashboard_driver.py`), against `kvfabric frontend`, two `kvfabric
+//! worker` processes and a `kvfabric fabric` node over real etcd and NATS. The page loads
+//! with no console errors, its numbers match `/metrics`, the fabric node shows with its own
+//! tier, a killed worker leaves its workers table within its lease, and the cache map of a
+//! prompt sent before shows the worker that served it holding its blocks.
 //!
 //! Needs `/usr/bin/chromium` and Python with `playwright` (`scripts/setup.sh test` installs
 //! both; `KVFABRIC_TEST_PYTHON` names the Python, as `scripts/test.sh` sets it).
@@ -143,6 +144,17 @@ fn worker(name: &str, etcd: &EtcdServer, nats: &NatsServer) -> Proc {
     spawn_worker(name, &args).0
 }
 
+fn fabric_node(name: &str, etcd: &EtcdServer, nats: &NatsServer) -> Proc {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["fabric", "--name", name, "--namespace", "dash", "--host-blocks", "64"])
+        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url()])
+        .env("KVFABRIC_SECRET", SECRET)
+        .env_remove("KVFABRIC_MODEL");
+    let (proc, line) = common::spawn_line(&mut cmd);
+    assert!(line.contains("\"fabric\""), "fabric node {name} did not start: {line}");
+    proc
+}
+
 fn frontend(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
     cmd.args(["frontend", "--port", "0", "--namespace", "dash", "--secret", SECRET]).args([
@@ -163,6 +175,7 @@ async fn the_dashboard_shows_the_fabric_in_a_real_browser() {
     let (_fe, addr) = frontend(&etcd, &nats);
     let mut a = worker("dash-a", &etcd, &nats);
     let _b = worker("dash-b", &etcd, &nats);
+    let _fabric = fabric_node("dash-g4", &etcd, &nats);
     let deadline = Instant::now() + Duration::from_secs(20);
     while get(addr, "/health").await.json()["workers"].as_array().map_or(0, Vec::len) < 2 {
         assert!(Instant::now() < deadline, "the frontend did not see both workers");
@@ -196,6 +209,12 @@ async fn the_dashboard_shows_the_fabric_in_a_real_browser() {
         assert_eq!(w["state"], "serving", "{w}");
         assert_eq!(w["role"], "aggregated", "{w}");
     }
+    // The fabric node (G4): its own host tier, as it reports it, empty.
+    assert_eq!(snap["fabric_shown"], true, "{snap}");
+    let g4 = snap["fabric"].as_array().unwrap();
+    assert_eq!(g4.len(), 1, "{snap}");
+    assert_eq!(g4[0]["node"], "dash-g4", "{snap}");
+    assert_eq!(g4[0]["host"], "0/64", "{snap}");
     // Its numbers are those of /metrics (no request in flight now).
     let m = get(addr, "/metrics").await.text();
     assert_eq!(shown(&snap, "ok"), metric(&m, "kvfabric_requests_total{outcome=\"ok\"}"));

@@ -120,6 +120,23 @@ async fn put_then_get(discovery: &dyn Discovery) -> (RemoteTier, Arc<Region>) {
     (get_client, dst)
 }
 
+/// The frontend's `/dashboard/state` once `cond` holds of it (10 s at most).
+async fn dashboard_until(
+    fe: std::net::SocketAddr,
+    what: &str,
+    cond: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = common::get(fe, "/dashboard/state").await.json();
+        if cond(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "the dashboard never showed {what}: {s}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fabric_nodes_across_processes_with_etcd_and_nats() {
     let etcd = EtcdServer::start().unwrap();
@@ -130,7 +147,42 @@ async fn fabric_nodes_across_processes_with_etcd_and_nats() {
     let (_, mut watch) = discovery.watch(FABRIC_KIND).await.unwrap();
     let _a = start_node("fabric-a", &etcd.endpoint(), &nats.url());
     let mut b = start_node("fabric-b", &etcd.endpoint(), &nats.url());
+    // A frontend of the namespace: its dashboard shows the nodes.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["frontend", "--port", "0", "--secret", SECRET, "--name", "fabric-fe"]).args([
+        "--etcd",
+        &etcd.endpoint(),
+        "--nats",
+        &nats.url(),
+    ]);
+    let (_fe, fe, _) = common::spawn_server(cmd);
+    let nodes_shown = |s: &serde_json::Value| -> Vec<String> {
+        s["fabric"].as_array().unwrap().iter().map(|n| n["name"].as_str().unwrap().into()).collect()
+    };
+    dashboard_until(fe, "both nodes shown", |s| nodes_shown(s) == ["fabric-a", "fabric-b"]).await;
     let (get_client, dst) = put_then_get(&discovery).await;
+
+    // The frontend's dashboard: each node's own tiers (its reports) and the blocks its KV
+    // events put in the index, none of them taken for a worker's.
+    let sum = |s: &serde_json::Value, f: &dyn Fn(&serde_json::Value) -> u64| -> u64 {
+        s["fabric"].as_array().unwrap().iter().map(f).sum()
+    };
+    let s = dashboard_until(fe, "every block on the nodes", |s| {
+        sum(s, &|n| n["indexed_blocks"].as_u64().unwrap()) == N as u64
+            && sum(s, &|n| n["stats"]["tiers"][1]["used"].as_u64().unwrap_or(0)) == N as u64
+    })
+    .await;
+    for n in s["fabric"].as_array().unwrap() {
+        assert_eq!(n["role"], "fabric", "{n}");
+        assert_eq!(n["stats"]["tiers"][1]["capacity"], 256, "{n}");
+        assert_eq!(n["stats"]["tiers"][2]["capacity"], 0, "no disk tier: {n}");
+        let held = n["indexed_blocks"].as_u64().unwrap();
+        assert_eq!(n["stats"]["tiers"][1]["used"].as_u64().unwrap(), held, "{n}");
+        assert!(held > 0 && held < N as u64, "both took a share: {n}");
+        assert!(n["stats"]["transfers"][0]["bytes"].as_u64().unwrap() > 0, "{n}");
+    }
+    assert_eq!(s["workers"].as_array().unwrap().len(), 0, "{s}");
+    assert_eq!(s["control"]["kv_events_unknown_worker"], 0, "{s}");
 
     // KV events of both nodes reached the bus.
     let mut stored = 0;
@@ -180,6 +232,7 @@ async fn fabric_nodes_across_processes_with_etcd_and_nats() {
     assert!(left.elapsed() < Duration::from_secs(8));
     get_client.remove_node("fabric-b");
     assert_eq!(get_client.nodes(), vec!["fabric-a".to_string()]);
+    dashboard_until(fe, "fabric-b gone", |s| nodes_shown(s) == ["fabric-a"]).await;
     assert!(get_client.get(&hashes(), &locs(&dst)).await.unwrap().iter().any(|&s| s));
 }
 

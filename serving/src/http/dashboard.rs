@@ -268,6 +268,7 @@ pub(super) async fn state(State(st): State<Arc<AppState>>) -> Json<Value> {
         },
         "workers": view.workers,
         "departed": view.departed,
+        "fabric": view.fabric,
         "control": view.control,
         "planner": planner,
         "series": { "period_s": SAMPLE_PERIOD.as_secs_f64(), "points": st.history.series() },

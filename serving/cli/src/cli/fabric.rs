@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::contract::{Load, Message};
 use kvfabric::events::ChannelSink;
 use kvfabric_tiers::disk::DiskConfig;
 use kvfabric_tiers::fabric::FabricNode;
@@ -53,6 +54,9 @@ pub struct FabricArgs {
     lease_ttl_s: u64,
 }
 
+/// How often a fabric node reports its tiers.
+const REPORT_PERIOD: Duration = Duration::from_secs(1);
+
 pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let stop_signal = super::up::shutdown_signal();
     let mut spec = kvfabric_serving::plan::resolve_model(&args.model)
@@ -86,11 +90,30 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
 
     let publisher =
         StorePublisher::start(bus.clone(), args.name.clone(), node.store().clone(), events).await?;
+    // Load reports (role `fabric`: its tiers and transfers), for dashboards.
+    let reports = {
+        let (bus, name, store) = (bus.clone(), args.name.clone(), node.store().clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(REPORT_PERIOD);
+            loop {
+                tick.tick().await;
+                let transfers = store.agent().transfer_counts();
+                let stats = kvfabric_serving::metrics::fabric_stats(&store.metrics(), &transfers);
+                let msg = Message::Load {
+                    source: name.clone(),
+                    load: Load::default(),
+                    stats: Some(Box::new(stats)),
+                };
+                let _ = bus.publish(msg.topic(), msg.encode()).await;
+            }
+        })
+    };
 
     stop_signal.await;
     // Graceful shutdown: no new connections, leave discovery at once.
     agent.shutdown();
     registration.revoke().await;
+    reports.abort();
     drop(publisher);
     tracing::info!(node = %args.name, "fabric node stopped");
     Ok(())

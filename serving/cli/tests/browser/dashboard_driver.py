@@ -42,6 +42,12 @@ READ_PAGE = """() => {
     metrics,
     workers: rows("#workers"),
     departed: rows("#departed"),
+    fabric_shown: !document.querySelector("#fabric-box").hidden,
+    fabric: [...document.querySelectorAll("#fabric tbody tr")].map((tr) => ({
+      node: tr.dataset.worker,
+      host: text(tr.querySelector('[data-col="host"]')),
+      indexed: text(tr.querySelector('[data-col="indexed"]')),
+    })),
     charts: [...document.querySelectorAll("svg.chart")].map((s) => ({
       id: s.id, lines: s.querySelectorAll("polyline").length })),
   };

@@ -79,11 +79,11 @@ function chart(svg, series, fmt) {
   });
 }
 
-function tierCell(t) {
-  if (!t || !t.capacity) return el("td", {}, "–");
+function tierCell(t, attrs) {
+  if (!t || !t.capacity) return el("td", attrs, "–");
   const pct = Math.min(100, (100 * t.used) / t.capacity);
   const bar = el("span", { class: "bar" }, el("span", { style: `width:${pct.toFixed(0)}%` }));
-  return el("td", { title: `${t.used} of ${t.capacity} blocks` }, bar, `${num(t.used)}/${num(t.capacity)}`);
+  return el("td", { ...attrs, title: `${t.used} of ${t.capacity} blocks` }, bar, `${num(t.used)}/${num(t.capacity)}`);
 }
 
 function renderWorkers(workers) {
@@ -102,6 +102,21 @@ function renderWorkers(workers) {
       el("td", {}, w.report_age_s === null ? "–" : w.report_age_s.toFixed(1) + " s"));
   }));
   $("#no-workers").hidden = workers.length > 0;
+}
+
+function renderFabric(nodes) {
+  $("#fabric-box").hidden = nodes.length === 0;
+  $("#fabric tbody").replaceChildren(...nodes.map((n) => {
+    const s = n.stats || {};
+    const tiers = s.tiers || [];
+    const moved = (s.transfers || []).reduce((a, t) => a + t.bytes, 0);
+    return el("tr", { "data-worker": n.name },
+      el("td", {}, n.name), el("td", { "data-col": "addr" }, n.addr || "–"),
+      tierCell(tiers[1], { "data-col": "host" }), tierCell(tiers[2], { "data-col": "disk" }),
+      el("td", { "data-col": "indexed" }, num(n.indexed_blocks)),
+      el("td", { "data-col": "moved" }, s.transfers ? bytes(moved) : "–"),
+      el("td", {}, n.report_age_s === null ? "–" : n.report_age_s.toFixed(1) + " s"));
+  }));
 }
 
 function renderDeparted(departed) {
@@ -167,6 +182,7 @@ function render(s) {
     el("tr", { "data-transport": k }, el("td", {}, k), el("td", {}, bytes(v)))));
   renderWorkers(s.workers);
   renderDeparted(s.departed);
+  renderFabric(s.fabric || []);
   renderControl(s.control);
   renderPlanner(s.planner);
 
