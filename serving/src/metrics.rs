@@ -610,7 +610,7 @@ pub struct Snapshot {
 /// The planner's state and decisions.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PlannerSnapshot {
-    /// Workers serving (not counting draining ones).
+    /// Workers serving (not counting draining ones), every pool.
     pub workers: u64,
     /// Workers the last decision asked for.
     pub desired: u64,
@@ -628,6 +628,21 @@ pub struct PlannerSnapshot {
     pub decisions: [u64; 3],
     /// Scaling actions that failed.
     pub scale_failures: u64,
+    /// Per pool (`aggregated`; or `prefill` and `decode`).
+    pub pools: Vec<PoolSnapshot>,
+}
+
+/// One pool of the planner's workers.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PoolSnapshot {
+    /// `aggregated`, `prefill` or `decode`.
+    pub pool: &'static str,
+    /// Workers serving.
+    pub workers: u64,
+    /// Workers the last decision asked for.
+    pub desired: u64,
+    /// Workers draining.
+    pub draining: u64,
 }
 
 /// A component whose counters are read at scrape time.
@@ -1112,6 +1127,25 @@ impl Collector for Components {
                 if let Some(p) = pl(s) {
                     for (action, n) in ["up", "down", "hold"].iter().zip(p.decisions) {
                         o.push((vec![("action", LabelValue::from(*action))], Value::Int(n)));
+                    }
+                }
+            },
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_planner_pool_workers",
+            "Workers of each of the planner's pools: serving, desired by the last decision, draining.",
+            None,
+            G,
+            |s, o| {
+                for p in pl(s).map(|p| p.pools).unwrap_or_default() {
+                    for (state, n) in
+                        [("serving", p.workers), ("desired", p.desired), ("draining", p.draining)]
+                    {
+                        let labels =
+                            vec![("pool", LabelValue::from(p.pool)), ("state", LabelValue::from(state))];
+                        o.push((labels, Value::Int(n)));
                     }
                 }
             },

@@ -25,9 +25,11 @@
 //! - **Draining** is the scaler's: a worker scaled down leaves discovery first (the routers
 //!   stop sending to it) and finishes what it has.
 //!
-//! The layout scaled is aggregated workers: the local scaler starts `kvfabric worker`
-//! processes of one role. The plan's disaggregated numbers are in the reasons, for an operator
-//! who runs prefill and decode pools.
+//! - **Pools**: the layout scaled is one pool of aggregated workers, or two pools, prefill and
+//!   decode workers ([`Pool`]). Each pool has a [`Brain`] of its own, fed the same window: it
+//!   takes its pool's number from the plan's disaggregated layout, is corrected by the
+//!   latency its pool governs (TTFT the prefill pool, ITL the decode pool; both the
+//!   aggregated one), and keeps its own hysteresis and memory.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -36,7 +38,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::metrics::{HttpMetrics, LoadWindow, PlannerSnapshot, Snapshot, Source};
+use crate::metrics::{HttpMetrics, LoadWindow, PlannerSnapshot, PoolSnapshot, Snapshot, Source};
 use crate::sla::{plan, Profile, Targets, Workload};
 
 /// A future of the scaler.
@@ -63,6 +65,49 @@ pub trait Scaler: Send + Sync + std::fmt::Debug + 'static {
     /// Starts or drains workers until `n` serve, replacing any that died on their own;
     /// returns how many serve after it. The planner calls it every interval.
     fn scale_to(&self, n: u32) -> ScaleFuture<'_>;
+}
+
+/// The workers a [`Brain`] plans for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pool {
+    /// Aggregated workers (prefill and decode in one): the plan's aggregated layout, both
+    /// latencies.
+    Aggregated,
+    /// Prefill workers of a disaggregated layout: the plan's prefill number, TTFT.
+    Prefill,
+    /// Decode workers of a disaggregated layout: the plan's decode number, ITL.
+    Decode,
+}
+
+impl Pool {
+    /// Its name in logs and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pool::Aggregated => "aggregated",
+            Pool::Prefill => "prefill",
+            Pool::Decode => "decode",
+        }
+    }
+
+    /// Its number of workers in `plan`.
+    fn workers(self, plan: &crate::sla::Plan) -> Option<u32> {
+        match (self, &plan.disaggregated) {
+            (Pool::Aggregated, _) => plan.aggregated.workers(),
+            (Pool::Prefill, crate::sla::Need::Disaggregated { prefill, .. }) => Some(*prefill),
+            (Pool::Decode, crate::sla::Need::Disaggregated { decode, .. }) => Some(*decode),
+            _ => None,
+        }
+    }
+
+    /// Whether a missed TTFT (`ttft`) or ITL target (`!ttft`) is this pool's to correct.
+    fn governs(self, ttft: bool) -> bool {
+        match self {
+            Pool::Aggregated => true,
+            Pool::Prefill => ttft,
+            Pool::Decode => !ttft,
+        }
+    }
 }
 
 /// How the next interval's request rate is predicted from the observed ones.
@@ -230,6 +275,8 @@ pub enum Action {
 /// JSON line to the planner's log when one is given).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Decision {
+    /// The pool decided for.
+    pub pool: Pool,
     /// Interval number, from 1.
     pub interval: u64,
     /// When, milliseconds since the Unix epoch.
@@ -238,7 +285,7 @@ pub struct Decision {
     pub observed: Observed,
     /// The load planned for.
     pub predicted: Workload,
-    /// Workers the plan asks for (aggregated layout; None: no number meets the targets).
+    /// Workers of this pool the plan asks for (None: no number meets the targets).
     pub planned: Option<u32>,
     /// Workers a missed target taught this load needs (None: nothing learned, or forgotten).
     pub learned_workers: Option<u32>,
@@ -260,6 +307,7 @@ pub struct Decision {
 #[derive(Debug)]
 pub struct Brain {
     cfg: PlannerConfig,
+    pool: Pool,
     rates: Vec<f64>,
     isl: Option<f64>,
     osl: Option<f64>,
@@ -286,10 +334,16 @@ const CALM: f64 = 0.5;
 const LEARNED_CALM: u32 = 12;
 
 impl Brain {
-    /// A planner that has seen nothing.
+    /// A planner of aggregated workers that has seen nothing.
     pub fn new(cfg: PlannerConfig) -> Self {
+        Self::for_pool(cfg, Pool::Aggregated)
+    }
+
+    /// A planner of `pool` that has seen nothing.
+    pub fn for_pool(cfg: PlannerConfig, pool: Pool) -> Self {
         Brain {
             cfg,
+            pool,
             rates: Vec::new(),
             isl: None,
             osl: None,
@@ -326,7 +380,8 @@ impl Brain {
             isl_dist: Default::default(),
         };
         let mut reasons = vec![format!(
-            "observed {:.2} req/s ({} requests, {} failed); predicted {:.2} req/s of {:.0} prompt + {:.0} answer tokens, {:.0}% cached",
+            "{}: observed {:.2} req/s ({} requests, {} failed); predicted {:.2} req/s of {:.0} prompt + {:.0} answer tokens, {:.0}% cached",
+            self.pool.name(),
             seen.rate,
             seen.requests,
             seen.errors,
@@ -343,7 +398,7 @@ impl Brain {
         } else {
             let p = plan(&self.cfg.profile, &predicted, &self.cfg.targets);
             reasons.extend(p.reasons.iter().skip(1).cloned());
-            p.aggregated.workers()
+            self.pool.workers(&p)
         };
         let mut desired = match planned {
             Some(n) => n,
@@ -358,17 +413,23 @@ impl Brain {
         let label = q.map_or("mean".to_string(), |q| format!("p{}", q * 100.0));
         let t = &self.cfg.targets;
         let ttft_label = format!("{label} TTFT");
-        let over =
-            [(ttft_label.as_str(), seen.ttft_s, t.ttft_s), ("mean ITL", seen.itl_mean_s, t.itl_s)]
-                .into_iter()
-                .filter_map(|(what, got, target)| {
-                    got.filter(|g| *g > target).map(|g| (what, g, target))
-                })
-                .collect::<Vec<_>>();
+        let pool = self.pool;
+        let governed = [
+            (true, ttft_label.as_str(), seen.ttft_s, t.ttft_s),
+            (false, "mean ITL", seen.itl_mean_s, t.itl_s),
+        ]
+        .into_iter()
+        .filter(|(ttft, ..)| pool.governs(*ttft))
+        .map(|(_, what, got, target)| (what, got, target))
+        .collect::<Vec<_>>();
+        let over = governed
+            .iter()
+            .filter_map(|&(what, got, target)| {
+                got.filter(|g| *g > target).map(|g| (what, g, target))
+            })
+            .collect::<Vec<_>>();
         let calm = seen.requests >= 3
-            && [(seen.ttft_s, t.ttft_s), (seen.itl_mean_s, t.itl_s)]
-                .iter()
-                .all(|(got, target)| got.is_none_or(|g| g <= target * CALM));
+            && governed.iter().all(|(_, got, target)| got.is_none_or(|g| g <= target * CALM));
         if let Some(l) = self.learned.as_mut().filter(|_| calm) {
             l.calm_left = l.calm_left.saturating_sub(1);
             if l.calm_left == 0 {
@@ -413,10 +474,8 @@ impl Brain {
                 rate: predicted.rate * (1.0 + self.cfg.scale_down_headroom),
                 ..predicted
             };
-            let with = plan(&self.cfg.profile, &more, &self.cfg.targets)
-                .aggregated
-                .workers()
-                .unwrap_or(hi);
+            let with =
+                self.pool.workers(&plan(&self.cfg.profile, &more, &self.cfg.targets)).unwrap_or(hi);
             if with > desired {
                 reasons.push(format!(
                     "with {:.0}% headroom on the rate: {with} workers",
@@ -451,6 +510,7 @@ impl Brain {
             std::cmp::Ordering::Equal => Action::Hold,
         };
         Decision {
+            pool: self.pool,
             interval: self.interval,
             at_unix_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -476,11 +536,21 @@ pub struct PlannerState {
 }
 
 impl PlannerState {
-    /// The state before the first decision: `workers` serving.
-    pub fn starting(workers: u32) -> Self {
+    /// The state before the first decision: `workers` serving in each pool.
+    pub fn starting(pools: &[(Pool, u32)]) -> Self {
+        let pools: Vec<PoolSnapshot> = pools
+            .iter()
+            .map(|&(p, n)| PoolSnapshot {
+                pool: p.name(),
+                workers: u64::from(n),
+                desired: u64::from(n),
+                draining: 0,
+            })
+            .collect();
         let snapshot = PlannerSnapshot {
-            workers: u64::from(workers),
-            desired: u64::from(workers),
+            workers: pools.iter().map(|p| p.workers).sum(),
+            desired: pools.iter().map(|p| p.desired).sum(),
+            pools,
             ..PlannerSnapshot::default()
         };
         PlannerState { snapshot: Mutex::new(snapshot) }
@@ -494,16 +564,18 @@ impl Source for PlannerState {
 }
 
 /// Runs the planner until the task is aborted: every interval, a window of `metrics`, a
-/// decision, the scaling, `on_decision` (logging, a JSON-lines file).
+/// decision per pool, the scaling (the pools concurrently), `on_decision` for each (logging,
+/// a JSON-lines file).
 pub fn spawn(
     cfg: PlannerConfig,
     metrics: HttpMetrics,
-    scaler: Arc<dyn Scaler>,
+    pools: Vec<(Pool, Arc<dyn Scaler>)>,
     state: Arc<PlannerState>,
     mut on_decision: impl FnMut(&Decision) + Send + 'static,
 ) -> tokio::task::JoinHandle<()> {
     let interval = cfg.interval.max(Duration::from_millis(100));
-    let mut brain = Brain::new(cfg);
+    let mut pools: Vec<(Brain, Arc<dyn Scaler>)> =
+        pools.into_iter().map(|(p, s)| (Brain::for_pool(cfg.clone(), p), s)).collect();
     tokio::spawn(async move {
         // Start the window now: what came before the planner is not this interval's.
         let _ = metrics.take_window();
@@ -512,45 +584,61 @@ pub fn spawn(
         loop {
             tick.tick().await;
             let window = metrics.take_window();
-            let current = scaler.workers();
-            let mut d = brain.decide(&window, current);
-            let mut failed = false;
+            let decided: Vec<Decision> = pools
+                .iter_mut()
+                .map(|(brain, scaler)| brain.decide(&window, scaler.workers()))
+                .collect();
             // Every interval, also when holding: a worker that died on its own is replaced.
-            match scaler.scale_to(d.desired).await {
-                Ok(n) => d.after = n,
-                Err(e) => {
-                    failed = true;
-                    d.after = scaler.workers();
-                    d.reasons.push(format!("scaling failed: {e}"));
-                    tracing::warn!(error = %e, desired = d.desired, "planner: scaling failed");
-                }
-            }
-            d.draining = scaler.draining();
-            {
-                let mut s = state.snapshot.lock();
-                s.workers = u64::from(d.after);
-                s.desired = u64::from(d.desired);
-                s.draining = u64::from(d.draining);
-                s.observed_rate = d.observed.rate;
-                s.predicted_rate = d.predicted.rate;
-                s.observed_ttft_s = d.observed.ttft_s.unwrap_or(0.0);
-                s.observed_itl_s = d.observed.itl_s.unwrap_or(0.0);
-                s.decisions[match d.action {
+            let scaled = futures_util::future::join_all(
+                pools.iter().zip(&decided).map(|((_, s), d)| s.scale_to(d.desired)),
+            )
+            .await;
+            let mut snap = state.snapshot.lock().clone();
+            snap.pools.clear();
+            for (((_, scaler), mut d), r) in pools.iter().zip(decided).zip(scaled) {
+                let failed = match r {
+                    Ok(n) => {
+                        d.after = n;
+                        false
+                    }
+                    Err(e) => {
+                        d.after = scaler.workers();
+                        d.reasons.push(format!("scaling failed: {e}"));
+                        tracing::warn!(pool = d.pool.name(), error = %e, desired = d.desired, "planner: scaling failed");
+                        true
+                    }
+                };
+                d.draining = scaler.draining();
+                snap.pools.push(PoolSnapshot {
+                    pool: d.pool.name(),
+                    workers: u64::from(d.after),
+                    desired: u64::from(d.desired),
+                    draining: u64::from(d.draining),
+                });
+                snap.observed_rate = d.observed.rate;
+                snap.predicted_rate = d.predicted.rate;
+                snap.observed_ttft_s = d.observed.ttft_s.unwrap_or(0.0);
+                snap.observed_itl_s = d.observed.itl_s.unwrap_or(0.0);
+                snap.decisions[match d.action {
                     Action::Up => 0,
                     Action::Down => 1,
                     Action::Hold => 2,
                 }] += 1;
-                s.scale_failures += u64::from(failed);
+                snap.scale_failures += u64::from(failed);
+                if d.action == Action::Hold {
+                    tracing::debug!(pool = d.pool.name(), workers = d.after, reasons = ?d.reasons, "planner: hold");
+                } else {
+                    tracing::info!(
+                        pool = d.pool.name(), action = ?d.action, before = d.before, after = d.after,
+                        desired = d.desired, reasons = ?d.reasons, "planner: scaling"
+                    );
+                }
+                on_decision(&d);
             }
-            if d.action == Action::Hold {
-                tracing::debug!(workers = d.after, reasons = ?d.reasons, "planner: hold");
-            } else {
-                tracing::info!(
-                    action = ?d.action, before = d.before, after = d.after, desired = d.desired,
-                    reasons = ?d.reasons, "planner: scaling"
-                );
-            }
-            on_decision(&d);
+            snap.workers = snap.pools.iter().map(|p| p.workers).sum();
+            snap.desired = snap.pools.iter().map(|p| p.desired).sum();
+            snap.draining = snap.pools.iter().map(|p| p.draining).sum();
+            *state.snapshot.lock() = snap;
         }
     })
 }
@@ -687,6 +775,51 @@ mod tests {
         }
         assert_eq!(forgot_at, Some(LEARNED_CALM as usize));
         assert_eq!(n, 1, "back to what the profile says");
+    }
+
+    /// Two pools of one disaggregated layout: each takes its own number from the plan's
+    /// disaggregated layout, and only the latency it governs corrects it.
+    #[test]
+    fn prefill_and_decode_pools_plan_and_correct_on_their_own() {
+        let (mut p, mut d) =
+            (Brain::for_pool(cfg(), Pool::Prefill), Brain::for_pool(cfg(), Pool::Decode));
+        let w = window(40.0, 0.05);
+        let plan = crate::sla::plan(
+            &cfg().profile,
+            &Workload {
+                rate: 40.0,
+                isl: 512.0,
+                osl: 64.0,
+                hit_rate: 0.0,
+                isl_dist: Default::default(),
+            },
+            &cfg().targets,
+        );
+        let crate::sla::Need::Disaggregated { prefill, decode, .. } = plan.disaggregated else {
+            panic!("{:?}", plan.reasons)
+        };
+        let (dp, dd) = (p.decide(&w, 1), d.decide(&w, 1));
+        assert_eq!((dp.pool, dp.planned), (Pool::Prefill, Some(prefill)), "{:?}", dp.reasons);
+        assert_eq!((dd.pool, dd.planned), (Pool::Decode, Some(decode)), "{:?}", dd.reasons);
+        assert!(dp.reasons[0].starts_with("prefill: "), "{:?}", dp.reasons);
+        // TTFT missed at a light load: the prefill pool grows; the decode pool does not.
+        let (mut p, mut d) =
+            (Brain::for_pool(cfg(), Pool::Prefill), Brain::for_pool(cfg(), Pool::Decode));
+        let slow_first = window(2.0, 0.9);
+        let (dp, dd) = (p.decide(&slow_first, 1), d.decide(&slow_first, 1));
+        assert_eq!((dp.action, dp.desired), (Action::Up, 2), "{:?}", dp.reasons);
+        assert_eq!(dp.learned_workers, Some(2));
+        assert_eq!((dd.action, dd.desired), (Action::Hold, 1), "{:?}", dd.reasons);
+        assert!(!dd.reasons.iter().any(|r| r.contains("above the target")), "{:?}", dd.reasons);
+        // ITL missed: the decode pool grows; the prefill pool does not.
+        let (mut p, mut d) =
+            (Brain::for_pool(cfg(), Pool::Prefill), Brain::for_pool(cfg(), Pool::Decode));
+        let mut slow_steps = window(2.0, 0.05);
+        slow_steps.itl_s.iter_mut().for_each(|x| *x = 0.08);
+        let (dp, dd) = (p.decide(&slow_steps, 1), d.decide(&slow_steps, 1));
+        assert_eq!((dd.action, dd.desired), (Action::Up, 2), "{:?}", dd.reasons);
+        assert!(dd.reasons.iter().any(|r| r.contains("mean ITL")), "{:?}", dd.reasons);
+        assert_eq!((dp.action, dp.desired), (Action::Hold, 1), "{:?}", dp.reasons);
     }
 
     #[test]

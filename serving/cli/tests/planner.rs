@@ -2,7 +2,8 @@
 //! `kvfabric worker` processes (the mock engine) from a profile `kvfabric profile` measured,
 //! scales them up under a load one worker cannot serve within the targets, drains them when
 //! the load falls, and no request fails across the scale-down. `kvfabric up --planner` does
-//! the same with workers in its own process.
+//! the same with workers in its own process, and with pools of prefill and decode workers
+//! (`--planner-layout disaggregated`).
 
 mod common;
 
@@ -188,6 +189,94 @@ async fn up_with_the_planner_scales_its_own_workers() {
     assert!(most >= 2, "up's planner did not scale up under load");
     assert_eq!(planner_workers(addr).await, 1, "up's planner did not scale back down");
     assert_eq!(failed, 0, "requests failed across scaling");
+    let mut up = up;
+    // SAFETY: the pid of a child this test spawned and has not reaped.
+    assert_eq!(unsafe { libc::kill(up.0.id() as i32, libc::SIGTERM) }, 0);
+    assert!(up.0.wait().unwrap().success());
+}
+
+fn pool_workers(text: &str, pool: &str) -> Option<f64> {
+    metric(text, &format!("kvfabric_planner_pool_workers{{pool=\"{pool}\",state=\"serving\"}}"))
+}
+
+/// `kvfabric up --planner --planner-layout disaggregated`: a pool of prefill workers and one
+/// of decode workers, one of each at first; requests go through remote prefill; under load
+/// the planner adds workers to a pool, and drains them after, no request failed. Each
+/// decision names its pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disaggregated_planner_scales_prefill_and_decode_pools() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = measure_the_mock(dir.path());
+    let log = dir.path().join("decisions.jsonl");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["up", "--port", "0", "--name", "pools"])
+        .args(MOCK.split_whitespace())
+        .args(["--planner-layout", "disaggregated", "--prefill-threshold", "64"])
+        .arg("--planner-log")
+        .arg(&log);
+    let (up, addr, _) = serve_planned(cmd, &profile);
+    let m = get(addr, "/metrics").await.text();
+    assert_eq!(pool_workers(&m, "prefill"), Some(1.0), "{m}");
+    assert_eq!(pool_workers(&m, "decode"), Some(1.0), "{m}");
+    assert_eq!(planner_workers(addr).await, 2);
+
+    let (stop, ok, failed) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let heavy = load(addr, 24, stop.clone(), ok.clone(), failed.clone());
+    let start = Instant::now();
+    let mut most = 2;
+    while start.elapsed() < Duration::from_secs(25) && most < 3 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        most = most.max(planner_workers(addr).await);
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in heavy {
+        t.await.unwrap();
+    }
+    assert!(most >= 3, "the planner added no worker to either pool under load");
+    // The decode workers' reports: prompts went to the prefill workers.
+    let s = get(addr, "/dashboard/state").await.json();
+    let remote: u64 = s["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|w| w["stats"]["remote_prefills"].as_u64())
+        .sum();
+    assert!(remote > 0, "no prompt went through a prefill worker: {s}");
+    let roles: Vec<&str> =
+        s["workers"].as_array().unwrap().iter().filter_map(|w| w["role"].as_str()).collect();
+    assert!(roles.contains(&"prefill") && roles.contains(&"decode"), "{roles:?}");
+    // A light load while the pools drain back to one worker each.
+    let stop = Arc::new(AtomicBool::new(false));
+    let light = load(addr, 2, stop.clone(), ok.clone(), failed.clone());
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) && planner_workers(addr).await > 2 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in light {
+        t.await.unwrap();
+    }
+    let m = get(addr, "/metrics").await.text();
+    assert_eq!(pool_workers(&m, "prefill"), Some(1.0), "{m}");
+    assert_eq!(pool_workers(&m, "decode"), Some(1.0), "{m}");
+    assert_eq!(failed.load(Ordering::Relaxed), 0, "requests failed across scaling");
+    let decisions: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for pool in ["prefill", "decode"] {
+        assert!(decisions.iter().any(|d| d["pool"] == pool), "no {pool} decision");
+        let ups = decisions.iter().filter(|d| d["pool"] == pool && d["action"] == "up").count();
+        println!("{pool}: scaled up {ups} times");
+    }
+    assert!(decisions.iter().any(|d| d["action"] == "up"), "no scale-up decision");
+    assert!(decisions.iter().any(|d| d["action"] == "down"), "no scale-down decision");
     let mut up = up;
     // SAFETY: the pid of a child this test spawned and has not reaped.
     assert_eq!(unsafe { libc::kill(up.0.id() as i32, libc::SIGTERM) }, 0);

@@ -8,11 +8,40 @@ use std::time::Duration;
 
 use anyhow::Context;
 use kvfabric_serving::metrics::HttpMetrics;
-use kvfabric_serving::planner::{self, PlannerConfig, PlannerState, Predictor, Scaler};
+use kvfabric_serving::planner::{self, PlannerConfig, PlannerState, Pool, Predictor, Scaler};
 use kvfabric_serving::profile::EngineProfile;
 use kvfabric_serving::sla::Targets;
+use kvfabric_serving::worker::Role;
 
 use super::scaler::{InProcess, Kind, Processes, WorkerTemplate, Workers};
+
+/// The layout of the workers the planner runs.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlannerLayout {
+    /// One pool of aggregated workers.
+    Aggregated,
+    /// A pool of prefill workers and one of decode workers.
+    Disaggregated,
+}
+
+impl PlannerLayout {
+    /// Its pools, in the order they start (prefill before the decode workers that use it).
+    fn pools(self) -> &'static [Pool] {
+        match self {
+            PlannerLayout::Aggregated => &[Pool::Aggregated],
+            PlannerLayout::Disaggregated => &[Pool::Prefill, Pool::Decode],
+        }
+    }
+}
+
+/// The role of a pool's workers.
+fn role_of(pool: Pool) -> Role {
+    match pool {
+        Pool::Aggregated => Role::Aggregated,
+        Pool::Prefill => Role::Prefill,
+        Pool::Decode => Role::Decode,
+    }
+}
 
 /// The planner's options.
 #[derive(clap::Args, Debug, Clone)]
@@ -21,10 +50,14 @@ pub struct PlannerArgs {
     /// profile (`kvfabric profile --out`).
     #[arg(long = "planner", env = "KVFABRIC_PLANNER", value_name = "PROFILE")]
     pub profile: Option<PathBuf>,
-    /// Fewest workers.
+    /// The workers it runs: aggregated (one pool), or disaggregated (prefill workers and
+    /// decode workers, each pool scaled on its own: prefill for TTFT, decode for ITL).
+    #[arg(long, env = "KVFABRIC_PLANNER_LAYOUT", value_enum, default_value = "aggregated")]
+    pub planner_layout: PlannerLayout,
+    /// Fewest workers (of each pool).
     #[arg(long, env = "KVFABRIC_PLANNER_MIN_WORKERS", default_value_t = 1)]
     pub planner_min_workers: u32,
-    /// Most workers.
+    /// Most workers (of each pool).
     #[arg(long, env = "KVFABRIC_PLANNER_MAX_WORKERS", default_value_t = 4)]
     pub planner_max_workers: u32,
     /// Seconds between decisions.
@@ -97,15 +130,39 @@ impl PlannerArgs {
         metrics: HttpMetrics,
     ) -> anyhow::Result<Running> {
         let cfg = self.config(profile)?;
-        let kind = Processes(WorkerTemplate {
-            exe: std::env::current_exe().context("finding the kvfabric binary")?,
-            args: self.planner_worker_args.split_whitespace().map(str::to_string).collect(),
-            env,
-            prefix: format!("{name}-w"),
-            start_timeout: Duration::from_secs(self.planner_start_timeout_s.max(1)),
-            drain_timeout: Duration::from_secs(self.planner_drain_timeout_s),
-        });
-        self.run(cfg, kind, metrics).await
+        let args: Vec<String> =
+            self.planner_worker_args.split_whitespace().map(str::to_string).collect();
+        anyhow::ensure!(
+            !args.iter().any(|a| a == "--role" || a.starts_with("--role=")),
+            "--planner-worker-args cannot set --role: the planner gives each pool its role (--planner-layout)"
+        );
+        let exe = std::env::current_exe().context("finding the kvfabric binary")?;
+        let kinds = self
+            .planner_layout
+            .pools()
+            .iter()
+            .map(|&pool| {
+                let mut args = args.clone();
+                let prefix = match pool {
+                    Pool::Aggregated => format!("{name}-w"),
+                    Pool::Prefill => format!("{name}-p"),
+                    Pool::Decode => format!("{name}-d"),
+                };
+                if pool != Pool::Aggregated {
+                    args.extend(["--role".to_string(), pool.name().to_string()]);
+                }
+                let kind = Processes(WorkerTemplate {
+                    exe: exe.clone(),
+                    args,
+                    env: env.clone(),
+                    prefix,
+                    start_timeout: Duration::from_secs(self.planner_start_timeout_s.max(1)),
+                    drain_timeout: Duration::from_secs(self.planner_drain_timeout_s),
+                });
+                (pool, kind)
+            })
+            .collect();
+        self.run(cfg, kinds, metrics).await
     }
 
     /// Starts the planner over worker stacks in this process (`kvfabric up`), registered in
@@ -124,14 +181,27 @@ impl PlannerArgs {
             "--planner-worker-args is for `kvfabric frontend`: `kvfabric up` runs its workers with its own engine options"
         );
         let cfg = self.config(profile)?;
-        let kind = InProcess {
-            engine,
-            discovery,
-            bus,
-            prefix: name.to_string(),
-            drain_timeout: Duration::from_secs(self.planner_drain_timeout_s),
-        };
-        self.run(cfg, kind, metrics).await
+        let kinds = self
+            .planner_layout
+            .pools()
+            .iter()
+            .map(|&pool| {
+                let prefix = match pool {
+                    Pool::Aggregated => name.to_string(),
+                    p => format!("{name}-{}", p.name()),
+                };
+                let kind = InProcess {
+                    engine: engine.clone(),
+                    discovery: discovery.clone(),
+                    bus: bus.clone(),
+                    prefix,
+                    role: role_of(pool),
+                    drain_timeout: Duration::from_secs(self.planner_drain_timeout_s),
+                };
+                (pool, kind)
+            })
+            .collect();
+        self.run(cfg, kinds, metrics).await
     }
 
     /// The planner's settings, with the curves of `profile`.
@@ -185,16 +255,32 @@ impl PlannerArgs {
     async fn run<K: Kind>(
         &self,
         cfg: PlannerConfig,
-        kind: K,
+        kinds: Vec<(Pool, K)>,
         metrics: HttpMetrics,
     ) -> anyhow::Result<Running> {
-        let workers = Arc::new(Workers::new(kind));
-        let n = workers
-            .scale_to(self.planner_min_workers)
-            .await
-            .context("planner: starting the first workers")?;
+        let mut pools: Vec<(Pool, Arc<Workers<K>>)> = Vec::new();
+        let mut started = Vec::new();
+        for (pool, kind) in kinds {
+            let workers = Arc::new(Workers::new(kind));
+            let n = match workers.scale_to(self.planner_min_workers).await {
+                Ok(n) => n,
+                Err(e) => {
+                    // The pools already started are drained, not left running.
+                    workers.shutdown().await;
+                    for (_, w) in pools.iter().rev() {
+                        w.shutdown().await;
+                    }
+                    return Err(e).with_context(|| {
+                        format!("planner: starting the first {} workers", pool.name())
+                    });
+                }
+            };
+            started.push((pool, n));
+            pools.push((pool, workers));
+        }
         tracing::info!(
-            workers = n,
+            layout = ?self.planner_layout,
+            workers = ?started,
             min = self.planner_min_workers,
             max = self.planner_max_workers,
             interval_s = self.planner_interval_s,
@@ -210,8 +296,10 @@ impl PlannerArgs {
             ),
             None => None,
         };
-        let state = Arc::new(PlannerState::starting(n));
-        let task = planner::spawn(cfg, metrics, workers.clone(), state.clone(), move |d| {
+        let state = Arc::new(PlannerState::starting(&started));
+        let scalers: Vec<(Pool, Arc<dyn Scaler>)> =
+            pools.iter().map(|(p, w)| (*p, w.clone() as Arc<dyn Scaler>)).collect();
+        let task = planner::spawn(cfg, metrics, scalers, state.clone(), move |d| {
             if let Some(f) = log.as_mut() {
                 if let Ok(line) = serde_json::to_string(d) {
                     if let Err(e) = writeln!(f, "{line}") {
@@ -221,7 +309,12 @@ impl PlannerArgs {
                 }
             }
         });
-        let shutdown = Box::pin(async move { workers.shutdown().await });
+        // Decode workers drain first: their requests may still need the prefill workers.
+        let shutdown = Box::pin(async move {
+            for (_, w) in pools.iter().rev() {
+                w.shutdown().await;
+            }
+        });
         Ok(Running { state, task, shutdown })
     }
 }

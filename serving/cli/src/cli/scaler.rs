@@ -303,6 +303,8 @@ pub struct InProcess {
     pub bus: Arc<dyn EventBus>,
     /// Worker names are `{prefix}-{n}`.
     pub prefix: String,
+    /// Their role.
+    pub role: Role,
     /// How long a draining worker may take to finish its requests.
     pub drain_timeout: Duration,
 }
@@ -327,7 +329,7 @@ impl Kind for InProcess {
         let served = stack
             .serve(
                 &name,
-                Role::Aggregated,
+                self.role,
                 std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 &self.discovery,
                 &self.bus,

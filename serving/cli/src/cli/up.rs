@@ -373,8 +373,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let disagg = args.prefill_workers > 0 || args.decode_workers > 0;
     anyhow::ensure!(
         args.planner.profile.is_none() || (!disagg && args.workers <= 1),
-        "with --planner the planner runs the workers (aggregated, from --planner-min-workers): \
-         --workers, --prefill-workers and --decode-workers do not apply"
+        "with --planner the planner runs the workers (of --planner-layout, from \
+         --planner-min-workers): --workers, --prefill-workers and --decode-workers do not apply"
     );
     anyhow::ensure!(
         !disagg || (args.prefill_workers > 0 && args.decode_workers > 0),

@@ -153,8 +153,10 @@ function renderControl(c) {
 function renderPlanner(p) {
   $("#planner-box").hidden = !p;
   if (!p) return;
+  const pools = (p.pools || []).length > 1
+    ? p.pools.map((q) => [`${q.pool} workers (desired)`, `${q.workers} (${q.desired})`]) : [];
   kvRows($("#planner"), [
-    ["workers (desired)", `${p.workers} (${p.desired})`], ["draining", num(p.draining)],
+    ["workers (desired)", `${p.workers} (${p.desired})`], ...pools, ["draining", num(p.draining)],
     ["observed / predicted req/s", `${num(p.observed_rate)} / ${num(p.predicted_rate)}`],
     ["observed TTFT / ITL", `${ms(p.observed_ttft_s)} / ${ms(p.observed_itl_s)}`],
     ["decisions up / down / hold", p.decisions.join(" / ")], ["scale failures", num(p.scale_failures)],
