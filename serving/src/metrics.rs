@@ -108,6 +108,7 @@ struct Window {
     load: LoadWindow,
     ttft_seen: u64,
     itl_seen: u64,
+    prompt_seen: u64,
 }
 
 impl Window {
@@ -117,6 +118,7 @@ impl Window {
             load: LoadWindow::default(),
             ttft_seen: 0,
             itl_seen: 0,
+            prompt_seen: 0,
         }
     }
 }
@@ -147,6 +149,9 @@ pub struct LoadWindow {
     /// Inter-token latencies, seconds (at most [`WINDOW_SAMPLES_MAX`], a uniform sample of
     /// them all past it).
     pub itl_s: Vec<f64>,
+    /// Prompt tokens of each request counted (at most [`WINDOW_SAMPLES_MAX`], as for ITL):
+    /// how prompt lengths spread.
+    pub prompt_lens: Vec<f64>,
 }
 
 /// The frontend's cumulative counts ([`HttpMetrics::totals`]).
@@ -383,8 +388,9 @@ impl HttpMetrics {
         if !self.windowed() {
             return;
         }
-        let mut w = self.window.lock();
+        let w = &mut *self.window.lock();
         w.load.counted += 1;
+        keep_sample(&mut w.load.prompt_lens, prompt as f64, &mut w.prompt_seen);
         w.load.prompt_tokens += prompt;
         w.load.generated_tokens += generated;
         w.load.cached_tokens += cached;

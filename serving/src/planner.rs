@@ -39,7 +39,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::metrics::{HttpMetrics, LoadWindow, PlannerSnapshot, PoolSnapshot, Snapshot, Source};
-use crate::sla::{plan, Profile, Targets, Workload};
+use crate::sla::{plan, LengthDist, Profile, Targets, Workload, DIST_POINTS};
 
 /// A future of the scaler.
 pub type ScaleFuture<'a> = Pin<Box<dyn Future<Output = Result<u32, ScaleError>> + Send + 'a>>;
@@ -310,6 +310,8 @@ pub struct Brain {
     pool: Pool,
     rates: Vec<f64>,
     isl: Option<f64>,
+    /// How prompt lengths spread (an empirical shape of mean 1), averaged like the lengths.
+    isl_shape: Option<[f64; DIST_POINTS]>,
     osl: Option<f64>,
     hit: Option<f64>,
     fewer_asks: Vec<u32>,
@@ -346,6 +348,7 @@ impl Brain {
             pool,
             rates: Vec::new(),
             isl: None,
+            isl_shape: None,
             osl: None,
             hit: None,
             fewer_asks: Vec::new(),
@@ -369,6 +372,14 @@ impl Brain {
             (a, x) => x.or(a),
         };
         self.isl = mix(self.isl, seen.isl);
+        if let Some(LengthDist::Empirical { shape }) = LengthDist::empirical(&window.prompt_lens) {
+            let old = self.isl_shape.unwrap_or(shape);
+            let mut avg = [0.0; DIST_POINTS];
+            for (a, (n, o)) in avg.iter_mut().zip(shape.iter().zip(&old)) {
+                *a = MIX_ALPHA * n + (1.0 - MIX_ALPHA) * o;
+            }
+            self.isl_shape = Some(avg);
+        }
         self.osl = mix(self.osl, seen.osl);
         self.hit = mix(self.hit, seen.hit_rate);
         let predicted = Workload {
@@ -376,8 +387,10 @@ impl Brain {
             isl: self.isl.unwrap_or(1.0).max(1.0),
             osl: self.osl.unwrap_or(1.0).max(1.0),
             hit_rate: self.hit.unwrap_or(0.0).clamp(0.0, 0.99),
-            // The window has the mean prompt only: planned as if every prompt had it.
-            isl_dist: Default::default(),
+            // Until a window has seen enough prompts: as if every prompt had the mean length.
+            isl_dist: self
+                .isl_shape
+                .map_or(LengthDist::Fixed, |shape| LengthDist::Empirical { shape }),
         };
         let mut reasons = vec![format!(
             "{}: observed {:.2} req/s ({} requests, {} failed); predicted {:.2} req/s of {:.0} prompt + {:.0} answer tokens, {:.0}% cached",
@@ -390,6 +403,14 @@ impl Brain {
             predicted.osl,
             predicted.hit_rate * 100.0
         )];
+        if let Some(shape) = self.isl_shape {
+            // Quantile midpoints 3 and 28 of 32: p11 and p89.
+            reasons.push(format!(
+                "prompts spread over {:.0}–{:.0} tokens (p11–p89 of those seen)",
+                shape[3] * predicted.isl,
+                shape[28] * predicted.isl
+            ));
+        }
         let (lo, hi) =
             (self.cfg.min_workers.max(1), self.cfg.max_workers.max(self.cfg.min_workers.max(1)));
         let planned = if predicted.rate <= 0.0 {
@@ -691,6 +712,7 @@ mod tests {
             cached_tokens: 0,
             ttft_s: vec![ttft; n as usize],
             itl_s: vec![0.009; n as usize * 63],
+            prompt_lens: vec![512.0; n as usize],
         }
     }
 
@@ -822,6 +844,29 @@ mod tests {
         assert_eq!((dp.action, dp.desired), (Action::Hold, 1), "{:?}", dp.reasons);
     }
 
+    /// Prompt lengths as the window saw them: one in eight 7× the mean, the rest short (the
+    /// same mean) queue behind the long ones, and the plan needs more prefill workers than
+    /// for prompts all of the mean length.
+    #[test]
+    fn spread_prompts_plan_more_prefill_than_prompts_of_their_mean() {
+        let fixed = window(40.0, 0.05);
+        let mut spread = window(40.0, 0.05);
+        let short = (4096.0 - 3584.0) / 7.0;
+        spread.prompt_lens = (0..spread.prompt_lens.len())
+            .map(|i| if i % 8 == 0 { 3584.0 } else { short })
+            .collect();
+        let a = Brain::for_pool(cfg(), Pool::Prefill).decide(&fixed, 1);
+        let b = Brain::for_pool(cfg(), Pool::Prefill).decide(&spread, 1);
+        assert_eq!(a.predicted.isl, b.predicted.isl);
+        assert!(b.planned > a.planned, "{:?} against {:?}: {:?}", b.planned, a.planned, b.reasons);
+        assert!(b.reasons.iter().any(|r| r.contains("prompts spread over")), "{:?}", b.reasons);
+        // Too few prompts to see a shape: planned as prompts of the mean length.
+        let mut few = window(2.0, 0.05);
+        few.prompt_lens.truncate(DIST_POINTS - 1);
+        let c = Brain::for_pool(cfg(), Pool::Prefill).decide(&few, 1);
+        assert_eq!(c.predicted.isl_dist, LengthDist::Fixed);
+    }
+
     #[test]
     fn observations_of_a_window() {
         let w = LoadWindow {
@@ -835,6 +880,7 @@ mod tests {
             cached_tokens: 100,
             ttft_s: vec![0.1, 0.2, 0.3, 0.4],
             itl_s: vec![],
+            prompt_lens: vec![100.0; 4],
         };
         let o = Observed::of(&w, Some(0.5));
         assert_eq!((o.rate, o.isl, o.osl, o.hit_rate), (2.0, Some(100.0), Some(10.0), Some(0.25)));

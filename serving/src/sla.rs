@@ -81,8 +81,10 @@ impl Curve {
 pub struct Profile {
     /// Prefill time of one request, seconds, against the prompt tokens it computes.
     pub prefill_s: Curve,
-    /// Inter-token latency, seconds, against the decode batch, per context length (tokens):
-    /// the curve of the nearest context length measured is used.
+    /// Inter-token latency, seconds, against the decode batch, per context length (tokens).
+    /// Between two context lengths measured it is interpolated linearly; past the longest,
+    /// extrapolated along the two longest when it rises with the context (a decode step reads
+    /// every token's KV), else the longest's; below the shortest, the shortest's.
     pub itl_s: Vec<(f64, Curve)>,
     /// Largest decode batch a worker holds (at most [`BATCH_MAX`]).
     pub batch_max: u32,
@@ -96,11 +98,27 @@ pub struct Profile {
 
 impl Profile {
     fn itl(&self, context: f64, batch: f64) -> Option<f64> {
-        let (_, c) = self
-            .itl_s
-            .iter()
-            .min_by(|a, b| (a.0 - context).abs().total_cmp(&(b.0 - context).abs()))?;
-        Some(c.at(batch))
+        let by_context = |a: &&(f64, Curve), b: &&(f64, Curve)| a.0.total_cmp(&b.0);
+        let below = self.itl_s.iter().filter(|(c, _)| *c <= context).max_by(by_context);
+        let above = self.itl_s.iter().filter(|(c, _)| *c >= context).min_by(by_context);
+        let line = |(x0, y0): (f64, f64), (x1, y1): (f64, f64), x: f64| {
+            (y0 + (y1 - y0) * (x - x0) / (x1 - x0)).max(0.0)
+        };
+        Some(match (below, above) {
+            (Some(b), Some(a)) if a.0 > b.0 => {
+                line((b.0, b.1.at(batch)), (a.0, a.1.at(batch)), context)
+            }
+            (Some((_, c)), Some(_)) | (None, Some((_, c))) => c.at(batch),
+            (Some(last), None) => {
+                let y1 = last.1.at(batch);
+                let before = self.itl_s.iter().filter(|(c, _)| *c < last.0).max_by(by_context);
+                match before.map(|(x0, c)| (*x0, c.at(batch))) {
+                    Some((x0, y0)) if y1 > y0 => line((x0, y0), (last.0, y1), context),
+                    _ => y1,
+                }
+            }
+            (None, None) => return None,
+        })
     }
 
     /// The largest batch whose ITL at `context` meets `itl_target`, and that ITL.
@@ -129,6 +147,9 @@ pub struct Workload {
 }
 
 /// A distribution of lengths.
+// The empirical shape is inline (256 bytes) so that a workload stays a plain `Copy` value; a
+// plan copies a few of them per decision.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum LengthDist {
@@ -144,12 +165,42 @@ pub enum LengthDist {
     },
     /// Exponential around the mean (many short, a few long).
     Exponential,
+    /// Lengths as observed: the [`DIST_POINTS`] quantile midpoints of a sample, over its
+    /// mean (so that the shape's mean is 1).
+    Empirical {
+        /// The quantile midpoints, divided by the sample's mean, ascending.
+        shape: [f64; DIST_POINTS],
+    },
 }
 
 /// Points a distribution is discretised into (quantile midpoints).
-const DIST_POINTS: usize = 32;
+pub const DIST_POINTS: usize = 32;
 
 impl LengthDist {
+    /// The shape of observed lengths; None for fewer than [`DIST_POINTS`] of them, or for
+    /// lengths that are not finite and positive on average.
+    pub fn empirical(lens: &[f64]) -> Option<Self> {
+        if lens.len() < DIST_POINTS || lens.iter().any(|x| !x.is_finite() || *x < 0.0) {
+            return None;
+        }
+        let mut s = lens.to_vec();
+        s.sort_by(f64::total_cmp);
+        let mean = s.iter().sum::<f64>() / s.len() as f64;
+        if mean <= 0.0 {
+            return None;
+        }
+        let mut shape = [0.0; DIST_POINTS];
+        for (i, x) in shape.iter_mut().enumerate() {
+            *x = crate::stats::quantile(&s, (i as f64 + 0.5) / DIST_POINTS as f64) / mean;
+        }
+        // The midpoints' mean is the sample's up to the discretisation: made exact.
+        let m = shape.iter().sum::<f64>() / DIST_POINTS as f64;
+        if m > 0.0 {
+            shape.iter_mut().for_each(|x| *x /= m);
+        }
+        Some(LengthDist::Empirical { shape })
+    }
+
     /// Lengths standing for the distribution of mean `mean`, equally likely.
     pub fn points(&self, mean: f64) -> Vec<f64> {
         let mid = |i: usize| (i as f64 + 0.5) / DIST_POINTS as f64;
@@ -161,6 +212,7 @@ impl LengthDist {
             LengthDist::Exponential => {
                 (0..DIST_POINTS).map(|i| -mean * (1.0 - mid(i)).ln()).collect()
             }
+            LengthDist::Empirical { shape } => shape.iter().map(|x| x * mean).collect(),
         }
     }
 
@@ -717,10 +769,10 @@ mod tests {
 
     /// Hand-computed: 2000-token prompts, nothing cached: S = 80 ms. TTFT target 200 ms:
     /// ρ ≤ 2(0.2−0.08)/(0.4−0.08) = 0.75; at 30 req/s, 30 × 0.08 / 0.75 = 3.2 → 4 prefill
-    /// workers. Decode at context 2000 + 64 = 2064 → the 1024-token curve is nearer than
-    /// 4096? |2064−1024| = 1040 < |2064−4096| = 2032: yes. ITL(b) = 8 ms + 0.2 µs × 1024 × b;
-    /// target 20 ms → b ≤ 58.59 → 58, ITL 19.88 ms, 2917.5 tokens/s per worker; 30 × 128 =
-    /// 3840 tokens/s → 2 decode workers.
+    /// workers. Decode at context 2000 + 64 = 2064, between the curves of 1024 and 4096
+    /// tokens: interpolated, ITL(b) = 8 ms + 0.2 µs × 2064 × b (exact: the mock's ITL is
+    /// linear in the context); target 20 ms → b ≤ 29.07 → 29, ITL 19.97 ms, 1452.1 tokens/s
+    /// per worker; 30 × 128 = 3840 tokens/s → 3 decode workers.
     #[test]
     fn disaggregated_by_hand() {
         let p = mock_profile();
@@ -729,13 +781,34 @@ mod tests {
         let Need::Disaggregated { prefill, decode, kv_bytes_per_s } = plan.disaggregated else {
             panic!("{plan:?}");
         };
-        assert_eq!((prefill, decode), (4, 2), "{:#?}", plan.reasons);
+        assert_eq!((prefill, decode), (4, 3), "{:#?}", plan.reasons);
         assert_eq!(kv_bytes_per_s, 30.0 * 2000.0 * 8192.0);
         // Half the prompt cached: S = 40 ms, ρ ≤ 2(0.16)/(0.36) = 0.889; 30 × 0.04 / 0.889 =
         // 1.35 → 2.
         let cached =
             super::plan(&p, &Workload { hit_rate: 0.5, ..load }, &Targets::means(0.2, 0.02));
-        assert!(matches!(cached.disaggregated, Need::Disaggregated { prefill: 2, decode: 2, .. }));
+        assert!(matches!(cached.disaggregated, Need::Disaggregated { prefill: 2, decode: 3, .. }));
+    }
+
+    /// ITL between the contexts measured is interpolated, past the longest extrapolated
+    /// while it rises, below the shortest the shortest's.
+    #[test]
+    fn itl_between_and_beyond_the_contexts_measured() {
+        let p = mock_profile();
+        let model = |ctx: f64, b: f64| 8e-3 + 0.2e-6 * ctx * b;
+        for ctx in [1024.0, 2064.0, 3000.0, 4096.0, 8192.0] {
+            let got = p.itl(ctx, 8.0).unwrap();
+            assert!((got - model(ctx, 8.0)).abs() < 1e-12, "{ctx}: {got}");
+        }
+        assert_eq!(p.itl(100.0, 8.0), p.itl(1024.0, 8.0), "below the shortest: its ITL");
+        // A profile whose ITL fell with the context (noise): past the longest, the longest's.
+        let flat = Curve::new(vec![(1.0, 0.01), (8.0, 0.01)]).unwrap();
+        let lower = Curve::new(vec![(1.0, 0.009), (8.0, 0.009)]).unwrap();
+        let noisy = Profile { itl_s: vec![(4096.0, lower), (1024.0, flat)], ..p.clone() };
+        assert_eq!(noisy.itl(9000.0, 4.0), Some(0.009));
+        assert!((noisy.itl(2560.0, 4.0).unwrap() - 0.0095).abs() < 1e-12, "unsorted contexts");
+        let none = Profile { itl_s: vec![], ..p };
+        assert_eq!(none.itl(1000.0, 1.0), None);
     }
 
     #[test]
