@@ -404,14 +404,25 @@ impl Device {
     /// A completion queue of `entries`.
     pub fn completion_queue(self: &Arc<Self>, entries: u32) -> Result<Cq, VerbsError> {
         let n = entries.clamp(1, self.info.max_cqe) as i32;
-        // SAFETY: an open context; no channel (the queue is polled).
-        let cq = unsafe {
-            (self.v.create_cq)(self.ctx, n, std::ptr::null_mut(), std::ptr::null_mut(), 0)
-        };
-        if cq.is_null() {
-            return Err(errno("ibv_create_cq"));
+        // A completion channel lets an idle poller sleep until the adapter has news; without
+        // one (it could not be made) the queue is only polled.
+        // SAFETY: an open context.
+        let channel = unsafe { (self.v.create_comp_channel)(self.ctx) };
+        if channel.is_null() {
+            tracing::warn!(device = %self.info.name, error = %errno("ibv_create_comp_channel"), "RDMA: no completion channel; the completion queue is polled");
         }
-        Ok(Cq { dev: self.clone(), cq })
+        // SAFETY: an open context; the channel is ours (or null).
+        let cq =
+            unsafe { (self.v.create_cq)(self.ctx, n, std::ptr::null_mut(), channel.cast(), 0) };
+        if cq.is_null() {
+            let e = errno("ibv_create_cq");
+            if !channel.is_null() {
+                // SAFETY: ours, with no queue on it.
+                unsafe { (self.v.destroy_comp_channel)(channel) };
+            }
+            return Err(e);
+        }
+        Ok(Cq { dev: self.clone(), cq, channel })
     }
 
     /// A reliable-connected queue pair on `cq`, in INIT, with a send queue of `depth` requests
@@ -515,6 +526,8 @@ impl Drop for Mr {
 pub struct Cq {
     dev: Arc<Device>,
     cq: *mut IbvCq,
+    /// Its completion channel (null: none, the queue is only polled).
+    channel: *mut verbs::IbvCompChannel,
 }
 
 // SAFETY: polling is thread-safe in libibverbs providers (they lock the queue).
@@ -532,12 +545,66 @@ impl Cq {
         }
         Ok(n as usize)
     }
+
+    /// Whether it has a completion channel to [`Cq::wait`] on.
+    pub fn has_channel(&self) -> bool {
+        !self.channel.is_null()
+    }
+
+    /// Asks for an event on the channel at the next completion (once). Completions that came
+    /// before the call raise none: poll again after it, before waiting.
+    pub fn arm(&self) -> Result<(), VerbsError> {
+        // SAFETY: a live queue.
+        rc("ibv_req_notify_cq", unsafe { verbs::req_notify_cq(self.cq, false) })
+    }
+
+    /// Waits up to `timeout` for the event [`Cq::arm`] asked for; whether it came (it is then
+    /// consumed and acknowledged). Without a channel, sleeps `timeout`.
+    pub fn wait(&self, timeout: std::time::Duration) -> Result<bool, VerbsError> {
+        if self.channel.is_null() {
+            std::thread::sleep(timeout);
+            return Ok(false);
+        }
+        // SAFETY: a live channel.
+        let fd = unsafe { (*self.channel).fd };
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd for the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                return Ok(false);
+            }
+            return Err(VerbsError { call: "poll", reason: e.to_string() });
+        }
+        if n == 0 || pfd.revents & libc::POLLIN == 0 {
+            return Ok(false);
+        }
+        let (mut cq, mut ctx): (*mut IbvCq, *mut c_void) =
+            (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: the channel is readable, so this does not block; out-parameters on the stack.
+        rc("ibv_get_cq_event", unsafe {
+            (self.dev.v.get_cq_event)(self.channel, &mut cq, &mut ctx)
+        })?;
+        if !cq.is_null() {
+            // Every event is acknowledged before the queue can be destroyed.
+            // SAFETY: the queue the event came from (ours: one queue per channel).
+            unsafe { (self.dev.v.ack_cq_events)(cq, 1) };
+        }
+        Ok(true)
+    }
 }
 
 impl Drop for Cq {
     fn drop(&mut self) {
-        // SAFETY: every queue pair on it holds an Arc of it, so none is left.
+        // SAFETY: every queue pair on it holds an Arc of it, so none is left; its events were
+        // acknowledged as they were read.
         unsafe { (self.dev.v.destroy_cq)(self.cq) };
+        if !self.channel.is_null() {
+            // SAFETY: ours, its only queue destroyed just above.
+            unsafe { (self.dev.v.destroy_comp_channel)(self.channel) };
+        }
     }
 }
 

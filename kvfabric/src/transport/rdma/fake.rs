@@ -23,8 +23,8 @@ use std::sync::OnceLock;
 use parking_lot::Mutex;
 
 use super::verbs::{
-    consts, IbvAsyncEvent, IbvContext, IbvCq, IbvDeviceAttr, IbvMr, IbvPortAttr, IbvQp, IbvQpAttr,
-    IbvQpInitAttr, IbvSendWr, IbvWc, Verbs,
+    consts, IbvAsyncEvent, IbvCompChannel, IbvContext, IbvCq, IbvDeviceAttr, IbvMr, IbvPortAttr,
+    IbvQp, IbvQpAttr, IbvQpInitAttr, IbvSendWr, IbvWc, Verbs,
 };
 
 /// The double's device name.
@@ -72,6 +72,11 @@ struct State {
     qps: HashMap<u32, QpRec>,
     /// Completions per completion queue, each with its queue pair and position.
     cqs: HashMap<usize, VecDeque<(IbvWc, u32, u64)>>,
+    /// Completion queues with a channel: the channel, and whether the next completion
+    /// raises an event on it (armed).
+    notify: HashMap<usize, (usize, bool)>,
+    /// Events raised on each channel, not yet read.
+    events: HashMap<usize, VecDeque<usize>>,
     next_key: u32,
     next_qpn: u32,
     hold: bool,
@@ -141,6 +146,10 @@ pub fn verbs() -> &'static Verbs {
         destroy_qp,
         get_async_event,
         ack_async_event,
+        create_comp_channel,
+        destroy_comp_channel,
+        get_cq_event,
+        ack_cq_events,
     })
 }
 
@@ -168,6 +177,7 @@ unsafe extern "C" fn open_device(d: *mut c_void) -> *mut IbvContext {
     ops[super::verbs::OPS_POLL_CQ] = poll_cq as *const c_void;
     ops[super::verbs::OPS_POST_SEND] = post_send as *const c_void;
     ops[super::verbs::OPS_POST_RECV] = post_recv as *const c_void;
+    ops[super::verbs::OPS_REQ_NOTIFY_CQ] = req_notify_cq as *const c_void;
     // SAFETY: eventfd with valid flags; never written, so polling it finds no event.
     let async_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     Box::into_raw(Box::new(IbvContext { device: d, ops, cmd_fd: -1, async_fd }))
@@ -419,20 +429,91 @@ unsafe extern "C" fn create_cq(
     ctx: *mut IbvContext,
     _cqe: c_int,
     _c: *mut c_void,
-    _ch: *mut c_void,
+    ch: *mut c_void,
     _v: c_int,
 ) -> *mut IbvCq {
     let cq = Box::into_raw(Box::new(IbvCq { context: ctx }));
-    state().lock().cqs.insert(cq as usize, VecDeque::new());
+    let mut st = state().lock();
+    st.cqs.insert(cq as usize, VecDeque::new());
+    if !ch.is_null() {
+        st.notify.insert(cq as usize, (ch as usize, false));
+    }
     cq
 }
 
 unsafe extern "C" fn destroy_cq(cq: *mut IbvCq) -> c_int {
-    state().lock().cqs.remove(&(cq as usize));
+    let mut st = state().lock();
+    st.notify.remove(&(cq as usize));
+    st.cqs.remove(&(cq as usize));
+    drop(st);
     // SAFETY: the queue from create_cq, freed once.
     drop(unsafe { Box::from_raw(cq) });
     0
 }
+
+/// A completion channel: its fd an eventfd, written once per event raised.
+unsafe extern "C" fn create_comp_channel(ctx: *mut IbvContext) -> *mut IbvCompChannel {
+    // SAFETY: eventfd with valid flags.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return std::ptr::null_mut();
+    }
+    let ch = Box::into_raw(Box::new(IbvCompChannel { context: ctx, fd, refcnt: 0 }));
+    state().lock().events.insert(ch as usize, VecDeque::new());
+    ch
+}
+
+unsafe extern "C" fn destroy_comp_channel(ch: *mut IbvCompChannel) -> c_int {
+    let mut st = state().lock();
+    if st.notify.values().any(|(c, _)| *c == ch as usize) {
+        return libc::EBUSY; // a queue still uses it
+    }
+    st.events.remove(&(ch as usize));
+    // SAFETY: the channel from create_comp_channel, freed once; its eventfd is ours.
+    let ch = unsafe { Box::from_raw(ch) };
+    // SAFETY: as above.
+    unsafe { libc::close(ch.fd) };
+    0
+}
+
+unsafe extern "C" fn req_notify_cq(cq: *mut IbvCq, _solicited_only: c_int) -> c_int {
+    match state().lock().notify.get_mut(&(cq as usize)) {
+        Some((_, armed)) => {
+            *armed = true;
+            0
+        }
+        None => libc::EINVAL,
+    }
+}
+
+/// The next event of `ch` (the caller saw its fd readable); -1 with `EAGAIN` if none.
+unsafe extern "C" fn get_cq_event(
+    ch: *mut IbvCompChannel,
+    cq: *mut *mut IbvCq,
+    ctx: *mut *mut c_void,
+) -> c_int {
+    let mut st = state().lock();
+    let Some(next) = st.events.get_mut(&(ch as usize)).and_then(VecDeque::pop_front) else {
+        // SAFETY: errno is thread-local.
+        unsafe { *libc::__errno_location() = libc::EAGAIN };
+        return -1;
+    };
+    let mut n = 0u64;
+    // SAFETY: our eventfd; reading its counter makes it unreadable until the next event
+    // (events left in the queue write it again).
+    unsafe {
+        libc::read((*ch).fd, (&mut n as *mut u64).cast(), 8);
+        if !st.events.get(&(ch as usize)).is_none_or(VecDeque::is_empty) {
+            let one = 1u64;
+            libc::write((*ch).fd, (&one as *const u64).cast(), 8);
+        }
+        *cq = next as *mut IbvCq;
+        *ctx = std::ptr::null_mut();
+    }
+    0
+}
+
+unsafe extern "C" fn ack_cq_events(_cq: *mut IbvCq, _n: std::ffi::c_uint) {}
 
 unsafe extern "C" fn create_qp(pd: *mut c_void, init: *mut IbvQpInitAttr) -> *mut IbvQp {
     // SAFETY: our domain (it holds its context) and the caller's attributes.
@@ -565,6 +646,19 @@ fn push_wc(
     wc.imm_data = imm;
     if let Some(q) = st.cqs.get_mut(&cq) {
         q.push_back((wc, qpn, pos));
+    }
+    // An armed queue raises one event on its channel.
+    if let Some((ch, armed)) = st.notify.get_mut(&cq).filter(|(_, armed)| *armed) {
+        *armed = false;
+        let ch = *ch;
+        if let Some(ev) = st.events.get_mut(&ch) {
+            ev.push_back(cq);
+            // SAFETY: the channel is live while a queue uses it; its eventfd is ours.
+            unsafe {
+                let one = 1u64;
+                libc::write((*(ch as *mut IbvCompChannel)).fd, (&one as *const u64).cast(), 8);
+            }
+        }
     }
 }
 

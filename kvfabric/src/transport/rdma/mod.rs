@@ -16,7 +16,8 @@
 //!   limits ([`plan`]). Every queue pair's send queue is shared by the transfers to that peer
 //!   through credits: a transfer posts only what the queue has room for and waits for
 //!   completions (its own or others') for more. One thread per device polls the completion
-//!   queue for every transfer ([`completion`]); another reads the device's asynchronous
+//!   queue for every transfer ([`completion`]), spinning while completions come and
+//!   sleeping on the queue's completion channel when they stop; another reads the device's asynchronous
 //!   events (which must be acknowledged before a queue pair can be destroyed). An error
 //!   completion, a dead peer (the adapter's retries run out in 0.5–2 s) and a dropped
 //!   transfer (a deadline, a cancel) fail the transfer typed; the connection's queue pairs go
@@ -389,6 +390,8 @@ struct Shared {
     notifications_received: std::sync::atomic::AtomicU64,
     /// Notifications dropped because the agent's queue was not drained.
     notifications_dropped: std::sync::atomic::AtomicU64,
+    /// Sleeps of the completion thread ended by a completion event.
+    woken: std::sync::atomic::AtomicU64,
 }
 
 /// One peer's outgoing connection, behind its own lock (connecting waits for a round trip;
@@ -806,6 +809,11 @@ impl RdmaTransport {
         )
     }
 
+    /// Times the completion thread slept until a completion event woke it.
+    pub fn wakeups(&self) -> u64 {
+        self.shared.woken.load(Ordering::Relaxed)
+    }
+
     /// Sends `job`'s notification as a WRITE with immediate data into the peer's mailbox,
     /// after every byte of the job completed: the completion says it landed, and the peer
     /// delivers it in order.
@@ -1149,9 +1157,18 @@ impl Drop for FlightGuard<'_> {
     }
 }
 
+/// How long the completion thread spins on an empty queue before it sleeps until the next
+/// completion (completions of a busy transfer come every few microseconds).
+const SPIN: Duration = Duration::from_micros(50);
+/// Longest sleep of the completion thread: it then looks at its stop flag.
+const SLEEP_MAX: Duration = Duration::from_millis(20);
+
 fn poll_loop(cq: &Cq, shared: &Shared) {
     let mut wc = vec![verbs::IbvWc::default(); 64];
     let mut idle = 0u32;
+    let mut busy = Instant::now();
+    // With a completion channel: armed for the next completion's event.
+    let (mut events, mut armed) = (cq.has_channel(), false);
     while !shared.stop.load(Ordering::Acquire) {
         let n = match cq.poll(&mut wc) {
             Ok(n) => n,
@@ -1165,17 +1182,47 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
             }
         };
         if n == 0 {
-            // Spin briefly (completions of a busy transfer come every few microseconds),
-            // then back off to sleeps of up to 1 ms.
-            idle = idle.saturating_add(1);
-            if idle > 64 {
-                std::thread::sleep(Duration::from_micros(u64::from((idle - 64).min(1000))));
-            } else {
+            if busy.elapsed() < SPIN {
                 std::hint::spin_loop();
+                continue;
             }
+            if events {
+                // Sleep until the adapter has a completion: arm, poll once more (one that
+                // came before the arm raises no event), then wait for the event.
+                if !armed {
+                    match cq.arm() {
+                        Ok(()) => armed = true,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "RDMA: completion events failed; the completion queue is polled");
+                            events = false;
+                        }
+                    }
+                    continue;
+                }
+                armed = false;
+                match cq.wait(SLEEP_MAX) {
+                    // Completions are coming: spin again for the next ones.
+                    Ok(true) => {
+                        shared.woken.fetch_add(1, Ordering::Relaxed);
+                        busy = Instant::now();
+                    }
+                    // Nothing came: sleep again at once (the queue stays armed meanwhile, so
+                    // a completion in between still raises its event).
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "RDMA: completion events failed; the completion queue is polled");
+                        events = false;
+                    }
+                }
+                continue;
+            }
+            // No channel: back off to sleeps of up to 1 ms.
+            idle = idle.saturating_add(1);
+            std::thread::sleep(Duration::from_micros(u64::from(idle.min(1000))));
             continue;
         }
         idle = 0;
+        busy = Instant::now();
         let table = shared.inflight.lock();
         for c in &wc[..n] {
             let id = WrId::unpack(c.wr_id);
@@ -1967,5 +2014,46 @@ mod double_tests {
         }
         // The unchecked WRITE's notification rode a WRITE with immediate data: RDMA moved it.
         assert_eq!(a.rdma_transport().unwrap().notifications().0, 1);
+    }
+
+    /// An idle completion thread sleeps on the queue's completion channel (it would
+    /// otherwise wake a thousand times a second): the next completion's event wakes it, on
+    /// both sides (the writer's completion, and the owner's mailbox receive).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_completion_thread_sleeps_until_a_completion_wakes_it() {
+        let _serial = fake::serial().await;
+        let (a, b) = (agent("a").await, agent("b").await);
+        let src = a.alloc_region(1 << 16, RegionOptions::default()).unwrap();
+        let dst = b.alloc_region(1 << 16, exported()).unwrap();
+        link(&a, &b);
+        let write = || {
+            TransferRequest::new(
+                TransferOp::Write,
+                "b",
+                vec![Desc::new(src.id(), 0, 4096)],
+                vec![Desc::new(dst.id(), 0, 4096)],
+            )
+            .with_notify(b"n".to_vec())
+        };
+        a.post(write()).unwrap().wait().await.unwrap();
+        b.next_notification().await.unwrap();
+        for round in 0..3 {
+            // Idle: both threads go to sleep on their channels.
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            let (wa, wb) =
+                (a.rdma_transport().unwrap().wakeups(), b.rdma_transport().unwrap().wakeups());
+            a.post(write()).unwrap().wait().await.unwrap();
+            let n = tokio::time::timeout(Duration::from_secs(5), b.next_notification()).await;
+            assert!(n.unwrap().is_some());
+            // The event is raised as the completion lands; the thread counts it when it reads
+            // it (at once if it slept, at its next sleep if it was between two).
+            let woke = |x: &Agent, before: u64| x.rdma_transport().unwrap().wakeups() > before;
+            let deadline = std::time::Instant::now() + Duration::from_secs(2);
+            while !(woke(&a, wa) && woke(&b, wb)) && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            assert!(woke(&a, wa), "round {round}: the writer's completion woke nothing");
+            assert!(woke(&b, wb), "round {round}: the owner's receive woke nothing");
+        }
     }
 }

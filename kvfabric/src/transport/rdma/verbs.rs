@@ -77,6 +77,8 @@ pub fn async_event_name(t: u32) -> &'static str {
 
 /// Index of `poll_cq` in `struct ibv_context_ops`.
 pub const OPS_POLL_CQ: usize = 11;
+/// Index of `req_notify_cq` in `struct ibv_context_ops`.
+pub const OPS_REQ_NOTIFY_CQ: usize = 12;
 /// Index of `post_send` in `struct ibv_context_ops`.
 pub const OPS_POST_SEND: usize = 25;
 /// Index of `post_recv` in `struct ibv_context_ops`.
@@ -88,6 +90,17 @@ pub const OPS_POST_RECV: usize = 26;
 pub struct IbvCq {
     /// Its context.
     pub context: *mut IbvContext,
+}
+
+/// `struct ibv_comp_channel`: the fd completion events of its queues are read from.
+#[repr(C)]
+#[derive(Debug)]
+pub struct IbvCompChannel {
+    /// Its context.
+    pub context: *mut IbvContext,
+    /// Readable when a completion event is pending.
+    pub fd: c_int,
+    pub(super) refcnt: c_int,
 }
 
 /// `struct ibv_qp` (up to `qp_type`).
@@ -558,6 +571,12 @@ type FnModifyQp = unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int) -> c_i
 type FnDestroyQp = unsafe extern "C" fn(*mut IbvQp) -> c_int;
 type FnGetAsyncEvent = unsafe extern "C" fn(*mut IbvContext, *mut IbvAsyncEvent) -> c_int;
 type FnAckAsyncEvent = unsafe extern "C" fn(*mut IbvAsyncEvent);
+type FnCreateCompChannel = unsafe extern "C" fn(*mut IbvContext) -> *mut IbvCompChannel;
+type FnDestroyCompChannel = unsafe extern "C" fn(*mut IbvCompChannel) -> c_int;
+type FnGetCqEvent =
+    unsafe extern "C" fn(*mut IbvCompChannel, *mut *mut IbvCq, *mut *mut c_void) -> c_int;
+type FnAckCqEvents = unsafe extern "C" fn(*mut IbvCq, std::ffi::c_uint);
+type ReqNotifyCq = unsafe extern "C" fn(*mut IbvCq, c_int) -> c_int;
 
 /// The library's entry points.
 #[allow(missing_docs)]
@@ -584,6 +603,10 @@ pub struct Verbs {
     pub destroy_qp: FnDestroyQp,
     pub get_async_event: FnGetAsyncEvent,
     pub ack_async_event: FnAckAsyncEvent,
+    pub create_comp_channel: FnCreateCompChannel,
+    pub destroy_comp_channel: FnDestroyCompChannel,
+    pub get_cq_event: FnGetCqEvent,
+    pub ack_cq_events: FnAckCqEvents,
 }
 
 /// Why verbs cannot be used on this host.
@@ -647,6 +670,10 @@ fn load() -> Result<Verbs, Unavailable> {
         destroy_qp: f!(c"ibv_destroy_qp", FnDestroyQp),
         get_async_event: f!(c"ibv_get_async_event", FnGetAsyncEvent),
         ack_async_event: f!(c"ibv_ack_async_event", FnAckAsyncEvent),
+        create_comp_channel: f!(c"ibv_create_comp_channel", FnCreateCompChannel),
+        destroy_comp_channel: f!(c"ibv_destroy_comp_channel", FnDestroyCompChannel),
+        get_cq_event: f!(c"ibv_get_cq_event", FnGetCqEvent),
+        ack_cq_events: f!(c"ibv_ack_cq_events", FnAckCqEvents),
     })
 }
 
@@ -667,6 +694,21 @@ pub unsafe fn poll_cq(cq: *mut IbvCq, wc: &mut [IbvWc]) -> c_int {
         let ctx = (*cq).context;
         let f: PollCq = std::mem::transmute::<*const c_void, PollCq>((*ctx).ops[OPS_POLL_CQ]);
         f(cq, wc.len().min(c_int::MAX as usize) as c_int, wc.as_mut_ptr())
+    }
+}
+
+/// `ibv_req_notify_cq`: the next completion on `cq` raises an event on its channel (once).
+///
+/// # Safety
+/// `cq` must be a live completion queue of an open context.
+pub unsafe fn req_notify_cq(cq: *mut IbvCq, solicited_only: bool) -> c_int {
+    // SAFETY: the caller guarantees `cq` is live; its context's operation table holds the
+    // provider's function at OPS_REQ_NOTIFY_CQ (checked against verbs.h by the ABI test).
+    unsafe {
+        let ctx = (*cq).context;
+        let f: ReqNotifyCq =
+            std::mem::transmute::<*const c_void, ReqNotifyCq>((*ctx).ops[OPS_REQ_NOTIFY_CQ]);
+        f(cq, c_int::from(solicited_only))
     }
 }
 
@@ -758,6 +800,12 @@ mod tests {
                 "offsetof(struct ibv_context, ops.post_send)",
                 offset_of!(IbvContext, ops) + OPS_POST_SEND * 8,
             ),
+            (
+                "offsetof(struct ibv_context, ops.req_notify_cq)",
+                offset_of!(IbvContext, ops) + OPS_REQ_NOTIFY_CQ * 8,
+            ),
+            ("sizeof(struct ibv_comp_channel)", size_of::<IbvCompChannel>()),
+            ("offsetof(struct ibv_comp_channel, fd)", offset_of!(IbvCompChannel, fd)),
             (
                 "offsetof(struct ibv_context, ops.post_recv)",
                 offset_of!(IbvContext, ops) + OPS_POST_RECV * 8,
@@ -890,8 +938,14 @@ mod tests {
         ];
         let dir = tempfile::tempdir().unwrap();
         let mut c = String::from("#include <stdio.h>\n#include <stddef.h>\n#include <stdint.h>\n#include <infiniband/verbs.h>\n");
-        // The optional entry point's signature (a mismatch fails the build below).
+        // Signatures of entry points declared by hand (a mismatch fails the build below).
         c.push_str("struct ibv_mr *(*reg_dmabuf)(struct ibv_pd *, uint64_t, size_t, uint64_t, int, int) = ibv_reg_dmabuf_mr;\n");
+        c.push_str("struct ibv_comp_channel *(*create_channel)(struct ibv_context *) = ibv_create_comp_channel;\n");
+        c.push_str(
+            "int (*destroy_channel)(struct ibv_comp_channel *) = ibv_destroy_comp_channel;\n",
+        );
+        c.push_str("int (*get_cq_event)(struct ibv_comp_channel *, struct ibv_cq **, void **) = ibv_get_cq_event;\n");
+        c.push_str("void (*ack_cq_events)(struct ibv_cq *, unsigned int) = ibv_ack_cq_events;\n");
         c.push_str("int main(void) {\n");
         for (expr, _) in &ours {
             c.push_str(&format!("  printf(\"%s %zu\\n\", \"{expr}\", (size_t)({expr}));\n"));
