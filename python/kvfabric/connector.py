@@ -25,7 +25,8 @@ engine computes it; each cause is logged once (and again when it recovers) and c
 kvfabric config keys handled here (the rest go to the store, see ``kvfabric.h``):
 ``name`` (the engine instance, required), ``node_dir`` (default
 ``$TMPDIR/kvfabric-<uid>``), ``serve`` (make this worker store a fabric node for other
-stores: default true), ``async_save`` (default true).
+stores: default true), ``async_save`` (default true), ``async_load`` (vLLM: a request
+waits for its hit's blocks outside the step, default true).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from . import Agent, KvfError, Store, segments
 log = logging.getLogger("kvfabric.connector")
 
 # Keys the connector reads; never passed to the library.
-_CONNECTOR_KEYS = {"node_dir", "async_save", "on_load_error"}
+_CONNECTOR_KEYS = {"node_dir", "async_save", "async_load", "on_load_error"}
 
 
 class _Once:

@@ -20,8 +20,11 @@ the same surface, so that engines (and tests) that own plain numpy buffers can d
 - Worker side (each worker process): ``register_kv_caches`` registers vLLM's KV tensors
   (host memory: the CPU backend's ``[num_blocks, kv_heads, block_size, 2 * head_size]`` or
   the ``[2, num_blocks, ...]`` layout) with a :class:`kvfabric.connector.WorkerStore`;
-  ``start_load_kv`` starts the step's loads and the first ``wait_for_layer_load`` waits for
-  them (a kvfabric block carries every layer, so layers cannot arrive one by one);
+  ``start_load_kv`` starts the step's loads. With ``async_load`` (the default) a request
+  with a hit waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` while its blocks load, other
+  requests' steps running meanwhile, and ``get_finished`` reports it when its load ended;
+  without it, the first ``wait_for_layer_load`` waits for the step's loads (a kvfabric block
+  carries every layer, so layers cannot arrive one by one);
   ``wait_for_save`` starts the step's saves, after the forward pass wrote every layer, and
   returns without waiting for them; ``get_finished`` reports requests whose saves ended.
   Blocks that could not be loaded go to ``get_block_ids_with_load_errors`` and vLLM
@@ -126,6 +129,9 @@ class ReqMeta:
     # (first logical block, number of blocks) to load / to save, or None.
     load: Optional[tuple[int, int]] = None
     save: Optional[tuple[int, int]] = None
+    # The load runs while the request waits in WAITING_FOR_REMOTE_KVS (get_finished reports
+    # its end) rather than within the step.
+    load_async: bool = False
 
 
 @dataclass
@@ -183,6 +189,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         else:
             self._lookup = SchedulerLookup(cfg, self._block_size, world_size=world)
             self._async_save = str(cfg.get("async_save", True)).lower() not in ("0", "false", "no", "off")
+            self._async_load = str(cfg.get("async_load", True)).lower() not in ("0", "false", "no", "off")
             if str(cfg.get("on_load_error", "recompute")) == "recompute":
                 try:
                     vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -193,9 +200,14 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, tuple[int, int, list[int]]] = {}
         self._reqs: dict[str, ReqMeta] = {}  # tokens and blocks of running requests
         self._saved: dict[str, int] = {}  # req_id -> prompt blocks saved so far
+        # Asynchronous loads: allocated, not yet handed to the workers (req_id -> the
+        # request's load), and handed to them, not yet reported finished.
+        self._async_pending: dict[str, ReqMeta] = {}
+        self._async_loading: set[str] = set()
         # Worker-side state.
         self._layers: list[str] = []
         self._loads: list[tuple[Any, ReqMeta]] = []
+        self._async_loads: dict[str, tuple[Any, ReqMeta]] = {}  # req_id -> (handle, load)
         self._load_errors: set[int] = set()
         self._saving: set[str] = set()  # requests with saves, not reported finished yet
         self._finishing: set[str] = set()  # of those, finished in the engine
@@ -277,7 +289,11 @@ class KvfabricConnector(KVConnectorBase_V1):
                 continue
             first, n = req.load
             ids = req.block_ids[first:first + n]
-            self._loads.append((self.worker_store.start_load(req.token_ids, first, ids), req))
+            handle = self.worker_store.start_load(req.token_ids, first, ids)
+            if req.load_async:
+                self._async_loads[req.req_id] = (handle, req)
+            else:
+                self._loads.append((handle, req))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # A kvfabric block carries every layer: the first wait completes all loads.
@@ -307,9 +323,24 @@ class KvfabricConnector(KVConnectorBase_V1):
             if self.worker_store.async_save:
                 self._saving.add(req.req_id)
 
+    def _loads_done(self) -> set[str]:
+        """Requests whose asynchronous loads ended (blocks that did not arrive are load
+        errors, which vLLM recomputes)."""
+        done = set()
+        for rid, (handle, req) in list(self._async_loads.items()):
+            if handle is not None and not handle[0].done():
+                continue
+            del self._async_loads[rid]
+            first, n = req.load
+            loaded = self.worker_store.finish_load(handle, n)
+            self._load_errors.update(req.block_ids[first + loaded:first + n])
+            done.add(rid)
+        return done
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         worker = self.worker_store
         worker.scan_peers()
+        recving = self._loads_done()
         # The scheduler delays freeing a request's blocks when it scheduled a save for it;
         # the worker saw that save in the same step's metadata.
         self._finishing |= set(finished_req_ids) & self._saving
@@ -318,7 +349,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._saving -= done
         # Collect the saves of running requests as they end (errors counted early).
         worker.saves_done(self._saving - self._finishing)
-        return (done or None), None
+        return (done or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -331,7 +362,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         if matched <= 0:
             return 0, False
         self._lookups[request.request_id] = num_computed_tokens
-        return matched, False
+        return matched, self._async_load
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         computed = self._lookups.pop(request.request_id, None)
@@ -340,11 +371,23 @@ class KvfabricConnector(KVConnectorBase_V1):
         bs = self._block_size
         block_ids = list(blocks.get_block_ids()[0])
         first, n = computed // bs, num_external_tokens // bs
+        if self._async_load:
+            # The request waits for its blocks: the load goes to the workers in this step's
+            # metadata, without the request being scheduled.
+            tokens = list(request.prompt_token_ids)
+            self._async_pending[request.request_id] = ReqMeta(
+                request.request_id, tokens, block_ids, load=(first, n), load_async=True
+            )
+            return
         self._pending_loads[request.request_id] = (first, n, block_ids)
 
     def build_connector_meta(self, scheduler_output) -> KvfabricConnectorMetadata:
         meta = KvfabricConnectorMetadata()
         bs = self._block_size
+        for rid, load in self._async_pending.items():
+            meta.requests.append(load)
+            self._async_loading.add(rid)
+        self._async_pending.clear()
         steps: list[tuple[ReqMeta, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             req = ReqMeta(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0]))
@@ -394,12 +437,21 @@ class KvfabricConnector(KVConnectorBase_V1):
                 meta.requests.append(step)
         return meta
 
+    def update_connector_output(self, connector_output) -> None:
+        # Loads the workers reported finished no longer hold their blocks.
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._async_loading.discard(rid)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
         self._reqs.pop(rid, None)
         saved = self._saved.pop(rid, 0)
         self._lookups.pop(rid, None)
         self._pending_loads.pop(rid, None)
+        # A load not handed to the workers yet never starts.
+        self._async_pending.pop(rid, None)
         # With asynchronous saves, the blocks stay allocated until the workers report the
-        # request in get_finished (its saves read them).
-        return (self._async_save and saved > 0), None
+        # request in get_finished (its saves read them); a request aborted while its blocks
+        # load, until the workers report the load ended (it writes them).
+        loading = rid in self._async_loading
+        return (self._async_save and saved > 0) or loading, None

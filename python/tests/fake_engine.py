@@ -5,7 +5,9 @@ function of (token, position, layer, plane) into the KV of each computed token, 
 can be checked against a recomputation.
 
 What this fake cannot prove: anything about vLLM's own objects beyond the attributes used
-here, GPU memory, or layer-by-layer pipelining.
+here, GPU memory, or layer-by-layer pipelining; its asynchronous loads follow vLLM 0.32's
+scheduler (a request waits with its blocks allocated until the workers report its load),
+not other versions'.
 """
 
 from __future__ import annotations
@@ -67,15 +69,38 @@ class FakeEngine:
         self.worker.shutdown()
         self.scheduler.shutdown()
 
-    def prefill(self, req_id, prompt):
-        """Schedules and runs one prefill step; returns (tokens loaded externally, block ids)."""
+    def prefill(self, req_id, prompt, timeout=30.0):
+        """Schedules and runs one prefill; returns (tokens loaded externally, block ids, block
+        ids whose load failed). A hit the connector loads asynchronously first waits, as in
+        vLLM's WAITING_FOR_REMOTE_KVS, over steps that run nothing but the connector's
+        transfers, until the worker reports the load finished."""
+        import time
+
         bs = self.block_size
         request = SimpleNamespace(request_id=req_id, prompt_token_ids=list(prompt), num_tokens=len(prompt))
         matched, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
-        assert not is_async
         n_blocks = -(-len(prompt) // bs)
         ids = [self.free.pop(0) for _ in range(n_blocks)]
         self.scheduler.update_state_after_alloc(request, KVCacheBlocks(ids), matched)
+        errors = set()
+        self.load_steps = 0
+        if is_async:
+            deadline = time.monotonic() + timeout
+            while True:
+                # A step with nothing scheduled: vLLM's kv_connector_no_forward.
+                meta = self.scheduler.build_connector_meta(self._empty_step())
+                self.worker.bind_connector_metadata(meta)
+                self.worker.start_load_kv(SimpleNamespace(no_compile_layers={}))
+                self.worker.wait_for_save()
+                sending, recving = self.worker.get_finished(set())
+                errors |= self.worker.get_block_ids_with_load_errors()
+                self.worker.clear_connector_metadata()
+                self.scheduler.update_connector_output(SimpleNamespace(finished_recving=recving))
+                self.load_steps += 1
+                if recving and req_id in recving:
+                    break
+                assert time.monotonic() < deadline, f"the load of {req_id} never finished"
+                time.sleep(0.001)
         new = SimpleNamespace(req_id=req_id, prompt_token_ids=list(prompt), block_ids=(ids,), num_computed_tokens=matched)
         out = SimpleNamespace(
             scheduled_new_reqs=[new],
@@ -98,9 +123,18 @@ class FakeEngine:
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
         self.computed_tokens = len(positions)
-        errors = self.worker.get_block_ids_with_load_errors()
+        errors |= self.worker.get_block_ids_with_load_errors()
         self.worker.get_finished(set())
         return matched, ids, errors
+
+    @staticmethod
+    def _empty_step():
+        return SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={},
+            finished_req_ids=set(),
+        )
 
     def finish(self, req_id, ids, timeout=30.0):
         """Finishes a request as vLLM does: blocks whose saves may still run are freed once

@@ -137,7 +137,8 @@ def test_connector_across_processes(tmp_path):
 
 
 def test_failed_loads_are_reported_per_block(tmp_path):
-    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
+    # Loads within the step (the asynchronous ones: test_an_async_load_that_fails_...).
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path), "async_load": False}
     a = FakeEngine("py-fail-a", cfg)
     b = FakeEngine("py-fail-b", cfg)
     try:
@@ -183,8 +184,9 @@ def test_scheduler_without_its_worker_store_sees_misses(tmp_path):
         _, ids, _ = a.prefill("r1", p)
         a.finish("r1", ids)
         request = type("R", (), {"request_id": "y", "prompt_token_ids": p})()
-        assert a.scheduler.get_num_new_matched_tokens(request, 0) == (32, False)
-        assert a.scheduler.get_num_new_matched_tokens(request, 16) == (16, False)
+        # A hit loads asynchronously (the default); a miss has nothing to load.
+        assert a.scheduler.get_num_new_matched_tokens(request, 0) == (32, True)
+        assert a.scheduler.get_num_new_matched_tokens(request, 16) == (16, True)
         a.worker.shutdown()  # the worker process ends: its node entry goes with it
         assert a.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
         st = a.scheduler.stats.total
@@ -251,7 +253,8 @@ def test_tensor_parallel_ranks_must_all_hold_a_block(tmp_path):
     from kvfabric.vllm import KVConnectorRole, KvfabricConnector
 
     bs, nb, shard = 16, 8, 512  # bytes of one rank's shard of a block, per layer
-    cfg = {"name": "py-tp", "secret": SECRET, "host_blocks": 32, "node_dir": str(tmp_path), "block_bytes": shard}
+    cfg = {"name": "py-tp", "secret": SECRET, "host_blocks": 32, "node_dir": str(tmp_path), "block_bytes": shard,
+           "async_load": False}
 
     def vcfg(rank):
         return SimpleNamespace(
@@ -298,7 +301,7 @@ def test_a_request_resumed_after_preemption_loads_into_its_new_blocks(tmp_path):
 
     from fake_engine import KVCacheBlocks
 
-    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path), "async_load": False}
     a = FakeEngine("py-resume", cfg)
     try:
         p = prompt(50, seed=17)
@@ -323,5 +326,118 @@ def test_a_request_resumed_after_preemption_loads_into_its_new_blocks(tmp_path):
         assert not a.worker.get_block_ids_with_load_errors()
         a.worker.clear_connector_metadata()
         assert np.array_equal(a.token_kv(new_ids, 48), a.reference_kv(p, 48))
+    finally:
+        a.close()
+
+
+def test_async_loads_wait_outside_the_step_and_match_a_recomputation(tmp_path):
+    """By default a hit loads asynchronously (vLLM's WAITING_FOR_REMOTE_KVS): the lookup says
+    so, the load goes to the worker in a step that schedules nothing, get_finished reports the
+    request when its blocks are in, and the request then runs with them. The KV equals a
+    recomputation; the same prompt with loads in the step gives the same KV."""
+    for async_load in (True, False):
+        cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path / str(async_load)),
+               "async_load": async_load}
+        a = FakeEngine(f"py-async-a-{async_load}", cfg)
+        b = FakeEngine(f"py-async-b-{async_load}", cfg)
+        try:
+            b.worker.add_node(a.worker.node_info())
+            p = prompt(70, seed=23)
+            _, ids_a, _ = a.prefill("r1", p)
+            a.finish("r1", ids_a)
+            request = type("R", (), {"request_id": "probe", "prompt_token_ids": p})()
+            assert b.scheduler.get_num_new_matched_tokens(request, 0) == (64, async_load)
+            b.scheduler._lookups.clear()
+            matched, ids_b, errors = b.prefill("r2", p)
+            assert (matched, errors) == (64, set())
+            assert (b.load_steps > 0) == async_load
+            assert np.array_equal(b.token_kv(ids_b, 70), b.reference_kv(p, 70))
+            assert b.worker.stats.total["loaded_blocks"] == 4
+            b.finish("r2", ids_b)
+        finally:
+            b.close()
+            a.close()
+
+
+def test_an_async_load_that_fails_reports_its_blocks_and_the_request(tmp_path):
+    """The fabric node goes away between the lookup and the load: the load ends with every
+    block missing, get_finished still reports the request (so vLLM stops waiting), and the
+    blocks are load errors (vLLM recomputes them)."""
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
+    a = FakeEngine("py-afail-a", cfg)
+    b = FakeEngine("py-afail-b", cfg)
+    try:
+        b.worker.add_node(a.worker.node_info())
+        p = prompt(40, seed=29)
+        _, ids_a, _ = a.prefill("r1", p)
+        a.finish("r1", ids_a)
+        request = type("R", (), {"request_id": "x", "prompt_token_ids": p, "num_tokens": 40})()
+        matched, is_async = b.scheduler.get_num_new_matched_tokens(request, 0)
+        assert (matched, is_async) == (32, True)
+        a.close()
+        a = None
+        from fake_engine import KVCacheBlocks
+
+        ids = [b.free.pop(0) for _ in range(3)]
+        b.scheduler.update_state_after_alloc(request, KVCacheBlocks(ids), matched)
+        b.worker.bind_connector_metadata(b.scheduler.build_connector_meta(b._empty_step()))
+        b.worker.start_load_kv(None)
+        b.worker.clear_connector_metadata()
+        import time
+
+        deadline = time.monotonic() + 30
+        recving = None
+        while not recving:
+            _, recving = b.worker.get_finished(set())
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert recving == {"x"}
+        assert b.worker.get_block_ids_with_load_errors() == set(ids[:2])
+        assert b.worker.stats.total["load_failed_blocks"] == 2
+    finally:
+        b.close()
+        if a is not None:
+            a.close()
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(tmp_path):
+    """vLLM frees an aborted request's blocks at once unless the connector says otherwise: a
+    request aborted while its blocks load keeps them until the workers report the load ended
+    (the load writes them); one aborted before its load reached the workers frees them."""
+    from types import SimpleNamespace
+
+    from fake_engine import KVCacheBlocks
+
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
+    a = FakeEngine("py-abort", cfg)
+    try:
+        p = prompt(50, seed=31)
+        _, ids, _ = a.prefill("r1", p)
+        a.finish("r1", ids)
+        for rid, handed in (("early", False), ("late", True)):
+            request = SimpleNamespace(request_id=rid, prompt_token_ids=p, num_tokens=50)
+            matched, is_async = a.scheduler.get_num_new_matched_tokens(request, 0)
+            assert (matched, is_async) == (48, True)
+            new_ids = [a.free.pop(0) for _ in range(4)]
+            a.scheduler.update_state_after_alloc(request, KVCacheBlocks(new_ids), matched)
+            if handed:
+                a.worker.bind_connector_metadata(a.scheduler.build_connector_meta(a._empty_step()))
+                a.worker.start_load_kv(None)
+                a.worker.clear_connector_metadata()
+            delay, _ = a.scheduler.request_finished(request, new_ids)
+            assert delay == handed, rid
+            if handed:
+                import time
+
+                deadline = time.monotonic() + 30
+                recving = None
+                while not recving:
+                    _, recving = a.worker.get_finished({rid})
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                assert recving == {rid}
+                a.scheduler.update_connector_output(SimpleNamespace(finished_recving=recving))
+                assert rid not in a.scheduler._async_loading
+            a.free.extend(new_ids)
     finally:
         a.close()
