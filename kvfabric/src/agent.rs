@@ -743,6 +743,20 @@ impl Agent {
             let why = self.inner.rdma.as_ref().and_then(|t| t.gpu_direct().err()).unwrap_or("");
             return Err(format!("this agent's adapter does not reach GPU memory: {why}"));
         }
+        // A GPU whose memory the adapter cannot register after all (no dma-buf support on
+        // that GPU or in the provider): not over RDMA; the default route stages it.
+        if let Some(t) = self.inner.rdma.as_ref().filter(|_| local_gpu) {
+            let mut last = None;
+            for d in &req.local {
+                if last.replace(d.region) == Some(d.region) {
+                    continue; // a run of descriptors in one region: looked at once
+                }
+                let Ok(r) = regions.get(d.region) else { continue };
+                if r.kind() != MemoryKind::Host {
+                    t.reaches(&r).map_err(|why| format!("this agent's adapter: {why}"))?;
+                }
+            }
+        }
         let md = peer.metadata();
         let remote_gpu = req
             .remote

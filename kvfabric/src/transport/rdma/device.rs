@@ -410,6 +410,17 @@ impl Device {
         let channel = unsafe { (self.v.create_comp_channel)(self.ctx) };
         if channel.is_null() {
             tracing::warn!(device = %self.info.name, error = %errno("ibv_create_comp_channel"), "RDMA: no completion channel; the completion queue is polled");
+        } else {
+            // Non-blocking: a read that finds no event (another reader took it) returns
+            // EAGAIN instead of blocking the completion thread past its stop flag.
+            // SAFETY: the channel's own fd; F_GETFL/F_SETFL take and return plain flags.
+            unsafe {
+                let fd = (*channel).fd;
+                let flags = libc::fcntl(fd, libc::F_GETFL);
+                if flags >= 0 {
+                    libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+                }
+            }
         }
         // SAFETY: an open context; the channel is ours (or null).
         let cq =
@@ -551,6 +562,13 @@ impl Cq {
         !self.channel.is_null()
     }
 
+    /// The completion channel's fd (tests break it).
+    #[cfg(test)]
+    pub(crate) fn channel_fd(&self) -> Option<std::os::fd::RawFd> {
+        // SAFETY: a live channel.
+        (!self.channel.is_null()).then(|| unsafe { (*self.channel).fd })
+    }
+
     /// Asks for an event on the channel at the next completion (once). Completions that came
     /// before the call raise none: poll again after it, before waiting.
     pub fn arm(&self) -> Result<(), VerbsError> {
@@ -578,15 +596,32 @@ impl Cq {
             }
             return Err(VerbsError { call: "poll", reason: e.to_string() });
         }
-        if n == 0 || pfd.revents & libc::POLLIN == 0 {
+        if n == 0 {
+            return Ok(false);
+        }
+        if pfd.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+            // The device went away (or its fd did): this channel never raises an event again
+            // and poll would return at once forever.
+            return Err(VerbsError {
+                call: "poll",
+                reason: format!("completion channel fd reports revents {:#x}", pfd.revents),
+            });
+        }
+        if pfd.revents & libc::POLLIN == 0 {
             return Ok(false);
         }
         let (mut cq, mut ctx): (*mut IbvCq, *mut c_void) =
             (std::ptr::null_mut(), std::ptr::null_mut());
-        // SAFETY: the channel is readable, so this does not block; out-parameters on the stack.
-        rc("ibv_get_cq_event", unsafe {
-            (self.dev.v.get_cq_event)(self.channel, &mut cq, &mut ctx)
-        })?;
+        // SAFETY: a live channel, non-blocking; out-parameters on the stack.
+        let got = unsafe { (self.dev.v.get_cq_event)(self.channel, &mut cq, &mut ctx) };
+        if got != 0 {
+            let e = std::io::Error::last_os_error();
+            if got < 0 && e.kind() == std::io::ErrorKind::WouldBlock {
+                return Ok(false); // read by another waiter first
+            }
+            let e = if got > 0 { std::io::Error::from_raw_os_error(got) } else { e };
+            return Err(VerbsError { call: "ibv_get_cq_event", reason: e.to_string() });
+        }
         if !cq.is_null() {
             // Every event is acknowledged before the queue can be destroyed.
             // SAFETY: the queue the event came from (ours: one queue per channel).

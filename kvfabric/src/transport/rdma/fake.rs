@@ -872,6 +872,7 @@ unsafe extern "C" fn poll_cq(cq: *mut IbvCq, n: c_int, wc: *mut IbvWc) -> c_int 
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use super::super::device::{Access, Device, OpenOptions, Qp};
     use super::super::verbs::{consts, IbvSendWr, IbvSge, IbvWc};
@@ -908,6 +909,41 @@ mod tests {
             .iter()
             .map(|c| (c.qp_num, c.wr_id, c.status, c.opcode, u32::from_be(c.imm_data)))
             .collect()
+    }
+
+    /// A completion channel whose fd reports an error (a device gone) fails the wait at once
+    /// instead of reporting "no event" forever (the completion thread would spin on it); an
+    /// event read by another waiter first is "no event", not a blocked read.
+    #[tokio::test]
+    async fn a_broken_completion_channel_fails_the_wait() {
+        let _serial = super::serial().await;
+        let dev = Device::open(OpenOptions {
+            name: Some(super::DEVICE),
+            gid_index: None,
+            traffic_class: 0,
+            service_level: 0,
+        })
+        .unwrap();
+        let cq = dev.completion_queue(16).unwrap();
+        let fd = cq.channel_fd().expect("the double makes channels");
+        // Readable with no event queued (as when another waiter read it first).
+        let one = 1u64;
+        // SAFETY: the channel's eventfd, 8 bytes from a live u64.
+        assert_eq!(unsafe { libc::write(fd, (&one as *const u64).cast(), 8) }, 8);
+        assert!(!cq.wait(Duration::from_millis(100)).unwrap());
+        // A pipe's write end with its read end closed reports POLLERR, as a dead device's fd.
+        let mut p = [0; 2];
+        // SAFETY: an array of two fds; dup2 replaces the channel's fd with the pipe's write
+        // end (the channel closes it when destroyed); the read end is closed.
+        unsafe {
+            assert_eq!(libc::pipe(p.as_mut_ptr()), 0);
+            assert_eq!(libc::dup2(p[1], fd), fd);
+            libc::close(p[0]);
+            libc::close(p[1]);
+        }
+        let t = std::time::Instant::now();
+        assert!(cq.wait(Duration::from_secs(5)).is_err());
+        assert!(t.elapsed() < Duration::from_secs(1));
     }
 
     /// A WRITE with immediate data that finds no receive posted at its peer lands nothing

@@ -419,8 +419,9 @@ pub struct RdmaTransport {
     threads: Vec<std::thread::JoinHandle<()>>,
     /// How GPU memory reaches the adapter, or why it does not.
     gpu: Result<GpuDirect, String>,
-    /// Regions whose registration failed when a peer connected (logged once each).
-    refused: Mutex<std::collections::HashSet<RegionId>>,
+    /// GPU regions whose registration failed, and why (logged once each, not retried: the
+    /// agent stages them, and peers get no key for them).
+    refused: Mutex<HashMap<RegionId, String>>,
 }
 
 /// How the adapter reaches GPU memory (GPUDirect RDMA).
@@ -471,6 +472,12 @@ unsafe fn register_gpu(
     .map_err(|e| e.to_string())
 }
 
+/// Whether the nvidia-peermem module is loaded (the adapter then registers GPU memory by its
+/// device address).
+fn peermem_loaded() -> bool {
+    std::path::Path::new("/sys/module/nvidia_peermem").exists()
+}
+
 /// How this host's adapter can reach GPU memory, or why it cannot: a dma-buf where both the
 /// verbs library and a GPU's driver support them, else `nvidia-peermem` where it is loaded.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
@@ -487,7 +494,7 @@ pub(crate) fn gpu_direct(dev: &Device) -> Result<GpuDirect, String> {
         if dev.has_dmabuf() && dmabuf_gpus > 0 {
             return Ok(GpuDirect::DmaBuf);
         }
-        if std::path::Path::new("/sys/module/nvidia_peermem").exists() {
+        if peermem_loaded() {
             return Ok(GpuDirect::PeerMem);
         }
         Err(format!(
@@ -588,6 +595,12 @@ impl RdmaTransport {
         match cuda {}
     }
 
+    /// Whether the adapter reaches `region` (registered now if it was not): GPU memory may
+    /// not register (a GPU or provider without dma-buf support); the agent stages it then.
+    pub(crate) fn reaches(&self, region: &Region) -> Result<(), String> {
+        self.registration(region).map(|_| ()).map_err(|e| e.to_string())
+    }
+
     /// Forgets a region's registration (it is being deregistered): peers' keys for it stop
     /// working once in-flight transfers holding it end.
     pub fn forget_region(&self, id: RegionId) {
@@ -598,6 +611,9 @@ impl RdmaTransport {
     fn registration(&self, region: &Region) -> Result<Arc<Registration>, TransferError> {
         if let Some(r) = self.registrations.lock().get(&region.id()) {
             return Ok(r.clone());
+        }
+        if let Some(why) = self.refused.lock().get(&region.id()) {
+            return Err(TransferError::Protocol(why.clone()));
         }
         let endpoint = self.endpoint.upgrade().ok_or(TransferError::Shutdown)?;
         let local = |e: crate::memory::MemoryError| TransferError::Local {
@@ -628,17 +644,33 @@ impl RdmaTransport {
                 })?;
                 // SAFETY: as for host memory: the region's GPU memory stays allocated until
                 // `forget_region`.
-                let mr = unsafe {
+                let register = |how| unsafe {
                     register_gpu(
                         &self.dev,
-                        *how,
+                        how,
                         || self.dmabuf_of(addr, len as usize),
                         addr,
                         len as usize,
                         access,
                     )
                 };
-                (addr, mr.map_err(failed)?)
+                let mr = match register(*how) {
+                    // A provider or GPU that takes no dma-buf: nvidia-peermem, if loaded.
+                    Err(e) if *how == GpuDirect::DmaBuf && peermem_loaded() => {
+                        register(GpuDirect::PeerMem)
+                            .map_err(|e2| format!("{e}; through nvidia-peermem: {e2}"))
+                    }
+                    r => r,
+                };
+                match mr {
+                    Ok(mr) => (addr, mr),
+                    Err(e) => {
+                        let e = failed(e);
+                        tracing::warn!(region = %region.id(), error = %e, "RDMA: GPU region cannot be registered; it is staged through host memory and not exported over RDMA");
+                        self.refused.lock().insert(region.id(), e.to_string());
+                        return Err(e);
+                    }
+                }
             }
         };
         let fresh = Arc::new(Registration { mr, base, len });
@@ -697,13 +729,9 @@ impl RdmaTransport {
         for r in endpoint.regions().all().into_iter().filter(|r| r.is_exported() && reachable(r)) {
             let reg = match self.registration(&r) {
                 Ok(reg) => reg,
-                Err(e) if r.kind() != MemoryKind::Host => {
-                    // The peer learns no key for it: its transfers there fail typed.
-                    if self.refused.lock().insert(r.id()) {
-                        tracing::warn!(region = %r.id(), error = %e, "RDMA: GPU region not exported to peers");
-                    }
-                    continue;
-                }
+                // The peer learns no key for it: its transfers there fail typed (logged once
+                // by `registration`).
+                Err(_) if r.kind() != MemoryKind::Host => continue,
                 Err(e) => return Err(e.to_string()),
             };
             regions.push(RegionKey {
@@ -1206,8 +1234,8 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
                         shared.woken.fetch_add(1, Ordering::Relaxed);
                         busy = Instant::now();
                     }
-                    // Nothing came: sleep again at once (the queue stays armed meanwhile, so
-                    // a completion in between still raises its event).
+                    // Nothing came: arm again and poll once more before the next sleep (a
+                    // queue armed twice raises one event).
                     Ok(false) => {}
                     Err(e) => {
                         tracing::warn!(error = %e, "RDMA: completion events failed; the completion queue is polled");
@@ -1959,6 +1987,30 @@ mod double_tests {
         .with_transport(TransportKind::Rdma);
         a.post(req).unwrap().wait().await.unwrap();
         assert_eq!(gpu_b.bytes(0, 4096), gpu_a.bytes(0, 4096));
+
+        // A GPU region of ours that does not register (a GPU without dma-buf support): not
+        // routed over RDMA even to another host, where GPUDirect is the default; the default
+        // route then stages it through host memory with CUDA (not built into this test, so
+        // the route says that), and asked by name, RDMA says why not.
+        // SAFETY: never touched: its registration fails before any transfer.
+        let bogus_a = unsafe { a.register_device_unchecked(0x1000, 1 << 20, 0, false) }.unwrap();
+        let mut md = b.metadata();
+        md.host_id = "another-host".into();
+        a.load_peer(md).unwrap();
+        let req = TransferRequest::new(
+            TransferOp::Write,
+            "b",
+            vec![Desc::new(bogus_a.id(), 0, 4096)],
+            vec![Desc::new(host_b.id(), 0, 4096)],
+        );
+        let why = |e: TransferError| match e {
+            TransferError::NoTransport { reason, .. } => reason,
+            e => panic!("{e}"),
+        };
+        let reason = why(a.transport_for(&req).unwrap_err());
+        assert!(!reason.starts_with("rdma"), "{reason}");
+        let reason = why(a.transport_for(&req.with_transport(TransportKind::Rdma)).unwrap_err());
+        assert!(reason.contains("RDMA registration of region"), "{reason}");
     }
 
     /// GPU memory whose adapter path is missing is staged through host memory; between two
