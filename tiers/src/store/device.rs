@@ -432,6 +432,8 @@ impl Inner {
     async fn evict_devices(self: &Arc<Self>, victims: Vec<Victim>) -> Result<(), StoreError> {
         let dev = self.device();
         let (mut moves, mut drops, mut failed) = (Vec::new(), Vec::new(), None);
+        // One wait for all of them: the G1 victims are held meanwhile.
+        let wait = tokio::time::Instant::now() + super::offload::RESERVE_WAIT;
         for v in victims {
             if failed.is_some() {
                 let _ = dev.pool.lock().finish_evict(v.slot, false);
@@ -441,7 +443,7 @@ impl Inner {
                 drops.push(v);
                 continue;
             }
-            match self.reserve_host(v.hash, v.parent).await {
+            match self.reserve_host(v.hash, v.parent, wait).await {
                 Ok(hslot) => moves.push((v, hslot)),
                 // Another task is putting it in host memory (or did): G1 may drop it.
                 Err(StoreError::AlreadyStored(_) | StoreError::BeingWritten(_)) => drops.push(v),

@@ -96,13 +96,10 @@ impl WriteSlot {
         if write_through {
             let (inner, slot, hash, parent) = (inner.clone(), self.slot, self.hash, self.parent);
             inner.runtime.clone().spawn(async move {
+                // Ends the write-through however the task ends (a panic, a runtime going).
+                let done = WriteThroughDone { inner: inner.clone(), slot };
                 let _ = inner.offload_slot(slot, hash, parent).await;
-                {
-                    let mut host = inner.host.lock();
-                    let _ = host.pool.unpin(slot);
-                    host.writing_through -= 1;
-                }
-                inner.released.notify_waiters();
+                drop(done);
             });
         }
         inner.keep_free();
@@ -268,5 +265,23 @@ impl BlockRef {
 impl Drop for BlockRef {
     fn drop(&mut self) {
         self.store.unpin(self.slot);
+    }
+}
+
+/// Drops the write-through's pin of `slot` and its count, and wakes reservations waiting for
+/// a slot.
+struct WriteThroughDone {
+    inner: Arc<Inner>,
+    slot: u32,
+}
+
+impl Drop for WriteThroughDone {
+    fn drop(&mut self) {
+        {
+            let mut host = self.inner.host.lock();
+            let _ = host.pool.unpin(self.slot);
+            host.writing_through -= 1;
+        }
+        self.inner.released.notify_waiters();
     }
 }

@@ -330,14 +330,16 @@ impl TieredStore {
         hash: SequenceHash,
         parent: Option<SequenceHash>,
     ) -> Result<WriteSlot, StoreError> {
-        let slot = self.inner.reserve_host(hash, parent).await?;
+        let wait = tokio::time::Instant::now() + offload::RESERVE_WAIT;
+        let slot = self.inner.reserve_host(hash, parent, wait).await?;
         Ok(WriteSlot { store: self.inner.clone(), slot, hash, parent, done: false })
     }
 
     /// Reserves a host slot for a block whose hash is not known yet (see [`ScratchSlot`]).
     /// Evicts (and offloads) under pressure.
     pub async fn allocate_scratch(&self) -> Result<ScratchSlot, StoreError> {
-        let slot = self.inner.reserve_scratch().await?;
+        let slot =
+            self.inner.reserve_scratch(tokio::time::Instant::now() + offload::RESERVE_WAIT).await?;
         Ok(ScratchSlot { store: self.inner.clone(), slot, done: false })
     }
 
@@ -518,6 +520,8 @@ impl Inner {
         host.checksums[slot as usize] = checksum;
         let _ = host.pool.commit(slot, pins);
         self.written.notify_waiters();
+        // Committed unpinned, it is evictable: a reservation waiting for a slot looks again.
+        self.released.notify_waiters();
         self.events.stored(hash, parent, TierKind::Host);
     }
 
@@ -526,6 +530,7 @@ impl Inner {
     fn abort_host(&self, host: &mut HostState, slot: u32) {
         let _ = host.pool.abort(slot);
         self.written.notify_waiters();
+        self.released.notify_waiters();
     }
 }
 

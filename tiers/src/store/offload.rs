@@ -51,8 +51,9 @@ impl TieredStore {
 const WRITE_BACK_DEPTH: usize = 8;
 
 /// How long a reservation waits, at most, for host slots held by evictions and
-/// write-throughs in flight (disk writes) before the tier counts as full.
-const RESERVE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// write-throughs in flight (disk writes) before the tier counts as full. Callers that
+/// reserve several slots give one deadline to all of them.
+pub(super) const RESERVE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// What a reservation does next.
 enum Next {
@@ -62,13 +63,15 @@ enum Next {
 }
 
 impl Inner {
-    /// Reserves a host slot, evicting (and offloading) victims until one is free.
+    /// Reserves a host slot, evicting (and offloading) victims until one is free; waits for
+    /// slots held by disk writes in flight until `deadline`.
     pub(super) async fn reserve_host(
         self: &Arc<Self>,
         hash: SequenceHash,
         parent: Option<SequenceHash>,
+        deadline: tokio::time::Instant,
     ) -> Result<u32, StoreError> {
-        self.reserve_with(|pool| match pool.reserve(hash, parent) {
+        self.reserve_with(deadline, |pool| match pool.reserve(hash, parent) {
             Err(PoolError::Present(_)) => Err(Some(StoreError::AlreadyStored(hash))),
             Err(PoolError::BeingWritten) => Err(Some(StoreError::BeingWritten(hash))),
             Err(_) => Err(None),
@@ -78,17 +81,20 @@ impl Inner {
     }
 
     /// Reserves a host slot with no hash yet, evicting victims until one is free.
-    pub(super) async fn reserve_scratch(self: &Arc<Self>) -> Result<u32, StoreError> {
-        self.reserve_with(|pool| pool.reserve_scratch().map_err(|_| None)).await
+    pub(super) async fn reserve_scratch(
+        self: &Arc<Self>,
+        deadline: tokio::time::Instant,
+    ) -> Result<u32, StoreError> {
+        self.reserve_with(deadline, |pool| pool.reserve_scratch().map_err(|_| None)).await
     }
 
     /// Runs `take` (`Err(None)`: no free slot) until it gets a slot, evicting one victim
     /// after each miss.
     async fn reserve_with(
         self: &Arc<Self>,
+        deadline: tokio::time::Instant,
         mut take: impl FnMut(&mut crate::pool::SlotPool) -> Result<u32, Option<StoreError>>,
     ) -> Result<u32, StoreError> {
-        let deadline = tokio::time::Instant::now() + RESERVE_WAIT;
         loop {
             // Armed before looking: a release after the look wakes the wait below.
             let released = self.released.notified();

@@ -204,7 +204,8 @@ impl Inner {
             let written = self.written.notified();
             tokio::pin!(written);
             written.as_mut().enable();
-            match self.reserve_host(hash, parent).await {
+            let wait = tokio::time::Instant::from_std(start + ONBOARD_WAIT_MAX);
+            match self.reserve_host(hash, parent, wait).await {
                 Ok(slot) => break slot,
                 Err(StoreError::AlreadyStored(_)) => {
                     let mut host = self.host.lock();
@@ -267,9 +268,10 @@ impl Inner {
         }
         let mut slots = Vec::new();
         let parent_of = |i: usize| if i == 0 { first_parent } else { Some(hashes[i - 1]) };
+        let wait = tokio::time::Instant::now() + super::offload::RESERVE_WAIT;
         for (i, &h) in hashes.iter().take(crate::remote::protocol::BLOCKS_PER_CALL_MAX).enumerate()
         {
-            match self.reserve_host(h, parent_of(i)).await {
+            match self.reserve_host(h, parent_of(i), wait).await {
                 Ok(slot) => slots.push(slot),
                 Err(_) => break,
             }
@@ -289,6 +291,7 @@ impl Inner {
                         let _ = host.pool.abort(s);
                     }
                     inner.written.notify_waiters();
+                    inner.released.notify_waiters();
                 });
                 return Ok(Vec::new());
             }
