@@ -190,6 +190,11 @@ class KvfabricConnector(KVConnectorBase_V1):
             self._lookup = SchedulerLookup(cfg, self._block_size, world_size=world)
             self._async_save = str(cfg.get("async_save", True)).lower() not in ("0", "false", "no", "off")
             self._async_load = str(cfg.get("async_load", True)).lower() not in ("0", "false", "no", "off")
+            if self._async_load and HAVE_VLLM and not hasattr(KVConnectorBase_V1, "update_connector_output"):
+                # A vLLM before update_connector_output never says a load ended to the
+                # scheduler side: load within the step there.
+                log.info("kvfabric: this vLLM has no update_connector_output; loads run in the step")
+                self._async_load = False
             if str(cfg.get("on_load_error", "recompute")) == "recompute":
                 try:
                     vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -384,6 +389,11 @@ class KvfabricConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KvfabricConnectorMetadata:
         meta = KvfabricConnectorMetadata()
         bs = self._block_size
+        # vLLM schedules a request that waited for its blocks only after the workers reported
+        # the load finished: a scheduled request loads nothing any more, whether or not this
+        # vLLM passed the report to update_connector_output.
+        for rid in self._scheduled_ids(scheduler_output):
+            self._async_loading.discard(rid)
         for rid, load in self._async_pending.items():
             meta.requests.append(load)
             self._async_loading.add(rid)
@@ -436,6 +446,14 @@ class KvfabricConnector(KVConnectorBase_V1):
             if step.load or step.save:
                 meta.requests.append(step)
         return meta
+
+    @staticmethod
+    def _scheduled_ids(scheduler_output):
+        ids = [new.req_id for new in scheduler_output.scheduled_new_reqs]
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            ids.extend(cached.req_ids)
+        return ids
 
     def update_connector_output(self, connector_output) -> None:
         # Loads the workers reported finished no longer hold their blocks.

@@ -38,7 +38,10 @@ class KVCacheBlocks:
 
 
 class FakeEngine:
-    def __init__(self, name, kvf_config, num_layers=3, num_blocks=32, block_size=16, heads=2, head_dim=8):
+    def __init__(self, name, kvf_config, num_layers=3, num_blocks=32, block_size=16, heads=2, head_dim=8,
+                 connector_output=True):
+        # connector_output=False: a vLLM whose scheduler never calls update_connector_output.
+        self.connector_output = connector_output
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.heads, self.head_dim = heads, head_dim
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
@@ -95,7 +98,8 @@ class FakeEngine:
                 sending, recving = self.worker.get_finished(set())
                 errors |= self.worker.get_block_ids_with_load_errors()
                 self.worker.clear_connector_metadata()
-                self.scheduler.update_connector_output(SimpleNamespace(finished_recving=recving))
+                if self.connector_output:
+                    self.scheduler.update_connector_output(SimpleNamespace(finished_recving=recving))
                 self.load_steps += 1
                 if recving and req_id in recving:
                     break

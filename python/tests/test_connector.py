@@ -359,6 +359,31 @@ def test_async_loads_wait_outside_the_step_and_match_a_recomputation(tmp_path):
             a.close()
 
 
+def test_an_async_load_is_over_once_its_request_is_scheduled_even_unreported(tmp_path):
+    """A scheduler that never passes the workers' reports to update_connector_output (vLLM
+    releases before it) still schedules the request only after its load finished: once
+    scheduled, finishing it waits for nothing the load did, so its blocks are not held."""
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path), "async_save": False}
+    a = FakeEngine("py-unreported-a", cfg)
+    b = FakeEngine("py-unreported-b", cfg, connector_output=False)
+    try:
+        b.worker.add_node(a.worker.node_info())
+        p = prompt(70, seed=29)
+        _, ids_a, _ = a.prefill("r1", p)
+        a.finish("r1", ids_a)
+        matched, ids_b, errors = b.prefill("r2", p)
+        assert (matched, errors, b.load_steps > 0) == (64, set(), True)
+        assert np.array_equal(b.token_kv(ids_b, 70), b.reference_kv(p, 70))
+        from types import SimpleNamespace
+
+        delay, _ = b.scheduler.request_finished(SimpleNamespace(request_id="r2"), ids_b)
+        assert not delay
+        assert not b.scheduler._async_loading
+    finally:
+        b.close()
+        a.close()
+
+
 def test_an_async_load_that_fails_reports_its_blocks_and_the_request(tmp_path):
     """The fabric node goes away between the lookup and the load: the load ends with every
     block missing, get_finished still reports the request (so vLLM stops waiting), and the
