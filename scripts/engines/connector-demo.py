@@ -6,13 +6,17 @@ for each of a few long prompts (random token ids), the time to first token when
 - B loads it from its own host tier (after vLLM's own prefix cache was reset),
 - A loads it from its disk tier (at the end: A's small host tier holds only the last prompt),
 
-and whether the greedy output is the same every time. Standard library only.
+and whether the greedy output is the same every time. Then, while B streams a long decode,
+B serves prompts it loads from A: how long the decode's tokens wait meanwhile (a load in the
+scheduler step holds every running request's next token; an asynchronous one does not).
+Standard library only.
 """
 
 import argparse
 import json
 import random
 import statistics
+import threading
 import time
 import urllib.request
 
@@ -45,6 +49,50 @@ def complete(base, model, tokens, max_tokens=16):
     return ttft, "".join(text), cached
 
 
+def token_times(base, model, tokens, max_tokens, out):
+    """Streams a greedy completion that ignores end-of-sequence; appends each token's arrival
+    time (perf_counter) to out."""
+    body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with post(base + "/v1/completions", body) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                out.append(time.perf_counter())
+
+
+def decode_stall(args, rng):
+    """B streams a decode while it loads prompts from A: the decode's token gaps during the
+    loads, against its gaps outside them."""
+    prompts = [[rng.randrange(100, 40000) for _ in range(args.stall_tokens)] for _ in range(args.stall_prompts)]
+    for p in prompts:
+        complete(args.a, args.model, p, 1)
+    time.sleep(1.0)  # A's saves end in the background
+    arrivals, windows, ttfts = [], [], []
+    decode = threading.Thread(target=token_times, args=(args.b, args.model, [9, 10, 11], args.stall_decode, arrivals))
+    decode.start()
+    while len(arrivals) < 20:
+        time.sleep(0.01)
+    for p in prompts:
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        ttft, _, _ = complete(args.b, args.model, p, 1)
+        windows.append((t0, time.perf_counter()))
+        ttfts.append(ttft)
+    decode.join()
+    inside, outside = [], []
+    for t_prev, t in zip(arrivals[1:], arrivals[2:]):
+        gap = t - t_prev
+        hit = any(t > w0 and t_prev < w1 for w0, w1 in windows)
+        (inside if hit else outside).append(gap)
+    ms = lambda v: f"{statistics.median(v) * 1e3:7.1f} {max(v) * 1e3:7.1f}" if v else "      -       -"
+    print()
+    print(f"decode on B while it loads {len(prompts)} prompts of {args.stall_tokens} tokens from A "
+          f"(their TTFT median {statistics.median(ttfts):.3f} s)")
+    print(f"{'token gap of the decode':<28} {'n':>4} {'p50 ms':>7} {'max ms':>7}")
+    print(f"{'outside the loads':<28} {len(outside):>4} {ms(outside)}")
+    print(f"{'during the loads':<28} {len(inside):>4} {ms(inside)}")
+
+
 def reset(base):
     post(base + "/reset_prefix_cache", {}).read()
 
@@ -56,6 +104,9 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--stall-prompts", type=int, default=2)
+    ap.add_argument("--stall-tokens", type=int, default=1000)
+    ap.add_argument("--stall-decode", type=int, default=300)
     args = ap.parse_args()
     rng = random.Random(7)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.tokens)] for _ in range(args.prompts)]
@@ -94,6 +145,8 @@ def main():
     print("greedy output identical across compute/remote/host/disk:", same)
     for t in texts:
         print("  ", [x[:40] for x in t])
+    if args.stall_prompts:
+        decode_stall(args, random.Random(11))
     raise SystemExit(0 if same else 1)
 
 

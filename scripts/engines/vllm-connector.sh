@@ -9,6 +9,8 @@
 # Instance A: host tier of 64 blocks, disk tier with write-through (older prompts are read
 # back from disk). Instance B: host tier of 512 blocks. No etcd: the worker stores find each
 # other in the node directory. Logs and results in $RUN (default /tmp/kvf-vllm-connector).
+# EXTRA: more of both instances' kvfabric config, e.g. EXTRA=',"async_load":false' (loads
+# within the scheduler step instead of between steps). DEMO_ARGS: more connector-demo.py options.
 set -u
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 VLLM_VENV=${VLLM_VENV:-/work/vllm/venv}
@@ -23,7 +25,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/n
 trap cleanup EXIT
 
 start() { # name port extra-kvfabric-json
-  local cfg='{"kv_connector":"KvfabricConnector","kv_connector_module_path":"kvfabric.vllm","kv_role":"kv_both","kv_connector_extra_config":{"kvfabric":{"name":"'$1'","secret":"demo-secret","node_dir":"'$RUN/nodes'"'$3'}}}'
+  local cfg='{"kv_connector":"KvfabricConnector","kv_connector_module_path":"kvfabric.vllm","kv_role":"kv_both","kv_connector_extra_config":{"kvfabric":{"name":"'$1'","secret":"demo-secret","node_dir":"'$RUN/nodes'"'$3${EXTRA:-}'}}}'
   PYTHONPATH="$REPO/python" KVFABRIC_LIB="$LIB" VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1 \
     "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype bfloat16 \
     --max-model-len 2048 --port "$2" --block-size "$BS" --gpu-memory-utilization 0.15 \
@@ -36,6 +38,6 @@ for port in 8110 8111; do
   for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
 done
 "$VLLM_VENV/bin/python" "$REPO/scripts/engines/connector-demo.py" --a http://127.0.0.1:8110 \
-  --b http://127.0.0.1:8111 --model "$MODEL" --tokens "${TOKENS:-2000}" --prompts "${PROMPTS:-3}" | tee "$RUN/result.txt"
+  --b http://127.0.0.1:8111 --model "$MODEL" --tokens "${TOKENS:-2000}" --prompts "${PROMPTS:-3}" ${DEMO_ARGS:-} | tee "$RUN/result.txt"
 sleep 11  # vLLM logs its KV transfer metrics every 10 s
 grep -h "KV Transfer metrics\|External prefix cache hit rate" "$RUN"/vllm-*.log | tail -6
