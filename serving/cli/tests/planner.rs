@@ -28,17 +28,23 @@ async fn planner_workers(addr: SocketAddr) -> u64 {
     metric(&get(addr, "/metrics").await.text(), "kvfabric_planner_workers").unwrap_or(0.0) as u64
 }
 
+/// Requests that succeeded and failed, over every load of a test.
+#[derive(Default)]
+struct Counts {
+    ok: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+}
+
 /// Closed-loop clients until `stop`; counts successes and failures.
 fn load(
     addr: SocketAddr,
     clients: usize,
     stop: Arc<AtomicBool>,
-    ok: Arc<AtomicU64>,
-    failed: Arc<AtomicU64>,
+    counts: &Counts,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     (0..clients)
         .map(|c| {
-            let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+            let (stop, ok, failed) = (stop.clone(), counts.ok.clone(), counts.failed.clone());
             tokio::spawn(async move {
                 let mut i = 0;
                 while !stop.load(Ordering::Relaxed) {
@@ -59,45 +65,58 @@ fn load(
         .collect()
 }
 
-/// Drives `addr` with 24 closed-loop clients until the planner runs at least two workers,
-/// then with a light load until it is back to one, and waits past the drains. Returns the
-/// requests that succeeded and failed, and the most workers seen.
-async fn up_then_down(addr: SocketAddr) -> (u64, u64, u64) {
-    let (stop, ok, failed) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    // 24 clients: one worker (8 sequences a step) queues them, so TTFT p90 is far above
-    // 150 ms and the rate above what one worker decodes.
-    let heavy = load(addr, 24, stop.clone(), ok.clone(), failed.clone());
-    let start = Instant::now();
-    let mut most = 1;
-    while start.elapsed() < Duration::from_secs(25) && most < 2 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        most = most.max(planner_workers(addr).await);
-    }
-    stop.store(true, Ordering::Relaxed);
-    for t in heavy {
-        t.await.unwrap();
-    }
-    if most < 2 {
-        return (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed), most);
-    }
-    // A light load keeps running while workers drain: none of its requests may fail.
+/// Runs `clients` closed-loop clients until the planner's worker count passes `reached` or
+/// `budget` is spent, then `linger` more; returns the most workers seen.
+async fn load_until(
+    addr: SocketAddr,
+    clients: usize,
+    counts: &Counts,
+    budget: Duration,
+    reached: impl Fn(u64) -> bool,
+    linger: Duration,
+) -> u64 {
     let stop = Arc::new(AtomicBool::new(false));
-    let light = load(addr, 2, stop.clone(), ok.clone(), failed.clone());
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(30) && planner_workers(addr).await > 1 {
+    let tasks = load(addr, clients, stop.clone(), counts);
+    let (start, mut most) = (Instant::now(), 0);
+    loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
+        let workers = planner_workers(addr).await;
+        most = most.max(workers);
+        if reached(workers) || start.elapsed() > budget {
+            break;
+        }
     }
-    // Past the drains (a worker stops within a second or so of its last request).
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(linger).await;
     stop.store(true, Ordering::Relaxed);
-    for t in light {
+    for t in tasks {
         t.await.unwrap();
     }
-    (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed), most)
+    most
+}
+
+/// 24 clients: one worker (8 sequences a step) queues them, so TTFT p90 is far above 150 ms
+/// and the rate above what one worker decodes. Until the planner runs more than `from`.
+async fn heavy_load(addr: SocketAddr, counts: &Counts, from: u64) -> u64 {
+    load_until(addr, 24, counts, Duration::from_secs(25), |w| w > from, Duration::ZERO).await
+}
+
+/// A light load while workers drain back to `to` (none of its requests may fail), and past
+/// the drains (a worker stops within a second or so of its last request).
+async fn light_load(addr: SocketAddr, counts: &Counts, to: u64) {
+    let (budget, linger) = (Duration::from_secs(30), Duration::from_secs(3));
+    load_until(addr, 2, counts, budget, |w| w <= to, linger).await;
+}
+
+/// Drives `addr` with a heavy load until the planner runs at least two workers, then with a
+/// light load until it is back to one. Returns the requests that succeeded and failed, and
+/// the most workers seen.
+async fn up_then_down(addr: SocketAddr) -> (u64, u64, u64) {
+    let counts = Counts::default();
+    let most = heavy_load(addr, &counts, 1).await;
+    if most >= 2 {
+        light_load(addr, &counts, 1).await;
+    }
+    (counts.ok.load(Ordering::Relaxed), counts.failed.load(Ordering::Relaxed), most)
 }
 
 /// Starts `cmd` (a server that prints `... at http://ADDR/v1` first) with the planner
@@ -220,22 +239,8 @@ async fn a_disaggregated_planner_scales_prefill_and_decode_pools() {
     assert_eq!(pool_workers(&m, "decode"), Some(1.0), "{m}");
     assert_eq!(planner_workers(addr).await, 2);
 
-    let (stop, ok, failed) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let heavy = load(addr, 24, stop.clone(), ok.clone(), failed.clone());
-    let start = Instant::now();
-    let mut most = 2;
-    while start.elapsed() < Duration::from_secs(25) && most < 3 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        most = most.max(planner_workers(addr).await);
-    }
-    stop.store(true, Ordering::Relaxed);
-    for t in heavy {
-        t.await.unwrap();
-    }
+    let counts = Counts::default();
+    let most = heavy_load(addr, &counts, 2).await;
     assert!(most >= 3, "the planner added no worker to either pool under load");
     // The decode workers' reports: prompts went to the prefill workers.
     let s = get(addr, "/dashboard/state").await.json();
@@ -250,21 +255,11 @@ async fn a_disaggregated_planner_scales_prefill_and_decode_pools() {
         s["workers"].as_array().unwrap().iter().filter_map(|w| w["role"].as_str()).collect();
     assert!(roles.contains(&"prefill") && roles.contains(&"decode"), "{roles:?}");
     // A light load while the pools drain back to one worker each.
-    let stop = Arc::new(AtomicBool::new(false));
-    let light = load(addr, 2, stop.clone(), ok.clone(), failed.clone());
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(30) && planner_workers(addr).await > 2 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in light {
-        t.await.unwrap();
-    }
+    light_load(addr, &counts, 2).await;
     let m = get(addr, "/metrics").await.text();
     assert_eq!(pool_workers(&m, "prefill"), Some(1.0), "{m}");
     assert_eq!(pool_workers(&m, "decode"), Some(1.0), "{m}");
-    assert_eq!(failed.load(Ordering::Relaxed), 0, "requests failed across scaling");
+    assert_eq!(counts.failed.load(Ordering::Relaxed), 0, "requests failed across scaling");
     let decisions: Vec<serde_json::Value> = std::fs::read_to_string(&log)
         .unwrap()
         .lines()

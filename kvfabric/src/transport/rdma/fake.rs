@@ -911,19 +911,24 @@ mod tests {
             .collect()
     }
 
+    /// The double's device, opened.
+    fn device() -> Arc<Device> {
+        let opts = OpenOptions {
+            name: Some(super::DEVICE),
+            gid_index: None,
+            traffic_class: 0,
+            service_level: 0,
+        };
+        Device::open(opts).unwrap()
+    }
+
     /// A completion channel whose fd reports an error (a device gone) fails the wait at once
     /// instead of reporting "no event" forever (the completion thread would spin on it); an
     /// event read by another waiter first is "no event", not a blocked read.
     #[tokio::test]
     async fn a_broken_completion_channel_fails_the_wait() {
         let _serial = super::serial().await;
-        let dev = Device::open(OpenOptions {
-            name: Some(super::DEVICE),
-            gid_index: None,
-            traffic_class: 0,
-            service_level: 0,
-        })
-        .unwrap();
+        let dev = device();
         let cq = dev.completion_queue(16).unwrap();
         let fd = cq.channel_fd().expect("the double makes channels");
         // Readable with no event queued (as when another waiter read it first).
@@ -954,13 +959,7 @@ mod tests {
     #[tokio::test]
     async fn a_write_with_immediate_lands_nothing_until_a_receive_is_posted() {
         let _serial = super::serial().await;
-        let dev = Device::open(OpenOptions {
-            name: Some(super::DEVICE),
-            gid_index: None,
-            traffic_class: 0,
-            service_level: 0,
-        })
-        .unwrap();
+        let dev = device();
         let cq = Arc::new(dev.completion_queue(64).unwrap());
         let (a, b) = (dev.queue_pair(&cq, 8, 1).unwrap(), dev.queue_pair(&cq, 8, 2).unwrap());
         a.connect(&b.addr()).unwrap();
