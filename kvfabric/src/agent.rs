@@ -467,6 +467,12 @@ impl Agent {
         &self.inner.rdma_status
     }
 
+    /// Why this agent's RDMA transport stopped working (its completion queue failed), if it
+    /// did: transfers between hosts then go over TCP.
+    pub fn rdma_failure(&self) -> Option<String> {
+        self.inner.rdma.as_ref().and_then(|t| t.failure())
+    }
+
     /// This agent's metadata, for peers to load. Regions registered later are not in it:
     /// export it again after registering (as with NIXL).
     pub fn metadata(&self) -> AgentMetadata {
@@ -705,6 +711,9 @@ impl Agent {
             _ => None,
         };
         let (ours, peers) = (link(&self.inner.rdma_status), link(&md.rdma));
+        if let Some(why) = self.rdma_failure() {
+            return Err(format!("this agent's device failed: {why}"));
+        }
         match (&self.inner.transports.rdma, theirs) {
             (None, _) => Err(format!("this agent has none: {}", self.inner.rdma_status)),
             (Some(_), false) => Err(format!("{} has none: {}", md.name, md.rdma)),

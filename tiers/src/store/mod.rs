@@ -478,6 +478,9 @@ impl TieredStore {
                 ));
             }
         }
+        if let Some(why) = self.agent().rdma_failure() {
+            reasons.push(format!("RDMA failed, transfers between hosts go over TCP: {why}"));
+        }
         reasons
     }
 

@@ -83,6 +83,8 @@ struct State {
     /// Send queues take at most this many requests, whatever they were created with (a
     /// provider that takes a chain only in part).
     sq_limit: Option<u32>,
+    /// Every completion queue fails its polls (a device gone).
+    device_lost: bool,
 }
 
 fn state() -> &'static Mutex<State> {
@@ -100,6 +102,19 @@ pub fn hold() {
 /// their creator asked for (None: what it asked).
 pub fn limit_send_queues(n: Option<u32>) {
     state().lock().sq_limit = n;
+}
+
+/// Makes every completion queue fail its polls, as a device that went away, until the
+/// returned guard is dropped.
+pub fn lose_device() -> impl Drop {
+    struct Back;
+    impl Drop for Back {
+        fn drop(&mut self) {
+            state().lock().device_lost = false;
+        }
+    }
+    state().lock().device_lost = true;
+    Back
 }
 
 /// Serializes the tests that use the double's global switches (under `cargo test`, tests of
@@ -852,6 +867,9 @@ unsafe extern "C" fn post_send(
 
 unsafe extern "C" fn poll_cq(cq: *mut IbvCq, n: c_int, wc: *mut IbvWc) -> c_int {
     let mut st = state().lock();
+    if st.device_lost {
+        return -libc::EIO;
+    }
     let mut got = 0;
     while got < n.max(0) {
         let Some((c, qpn, pos)) = st.cqs.get_mut(&(cq as usize)).and_then(VecDeque::pop_front)

@@ -837,6 +837,12 @@ impl RdmaTransport {
         )
     }
 
+    /// Why the transport stopped working (its completion queue failed: a device gone), if
+    /// it did. The agent then routes over TCP.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.poll_error.lock().clone()
+    }
+
     /// Times the completion thread slept until a completion event woke it.
     pub fn wakeups(&self) -> u64 {
         self.shared.woken.load(Ordering::Relaxed)
@@ -1201,7 +1207,7 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
         let n = match cq.poll(&mut wc) {
             Ok(n) => n,
             Err(e) => {
-                tracing::error!(error = %e, "RDMA completion queue failed; RDMA transfers fail");
+                tracing::error!(error = %e, "RDMA completion queue failed; transfers in flight fail, later ones go over TCP");
                 *shared.poll_error.lock() = Some(e.to_string());
                 for f in shared.inflight.lock().values() {
                     f.wake.notify_one();
@@ -2107,5 +2113,48 @@ mod double_tests {
             assert!(woke(&a, wa), "round {round}: the writer's completion woke nothing");
             assert!(woke(&b, wb), "round {round}: the owner's receive woke nothing");
         }
+    }
+
+    /// A device that goes away (its completion queue fails) stops the RDMA transport: the
+    /// agent says why, routes transfers between hosts over TCP from then on, and refuses
+    /// RDMA asked by name with the reason.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_device_falls_back_to_tcp() {
+        let _serial = fake::serial().await;
+        let (a, b) = (agent("a").await, agent("b").await);
+        let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
+        let dst = b.alloc_region(1 << 20, exported()).unwrap();
+        link(&a, &b);
+        let write = |seed: u8| {
+            pattern(&src, seed);
+            TransferRequest::new(
+                TransferOp::Write,
+                "b",
+                vec![Desc::new(src.id(), 0, 1 << 20)],
+                vec![Desc::new(dst.id(), 0, 1 << 20)],
+            )
+        };
+        let req = write(1);
+        assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Rdma);
+        a.post(req).unwrap().wait().await.unwrap();
+        assert_eq!(a.rdma_failure(), None);
+
+        let lost = fake::lose_device();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while a.rdma_failure().is_none() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let why = a.rdma_failure().expect("the failed completion queue is not reported");
+        assert!(why.contains("ibv_poll_cq"), "{why}");
+        let req = write(2);
+        assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Tcp);
+        a.post(req).unwrap().wait().await.unwrap();
+        assert_eq!(bytes(&dst, 0, 1 << 20), bytes(&src, 0, 1 << 20));
+        let e = a.transport_for(&write(3).with_transport(TransportKind::Rdma)).unwrap_err();
+        assert!(
+            matches!(&e, TransferError::NoTransport { reason, .. } if reason.contains("device failed")),
+            "{e}"
+        );
+        drop(lost);
     }
 }
