@@ -477,7 +477,8 @@ impl Agent {
     /// export it again after registering (as with NIXL).
     pub fn metadata(&self) -> AgentMetadata {
         let mut transports = vec![TransportKind::Tcp];
-        if self.inner.transports.rdma.is_some() {
+        let rdma_failed = self.rdma_failure();
+        if self.inner.transports.rdma.is_some() && rdma_failed.is_none() {
             transports.insert(0, TransportKind::Rdma);
         }
         if self.inner.config.shm {
@@ -503,7 +504,12 @@ impl Agent {
                 })
                 .collect(),
             transports,
-            rdma: self.inner.rdma_status.clone(),
+            rdma: match rdma_failed {
+                Some(why) => {
+                    RdmaStatus::Unavailable { reason: format!("the device failed: {why}") }
+                }
+                None => self.inner.rdma_status.clone(),
+            },
         }
     }
 
@@ -714,6 +720,9 @@ impl Agent {
         if let Some(why) = self.rdma_failure() {
             return Err(format!("this agent's device failed: {why}"));
         }
+        if let Some(why) = self.inner.rdma.as_ref().and_then(|t| t.refused_by(&md.name)) {
+            return Err(format!("{} refused an RDMA connection: {why}", md.name));
+        }
         match (&self.inner.transports.rdma, theirs) {
             (None, _) => Err(format!("this agent has none: {}", self.inner.rdma_status)),
             (Some(_), false) => Err(format!("{} has none: {}", md.name, md.rdma)),
@@ -752,6 +761,14 @@ impl Agent {
             let why = self.inner.rdma.as_ref().and_then(|t| t.gpu_direct().err()).unwrap_or("");
             return Err(format!("this agent's adapter does not reach GPU memory: {why}"));
         }
+        let md = peer.metadata();
+        let remote_gpu = req
+            .remote
+            .iter()
+            .any(|d| md.regions.iter().any(|r| r.id == d.region && r.kind != MemoryKind::Host));
+        if remote_gpu && !gpu_of(&md.rdma) {
+            return Err(format!("{}'s adapter does not reach GPU memory ({})", md.name, md.rdma));
+        }
         // A GPU whose memory the adapter cannot register after all (no dma-buf support on
         // that GPU or in the provider): not over RDMA; the default route stages it.
         if let Some(t) = self.inner.rdma.as_ref().filter(|_| local_gpu) {
@@ -765,14 +782,6 @@ impl Agent {
                     t.reaches(&r).map_err(|why| format!("this agent's adapter: {why}"))?;
                 }
             }
-        }
-        let md = peer.metadata();
-        let remote_gpu = req
-            .remote
-            .iter()
-            .any(|d| md.regions.iter().any(|r| r.id == d.region && r.kind != MemoryKind::Host));
-        if remote_gpu && !gpu_of(&md.rdma) {
-            return Err(format!("{}'s adapter does not reach GPU memory ({})", md.name, md.rdma));
         }
         Ok(rdma)
     }

@@ -95,9 +95,10 @@ impl WriteSlot {
         }
         if write_through {
             let (inner, slot, hash, parent) = (inner.clone(), self.slot, self.hash, self.parent);
+            // Ends the write-through however the task ends: a panic, or a runtime going
+            // (even before the task first runs).
+            let done = WriteThroughDone { inner: inner.clone(), slot };
             inner.runtime.clone().spawn(async move {
-                // Ends the write-through however the task ends (a panic, a runtime going).
-                let done = WriteThroughDone { inner: inner.clone(), slot };
                 let _ = inner.offload_slot(slot, hash, parent).await;
                 drop(done);
             });

@@ -532,6 +532,9 @@ impl Drop for Mr {
     }
 }
 
+/// The `call` of [`Cq::wait`]'s error when the device is gone.
+pub const CHANNEL_GONE: &str = "ibv_comp_channel";
+
 /// A completion queue.
 #[derive(Debug)]
 pub struct Cq {
@@ -560,6 +563,12 @@ impl Cq {
     /// Whether it has a completion channel to [`Cq::wait`] on.
     pub fn has_channel(&self) -> bool {
         !self.channel.is_null()
+    }
+
+    /// The queue's address (the software device's tests name queues by it).
+    #[cfg(test)]
+    pub(crate) fn raw(&self) -> usize {
+        self.cq as usize
     }
 
     /// The completion channel's fd (tests break it).
@@ -599,12 +608,20 @@ impl Cq {
         if n == 0 {
             return Ok(false);
         }
-        if pfd.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
-            // The device went away (or its fd did): this channel never raises an event again
-            // and poll would return at once forever.
+        if pfd.revents & libc::POLLNVAL != 0 {
+            // Our fd is not open (a bug here, not the device): poll would return at once
+            // forever.
             return Err(VerbsError {
                 call: "poll",
-                reason: format!("completion channel fd reports revents {:#x}", pfd.revents),
+                reason: "completion channel fd not open".into(),
+            });
+        }
+        if pfd.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+            // The kernel closed the event queue: the device was disassociated (removed, or
+            // a fatal error). No completion comes any more.
+            return Err(VerbsError {
+                call: CHANNEL_GONE,
+                reason: format!("the device is gone (channel revents {:#x})", pfd.revents),
             });
         }
         if pfd.revents & libc::POLLIN == 0 {

@@ -83,8 +83,8 @@ struct State {
     /// Send queues take at most this many requests, whatever they were created with (a
     /// provider that takes a chain only in part).
     sq_limit: Option<u32>,
-    /// Every completion queue fails its polls (a device gone).
-    device_lost: bool,
+    /// Completion queues whose polls fail (their device is gone).
+    device_lost: std::collections::HashSet<usize>,
 }
 
 fn state() -> &'static Mutex<State> {
@@ -104,17 +104,17 @@ pub fn limit_send_queues(n: Option<u32>) {
     state().lock().sq_limit = n;
 }
 
-/// Makes every completion queue fail its polls, as a device that went away, until the
-/// returned guard is dropped.
-pub fn lose_device() -> impl Drop {
-    struct Back;
+/// Makes completion queue `cq` ([`super::device::Cq::raw`]) fail its polls, as a device
+/// that went away, until the returned guard is dropped.
+pub fn lose_device(cq: usize) -> impl Drop {
+    struct Back(usize);
     impl Drop for Back {
         fn drop(&mut self) {
-            state().lock().device_lost = false;
+            state().lock().device_lost.remove(&self.0);
         }
     }
-    state().lock().device_lost = true;
-    Back
+    state().lock().device_lost.insert(cq);
+    Back(cq)
 }
 
 /// Serializes the tests that use the double's global switches (under `cargo test`, tests of
@@ -867,7 +867,7 @@ unsafe extern "C" fn post_send(
 
 unsafe extern "C" fn poll_cq(cq: *mut IbvCq, n: c_int, wc: *mut IbvWc) -> c_int {
     let mut st = state().lock();
-    if st.device_lost {
+    if st.device_lost.contains(&(cq as usize)) {
         return -libc::EIO;
     }
     let mut got = 0;
@@ -965,7 +965,8 @@ mod tests {
             libc::close(p[1]);
         }
         let t = std::time::Instant::now();
-        assert!(cq.wait(Duration::from_secs(5)).is_err());
+        let e = cq.wait(Duration::from_secs(5)).unwrap_err();
+        assert_eq!(e.call, super::super::device::CHANNEL_GONE, "{e}");
         assert!(t.elapsed() < Duration::from_secs(1));
     }
 

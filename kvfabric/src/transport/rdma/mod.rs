@@ -422,6 +422,8 @@ pub struct RdmaTransport {
     /// GPU regions whose registration failed, and why (logged once each, not retried: the
     /// agent stages them, and peers get no key for them).
     refused: Mutex<HashMap<RegionId, String>>,
+    /// Peers that refused a connection: when, and why ([`RdmaTransport::refused_by`]).
+    refused_by: Mutex<HashMap<String, (Instant, String)>>,
 }
 
 /// How the adapter reaches GPU memory (GPUDirect RDMA).
@@ -567,6 +569,7 @@ impl RdmaTransport {
             threads: vec![poller, events],
             gpu,
             refused: Mutex::default(),
+            refused_by: Mutex::default(),
         })
     }
 
@@ -593,6 +596,16 @@ impl RdmaTransport {
         return cuda.dmabuf(addr, len).map_err(|e| e.to_string());
         #[cfg(not(feature = "cuda"))]
         match cuda {}
+    }
+
+    /// Whether the nvidia-peermem module is loaded for this device (never for the software
+    /// device: its fake GPU memory has no peer-memory client).
+    fn peermem_loaded(&self) -> bool {
+        #[cfg(test)]
+        if self.dev.info().name == fake::DEVICE {
+            return false;
+        }
+        peermem_loaded()
     }
 
     /// Whether the adapter reaches `region` (registered now if it was not): GPU memory may
@@ -656,7 +669,7 @@ impl RdmaTransport {
                 };
                 let mr = match register(*how) {
                     // A provider or GPU that takes no dma-buf: nvidia-peermem, if loaded.
-                    Err(e) if *how == GpuDirect::DmaBuf && peermem_loaded() => {
+                    Err(e) if *how == GpuDirect::DmaBuf && self.peermem_loaded() => {
                         register(GpuDirect::PeerMem)
                             .map_err(|e2| format!("{e}; through nvidia-peermem: {e2}"))
                     }
@@ -717,6 +730,9 @@ impl RdmaTransport {
     /// keys of every exported host region. Blocking (verbs calls, memory registration):
     /// the session server runs it on the blocking pool.
     fn accept_connect(&self, from: &str, connect: &Connect) -> Result<Accept, String> {
+        if let Some(why) = self.failure() {
+            return Err(format!("this agent's RDMA device failed: {why}"));
+        }
         let (qps, budget) = self
             .new_qps(connect.qps.len(), usize::from(MAILBOX_SLOTS))
             .map_err(|e| e.to_string())?;
@@ -843,6 +859,26 @@ impl RdmaTransport {
         self.shared.poll_error.lock().clone()
     }
 
+    /// Why `peer` refused an RDMA connection, if it did within [`PEER_RETRY`]: the agent
+    /// routes to it over TCP meanwhile.
+    pub fn refused_by(&self, peer: &str) -> Option<String> {
+        let mut refused = self.refused_by.lock();
+        match refused.get(peer) {
+            Some((at, why)) if at.elapsed() < PEER_RETRY => Some(why.clone()),
+            Some(_) => {
+                refused.remove(peer);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// The completion queue's address (tests make the software device lose it).
+    #[cfg(test)]
+    pub(crate) fn cq_raw(&self) -> usize {
+        self.cq.raw()
+    }
+
     /// Times the completion thread slept until a completion event woke it.
     pub fn wakeups(&self) -> u64 {
         self.shared.woken.load(Ordering::Relaxed)
@@ -903,7 +939,19 @@ impl RdmaTransport {
         }
         let (qps, budget) = self.new_qps(self.cfg.qps_per_peer.clamp(1, exchange::QPS_MAX), 0)?;
         let connect = Connect { qps: qps.iter().map(Qp::addr).collect() };
-        let accept = peer.session.rdma_connect(&connect).await?;
+        let accept = match peer.session.rdma_connect(&connect).await {
+            Ok(a) => {
+                self.refused_by.lock().remove(name);
+                a
+            }
+            Err(e) => {
+                // The agent routes to this peer over TCP for a while (its device may be
+                // gone, or it refuses for want of queue pairs).
+                tracing::warn!(peer = %name, error = %e, "RDMA: the peer refused a connection; transfers to it go over TCP for {PEER_RETRY:?}");
+                self.refused_by.lock().insert(name.clone(), (Instant::now(), e.to_string()));
+                return Err(e);
+            }
+        };
         if accept.qps.len() != qps.len() {
             return Err(TransferError::Protocol(format!(
                 "RDMA accept with {} queue pairs for our {}",
@@ -1191,11 +1239,25 @@ impl Drop for FlightGuard<'_> {
     }
 }
 
+/// How long the agent routes to a peer that refused an RDMA connection over TCP before it
+/// tries RDMA again.
+pub const PEER_RETRY: Duration = Duration::from_secs(30);
+
 /// How long the completion thread spins on an empty queue before it sleeps until the next
 /// completion (completions of a busy transfer come every few microseconds).
 const SPIN: Duration = Duration::from_micros(50);
 /// Longest sleep of the completion thread: it then looks at its stop flag.
 const SLEEP_MAX: Duration = Duration::from_millis(20);
+
+/// The completion queue failed (its device is gone): transfers in flight fail with `e`, and
+/// the transport stops ([`RdmaTransport::failure`]: the agent routes over TCP).
+fn device_failed(shared: &Shared, e: &device::VerbsError) {
+    tracing::error!(error = %e, "RDMA completion queue failed; transfers in flight fail, later ones go over TCP");
+    *shared.poll_error.lock() = Some(e.to_string());
+    for f in shared.inflight.lock().values() {
+        f.wake.notify_one();
+    }
+}
 
 fn poll_loop(cq: &Cq, shared: &Shared) {
     let mut wc = vec![verbs::IbvWc::default(); 64];
@@ -1206,14 +1268,7 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
     while !shared.stop.load(Ordering::Acquire) {
         let n = match cq.poll(&mut wc) {
             Ok(n) => n,
-            Err(e) => {
-                tracing::error!(error = %e, "RDMA completion queue failed; transfers in flight fail, later ones go over TCP");
-                *shared.poll_error.lock() = Some(e.to_string());
-                for f in shared.inflight.lock().values() {
-                    f.wake.notify_one();
-                }
-                return;
-            }
+            Err(e) => return device_failed(shared, &e),
         };
         if n == 0 {
             if busy.elapsed() < SPIN {
@@ -1243,6 +1298,9 @@ fn poll_loop(cq: &Cq, shared: &Shared) {
                     // Nothing came: arm again and poll once more before the next sleep (a
                     // queue armed twice raises one event).
                     Ok(false) => {}
+                    // A provider whose polls go on answering "nothing" for a gone device
+                    // (the queue lives in user memory): the channel is what says so.
+                    Err(e) if e.call == device::CHANNEL_GONE => return device_failed(shared, &e),
                     Err(e) => {
                         tracing::warn!(error = %e, "RDMA: completion events failed; the completion queue is polled");
                         events = false;
@@ -2139,12 +2197,8 @@ mod double_tests {
         a.post(req).unwrap().wait().await.unwrap();
         assert_eq!(a.rdma_failure(), None);
 
-        let lost = fake::lose_device();
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while a.rdma_failure().is_none() && std::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        let why = a.rdma_failure().expect("the failed completion queue is not reported");
+        let lost = fake::lose_device(a.rdma_transport().unwrap().cq_raw());
+        let why = failure_of(&a).await;
         assert!(why.contains("ibv_poll_cq"), "{why}");
         let req = write(2);
         assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Tcp);
@@ -2155,6 +2209,53 @@ mod double_tests {
             matches!(&e, TransferError::NoTransport { reason, .. } if reason.contains("device failed")),
             "{e}"
         );
+        // Peers loading its metadata again see no RDMA, and why.
+        let md = a.metadata();
+        assert!(!md.transports.contains(&TransportKind::Rdma));
+        assert!(md.rdma.to_string().contains("the device failed"), "{}", md.rdma);
+        drop(lost);
+    }
+
+    /// Waits (at most 5 s) for `x`'s completion thread to report its queue failed.
+    async fn failure_of(x: &Agent) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while x.rdma_failure().is_none() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        x.rdma_failure().expect("the failed completion queue is not reported")
+    }
+
+    /// A peer whose device failed refuses RDMA connections; an agent that still holds its
+    /// old metadata fails the transfer that tried (typed), and sends the next ones over TCP
+    /// (for [`PEER_RETRY`]).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_whose_device_failed_is_reached_over_tcp() {
+        let _serial = fake::serial().await;
+        let (a, b) = (agent("a").await, agent("b").await);
+        let src = a.alloc_region(1 << 16, RegionOptions::default()).unwrap();
+        let dst = b.alloc_region(1 << 16, exported()).unwrap();
+        let stale = b.metadata();
+        let lost = fake::lose_device(b.rdma_transport().unwrap().cq_raw());
+        failure_of(&b).await;
+        a.load_peer(stale).unwrap();
+        b.load_peer(a.metadata()).unwrap();
+        pattern(&src, 5);
+        let write = || {
+            TransferRequest::new(
+                TransferOp::Write,
+                "b",
+                vec![Desc::new(src.id(), 0, 1 << 16)],
+                vec![Desc::new(dst.id(), 0, 1 << 16)],
+            )
+        };
+        assert_eq!(a.transport_for(&write()).unwrap(), TransportKind::Rdma);
+        let e = a.post(write()).unwrap().wait().await.unwrap_err();
+        assert!(e.to_string().contains("RDMA device failed"), "{e}");
+        assert_eq!(a.transport_for(&write()).unwrap(), TransportKind::Tcp);
+        a.post(write()).unwrap().wait().await.unwrap();
+        assert_eq!(bytes(&dst, 0, 1 << 16), bytes(&src, 0, 1 << 16));
+        let e = a.transport_for(&write().with_transport(TransportKind::Rdma)).unwrap_err();
+        assert!(e.to_string().contains("b refused an RDMA connection"), "{e}");
         drop(lost);
     }
 }
