@@ -122,6 +122,7 @@ impl Backend for LocalBackend {
     fn metrics(&self, out: &mut Snapshot) {
         out.engine = Some(engine_snapshot(&self.sched, &self.store));
         out.transfers = self.store.agent().transfer_counts();
+        out.rdma = Some(rdma_state(self.store.agent()));
     }
 
     /// One engine: where the prompt's leading blocks are held in its store.
@@ -214,5 +215,16 @@ pub fn engine_snapshot(sched: &Scheduler, store: &TieredStore) -> EngineSnapshot
         queue_time: s.queue_time.snapshot(),
         prefill_time: s.prefill_time.snapshot(),
         store: Some(store.metrics()),
+    }
+}
+
+/// The agent's RDMA transport, for `kvfabric_rdma_state`.
+pub(crate) fn rdma_state(agent: &kvfabric::agent::Agent) -> &'static str {
+    use kvfabric::endpoint::RdmaStatus;
+    match agent.rdma_status() {
+        RdmaStatus::Off => "off",
+        RdmaStatus::Unavailable { .. } => "unavailable",
+        RdmaStatus::Device { .. } if agent.rdma_failure().is_some() => "failed",
+        RdmaStatus::Device { .. } => "up",
     }
 }

@@ -609,6 +609,8 @@ pub struct Snapshot {
     pub prefill_service: Option<PrefillServiceSnapshot>,
     /// How the transfers of the component's agent ended, per transport.
     pub transfers: Vec<kvfabric::transfer::TransferCount>,
+    /// The agent's RDMA transport: `off`, `unavailable`, `up` or `failed` (None: no agent).
+    pub rdma: Option<&'static str>,
     /// The planner.
     pub planner: Option<PlannerSnapshot>,
 }
@@ -1021,6 +1023,24 @@ impl Collector for Components {
             },
         )?;
 
+        family(
+            e,
+            s,
+            "kvfabric_rdma_state",
+            "The agent's RDMA transport (1 on its state): off, unavailable (no device), up, or \
+             failed (its device went away: transfers between hosts go over TCP).",
+            None,
+            G,
+            |s, o| {
+                if let Some(now) = s.rdma {
+                    for state in ["off", "unavailable", "up", "failed"] {
+                        let labels = vec![("state", LabelValue::from(state))];
+                        o.push((labels, Value::Int(u64::from(state == now))));
+                    }
+                }
+            },
+        )?;
+
         // An attached engine.
         let at = |s: &Snapshot| s.attach.clone();
         for (name, help, kind, get) in [
@@ -1406,6 +1426,7 @@ mod tests {
                 cancelled: 0,
                 bytes: 1 << 20,
             }],
+            rdma: Some("failed"),
             ..Default::default()
         };
         let text = encode(&registry(&h, Components::new().with(None, Arc::new(Fixed(snap)))));
@@ -1425,6 +1446,8 @@ mod tests {
             "kvfabric_transfers_total{transport=\"cuda\",outcome=\"done\"} 3\n",
             "kvfabric_transfers_total{transport=\"cuda\",outcome=\"failed\"} 1\n",
             "kvfabric_transfer_bytes_total{transport=\"cuda\"} 1048576\n",
+            "kvfabric_rdma_state{state=\"up\"} 0\n",
+            "kvfabric_rdma_state{state=\"failed\"} 1\n",
         ] {
             assert!(text.contains(line), "{line:?} missing in\n{text}");
         }
