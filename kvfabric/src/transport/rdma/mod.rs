@@ -419,9 +419,9 @@ pub struct RdmaTransport {
     threads: Vec<std::thread::JoinHandle<()>>,
     /// How GPU memory reaches the adapter, or why it does not.
     gpu: Result<GpuDirect, String>,
-    /// GPU regions whose registration failed, and why (logged once each, not retried: the
-    /// agent stages them, and peers get no key for them).
-    refused: Mutex<HashMap<RegionId, String>>,
+    /// GPU regions whose registration failed: when, and why (logged once each, tried again
+    /// after [`REGISTER_RETRY`]; the agent stages them meanwhile, and peers get no key).
+    refused: Mutex<HashMap<RegionId, (Instant, String)>>,
     /// Peers that refused a connection: when, and why ([`RdmaTransport::refused_by`]).
     refused_by: Mutex<HashMap<String, (Instant, String)>>,
 }
@@ -625,8 +625,12 @@ impl RdmaTransport {
         if let Some(r) = self.registrations.lock().get(&region.id()) {
             return Ok(r.clone());
         }
-        if let Some(why) = self.refused.lock().get(&region.id()) {
-            return Err(TransferError::Protocol(why.clone()));
+        if let Some((at, why)) = self.refused.lock().get(&region.id()) {
+            // A failure for want of resources (pinned memory, BAR space) may pass: the
+            // region is tried again after a while, not on every transfer.
+            if at.elapsed() < REGISTER_RETRY {
+                return Err(TransferError::Protocol(why.clone()));
+            }
         }
         let endpoint = self.endpoint.upgrade().ok_or(TransferError::Shutdown)?;
         let local = |e: crate::memory::MemoryError| TransferError::Local {
@@ -679,8 +683,13 @@ impl RdmaTransport {
                     Ok(mr) => (addr, mr),
                     Err(e) => {
                         let e = failed(e);
-                        tracing::warn!(region = %region.id(), error = %e, "RDMA: GPU region cannot be registered; it is staged through host memory and not exported over RDMA");
-                        self.refused.lock().insert(region.id(), e.to_string());
+                        let again = self
+                            .refused
+                            .lock()
+                            .insert(region.id(), (Instant::now(), e.to_string()));
+                        if again.is_none() {
+                            tracing::warn!(region = %region.id(), error = %e, "RDMA: GPU region cannot be registered; it is staged through host memory and not exported over RDMA (tried again every {REGISTER_RETRY:?})");
+                        }
                         return Err(e);
                     }
                 }
@@ -689,6 +698,7 @@ impl RdmaTransport {
         let fresh = Arc::new(Registration { mr, base, len });
         // Two callers may have registered the region at once: the first one in the table is
         // the registration (the other is dropped here, before anyone used its keys).
+        self.refused.lock().remove(&region.id());
         let r = self.registrations.lock().entry(region.id()).or_insert(fresh).clone();
         Ok(r)
     }
@@ -1238,6 +1248,9 @@ impl Drop for FlightGuard<'_> {
         self.shared.inflight.lock().remove(&self.id);
     }
 }
+
+/// How long a GPU region whose registration failed is staged before it is tried again.
+pub const REGISTER_RETRY: Duration = Duration::from_secs(60);
 
 /// How long the agent routes to a peer that refused an RDMA connection over TCP before it
 /// tries RDMA again.
