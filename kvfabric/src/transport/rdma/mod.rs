@@ -1537,6 +1537,16 @@ mod double_tests {
         Agent::start(cfg).await.unwrap()
     }
 
+    /// Agents `a` and `b` linked to each other, with `len` bytes of memory at a and `len`
+    /// exported at b.
+    async fn linked(len: usize) -> (Agent, Agent, Arc<Region>, Arc<Region>) {
+        let (a, b) = (agent("a").await, agent("b").await);
+        let src = a.alloc_region(len, RegionOptions::default()).unwrap();
+        let dst = b.alloc_region(len, exported()).unwrap();
+        link(&a, &b);
+        (a, b, src, dst)
+    }
+
     fn exported() -> RegionOptions {
         RegionOptions { shared: false, export: true, huge_pages: false }
     }
@@ -1660,10 +1670,7 @@ mod double_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn notifications_ride_writes_with_immediate_data() {
         let _serial = fake::serial().await;
-        let (a, b) = (agent("a").await, agent("b").await);
-        let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
-        let dst = b.alloc_region(1 << 20, exported()).unwrap();
-        link(&a, &b);
+        let (a, b, src, dst) = linked(1 << 20).await;
         pattern(&src, 11);
         let a = Arc::new(a);
         let mut tasks = Vec::new();
@@ -1719,10 +1726,7 @@ mod double_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_transfers_share_the_send_queues() {
         let _serial = fake::serial().await;
-        let (a, b) = (agent("a").await, agent("b").await);
-        let src = a.alloc_region(8 << 20, RegionOptions::default()).unwrap();
-        let dst = b.alloc_region(8 << 20, exported()).unwrap();
-        link(&a, &b);
+        let (a, _b, src, dst) = linked(8 << 20).await;
         pattern(&src, 9);
         let a = Arc::new(a);
         // 32 transfers of 128 scattered 2 KiB pieces: 4096 requests over 4 queue pairs.
@@ -1761,10 +1765,7 @@ mod double_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_revoked_key_is_typed_and_new_regions_get_new_keys() {
         let _serial = fake::serial().await;
-        let (a, b) = (agent("a").await, agent("b").await);
-        let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
-        let dst = b.alloc_region(1 << 20, exported()).unwrap();
-        link(&a, &b);
+        let (a, b, src, dst) = linked(1 << 20).await;
         let to = |d: crate::memory::RegionId| {
             TransferRequest::new(
                 TransferOp::Write,
@@ -1826,10 +1827,7 @@ mod double_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_timed_out_transfer_is_flushed_and_lands_nothing() {
         let _serial = fake::serial().await;
-        let (a, b) = (agent("a").await, agent("b").await);
-        let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
-        let dst = b.alloc_region(1 << 20, exported()).unwrap();
-        link(&a, &b);
+        let (a, _b, src, dst) = linked(1 << 20).await;
         pattern(&src, 5);
         let req = || {
             TransferRequest::new(
@@ -1865,10 +1863,7 @@ mod double_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_chain_taken_in_part_fails_typed() {
         let _serial = fake::serial().await;
-        let (a, b) = (agent("a").await, agent("b").await);
-        let src = a.alloc_region(4 << 20, RegionOptions::default()).unwrap();
-        let dst = b.alloc_region(4 << 20, exported()).unwrap();
-        link(&a, &b);
+        let (a, _b, src, dst) = linked(4 << 20).await;
         let small = TransferRequest::new(
             TransferOp::Write,
             "b",
@@ -2151,10 +2146,7 @@ mod double_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_idle_completion_thread_sleeps_until_a_completion_wakes_it() {
         let _serial = fake::serial().await;
-        let (a, b) = (agent("a").await, agent("b").await);
-        let src = a.alloc_region(1 << 16, RegionOptions::default()).unwrap();
-        let dst = b.alloc_region(1 << 16, exported()).unwrap();
-        link(&a, &b);
+        let (a, b, src, dst) = linked(1 << 16).await;
         let write = || {
             TransferRequest::new(
                 TransferOp::Write,
@@ -2192,10 +2184,7 @@ mod double_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_device_falls_back_to_tcp() {
         let _serial = fake::serial().await;
-        let (a, b) = (agent("a").await, agent("b").await);
-        let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
-        let dst = b.alloc_region(1 << 20, exported()).unwrap();
-        link(&a, &b);
+        let (a, _b, src, dst) = linked(1 << 20).await;
         let write = |seed: u8| {
             pattern(&src, seed);
             TransferRequest::new(
