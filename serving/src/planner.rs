@@ -334,6 +334,9 @@ const MIX_ALPHA: f64 = 0.5;
 const CALM: f64 = 0.5;
 /// Calm intervals after which what a missed target taught is forgotten.
 const LEARNED_CALM: u32 = 12;
+/// A missed target in an interval whose rate fell under this share of the one before is the
+/// backlog of that busier interval: it is acted on but not learned.
+const BACKLOG_DROP: f64 = 0.5;
 
 impl Brain {
     /// A planner of aggregated workers that has seen nothing.
@@ -362,6 +365,7 @@ impl Brain {
         self.interval += 1;
         let q = self.cfg.targets.quantile;
         let seen = Observed::of(window, q);
+        let rate_before = self.rates.last().copied();
         self.rates.push(seen.rate);
         let keep = self.cfg.history.max(2);
         if self.rates.len() > keep {
@@ -472,16 +476,27 @@ impl Brain {
         }
         if !over.is_empty() && seen.requests >= 3 && desired <= current {
             desired = current + 1;
-            // The profile was optimistic here: remember it, so that the worker added is not
-            // drained as soon as latencies recover under the same load.
-            self.learned =
-                Some(Learned { rate: seen.rate, workers: desired, calm_left: LEARNED_CALM });
             for (what, got, target) in over {
                 reasons.push(format!(
                     "observed {what} {:.1} ms is above the target {:.1} ms: one worker more than now",
                     got * 1e3,
                     target * 1e3
                 ));
+            }
+            if rate_before.is_some_and(|r| seen.rate < r * BACKLOG_DROP) {
+                // The load fell: these latencies are the queue the busier interval left,
+                // not what this rate needs. Learning them would hold (or bring back) workers
+                // at this rate long after the queue is gone.
+                reasons.push(format!(
+                    "the rate fell from {:.1} req/s: the backlog of the busier interval, not \
+                     learned",
+                    rate_before.unwrap_or_default()
+                ));
+            } else {
+                // The profile was optimistic here: remember it, so that the worker added is
+                // not drained as soon as latencies recover under the same load.
+                self.learned =
+                    Some(Learned { rate: seen.rate, workers: desired, calm_left: LEARNED_CALM });
             }
         }
         let bounded = desired.clamp(lo, hi);
@@ -797,6 +812,32 @@ mod tests {
         }
         assert_eq!(forgot_at, Some(LEARNED_CALM as usize));
         assert_eq!(n, 1, "back to what the profile says");
+    }
+
+    /// Latencies over the target right after the load fell are the queue the busier interval
+    /// left: the planner adds a worker for it but does not learn that the lower rate needs
+    /// that many, so it drains them when the queue is gone (the live test once flapped: a
+    /// light load brought back the workers it had just drained).
+    #[test]
+    fn a_backlog_after_the_load_fell_is_not_learned() {
+        let mut b = Brain::new(cfg());
+        let busy = b.decide(&window(40.0, 0.05), 1);
+        let n = busy.desired;
+        assert!(n >= 2, "{:?}", busy.reasons);
+        let backlog = b.decide(&window(4.0, 0.9), n);
+        assert_eq!(backlog.desired, n + 1, "{:?}", backlog.reasons);
+        assert_eq!(backlog.learned_workers, None, "{:?}", backlog.reasons);
+        assert!(backlog.reasons.iter().any(|r| r.contains("backlog")), "{:?}", backlog.reasons);
+        // The queue is gone at the same light load: down after two asks, and it stays down.
+        let mut now = n + 1;
+        for _ in 0..4 {
+            now = b.decide(&window(4.0, 0.1), now).desired;
+        }
+        assert_eq!(now, 1, "the light load kept workers a backlog brought");
+        for _ in 0..3 {
+            let d = b.decide(&window(4.4, 0.1), now);
+            assert_eq!(d.desired, 1, "{:?}", d.reasons);
+        }
     }
 
     /// Two pools of one disaggregated layout: each takes its own number from the plan's
