@@ -1537,6 +1537,11 @@ mod double_tests {
         Agent::start(cfg).await.unwrap()
     }
 
+    /// A request to peer `b` of one piece: `local` here, `remote` there.
+    fn one(op: TransferOp, local: Desc, remote: Desc) -> TransferRequest {
+        TransferRequest::new(op, "b", vec![local], vec![remote])
+    }
+
     /// Agents `a` and `b` linked to each other, with `len` bytes of memory at a and `len`
     /// exported at b.
     async fn linked(len: usize) -> (Agent, Agent, Arc<Region>, Arc<Region>) {
@@ -1643,11 +1648,10 @@ mod double_tests {
         let dst = b.alloc_region(1 << 20, exported()).unwrap();
         link(&a, &b);
         for i in 0..40u64 {
-            let req = TransferRequest::new(
+            let req = one(
                 TransferOp::Write,
-                "b",
-                vec![Desc::new(src.id(), i * 64, 64)],
-                vec![Desc::new(dst.id(), i * 64, 64)],
+                Desc::new(src.id(), i * 64, 64),
+                Desc::new(dst.id(), i * 64, 64),
             )
             .with_notify(i.to_le_bytes().to_vec())
             .with_deadline(Duration::from_secs(5));
@@ -1677,11 +1681,10 @@ mod double_tests {
         for i in 0..40u64 {
             let (a, sid, did) = (a.clone(), src.id(), dst.id());
             tasks.push(tokio::spawn(async move {
-                let req = TransferRequest::new(
+                let req = one(
                     TransferOp::Write,
-                    "b",
-                    vec![Desc::new(sid, i * 4096, 4096)],
-                    vec![Desc::new(did, i * 4096, 4096)],
+                    Desc::new(sid, i * 4096, 4096),
+                    Desc::new(did, i * 4096, 4096),
                 )
                 .with_notify(format!("block {i}").into_bytes());
                 a.post(req).unwrap().wait().await
@@ -1708,13 +1711,8 @@ mod double_tests {
         assert_eq!(b.rdma_transport().unwrap().notifications().1, 40);
         // Larger than a slot (4 KiB at this MTU): through the session.
         let big = vec![7u8; 8192];
-        let req = TransferRequest::new(
-            TransferOp::Write,
-            "b",
-            vec![Desc::new(src.id(), 0, 16)],
-            vec![Desc::new(dst.id(), 0, 16)],
-        )
-        .with_notify(big.clone());
+        let req = one(TransferOp::Write, Desc::new(src.id(), 0, 16), Desc::new(dst.id(), 0, 16))
+            .with_notify(big.clone());
         a.post(req).unwrap().wait().await.unwrap();
         let n = b.next_notification().await.unwrap();
         assert_eq!(n.message, big);
@@ -1767,12 +1765,7 @@ mod double_tests {
         let _serial = fake::serial().await;
         let (a, b, src, dst) = linked(1 << 20).await;
         let to = |d: crate::memory::RegionId| {
-            TransferRequest::new(
-                TransferOp::Write,
-                "b",
-                vec![Desc::new(src.id(), 0, 4096)],
-                vec![Desc::new(d, 0, 4096)],
-            )
+            one(TransferOp::Write, Desc::new(src.id(), 0, 4096), Desc::new(d, 0, 4096))
         };
         let dst_id = dst.id();
         a.post(to(dst_id)).unwrap().wait().await.unwrap();
@@ -1799,23 +1792,14 @@ mod double_tests {
             let b = agent("b").await;
             let dst = b.alloc_region(1 << 20, exported()).unwrap();
             link(&a, &b);
-            let req = TransferRequest::new(
-                TransferOp::Write,
-                "b",
-                vec![Desc::new(src.id(), 0, 4096)],
-                vec![Desc::new(dst.id(), 0, 4096)],
-            );
+            let req =
+                one(TransferOp::Write, Desc::new(src.id(), 0, 4096), Desc::new(dst.id(), 0, 4096));
             a.post(req).unwrap().wait().await.unwrap();
             b.shutdown();
             dst.id()
         };
-        let req = TransferRequest::new(
-            TransferOp::Write,
-            "b",
-            vec![Desc::new(src.id(), 0, 4096)],
-            vec![Desc::new(dst_id, 0, 4096)],
-        )
-        .with_deadline(Duration::from_secs(5));
+        let req = one(TransferOp::Write, Desc::new(src.id(), 0, 4096), Desc::new(dst_id, 0, 4096))
+            .with_deadline(Duration::from_secs(5));
         let e = a.post(req).unwrap().wait().await.unwrap_err();
         assert!(matches!(&e, TransferError::Disconnected { peer, .. } if peer == "b"), "{e}");
         assert!(e.to_string().contains("retry counter exceeded"), "{e}");
@@ -1830,12 +1814,7 @@ mod double_tests {
         let (a, _b, src, dst) = linked(1 << 20).await;
         pattern(&src, 5);
         let req = || {
-            TransferRequest::new(
-                TransferOp::Write,
-                "b",
-                vec![Desc::new(src.id(), 0, 1 << 20)],
-                vec![Desc::new(dst.id(), 0, 1 << 20)],
-            )
+            one(TransferOp::Write, Desc::new(src.id(), 0, 1 << 20), Desc::new(dst.id(), 0, 1 << 20))
         };
         // Connect first, so that only the data waits.
         a.post(req().with_transport(TransportKind::Rdma)).unwrap().wait().await.unwrap();
@@ -1864,12 +1843,8 @@ mod double_tests {
     async fn a_chain_taken_in_part_fails_typed() {
         let _serial = fake::serial().await;
         let (a, _b, src, dst) = linked(4 << 20).await;
-        let small = TransferRequest::new(
-            TransferOp::Write,
-            "b",
-            vec![Desc::new(src.id(), 0, 4096)],
-            vec![Desc::new(dst.id(), 0, 4096)],
-        );
+        let small =
+            one(TransferOp::Write, Desc::new(src.id(), 0, 4096), Desc::new(dst.id(), 0, 4096));
         // The connection (made by the first transfer) gets queue pairs that say 64 and take 4.
         fake::limit_send_queues(Some(4));
         a.post(small.clone()).unwrap().wait().await.unwrap();
@@ -1941,11 +1916,10 @@ mod double_tests {
 
         // The peer's GPU memory to ours (both sides' adapters on GPU memory): a READ.
         gpu_b.write(off_b + 600_000, &[0xab; 70_000]);
-        let req = TransferRequest::new(
+        let req = one(
             TransferOp::Read,
-            "b",
-            vec![Desc::new(ga.id(), 10, 70_000)],
-            vec![Desc::new(gb.id(), 600_000, 70_000)],
+            Desc::new(ga.id(), 10, 70_000),
+            Desc::new(gb.id(), 600_000, 70_000),
         );
         assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Rdma);
         a.post(req).unwrap().wait().await.unwrap();
@@ -1953,11 +1927,10 @@ mod double_tests {
 
         // Our GPU memory to the peer's host memory, asked for by name.
         gpu_a.write(off_a + 200_000, &(0..=255u8).cycle().take(65_536).collect::<Vec<_>>());
-        let mut req = TransferRequest::new(
+        let mut req = one(
             TransferOp::Write,
-            "b",
-            vec![Desc::new(ga.id(), 200_000, 65_536)],
-            vec![Desc::new(host_b.id(), 1, 65_536)],
+            Desc::new(ga.id(), 200_000, 65_536),
+            Desc::new(host_b.id(), 1, 65_536),
         );
         req.transport = Some(TransportKind::Rdma);
         a.post(req).unwrap().wait().await.unwrap();
@@ -1965,12 +1938,8 @@ mod double_tests {
 
         // Checksums are computed on host memory: GPUDirect refuses them, typed, and asked by
         // name it says why.
-        let mut req = TransferRequest::new(
-            TransferOp::Write,
-            "b",
-            vec![Desc::new(host_a.id(), 0, 4096)],
-            vec![Desc::new(gb.id(), 0, 4096)],
-        );
+        let mut req =
+            one(TransferOp::Write, Desc::new(host_a.id(), 0, 4096), Desc::new(gb.id(), 0, 4096));
         req.checksum = true;
         req.transport = Some(TransportKind::Rdma);
         let e = a.transport_for(&req).unwrap_err();
@@ -2000,12 +1969,8 @@ mod double_tests {
         a.load_peer(md).unwrap();
         b.load_peer(a.metadata()).unwrap();
         // The peer's host memory is reachable: our adapter reads our GPU memory.
-        let mut req = TransferRequest::new(
-            TransferOp::Write,
-            "b",
-            vec![Desc::new(ga.id(), 0, 4096)],
-            vec![Desc::new(host_b.id(), 0, 4096)],
-        );
+        let mut req =
+            one(TransferOp::Write, Desc::new(ga.id(), 0, 4096), Desc::new(host_b.id(), 0, 4096));
         req.transport = Some(TransportKind::Rdma);
         a.post(req).unwrap().wait().await.unwrap();
 
@@ -2017,12 +1982,8 @@ mod double_tests {
         let RdmaStatus::Device { gpu, .. } = &mut md.rdma else { panic!() };
         *gpu = None;
         a.load_peer(md).unwrap();
-        let mut req = TransferRequest::new(
-            TransferOp::Write,
-            "b",
-            vec![Desc::new(ga.id(), 0, 4096)],
-            vec![Desc::new(gb.id(), 0, 4096)],
-        );
+        let mut req =
+            one(TransferOp::Write, Desc::new(ga.id(), 0, 4096), Desc::new(gb.id(), 0, 4096));
         req.transport = Some(TransportKind::Rdma);
         let e = a.transport_for(&req).unwrap_err();
         assert!(
@@ -2036,13 +1997,9 @@ mod double_tests {
         // SAFETY: never touched: its registration fails before any transfer.
         let bogus = unsafe { b.register_device_unchecked(0x1000, 1 << 20, 0, true) }.unwrap();
         a.load_peer(b.metadata()).unwrap();
-        let req = TransferRequest::new(
-            TransferOp::Write,
-            "b",
-            vec![Desc::new(ga.id(), 0, 4096)],
-            vec![Desc::new(bogus.id(), 0, 4096)],
-        )
-        .with_transport(TransportKind::Rdma);
+        let req =
+            one(TransferOp::Write, Desc::new(ga.id(), 0, 4096), Desc::new(bogus.id(), 0, 4096))
+                .with_transport(TransportKind::Rdma);
         let e = a.post(req).unwrap().wait().await.unwrap_err();
         assert!(
             matches!(&e, TransferError::RemoteDescriptor { reason, .. }
@@ -2050,13 +2007,8 @@ mod double_tests {
             "{e}"
         );
         // b's GPU region that does register works on the same connection's next one.
-        let req = TransferRequest::new(
-            TransferOp::Write,
-            "b",
-            vec![Desc::new(ga.id(), 0, 4096)],
-            vec![Desc::new(gb.id(), 0, 4096)],
-        )
-        .with_transport(TransportKind::Rdma);
+        let req = one(TransferOp::Write, Desc::new(ga.id(), 0, 4096), Desc::new(gb.id(), 0, 4096))
+            .with_transport(TransportKind::Rdma);
         a.post(req).unwrap().wait().await.unwrap();
         assert_eq!(gpu_b.bytes(0, 4096), gpu_a.bytes(0, 4096));
 
@@ -2069,11 +2021,10 @@ mod double_tests {
         let mut md = b.metadata();
         md.host_id = "another-host".into();
         a.load_peer(md).unwrap();
-        let req = TransferRequest::new(
+        let req = one(
             TransferOp::Write,
-            "b",
-            vec![Desc::new(bogus_a.id(), 0, 4096)],
-            vec![Desc::new(host_b.id(), 0, 4096)],
+            Desc::new(bogus_a.id(), 0, 4096),
+            Desc::new(host_b.id(), 0, 4096),
         );
         let why = |e: TransferError| match e {
             TransferError::NoTransport { reason, .. } => reason,
@@ -2148,13 +2099,8 @@ mod double_tests {
         let _serial = fake::serial().await;
         let (a, b, src, dst) = linked(1 << 16).await;
         let write = || {
-            TransferRequest::new(
-                TransferOp::Write,
-                "b",
-                vec![Desc::new(src.id(), 0, 4096)],
-                vec![Desc::new(dst.id(), 0, 4096)],
-            )
-            .with_notify(b"n".to_vec())
+            one(TransferOp::Write, Desc::new(src.id(), 0, 4096), Desc::new(dst.id(), 0, 4096))
+                .with_notify(b"n".to_vec())
         };
         a.post(write()).unwrap().wait().await.unwrap();
         b.next_notification().await.unwrap();
@@ -2187,12 +2133,7 @@ mod double_tests {
         let (a, _b, src, dst) = linked(1 << 20).await;
         let write = |seed: u8| {
             pattern(&src, seed);
-            TransferRequest::new(
-                TransferOp::Write,
-                "b",
-                vec![Desc::new(src.id(), 0, 1 << 20)],
-                vec![Desc::new(dst.id(), 0, 1 << 20)],
-            )
+            one(TransferOp::Write, Desc::new(src.id(), 0, 1 << 20), Desc::new(dst.id(), 0, 1 << 20))
         };
         let req = write(1);
         assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Rdma);
@@ -2243,12 +2184,7 @@ mod double_tests {
         b.load_peer(a.metadata()).unwrap();
         pattern(&src, 5);
         let write = || {
-            TransferRequest::new(
-                TransferOp::Write,
-                "b",
-                vec![Desc::new(src.id(), 0, 1 << 16)],
-                vec![Desc::new(dst.id(), 0, 1 << 16)],
-            )
+            one(TransferOp::Write, Desc::new(src.id(), 0, 1 << 16), Desc::new(dst.id(), 0, 1 << 16))
         };
         assert_eq!(a.transport_for(&write()).unwrap(), TransportKind::Rdma);
         let e = a.post(write()).unwrap().wait().await.unwrap_err();
