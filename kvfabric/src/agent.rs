@@ -21,9 +21,10 @@ use tokio::sync::{mpsc, Semaphore};
 
 use crate::endpoint::{check_remote, check_request, Endpoint, MetadataError, RdmaStatus};
 use crate::memory::{
-    DeviceMemory, MemoryError, MemoryKind, Region, RegionId, RegionOptions, RegionTable,
+    DeviceMemory, MemoryError, MemoryKind, Region, RegionId, RegionOptions, RegionTable, ShmSeal,
 };
 use crate::peer::Peer;
+use crate::session::admission::{Admission, AdmissionLimits, PortSnapshot, PortStats};
 use crate::session::client::Session;
 use crate::session::proto::ServerParams;
 use crate::session::server::{ServerTimeouts, Services, SessionServer};
@@ -54,10 +55,14 @@ pub struct AgentLimits {
     pub notifications_queued_max: usize,
     /// Deadline of a transfer that sets none.
     pub transfer_deadline: Duration,
-    /// Time allowed to connect and authenticate.
+    /// Time allowed to connect to a peer and authenticate (as a client; peers connecting
+    /// here have `connections.handshake_timeout`).
     pub handshake_timeout: Duration,
     /// Time a peer may take to send the rest of a frame once its header arrived.
     pub frame_timeout: Duration,
+    /// Who gets a connection on the agent's port: pending and admitted caps, per source and
+    /// per peer, the server's handshake deadline, and the idle timeout of sessions.
+    pub connections: AdmissionLimits,
 }
 
 impl Default for AgentLimits {
@@ -73,6 +78,9 @@ impl Default for AgentLimits {
             transfer_deadline: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(30),
+            // A peer keeps `tcp_connections_per_peer` stripes (4 by default) and reconnects
+            // while an old connection may still be closing.
+            connections: AdmissionLimits { per_peer_max: 64, ..AdmissionLimits::default() },
         }
     }
 }
@@ -177,6 +185,12 @@ pub(crate) struct AgentInner {
     rdma: Option<Arc<crate::transport::rdma::RdmaTransport>>,
     runtime: tokio::runtime::Handle,
     server: Mutex<Option<SessionServer>>,
+    /// Checks the seals of peers' shared-memory files.
+    seal: ShmSeal,
+    /// The agent port's connection counters.
+    port: Arc<PortStats>,
+    /// Peers refused because their metadata named shared memory that is not theirs.
+    foreign_memory: AtomicU64,
 }
 
 impl AgentInner {
@@ -282,7 +296,12 @@ impl Agent {
         );
         let endpoint = Arc::new(Endpoint::new(
             config.name.clone(),
-            RegionTable::new(shm_prefix, config.limits.regions_max),
+            RegionTable::new(
+                shm_prefix,
+                config.limits.regions_max,
+                ShmSeal::new(&config.secret),
+                config.name.clone(),
+            ),
             notify_tx,
             config.limits.frame_timeout,
         ));
@@ -301,6 +320,7 @@ impl Agent {
             connections: config.tcp_connections_per_peer,
             stripe_bytes: config.tcp_stripe_bytes,
         };
+        let port = Arc::new(PortStats::new("agent"));
         let server = SessionServer::spawn(
             listener,
             Arc::downgrade(&services),
@@ -309,10 +329,8 @@ impl Agent {
                 secret: config.secret.clone(),
                 limits: config.limits.wire,
             },
-            ServerTimeouts {
-                handshake: config.limits.handshake_timeout,
-                frame: config.limits.frame_timeout,
-            },
+            ServerTimeouts { frame: config.limits.frame_timeout },
+            Admission::new(config.limits.connections.clone(), port.clone()),
         );
         let inner = Arc::new(AgentInner {
             services,
@@ -332,6 +350,9 @@ impl Agent {
             rdma,
             runtime,
             server: Mutex::new(Some(server)),
+            seal: ShmSeal::new(&config.secret),
+            port,
+            foreign_memory: AtomicU64::new(0),
             config,
         });
         tracing::debug!(agent = %inner.config.name, addr = %listen_addr, "transfer agent listening");
@@ -526,8 +547,27 @@ impl Agent {
             && md.transports.contains(&TransportKind::Shm);
         let session = Session::new(md.tcp_addr, &md.name, &self.inner.session);
         let name = md.name.clone();
-        self.inner.peers.write().insert(name, Arc::new(Peer::new(md, session, same_host)));
+        let peer = Peer::new(md, session, same_host, &self.inner.seal).inspect_err(|e| {
+            if self.inner.foreign_memory.fetch_add(1, Ordering::Relaxed) == 0 {
+                tracing::warn!(agent = %self.inner.config.name, peer = %name, error = %e,
+                    "refused a peer whose metadata names shared memory that is not its own \
+                     (logged once; counted in /metrics)");
+            } else {
+                tracing::debug!(peer = %name, error = %e, "refused a peer's foreign shared memory");
+            }
+        })?;
+        self.inner.peers.write().insert(name, Arc::new(peer));
         Ok(())
+    }
+
+    /// The agent port's connections: refused and closed by cause, pending, admitted.
+    pub fn connection_stats(&self) -> PortSnapshot {
+        self.inner.port.snapshot()
+    }
+
+    /// Peers refused because their metadata named another process's shared memory.
+    pub fn foreign_memory_refusals(&self) -> u64 {
+        self.inner.foreign_memory.load(Ordering::Relaxed)
     }
 
     /// Forgets a peer; its connections close when in-flight transfers finish.

@@ -405,7 +405,12 @@ mod tests {
         let (tx, _rx) = mpsc::channel(1);
         Endpoint::new(
             "ep".into(),
-            RegionTable::new(format!("kvfabric.endpoint-test.{}", std::process::id()), 16),
+            RegionTable::new(
+                format!("kvfabric.endpoint-test.{}", std::process::id()),
+                16,
+                crate::memory::ShmSeal::new(b"test"),
+                "test",
+            ),
             tx,
             Duration::from_secs(1),
         )

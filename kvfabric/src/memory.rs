@@ -29,6 +29,10 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+mod seal;
+
+pub use seal::{ShmSeal, SEAL_BYTES};
+
 /// Why a region operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
@@ -61,6 +65,20 @@ pub enum MemoryError {
         path: PathBuf,
         /// The OS error.
         source: std::io::Error,
+    },
+    /// A peer's shared-memory file that does not carry the seal of this deployment for the
+    /// peer and region its metadata names: another deployment's file, another agent's, or a
+    /// forgery. Nothing of it was mapped.
+    #[error(
+        "shared memory {path} is not sealed by this deployment for {owner:?}, region {region}"
+    )]
+    NotSealed {
+        /// The file.
+        path: PathBuf,
+        /// The agent the metadata said owns it.
+        owner: String,
+        /// The region the metadata said it holds.
+        region: RegionId,
     },
     /// No region has this id (never registered, deregistered, or a stale generation).
     #[error("unknown region {0}")]
@@ -107,7 +125,7 @@ pub enum MemoryErrorKind {
     ZeroLength,
     /// [`MemoryError::Alloc`] or [`MemoryError::HugePagesUnavailable`].
     OutOfMemory,
-    /// [`MemoryError::Shm`].
+    /// [`MemoryError::Shm`] or [`MemoryError::NotSealed`].
     SharedMemory,
     /// [`MemoryError::UnknownRegion`].
     UnknownRegion,
@@ -129,7 +147,9 @@ impl MemoryError {
             MemoryError::Alloc { .. } | MemoryError::HugePagesUnavailable { .. } => {
                 MemoryErrorKind::OutOfMemory
             }
-            MemoryError::Shm { .. } => MemoryErrorKind::SharedMemory,
+            MemoryError::Shm { .. } | MemoryError::NotSealed { .. } => {
+                MemoryErrorKind::SharedMemory
+            }
             MemoryError::UnknownRegion(_) => MemoryErrorKind::UnknownRegion,
             MemoryError::RegionBusy { .. } => MemoryErrorKind::RegionBusy,
             MemoryError::OutOfBounds { .. } => MemoryErrorKind::OutOfBounds,
@@ -549,6 +569,9 @@ pub struct RegionTable {
     slots: RwLock<Slots>,
     shm_prefix: String,
     regions_max: usize,
+    /// Seals the files of shareable regions, for `owner`.
+    seal: ShmSeal,
+    owner: String,
 }
 
 #[derive(Debug, Default)]
@@ -598,12 +621,20 @@ impl RegionTable {
             .count()
     }
 
-    /// A table whose shared regions are named `/dev/shm/{shm_prefix}.{index}.{generation}`.
-    pub fn new(shm_prefix: impl Into<String>, regions_max: usize) -> Self {
+    /// A table whose shared regions are named `/dev/shm/{shm_prefix}.{index}.{generation}`,
+    /// each file sealed with `seal` as the agent `owner`'s.
+    pub fn new(
+        shm_prefix: impl Into<String>,
+        regions_max: usize,
+        seal: ShmSeal,
+        owner: impl Into<String>,
+    ) -> Self {
         RegionTable {
             slots: RwLock::new(Slots::default()),
             shm_prefix: shm_prefix.into(),
             regions_max,
+            seal,
+            owner: owner.into(),
         }
     }
 
@@ -668,16 +699,22 @@ impl RegionTable {
                     .open(&path)
                     .map_err(shm_err)?;
                 let map = (|| {
-                    file.set_len(len as u64)?;
+                    // The region's bytes, then the seal that tells peers whose file it is.
+                    let file_len = len as u64 + SEAL_BYTES as u64;
+                    file.set_len(file_len)?;
                     // Reserve the pages now: a full /dev/shm is an error here, not a SIGBUS
                     // at the first touch of an unbacked page.
                     use std::os::fd::AsRawFd;
                     // SAFETY: plain syscall on a file descriptor we own; no memory is passed.
-                    let rc =
-                        unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+                    let rc = unsafe {
+                        libc::posix_fallocate(file.as_raw_fd(), 0, file_len as libc::off_t)
+                    };
                     if rc != 0 {
                         return Err(std::io::Error::from_raw_os_error(rc));
                     }
+                    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+                    let trailer = self.seal.trailer(name, &self.owner, id, len as u64);
+                    std::os::unix::fs::FileExt::write_all_at(&file, &trailer, len as u64)?;
                     // SAFETY: the file was just created by us with create_new and is sized to
                     // `len`; peers map it but never truncate it.
                     unsafe { memmap2::MmapOptions::new().len(len).populate().map_mut(&file) }
@@ -832,30 +869,46 @@ unsafe impl Send for PeerMapping {}
 unsafe impl Sync for PeerMapping {}
 
 impl PeerMapping {
-    /// Maps a peer's `/dev/shm` file, which must be at least `len` bytes long.
-    pub fn open(path: &Path, len: usize) -> Result<Self, MemoryError> {
-        use std::os::unix::fs::OpenOptionsExt;
+    /// Maps a peer's `/dev/shm` file holding `len` bytes of region `region`, once its seal
+    /// proves that the agent `owner` of the deployment `seal` belongs to made it for that
+    /// region ([`ShmSeal`]). Nothing is mapped before the seal is checked.
+    pub fn open(
+        path: &Path,
+        len: usize,
+        seal: &ShmSeal,
+        owner: &str,
+        region: RegionId,
+    ) -> Result<Self, MemoryError> {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
         let err = |source| MemoryError::Shm { path: path.to_path_buf(), source };
         // Paths come from peer metadata: only kvfabric's own shm files, never a symlink.
-        let ours = path.parent() == Some(Path::new("/dev/shm"))
-            && path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("kvfabric."));
-        if !ours {
+        let file_name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .filter(|n| n.starts_with("kvfabric.") && path.parent() == Some(Path::new("/dev/shm")));
+        let Some(file_name) = file_name else {
             return Err(err(std::io::Error::other("not a kvfabric shared-memory file")));
-        }
+        };
         let file: File = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(err)?;
-        let actual = file.metadata().map_err(err)?.len();
-        if actual < len as u64 || len == 0 {
-            return Err(err(std::io::Error::other(format!(
-                "file holds {actual} bytes, peer exported {len}"
-            ))));
+        let meta = file.metadata().map_err(err)?;
+        let not_sealed = || MemoryError::NotSealed {
+            path: path.to_path_buf(),
+            owner: owner.to_string(),
+            region,
+        };
+        // The owner sized it to exactly the region and its seal.
+        if len == 0 || !meta.is_file() || meta.len() != len as u64 + SEAL_BYTES as u64 {
+            return Err(not_sealed());
+        }
+        let mut trailer = [0u8; SEAL_BYTES];
+        file.read_exact_at(&mut trailer, len as u64).map_err(err)?;
+        if !seal.check(&trailer, file_name, owner, region, len as u64) {
+            return Err(not_sealed());
         }
         // SAFETY: a shared mapping of a file the peer created and never truncates; if the
         // peer dies the file's pages stay valid while mapped.
@@ -978,7 +1031,7 @@ mod tests {
     /// before any pointer is formed (this proves the refusal, not anything about a GPU).
     #[test]
     fn host_access_to_a_device_region_is_refused_and_its_addresses_are_checked() {
-        let table = RegionTable::new("kvfabric.test-device", 8);
+        let table = RegionTable::new("kvfabric.test-device", 8, ShmSeal::new(b"test"), "test");
         let mem =
             DeviceMemory { addr: 0x7f00_0000_0000, len: 4096, ordinal: 1, owner: None, ipc: None };
         // SAFETY: nothing dereferences a device region's address: that is what this checks.
@@ -1066,7 +1119,12 @@ mod tests {
     }
 
     fn table() -> RegionTable {
-        RegionTable::new(format!("kvfabric.test.{}", std::process::id()), 64)
+        RegionTable::new(
+            format!("kvfabric.test.{}", std::process::id()),
+            64,
+            ShmSeal::new(b"deployment a"),
+            "owner",
+        )
     }
 
     #[test]
@@ -1113,8 +1171,24 @@ mod tests {
             .alloc(8192, RegionOptions { shared: true, export: true, ..Default::default() })
             .unwrap();
         let path = r.shm_path().unwrap().to_path_buf();
-        let peer = PeerMapping::open(&path, 8192).unwrap();
-        assert!(PeerMapping::open(Path::new("/etc/passwd"), 10).is_err(), "foreign paths refused");
+        let seal = ShmSeal::new(b"deployment a");
+        let open = |len, owner: &str, region| PeerMapping::open(&path, len, &seal, owner, region);
+        let peer = open(8192, "owner", r.id()).unwrap();
+        assert!(
+            PeerMapping::open(Path::new("/etc/passwd"), 10, &seal, "owner", r.id()).is_err(),
+            "foreign paths refused"
+        );
+        // Another deployment's process, another owner, another region: nothing is mapped.
+        let other = ShmSeal::new(b"deployment b");
+        assert!(matches!(
+            PeerMapping::open(&path, 8192, &other, "owner", r.id()),
+            Err(MemoryError::NotSealed { .. })
+        ));
+        assert!(matches!(open(8192, "someone", r.id()), Err(MemoryError::NotSealed { .. })));
+        assert!(matches!(
+            open(8192, "owner", RegionId(r.id().0 + 1)),
+            Err(MemoryError::NotSealed { .. })
+        ));
         let src = t.alloc(4096, RegionOptions::default()).unwrap();
         src.write_at(0, b"hello shm").unwrap();
         copy_with_peer(&src, 0, &peer, 100, 9, true).unwrap();
@@ -1122,7 +1196,8 @@ mod tests {
         r.read_at(100, &mut out).unwrap();
         assert_eq!(&out, b"hello shm");
         assert!(copy_with_peer(&src, 0, &peer, 8190, 9, true).is_err());
-        assert!(PeerMapping::open(&path, 1 << 20).is_err(), "longer than the file");
+        assert!(open(1 << 20, "owner", r.id()).is_err(), "longer than the file");
+        assert!(open(4096, "owner", r.id()).is_err(), "shorter than the region");
         let id = r.id();
         drop(r);
         t.deregister(id).unwrap();
@@ -1145,7 +1220,7 @@ mod tests {
 
     #[test]
     fn zero_length_and_table_limit() {
-        let t = RegionTable::new("kvfabric-test-limit", 1);
+        let t = RegionTable::new("kvfabric-test-limit", 1, ShmSeal::new(b"test"), "test");
         assert!(matches!(t.alloc(0, RegionOptions::default()), Err(MemoryError::ZeroLength)));
         let _a = t.alloc(1, RegionOptions::default()).unwrap();
         assert!(matches!(

@@ -4,10 +4,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-
 use crate::endpoint::AgentMetadata;
-use crate::memory::{PeerMapping, RegionId};
+use crate::memory::{MemoryError, PeerMapping, RegionId, ShmSeal};
 use crate::session::client::Session;
 
 /// A loaded peer.
@@ -15,13 +13,42 @@ use crate::session::client::Session;
 pub struct Peer {
     metadata: AgentMetadata,
     pub(crate) session: Session,
-    shm_maps: Mutex<HashMap<RegionId, Arc<PeerMapping>>>,
+    /// Its shareable regions, mapped when it was loaded, each only after its file's seal
+    /// proved it ours ([`ShmSeal`]).
+    shm_maps: HashMap<RegionId, Arc<PeerMapping>>,
     same_host: bool,
 }
 
 impl Peer {
-    pub(crate) fn new(metadata: AgentMetadata, session: Session, same_host: bool) -> Self {
-        Peer { metadata, session, shm_maps: Mutex::new(HashMap::new()), same_host }
+    /// A peer; on this host, its shareable regions are mapped now. A file whose seal does not
+    /// hold (another deployment's, another agent's, a forgery) refuses the whole peer: its
+    /// metadata lies. A file that cannot be opened (its owner exited) only leaves that region
+    /// to the other transports.
+    pub(crate) fn new(
+        metadata: AgentMetadata,
+        session: Session,
+        same_host: bool,
+        seal: &ShmSeal,
+    ) -> Result<Self, MemoryError> {
+        let mut shm_maps = HashMap::new();
+        if same_host {
+            for r in &metadata.regions {
+                let Some(path) = &r.shm_path else { continue };
+                let Ok(len) = usize::try_from(r.len) else { continue };
+                match PeerMapping::open(std::path::Path::new(path), len, seal, &metadata.name, r.id)
+                {
+                    Ok(m) => {
+                        shm_maps.insert(r.id, Arc::new(m));
+                    }
+                    Err(e @ MemoryError::NotSealed { .. }) => return Err(e),
+                    Err(e) => {
+                        tracing::debug!(peer = %metadata.name, region = %r.id, error = %e,
+                            "a peer's region is not reachable by shm");
+                    }
+                }
+            }
+        }
+        Ok(Peer { metadata, session, shm_maps, same_host })
     }
 
     /// The peer's metadata.
@@ -34,16 +61,8 @@ impl Peer {
         self.same_host
     }
 
-    /// The peer's shareable region mapped here, mapping it on first use.
+    /// The peer's shareable region, mapped here.
     pub(crate) fn shm_map(&self, id: RegionId) -> Option<Arc<PeerMapping>> {
-        let mut maps = self.shm_maps.lock();
-        if let Some(m) = maps.get(&id) {
-            return Some(m.clone());
-        }
-        let r = self.metadata.regions.iter().find(|r| r.id == id)?;
-        let path = r.shm_path.as_ref()?;
-        let m = Arc::new(PeerMapping::open(std::path::Path::new(path), r.len as usize).ok()?);
-        maps.insert(id, m.clone());
-        Some(m)
+        self.shm_maps.get(&id).cloned()
     }
 }

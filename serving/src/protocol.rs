@@ -1,18 +1,21 @@
 //! The frontend↔worker protocol: how a worker appears in discovery ([`WorkerMetadata`] under
-//! [`WORKER_KIND`] or [`PREFILL_KIND`]), and the request transport: TCP, one connection per request,
-//! length-prefixed JSON frames (`u32` little-endian length, then the JSON, at most
+//! [`WORKER_KIND`] or [`PREFILL_KIND`]), and the request transport: TCP, one request at a time
+//! per connection, length-prefixed JSON frames (`u32` little-endian length, then the JSON, at most
 //! [`MAX_FRAME`] bytes).
 //!
 //! Every connection starts with the agents' authenticated handshake
 //! ([`kvfabric::session::handshake`]: shared secret, HMAC challenge): no secret, no frames.
-//! Then the frontend sends one [`WorkerRequest`]; the worker answers with [`GenEvent`] frames
-//! (`started`, `token`…, then `done` or `error`) and closes. A frontend that closes the
+//! Then the frontend sends a [`WorkerRequest`]; the worker answers with [`GenEvent`] frames
+//! (`started`, `token`…, then `done` or `error`). A frontend that closes the
 //! connection cancels the generation: the worker notices at once and drops its receiver,
 //! which frees the sequence's KV. Malformed, oversize or late frames get an `error` frame
 //! and the connection is closed; nothing a peer sends can panic the worker. A worker bounds its
-//! connections ([`ServeLimits`]): in all, in the handshake, per authenticated peer; a request
-//! must arrive within a deadline, and its body is read as it arrives (no allocation of the
-//! announced size up front).
+//! connections ([`ServeLimits`], [`kvfabric::session::admission`]): in all, in the handshake
+//! (where a newer connection evicts the oldest, so silent strangers cannot hold the port), per
+//! source, per authenticated peer; a request must arrive within a deadline, and its body is
+//! read as it arrives (no allocation of the announced size up front). After `done` a connection
+//! may carry the frontend's next request: frontends keep their connections
+//! ([`ConnectionPool`]) instead of authenticating again per request.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -20,13 +23,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvfabric::session::admission::{Admission, AdmissionLimits, Admitted, PortStats};
 use kvfabric::session::handshake::{self, HandshakeError};
 use kvfabric::session::proto::{ClientParams, ServerParams};
 use kvfabric::wire::WireLimits;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 
 use crate::backend::Backend;
 use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
@@ -184,57 +187,61 @@ impl Auth {
 /// Limits of a worker's request port.
 #[derive(Debug, Clone)]
 pub struct ServeLimits {
-    /// Connections at once, in all; beyond, new ones are closed at once (and counted).
-    pub connections_max: usize,
-    /// Connections still in the handshake at once.
-    pub handshakes_max: usize,
-    /// Connections of one authenticated peer at once.
-    pub per_peer_max: usize,
-    /// Time to complete the handshake.
-    pub handshake_timeout: Duration,
-    /// Time for the request frame to arrive after the handshake.
+    /// Who gets a connection: pending (pre-auth) and admitted caps, per source and per peer,
+    /// the handshake deadline, and how long an idle kept connection stays open
+    /// ([`AdmissionLimits`]).
+    pub connections: AdmissionLimits,
+    /// Time for the first request frame to arrive after the handshake.
     pub request_timeout: Duration,
 }
 
 impl Default for ServeLimits {
     fn default() -> Self {
         ServeLimits {
-            connections_max: 4096,
-            handshakes_max: 128,
-            per_peer_max: 2048,
-            handshake_timeout: Duration::from_secs(5),
+            connections: AdmissionLimits {
+                // Kept connections of frontends come back for their next request well
+                // within this (they reuse a connection only while idle less than
+                // `POOL_IDLE_MAX`).
+                idle_timeout: Duration::from_secs(60),
+                ..AdmissionLimits::default()
+            },
             request_timeout: Duration::from_secs(10),
         }
     }
 }
 
-/// What a worker's request port refused, by reason.
-#[derive(Debug, Default)]
+/// What a worker's request port counts.
+#[derive(Debug)]
 pub struct ServeStats {
-    /// Connections refused because too many were open (in all, or in the handshake).
-    pub refused_busy: AtomicU64,
-    /// Connections refused because their peer had too many open.
-    pub refused_peer: AtomicU64,
-    /// Handshakes that failed (wrong secret, timeout, garbage).
-    pub handshake_failed: AtomicU64,
+    /// Connections refused or closed, by cause, and those open now.
+    pub port: Arc<PortStats>,
     /// Requests refused after the handshake (malformed, late, over a limit).
     pub bad_requests: AtomicU64,
-    /// Connections accepted and not yet done: in the handshake, reading their request, or
-    /// streaming its answer (a draining worker waits for 0).
+    /// Requests being answered now (a draining worker waits for 0).
     pub in_flight: AtomicU64,
 }
 
-/// Counts a connection in flight while it lives.
-struct InFlight(Arc<ServeStats>);
+impl Default for ServeStats {
+    fn default() -> Self {
+        ServeStats {
+            port: Arc::new(PortStats::new("request")),
+            bad_requests: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+        }
+    }
+}
 
-impl InFlight {
-    fn new(stats: Arc<ServeStats>) -> Self {
+/// Counts a request in flight while it lives.
+struct InFlight<'a>(&'a ServeStats);
+
+impl<'a> InFlight<'a> {
+    fn new(stats: &'a ServeStats) -> Self {
         stats.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight(stats)
     }
 }
 
-impl Drop for InFlight {
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
@@ -299,6 +306,9 @@ pub async fn read_frame<R: AsyncReadExt + Unpin, T: serde::de::DeserializeOwned>
 }
 
 /// Serves generation requests from frontends on `listener`, until the task is aborted.
+/// A connection carries one request at a time, and may carry more, one after the other: after
+/// `done` (or `error`) the worker waits for the frontend's next request, up to the idle
+/// timeout.
 pub fn serve(
     listener: TcpListener,
     backend: Arc<dyn Backend>,
@@ -306,9 +316,7 @@ pub fn serve(
     limits: ServeLimits,
     stats: Arc<ServeStats>,
 ) -> tokio::task::JoinHandle<()> {
-    let connections = Arc::new(Semaphore::new(limits.connections_max.max(1)));
-    let handshakes = Arc::new(Semaphore::new(limits.handshakes_max.max(1)));
-    let peers: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let admission = Admission::new(limits.connections.clone(), stats.port.clone());
     tokio::spawn(async move {
         loop {
             let (conn, from) = match listener.accept().await {
@@ -319,130 +327,204 @@ pub fn serve(
                     continue;
                 }
             };
-            let (Ok(slot), Ok(handshake)) =
-                (connections.clone().try_acquire_owned(), handshakes.clone().try_acquire_owned())
-            else {
-                if stats.refused_busy.fetch_add(1, Ordering::Relaxed) == 0 {
-                    tracing::warn!(%from, "worker port at its connection limit: refusing");
-                }
-                continue;
-            };
-            let (backend, auth, limits, stats, peers) =
-                (backend.clone(), auth.clone(), limits.clone(), stats.clone(), peers.clone());
-            let counted = InFlight::new(stats.clone());
+            let Some(pending) = admission.admit(from.ip()) else { continue };
+            let (backend, auth, limits, stats) =
+                (backend.clone(), auth.clone(), limits.clone(), stats.clone());
             tokio::spawn(async move {
-                let _slot = slot;
-                let _counted = counted;
                 let mut conn = conn;
                 let _ = conn.set_nodelay(true);
-                let peer = match handshake::server(
+                let handshake = handshake::server(
                     &mut conn,
                     auth.server(),
                     handshake::nonce(),
-                    limits.handshake_timeout,
-                )
-                .await
-                {
-                    Ok(p) => p,
-                    Err(e) => {
-                        stats.handshake_failed.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(%from, error = %e, "frontend handshake failed");
-                        return;
-                    }
-                };
-                drop(handshake);
-                let Some(_peer_slot) = PeerSlot::take(&peers, &peer, limits.per_peer_max) else {
-                    stats.refused_peer.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%from, %peer, "peer at its connection limit: refusing");
-                    return;
-                };
-                if let Err(e) = handle(conn, backend, &limits).await {
+                    limits.connections.handshake_timeout,
+                );
+                let Some(admitted) = pending.authenticate(handshake).await else { return };
+                if let Err(e) = handle(conn, backend, &limits, &stats, &admitted).await {
                     stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%peer, error = %e, "frontend connection ended");
+                    tracing::debug!(peer = %admitted.peer(), error = %e, "frontend connection ended");
                 }
             });
         }
     })
 }
 
-/// One of a peer's connections, counted while it lives.
-struct PeerSlot {
-    peers: Arc<Mutex<HashMap<String, usize>>>,
-    peer: String,
-}
-
-impl PeerSlot {
-    fn take(peers: &Arc<Mutex<HashMap<String, usize>>>, peer: &str, max: usize) -> Option<Self> {
-        let mut map = peers.lock();
-        let n = map.entry(peer.to_string()).or_default();
-        if *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(PeerSlot { peers: peers.clone(), peer: peer.to_string() })
-    }
-}
-
-impl Drop for PeerSlot {
-    fn drop(&mut self) {
-        let mut map = self.peers.lock();
-        if let Some(n) = map.get_mut(&self.peer) {
-            *n -= 1;
-            if *n == 0 {
-                map.remove(&self.peer);
-            }
-        }
-    }
-}
-
+/// Answers the requests of one authenticated connection, one after the other.
 async fn handle(
     conn: TcpStream,
     backend: Arc<dyn Backend>,
     limits: &ServeLimits,
+    stats: &ServeStats,
+    admitted: &Admitted,
 ) -> Result<(), FrameError> {
     let (mut rd, mut wr) = conn.into_split();
-    // The request must arrive promptly; a silent peer does not hold a task forever.
-    let req: WorkerRequest = match tokio::time::timeout(limits.request_timeout, read_frame(&mut rd))
-        .await
-    {
-        Ok(Ok(Some(r))) => r,
-        Ok(Ok(None)) => return Ok(()),
-        Ok(Err(e)) => {
-            let _ =
-                write_frame(&mut wr, &GenEvent::Error(EngineError::invalid(e.to_string()))).await;
-            return Err(e);
+    // The first request must arrive promptly; a kept connection may wait longer for its next.
+    let mut wait = limits.request_timeout;
+    loop {
+        let req: WorkerRequest = match tokio::time::timeout(wait, read_frame(&mut rd)).await {
+            Ok(Ok(Some(r))) => r,
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Err(e)) => {
+                let e2 = EngineError::invalid(e.to_string());
+                let _ = write_frame(&mut wr, &GenEvent::Error(e2)).await;
+                return Err(e);
+            }
+            Err(_) if wait == limits.request_timeout => {
+                let e = EngineError::invalid(format!("no request within {wait:?}"));
+                let _ = write_frame(&mut wr, &GenEvent::Error(e)).await;
+                return Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into());
+            }
+            Err(_) => {
+                admitted.idle_closed();
+                return Ok(());
+            }
+        };
+        let _counted = InFlight::new(stats);
+        if !answer(req, &backend, &mut rd, &mut wr).await? {
+            return Ok(());
         }
-        Err(_) => {
-            let e = EngineError::invalid(format!("no request within {:?}", limits.request_timeout));
-            let _ = write_frame(&mut wr, &GenEvent::Error(e)).await;
-            return Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into());
-        }
-    };
+        wait = admitted.idle_timeout();
+    }
+}
+
+/// Answers one request; false when the frontend hung up (the connection is over).
+async fn answer(
+    req: WorkerRequest,
+    backend: &Arc<dyn Backend>,
+    rd: &mut tokio::net::tcp::OwnedReadHalf,
+    wr: &mut tokio::net::tcp::OwnedWriteHalf,
+) -> Result<bool, FrameError> {
     if backend.model(&req.model).is_none() {
         let e = EngineError::invalid(format!("this worker does not serve {:?}", req.model));
-        return write_frame(&mut wr, &GenEvent::Error(e)).await;
+        write_frame(wr, &GenEvent::Error(e)).await?;
+        return Ok(true);
     }
     let mut rx = match backend.submit(&req.model, req.request) {
         Ok(rx) => rx,
-        Err(e) => return write_frame(&mut wr, &GenEvent::Error(e)).await,
+        Err(e) => {
+            write_frame(wr, &GenEvent::Error(e)).await?;
+            return Ok(true);
+        }
     };
     let mut probe = [0u8; 1];
     loop {
         tokio::select! {
             ev = rx.recv() => {
                 let Some(ev) = ev else {
-                    return write_frame(&mut wr, &GenEvent::Error(EngineError::Stopped)).await;
+                    write_frame(wr, &GenEvent::Error(EngineError::Stopped)).await?;
+                    return Ok(true);
                 };
                 let last = matches!(ev, GenEvent::Done { .. } | GenEvent::Error(_));
-                write_frame(&mut wr, &ev).await?;
+                write_frame(wr, &ev).await?;
                 if last {
-                    return Ok(());
+                    return Ok(true);
                 }
             }
-            // The frontend sends nothing more: any read result means it hung up (or broke
-            // the protocol). Either way the generation is cancelled by dropping `rx`.
-            _ = rd.read(&mut probe) => return Ok(()),
+            // The frontend sends nothing while a request runs: any read result means it hung
+            // up (or broke the protocol). Either way the generation is cancelled by dropping
+            // `rx`.
+            _ = rd.read(&mut probe) => return Ok(false),
         }
+    }
+}
+
+/// A kept connection idle longer than this is closed, not reused (workers close theirs
+/// after their idle timeout, 60 s by default).
+pub const POOL_IDLE_MAX: Duration = Duration::from_secs(30);
+
+/// Kept connections per worker, at most.
+const POOL_PER_WORKER_MAX: usize = 64;
+
+/// A frontend's authenticated connections to its workers, kept for reuse: a request takes
+/// one (or opens one), and gives it back after a clean end (`done` or `error`). A flood of
+/// strangers on a worker's port then cannot keep the frontend out: its connections are
+/// already in.
+#[derive(Debug, Default)]
+pub struct ConnectionPool {
+    idle: Mutex<HashMap<(SocketAddr, String), Vec<(TcpStream, std::time::Instant)>>>,
+}
+
+/// A connection to a worker with a request sent on it.
+#[derive(Debug)]
+pub struct PooledConn {
+    stream: TcpStream,
+    key: (SocketAddr, String),
+    /// Whether it was kept from an earlier request (it may have been closed meanwhile).
+    pub reused: bool,
+}
+
+impl PooledConn {
+    /// Reads the next event.
+    pub async fn next(&mut self) -> Result<Option<GenEvent>, FrameError> {
+        read_frame(&mut self.stream).await
+    }
+}
+
+impl ConnectionPool {
+    /// Sends `req` to the worker `worker` at `addr` on a kept connection, or on a new one
+    /// (connected and authenticated within `timeout`).
+    pub async fn request(
+        &self,
+        addr: SocketAddr,
+        worker: &str,
+        auth: &Auth,
+        req: &WorkerRequest,
+        timeout: Duration,
+    ) -> Result<PooledConn, FrameError> {
+        let key = (addr, worker.to_string());
+        while let Some(mut stream) = self.take(&key) {
+            if write_frame(&mut stream, req).await.is_ok() {
+                return Ok(PooledConn { stream, key, reused: true });
+            }
+        }
+        self.fresh(addr, worker, auth, req, timeout).await
+    }
+
+    /// Sends `req` on a new connection.
+    pub async fn fresh(
+        &self,
+        addr: SocketAddr,
+        worker: &str,
+        auth: &Auth,
+        req: &WorkerRequest,
+        timeout: Duration,
+    ) -> Result<PooledConn, FrameError> {
+        let stream = connect(addr, worker, auth, req, timeout).await?;
+        Ok(PooledConn { stream, key: (addr, worker.to_string()), reused: false })
+    }
+
+    /// A kept connection that is still open, newest first.
+    fn take(&self, key: &(SocketAddr, String)) -> Option<TcpStream> {
+        let mut idle = self.idle.lock();
+        let conns = idle.get_mut(key)?;
+        while let Some((stream, since)) = conns.pop() {
+            let mut probe = [0u8; 1];
+            // A worker sends nothing unasked: anything readable (its end of stream above
+            // all) means the connection is over.
+            let open = matches!(stream.try_read(&mut probe),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+            if open && since.elapsed() < POOL_IDLE_MAX {
+                return Some(stream);
+            }
+        }
+        idle.remove(key);
+        None
+    }
+
+    /// Gives back a connection whose request ended cleanly (its last event was `done` or
+    /// `error`).
+    pub fn give_back(&self, conn: PooledConn) {
+        let mut idle = self.idle.lock();
+        let conns = idle.entry(conn.key).or_default();
+        conns.retain(|(_, since)| since.elapsed() < POOL_IDLE_MAX);
+        if conns.len() < POOL_PER_WORKER_MAX {
+            conns.push((conn.stream, std::time::Instant::now()));
+        }
+    }
+
+    /// Closes the kept connections to a worker (it left).
+    pub fn forget(&self, addr: SocketAddr, worker: &str) {
+        self.idle.lock().remove(&(addr, worker.to_string()));
     }
 }
 

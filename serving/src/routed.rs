@@ -182,6 +182,8 @@ struct Inner {
     rng: Mutex<SplitMix64>,
     stats: RoutedStats,
     epoch: Instant,
+    /// Authenticated connections to workers, kept between requests.
+    pool: protocol::ConnectionPool,
 }
 
 /// Workers in discovery behind one routing frontend. Cheap to clone.
@@ -224,6 +226,7 @@ impl RoutedBackend {
             rng: Mutex::new(SplitMix64(seed)),
             stats: RoutedStats::default(),
             epoch: Instant::now(),
+            pool: protocol::ConnectionPool::default(),
         });
         for inst in initial {
             inner.join(inst).await;
@@ -627,6 +630,7 @@ impl Inner {
         let mut st = self.state.lock();
         let Some(w) = st.workers.remove(name) else { return };
         tracing::info!(worker = %name, "worker left");
+        self.pool.forget(w.addr, name);
         let (wid, model) = (w.wid, w.model.clone());
         if st.departed.len() >= DEPARTED_MAX {
             st.departed.pop_front();
@@ -823,17 +827,17 @@ impl Inner {
     ) -> Relay {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let auth = Auth { name: self.cfg.name.clone(), secret: self.cfg.secret.clone() };
-        let mut conn =
-            match protocol::connect(addr, name, &auth, wreq, self.cfg.connect_timeout.min(left))
-                .await
-            {
-                Ok(c) => c,
-                Err(e) => {
-                    // Refused, or no handshake in time (a frozen process): avoid it too.
-                    self.penalise(name);
-                    return Relay::Retry(e.to_string());
-                }
-            };
+        let timeout = self.cfg.connect_timeout.min(left);
+        let mut conn = match self.pool.request(addr, name, &auth, wreq, timeout).await {
+            Ok(c) => c,
+            Err(e) => {
+                // Refused, or no handshake in time (a frozen process): avoid it too.
+                self.penalise(name);
+                return Relay::Retry(e.to_string());
+            }
+        };
+        // Whether any event came back on this connection yet.
+        let mut answered = false;
         let mut sent_token = false;
         let first_token_by =
             (tokio::time::Instant::now() + self.cfg.first_token_timeout).min(deadline);
@@ -843,10 +847,23 @@ impl Inner {
         loop {
             let until = if sent_token { deadline } else { first_token_by };
             let frame = tokio::select! {
-                f = tokio::time::timeout_at(until, protocol::read_frame::<_, GenEvent>(&mut conn)) => f,
+                f = tokio::time::timeout_at(until, conn.next()) => f,
                 // The client went away: closing the connection cancels the worker's work.
                 _ = tx.closed() => return Relay::Finished,
             };
+            // A kept connection that the worker closed before it read the request (it
+            // restarted, or closed it idle just then): the same request on a new one.
+            if conn.reused && !answered && matches!(frame, Ok(Ok(None) | Err(_))) {
+                match self.pool.fresh(addr, name, &auth, wreq, timeout).await {
+                    Ok(c) => conn = c,
+                    Err(e) => {
+                        self.penalise(name);
+                        return Relay::Retry(e.to_string());
+                    }
+                }
+                continue;
+            }
+            answered |= matches!(frame, Ok(Ok(Some(_))));
             let ev = match frame {
                 Err(_) if !sent_token && until < deadline => {
                     self.penalise(name);
@@ -898,6 +915,7 @@ impl Inner {
                     }
                 }
                 GenEvent::Done { .. } => {
+                    self.pool.give_back(conn);
                     if let Some(s) = started.take() {
                         let _ = tx.send(s);
                     }
@@ -911,6 +929,8 @@ impl Inner {
                     }
                 },
                 GenEvent::Error(e) => {
+                    // The worker is done with the request; the connection is clean.
+                    self.pool.give_back(conn);
                     let retryable =
                         matches!(e, EngineError::Overloaded { .. } | EngineError::Stopped);
                     if retryable && !sent_token {

@@ -397,6 +397,7 @@ async fn concurrent_requests_share_steps_and_each_gets_its_own_answer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_on_hang_up() {
+    use kvfabric::session::admission::Cause;
     use kvfabric::session::handshake;
     use kvfabric::session::proto::ClientParams;
     use kvfabric::wire::WireLimits;
@@ -425,7 +426,8 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let auth = Auth { name: "w".into(), secret: b"worker-secret".to_vec() };
-    let limits = ServeLimits { per_peer_max: 4, ..ServeLimits::default() };
+    let mut limits = ServeLimits::default();
+    limits.connections.per_peer_max = 4;
     let stats = std::sync::Arc::new(ServeStats::default());
     let _server = protocol::serve(listener, backend, auth.clone(), limits, stats.clone());
 
@@ -509,8 +511,8 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
         .unwrap_err();
     assert!(err.to_string().contains("expected \"w2\""), "{err}");
     // The raw frame, the wrong secret, and the client that left on the wrong name.
-    wait_until("three failed handshakes", || stats.handshake_failed.load(Ordering::Relaxed) == 3)
-        .await;
+    let failed = || stats.port.snapshot().count(Cause::Handshake);
+    wait_until("three failed handshakes", || failed() == 3).await;
 
     // One peer holds at most 4 connections; others are not affected.
     let mut held = Vec::new();
@@ -521,22 +523,34 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
     let mut buf = [0u8; 1];
     let n = tokio::time::timeout(Duration::from_secs(5), fifth.read(&mut buf)).await.unwrap();
     assert!(matches!(n, Ok(0) | Err(_)), "the fifth connection is closed");
-    assert_eq!(stats.refused_peer.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.port.snapshot().count(Cause::Peer), 1);
     drop(held);
     // A silent peer is dropped after the request timeout (10 s) with an error; we don't wait
     // for it here. A valid request streams started, tokens, done.
+    // The connection stays open after `done` and carries the next request.
     let mut c = connect(req("mock", 4)).await.unwrap();
-    let mut kinds = Vec::new();
-    while let Some(ev) = read_frame::<_, GenEvent>(&mut c).await.unwrap() {
-        kinds.push(match ev {
-            GenEvent::Started { .. } => "started",
-            GenEvent::Token { .. } => "token",
-            GenEvent::Done { .. } => "done",
-            GenEvent::Cached(_) => "cached",
-            GenEvent::Error(_) => "error",
-        });
+    for round in 0..2 {
+        if round == 1 {
+            protocol::write_frame(&mut c, &req("mock", 4)).await.unwrap();
+        }
+        let mut kinds = Vec::new();
+        while let Some(ev) = read_frame::<_, GenEvent>(&mut c).await.unwrap() {
+            let kind = match ev {
+                GenEvent::Started { .. } => "started",
+                GenEvent::Token { .. } => "token",
+                GenEvent::Done { .. } => "done",
+                GenEvent::Cached(_) => "cached",
+                GenEvent::Error(_) => "error",
+            };
+            kinds.push(kind);
+            if kind == "done" {
+                break;
+            }
+        }
+        assert_eq!(kinds, ["started", "token", "token", "token", "token", "done"], "{round}");
     }
-    assert_eq!(kinds, ["started", "token", "token", "token", "token", "done"]);
+    assert_eq!(stats.in_flight.load(Ordering::Relaxed), 0, "a kept connection is not in flight");
+    drop(c);
     // Hanging up mid-generation cancels it.
     let mut c = connect(req("mock", 4000)).await.unwrap();
     for _ in 0..3 {

@@ -31,11 +31,30 @@ fn session_error(peer: &str, e: SessionError) -> TransferError {
     }
 }
 
+/// A kept connection idle longer than this is closed rather than reused: servers close
+/// sessions idle for their idle timeout ([`super::admission::AdmissionLimits::idle_timeout`],
+/// 120 s by default), and a request must not race that close.
+const IDLE_REUSE_MAX: Duration = Duration::from_secs(60);
+
 /// One authenticated connection.
 #[derive(Debug)]
 struct Conn {
     stream: TcpStream,
     proto: ClientProto,
+    last_used: std::time::Instant,
+}
+
+impl Conn {
+    /// Whether it can carry the next request: ready, used recently, and not closed by the
+    /// server meanwhile (a server sends nothing unasked, so anything readable — its end of
+    /// stream above all — means the connection is over).
+    fn reusable(&self) -> bool {
+        if !self.proto.is_ready() || self.last_used.elapsed() > IDLE_REUSE_MAX {
+            return false;
+        }
+        let mut probe = [0u8; 1];
+        matches!(self.stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    }
 }
 
 /// A peer's session: its connection stripes.
@@ -111,7 +130,7 @@ impl Session {
                         .map_err(|e| disconnected(peer, e))?;
                 }
                 if event == Some(ClientEvent::Authenticated) {
-                    return Ok(Conn { stream, proto });
+                    return Ok(Conn { stream, proto, last_used: std::time::Instant::now() });
                 }
             }
         };
@@ -125,7 +144,7 @@ impl Session {
     pub(crate) async fn conn(&self, i: usize) -> Result<StripeConn<'_>, TransferError> {
         let mut slot = self.stripes[i % self.stripes.len()].lock().await;
         let conn = match slot.take() {
-            Some(c) if c.proto.is_ready() => c,
+            Some(c) if c.reusable() => c,
             _ => self.connect().await?,
         };
         Ok(StripeConn { session: self, slot, conn })
@@ -235,7 +254,8 @@ pub(crate) struct StripeConn<'s> {
 impl StripeConn<'_> {
     /// Puts the connection back for the next request (only after a clean exchange).
     pub(crate) fn keep(self) {
-        let StripeConn { mut slot, conn, .. } = self;
+        let StripeConn { mut slot, mut conn, .. } = self;
+        conn.last_used = std::time::Instant::now();
         *slot = Some(conn);
     }
 

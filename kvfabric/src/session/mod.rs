@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use crate::wire::WireLimits;
 
+pub mod admission;
 pub(crate) mod client;
 pub mod handshake;
 pub(crate) mod io;

@@ -16,6 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 use crate::endpoint::{verify, Endpoint, Notification, Refusal};
 use crate::wire::{ErrorCode, Message};
 
+use super::admission::{Admission, PreAuth};
 use super::io::{self, RawDst, RawSrc};
 use super::proto::{ServerEvent, ServerParams, ServerProto, SessionError};
 use super::RpcHandler;
@@ -50,22 +51,22 @@ pub(crate) struct SessionServer {
 /// How connections are served.
 #[derive(Debug, Clone)]
 pub(crate) struct ServerTimeouts {
-    /// Connect-to-authenticated bound.
-    pub(crate) handshake: Duration,
     /// Time for the rest of a frame, or a payload's next bytes, once it started.
     pub(crate) frame: Duration,
 }
 
 impl SessionServer {
+    /// Serves `listener`; who gets in, for how long, is `admission`'s to say.
     pub(crate) fn spawn(
         listener: TcpListener,
         services: Weak<Services>,
         params: ServerParams,
         timeouts: ServerTimeouts,
+        admission: Admission,
     ) -> Self {
         let task = tokio::spawn(async move {
             loop {
-                let Ok((stream, _addr)) = listener.accept().await else {
+                let Ok((stream, from)) = listener.accept().await else {
                     // Out of file descriptors or similar: back off instead of spinning.
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
@@ -73,6 +74,7 @@ impl SessionServer {
                 if services.strong_count() == 0 {
                     return;
                 }
+                let Some(pending) = admission.admit(from.ip()) else { continue };
                 let conn = Connection {
                     stream,
                     proto: ServerProto::new(params.clone(), io::random_nonce()),
@@ -80,7 +82,7 @@ impl SessionServer {
                     timeouts: timeouts.clone(),
                 };
                 tokio::spawn(async move {
-                    let _ = conn.serve().await;
+                    let _ = conn.serve(pending).await;
                 });
             }
         });
@@ -117,13 +119,14 @@ impl Connection {
         io::write_all(&mut self.stream, &bytes, REPLY_TIMEOUT).await
     }
 
-    /// Reads the next event. Waiting for a frame to start is not bounded here (the
-    /// handshake is, as a whole, by its caller); the rest of a frame is. A protocol violation
-    /// sends the error frame the state machine queued and ends the connection.
-    async fn next_event(&mut self) -> Result<ServerEvent, End> {
+    /// Reads the next event. Waiting for a frame to start is bounded by `idle` (None: by
+    /// the caller, as the handshake is as a whole); the rest of a frame by the frame timeout.
+    /// A protocol violation sends the error frame the state machine queued and ends the
+    /// connection.
+    async fn next_event(&mut self, idle: Option<Duration>) -> Result<ServerEvent, End> {
         loop {
             let mut buf = vec![0u8; self.proto.need()];
-            let timeout = self.proto.in_frame().then_some(self.timeouts.frame);
+            let timeout = if self.proto.in_frame() { Some(self.timeouts.frame) } else { idle };
             io::read_exact(&mut self.stream, &mut buf, timeout).await?;
             match self.proto.recv(&buf) {
                 Ok((_, Some(ev))) => {
@@ -152,17 +155,27 @@ impl Connection {
         self.reply(Message::Error { code: r.code, message: r.message }).await
     }
 
-    async fn serve(mut self) -> Result<(), End> {
+    async fn serve(mut self, pending: PreAuth) -> Result<(), End> {
         self.stream.set_nodelay(true)?;
-        self.flush().await?; // the challenge
-        let peer = match tokio::time::timeout(self.timeouts.handshake, self.next_event()).await {
-            Ok(Ok(ServerEvent::Authenticated { peer })) => peer,
-            Ok(Ok(_)) => return Err(ended(SessionError::Misuse("a request before the hello"))),
-            Ok(Err(e)) => return Err(e),
-            Err(_) => return Err(std::io::ErrorKind::TimedOut.into()),
+        let handshake = async {
+            self.flush().await?; // the challenge
+            match self.next_event(None).await? {
+                ServerEvent::Authenticated { peer } => Ok(peer),
+                _ => Err(ended(SessionError::Misuse("a request before the hello"))),
+            }
         };
+        let Some(admitted) = pending.authenticate(handshake).await else { return Ok(()) };
+        let peer = admitted.peer().to_string();
         loop {
-            let ServerEvent::Request { message, .. } = self.next_event().await? else {
+            let event = match self.next_event(Some(admitted.idle_timeout())).await {
+                Ok(ev) => ev,
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut && !self.proto.in_frame() => {
+                    admitted.idle_closed();
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            };
+            let ServerEvent::Request { message, .. } = event else {
                 return Err(ended(SessionError::Misuse("a second authentication")));
             };
             let Some(services) = self.services.upgrade() else {
