@@ -549,3 +549,39 @@ async fn rpc_reaches_the_peer_service_with_the_authenticated_name() {
     );
     assert!(matches!(a.call("zed", 1, vec![], d).await, Err(TransferError::UnknownPeer(_))));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_are_closed_and_their_peers_reconnect_unnoticed() {
+    use kvfabric::session::admission::Cause;
+    let mut cfg = AgentConfig::new("b", SECRET);
+    cfg.limits.connections.idle_timeout = Duration::from_millis(300);
+    cfg.limits.connections.per_peer_max = 4;
+    let b = Agent::start(cfg).await.unwrap();
+    let a = agent("a").await;
+    let src =
+        a.alloc_region(1 << 20, RegionOptions { export: true, ..Default::default() }).unwrap();
+    let dst =
+        b.alloc_region(1 << 20, RegionOptions { export: true, ..Default::default() }).unwrap();
+    link(&a, &b);
+    let write = || {
+        let d = [Desc::new(src.id(), 0, 1 << 20)];
+        let r = [Desc::new(dst.id(), 0, 1 << 20)];
+        TransferRequest::new(TransferOp::Write, "b", d.to_vec(), r.to_vec())
+            .with_transport(TransportKind::Tcp)
+    };
+    pattern(&src, 1);
+    a.post(write()).unwrap().wait().await.unwrap();
+    assert!(b.connection_stats().admitted >= 1);
+    // Idle past b's timeout: b closes a's stripes, and counts them.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let s = b.connection_stats();
+    assert_eq!(s.admitted, 0, "{s:?}");
+    assert!(s.count(Cause::Idle) >= 1, "{s:?}");
+    // a's next transfer opens new connections instead of failing on the closed ones.
+    pattern(&src, 2);
+    a.post(write()).unwrap().wait().await.unwrap();
+    assert_eq!(bytes(&src, 0, 1 << 20), bytes(&dst, 0, 1 << 20));
+    // a's stripes (4) fit b's per-peer limit: none was refused.
+    let s = b.connection_stats();
+    assert!(s.admitted <= 4 && s.count(Cause::Peer) == 0, "{s:?}");
+}

@@ -19,6 +19,116 @@ use kvfabric_serving::worker::{EngineSpec, Role, WorkerConfig, WorkerStack, WORK
 use serde_json::json;
 
 const SECRET: &[u8] = b"worker-test-secret";
+
+/// A mock worker named `name`, served and registered in `discovery`.
+async fn mock_worker(
+    name: &str,
+    discovery: &Arc<dyn Discovery>,
+    bus: &Arc<dyn EventBus>,
+) -> (WorkerStack, kvfabric_serving::worker::Served) {
+    let cfg = WorkerConfig {
+        name: name.into(),
+        engine: EngineSpec::Mock {
+            name: "mock".into(),
+            block_tokens: 16,
+            model_dir: None,
+            config: MockConfig { decode_step_us: 100.0, ..MockConfig::default() },
+        },
+        scheduler: SchedulerConfig::default(),
+        secret: Some(SECRET.to_vec()),
+        host_blocks: 64,
+        disk: None,
+        disk_admit_min_hits: 0,
+        remote_tier: false,
+    };
+    let stack = WorkerStack::start(&cfg, discovery, bus.clone(), |_, _| {}).await.unwrap();
+    let served = stack
+        .serve(
+            name,
+            Role::Aggregated,
+            "127.0.0.1:0".parse().unwrap(),
+            discovery,
+            bus,
+            4,
+            DisaggConfig::default(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    (stack, served)
+}
+
+/// A routing frontend over `discovery`, serving HTTP on a free port.
+async fn frontend(
+    discovery: &Arc<dyn Discovery>,
+    bus: &Arc<dyn EventBus>,
+) -> (Arc<RoutedBackend>, std::net::SocketAddr) {
+    let routed = Arc::new(
+        RoutedBackend::start(discovery.clone(), bus.clone(), RoutedConfig::new(SECRET))
+            .await
+            .unwrap(),
+    );
+    let app = router(routed.clone(), ServerConfig::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (routed, addr)
+}
+
+/// Strangers who connect to a worker's request port and never send a byte (the fault round's
+/// 130), each holding its connection until the worker closes it.
+fn silent_flood(addr: std::net::SocketAddr, n: usize) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|_| {
+            tokio::spawn(async move {
+                let Ok(mut c) = tokio::net::TcpStream::connect(addr).await else { return };
+                // Held until the worker closes it (reading what it sends: its challenge).
+                let mut sink = Vec::new();
+                let _ = tokio::io::AsyncReadExt::read_to_end(&mut c, &mut sink).await;
+            })
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_on_a_request_port_do_not_shut_frontends_out() {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    let (stack, served) = mock_worker("w-flood", &discovery, &bus).await;
+    let (_routed, addr) = frontend(&discovery, &bus).await;
+    let body = json!({ "model": "mock", "prompt": "a prompt of a few words", "max_tokens": 2 });
+    assert_eq!(common::post_json(addr, "/v1/completions", &body).await.status, 200);
+
+    let flood = silent_flood(served.addr, 130);
+    let port = served.stats.clone().unwrap().port.clone();
+    // 130 strangers from one address, which may hold 32 handshakes: the oldest 98 were
+    // evicted by the newer ones.
+    let per_source =
+        kvfabric::session::admission::AdmissionLimits::default().handshakes_per_source_max;
+    common::wait_until(Duration::from_secs(10), || port.snapshot().pending == per_source as u64);
+    // The frontend that was already serving: its connection is kept, nothing to win.
+    for i in 0..118 {
+        let r = common::post_json(addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "request {i} during the flood: {}", r.text());
+    }
+    // A frontend that starts during the flood connects anew: its connection takes the place
+    // of the oldest silent one, and is kept from then on.
+    let (_late, late_addr) = frontend(&discovery, &bus).await;
+    for i in 0..20 {
+        let r = common::post_json(late_addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "late frontend, request {i}: {}", r.text());
+    }
+    let s = port.snapshot();
+    assert!(s.count(kvfabric::session::admission::Cause::Evicted) >= 98, "{s:?}");
+    assert!(s.pending <= per_source as u64, "the pre-auth budget holds: {s:?}");
+    assert!(s.admitted <= 2, "one kept connection per frontend: {s:?}");
+    for f in flood {
+        f.abort();
+    }
+    served.server.abort();
+    stack.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());

