@@ -29,6 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 struct Server {
     addr: SocketAddr,
     sched: Scheduler,
+    listen: kvfabric_serving::metrics::ListenStats,
     _dir: tempfile::TempDir,
     _agent: Agent,
 }
@@ -39,6 +40,8 @@ struct Opts {
     host_blocks: u32,
     disk_blocks: u32,
     server: ServerConfig,
+    /// Serve through kvfabric's bounded listener with these limits (None: plain axum).
+    listen: Option<kvfabric_serving::http::listen::HttpLimits>,
 }
 
 impl Default for Opts {
@@ -53,6 +56,7 @@ impl Default for Opts {
             host_blocks: 64,
             disk_blocks: 0,
             server: ServerConfig::default(),
+            listen: None,
         }
     }
 }
@@ -74,11 +78,34 @@ async fn serve(o: Opts) -> Server {
     let store = TieredStore::open(cfg, &agent, std::sync::Arc::new(NullSink)).await.unwrap();
     let sched = Scheduler::start(engine, store.clone(), o.sched, tokio::runtime::Handle::current())
         .unwrap();
+    let stats = o.server.listen.clone();
     let app = router(std::sync::Arc::new(LocalBackend::new(sched.clone(), store)), o.server);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    Server { addr, sched, _dir: dir, _agent: agent }
+    match o.listen {
+        Some(limits) => {
+            let forever = std::future::pending::<()>();
+            let serving = kvfabric_serving::http::listen::serve(
+                listener,
+                app,
+                limits,
+                stats.clone(),
+                forever,
+            );
+            tokio::spawn(serving);
+        }
+        None => {
+            tokio::spawn(async move { axum::serve(listener, app).await });
+        }
+    }
+    Server { addr, sched, listen: stats, _dir: dir, _agent: agent }
+}
+
+impl Server {
+    /// Connections open on the bounded listener.
+    fn listen_open(&self) -> i64 {
+        self.listen.open.get()
+    }
 }
 
 fn chat(content: &str, extra: serde_json::Value) -> serde_json::Value {
@@ -190,7 +217,10 @@ async fn models_health_and_response_shapes() {
 async fn bad_requests_get_openai_errors_with_the_right_status() {
     let s = serve(Opts {
         mock: MockConfig { context_len: 256, ..MockConfig::zero_delay() },
-        server: ServerConfig { max_body_bytes: 64 << 10, ..ServerConfig::default() },
+        server: ServerConfig {
+            body: kvfabric_serving::http::BodyLimits { max_bytes: 64 << 10, ..Default::default() },
+            ..ServerConfig::default()
+        },
         ..Opts::default()
     })
     .await;
@@ -609,4 +639,141 @@ async fn an_api_key_guards_the_api_but_not_health_or_metrics() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(get(s.addr, "/health").await.status, 200);
     assert_eq!(get(s.addr, "/metrics").await.status, 200);
+}
+
+/// Sends `head` and then `body` in pieces of `piece` bytes every `every`, and returns what the
+/// server answered (all of it, until it closes) and when its answer began.
+async fn slow_request(
+    addr: SocketAddr,
+    head: String,
+    body: Vec<u8>,
+    piece: usize,
+    every: Duration,
+) -> (String, Duration) {
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.write_all(head.as_bytes()).await.unwrap();
+    let start = Instant::now();
+    let (mut rd, mut wr) = c.into_split();
+    let writer = tokio::spawn(async move {
+        for chunk in body.chunks(piece.max(1)) {
+            if wr.write_all(chunk).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(every).await;
+        }
+        // Then silence, the connection held open.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        drop(wr);
+    });
+    let mut out = Vec::new();
+    let mut first = None;
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), rd.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => {
+                first.get_or_insert_with(|| start.elapsed());
+                out.extend_from_slice(&buf[..n]);
+            }
+            Err(_) => panic!("no answer within 30 s: {}", String::from_utf8_lossy(&out)),
+        }
+    }
+    writer.abort();
+    (String::from_utf8_lossy(&out).to_string(), first.unwrap_or_else(|| start.elapsed()))
+}
+
+fn post_head(path: &str, content_length: u64, extra: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+         Content-Length: {content_length}\r\n{extra}\r\n"
+    )
+}
+
+/// The fault round's slow bodies: a body that stops, a body that drips, a huge announced body
+/// (with and without `Expect: 100-continue`), and a pool full of them while `/health` answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_that_never_finish_are_timed_out_and_huge_ones_refused_up_front() {
+    use kvfabric_serving::http::listen::HttpLimits;
+    use kvfabric_serving::http::BodyLimits;
+    let s = serve(Opts {
+        server: ServerConfig {
+            body: BodyLimits { grace: Duration::from_secs(1), ..BodyLimits::default() },
+            ..ServerConfig::default()
+        },
+        listen: Some(HttpLimits {
+            connections_max: 8,
+            reserve: 4,
+            header_read_timeout: Duration::from_secs(2),
+            reserve_timeout: Duration::from_secs(1),
+            ..HttpLimits::default()
+        }),
+        ..Opts::default()
+    })
+    .await;
+    let chat_path = "/v1/chat/completions";
+    // Announced 4,000 bytes, sent 50, then silence: 408 after the grace, connection closed.
+    let (answer, at) =
+        slow_request(s.addr, post_head(chat_path, 4000, ""), vec![b' '; 50], 50, Duration::ZERO)
+            .await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive in time"), "{answer}");
+    assert!(at < Duration::from_secs(3), "answered after {at:?}");
+    // One byte every 300 ms: under the minimum rate once the grace is spent.
+    let (answer, at) = slow_request(
+        s.addr,
+        post_head(chat_path, 100, ""),
+        vec![b' '; 100],
+        1,
+        Duration::from_millis(300),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(at < Duration::from_secs(3), "a drip held the connection {at:?}");
+    // 99,999,999,999 bytes announced, and 50 MB behind `Expect: 100-continue`: 413 at once,
+    // never `100 Continue`.
+    for (len, extra) in [(99_999_999_999u64, ""), (50_000_000, "Expect: 100-continue\r\n")] {
+        let (answer, at) =
+            slow_request(s.addr, post_head(chat_path, len, extra), Vec::new(), 1, Duration::ZERO)
+                .await;
+        assert!(answer.starts_with("HTTP/1.1 413"), "{len}: {answer}");
+        assert!(!answer.contains("100 Continue"), "{answer}");
+        assert!(at < Duration::from_secs(1), "{at:?}");
+    }
+    // A small body behind `Expect: 100-continue` is still served.
+    let body = chat("hi", json!({"max_tokens": 2})).to_string();
+    let (answer, _) = slow_request(
+        s.addr,
+        post_head(chat_path, body.len() as u64, "Expect: 100-continue\r\nConnection: close\r\n"),
+        body.into_bytes(),
+        1 << 20,
+        Duration::ZERO,
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 100") && answer.contains("HTTP/1.1 200"), "{answer}");
+
+    // Eight stalled bodies fill the pool. The reserve answers /health and /metrics, and
+    // refuses the rest with 503 without reading it.
+    let stalled: Vec<_> = (0..8)
+        .map(|_| {
+            tokio::spawn(slow_request(
+                s.addr,
+                post_head(chat_path, 4000, ""),
+                vec![b' '; 10],
+                10,
+                Duration::ZERO,
+            ))
+        })
+        .collect();
+    wait_until("the pool to fill", || s.listen_open() >= 8).await;
+    assert_eq!(get(s.addr, "/health").await.status, 200);
+    assert_eq!(get(s.addr, "/metrics").await.status, 200);
+    let r = post_json(s.addr, chat_path, &chat("hi", json!({"max_tokens": 2}))).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    // They are timed out, and the pool serves chat again.
+    for h in stalled {
+        let (answer, _) = h.await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    }
+    let r = post_json(s.addr, chat_path, &chat("hi", json!({"max_tokens": 2}))).await;
+    assert_eq!(r.status, 200, "{}", r.text());
 }

@@ -3,9 +3,11 @@
 //! a request head), and a cap on connections.
 //!
 //! Past the cap, a small reserve of connections is still served, one request each with a
-//! short timeout, so that `/health` (and the odd request) keeps answering while idle or slow
-//! clients hold the main pool; past the reserve, connections are closed at once. Every
-//! refusal is counted, and the first of each saturation episode is logged.
+//! short timeout and only for `/health` and `/metrics` (503 for anything else), so that health
+//! checks and scrapes keep answering while idle or slow clients hold the main pool; past the
+//! reserve, connections are closed at once. Every refusal is counted, and the first of each
+//! saturation episode is logged. Request bodies are bounded by the routes
+//! ([`super::BodyLimits`]).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,6 +37,8 @@ pub struct HttpLimits {
     pub reserve_timeout: Duration,
     /// At shutdown, connections get this long to finish their requests.
     pub shutdown_grace: Duration,
+    /// The only paths that reserve connections serve (503 for any other).
+    pub reserve_paths: &'static [&'static str],
 }
 
 impl Default for HttpLimits {
@@ -45,8 +49,24 @@ impl Default for HttpLimits {
             header_read_timeout: Duration::from_secs(10),
             reserve_timeout: Duration::from_secs(2),
             shutdown_grace: Duration::from_secs(10),
+            reserve_paths: &["/health", "/metrics"],
         }
     }
+}
+
+/// The answer of a reserve connection to anything but its paths: 503 in OpenAI's shape, and
+/// the connection closes.
+fn busy() -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let e = super::ApiError::new(
+        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+        "the server is at its connection limit; retry later",
+        "server_error",
+    );
+    let mut r = e.into_response();
+    r.headers_mut()
+        .insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+    r
 }
 
 /// Binds an HTTP listener with a deep accept queue (4096, the kernel caps it at
@@ -119,13 +139,26 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let (app, stats, mut stop) = (app.clone(), stats.clone(), stop_rx.clone());
+        let reserve_paths = limits.reserve_paths;
         tasks.spawn(async move {
             let _permit = permit;
             stats.open.inc();
             let mut builder = http1::Builder::new();
             builder.timer(TokioTimer::new()).header_read_timeout(timeout).keep_alive(keep_alive);
-            let conn =
-                builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+            // A reserve connection answers only what an operator needs while the pool is
+            // full (health checks, scrapes); anything else gets 503 without its body read.
+            let app = TowerToHyperService::new(app);
+            let service = hyper::service::service_fn(move |req: hyper::Request<_>| {
+                let refused = !keep_alive && !reserve_paths.contains(&req.uri().path());
+                let app = app.clone();
+                async move {
+                    if refused {
+                        return Ok(busy());
+                    }
+                    hyper::service::Service::call(&app, req).await
+                }
+            });
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
             tokio::pin!(conn);
             let stopping = tokio::select! {
                 _ = conn.as_mut() => false,

@@ -12,12 +12,14 @@
 //! the driving of a generation and whole responses, `sse.rs` streamed (SSE) responses.
 
 mod api;
+mod body;
 mod dashboard;
 mod generate;
 pub mod listen;
 mod sse;
 
 pub use api::ApiError;
+pub use body::BodyLimits;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -44,8 +46,9 @@ use api::{
 pub struct ServerConfig {
     /// A request fails after this long (504), streaming or not.
     pub request_timeout: Duration,
-    /// Largest request body accepted.
-    pub max_body_bytes: usize,
+    /// Request bodies: the largest accepted (413 before reading past it), and how fast they
+    /// must arrive (408 otherwise).
+    pub body: BodyLimits,
     /// `max_tokens` of a chat completion that sets none (capped by the context left).
     pub default_chat_max_tokens: usize,
     /// The counters of the listener that serves these routes ([`listen::serve`]), shown in
@@ -66,7 +69,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             request_timeout: Duration::from_secs(300),
-            max_body_bytes: 4 << 20,
+            body: BodyLimits::default(),
             default_chat_max_tokens: 1024,
             listen: metrics::ListenStats::default(),
             api_key: None,
@@ -106,7 +109,7 @@ pub fn router_with(
     workers: Vec<(String, Arc<dyn Source>)>,
 ) -> Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let limit = cfg.max_body_bytes;
+    let limit = cfg.body;
     // Every deadline below is computed from it: bounded before any clock arithmetic.
     let mut cfg = cfg;
     cfg.request_timeout =
@@ -137,7 +140,7 @@ pub fn router_with(
 /// `/v1/route/release`), `/v1/models`, `/health`, `/metrics`; no generation.
 pub fn routing_router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let limit = cfg.max_body_bytes;
+    let limit = cfg.body;
     let metrics = cfg.metrics.clone();
     let mut components = Components::new().with(None, Arc::new(backend.clone()));
     for source in &cfg.sources {
@@ -154,7 +157,7 @@ pub fn routing_router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
     finish(api, state, limit)
 }
 
-fn finish(api: Router<Arc<AppState>>, state: Arc<AppState>, limit: usize) -> Router {
+fn finish(api: Router<Arc<AppState>>, state: Arc<AppState>, limit: BodyLimits) -> Router {
     dashboard::History::start(&state);
     Router::new()
         .merge(api)
@@ -173,7 +176,9 @@ fn finish(api: Router<Arc<AppState>>, state: Arc<AppState>, limit: usize) -> Rou
                 "invalid_request_error",
             )
         })
-        .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(limit, body::bounded))
+        // Read once by `body::bounded`, within the same limit.
+        .layer(DefaultBodyLimit::max(limit.max_bytes))
         .with_state(state)
 }
 
