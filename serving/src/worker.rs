@@ -178,6 +178,39 @@ pub async fn drain(
     }
 }
 
+/// Waits until no worker (of any role) is registered as `name`, for at most `ttl` and a
+/// second (a dead process's registration expires within its lease TTL); fails with
+/// [`ControlError::Taken`] if one stays. Run before a worker starts publishing under its name:
+/// a second process under a name in use must not speak for the first (its KV events and
+/// dumps would stand for the first's blocks). Registration itself never overwrites another
+/// live instance either ([`Discovery::register`]), which settles two that start at once.
+pub async fn ensure_name_free(
+    discovery: &dyn Discovery,
+    name: &str,
+    ttl: Duration,
+) -> Result<(), ControlError> {
+    let deadline = tokio::time::Instant::now() + ttl + Duration::from_secs(1);
+    let mut logged = false;
+    loop {
+        let mut held = None;
+        for kind in [WORKER_KIND, PREFILL_KIND] {
+            if discovery.list(kind).await?.iter().any(|i| i.id == name) {
+                held = Some(kind);
+            }
+        }
+        let Some(kind) = held else { return Ok(()) };
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ControlError::Taken { kind: kind.into(), id: name.into() });
+        }
+        if !logged {
+            tracing::warn!(worker = %name, kind, "a worker of this name is registered: waiting for \
+                its lease to expire (a dead process's) before starting, or refusing (a live one's)");
+            logged = true;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 /// The worker's load reports: this often.
 const LOAD_PERIOD: Duration = Duration::from_millis(200);
 

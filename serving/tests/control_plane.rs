@@ -64,6 +64,34 @@ async fn discovery_scenario(d: Arc<dyn Discovery>, ttl: Duration) {
     assert!(d.register(inst("bad/id"), ttl).await.is_err(), "names are checked");
 }
 
+/// A second instance under a name in use never takes the first's registration: it is refused
+/// while the first lives (which keeps its entry, and keeps it after the second gives up), and
+/// takes over once a dead first's lease has expired.
+async fn unique_names_scenario(d: Arc<dyn Discovery>, ttl: Duration) {
+    let mut first = inst("w2");
+    first.metadata = serde_json::json!({ "who": "first" });
+    let held = d.register(first.clone(), ttl).await.unwrap();
+    let mut second = inst("w2");
+    second.metadata = serde_json::json!({ "who": "second" });
+    let started = Instant::now();
+    let err = d.register(second.clone(), ttl).await.unwrap_err();
+    assert!(matches!(err, kvfabric::control::ControlError::Taken { .. }), "{err}");
+    assert!(
+        started.elapsed() >= ttl / 2,
+        "it waited for the holder's lease: {:?}",
+        started.elapsed()
+    );
+    // The first keeps its entry, past the second's attempt and its own TTL.
+    tokio::time::sleep(ttl * 2).await;
+    assert_eq!(d.list("fabric").await.unwrap(), vec![first.clone()]);
+    // The first dies without revoking: the second waits for its lease and takes over.
+    drop(held);
+    let taken = d.register(second.clone(), ttl).await.unwrap();
+    assert_eq!(d.list("fabric").await.unwrap(), vec![second.clone()]);
+    taken.revoke().await;
+    assert!(d.list("fabric").await.unwrap().is_empty());
+}
+
 async fn bus_scenario(bus: Arc<dyn EventBus>) {
     let mut s1 = bus.subscribe("kv-events").await.unwrap();
     let mut s2 = bus.subscribe("kv-events").await.unwrap();
@@ -104,6 +132,7 @@ async fn bus_scenario(bus: Arc<dyn EventBus>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_control_plane() {
     discovery_scenario(Arc::new(MemoryDiscovery::new()), Duration::from_millis(500)).await;
+    unique_names_scenario(Arc::new(MemoryDiscovery::new()), Duration::from_millis(500)).await;
     bus_scenario(Arc::new(MemoryBus::new())).await;
 }
 
@@ -111,7 +140,8 @@ async fn embedded_control_plane() {
 async fn etcd_discovery() {
     let etcd = EtcdServer::start().unwrap();
     let d = EtcdDiscovery::connect(&[etcd.endpoint()], "test").await.unwrap();
-    discovery_scenario(Arc::new(d), Duration::from_secs(2)).await;
+    discovery_scenario(Arc::new(d.clone()), Duration::from_secs(2)).await;
+    unique_names_scenario(Arc::new(d), Duration::from_secs(2)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

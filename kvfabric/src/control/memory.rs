@@ -11,8 +11,8 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
 
 use super::{
-    check_name, Acker, ControlFuture, Discovery, DiscoveryEvent, EventBus, Instance, Registration,
-    WorkItem,
+    check_name, Acker, ControlFuture, Discovery, DiscoveryEvent, EventBus, Held, Instance,
+    Registration, WorkItem,
 };
 
 /// Channel capacity of watches and subscriptions; a subscriber that falls this far behind
@@ -94,18 +94,28 @@ impl Discovery for MemoryDiscovery {
             check_name(&instance.kind)?;
             check_name(&instance.id)?;
             let key = (instance.kind.clone(), instance.id.clone());
-            let lease = {
+            let lease = super::claim(&instance.kind, &instance.id, || {
                 let mut s = self.state.lock();
+                let now = Instant::now();
+                s.expire(now);
+                if let Some(e) = s.entries.get(&key) {
+                    let held = Held {
+                        lease: e.lease as i64,
+                        left: e.expires.saturating_duration_since(now),
+                    };
+                    return std::future::ready(Ok(Err(held)));
+                }
                 s.next_lease += 1;
                 let lease = s.next_lease;
                 s.entries.insert(
                     key.clone(),
-                    Entry { instance: instance.clone(), lease, expires: Instant::now() + ttl },
+                    Entry { instance: instance.clone(), lease, expires: now + ttl },
                 );
                 let kind = instance.kind.clone();
-                s.notify(&kind, DiscoveryEvent::Joined(instance));
-                lease
-            };
+                s.notify(&kind, DiscoveryEvent::Joined(instance.clone()));
+                std::future::ready(Ok(Ok(lease)))
+            })
+            .await?;
             let (revoke_tx, mut revoke_rx) =
                 tokio::sync::oneshot::channel::<tokio::sync::oneshot::Sender<()>>();
             let weak = Arc::downgrade(&self.state);

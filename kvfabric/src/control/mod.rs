@@ -52,6 +52,74 @@ pub enum ControlError {
     /// The backend is shut down.
     #[error("control plane closed")]
     Closed,
+    /// Another live instance holds this kind and id: its lease was kept alive for as long as
+    /// it had left when we asked, so it is not a dead process's leftover.
+    #[error("{kind} {id:?} is registered by another live instance (choose another name, or stop that one)")]
+    Taken {
+        /// The kind.
+        kind: String,
+        /// The id.
+        id: String,
+    },
+}
+
+/// An instance's key held under another lease than ours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Held {
+    /// The holder's lease.
+    pub(crate) lease: i64,
+    /// Time its lease has left (a live holder keeps renewing it).
+    pub(crate) left: Duration,
+}
+
+/// Registers `kind`/`id` only where no other lease holds it: `try_create` creates the key
+/// under a new lease of ours, or says who holds it. A holder is given the time its lease has
+/// left, plus a second: a dead process's registration expires meanwhile and is taken over
+/// (logged); a live one keeps renewing it, and the claim fails with [`ControlError::Taken`].
+/// Nobody's registration is ever overwritten.
+pub(crate) async fn claim<T, F, Fut>(
+    kind: &str,
+    id: &str,
+    mut try_create: F,
+) -> Result<T, ControlError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Result<T, Held>, ControlError>>,
+{
+    let mut waiting: Option<(i64, tokio::time::Instant)> = None;
+    loop {
+        match try_create().await? {
+            Ok(created) => {
+                if let Some((lease, _)) = waiting {
+                    tracing::info!(
+                        kind,
+                        id,
+                        holder_lease = lease,
+                        "the earlier registration expired (its process is gone): registered"
+                    );
+                }
+                return Ok(created);
+            }
+            Err(held) => {
+                let now = tokio::time::Instant::now();
+                let until = match waiting {
+                    Some((lease, until)) if lease == held.lease => until,
+                    _ => {
+                        tracing::warn!(kind, id, holder_lease = held.lease, left = ?held.left,
+                            "already registered under another lease: waiting for it to expire \
+                             (a dead process's) or refusing (a live one)");
+                        let until = now + held.left + Duration::from_secs(1);
+                        waiting = Some((held.lease, until));
+                        until
+                    }
+                };
+                if now >= until {
+                    return Err(ControlError::Taken { kind: kind.to_string(), id: id.to_string() });
+                }
+                tokio::time::sleep(Duration::from_millis(250).min(until - now)).await;
+            }
+        }
+    }
 }
 
 /// Checks a namespace, kind, id, topic or queue name.
@@ -143,7 +211,9 @@ impl ControlStatus {
 /// Instances under leases.
 pub trait Discovery: Send + Sync + std::fmt::Debug {
     /// Registers `instance` under a lease of `ttl`, kept alive until the registration is
-    /// dropped or revoked. Re-registers by itself if the backend lost it (restart).
+    /// dropped or revoked. Re-registers by itself if the backend lost it (restart). Never
+    /// overwrites another live instance of the same kind and id: it waits for a holder's
+    /// lease to run out, and fails with [`ControlError::Taken`] if the holder keeps it.
     fn register(&self, instance: Instance, ttl: Duration) -> ControlFuture<'_, Registration>;
     /// The instances of a kind.
     fn list<'a>(&'a self, kind: &'a str) -> ControlFuture<'a, Vec<Instance>>;

@@ -106,3 +106,65 @@ async fn idle_authenticated_sessions_cannot_take_a_nodes_descriptors() {
     let hash = kvfabric::hash::SequenceHash(7);
     assert_eq!(remote.lookup(&[hash]).await.unwrap(), [false]);
 }
+
+fn worker_args<'a>(etcd: &'a str, nats: &'a str) -> Vec<&'a str> {
+    vec![
+        "--namespace",
+        "hostile",
+        "--lease-ttl-s",
+        "2",
+        "--etcd",
+        etcd,
+        "--nats",
+        nats,
+        "--secret",
+        SECRET,
+        "--engine",
+        "mock",
+        "--disk-blocks",
+        "0",
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_worker_under_a_name_in_use_refuses_to_start_and_takes_nothing() {
+    let etcd = EtcdServer::start().unwrap();
+    let nats = NatsServer::start().unwrap();
+    let (e, n) = (etcd.endpoint(), nats.url());
+    let (first, line) = common::spawn_worker("w2", &worker_args(&e, &n));
+    let discovery = EtcdDiscovery::connect(&[e.clone()], "hostile").await.unwrap();
+    let addr_of_w2 = || async {
+        let list = discovery.list(kvfabric_serving::worker::WORKER_KIND).await.unwrap();
+        list.into_iter().find(|i| i.id == "w2").map(|i| i.metadata["addr"].clone())
+    };
+    assert_eq!(addr_of_w2().await, Some(line["addr"].clone()));
+
+    // The second w2: refused, loudly, within the lease TTL and a second (plus its start).
+    let started = Instant::now();
+    let out = tokio::task::spawn_blocking({
+        let args: Vec<String> = worker_args(&e, &n).into_iter().map(String::from).collect();
+        move || {
+            Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+                .args(["worker", "--name", "w2"])
+                .args(&args)
+                .env_remove("KVFABRIC_CONFIG")
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the second w2 started: {stderr}");
+    assert!(stderr.contains("registered by another live instance"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    // The first keeps its registration, well past a TTL after the second gave up.
+    for _ in 0..6 {
+        assert_eq!(addr_of_w2().await, Some(line["addr"].clone()), "w2's entry was taken or lost");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The first dies (kill -9): a new w2 takes over once its lease has expired.
+    drop(first);
+    let (_second, line2) = common::spawn_worker("w2", &worker_args(&e, &n));
+    assert_eq!(addr_of_w2().await, Some(line2["addr"].clone()));
+}

@@ -88,6 +88,25 @@ pub(crate) struct KeyValue {
     pub value: Vec<u8>,
     #[serde(default, deserialize_with = "de_i64")]
     pub mod_revision: i64,
+    /// The lease the key is attached to (0: none).
+    #[serde(default, deserialize_with = "de_i64")]
+    pub lease: i64,
+}
+
+/// One answer of a transaction's branch.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct ResponseOp {
+    #[serde(default, alias = "responseRange")]
+    pub response_range: Option<RangeResponse>,
+}
+
+/// `/v3/kv/txn`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct TxnResponse {
+    #[serde(default)]
+    pub succeeded: bool,
+    #[serde(default)]
+    pub responses: Vec<ResponseOp>,
 }
 
 /// `/v3/kv/range`.

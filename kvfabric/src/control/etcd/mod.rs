@@ -13,13 +13,15 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::{
-    check_name, ControlError, ControlFuture, Discovery, DiscoveryEvent, Instance, Registration,
+    check_name, claim, ControlError, ControlFuture, Discovery, DiscoveryEvent, Held, Instance,
+    Registration,
 };
 
 mod gateway;
 
 use gateway::{
-    b64, prefix_end, Gateway, LeaseResponse, RangeResponse, StatusResponse, WatchResponse,
+    b64, prefix_end, Gateway, LeaseResponse, RangeResponse, StatusResponse, TxnResponse,
+    WatchResponse,
 };
 
 /// Time allowed for one etcd call.
@@ -54,12 +56,14 @@ impl EtcdDiscovery {
         format!("{}{}", self.prefix(kind), id)
     }
 
-    async fn put_with_lease(
+    /// Puts `key` under a new lease of `ttl` if no key is there (an etcd transaction on its
+    /// create revision): the lease, or the lease that holds the key and the time it has left.
+    async fn create_with_lease(
         etcd: &Gateway,
         key: &str,
         value: &[u8],
         ttl: Duration,
-    ) -> Result<i64, ControlError> {
+    ) -> Result<Result<i64, Held>, ControlError> {
         // etcd leases are whole seconds: round up, never shorten the TTL asked for.
         let ttl_s = ttl.as_millis().div_ceil(1000).max(1) as i64;
         let lease: LeaseResponse =
@@ -70,9 +74,38 @@ impl EtcdDiscovery {
                 message: format!("lease grant refused: {}", lease.error),
             });
         }
-        let put = json!({ "key": b64(key.as_bytes()), "value": b64(value), "lease": lease.id.to_string() });
-        etcd.call::<serde_json::Value>("etcd put", "/v3/kv/put", &put).await?;
-        Ok(lease.id)
+        let k = b64(key.as_bytes());
+        let txn = json!({
+            "compare": [{ "key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0" }],
+            "success": [{ "request_put": { "key": k, "value": b64(value), "lease": lease.id.to_string() } }],
+            "failure": [{ "request_range": { "key": k } }],
+        });
+        let resp: TxnResponse = etcd.call("etcd txn", "/v3/kv/txn", &txn).await?;
+        if resp.succeeded {
+            return Ok(Ok(lease.id));
+        }
+        let revoke = json!({ "ID": lease.id.to_string() });
+        let _ = etcd.call::<serde_json::Value>("etcd revoke", "/v3/lease/revoke", &revoke).await;
+        let holder = resp
+            .responses
+            .into_iter()
+            .find_map(|r| r.response_range)
+            .and_then(|r| r.kvs.into_iter().next())
+            .map_or(0, |kv| kv.lease);
+        // The holder's lease: how long it has left (a key without a lease never expires).
+        let left = if holder == 0 {
+            Duration::ZERO
+        } else {
+            let ttl: LeaseResponse = etcd
+                .call(
+                    "etcd lease ttl",
+                    "/v3/lease/timetolive",
+                    &json!({ "ID": holder.to_string() }),
+                )
+                .await?;
+            Duration::from_secs(ttl.ttl.max(0) as u64)
+        };
+        Ok(Err(Held { lease: holder, left }))
     }
 
     /// Refreshes `lease` once: the seconds it has left, 0 when it no longer exists.
@@ -120,8 +153,12 @@ impl Discovery for EtcdDiscovery {
                 message: e.to_string(),
             })?;
             let etcd = self.etcd.clone();
-            let mut lease = Self::put_with_lease(&etcd, &key, &value, ttl).await?;
+            let mut lease = claim(&instance.kind, &instance.id, || {
+                Self::create_with_lease(&etcd, &key, &value, ttl)
+            })
+            .await?;
             tracing::debug!(%key, lease, ttl_ms = ttl.as_millis() as u64, "registered in etcd");
+            let (kind, id) = (instance.kind.clone(), instance.id.clone());
             let (revoke_tx, mut revoke_rx) =
                 tokio::sync::oneshot::channel::<tokio::sync::oneshot::Sender<()>>();
             let keepalive = tokio::spawn(async move {
@@ -148,12 +185,16 @@ impl Discovery for EtcdDiscovery {
                     }
                     let outcome = match Self::keep_alive(&etcd, lease).await {
                         Ok(left) if left > 0 => Ok(()),
-                        // The lease is gone (expired, or etcd lost it): register again.
-                        Ok(_) => match Self::put_with_lease(&etcd, &key, &value, ttl).await {
-                            Ok(l) => {
+                        // The lease is gone (expired, or etcd lost it): register again,
+                        // unless another instance took the name meanwhile.
+                        Ok(_) => match Self::create_with_lease(&etcd, &key, &value, ttl).await {
+                            Ok(Ok(l)) => {
                                 tracing::info!(%key, lease = l, "lease was lost; registered in etcd again");
                                 lease = l;
                                 Ok(())
+                            }
+                            Ok(Err(_)) => {
+                                Err(ControlError::Taken { kind: kind.clone(), id: id.clone() })
                             }
                             Err(e) => Err(e),
                         },

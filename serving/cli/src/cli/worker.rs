@@ -65,8 +65,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         "a worker needs the shared --secret (KVFABRIC_SECRET) of its frontends and peers: \
          its request port and its transfer agent authenticate with it"
     );
-    let stack = start_stack(&args.engine, &args.name, &discovery, bus.clone(), false).await?;
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
+    kvfabric_serving::worker::ensure_name_free(&*discovery, &args.name, ttl).await?;
+    let stack = start_stack(&args.engine, &args.name, &discovery, bus.clone(), false).await?;
     let Served { addr, registration, server, metrics: source, stats } = stack
         .serve(
             &args.name,
