@@ -168,3 +168,46 @@ async fn a_second_worker_under_a_name_in_use_refuses_to_start_and_takes_nothing(
     let (_second, line2) = common::spawn_worker("w2", &worker_args(&e, &n));
     assert_eq!(addr_of_w2().await, Some(line2["addr"].clone()));
 }
+
+#[test]
+fn two_processes_on_one_data_directory_do_not_share_a_disk_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap().to_string();
+    let args = |extra: &[&str]| -> Vec<String> {
+        ["--engine", "mock", "--secret", SECRET, "--disk-blocks", "64", "--data-dir", &data]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let args1 = args(&[]);
+    let a: Vec<&str> = args1.iter().map(String::as_str).collect();
+    // Each process has its own (embedded) control plane: only the directory is shared.
+    let (first, _) = common::spawn_worker("w-disk", &a);
+    let out = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["worker", "--name", "w-disk"])
+        .args(&a)
+        .env_remove("KVFABRIC_CONFIG")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a second process opened the same disk tier: {stderr}");
+    let owner = format!("pid {}", first.0.id());
+    assert!(stderr.contains("in use by another process") && stderr.contains(&owner), "{stderr}");
+    // Another name in the same directory has its own slot file.
+    let (_other, _) = common::spawn_worker("w-disk-2", &a);
+    // The first dies (kill -9): its lock goes with it, and the next process takes over.
+    drop(first);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["worker", "--name", "w-disk"]).args(&a).env_remove("KVFABRIC_CONFIG");
+    cmd.env("RUST_LOG", "warn").stderr(Stdio::piped());
+    let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.contains("\"worker\":\"w-disk\""), "the next process did not start: {line:?}");
+    let mut stderr = child.stderr.take().unwrap();
+    drop(Proc(child));
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut log).unwrap();
+    assert!(log.contains("took over the disk tier of a process that is gone"), "{log}");
+}

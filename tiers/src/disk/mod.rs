@@ -28,6 +28,7 @@ use crate::pool::{PoolError, SlotPool, SlotState};
 
 pub mod format;
 pub mod io;
+pub mod lock;
 
 use format::{SlotHeader, SlotLayout, GROUP_SLOTS, HEADER_BYTES};
 use io::{AlignedBuf, DiskIo, IoBackend, IoBuf, IoPreference};
@@ -88,6 +89,14 @@ pub enum DiskError {
     /// The same block is being written by someone else right now.
     #[error("block is being written to disk by another request")]
     Busy,
+    /// Another process has the slot file open: two processes must not share one.
+    #[error("disk tier {path} is in use by another process{}: give each process its own --data-dir or name", pid.map(|p| format!(" (pid {p})")).unwrap_or_default())]
+    Locked {
+        /// The slot file.
+        path: PathBuf,
+        /// The owner's pid, as its lock file says.
+        pid: Option<u32>,
+    },
 }
 
 /// What a read found.
@@ -146,6 +155,8 @@ struct DiskState {
 /// The disk tier.
 #[derive(Debug)]
 pub struct DiskTier {
+    /// This process's claim on the slot file, held while the tier is open.
+    _lock: lock::SlotFileLock,
     file: Arc<File>,
     io: DiskIo,
     block_bytes: u64,
@@ -192,12 +203,14 @@ impl DiskTier {
         if let Some(dir) = cfg.path.parent() {
             std::fs::create_dir_all(dir)?;
         }
+        let lock = lock::SlotFileLock::acquire(&cfg.path)?;
         let file = Arc::new(io::open_direct(&cfg.path)?);
         let io = DiskIo::new(file.clone(), cfg.queue_depth, cfg.io)?;
         let layout = SlotLayout::new(block_bytes);
         let len = file.metadata()?.len();
         let existing = layout.slots_in(len).min(u64::from(cfg.capacity_blocks)) as u32;
         let tier = DiskTier {
+            _lock: lock,
             file,
             io,
             block_bytes,
