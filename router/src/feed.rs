@@ -4,17 +4,19 @@
 //! its index; anything else that routes (a planner, a second frontend) runs its own.
 //!
 //! Membership is the caller's: it adds a worker to the index when discovery says it joined
-//! and removes it when it left (at once: routing never waits for a lease to expire). Events
-//! of workers the index does not know are dropped and counted; a worker that joins later is
-//! brought up to date by the dump its first gap asks for.
+//! and removes it when it left (at once: routing never waits for a lease to expire), and
+//! tells the feed to [`IndexFeed::follow`] it: the feed asks it for a dump then (a feed that
+//! starts, or restarts, learns what was stored before it listened) and again whenever the bus
+//! reconnects. Events of workers the index does not know are dropped and counted.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvfabric::contract::{self, Message};
 use kvfabric::control::{ControlError, EventBus};
+use tokio::sync::mpsc;
 
 use crate::index::{Ingest, PrefixIndex, WorkerId};
 
@@ -46,6 +48,14 @@ pub struct FeedStats {
 pub struct IndexFeed {
     stats: Arc<FeedStats>,
     task: tokio::task::JoinHandle<()>,
+    follow: mpsc::UnboundedSender<Follow>,
+}
+
+/// A change of the sources a feed follows.
+#[derive(Debug)]
+enum Follow {
+    Add(String),
+    Remove(String),
 }
 
 impl Drop for IndexFeed {
@@ -63,14 +73,68 @@ impl IndexFeed {
         requester: String,
     ) -> Result<Self, ControlError> {
         let mut sub = bus.subscribe(contract::KV_EVENTS).await?;
+        let mut connections = bus.connections();
+        if let Some(c) = connections.as_mut() {
+            c.borrow_and_update();
+        }
         let stats = Arc::new(FeedStats::default());
         let st = stats.clone();
+        let (follow, mut follows) = mpsc::unbounded_channel();
         let task = tokio::spawn(async move {
             let mut asked: HashMap<WorkerId, Instant> = HashMap::new();
+            let mut followed: HashSet<String> = HashSet::new();
             let mut warned_malformed = false;
-            while let Some(bytes) = sub.recv().await {
-                let count = |c: &AtomicU64| {
-                    c.fetch_add(1, Ordering::Relaxed);
+            let count = |c: &AtomicU64| {
+                c.fetch_add(1, Ordering::Relaxed);
+            };
+            let ask = |source: String| {
+                let req = Message::DumpRequest { from: requester.clone(), worker: source };
+                let (bus, st) = (bus.clone(), st.clone());
+                async move {
+                    if bus.publish(req.topic(), req.encode()).await.is_ok() {
+                        st.dump_requests.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            };
+            loop {
+                let bytes = tokio::select! {
+                    b = sub.recv() => match b {
+                        Some(b) => b,
+                        None => return,
+                    },
+                    f = follows.recv() => {
+                        match f {
+                            // What it stored before we listened comes in its dump.
+                            Some(Follow::Add(source)) => {
+                                asked.insert(worker_id(&source), Instant::now());
+                                followed.insert(source.clone());
+                                ask(source).await;
+                            }
+                            Some(Follow::Remove(source)) => {
+                                asked.remove(&worker_id(&source));
+                                followed.remove(&source);
+                            }
+                            None => {}
+                        }
+                        continue;
+                    }
+                    changed = async {
+                        match connections.as_mut() {
+                            Some(c) => c.changed().await,
+                            None => std::future::pending().await,
+                        }
+                    } => {
+                        // The bus reconnected: what was published meanwhile is lost.
+                        if changed.is_err() {
+                            connections = None;
+                            continue;
+                        }
+                        for source in &followed {
+                            asked.insert(worker_id(source), Instant::now());
+                            ask(source.clone()).await;
+                        }
+                        continue;
+                    }
                 };
                 match Message::decode(&bytes) {
                     Ok(Message::KvEvent { source, event }) => {
@@ -87,13 +151,7 @@ impl IndexFeed {
                                     continue;
                                 }
                                 asked.insert(w, now);
-                                let req = Message::DumpRequest {
-                                    from: requester.clone(),
-                                    worker: source,
-                                };
-                                if bus.publish(req.topic(), req.encode()).await.is_ok() {
-                                    count(&st.dump_requests);
-                                }
+                                ask(source).await;
                             }
                         }
                     }
@@ -115,7 +173,19 @@ impl IndexFeed {
                 }
             }
         });
-        Ok(IndexFeed { stats, task })
+        Ok(IndexFeed { stats, task, follow })
+    }
+
+    /// Follows `source` (a worker or fabric node the caller added to the index): asks it for
+    /// a dump now — what it stored before this feed listened — and again whenever the bus
+    /// reconnects (what it published meanwhile was lost).
+    pub fn follow(&self, source: &str) {
+        let _ = self.follow.send(Follow::Add(source.to_string()));
+    }
+
+    /// Stops following `source` (it left).
+    pub fn unfollow(&self, source: &str) {
+        let _ = self.follow.send(Follow::Remove(source.to_string()));
     }
 
     /// The counters.
@@ -209,5 +279,86 @@ mod tests {
         bus.publish(contract::KV_EVENTS, stored("w-b", 11, 602)).await.unwrap();
         until(|| n(&s.unknown) == 2).await;
         assert_eq!(index.worker_blocks(b), 0);
+    }
+
+    /// A bus whose reconnections the test makes.
+    #[derive(Debug)]
+    struct Reconnecting {
+        bus: MemoryBus,
+        connections: tokio::sync::watch::Sender<u64>,
+    }
+
+    impl EventBus for Reconnecting {
+        fn publish<'a>(
+            &'a self,
+            topic: &'a str,
+            payload: Vec<u8>,
+        ) -> kvfabric::control::ControlFuture<'a, ()> {
+            self.bus.publish(topic, payload)
+        }
+        fn subscribe<'a>(
+            &'a self,
+            topic: &'a str,
+        ) -> kvfabric::control::ControlFuture<'a, tokio::sync::mpsc::Receiver<Vec<u8>>> {
+            self.bus.subscribe(topic)
+        }
+        fn enqueue<'a>(
+            &'a self,
+            queue: &'a str,
+            payload: Vec<u8>,
+        ) -> kvfabric::control::ControlFuture<'a, ()> {
+            self.bus.enqueue(queue, payload)
+        }
+        fn dequeue<'a>(
+            &'a self,
+            queue: &'a str,
+            wait: Duration,
+            ack_wait: Duration,
+        ) -> kvfabric::control::ControlFuture<'a, Option<kvfabric::control::WorkItem>> {
+            self.bus.dequeue(queue, wait, ack_wait)
+        }
+        fn connections(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+            Some(self.connections.subscribe())
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_followed_source_is_asked_for_a_dump_at_once_and_after_every_reconnection() {
+        let (tx, _) = tokio::sync::watch::channel(1);
+        let bus = Arc::new(Reconnecting { bus: MemoryBus::new(), connections: tx });
+        let dyn_bus: Arc<dyn EventBus> = bus.clone();
+        let index = Arc::new(PrefixIndex::new());
+        let mut requests = dyn_bus.subscribe(contract::KV_DUMP_REQUEST).await.unwrap();
+        let feed =
+            IndexFeed::start(dyn_bus.clone(), index.clone(), "frontend-1".into()).await.unwrap();
+        let next = |r: &mut tokio::sync::mpsc::Receiver<Vec<u8>>| {
+            let got = r.try_recv().ok().map(|b| Message::decode(&b).unwrap());
+            got
+        };
+        let asked = |w: &str| Message::DumpRequest { from: "frontend-1".into(), worker: w.into() };
+        // A frontend that starts knows nothing of what w-a stored before: it asks.
+        index.add_worker(worker_id("w-a"));
+        feed.follow("w-a");
+        until(|| feed.stats().dump_requests.load(Ordering::Relaxed) == 1).await;
+        assert_eq!(next(&mut requests), Some(asked("w-a")));
+        // Its dump fills the index.
+        let dump = Message::KvDump {
+            source: "w-a".into(),
+            blocks: vec![DumpBlock { tier: TierKind::Host, hash: SequenceHash(7), parent: None }],
+            last_event_id: 15,
+        };
+        dyn_bus.publish(contract::KV_EVENTS, dump.encode()).await.unwrap();
+        until(|| index.worker_blocks(worker_id("w-a")) == 1).await;
+        // The bus reconnects: whatever was published meanwhile is lost, so it asks again.
+        index.add_worker(worker_id("w-b"));
+        feed.follow("w-b");
+        feed.unfollow("w-b");
+        until(|| feed.stats().dump_requests.load(Ordering::Relaxed) == 2).await;
+        assert_eq!(next(&mut requests), Some(asked("w-b")));
+        bus.connections.send_replace(2);
+        until(|| feed.stats().dump_requests.load(Ordering::Relaxed) == 3).await;
+        assert_eq!(next(&mut requests), Some(asked("w-a")), "followed sources only");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(next(&mut requests), None);
     }
 }

@@ -184,13 +184,14 @@ struct Inner {
     epoch: Instant,
     /// Authenticated connections to workers, kept between requests.
     pool: protocol::ConnectionPool,
+    /// Keeps `index` current from the bus; follows every worker and node that joins.
+    feed: IndexFeed,
 }
 
 /// Workers in discovery behind one routing frontend. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct RoutedBackend {
     inner: Arc<Inner>,
-    feed: Arc<IndexFeed>,
     task: Arc<tokio::task::JoinHandle<()>>,
 }
 
@@ -215,11 +216,14 @@ impl RoutedBackend {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
+        let index = Arc::new(PrefixIndex::new());
+        let feed =
+            IndexFeed::start(bus.clone(), index.clone(), cfg.name.clone()).await.map_err(ctl)?;
         let inner = Arc::new(Inner {
             cfg,
             discovery: discovery.clone(),
             bus: bus.clone(),
-            index: Arc::new(PrefixIndex::new()),
+            index,
             state: Mutex::new(State::default()),
             codecs: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
@@ -227,6 +231,7 @@ impl RoutedBackend {
             stats: RoutedStats::default(),
             epoch: Instant::now(),
             pool: protocol::ConnectionPool::default(),
+            feed,
         });
         for inst in initial {
             inner.join(inst).await;
@@ -234,9 +239,6 @@ impl RoutedBackend {
         for inst in nodes {
             inner.join_fabric(inst);
         }
-        let feed = IndexFeed::start(bus.clone(), inner.index.clone(), inner.cfg.name.clone())
-            .await
-            .map_err(ctl)?;
         let i = inner.clone();
         let task = tokio::spawn(async move {
             let (mut load_open, mut watch_open, mut fabric_open) = (true, true, true);
@@ -260,7 +262,7 @@ impl RoutedBackend {
                 }
             }
         });
-        Ok(RoutedBackend { inner, feed: Arc::new(feed), task: Arc::new(task) })
+        Ok(RoutedBackend { inner, task: Arc::new(task) })
     }
 
     /// Waits until at least `n` workers are known (joined through discovery), up to
@@ -287,7 +289,7 @@ impl RoutedBackend {
 
     /// The counters of the index's feed (KV events applied, gaps, dumps).
     pub fn feed_stats(&self) -> &FeedStats {
-        self.feed.stats()
+        self.inner.feed.stats()
     }
 
     /// Requests sent to each worker so far.
@@ -471,7 +473,7 @@ impl RoutedBackend {
             .collect();
         fabric.sort_by(|a, b| a.name.cmp(&b.name));
         drop(st);
-        let f = self.feed.stats();
+        let f = self.inner.feed.stats();
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         BackendView {
             workers,
@@ -533,6 +535,7 @@ impl Inner {
         };
         let wid = worker_id(&inst.id);
         self.index.add_worker(wid);
+        self.feed.follow(&inst.id);
         let mut st = self.state.lock();
         // What a dashboard knows of it (its last report, the requests sent to it) carries
         // over a re-registration or a return.
@@ -614,6 +617,7 @@ impl Inner {
             return;
         }
         self.index.add_worker(wid);
+        self.feed.follow(&inst.id);
         let before = st.fabric.remove(&inst.id);
         tracing::info!(node = %inst.id, addr = %info.agent.tcp_addr, "fabric node joined");
         let (stats, reported) = before.map_or((None, None), |b| (b.stats, b.reported));
@@ -623,6 +627,7 @@ impl Inner {
     fn leave_fabric(&self, name: &str) {
         let Some(f) = self.state.lock().fabric.remove(name) else { return };
         self.index.remove_worker(f.wid);
+        self.feed.unfollow(name);
         tracing::info!(node = %name, "fabric node left");
     }
 
@@ -631,6 +636,7 @@ impl Inner {
         let Some(w) = st.workers.remove(name) else { return };
         tracing::info!(worker = %name, "worker left");
         self.pool.forget(w.addr, name);
+        self.feed.unfollow(name);
         let (wid, model) = (w.wid, w.model.clone());
         if st.departed.len() >= DEPARTED_MAX {
             st.departed.pop_front();
@@ -1181,7 +1187,7 @@ impl Backend for RoutedBackend {
 
     fn metrics(&self, out: &mut Snapshot) {
         let s = &self.inner.stats;
-        let f = self.feed.stats();
+        let f = self.inner.feed.stats();
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         out.routed = Some(RoutedSnapshot {
             routed: ld(&s.routed),

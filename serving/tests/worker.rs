@@ -130,6 +130,45 @@ async fn silent_connections_on_a_request_port_do_not_shut_frontends_out() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontend_that_starts_after_the_workers_learns_what_they_cached() {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    let (stack, served) = mock_worker("w-cache", &discovery, &bus).await;
+    let (first, addr) = frontend(&discovery, &bus).await;
+    let prompt = "a prompt long enough for a few blocks of sixteen tokens each ".repeat(4);
+    let body = json!({ "model": "mock", "prompt": prompt, "max_tokens": 2 });
+    assert_eq!(common::post_json(addr, "/v1/completions", &body).await.status, 200);
+    let cached = |v: &serde_json::Value| v["workers"][0]["cached_blocks"].as_u64().unwrap_or(0);
+    let route = json!({ "model": "mock", "prompt": prompt });
+    let mut known = 0;
+    for _ in 0..100 {
+        known = cached(&common::post_json(addr, "/v1/route", &route).await.json());
+        if known >= 10 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(known >= 10, "the first frontend's index: {known} blocks");
+    // The frontend goes away (killed) and a new one starts: no event will come for the
+    // blocks already stored, so it must ask the worker for a dump.
+    first.stop();
+    drop(first);
+    let (second, addr) = frontend(&discovery, &bus).await;
+    let mut rebuilt = 0;
+    for _ in 0..100 {
+        rebuilt = cached(&common::post_json(addr, "/v1/route", &route).await.json());
+        if rebuilt == known {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(rebuilt, known, "the new frontend's index");
+    assert!(second.feed_stats().dumps.load(Ordering::Relaxed) >= 1);
+    served.server.abort();
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
