@@ -63,8 +63,10 @@ pub struct AttachStats {
     pub batches: AtomicU64,
     /// kvfabric KV events published.
     pub events: AtomicU64,
-    /// Payloads that could not be decoded, and messages or replays that failed.
+    /// Payloads that could not be decoded, and messages that are not the engine's shape.
     pub malformed: AtomicU64,
+    /// Replays of lost events that could not be asked for or broke off (refused, timed out).
+    pub replay_failures: AtomicU64,
     /// Times the engine's blocks were dropped because events were lost for good.
     pub resets: AtomicU64,
     /// Dumps published.
@@ -90,6 +92,7 @@ impl AttachStats {
             "engine_blocks": ld(&self.blocks),
             "failed_health_checks": ld(&self.failed_polls),
             "events_malformed": ld(&self.malformed),
+            "replay_failures": ld(&self.replay_failures),
             "resets": ld(&self.resets),
         })
     }
@@ -103,6 +106,7 @@ impl Source for AttachStats {
             batches: ld(&self.batches),
             events: ld(&self.events),
             malformed: ld(&self.malformed),
+            replay_failures: ld(&self.replay_failures),
             resets: ld(&self.resets),
             dumps: ld(&self.dumps),
             failed_polls: ld(&self.failed_polls),
@@ -313,6 +317,12 @@ impl Run {
                 tracing::info!(worker = %self.cfg.name, %reason, "engine KV events disconnected");
             }
             FeedItem::Malformed { reason } => self.malformed(format_args!("{reason}")),
+            FeedItem::ReplayFailed { reason } => {
+                let n = self.stats.replay_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                if n.is_power_of_two() {
+                    tracing::warn!(worker = %self.cfg.name, count = n, %reason, "engine KV events: a replay failed");
+                }
+            }
         }
     }
 
@@ -333,9 +343,15 @@ impl Run {
                         Ok((s, _)) => format!("/health answered {s}"),
                         Err(e) => e.to_string(),
                     };
-                    tracing::warn!(worker = %self.cfg.name, engine = %self.cfg.engine, %why, "the engine stopped answering: withdrawn from discovery");
+                    tracing::warn!(worker = %self.cfg.name, engine = %self.cfg.engine, %why, "the engine stopped answering: withdrawn from discovery, its blocks forgotten");
                     self.stats.registered.store(0, Ordering::Relaxed);
                     r.revoke().await;
+                    // An engine that comes back has restarted with an empty cache, as far as
+                    // anyone can tell: routers must not credit it with the old blocks. What
+                    // it holds then comes in its new events.
+                    let cleared = self.mirror.clear();
+                    self.stats.blocks.store(0, Ordering::Relaxed);
+                    self.publish(cleared).await;
                 }
             }
             return;

@@ -578,8 +578,10 @@ pub struct AttachSnapshot {
     pub batches: u64,
     /// kvfabric KV events published for the engine.
     pub events: u64,
-    /// Payloads, messages or replays that failed.
+    /// Payloads or messages that are not the engine's shape.
     pub malformed: u64,
+    /// Replays of lost events that failed.
+    pub replay_failures: u64,
     /// Times the engine's blocks were dropped because its events were lost for good.
     pub resets: u64,
     /// Dumps published.
@@ -1053,9 +1055,15 @@ impl Collector for Components {
             ("kvfabric_attach_kv_events", "KV events published for the engine.", C, |a| a.events),
             (
                 "kvfabric_attach_events_malformed",
-                "Engine event payloads, messages or replays that failed.",
+                "Engine event payloads or messages that are not the engine's shape.",
                 C,
                 |a| a.malformed,
+            ),
+            (
+                "kvfabric_attach_replay_failures",
+                "Replays of the engine's lost events that failed (refused, timed out, broken off).",
+                C,
+                |a| a.replay_failures,
             ),
             (
                 "kvfabric_attach_resets",

@@ -39,7 +39,9 @@ pub struct SubscriberConfig {
     pub max_backoff: Duration,
     /// Live batches held during a replay, at most.
     pub max_held: usize,
-    /// Publishers connected at once, at most (bound endpoint).
+    /// Publishers connected at once, at most (bound endpoint). A connection past it takes the
+    /// place of the quietest one: a publisher that never delivered a message before one that
+    /// did, then the one silent the longest; so idle strangers cannot keep the engine out.
     pub max_connections: usize,
     /// After a (re)connection, replay is asked again this often ([`Sequencer::catch_up`])
     /// until the live stream delivers its first batch, at most [`CATCH_UPS`] times.
@@ -93,9 +95,15 @@ pub enum FeedItem {
         /// Why.
         reason: String,
     },
-    /// A message that is not `[topic, seq, payload]`, or a replay that failed.
+    /// A message that is not `[topic, seq, payload]`.
     Malformed {
         /// What was wrong.
+        reason: String,
+    },
+    /// The replay endpoint could not be asked, or its answer broke off (the gap it was to
+    /// fill becomes a reset).
+    ReplayFailed {
+        /// Why.
         reason: String,
     },
 }
@@ -162,12 +170,23 @@ impl Subscriber {
     }
 }
 
-/// Runs one SUB connection until it fails.
+/// What a bound endpoint knows of a connected publisher: when it last delivered a message
+/// (or connected), whether it ever did, and how to close it.
+struct Slot {
+    active: std::time::Instant,
+    delivered: bool,
+    evict: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+type Slots = std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<u64, Slot>>>;
+
+/// Runs one SUB connection until it fails; `seen` is told of every message.
 async fn serve_sub(
     stream: TcpStream,
     peer: String,
     cfg: &SubscriberConfig,
     tx: &mpsc::Sender<Live>,
+    seen: &(dyn Fn() + Send + Sync),
 ) -> String {
     let _ = stream.set_nodelay(true);
     let mut conn =
@@ -186,6 +205,7 @@ async fn serve_sub(
     loop {
         match conn.recv().await {
             Ok(m) => {
+                seen();
                 if tx.send(Live::Message(m)).await.is_err() {
                     return "stopped".into();
                 }
@@ -202,7 +222,7 @@ async fn connect_loop(addr: String, cfg: SubscriberConfig, tx: mpsc::Sender<Live
         {
             Ok(Ok(s)) => {
                 backoff = Duration::from_millis(50);
-                serve_sub(s, addr.clone(), &cfg, &tx).await
+                serve_sub(s, addr.clone(), &cfg, &tx, &|| {}).await
             }
             Ok(Err(e)) => format!("connecting to {addr}: {e}"),
             Err(_) => format!("connecting to {addr}: no answer within {:?}", cfg.handshake_timeout),
@@ -216,21 +236,56 @@ async fn connect_loop(addr: String, cfg: SubscriberConfig, tx: mpsc::Sender<Live
 }
 
 async fn accept_loop(listener: TcpListener, cfg: SubscriberConfig, tx: mpsc::Sender<Live>) {
-    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(cfg.max_connections.max(1)));
+    let slots: Slots = Default::default();
+    let mut next = 0u64;
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            drop(stream); // over the bound: refused
-            continue;
-        };
-        let (cfg, tx) = (cfg.clone(), tx.clone());
+        let (evict_tx, mut evicted) = tokio::sync::oneshot::channel();
+        let id = next;
+        next += 1;
+        {
+            let mut s = slots.lock();
+            if s.len() >= cfg.max_connections.max(1) {
+                // The quietest publisher gives way: never delivered before delivered, then
+                // silent the longest.
+                let victim = s
+                    .iter()
+                    .filter(|(_, v)| v.evict.is_some())
+                    .min_by_key(|(_, v)| (v.delivered, v.active))
+                    .map(|(k, _)| *k);
+                match victim.and_then(|k| s.get_mut(&k)).and_then(|v| v.evict.take()) {
+                    Some(evict) => {
+                        let _ = evict.send(());
+                    }
+                    None => {
+                        drop(stream); // every slot is closing already: refused
+                        continue;
+                    }
+                }
+            }
+            let now = std::time::Instant::now();
+            s.insert(id, Slot { active: now, delivered: false, evict: Some(evict_tx) });
+        }
+        let (cfg, tx, slots) = (cfg.clone(), tx.clone(), slots.clone());
         tokio::spawn(async move {
-            let why = serve_sub(stream, peer.to_string(), &cfg, &tx).await;
+            let seen = {
+                let slots = slots.clone();
+                move || {
+                    if let Some(v) = slots.lock().get_mut(&id) {
+                        v.active = std::time::Instant::now();
+                        v.delivered = true;
+                    }
+                }
+            };
+            let why = tokio::select! {
+                why = serve_sub(stream, peer.to_string(), &cfg, &tx, &seen) => why,
+                Ok(()) = &mut evicted => "closed to make room for a newer publisher (this one was the quietest)".to_string(),
+            };
+            slots.lock().remove(&id);
             let _ = tx.send(Live::Down(format!("{peer}: {why}"))).await;
-            drop(permit);
         });
     }
 }
@@ -283,7 +338,8 @@ async fn sequence_loop(
     let replay_addr = match replay_addr {
         Some(Ok(a)) => Some(a),
         Some(Err(e)) => {
-            let _ = tx.send(FeedItem::Malformed { reason: format!("replay endpoint: {e}") }).await;
+            let _ =
+                tx.send(FeedItem::ReplayFailed { reason: format!("replay endpoint: {e}") }).await;
             None
         }
         None => None,
@@ -338,7 +394,7 @@ async fn sequence_loop(
                 Some(Replayed::End) => seq.replay_ended(&mut actions),
                 Some(Replayed::Failed(why)) => {
                     seq.replay_failed(&why, &mut actions);
-                    if tx.send(FeedItem::Malformed { reason: why }).await.is_err() { return; }
+                    if tx.send(FeedItem::ReplayFailed { reason: why }).await.is_err() { return; }
                 }
                 None => return,
             },
@@ -365,6 +421,73 @@ async fn sequence_loop(
             if tx.send(item).await.is_err() {
                 return;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::zmtp::{fake_message, fake_peer};
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_peers_on_a_bound_endpoint_give_way_to_the_engine() {
+        let mut cfg = SubscriberConfig::new(EventsEndpoint::Bind("tcp://127.0.0.1:0".into()));
+        cfg.max_connections = 4;
+        let mut sub = Subscriber::start(cfg).await.unwrap();
+        let addr = sub.bound().unwrap();
+        // Four strangers connect as publishers and never publish.
+        let mut idle = Vec::new();
+        for _ in 0..4 {
+            let s = TcpStream::connect(addr).await.unwrap();
+            idle.push(tokio::spawn(fake_peer(s, b"PUB", Vec::new())));
+        }
+        let mut up = 0;
+        while up < 4 {
+            if let Some(FeedItem::Connected { .. }) = sub.recv().await {
+                up += 1;
+            }
+        }
+        // The engine connects and publishes: it takes a stranger's place, and its batch
+        // comes through.
+        let s = TcpStream::connect(addr).await.unwrap();
+        let batch = fake_message(&[b"kv", &0u64.to_be_bytes(), b"payload"]);
+        let engine = tokio::spawn(fake_peer(s, b"PUB", batch));
+        let got = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut evicted = 0;
+            loop {
+                match sub.recv().await {
+                    Some(FeedItem::Batch { seq, payload }) => return (seq, payload, evicted),
+                    Some(FeedItem::Disconnected { reason }) if reason.contains("quietest") => {
+                        evicted += 1
+                    }
+                    Some(_) => {}
+                    None => panic!("the subscriber stopped"),
+                }
+            }
+        })
+        .await
+        .expect("the engine's batch within 10 s");
+        assert_eq!((got.0, got.1.as_slice(), got.2), (0, &b"payload"[..], 1));
+        // A later stranger evicts another stranger, not the engine that delivered.
+        let s = TcpStream::connect(addr).await.unwrap();
+        let _late = tokio::spawn(fake_peer(s, b"PUB", Vec::new()));
+        let s = TcpStream::connect(addr).await.unwrap();
+        let second = fake_message(&[b"kv", &1u64.to_be_bytes(), b"more"]);
+        let _engine2 = tokio::spawn(fake_peer(s, b"PUB", second));
+        let got = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Some(FeedItem::Batch { seq, .. }) = sub.recv().await {
+                    return seq;
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(got, 1);
+        assert!(!engine.is_finished(), "the engine that delivered was kept");
+        for t in idle {
+            t.abort();
         }
     }
 }

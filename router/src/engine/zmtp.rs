@@ -288,27 +288,54 @@ pub fn tcp_address(endpoint: &str) -> Result<String, String> {
     Ok(format!("{host}:{port}"))
 }
 
+/// A fake peer for tests: the greeting, READY as `kind`, then `then`; then it holds the
+/// stream open, reading what comes, until the other side closes.
+#[cfg(test)]
+pub(super) async fn fake_peer<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    kind: &[u8],
+    then: Vec<u8>,
+) {
+    if s.write_all(&greeting()).await.is_err() {
+        return;
+    }
+    let mut g = [0u8; 64];
+    if s.read_exact(&mut g).await.is_err() {
+        return;
+    }
+    let mut body = vec![5];
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&(kind.len() as u32).to_be_bytes());
+    body.extend_from_slice(kind);
+    let _ = s.write_all(&[FLAG_COMMAND, body.len() as u8]).await;
+    let _ = s.write_all(&body).await;
+    let _ = s.write_all(&then).await;
+    let mut sink = Vec::new();
+    let _ = s.read_to_end(&mut sink).await;
+}
+
+/// A message's frames on the wire (short frames), for tests.
+#[cfg(test)]
+pub(super) fn fake_message(frames: &[&[u8]]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, f) in frames.iter().enumerate() {
+        let more = if i + 1 < frames.len() { FLAG_MORE } else { 0 };
+        out.push(more | FLAG_LONG);
+        out.extend_from_slice(&(f.len() as u64).to_be_bytes());
+        out.extend_from_slice(f);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// A fake peer: greeting, READY as `kind`, then `then`.
-    async fn peer(mut s: tokio::io::DuplexStream, kind: &[u8], then: Vec<u8>) {
-        s.write_all(&greeting()).await.unwrap();
-        let mut g = [0u8; 64];
-        s.read_exact(&mut g).await.unwrap();
-        let mut body = vec![5];
-        body.extend_from_slice(b"READY");
-        body.push(11);
-        body.extend_from_slice(b"Socket-Type");
-        body.extend_from_slice(&(kind.len() as u32).to_be_bytes());
-        body.extend_from_slice(kind);
-        s.write_all(&[FLAG_COMMAND, body.len() as u8]).await.unwrap();
-        s.write_all(&body).await.unwrap();
-        s.write_all(&then).await.unwrap();
-        // Keep the stream open while the other side reads.
-        let mut sink = Vec::new();
-        let _ = s.read_to_end(&mut sink).await;
+    async fn peer(s: tokio::io::DuplexStream, kind: &[u8], then: Vec<u8>) {
+        fake_peer(s, kind, then).await
     }
 
     #[tokio::test]
