@@ -123,6 +123,8 @@ impl Backend for LocalBackend {
         out.engine = Some(engine_snapshot(&self.sched, &self.store));
         out.transfers = self.store.agent().transfer_counts();
         out.rdma = Some(rdma_state(self.store.agent()));
+        out.ports.push(self.store.agent().connection_stats());
+        out.foreign_memory = Some(self.store.agent().foreign_memory_refusals());
     }
 
     /// One engine: where the prompt's leading blocks are held in its store.

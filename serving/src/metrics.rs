@@ -527,6 +527,12 @@ pub struct RoutedSnapshot {
     pub no_worker: u64,
     /// Attempts abandoned: no connection, handshake or first token in time.
     pub slow_workers: u64,
+    /// Attempts refused by a worker's handshake on the secret.
+    pub auth_failures: u64,
+    /// Streams ended because the worker sent nothing for the inter-token deadline.
+    pub stalled_streams: u64,
+    /// Streams moved to another worker after theirs stalled or broke mid-stream.
+    pub migrations: u64,
     /// KV events applied to the prefix index.
     pub kv_events: u64,
     /// Gaps in a source's KV event ids.
@@ -613,6 +619,11 @@ pub struct Snapshot {
     pub transfers: Vec<kvfabric::transfer::TransferCount>,
     /// The agent's RDMA transport: `off`, `unavailable`, `up` or `failed` (None: no agent).
     pub rdma: Option<&'static str>,
+    /// Authenticated ports (the agent's, a worker's request port): connections refused or
+    /// closed by cause, and open now.
+    pub ports: Vec<kvfabric::session::admission::PortSnapshot>,
+    /// Peers the agent refused because their metadata named another process's shared memory.
+    pub foreign_memory: Option<u64>,
     /// The planner.
     pub planner: Option<PlannerSnapshot>,
 }
@@ -1028,6 +1039,56 @@ impl Collector for Components {
         family(
             e,
             s,
+            "kvfabric_port_connections_closed",
+            "Connections an authenticated port (agent, request) refused or closed, by reason: \
+             busy (at its limit), evicted (a newer connection took a handshake's place), \
+             handshake (failed: wrong secret, garbage, timeout), peer_limit, idle.",
+            None,
+            C,
+            |s, o| {
+                for p in &s.ports {
+                    for cause in kvfabric::session::admission::Cause::ALL {
+                        let labels = vec![
+                            ("port", LabelValue::from(p.port)),
+                            ("reason", LabelValue::from(cause.label())),
+                        ];
+                        o.push((labels, Value::Int(p.count(cause))));
+                    }
+                }
+            },
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_port_connections",
+            "Connections open on an authenticated port, in the handshake or authenticated.",
+            None,
+            G,
+            |s, o| {
+                for p in &s.ports {
+                    for (state, n) in [("handshake", p.pending), ("authenticated", p.admitted)] {
+                        let labels = vec![
+                            ("port", LabelValue::from(p.port)),
+                            ("state", LabelValue::from(state)),
+                        ];
+                        o.push((labels, Value::Int(n)));
+                    }
+                }
+            },
+        )?;
+        family(
+            e,
+            s,
+            "kvfabric_agent_peers_refused",
+            "Peers refused because their metadata named shared memory that is not theirs \
+             (another deployment's, another agent's).",
+            None,
+            C,
+            |s, o| o.extend(s.foreign_memory.map(plain)),
+        )?;
+        family(
+            e,
+            s,
             "kvfabric_rdma_state",
             "The agent's RDMA transport (1 on its state): off, unavailable (no device), up, or \
              failed (its device went away: transfers between hosts go over TCP).",
@@ -1213,6 +1274,21 @@ impl Collector for Components {
                 "kvfabric_frontend_unresponsive_workers",
                 "Attempts abandoned: no connection, handshake or first token in time.",
                 |r| r.slow_workers,
+            ),
+            (
+                "kvfabric_frontend_worker_auth_failures",
+                "Attempts whose worker refused the frontend's secret (or proved another).",
+                |r| r.auth_failures,
+            ),
+            (
+                "kvfabric_frontend_stalled_streams",
+                "Streams ended because their worker sent nothing for the inter-token deadline.",
+                |r| r.stalled_streams,
+            ),
+            (
+                "kvfabric_frontend_stream_migrations",
+                "Streams moved to another worker after theirs stalled or broke mid-stream.",
+                |r| r.migrations,
             ),
             ("kvfabric_frontend_kv_events", "KV events applied to the prefix index.", |r| {
                 r.kv_events

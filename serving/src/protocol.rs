@@ -150,6 +150,15 @@ pub enum FrameError {
     Handshake(#[from] HandshakeError),
 }
 
+impl FrameError {
+    /// Whether the handshake failed on the secret (ours refused, or theirs wrong): no retry
+    /// can succeed until an operator fixes it.
+    pub fn is_auth(&self) -> bool {
+        use kvfabric::session::proto::SessionError;
+        matches!(self, FrameError::Handshake(HandshakeError::Session(SessionError::Auth)))
+    }
+}
+
 /// Who may speak the protocol: this side's name and the shared secret.
 #[derive(Clone)]
 pub struct Auth {
@@ -526,6 +535,22 @@ impl ConnectionPool {
     pub fn forget(&self, addr: SocketAddr, worker: &str) {
         self.idle.lock().remove(&(addr, worker.to_string()));
     }
+}
+
+/// Connects to the worker `worker` and authenticates, then hangs up: whether this side and the
+/// worker share the secret (a frontend asks when a worker joins, so that a worker it cannot
+/// reach is known before a request needs it).
+pub async fn probe(
+    addr: SocketAddr,
+    worker: &str,
+    auth: &Auth,
+    timeout: Duration,
+) -> Result<(), FrameError> {
+    let mut s = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+    handshake::client(&mut s, auth.client(worker), handshake::nonce(), timeout).await?;
+    Ok(())
 }
 
 /// Connects to the worker `worker`, authenticates, and sends a request; events are read

@@ -57,6 +57,14 @@ pub struct RoutedConfig {
     pub first_token_timeout: Duration,
     /// How long a worker that did not answer in time is avoided (while others exist).
     pub slow_penalty: Duration,
+    /// A stream whose worker sends nothing for this long after its first token has stalled
+    /// (a frozen or dead process): the frontend stops waiting for it.
+    pub stall_timeout: Duration,
+    /// A stream that stalls or breaks after its first token moves to another worker this
+    /// many times at most: the new worker continues from the prompt and the tokens already
+    /// sent (as Dynamo's request migration does), and the client sees one stream. 0: such a
+    /// stream ends with an error.
+    pub migrations_max: u32,
 }
 
 impl RoutedConfig {
@@ -71,6 +79,8 @@ impl RoutedConfig {
             secret: secret.into(),
             first_token_timeout: Duration::from_secs(30),
             slow_penalty: Duration::from_secs(10),
+            stall_timeout: Duration::from_secs(10),
+            migrations_max: 1,
         }
     }
 }
@@ -89,6 +99,12 @@ pub struct RoutedStats {
     /// Attempts abandoned because the worker did not answer in time (connection, handshake,
     /// first token); the worker is then avoided for a while.
     pub slow_workers: AtomicU64,
+    /// Attempts refused by the worker's handshake on the secret.
+    pub auth_failures: AtomicU64,
+    /// Streams ended because their worker sent nothing for the inter-token deadline.
+    pub stalled_streams: AtomicU64,
+    /// Streams moved to another worker after their first worker stalled or broke.
+    pub migrations: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -101,6 +117,9 @@ struct WorkerEntry {
     served: u64,
     /// Avoided until then: it did not answer in time (connection, handshake, first token).
     penalty_until: Option<Instant>,
+    /// Not routed to until then, and why: it refused our secret (or we refused its), so no
+    /// request can reach it; tried again after [`REFUSED_RETRY`].
+    refused: Option<(Instant, String)>,
     /// Its role, as a dashboard names it.
     role: &'static str,
     /// Its last load report, when it came, and how old it was on arrival (ms).
@@ -108,6 +127,10 @@ struct WorkerEntry {
     stats: Option<Box<contract::WorkerStats>>,
     reported: Option<(Instant, Option<f64>)>,
 }
+
+/// A worker whose handshake failed on the secret is left out of routing this long, then
+/// tried again (its operator may have fixed the secret).
+const REFUSED_RETRY: Duration = Duration::from_secs(30);
 
 /// A worker that left discovery, kept a few minutes for dashboards.
 #[derive(Debug)]
@@ -413,11 +436,13 @@ impl RoutedBackend {
             .iter()
             .map(|(name, w)| {
                 let avoided = w.penalty_until.is_some_and(|t| t > now);
+                let refused = w.refused.as_ref().is_some_and(|(t, _)| *t > now);
                 let draining = w.stats.as_ref().is_some_and(|s| s.draining);
-                let state = match (draining, avoided) {
-                    (true, _) => "draining",
-                    (false, true) => "avoided",
-                    (false, false) => "serving",
+                let state = match (refused, draining, avoided) {
+                    (true, _, _) => "refused",
+                    (false, true, _) => "draining",
+                    (false, false, true) => "avoided",
+                    (false, false, false) => "serving",
                 };
                 view(name, w, state, None)
             })
@@ -506,7 +531,7 @@ impl Inner {
         format!("{:?}", self.cfg.router.mode).to_lowercase()
     }
 
-    async fn join(&self, inst: Instance) {
+    async fn join(self: &Arc<Self>, inst: Instance) {
         let md: WorkerMetadata = match serde_json::from_value(inst.metadata.clone()) {
             Ok(m) => m,
             Err(e) => {
@@ -569,6 +594,9 @@ impl Inner {
         model.router.add_worker(wid);
         model.workers += 1;
         tracing::info!(worker = %inst.id, addr = %md.addr, model = %md.model.id, role = ?md.role, "worker joined");
+        if md.api == WorkerApi::Kvfabric {
+            self.probe(inst.id.clone(), md.addr);
+        }
         st.by_id.insert(wid, inst.id.clone());
         let role = match (&md.api, md.role) {
             (WorkerApi::OpenAi { .. }, _) => "engine",
@@ -585,6 +613,7 @@ impl Inner {
                 model: md.model.id,
                 served: before.as_ref().map_or(0, |b| b.served),
                 penalty_until: None,
+                refused: None,
                 role,
                 load: before.as_ref().map_or_else(contract::Load::default, |b| b.load),
                 stats: before.as_mut().and_then(|b| b.stats.take()),
@@ -721,15 +750,24 @@ impl Inner {
                 .and_then(|e| e.penalty_until)
                 .is_some_and(|t| t > clock)
         };
+        // A worker that refused our secret cannot serve anything: never chosen.
+        let refused = |w: &WorkerId| {
+            st.by_id
+                .get(w)
+                .and_then(|n| st.workers.get(n))
+                .and_then(|e| e.refused.as_ref())
+                .is_some_and(|(t, _)| *t > clock)
+        };
         let workers: Vec<WorkerId> = m.router.workers().to_vec();
-        let fresh = |w: &WorkerId| !tried.contains(w) && !penalised(w);
+        let usable = |w: &WorkerId| !tried.contains(w) && !refused(w);
+        let fresh = |w: &WorkerId| usable(w) && !penalised(w);
         let avoid_slow = workers.iter().any(fresh);
-        if tried.contains(&wid) || (avoid_slow && penalised(&wid)) {
+        if !usable(&wid) || (avoid_slow && penalised(&wid)) {
             m.router.free(request_id);
             wid = if avoid_slow {
                 *workers.iter().find(|w| fresh(w))?
             } else {
-                *workers.iter().find(|w| !tried.contains(w))?
+                *workers.iter().find(|w| usable(w))?
             };
         }
         let name = st.by_id.get(&wid)?.clone();
@@ -747,10 +785,38 @@ impl Inner {
         }
     }
 
+    /// Checks in the background that a worker that joined accepts this frontend's secret.
+    fn probe(self: &Arc<Self>, name: String, addr: SocketAddr) {
+        let this = Arc::downgrade(self);
+        let auth = Auth { name: self.cfg.name.clone(), secret: self.cfg.secret.clone() };
+        let timeout = self.cfg.connect_timeout;
+        tokio::spawn(async move {
+            if let Err(e) = protocol::probe(addr, &name, &auth, timeout).await {
+                if let Some(this) = this.upgrade().filter(|_| e.is_auth()) {
+                    this.refuse(&name, &e.to_string());
+                }
+            }
+        });
+    }
+
+    /// A worker's handshake failed on the secret: out of routing for [`REFUSED_RETRY`],
+    /// counted, logged once per worker until it serves again.
+    fn refuse(&self, name: &str, why: &str) {
+        self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+        if let Some(w) = self.state.lock().workers.get_mut(name) {
+            if w.refused.is_none() {
+                tracing::warn!(worker = %name, reason = %why, "a worker refused this frontend's \
+                    secret (or proved another): no request can reach it; left out of routing");
+            }
+            w.refused = Some((Instant::now() + REFUSED_RETRY, why.to_string()));
+        }
+    }
+
     /// A worker answered in time: it is no longer avoided.
     fn forgive(&self, name: &str) {
         if let Some(w) = self.state.lock().workers.get_mut(name) {
             w.penalty_until = None;
+            w.refused = None;
         }
     }
 
@@ -769,7 +835,10 @@ impl Inner {
         let deadline = tokio::time::Instant::now() + req.timeout;
         let mut tried: Vec<WorkerId> = Vec::new();
         let mut last_err: Option<String> = None;
-        let wreq = WorkerRequest { model: model.clone(), request: req };
+        let (prompt, max_tokens) = (req.prompt.clone(), req.max_tokens);
+        let mut wreq = WorkerRequest { model: model.clone(), request: req };
+        let mut progress = Progress { ids_known: true, ..Progress::default() };
+        let mut migrations = 0u32;
         for attempt in 0..self.cfg.max_attempts.max(1) {
             let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
             let Some((name, addr, api)) = self.route(&model, rid, &wreq.request.prompt, &tried)
@@ -780,13 +849,21 @@ impl Inner {
             if attempt > 0 {
                 self.stats.retries.fetch_add(1, Ordering::Relaxed);
             }
+            let target = Target { model: &model, rid, name: &name, addr };
             let outcome = match &api {
                 WorkerApi::Kvfabric => {
-                    self.relay(&model, rid, &name, addr, &wreq, &tx, deadline).await
+                    self.relay(target, &wreq, &tx, deadline, &mut progress).await
                 }
                 WorkerApi::OpenAi { model: engine_model } => {
-                    let target = Target { model: &model, rid, name: &name, addr };
-                    self.relay_openai(target, engine_model, &wreq.request, &tx, deadline).await
+                    self.relay_openai(
+                        target,
+                        engine_model,
+                        &wreq.request,
+                        &tx,
+                        deadline,
+                        &mut progress,
+                    )
+                    .await
                 }
             };
             self.with_router(&model, |r| r.free(rid));
@@ -798,44 +875,91 @@ impl Inner {
                     last_err = Some(format!("worker {name}: {why}"));
                 }
                 Relay::Failed(why) => {
-                    self.stats.failed_mid_stream.fetch_add(1, Ordering::Relaxed);
-                    let e = EngineError::model(format!(
-                        "worker {name} failed after streaming had started: {why}"
-                    ));
-                    let _ = tx.send(GenEvent::Error(e));
-                    return;
+                    tried.push(worker_id(&name));
+                    let left = max_tokens.saturating_sub(progress.generated.len());
+                    let can_move = migrations < self.cfg.migrations_max
+                        && progress.ids_known
+                        && tokio::time::Instant::now() < deadline;
+                    if can_move && left == 0 {
+                        let _ = tx.send(GenEvent::Done {
+                            reason: crate::engine::FinishReason::Length,
+                            completion_tokens: progress.generated.len(),
+                            text: String::new(),
+                        });
+                        return;
+                    }
+                    if !can_move {
+                        self.stats.failed_mid_stream.fetch_add(1, Ordering::Relaxed);
+                        let e = EngineError::model(format!(
+                            "worker {name} failed after streaming had started: {why}"
+                        ));
+                        let _ = tx.send(GenEvent::Error(e));
+                        return;
+                    }
+                    // The next worker continues from the prompt and the tokens sent.
+                    migrations += 1;
+                    self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(worker = %name, reason = %why, tokens = progress.generated.len(),
+                        "a stream broke after its first token: moving it to another worker");
+                    wreq.request.prompt = [&prompt[..], &progress.generated[..]].concat();
+                    wreq.request.max_tokens = left;
+                    progress.moved = true;
+                    progress.counted_before = progress.generated.len();
+                    last_err = Some(format!("worker {name}: {why}"));
                 }
             }
-            if tokio::time::Instant::now() >= deadline {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
                 let _ = tx
                     .send(GenEvent::Error(EngineError::Deadline { timeout: wreq.request.timeout }));
                 return;
             }
+            wreq.request.timeout = deadline - now;
         }
         self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
+        let refused: Vec<String> = {
+            let st = self.state.lock();
+            let now = Instant::now();
+            let mut v: Vec<String> = st
+                .workers
+                .iter()
+                .filter(|(_, w)| {
+                    w.model == model && w.refused.as_ref().is_some_and(|(t, _)| *t > now)
+                })
+                .map(|(n, _)| n.clone())
+                .collect();
+            v.sort();
+            v
+        };
         let msg = match last_err {
             Some(e) => format!("no worker could serve {model:?} ({e})"),
+            None if !refused.is_empty() => format!(
+                "no worker can serve {model:?}: {} refused this frontend's secret",
+                refused.join(", ")
+            ),
             None => format!("no worker serves {model:?} now"),
         };
         let _ = tx.send(GenEvent::Error(EngineError::Unavailable { message: msg }));
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn relay(
         &self,
-        model: &str,
-        rid: u64,
-        name: &str,
-        addr: SocketAddr,
+        t: Target<'_>,
         wreq: &WorkerRequest,
         tx: &UnboundedSender<GenEvent>,
         deadline: tokio::time::Instant,
+        progress: &mut Progress,
     ) -> Relay {
+        let Target { model, rid, name, addr } = t;
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let auth = Auth { name: self.cfg.name.clone(), secret: self.cfg.secret.clone() };
         let timeout = self.cfg.connect_timeout.min(left);
         let mut conn = match self.pool.request(addr, name, &auth, wreq, timeout).await {
             Ok(c) => c,
+            Err(e) if e.is_auth() => {
+                self.refuse(name, &e.to_string());
+                return Relay::Retry(e.to_string());
+            }
             Err(e) => {
                 // Refused, or no handshake in time (a frozen process): avoid it too.
                 self.penalise(name);
@@ -850,8 +974,9 @@ impl Inner {
         // `Started` is held until the first token: a request retried elsewhere reports the
         // worker that answered it.
         let mut started: Option<GenEvent> = None;
+        let mut stall_by = deadline;
         loop {
-            let until = if sent_token { deadline } else { first_token_by };
+            let until = if sent_token { stall_by.min(deadline) } else { first_token_by };
             let frame = tokio::select! {
                 f = tokio::time::timeout_at(until, conn.next()) => f,
                 // The client went away: closing the connection cancels the worker's work.
@@ -878,6 +1003,11 @@ impl Inner {
                         self.cfg.first_token_timeout
                     ));
                 }
+                Err(_) if until < deadline => {
+                    self.penalise(name);
+                    self.stats.stalled_streams.fetch_add(1, Ordering::Relaxed);
+                    return Relay::Failed(format!("no token for {:?}", self.cfg.stall_timeout));
+                }
                 Err(_) => {
                     tracing::warn!(worker = %name, first_token = sent_token, "request deadline reached waiting for the worker's next event");
                     let _ = tx.send(GenEvent::Error(EngineError::Deadline {
@@ -900,36 +1030,40 @@ impl Inner {
             };
             match ev {
                 GenEvent::Started { prompt_tokens, cached, remote_prefill, .. } => {
-                    started = Some(GenEvent::Started {
-                        prompt_tokens,
-                        cached,
-                        worker: Some(name.to_string()),
-                        remote_prefill,
-                    });
+                    // A stream that moved here has told its client how it started already.
+                    if !progress.started_sent {
+                        started = Some(GenEvent::Started {
+                            prompt_tokens,
+                            cached,
+                            worker: Some(name.to_string()),
+                            remote_prefill,
+                        });
+                    }
                 }
-                GenEvent::Token { .. } => {
+                GenEvent::Token { id, .. } => {
+                    stall_by = tokio::time::Instant::now() + self.cfg.stall_timeout;
                     if !sent_token {
                         sent_token = true;
                         self.with_router(model, |r| r.prefill_done(rid));
                         self.forgive(name);
-                        if let Some(s) = started.take() {
-                            let _ = tx.send(s);
-                        }
+                        progress.send_started(tx, started.take());
                     }
+                    progress.generated.push(id);
                     if tx.send(ev).is_err() {
                         return Relay::Finished;
                     }
                 }
-                GenEvent::Done { .. } => {
+                GenEvent::Done { reason, text, completion_tokens } => {
                     self.pool.give_back(conn);
-                    if let Some(s) = started.take() {
-                        let _ = tx.send(s);
-                    }
-                    let _ = tx.send(ev);
+                    progress.send_started(tx, started.take());
+                    // Counted over every worker the stream had.
+                    let completion_tokens = progress.counted_before + completion_tokens;
+                    let _ = tx.send(GenEvent::Done { reason, completion_tokens, text });
                     return Relay::Finished;
                 }
                 GenEvent::Cached(c) => match started.as_mut() {
                     Some(GenEvent::Started { cached: sc, .. }) => *sc = c,
+                    _ if progress.started_sent && progress.moved => {}
                     _ => {
                         let _ = tx.send(GenEvent::Cached(c));
                     }
@@ -942,9 +1076,7 @@ impl Inner {
                     if retryable && !sent_token {
                         return Relay::Retry(e.to_string());
                     }
-                    if let Some(s) = started.take() {
-                        let _ = tx.send(s);
-                    }
+                    progress.send_started(tx, started.take());
                     let _ = tx.send(GenEvent::Error(e));
                     return Relay::Finished;
                 }
@@ -1033,6 +1165,7 @@ impl Inner {
         req: &GenerateRequest,
         tx: &UnboundedSender<GenEvent>,
         deadline: tokio::time::Instant,
+        progress: &mut Progress,
     ) -> Relay {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let first_token_by =
@@ -1056,15 +1189,16 @@ impl Inner {
                 return Relay::Finished;
             }
         };
-        let mut started = Some(GenEvent::Started {
+        let mut started = (!progress.started_sent).then(|| GenEvent::Started {
             prompt_tokens: req.prompt.len(),
             cached: Default::default(),
             worker: Some(t.name.to_string()),
             remote_prefill: None,
         });
-        let (mut sent_token, mut reason, mut completion) = (false, None, 0usize);
+        let (mut sent_token, mut reason, mut chunks) = (false, None, 0usize);
+        let mut stall_by = deadline;
         loop {
-            let until = if sent_token { deadline } else { first_token_by };
+            let until = if sent_token { stall_by.min(deadline) } else { first_token_by };
             let chunk = tokio::select! {
                 c = tokio::time::timeout_at(until, stream.next()) => c,
                 _ = tx.closed() => return Relay::Finished,
@@ -1077,6 +1211,11 @@ impl Inner {
                         self.cfg.first_token_timeout
                     ));
                 }
+                Err(_) if until < deadline => {
+                    self.penalise(t.name);
+                    self.stats.stalled_streams.fetch_add(1, Ordering::Relaxed);
+                    return Relay::Failed(format!("no token for {:?}", self.cfg.stall_timeout));
+                }
                 Err(_) => {
                     let _ =
                         tx.send(GenEvent::Error(EngineError::Deadline { timeout: req.timeout }));
@@ -1088,15 +1227,17 @@ impl Inner {
             };
             match chunk {
                 Some(openai::Chunk::Text { text, token_ids }) => {
+                    stall_by = tokio::time::Instant::now() + self.cfg.stall_timeout;
                     if !sent_token {
                         sent_token = true;
                         self.with_router(t.model, |r| r.prefill_done(t.rid));
                         self.forgive(t.name);
-                        if let Some(s) = started.take() {
-                            let _ = tx.send(s);
-                        }
+                        progress.send_started(tx, started.take());
                     }
-                    completion += token_ids.len().max(1);
+                    // An engine that does not return token ids: the stream cannot move.
+                    progress.ids_known &= !token_ids.is_empty();
+                    progress.generated.extend_from_slice(&token_ids);
+                    chunks += token_ids.len().max(1);
                     let id = token_ids.last().copied().unwrap_or(0);
                     if tx.send(GenEvent::Token { id, text }).is_err() {
                         return Relay::Finished;
@@ -1104,8 +1245,9 @@ impl Inner {
                 }
                 Some(openai::Chunk::Finish(r)) => reason = Some(r),
                 Some(openai::Chunk::Usage { completion_tokens, cached }) => {
-                    completion = completion_tokens;
-                    if let Some(c) = cached {
+                    // Counted over every worker the stream had.
+                    progress.counted = progress.counted_before + completion_tokens;
+                    if let Some(c) = cached.filter(|_| !progress.moved) {
                         match started.as_mut() {
                             Some(GenEvent::Started { cached: sc, .. }) => *sc = c,
                             _ => {
@@ -1115,18 +1257,14 @@ impl Inner {
                     }
                 }
                 None => {
-                    if let Some(s) = started.take() {
-                        let _ = tx.send(s);
-                    }
+                    progress.send_started(tx, started.take());
                     let Some(reason) = reason else {
                         let why = "the engine ended the stream without a finish reason".to_string();
                         return if sent_token { Relay::Failed(why) } else { Relay::Retry(why) };
                     };
-                    let _ = tx.send(GenEvent::Done {
-                        reason,
-                        completion_tokens: completion,
-                        text: String::new(),
-                    });
+                    let completion_tokens = progress.counted.max(progress.counted_before + chunks);
+                    let _ =
+                        tx.send(GenEvent::Done { reason, completion_tokens, text: String::new() });
                     return Relay::Finished;
                 }
             }
@@ -1138,6 +1276,33 @@ enum Relay {
     Finished,
     Retry(String),
     Failed(String),
+}
+
+/// What the client was sent of a request so far, over every worker that served it.
+#[derive(Debug, Default)]
+struct Progress {
+    /// `Started` was sent (a stream that moves does not start again).
+    started_sent: bool,
+    /// The stream moved to another worker at least once.
+    moved: bool,
+    /// The tokens sent, in order.
+    generated: Vec<u32>,
+    /// Every token's id is known (an OpenAI engine may not return them): the stream can move.
+    ids_known: bool,
+    /// Completion tokens the engines reported (OpenAI usage), this attempt's included.
+    counted: usize,
+    /// ... before this attempt.
+    counted_before: usize,
+}
+
+impl Progress {
+    /// Sends `started` if the client has not had one.
+    fn send_started(&mut self, tx: &UnboundedSender<GenEvent>, started: Option<GenEvent>) {
+        if let Some(s) = started.filter(|_| !self.started_sent) {
+            let _ = tx.send(s);
+        }
+        self.started_sent = true;
+    }
 }
 
 impl Backend for RoutedBackend {
@@ -1166,8 +1331,28 @@ impl Backend for RoutedBackend {
         let st = self.inner.state.lock();
         let mut workers: Vec<&String> = st.workers.keys().collect();
         workers.sort();
+        let now = Instant::now();
+        let mut reasons: Vec<String> = st
+            .workers
+            .iter()
+            .filter_map(|(n, w)| {
+                w.refused.as_ref().filter(|(t, _)| *t > now).map(|(_, why)| (n, why))
+            })
+            .map(|(n, why)| format!("worker {n} cannot be reached: {why} (wrong secret?)"))
+            .collect();
+        reasons.sort();
+        let status = if st.workers.is_empty() {
+            "no workers"
+        } else if reasons.len() == st.workers.len() {
+            "no usable workers"
+        } else if reasons.is_empty() {
+            "ok"
+        } else {
+            "degraded"
+        };
         json!({
-            "status": if st.workers.is_empty() { "no workers" } else { "ok" },
+            "status": status,
+            "reasons": reasons,
             "workers": workers,
             "models": st.models.keys().collect::<Vec<_>>(),
         })
@@ -1195,6 +1380,9 @@ impl Backend for RoutedBackend {
             failed_mid_stream: ld(&s.failed_mid_stream),
             no_worker: ld(&s.no_worker),
             slow_workers: ld(&s.slow_workers),
+            auth_failures: ld(&s.auth_failures),
+            stalled_streams: ld(&s.stalled_streams),
+            migrations: ld(&s.migrations),
             kv_events: ld(&f.applied),
             kv_event_gaps: ld(&f.gaps),
             kv_dumps: ld(&f.dumps),

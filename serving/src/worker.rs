@@ -443,7 +443,8 @@ impl WorkerStack {
                     ServeLimits::default(),
                     stats.clone(),
                 );
-                (addr, server, WORKER_KIND, MetricsSource::Backend(backend), Some(stats))
+                let metrics = MetricsSource::Backend(backend, stats.port.clone());
+                (addr, server, WORKER_KIND, metrics, Some(stats))
             }
         };
         let role_name = match role {
@@ -489,8 +490,8 @@ impl WorkerStack {
 /// What a worker's `/metrics` shows.
 #[derive(Debug, Clone)]
 pub enum MetricsSource {
-    /// A serving backend (aggregated or decode).
-    Backend(Arc<dyn Backend>),
+    /// A serving backend (aggregated or decode), and its request port.
+    Backend(Arc<dyn Backend>, Arc<kvfabric::session::admission::PortStats>),
     /// A prefill worker: its engine and its job counters.
     Prefill(Arc<LocalBackend>, Arc<PrefillStats>),
 }
@@ -498,7 +499,10 @@ pub enum MetricsSource {
 impl Source for MetricsSource {
     fn snapshot(&self, out: &mut Snapshot) {
         match self {
-            MetricsSource::Backend(b) => b.metrics(out),
+            MetricsSource::Backend(b, port) => {
+                b.metrics(out);
+                out.ports.push(port.snapshot());
+            }
             MetricsSource::Prefill(b, s) => {
                 b.metrics(out);
                 out.prefill_service = Some(s.snapshot());

@@ -26,6 +26,16 @@ async fn mock_worker(
     discovery: &Arc<dyn Discovery>,
     bus: &Arc<dyn EventBus>,
 ) -> (WorkerStack, kvfabric_serving::worker::Served) {
+    mock_worker_with(name, discovery, bus, SECRET).await
+}
+
+/// A mock worker that authenticates with `secret`.
+async fn mock_worker_with(
+    name: &str,
+    discovery: &Arc<dyn Discovery>,
+    bus: &Arc<dyn EventBus>,
+    secret: &[u8],
+) -> (WorkerStack, kvfabric_serving::worker::Served) {
     let cfg = WorkerConfig {
         name: name.into(),
         engine: EngineSpec::Mock {
@@ -35,7 +45,7 @@ async fn mock_worker(
             config: MockConfig { decode_step_us: 100.0, ..MockConfig::default() },
         },
         scheduler: SchedulerConfig::default(),
-        secret: Some(SECRET.to_vec()),
+        secret: Some(secret.to_vec()),
         host_blocks: 64,
         disk: None,
         disk_admit_min_hits: 0,
@@ -127,6 +137,56 @@ async fn silent_connections_on_a_request_port_do_not_shut_frontends_out() {
     }
     served.server.abort();
     stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_another_secret_is_not_shown_healthy_and_gets_no_requests() {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    let (good, good_served) = mock_worker("w-good", &discovery, &bus).await;
+    let (bad, bad_served) = mock_worker_with("w-bad", &discovery, &bus, b"another secret").await;
+    let (routed, addr) = frontend(&discovery, &bus).await;
+    // The frontend checks each worker's handshake when it joins: w-bad is known to refuse it
+    // before any request needs it.
+    let r = routed.clone();
+    common::wait_until(Duration::from_secs(10), || {
+        r.stats().auth_failures.load(Ordering::Relaxed) == 1
+    });
+    let h = common::get(addr, "/health").await;
+    assert_eq!(h.status, 200, "still serving: {}", h.text());
+    let h = h.json();
+    assert_eq!(h["status"], "degraded", "{h}");
+    assert!(h["reasons"][0].as_str().unwrap().contains("w-bad"), "{h}");
+    let view = routed.dashboard();
+    assert_eq!(view.workers.iter().find(|w| w.name == "w-bad").unwrap().state, "refused");
+    let body =
+        |i: usize| json!({ "model": "mock", "prompt": format!("request {i}"), "max_tokens": 2 });
+    for i in 0..10 {
+        let r = common::post_json(addr, "/v1/completions", &body(i)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-kvfabric-worker"), Some("w-good"), "request {i}");
+    }
+    assert_eq!(routed.stats().auth_failures.load(Ordering::Relaxed), 1, "no request tried w-bad");
+    // With only the wrong-secret worker left: an outage, said as such.
+    good_served.registration.revoke().await;
+    let r = common::post_json(addr, "/v1/completions", &body(99)).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains("w-bad refused this frontend's secret"), "{}", r.text());
+    let h = common::get(addr, "/health").await;
+    assert_eq!(h.status, 503, "{}", h.text());
+    assert_eq!(h.json()["status"], "no usable workers");
+    let metrics = common::get(addr, "/metrics").await.text();
+    assert!(metrics.contains("kvfabric_frontend_worker_auth_failures_total 1"), "{metrics}");
+    assert!(metrics.contains("kvfabric_frontend_no_worker_total 1"), "{metrics}");
+    // The worker counted the failed handshake on its request port.
+    let port = bad_served.stats.clone().unwrap().port.snapshot();
+    assert!(port.count(kvfabric::session::admission::Cause::Handshake) >= 1, "{port:?}");
+    let shown = "kvfabric_port_connections_closed_total{port=\"request\",reason=\"handshake\"} 1";
+    assert!(bad_served.metrics.render().contains(shown));
+    good_served.server.abort();
+    bad_served.server.abort();
+    good.shutdown().await;
+    bad.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -452,3 +452,65 @@ async fn no_first_token_in_time_retries_elsewhere() {
     let skipped = f.backend.stats().slow_workers.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(skipped, 1, "the slow worker was tried once, then avoided");
 }
+
+/// A worker frozen (SIGSTOP) in the middle of a stream: the frontend stops waiting after the
+/// inter-token deadline and moves the stream to the other worker, which continues from the
+/// prompt and the tokens already sent. The client sees one stream, as long and with the same
+/// text as an uninterrupted one (the mock derives each token from all before it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_on_a_frozen_worker_moves_to_another_and_completes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let workers =
+        [mock_worker("mv-a", &etcd, &nats, "20000"), mock_worker("mv-b", &etcd, &nats, "20000")];
+    let cfg = RoutedConfig { stall_timeout: Duration::from_secs(1), ..RoutedConfig::new(SECRET) };
+    let f = frontend_with(&etcd, &nats, cfg).await;
+    wait_for("2 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 2)
+        .await;
+    let prompt = "a stream that outlives its worker";
+    let reference = post_json(f.addr, "/v1/completions", &completion(prompt, 60)).await;
+    assert_eq!(reference.status, 200, "{}", reference.text());
+    let want = reference.json()["choices"][0]["text"].as_str().unwrap().to_string();
+
+    // Streamed: the worker is known from the response head, sent with the first token.
+    let mut body = completion(prompt, 60);
+    body["stream"] = json!(true);
+    let mut c = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+    c.write_all(&common::request_bytes("POST", "/v1/completions", Some(&body.to_string())))
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = c.read(&mut buf).await.unwrap();
+        assert!(n > 0, "closed before the head");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&got).to_string();
+    let serving = head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-kvfabric-worker: "))
+        .expect("the worker header")
+        .trim()
+        .to_string();
+    let frozen = workers.iter().find(|w| w.name == serving).unwrap();
+    let pid = frozen._proc.0.id().to_string();
+    tokio::time::sleep(Duration::from_millis(200)).await; // some tokens on the way
+    assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let stopped = Instant::now();
+    tokio::time::timeout(Duration::from_secs(30), c.read_to_end(&mut got)).await.unwrap().unwrap();
+    let took = stopped.elapsed();
+    let _ = std::process::Command::new("kill").args(["-CONT", &pid]).status();
+    let r = common::parse_response(&got);
+    let (text, events) = common::streamed_text(&r);
+    assert_eq!(text, want, "the moved stream's text");
+    assert!(events.iter().all(|e| e.get("error").is_none()), "{events:?}");
+    let usage = events.iter().rev().find_map(|e| e.get("usage").filter(|u| !u.is_null()));
+    if let Some(u) = usage {
+        assert_eq!(u["completion_tokens"], 60, "{u}");
+    }
+    assert!(took < Duration::from_secs(8), "the stream stalled {took:?}");
+    let s = f.backend.stats();
+    assert_eq!(s.migrations.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(s.stalled_streams.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
