@@ -92,8 +92,17 @@ pub struct StoreMetrics {
     pub onboard_latency: Histogram,
     /// Blocks found corrupt on disk and dropped.
     pub disk_corrupt_blocks: AtomicU64,
+    /// When the last corrupt block was found, ms since the Unix epoch (0: never).
+    pub disk_corrupt_last_ms: AtomicU64,
     /// Blocks stored.
     pub stored_blocks: AtomicU64,
+}
+
+/// Now, in milliseconds since the Unix epoch (0 before it).
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A snapshot of the store's metrics and occupancy.

@@ -448,9 +448,13 @@ async fn restart_rebuilds_the_index_and_corrupt_blocks_are_never_served() {
     assert_eq!(recovered.len(), 10, "12 blocks written, 5 removed, block 4's header torn");
     assert!(!recovered.contains(&h(4)) && !recovered.contains(&h(5)));
     // Block 3 has a valid header but bad data: found, then dropped on read, never served.
+    assert!(s.degraded().is_empty(), "{:?}", s.degraded());
     assert!(s.get(&[h(3)]).await.unwrap().is_empty());
     assert_eq!(s.metrics().disk_corrupt_blocks, 1);
     assert!(!s.disk().unwrap().has(h(3)));
+    // ... and seen: the store says it is degraded, and why.
+    let why = s.degraded();
+    assert!(why.len() == 1 && why[0].contains("1 block(s) found corrupt on disk"), "{why:?}");
     assert!(sink.snapshot().iter().any(|e| matches!(&e.data, KvEventData::Removed { sequence_hashes, tier: TierKind::Disk } if sequence_hashes == &vec![h(3)])));
     for i in (0..12).filter(|&i| ![3, 4, 5].contains(&i)) {
         assert_bytes(&s, i).await;
@@ -592,6 +596,20 @@ async fn a_full_disk_is_a_typed_error_and_the_block_stays_in_host_memory() {
     assert_eq!(s.offload(&[h(2)]).await.unwrap(), 1);
     assert!(s.disk().unwrap().has(h(2)));
     assert_eq!(s.metrics().offload_errors, 1);
+    drop(s);
+
+    // A filesystem full before the first write: capped (and degraded) from the start.
+    let filler = mnt.path().join("filler");
+    let free = 3u64 << 20;
+    let _ = std::fs::write(&filler, vec![0u8; free as usize]); // fills what is left
+    let mut cfg = StoreConfig::new(block, 2);
+    let mut d = DiskConfig::new(mnt.path().join("other.slots"), 16);
+    d.grow_blocks = 4;
+    cfg.disk = Some(d);
+    cfg.shared_host = false;
+    let s = TieredStore::open(cfg, &a, RecordingSink::new()).await.unwrap();
+    let why = s.degraded();
+    assert!(why.len() == 1 && why[0].contains("0 of 16 slots usable"), "{why:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -56,9 +56,9 @@ impl SlotFileLock {
                 tracing::warn!(slots = %slots.display(), pid,
                     "took over the disk tier of a process that is gone (its lock was stale)");
             }
-            file.set_len(0)?;
-            file.rewind()?;
-            write!(file, "{}", std::process::id())?;
+            // The pid is for messages only: a full filesystem does not stop the lock.
+            let _ = file.set_len(0).and_then(|()| file.rewind());
+            let _ = write!(file, "{}", std::process::id());
             return Ok(SlotFileLock { _file: file, path });
         }
     }

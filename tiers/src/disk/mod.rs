@@ -228,10 +228,16 @@ impl DiskTier {
         };
         let recovered = tier.rebuild(existing, cfg.queue_depth.max(1)).await?;
         // Preallocate the first growth step now, so that the first writes do not wait for
-        // the filesystem; a disk that is already full is found (and handled) by the writes.
+        // the filesystem. A filesystem already full caps the tier at what the file holds now,
+        // from the start (and says so in `/health`), instead of at the first failed write.
         let first = tier.grow_blocks.min(cfg.capacity_blocks);
-        if first > existing {
-            let _ = tier.ensure_allocated(first - 1).await;
+        if first > existing && tier.ensure_allocated(first - 1).await.is_err() {
+            let allocated = *tier.allocated.lock().await;
+            let mut st = tier.state.lock();
+            st.pool.retire_free_from(allocated);
+            tracing::warn!(path = %cfg.path.display(), usable_slots = st.pool.usable(),
+                configured = cfg.capacity_blocks,
+                "the disk tier's filesystem is full at start: the tier is capped at what fits");
         }
         Ok((tier, recovered))
     }

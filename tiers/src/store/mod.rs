@@ -29,6 +29,7 @@ mod onboard;
 pub use device::{DeviceBlockRef, DeviceSlots, DeviceTierConfig, DeviceWriteSlot};
 pub use handles::{BlockRef, ScratchSlot, WriteSlot};
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use kvfabric::agent::{Agent, AgentError};
@@ -43,6 +44,9 @@ use crate::disk::{DiskConfig, DiskError, DiskTier};
 use crate::metrics::{get, MetricsSnapshot, StoreMetrics};
 use crate::policy::{FrequencyFilter, PolicyKind};
 use crate::pool::SlotPool;
+
+/// Corrupt blocks found on disk keep the store degraded for this long after the last one.
+const CORRUPTION_RECENT_S: u64 = 600;
 
 /// How to build a store.
 #[derive(Debug, Clone)]
@@ -477,6 +481,18 @@ impl TieredStore {
                     d.configured_blocks()
                 ));
             }
+        }
+        // Corruption found lately: the blocks were dropped, never served, but the device (or
+        // something writing to the slot file) needs looking at.
+        let m = &self.inner.metrics;
+        let corrupt = m.disk_corrupt_blocks.load(Ordering::Relaxed);
+        let last_ms = m.disk_corrupt_last_ms.load(Ordering::Relaxed);
+        let ago_s = crate::metrics::unix_ms().saturating_sub(last_ms) / 1000;
+        if corrupt > 0 && ago_s < CORRUPTION_RECENT_S {
+            reasons.push(format!(
+                "{corrupt} block(s) found corrupt on disk and dropped, never served (the last \
+                 {ago_s} s ago): check the device"
+            ));
         }
         if let Some(why) = self.agent().rdma_failure() {
             reasons.push(format!("RDMA failed, transfers between hosts go over TCP: {why}"));

@@ -245,6 +245,9 @@ impl Inner {
             Ok(ReadOutcome::Corrupt) => {
                 self.abort_host(&mut host, slot);
                 add(&self.metrics.disk_corrupt_blocks, 1);
+                self.metrics
+                    .disk_corrupt_last_ms
+                    .store(crate::metrics::unix_ms(), std::sync::atomic::Ordering::Relaxed);
                 self.events.removed(vec![hash], TierKind::Disk);
                 tracing::warn!(%hash, "corrupt block on disk dropped");
                 Ok(None)
