@@ -114,6 +114,29 @@ fn hash_reads_stdin_and_salts() {
     );
 }
 
+/// Flags that make no sense are refused before anything starts, each naming itself.
+#[test]
+fn nonsense_serving_flags_are_refused() {
+    for (args, flag) in [
+        (&["up", "--max-batch", "0"][..], "--max-batch"),
+        (&["up", "--step-tokens", "0"], "--step-tokens"),
+        (&["up", "--workers", "0"], "--workers"),
+        (&["up", "--host-blocks", "0"], "--host-blocks"),
+        (&["up", "--block-tokens", "0"], "--block-tokens"),
+        (&["up", "--max-connections", "0"], "--max-connections"),
+        (&["worker", "--max-batch", "0"], "--max-batch"),
+        (&["fabric", "--secret", "s", "--host-blocks", "0"], "--host-blocks"),
+        (&["frontend", "--max-connections", "0"], "--max-connections"),
+    ] {
+        let e = one_line_error(&kvfabric(args));
+        assert!(e.contains(flag), "{args:?}: {e}");
+    }
+    for args in [&["up", "--api-key", ""][..], &["frontend", "--api-key", " "]] {
+        let e = one_line_error(&kvfabric(args));
+        assert!(e.contains("empty API key would leave the API open"), "{args:?}: {e}");
+    }
+}
+
 #[test]
 fn wrong_input_is_one_line_and_non_zero() {
     let e = one_line_error(&kvfabric(&["plan", "--model", "gpt-17"]));

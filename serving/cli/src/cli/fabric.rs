@@ -41,7 +41,8 @@ pub struct FabricArgs {
     #[arg(long, env = "KVFABRIC_BLOCK_TOKENS", default_value_t = 16)]
     block_tokens: u32,
     /// Host tier capacity, blocks.
-    #[arg(long, env = "KVFABRIC_HOST_BLOCKS", default_value_t = 1024)]
+    #[arg(long, env = "KVFABRIC_HOST_BLOCKS", default_value_t = 1024,
+        value_parser = clap::value_parser!(u32).range(1..))]
     host_blocks: u32,
     /// Disk tier capacity, blocks (0: no disk tier).
     #[arg(long, env = "KVFABRIC_DISK_BLOCKS", default_value_t = 0)]

@@ -297,6 +297,26 @@ fn finite_positive(s: &str) -> Result<f64, String> {
 }
 
 /// The HTTP frontend's bounds (`up`, `frontend`): its listener and its requests' deadlines.
+/// A count that must be at least 1 (0 would serve nothing, or nothing at once).
+pub(crate) fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// An API key: never empty (an empty key would leave the API open while seeming to guard
+/// it; leave the option out to run without one).
+fn api_key(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("an empty API key would leave the API open; leave --api-key (and \
+                    KVFABRIC_API_KEY) out to run without one"
+            .into());
+    }
+    Ok(s.to_string())
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct HttpArgs {
     /// Request deadline, seconds.
@@ -311,11 +331,12 @@ pub struct HttpArgs {
     /// Require `Authorization: Bearer <key>` on every `/v1/` request (`/health` and
     /// `/metrics` stay open). Without it the API is open: bind it to loopback, or put it
     /// behind a proxy that authenticates.
-    #[arg(long, env = "KVFABRIC_API_KEY", hide_env_values = true)]
+    #[arg(long, env = "KVFABRIC_API_KEY", hide_env_values = true, value_parser = api_key)]
     pub api_key: Option<String>,
     /// HTTP connections served at once; past it a small reserve answers one request each
     /// (so `/health` keeps answering), then connections are refused.
-    #[arg(long, env = "KVFABRIC_MAX_CONNECTIONS", default_value_t = 1024)]
+    #[arg(long, env = "KVFABRIC_MAX_CONNECTIONS", default_value_t = 1024,
+        value_parser = at_least_one)]
     max_connections: usize,
     /// Seconds for a request head to arrive; an idle keep-alive connection is closed after it.
     #[arg(long, env = "KVFABRIC_HEADER_TIMEOUT_S", default_value_t = 10,

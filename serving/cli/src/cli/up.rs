@@ -13,6 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+
+use super::at_least_one;
 use clap::{Args, ValueEnum};
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::{Discovery, EventBus};
@@ -75,7 +77,8 @@ pub struct EngineOpts {
     #[arg(long, env = "KVFABRIC_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
     /// Host tier capacity per worker, blocks.
-    #[arg(long, env = "KVFABRIC_HOST_BLOCKS", default_value_t = 512)]
+    #[arg(long, env = "KVFABRIC_HOST_BLOCKS", default_value_t = 512,
+        value_parser = clap::value_parser!(u32).range(1..))]
     pub host_blocks: u32,
     /// Disk tier capacity per worker, blocks (0: no disk tier). The file grows as blocks
     /// arrive.
@@ -86,19 +89,20 @@ pub struct EngineOpts {
     #[arg(long, env = "KVFABRIC_DISK_ADMIT_MIN_HITS", default_value_t = 1)]
     pub disk_admit_min_hits: u32,
     /// Tokens per KV block.
-    #[arg(long, env = "KVFABRIC_BLOCK_TOKENS", default_value_t = 16)]
+    #[arg(long, env = "KVFABRIC_BLOCK_TOKENS", default_value_t = 16,
+        value_parser = clap::value_parser!(u32).range(1..))]
     pub block_tokens: u32,
     /// Context length cap, tokens.
     #[arg(long, env = "KVFABRIC_CONTEXT", default_value_t = 8192)]
     pub context: usize,
     /// Sequences batched together at most.
-    #[arg(long, env = "KVFABRIC_MAX_BATCH", default_value_t = 8)]
+    #[arg(long, env = "KVFABRIC_MAX_BATCH", default_value_t = 8, value_parser = at_least_one)]
     pub max_batch: usize,
     /// Requests waiting at most; more are refused (429).
     #[arg(long, env = "KVFABRIC_MAX_WAITING", default_value_t = 128)]
     pub max_waiting: usize,
     /// Prompt tokens computed per step at most.
-    #[arg(long, env = "KVFABRIC_STEP_TOKENS", default_value_t = 256)]
+    #[arg(long, env = "KVFABRIC_STEP_TOKENS", default_value_t = 256, value_parser = at_least_one)]
     pub step_tokens: usize,
     /// Shared secret of the handshakes of the transfer engine and the workers' request ports
     /// (every process of a deployment agrees on it; `up`: random when none is given).
@@ -155,7 +159,7 @@ pub struct UpArgs {
     #[arg(long, env = "KVFABRIC_PORT", default_value_t = 8000)]
     port: u16,
     /// Workers (engines) in this process; more than one puts KV routing in front of them.
-    #[arg(long, env = "KVFABRIC_WORKERS", default_value_t = 1)]
+    #[arg(long, env = "KVFABRIC_WORKERS", default_value_t = 1, value_parser = at_least_one)]
     workers: usize,
     /// Disaggregated serving: this many prefill workers (with --decode-workers).
     #[arg(long, env = "KVFABRIC_PREFILL_WORKERS", default_value_t = 0)]
