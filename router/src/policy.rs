@@ -68,6 +68,14 @@ pub struct RouterConfig {
     pub block_load_scale: f64,
     /// Approximate mode: predict cache contents from routing decisions, for this long.
     pub approx_ttl_s: Option<f64>,
+    /// A request routed and never freed (its caller vanished, or the worker's load reports
+    /// that would replace it stopped coming) stops counting as load after this long, seconds.
+    #[serde(default = "default_tracked_ttl_s")]
+    pub tracked_ttl_s: f64,
+}
+
+fn default_tracked_ttl_s() -> f64 {
+    300.0
 }
 
 impl Default for RouterConfig {
@@ -80,6 +88,7 @@ impl Default for RouterConfig {
             block_tokens: 16,
             block_load_scale: 8.0,
             approx_ttl_s: None,
+            tracked_ttl_s: default_tracked_ttl_s(),
         }
     }
 }
@@ -93,6 +102,8 @@ struct Tracked {
     blocks: u64,
     prefill_tokens: u64,
     prefilled: bool,
+    /// When it stops counting (`now` of [`Router::route`] plus the tracked TTL).
+    expires: f64,
 }
 
 /// The decision for one request.
@@ -113,6 +124,8 @@ pub struct Router {
     workers: Vec<WorkerId>,
     reported: HashMap<WorkerId, Load>,
     tracked: HashMap<u64, Tracked>,
+    /// The earliest `expires` among `tracked` (or later).
+    next_expiry: f64,
     next_rr: usize,
     approx: HashMap<(WorkerId, SequenceHash), f64>,
 }
@@ -125,6 +138,7 @@ impl Router {
             workers: Vec::new(),
             reported: HashMap::new(),
             tracked: HashMap::new(),
+            next_expiry: f64::INFINITY,
             next_rr: 0,
             approx: HashMap::new(),
         }
@@ -229,6 +243,7 @@ impl Router {
         if self.workers.is_empty() {
             return None;
         }
+        self.expire_tracked(now);
         let overlap = match self.config.approx_ttl_s {
             Some(_) => self.approx_overlap(hashes, now),
             None => index.overlap(hashes),
@@ -267,8 +282,15 @@ impl Router {
             .saturating_sub(u64::from(cached.blocks) * u64::from(self.config.block_tokens));
         self.tracked.insert(
             request_id,
-            Tracked { worker, blocks: n as u64, prefill_tokens: uncached_tokens, prefilled: false },
+            Tracked {
+                worker,
+                blocks: n as u64,
+                prefill_tokens: uncached_tokens,
+                prefilled: false,
+                expires: now + self.config.tracked_ttl_s.max(0.0),
+            },
         );
+        self.next_expiry = self.next_expiry.min(now + self.config.tracked_ttl_s.max(0.0));
         if let Some(ttl) = self.config.approx_ttl_s {
             for &h in hashes {
                 self.approx.insert((worker, h), now + ttl);
@@ -311,9 +333,21 @@ impl Router {
         self.tracked.remove(&request_id);
     }
 
-    /// Forgets predictions that expired at `now` (approximate mode).
+    /// Forgets predictions (approximate mode) and tracked requests that expired at `now`.
     pub fn expire(&mut self, now: f64) {
         self.approx.retain(|_, &mut exp| exp > now);
+        self.expire_tracked(now);
+    }
+
+    /// Forgets tracked requests past their TTL: with no load report to replace them (the bus
+    /// is down, the caller never released them) they would count as load for ever.
+    fn expire_tracked(&mut self, now: f64) {
+        // Scanned only once the earliest expiry has passed.
+        if now < self.next_expiry {
+            return;
+        }
+        self.tracked.retain(|_, t| t.expires > now);
+        self.next_expiry = self.tracked.values().map(|t| t.expires).fold(f64::INFINITY, f64::min);
     }
 
     /// Requests tracked.
@@ -449,6 +483,25 @@ mod tests {
         }
         assert!((700..760).contains(&counts[&1]), "{counts:?}");
         assert!(!counts.contains_key(&3));
+    }
+
+    #[test]
+    fn tracked_requests_stop_counting_after_their_ttl_without_any_report() {
+        let ix = PrefixIndex::new();
+        let mut r = Router::new(RouterConfig { tracked_ttl_s: 60.0, ..RouterConfig::default() });
+        r.add_worker(1);
+        for id in 0..100 {
+            r.route(&ix, id, &hs(3), 48, 10.0, 0.0).unwrap();
+        }
+        assert_eq!((r.tracked(), r.load(1).active_blocks), (100, 300));
+        // No release, no load report (the bus is down): still counted within the TTL...
+        r.route(&ix, 100, &hs(1), 16, 69.0, 0.0).unwrap();
+        assert_eq!(r.tracked(), 101);
+        // ... and gone after it; the newer one stays.
+        r.expire(70.5);
+        assert_eq!((r.tracked(), r.load(1).active_blocks), (1, 1));
+        r.route(&ix, 101, &hs(1), 16, 200.0, 0.0).unwrap();
+        assert_eq!(r.tracked(), 1, "expired on the next route too");
     }
 
     #[test]

@@ -246,6 +246,15 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
         ("/v1/completions", json!({"model": "mock", "prompt": [1, 999999]}).to_string(), 400, None),
         ("/v1/completions", json!({"model": "mock", "prompt": ["a", "b"]}).to_string(), 400, None),
         ("/v1/completions", json!({"model": "mock", "prompt": "x".repeat(70 << 10)}).to_string(), 413, None),
+        // The routing decision validates as generation does.
+        ("/v1/route", json!({"model": "mock", "prompt": ""}).to_string(), 400, None),
+        ("/v1/route", json!({"model": "mock", "prompt": []}).to_string(), 400, None),
+        ("/v1/route", json!({"model": "mock", "prompt": [1, 999999]}).to_string(), 400, None),
+        ("/v1/route", json!({"model": "mock", "prompt": "long ".repeat(100)}).to_string(), 400, Some("context_length_exceeded")),
+        ("/v1/route", json!({"model": "mock", "prompt": "x", "track": "yes"}).to_string(), 400, None),
+        ("/v1/route", json!({"model": "mock", "prompt": "x", "track": 1}).to_string(), 400, None),
+        ("/v1/route", "{\"model\": \"mock\", \"prompt\": ".into(), 400, None),
+        ("/v1/route", json!({"model": "gpt-9", "prompt": "x"}).to_string(), 404, Some("model_not_found")),
     ];
     for (path, body, status, code) in cases {
         let r = post(s.addr, path, &body).await;
@@ -259,6 +268,13 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
             assert_eq!(err["code"], code, "{shown}");
         }
     }
+    let ok = post(
+        s.addr,
+        "/v1/route",
+        &json!({"model": "mock", "prompt": "x", "track": false}).to_string(),
+    )
+    .await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
     // Small points: a text part without text says so; a lone surrogate is named; a body
     // that is not JSON by its Content-Type is refused with 415; a seed of -1 is fine.
     let no_text =
@@ -751,6 +767,9 @@ async fn request_bodies_that_never_finish_are_timed_out_and_huge_ones_refused_up
     .await;
     assert!(answer.starts_with("HTTP/1.1 100") && answer.contains("HTTP/1.1 200"), "{answer}");
 
+    // (The connections above are all closed first, so that the eight below meet an empty
+    // pool.)
+    wait_until("earlier connections to close", || s.listen_open() == 0).await;
     // Eight stalled bodies fill the pool. The reserve answers /health and /metrics, and
     // refuses the rest with 503 without reading it.
     let stalled: Vec<_> = (0..8)

@@ -264,6 +264,33 @@ pub struct RemotePrefill {
 }
 
 /// What a generation reports, in order: `Started`, `Token`s, then `Done` or `Error`.
+/// Whether `prompt` can be asked of the model `info` tokenized by `codec`: not empty, every
+/// token in the vocabulary, shorter than the context. The engine checks it at admission;
+/// the HTTP layer checks it first, so that routing endpoints refuse what the engine would.
+pub fn check_prompt(
+    info: &ModelInfo,
+    codec: &TextCodec,
+    prompt: &[u32],
+) -> Result<(), EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::invalid("the prompt is empty"));
+    }
+    let vocab = codec.vocab_size() as u32;
+    if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
+        return Err(EngineError::invalid(format!(
+            "token id {bad} is outside the vocabulary (size {vocab})"
+        )));
+    }
+    if prompt.len() >= info.context_len {
+        return Err(EngineError::ContextLength {
+            limit: info.context_len,
+            needed: prompt.len() + 1,
+            prompt: prompt.len(),
+        });
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GenEvent {

@@ -225,17 +225,9 @@ impl Scheduler {
         req: GenerateRequest,
     ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
         let ctx = self.info.context_len;
-        if req.prompt.is_empty() {
-            return Err(EngineError::invalid("the prompt is empty"));
-        }
-        let vocab = self.codec.vocab_size() as u32;
-        if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
-            return Err(EngineError::invalid(format!(
-                "token id {bad} is outside the vocabulary (size {vocab})"
-            )));
-        }
+        super::check_prompt(&self.info, &self.codec, &req.prompt)?;
         let needed = req.prompt.len().saturating_add(req.max_tokens);
-        if req.prompt.len() >= ctx || needed > ctx {
+        if needed > ctx {
             return Err(EngineError::ContextLength {
                 limit: ctx,
                 needed,

@@ -345,6 +345,7 @@ pub(super) fn parse_completion(st: &AppState, body: &Bytes) -> Result<Parsed, Ap
                 return Err(ApiError::invalid("batched prompts are not supported", "prompt"))
             }
         };
+        crate::engine::check_prompt(&checked.entry.info, &checked.entry.codec, &prompt)?;
         // OpenAI's default for completions.
         let max_tokens = checked.max_tokens.unwrap_or(16);
         Ok((prompt, max_tokens, checked))
@@ -394,6 +395,7 @@ pub(super) fn parse_chat(st: &AppState, body: &Bytes) -> Result<Parsed, ApiError
         let codec = &checked.entry.codec;
         let text = codec.render_chat(&msgs)?;
         let prompt = codec.encode(&text)?;
+        crate::engine::check_prompt(&checked.entry.info, codec, &prompt)?;
         let left = checked.entry.info.context_len.saturating_sub(prompt.len());
         let max_tokens =
             checked.max_tokens.unwrap_or(st.cfg.default_chat_max_tokens.min(left.max(1)));

@@ -273,8 +273,13 @@ async fn route_request(
     body: Body,
 ) -> Response {
     let r = check_content_type(&headers).and_then(|()| read_body(body)).and_then(|b| {
-        let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
-        let track = v.get("track").and_then(Value::as_bool).unwrap_or(false);
+        let v: Value = serde_json::from_slice(&b)
+            .map_err(|e| ApiError::invalid(format!("malformed JSON: {e}"), "body"))?;
+        let track = match v.get("track") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(t)) => *t,
+            Some(_) => return Err(ApiError::invalid("track must be a boolean", "track")),
+        };
         let parsed = if v.get("messages").is_some() {
             parse_chat(&st, &b)
         } else {
