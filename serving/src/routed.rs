@@ -359,10 +359,9 @@ impl RoutedBackend {
                 None => (None, None),
             }
         } else {
-            let best = scores
-                .iter()
-                .min_by(|a, b| a.2.total_cmp(&b.2).then_with(|| a.0.cmp(&b.0)))
-                .map(|s| s.0.clone());
+            // The router's own choice at temperature 0 ([`kvfabric_router::policy::select`]):
+            // the lowest cost, and on a tie the lowest worker id, as a request would go.
+            let best = scores.iter().min_by(|a, b| by_choice(a, b)).map(|s| s.0.clone());
             (None, best)
         };
         let chosen = chosen.ok_or_else(unknown)?;
@@ -1094,7 +1093,7 @@ fn explain_reason(
     track: bool,
 ) -> String {
     let mut by_cost: Vec<&Scored> = scores.iter().collect();
-    by_cost.sort_by(|a, b| a.2.total_cmp(&b.2).then_with(|| a.0.cmp(&b.0)));
+    by_cost.sort_by(|a, b| by_choice(a, b));
     let Some(best) = by_cost.iter().find(|s| s.0 == chosen) else {
         return format!("{mode} routing picked {chosen}");
     };
@@ -1111,6 +1110,11 @@ fn explain_reason(
     );
     let next = by_cost.iter().find(|s| s.0 != chosen);
     match (mode, next) {
+        ("kv", Some(n)) if n.2 == *cost && (!track || by_cost.first().is_some_and(|b| b.0 == chosen)) => format!(
+            "{chosen}: a tie at the lowest cost with {} ({} blocks cached), broken by worker id as \
+             every request's is. {why}",
+            n.0, n.1.blocks
+        ),
         ("kv", Some(n)) if !track || n.2 >= *cost => format!(
             "{chosen}: the lowest cost. {why}. Next: {} at {:.1} ({} blocks cached)",
             n.0, n.2, n.1.blocks
@@ -1124,6 +1128,12 @@ fn explain_reason(
             "{mode} routing does not weigh cached blocks; by cost (kv routing) it would be {chosen}. {why}"
         ),
     }
+}
+
+/// The order in which the router chooses at temperature 0: the lowest cost, then the lowest
+/// worker id (the XXH3-64 of its name), as [`kvfabric_router::policy::select`] does.
+fn by_choice(a: &Scored, b: &Scored) -> std::cmp::Ordering {
+    a.2.total_cmp(&b.2).then_with(|| worker_id(&a.0).cmp(&worker_id(&b.0)))
 }
 
 /// A report off the bus, cut to what a dashboard shows: a transport per kind, short names.

@@ -190,6 +190,35 @@ async fn a_worker_with_another_secret_is_not_shown_healthy_and_gets_no_requests(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_an_exact_tie_the_route_explained_is_the_route_taken() {
+    use kvfabric_router::feed::worker_id;
+    // Two names whose ids order the other way round from their names: a tie broken by name
+    // and one broken by id disagree.
+    let (a, b) = (0..)
+        .map(|i| (format!("tie-a{i}"), format!("tie-b{i}")))
+        .find(|(a, b)| worker_id(a) > worker_id(b))
+        .unwrap();
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    let (sa, wa) = mock_worker(&a, &discovery, &bus).await;
+    let (sb, wb) = mock_worker(&b, &discovery, &bus).await;
+    let (_routed, addr) = frontend(&discovery, &bus).await;
+    let prompt = "nothing of this is cached anywhere";
+    let ask = json!({ "model": "mock", "prompt": prompt });
+    let route = common::post_json(addr, "/v1/route", &ask).await.json();
+    assert!(route["reason"].as_str().unwrap().contains("a tie"), "{route}");
+    let body = json!({ "model": "mock", "prompt": prompt, "max_tokens": 2 });
+    let r = common::post_json(addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvfabric-worker"), route["worker"].as_str(), "{route}");
+    assert_eq!(route["worker"], b, "the lower worker id");
+    for (stack, served) in [(sa, wa), (sb, wb)] {
+        served.server.abort();
+        stack.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frontend_that_starts_after_the_workers_learns_what_they_cached() {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
