@@ -33,6 +33,10 @@ pub struct WorkerView {
     pub report_age_s: Option<f64>,
     /// Seconds since it left discovery (departed workers only).
     pub left_s_ago: Option<f64>,
+    /// Something an operator should know of it (a fabric node whose blocks no worker can
+    /// use).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// The control plane a routing backend follows.

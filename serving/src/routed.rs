@@ -176,6 +176,8 @@ const REPORTER_KEEP: Duration = Duration::from_secs(10);
 struct FabricEntry {
     wid: WorkerId,
     addr: SocketAddr,
+    /// Bytes per block it stores: workers of another block size ignore it.
+    block_bytes: u64,
     stats: Option<Box<contract::WorkerStats>>,
     reported: Option<Instant>,
 }
@@ -427,6 +429,11 @@ impl RoutedBackend {
                     .reported
                     .map(|(at, _)| now.saturating_duration_since(at).as_secs_f64()),
                 left_s_ago: left.map(|l| now.saturating_duration_since(l).as_secs_f64()),
+                note: w
+                    .refused
+                    .as_ref()
+                    .filter(|(t, _)| *t > now)
+                    .map(|(_, why)| format!("cannot be reached: {why} (wrong secret?)")),
             };
         let mut st = self.inner.state.lock();
         st.departed.retain(|d| now.saturating_duration_since(d.left) < DEPARTED_KEEP);
@@ -481,13 +488,27 @@ impl RoutedBackend {
             .collect();
         let bus_lag_ms =
             st.workers.values().filter_map(|w| w.reported.and_then(|r| r.1)).reduce(f64::max);
+        // The block sizes of the models served: a node of none of them serves no worker.
+        let sizes: Vec<u64> =
+            st.models.values().map(|m| m.entry.info.layout.bytes_per_block()).collect();
         let mut fabric: Vec<WorkerView> = st
             .fabric
             .iter()
             .map(|(name, f)| WorkerView {
                 name: name.clone(),
                 role: "fabric",
-                state: "serving",
+                state: if sizes.is_empty() || sizes.contains(&f.block_bytes) {
+                    "serving"
+                } else {
+                    "ignored"
+                },
+                note: (!sizes.is_empty() && !sizes.contains(&f.block_bytes)).then(|| {
+                    format!(
+                        "stores blocks of {} bytes; the workers' are {}: no worker uses it",
+                        f.block_bytes,
+                        sizes.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+                    )
+                }),
                 addr: Some(f.addr.to_string()),
                 stats: f.stats.as_deref().cloned(),
                 indexed_blocks: self.inner.index.worker_blocks(f.wid) as u64,
@@ -649,7 +670,14 @@ impl Inner {
         let before = st.fabric.remove(&inst.id);
         tracing::info!(node = %inst.id, addr = %info.agent.tcp_addr, "fabric node joined");
         let (stats, reported) = before.map_or((None, None), |b| (b.stats, b.reported));
-        st.fabric.insert(inst.id, FabricEntry { wid, addr: info.agent.tcp_addr, stats, reported });
+        let entry = FabricEntry {
+            wid,
+            addr: info.agent.tcp_addr,
+            block_bytes: info.block_bytes,
+            stats,
+            reported,
+        };
+        st.fabric.insert(inst.id, entry);
     }
 
     fn leave_fabric(&self, name: &str) {

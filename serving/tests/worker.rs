@@ -190,6 +190,34 @@ async fn a_worker_with_another_secret_is_not_shown_healthy_and_gets_no_requests(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fabric_node_no_worker_can_use_is_shown_so() {
+    use kvfabric_tiers::remote::protocol::{NodeInfo, FABRIC_KIND};
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    let (stack, served) = mock_worker("w-f", &discovery, &bus).await;
+    let agent = kvfabric::Agent::start(kvfabric::AgentConfig::new("node-x", SECRET.to_vec()))
+        .await
+        .unwrap();
+    let info = NodeInfo { agent: agent.metadata(), block_bytes: 12_345 };
+    let inst = kvfabric::control::Instance {
+        kind: FABRIC_KIND.into(),
+        id: "node-x".into(),
+        metadata: serde_json::to_value(info).unwrap(),
+    };
+    let _reg = discovery.register(inst, Duration::from_secs(5)).await.unwrap();
+    let (routed, addr) = frontend(&discovery, &bus).await;
+    let view = routed.dashboard();
+    let node = &view.fabric[0];
+    assert_eq!((node.name.as_str(), node.state), ("node-x", "ignored"));
+    let note = node.note.as_deref().unwrap();
+    assert!(note.contains("12345") && note.contains("no worker uses it"), "{note}");
+    let state = common::get(addr, "/dashboard/state").await.json();
+    assert_eq!(state["fabric"][0]["note"], note, "{state}");
+    served.server.abort();
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_an_exact_tie_the_route_explained_is_the_route_taken() {
     use kvfabric_router::feed::worker_id;
     // Two names whose ids order the other way round from their names: a tie broken by name

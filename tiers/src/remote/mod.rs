@@ -295,7 +295,9 @@ impl RemoteTier {
                     }
                 };
                 if info.block_bytes != block_bytes {
-                    tracing::debug!(node = %inst.id, theirs = info.block_bytes, ours = block_bytes, "ignoring a fabric node of another block size");
+                    tracing::info!(node = %inst.id, theirs = info.block_bytes, ours = block_bytes,
+                        "ignoring a fabric node of another block size (another model, dtype or \
+                         --block-tokens): it cannot hold this worker's blocks");
                     return;
                 }
                 match this.add_node(&info).await {

@@ -111,7 +111,8 @@ function renderFabric(nodes) {
     const tiers = s.tiers || [];
     const moved = (s.transfers || []).reduce((a, t) => a + t.bytes, 0);
     return el("tr", { "data-worker": n.name },
-      el("td", {}, n.name), el("td", { "data-col": "addr" }, n.addr || "–"),
+      el("td", {}, n.name, n.note ? el("div", { class: "note", "data-col": "note" }, n.note) : ""),
+      el("td", { "data-col": "addr" }, n.addr || "–"),
       tierCell(tiers[1], { "data-col": "host" }), tierCell(tiers[2], { "data-col": "disk" }),
       el("td", { "data-col": "indexed" }, num(n.indexed_blocks)),
       el("td", { "data-col": "moved" }, s.transfers ? bytes(moved) : "–"),
