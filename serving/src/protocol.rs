@@ -30,6 +30,7 @@ use kvfabric::wire::WireLimits;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 use crate::backend::Backend;
 use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
@@ -297,6 +298,18 @@ pub fn decode_frame<T: serde::de::DeserializeOwned>(
 pub async fn read_frame<R: AsyncReadExt + Unpin, T: serde::de::DeserializeOwned>(
     r: &mut R,
 ) -> Result<Option<T>, FrameError> {
+    match read_frame_bytes(r, None).await? {
+        Some((body, _)) => Ok(Some(serde_json::from_slice(&body)?)),
+        None => Ok(None),
+    }
+}
+
+/// Reads one frame's body; with a `budget` (KiB), its announced length is reserved there
+/// before the body is read, and held until the returned share drops.
+async fn read_frame_bytes<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    budget: Option<&'static Semaphore>,
+) -> Result<Option<(Vec<u8>, Option<tokio::sync::SemaphorePermit<'static>>)>, FrameError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len).await {
         Ok(_) => {}
@@ -304,6 +317,15 @@ pub async fn read_frame<R: AsyncReadExt + Unpin, T: serde::de::DeserializeOwned>
         Err(e) => return Err(e.into()),
     }
     let n = frame_len(len)?;
+    let share = match budget {
+        // Bounded by MAX_FRAME (16 MiB): at most 16,384 KiB.
+        Some(b) => Some(
+            b.acquire_many(n.div_ceil(1024).max(1) as u32)
+                .await
+                .map_err(|_| std::io::Error::other("the request budget is closed"))?,
+        ),
+        None => None,
+    };
     // Grown as bytes arrive: a peer that announces a large frame and sends it slowly holds
     // only what it sent.
     let mut body = Vec::with_capacity(n.min(64 << 10));
@@ -311,7 +333,27 @@ pub async fn read_frame<R: AsyncReadExt + Unpin, T: serde::de::DeserializeOwned>
     if body.len() != n {
         return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
     }
-    Ok(Some(serde_json::from_slice(&body)?))
+    Ok(Some((body, share)))
+}
+
+/// Request bytes that every request port of this process may be reading at once (frames are
+/// up to [`MAX_FRAME`] each); a frame waits for its share before its body is read, within its
+/// connection's request deadline.
+pub const REQUEST_BYTES_IN_FLIGHT_MAX: usize = 64 << 20;
+
+/// The process's budget of request bytes being read, in KiB.
+static REQUEST_BYTES: std::sync::LazyLock<Semaphore> =
+    std::sync::LazyLock::new(|| Semaphore::new(REQUEST_BYTES_IN_FLIGHT_MAX >> 10));
+
+/// Reads a request frame within the process's budget of request bytes in flight: its
+/// announced length is reserved before the body is read, and given back once it is parsed.
+async fn read_request<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+) -> Result<Option<WorkerRequest>, FrameError> {
+    match read_frame_bytes(r, Some(&REQUEST_BYTES)).await? {
+        Some((body, _share)) => Ok(Some(serde_json::from_slice(&body)?)),
+        None => Ok(None),
+    }
 }
 
 /// Serves generation requests from frontends on `listener`, until the task is aborted.
@@ -370,7 +412,7 @@ async fn handle(
     // The first request must arrive promptly; a kept connection may wait longer for its next.
     let mut wait = limits.request_timeout;
     loop {
-        let req: WorkerRequest = match tokio::time::timeout(wait, read_frame(&mut rd)).await {
+        let req: WorkerRequest = match tokio::time::timeout(wait, read_request(&mut rd)).await {
             Ok(Ok(Some(r))) => r,
             Ok(Ok(None)) => return Ok(()),
             Ok(Err(e)) => {

@@ -42,16 +42,17 @@ fn fabric_node(name: &str, etcd: &EtcdServer, nats: &NatsServer, nofile: u32) ->
     (Proc(child), serde_json::from_value(v["fabric"].clone()).unwrap())
 }
 
-/// Opens a session to the agent `agent` at `addr` as `me`, authenticated with the secret.
+/// Opens a connection to the agent or worker `peer` at `addr` as `me`, authenticated with the
+/// secret.
 async fn session(
     addr: std::net::SocketAddr,
-    agent: &str,
+    peer: &str,
     me: &str,
 ) -> Option<tokio::net::TcpStream> {
     let mut c = tokio::net::TcpStream::connect(addr).await.ok()?;
     let params = ClientParams {
         me: me.into(),
-        peer: agent.into(),
+        peer: peer.into(),
         secret: SECRET.as_bytes().to_vec(),
         limits: WireLimits::default(),
     };
@@ -210,4 +211,54 @@ fn two_processes_on_one_data_directory_do_not_share_a_disk_tier() {
     let mut log = String::new();
     std::io::Read::read_to_string(&mut stderr, &mut log).unwrap();
     assert!(log.contains("took over the disk tier of a process that is gone"), "{log}");
+}
+
+/// The resident memory of process `pid`, bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forty_authenticated_sixteen_mib_frames_do_not_take_the_workers_memory() {
+    use tokio::io::AsyncWriteExt;
+    let (worker, line) = common::spawn_worker(
+        "w-frames",
+        &["--engine", "mock", "--secret", SECRET, "--disk-blocks", "0", "--host-blocks", "16"],
+    );
+    let addr: std::net::SocketAddr = line["addr"].as_str().unwrap().parse().unwrap();
+    let pid = worker.0.id();
+    let before = rss(pid);
+    // 40 peers with the secret each send a 16 MiB frame (not JSON), all at once.
+    let frame = 16usize << 20;
+    let senders: Vec<_> = (0..40)
+        .map(|i| {
+            tokio::spawn(async move {
+                let mut c = session(addr, "w-frames", &format!("big-{i}")).await?;
+                let mut bytes = (frame as u32).to_le_bytes().to_vec();
+                bytes.resize(4 + frame, b'x');
+                c.write_all(&bytes).await.ok()?;
+                let mut sink = Vec::new();
+                tokio::io::AsyncReadExt::read_to_end(&mut c, &mut sink).await.ok()?;
+                Some(())
+            })
+        })
+        .collect();
+    let mut peak = before;
+    while senders.iter().any(|s| !s.is_finished()) {
+        peak = peak.max(rss(pid));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let grew = peak.saturating_sub(before);
+    eprintln!("worker RSS {} MiB before, {} MiB at the peak", before >> 20, peak >> 20);
+    // 64 MiB of bodies in flight at most (and their parsing), not 40 × 16 MiB.
+    assert!(grew < 200 << 20, "RSS grew by {} MiB", grew >> 20);
+    // Each was read in its turn and answered (an error frame: it is not JSON), none dropped.
+    for s in senders {
+        assert!(s.await.unwrap().is_some(), "a frame was not read and answered");
+    }
 }
