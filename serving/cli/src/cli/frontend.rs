@@ -49,6 +49,8 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         max_attempts: args.max_attempts.max(1),
         name: args.name.clone(),
         first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
+        stall_timeout: Duration::from_secs(args.http.stall_timeout_s),
+        migrations_max: args.http.stream_migrations,
         ..RoutedConfig::new(args.secret.clone().into_bytes())
     };
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);

@@ -328,6 +328,17 @@ pub struct HttpArgs {
     #[arg(long, env = "KVFABRIC_FIRST_TOKEN_TIMEOUT_S", default_value_t = 30,
         value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub first_token_timeout_s: u64,
+    /// A stream whose worker sends nothing for this many seconds after its first token has
+    /// stalled (a frozen or dead worker): it moves to another worker, which continues from the
+    /// prompt and the tokens already sent (at most --stream-migrations times), or ends with an
+    /// error.
+    #[arg(long, env = "KVFABRIC_STALL_TIMEOUT_S", default_value_t = 10,
+        value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub stall_timeout_s: u64,
+    /// Times a stream that stalls or breaks mid-way may move to another worker (0: never).
+    #[arg(long, env = "KVFABRIC_STREAM_MIGRATIONS", default_value_t = 1,
+        value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub stream_migrations: u32,
     /// Require `Authorization: Bearer <key>` on every `/v1/` request (`/health` and
     /// `/metrics` stay open). Without it the API is open: bind it to loopback, or put it
     /// behind a proxy that authenticates.
