@@ -490,4 +490,32 @@ mod tests {
             t.abort();
         }
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_replay_is_reported_as_such_not_as_a_malformed_event() {
+        // Nothing listens on port 1 of loopback: the replay is refused.
+        let mut cfg = SubscriberConfig::new(EventsEndpoint::Bind("tcp://127.0.0.1:0".into()));
+        cfg.replay = Some("tcp://127.0.0.1:1".into());
+        cfg.catch_up = Duration::from_millis(50);
+        let mut sub = Subscriber::start(cfg).await.unwrap();
+        let s = TcpStream::connect(sub.bound().unwrap()).await.unwrap();
+        let _engine = tokio::spawn(fake_peer(s, b"PUB", Vec::new()));
+        let item = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match sub.recv().await {
+                    Some(i @ (FeedItem::ReplayFailed { .. } | FeedItem::Malformed { .. })) => {
+                        return i
+                    }
+                    Some(_) => {}
+                    None => panic!("stopped"),
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert!(
+            matches!(&item, FeedItem::ReplayFailed { reason } if reason.contains("127.0.0.1:1")),
+            "{item:?}"
+        );
+    }
 }

@@ -203,6 +203,10 @@ async fn attached_engines_are_routed_by_their_own_kv_events() {
     let am = get(sidecar, "/metrics").await.text();
     assert_eq!(common::metric(&am, "kvfabric_attach_registered"), 0.0, "{am}");
     assert!(common::metric(&am, "kvfabric_attach_failed_health_checks_total") >= 2.0, "{am}");
+    // It forgot the engine's blocks: an engine that comes back is not credited with them.
+    assert_eq!(common::metric(&am, "kvfabric_attach_engine_blocks"), 0.0, "{am}");
+    // A dead engine's refused sockets are not malformed events.
+    assert_eq!(common::metric(&am, "kvfabric_attach_events_malformed_total"), 0.0, "{am}");
     let resp = post_json(f, "/v1/completions", &body(100)).await;
     assert_eq!(resp.status, 200, "{}", resp.text());
     assert_eq!(resp.header("x-kvfabric-worker"), Some(other.as_str()));
