@@ -332,8 +332,7 @@ mod tests {
         let feed =
             IndexFeed::start(dyn_bus.clone(), index.clone(), "frontend-1".into()).await.unwrap();
         let next = |r: &mut tokio::sync::mpsc::Receiver<Vec<u8>>| {
-            let got = r.try_recv().ok().map(|b| Message::decode(&b).unwrap());
-            got
+            r.try_recv().ok().map(|b| Message::decode(&b).unwrap())
         };
         let asked = |w: &str| Message::DumpRequest { from: "frontend-1".into(), worker: w.into() };
         // A frontend that starts knows nothing of what w-a stored before: it asks.

@@ -492,8 +492,11 @@ const POOL_PER_WORKER_MAX: usize = 64;
 /// already in.
 #[derive(Debug, Default)]
 pub struct ConnectionPool {
-    idle: Mutex<HashMap<(SocketAddr, String), Vec<(TcpStream, std::time::Instant)>>>,
+    idle: Mutex<HashMap<(SocketAddr, String), Vec<Kept>>>,
 }
+
+/// A kept connection and since when it is idle.
+type Kept = (TcpStream, std::time::Instant);
 
 /// A connection to a worker with a request sent on it.
 #[derive(Debug)]

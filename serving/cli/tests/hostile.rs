@@ -133,7 +133,7 @@ async fn a_second_worker_under_a_name_in_use_refuses_to_start_and_takes_nothing(
     let nats = NatsServer::start().unwrap();
     let (e, n) = (etcd.endpoint(), nats.url());
     let (first, line) = common::spawn_worker("w2", &worker_args(&e, &n));
-    let discovery = EtcdDiscovery::connect(&[e.clone()], "hostile").await.unwrap();
+    let discovery = EtcdDiscovery::connect(std::slice::from_ref(&e), "hostile").await.unwrap();
     let addr_of_w2 = || async {
         let list = discovery.list(kvfabric_serving::worker::WORKER_KIND).await.unwrap();
         list.into_iter().find(|i| i.id == "w2").map(|i| i.metadata["addr"].clone())
