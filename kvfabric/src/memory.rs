@@ -70,7 +70,8 @@ pub enum MemoryError {
     /// peer and region its metadata names: another deployment's file, another agent's, or a
     /// forgery. Nothing of it was mapped.
     #[error(
-        "shared memory {path} is not sealed by this deployment for {owner:?}, region {region}"
+        "shared memory {path} is not sealed for {owner:?}, region {region}, by this \
+         deployment: it belongs to another deployment (a different secret) or another agent"
     )]
     NotSealed {
         /// The file.

@@ -4,13 +4,16 @@
 //! A connection is *pending* from accept until its handshake proves the shared secret, then
 //! *admitted* under the name it authenticated with. The limits keep strangers from taking what
 //! peers need:
-//! - pending connections have a small budget of their own ([`AdmissionLimits::handshakes_max`])
-//!   and a short deadline. When the budget is full, a new connection does not wait behind
-//!   silent ones: it takes the place of the *oldest* pending connection, which is closed
-//!   (`evicted`). An honest client finishes its handshake in a round trip, so a flood must open
-//!   more than the whole budget within that round trip to keep one out.
+//! - pending connections have a budget of their own ([`AdmissionLimits::handshakes_max`]) and
+//!   a short deadline. When the budget is full, a new connection does not wait behind silent
+//!   ones: it takes the place of the *oldest* pending connection, which is closed (`evicted`)
+//!   — but only of one that had [`AdmissionLimits::handshake_grace`] to finish its handshake.
+//!   An honest client finishes in a round trip, well within the grace, so a burst of honest
+//!   connections is never cut (the budget stretches while all pending ones are young), and
+//!   silent strangers give their places to whoever comes next.
 //! - one source address may hold at most [`AdmissionLimits::handshakes_per_source_max`]
-//!   pending connections; past it, that source's own oldest is evicted, never another's.
+//!   pending connections past their grace; past it, that source's own oldest is evicted, never
+//!   another's.
 //! - admitted connections are bounded per authenticated name and in all, and closed after
 //!   [`AdmissionLimits::idle_timeout`] without a request.
 //! - every connection of every port in the process counts against one file-descriptor budget:
@@ -63,6 +66,9 @@ pub struct AdmissionLimits {
     pub per_peer_max: usize,
     /// Connect-to-authenticated bound.
     pub handshake_timeout: Duration,
+    /// A pending connection younger than this is never evicted (an honest handshake takes a
+    /// round trip).
+    pub handshake_grace: Duration,
     /// An admitted connection without a request for this long is closed.
     pub idle_timeout: Duration,
 }
@@ -75,6 +81,7 @@ impl Default for AdmissionLimits {
             handshakes_per_source_max: 32,
             per_peer_max: 1024,
             handshake_timeout: Duration::from_secs(3),
+            handshake_grace: Duration::from_millis(500),
             idle_timeout: Duration::from_secs(120),
         }
     }
@@ -182,6 +189,7 @@ impl PortStats {
 
 struct Pending {
     source: IpAddr,
+    since: std::time::Instant,
     evict: oneshot::Sender<()>,
 }
 
@@ -251,41 +259,56 @@ impl Admission {
     /// counted: close it now).
     pub fn admit(&self, source: IpAddr) -> Option<PreAuth> {
         let limits = &self.inner.limits;
+        let now = std::time::Instant::now();
         let mut st = self.inner.state.lock();
-        let at_cap = st.total >= limits.connections_max.max(1)
-            || PROCESS_CONNECTIONS.load(Ordering::Relaxed) >= process_connections_max();
-        // Past a cap, the oldest pending connection gives way; with none pending, refuse.
-        let victim = if st.sources.get(&source).copied().unwrap_or(0)
+        let at_cap = |st: &State| {
+            st.total >= limits.connections_max.max(1)
+                || PROCESS_CONNECTIONS.load(Ordering::Relaxed) >= process_connections_max()
+        };
+        // The oldest pending connection (of `source`, or of anyone) past its grace.
+        let evictable = |st: &State, of: Option<IpAddr>| {
+            st.pending
+                .iter()
+                .find(|(_, p)| of.is_none_or(|s| p.source == s))
+                .filter(|(_, p)| now.duration_since(p.since) >= limits.handshake_grace)
+                .map(|(seq, _)| *seq)
+        };
+        let evict = |st: &mut State, seq: u64| {
+            st.evict(seq);
+            self.inner
+                .stats
+                .count(Cause::Evicted, format_args!("a newer connection from {source}"));
+        };
+        // This source past its budget gives way first: its own oldest, past their grace.
+        while st.sources.get(&source).copied().unwrap_or(0)
             >= limits.handshakes_per_source_max.max(1)
         {
-            st.pending.iter().find(|(_, p)| p.source == source).map(|(s, _)| *s)
-        } else if at_cap || st.pending.len() >= limits.handshakes_max.max(1) {
-            st.pending.keys().next().copied()
-        } else {
-            None
-        };
-        match victim {
-            Some(seq) => {
-                st.evict(seq);
-                // The evicted connection's task closes it and gives back its count; its place
-                // is this one's.
-                self.inner
-                    .stats
-                    .count(Cause::Evicted, format_args!("a newer connection from {source}"));
+            let Some(seq) = evictable(&st, Some(source)) else { break };
+            evict(&mut st, seq);
+        }
+        // Then the budget of handshakes: strangers past their grace are trimmed to it.
+        while st.pending.len() >= limits.handshakes_max.max(1) {
+            let Some(seq) = evictable(&st, None) else { break };
+            evict(&mut st, seq);
+        }
+        // At the connection cap, one pending connection past its grace makes room (its count
+        // goes when its task closes it); with none, the newcomer is refused.
+        if at_cap(&st) {
+            match evictable(&st, None) {
+                Some(seq) => evict(&mut st, seq),
+                None => {
+                    drop(st);
+                    self.inner
+                        .stats
+                        .count(Cause::Busy, format_args!("from {source}: at the connection limit"));
+                    return None;
+                }
             }
-            None if at_cap => {
-                drop(st);
-                self.inner
-                    .stats
-                    .count(Cause::Busy, format_args!("from {source}: at the connection limit"));
-                return None;
-            }
-            None => {}
         }
         let seq = st.next;
         st.next += 1;
         let (tx, rx) = oneshot::channel();
-        st.pending.insert(seq, Pending { source, evict: tx });
+        st.pending.insert(seq, Pending { source, since: now, evict: tx });
         *st.sources.entry(source).or_default() += 1;
         st.total += 1;
         PROCESS_CONNECTIONS.fetch_add(1, Ordering::Relaxed);
@@ -337,6 +360,10 @@ impl PreAuth {
         };
         let inner = self.inner.clone();
         let mut st = inner.state.lock();
+        if !st.pending.contains_key(&self.seq) {
+            // Evicted while its handshake finished: the place is gone.
+            return None;
+        }
         if st.peers.get(&peer).copied().unwrap_or(0) >= inner.limits.per_peer_max.max(1) {
             drop(st);
             inner.stats.count(Cause::Peer, format_args!("{peer:?} holds its limit of connections"));
@@ -433,6 +460,7 @@ mod tests {
             handshakes_per_source_max: 2,
             per_peer_max: 2,
             handshake_timeout: Duration::from_secs(5),
+            handshake_grace: Duration::ZERO,
             idle_timeout: Duration::from_secs(60),
         }
     }
@@ -497,6 +525,26 @@ mod tests {
         let failed: Result<String, &str> = Err("wrong secret");
         assert!(bad.authenticate(async { failed }).await.is_none());
         assert_eq!(stats.snapshot().count(Cause::Handshake), 1);
+    }
+
+    #[tokio::test]
+    async fn a_burst_within_the_grace_is_let_in_and_only_the_cap_refuses_it() {
+        let stats = Arc::new(PortStats::new("test"));
+        let limits = AdmissionLimits { handshake_grace: Duration::from_secs(60), ..limits() };
+        let adm = Admission::new(limits, stats.clone());
+        // Past the handshake budget (3) and the source's (2): young, so nobody is cut.
+        let burst: Vec<PreAuth> = (0..6).map(|_| adm.admit(ip(1)).unwrap()).collect();
+        assert_eq!(stats.snapshot().count(Cause::Evicted), 0);
+        // At the connection cap (6) with every pending connection young: refused.
+        assert!(adm.admit(ip(2)).is_none());
+        assert_eq!(stats.snapshot().count(Cause::Busy), 1);
+        // Each of the burst still completes its handshake.
+        let mut admitted = Vec::new();
+        for (i, p) in burst.into_iter().enumerate() {
+            let name = format!("frontend-{i}");
+            admitted.push(p.authenticate(ok(&name)).await.expect("admitted"));
+        }
+        assert_eq!(stats.snapshot().admitted, 6);
     }
 
     #[tokio::test(start_paused = true)]

@@ -204,6 +204,11 @@ async fn fabric_nodes_across_processes_with_etcd_and_nats() {
         serde_json::from_value(discovery.list(FABRIC_KIND).await.unwrap()[0].metadata.clone())
             .unwrap();
     let err = remote.add_node(&info).await.unwrap_err().to_string();
+    // The node's shared memory is not even mapped (its seal is another deployment's).
+    assert!(err.contains("another deployment"), "{err}");
+    let mut far = info.clone();
+    far.agent.host_id = "another host".into();
+    let err = remote.add_node(&far).await.unwrap_err().to_string();
     assert!(err.contains("authentication"), "{err}");
 
     // fabric-b dies mid-flight: gets fail fast for its blocks (misses), never hang.

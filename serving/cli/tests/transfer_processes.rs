@@ -263,7 +263,13 @@ async fn peer_killed_mid_transfer_fails_typed_within_the_deadline() {
 async fn wrong_secret_is_rejected_by_another_process() {
     let mut peer = PeerProc::start();
     let agent = local_agent("not-the-secret").await;
-    agent.load_peer(peer.md.clone()).unwrap();
+    // Its shared memory does not carry our deployment's seal: not even mapped.
+    let err = agent.load_peer(peer.md.clone()).unwrap_err();
+    assert!(err.to_string().contains("another deployment"), "{err}");
+    // Seen as a peer on another host would be (no shm): its port refuses our proof.
+    let mut remote = peer.md.clone();
+    remote.host_id = "another host".into();
+    agent.load_peer(remote).unwrap();
     let local = agent.alloc_region(4096, RegionOptions::default()).unwrap();
     fill(&local, 1);
     let before = peer.sum(0, 4096);

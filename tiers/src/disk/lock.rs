@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 
 use super::DiskError;
 
+/// How long a tier waits for another tier of its own process on the same file to close.
+pub const SAME_PROCESS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The lock of a slot file, released when dropped (or when the process exits).
 #[derive(Debug)]
 pub struct SlotFileLock {

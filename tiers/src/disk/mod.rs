@@ -203,7 +203,20 @@ impl DiskTier {
         if let Some(dir) = cfg.path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let lock = lock::SlotFileLock::acquire(&cfg.path)?;
+        // A tier of this same process that is still closing (its last handles dropping, as
+        // in a restart within one process) is waited for a while; another process's refuses.
+        let mut waited = std::time::Duration::ZERO;
+        let lock = loop {
+            match lock::SlotFileLock::acquire(&cfg.path) {
+                Err(DiskError::Locked { pid: Some(pid), .. })
+                    if pid == std::process::id() && waited < lock::SAME_PROCESS_WAIT =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    waited += std::time::Duration::from_millis(20);
+                }
+                other => break other?,
+            }
+        };
         let file = Arc::new(io::open_direct(&cfg.path)?);
         let io = DiskIo::new(file.clone(), cfg.queue_depth, cfg.io)?;
         let layout = SlotLayout::new(block_bytes);

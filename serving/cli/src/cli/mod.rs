@@ -230,7 +230,25 @@ fn scalar(v: &toml::Value) -> anyhow::Result<String> {
 
 /// The tokio runtime of commands that do I/O.
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    raise_descriptor_limit();
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+/// Raises the soft limit of open files to the hard one (as Go's runtime does): servers hold a
+/// descriptor per connection, and the ports size their connection budget from this limit,
+/// keeping a reserve for the control plane (`kvfabric::session::admission`). An operator's
+/// hard limit (`ulimit -Hn`, `prlimit`) still bounds it.
+fn raise_descriptor_limit() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read and write one rlimit struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) != 0 {
+                tracing::debug!(soft = lim.rlim_cur, "could not raise the open-files limit");
+            }
+        }
+    }
 }
 
 /// An error chain on one line.
