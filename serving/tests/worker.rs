@@ -26,15 +26,17 @@ async fn mock_worker(
     discovery: &Arc<dyn Discovery>,
     bus: &Arc<dyn EventBus>,
 ) -> (WorkerStack, kvfabric_serving::worker::Served) {
-    mock_worker_with(name, discovery, bus, SECRET).await
+    mock_worker_with(name, discovery, bus, SECRET, false).await
 }
 
-/// A mock worker that authenticates with `secret`.
+/// A mock worker that authenticates with `secret`, using the fabric nodes in discovery as its
+/// remote tier when `remote_tier`.
 async fn mock_worker_with(
     name: &str,
     discovery: &Arc<dyn Discovery>,
     bus: &Arc<dyn EventBus>,
     secret: &[u8],
+    remote_tier: bool,
 ) -> (WorkerStack, kvfabric_serving::worker::Served) {
     let cfg = WorkerConfig {
         name: name.into(),
@@ -49,7 +51,7 @@ async fn mock_worker_with(
         host_blocks: 64,
         disk: None,
         disk_admit_min_hits: 0,
-        remote_tier: false,
+        remote_tier,
     };
     let stack = WorkerStack::start(&cfg, discovery, bus.clone(), |_, _| {}).await.unwrap();
     let served = stack
@@ -86,18 +88,26 @@ async fn frontend(
 }
 
 /// Strangers who connect to a worker's request port and never send a byte (the fault round's
-/// 130), each holding its connection until the worker closes it.
-fn silent_flood(addr: std::net::SocketAddr, n: usize) -> Vec<tokio::task::JoinHandle<()>> {
-    (0..n)
+/// 130), each holding its connection until the worker closes it; the counter says how many
+/// connected.
+fn silent_flood(
+    addr: std::net::SocketAddr,
+    n: usize,
+) -> (Vec<tokio::task::JoinHandle<()>>, Arc<std::sync::atomic::AtomicUsize>) {
+    let connected = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tasks = (0..n)
         .map(|_| {
+            let connected = connected.clone();
             tokio::spawn(async move {
                 let Ok(mut c) = tokio::net::TcpStream::connect(addr).await else { return };
+                connected.fetch_add(1, Ordering::Relaxed);
                 // Held until the worker closes it (reading what it sends: its challenge).
                 let mut sink = Vec::new();
                 let _ = tokio::io::AsyncReadExt::read_to_end(&mut c, &mut sink).await;
             })
         })
-        .collect()
+        .collect();
+    (tasks, connected)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,11 +120,11 @@ async fn silent_connections_on_a_request_port_do_not_shut_frontends_out() {
     let body = json!({ "model": "mock", "prompt": "a prompt of a few words", "max_tokens": 2 });
     assert_eq!(common::post_json(addr, "/v1/completions", &body).await.status, 200);
 
-    let flood = silent_flood(served.addr, 130);
+    let (flood, connected) = silent_flood(served.addr, 130);
     let port = served.stats.clone().unwrap().port.clone();
-    // 130 strangers from one address, all held (a burst is let in: nobody had time yet to
-    // prove anything).
-    common::wait_until(Duration::from_secs(10), || port.snapshot().pending == 130);
+    // 130 strangers from one address (a burst is let in while young; those past their grace
+    // give way to newer ones of their address).
+    common::wait_until(Duration::from_secs(10), || connected.load(Ordering::Relaxed) == 130);
     // The frontend that was already serving: its connection is kept, nothing to win.
     for i in 0..118 {
         let r = common::post_json(addr, "/v1/completions", &body).await;
@@ -131,7 +141,10 @@ async fn silent_connections_on_a_request_port_do_not_shut_frontends_out() {
     }
     let s = port.snapshot();
     let per_source = AdmissionLimits::default().handshakes_per_source_max as u64;
-    assert!(s.count(kvfabric::session::admission::Cause::Evicted) >= 130 - per_source, "{s:?}");
+    // Closed: evicted by newer connections, or (on a slow machine) timed out in the handshake.
+    use kvfabric::session::admission::Cause;
+    let closed = s.count(Cause::Evicted) + s.count(Cause::Handshake);
+    assert!(s.count(Cause::Evicted) >= 1 && closed >= 130 - per_source, "{s:?}");
     assert!(s.pending <= per_source, "the pre-auth budget holds: {s:?}");
     assert!(s.admitted <= 2, "one kept connection per frontend: {s:?}");
     for f in flood {
@@ -146,7 +159,8 @@ async fn a_worker_with_another_secret_is_not_shown_healthy_and_gets_no_requests(
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
     let (good, good_served) = mock_worker("w-good", &discovery, &bus).await;
-    let (bad, bad_served) = mock_worker_with("w-bad", &discovery, &bus, b"another secret").await;
+    let (bad, bad_served) =
+        mock_worker_with("w-bad", &discovery, &bus, b"another secret", false).await;
     let (routed, addr) = frontend(&discovery, &bus).await;
     // The frontend checks each worker's handshake when it joins: w-bad is known to refuse it
     // before any request needs it.
@@ -291,46 +305,10 @@ async fn a_frontend_that_starts_after_the_workers_learns_what_they_cached() {
 async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
-    let cfg = WorkerConfig {
-        name: "w-0".into(),
-        engine: EngineSpec::Mock {
-            name: "mock".into(),
-            block_tokens: 16,
-            model_dir: None,
-            config: MockConfig { decode_step_us: 100.0, ..MockConfig::default() },
-        },
-        scheduler: SchedulerConfig::default(),
-        secret: Some(SECRET.to_vec()),
-        host_blocks: 64,
-        disk: None,
-        disk_admit_min_hits: 0,
-        remote_tier: true,
-    };
-    let stack = WorkerStack::start(&cfg, &discovery, bus.clone(), |_, _| {}).await.unwrap();
-    let served = stack
-        .serve(
-            "w-0",
-            Role::Aggregated,
-            "127.0.0.1:0".parse().unwrap(),
-            &discovery,
-            &bus,
-            4,
-            DisaggConfig::default(),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+    let (stack, served) = mock_worker_with("w-0", &discovery, &bus, SECRET, true).await;
     assert_eq!(discovery.list(WORKER_KIND).await.unwrap().len(), 1);
 
-    let routed = Arc::new(
-        RoutedBackend::start(discovery.clone(), bus.clone(), RoutedConfig::new(SECRET))
-            .await
-            .unwrap(),
-    );
-    let app = router(routed.clone(), ServerConfig::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (routed, addr) = frontend(&discovery, &bus).await;
 
     let prompt = "a prompt long enough for a few blocks of sixteen tokens each ".repeat(2);
     let body = json!({ "model": "mock", "prompt": prompt, "max_tokens": 4 });
