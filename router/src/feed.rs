@@ -83,6 +83,7 @@ impl IndexFeed {
         let task = tokio::spawn(async move {
             let mut asked: HashMap<WorkerId, Instant> = HashMap::new();
             let mut followed: HashSet<String> = HashSet::new();
+            let mut follows_open = true;
             let mut warned_malformed = false;
             let count = |c: &AtomicU64| {
                 c.fetch_add(1, Ordering::Relaxed);
@@ -97,12 +98,11 @@ impl IndexFeed {
                 }
             };
             loop {
+                // Membership changes first, so that a reconnection asks exactly the sources
+                // followed by then; then reconnections; then the stream.
                 let bytes = tokio::select! {
-                    b = sub.recv() => match b {
-                        Some(b) => b,
-                        None => return,
-                    },
-                    f = follows.recv() => {
+                    biased;
+                    f = follows.recv(), if follows_open => {
                         match f {
                             // What it stored before we listened comes in its dump.
                             Some(Follow::Add(source)) => {
@@ -114,7 +114,7 @@ impl IndexFeed {
                                 asked.remove(&worker_id(&source));
                                 followed.remove(&source);
                             }
-                            None => {}
+                            None => follows_open = false,
                         }
                         continue;
                     }
@@ -135,6 +135,10 @@ impl IndexFeed {
                         }
                         continue;
                     }
+                    b = sub.recv() => match b {
+                        Some(b) => b,
+                        None => return,
+                    },
                 };
                 match Message::decode(&bytes) {
                     Ok(Message::KvEvent { source, event }) => {
