@@ -27,6 +27,7 @@
 //! - [`contract`]: the control plane's topics and typed, versioned messages (KV events and
 //!   dumps, loads, dump requests) that every publisher and consumer uses.
 //! - [`wire`]: the authenticated, length-prefixed binary protocol between agents.
+//! - [`rng`]: the reproducible generator of every seeded draw.
 //!
 //! What it guarantees:
 //! - Decoders of untrusted input (GGUF files, `config.json`) return typed errors and never
@@ -53,6 +54,7 @@ pub mod hash;
 pub mod layout;
 pub mod memory;
 pub mod peer;
+pub mod rng;
 pub mod session;
 pub mod transfer;
 pub mod transport;

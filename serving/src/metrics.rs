@@ -18,6 +18,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use kvfabric_planner::live::{PlannerSnapshot, PoolSnapshot};
+pub use kvfabric_planner::window::{LoadSource, LoadWindow, WINDOW_SAMPLES_MAX};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
     DescriptorEncoder, EncodeLabelValue, LabelValueEncoder, NoLabelSet,
@@ -121,37 +123,6 @@ impl Window {
             prompt_seen: 0,
         }
     }
-}
-
-/// What the frontend saw since the window was last taken ([`HttpMetrics::take_window`]): the
-/// planner's observation of its load.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LoadWindow {
-    /// How long it covers.
-    pub duration: Duration,
-    /// Requests that arrived (submitted to the backend, refused at admission or not).
-    pub arrivals: u64,
-    /// Requests finished (any outcome but a client error).
-    pub requests: u64,
-    /// Requests whose token counts are in the sums below.
-    pub counted: u64,
-    /// Of them, failed (server errors).
-    pub errors: u64,
-    /// Prompt tokens of the requests finished.
-    pub prompt_tokens: u64,
-    /// Tokens they generated.
-    pub generated_tokens: u64,
-    /// Prompt tokens found cached.
-    pub cached_tokens: u64,
-    /// Times to first token, seconds (at most [`WINDOW_SAMPLES_MAX`], as for ITL); a request
-    /// that failed before its first token counts with the time it failed after.
-    pub ttft_s: Vec<f64>,
-    /// Inter-token latencies, seconds (at most [`WINDOW_SAMPLES_MAX`], a uniform sample of
-    /// them all past it).
-    pub itl_s: Vec<f64>,
-    /// Prompt tokens of each request counted (at most [`WINDOW_SAMPLES_MAX`], as for ITL):
-    /// how prompt lengths spread.
-    pub prompt_lens: Vec<f64>,
 }
 
 /// The frontend's cumulative counts ([`HttpMetrics::totals`]).
@@ -282,9 +253,6 @@ fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
 }
-
-/// Latency samples a window keeps of each kind.
-pub const WINDOW_SAMPLES_MAX: usize = 100_000;
 
 /// Reservoir sampling: the `seen`-th sample replaces a random kept one with probability
 /// `cap / seen`, so that the kept ones stay a uniform sample of all.
@@ -628,42 +596,18 @@ pub struct Snapshot {
     pub planner: Option<PlannerSnapshot>,
 }
 
-/// The planner's state and decisions.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
-pub struct PlannerSnapshot {
-    /// Workers serving (not counting draining ones), every pool.
-    pub workers: u64,
-    /// Workers the last decision asked for.
-    pub desired: u64,
-    /// Workers draining.
-    pub draining: u64,
-    /// Request rate observed over the last interval, requests/s.
-    pub observed_rate: f64,
-    /// Request rate predicted for the next interval, requests/s.
-    pub predicted_rate: f64,
-    /// TTFT at the target's quantile over the last interval, seconds.
-    pub observed_ttft_s: f64,
-    /// ITL at the target's quantile over the last interval, seconds.
-    pub observed_itl_s: f64,
-    /// Decisions by action: scale up, scale down, hold.
-    pub decisions: [u64; 3],
-    /// Scaling actions that failed.
-    pub scale_failures: u64,
-    /// Per pool (`aggregated`; or `prefill` and `decode`).
-    pub pools: Vec<PoolSnapshot>,
+/// The live planner reads the frontend's load from its metrics.
+impl LoadSource for HttpMetrics {
+    fn take_window(&self) -> LoadWindow {
+        HttpMetrics::take_window(self)
+    }
 }
 
-/// One pool of the planner's workers.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
-pub struct PoolSnapshot {
-    /// `aggregated`, `prefill` or `decode`.
-    pub pool: &'static str,
-    /// Workers serving.
-    pub workers: u64,
-    /// Workers the last decision asked for.
-    pub desired: u64,
-    /// Workers draining.
-    pub draining: u64,
+/// The live planner's state in `/metrics` (and `/health`).
+impl Source for kvfabric_planner::live::PlannerState {
+    fn snapshot(&self, out: &mut Snapshot) {
+        out.planner = Some(kvfabric_planner::live::PlannerState::snapshot(self));
+    }
 }
 
 /// A component whose counters are read at scrape time.

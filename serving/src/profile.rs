@@ -4,7 +4,7 @@
 //! tier. The measurements drive an engine through a [`Probe`]: one in this process
 //! ([`LocalProbe`], any [`Backend`]) or, in the binary, any OpenAI-compatible server over HTTP.
 //! The result is an [`EngineProfile`] (JSON, versioned), from which [`EngineProfile::planning`]
-//! gives the [`crate::sla::Profile`] that `kvfabric plan --sla` and the live planner use.
+//! gives the [`kvfabric_planner::sla::Profile`] that `kvfabric plan --sla` and the live planner use.
 //!
 //! Prompts are random token ids from a range every tokenizer has as ordinary tokens, so each
 //! prompt is new to the engine's cache unless it is built to share a cached prefix; token
@@ -27,7 +27,7 @@ use kvfabric_tiers::{StoreConfig, TieredStore};
 use crate::backend::Backend;
 use crate::engine::sampling::{SamplingParams, SplitMix64};
 use crate::engine::{EngineError, GenEvent, GenerateRequest};
-use crate::sla::{Curve, Profile};
+use kvfabric_planner::sla::{Curve, Profile};
 
 /// The version of the profile format this build writes and reads.
 pub const PROFILE_VERSION: u32 = 1;
@@ -728,18 +728,19 @@ impl EngineProfile {
         if itl_s.is_empty() {
             return Err(bad("decode"));
         }
-        if self.batch_max > crate::sla::BATCH_MAX as usize {
+        if self.batch_max > kvfabric_planner::sla::BATCH_MAX as usize {
             return Err(ProfileError::Format(format!(
                 "batch_max {} is above {}",
                 self.batch_max,
-                crate::sla::BATCH_MAX
+                kvfabric_planner::sla::BATCH_MAX
             )));
         }
         let restore = self.fit.restore_s_per_cached_token;
         Ok(Profile {
             prefill_s,
             itl_s,
-            batch_max: u32::try_from(self.batch_max.max(1)).unwrap_or(crate::sla::BATCH_MAX),
+            batch_max: u32::try_from(self.batch_max.max(1))
+                .unwrap_or(kvfabric_planner::sla::BATCH_MAX),
             kv_bytes_per_token: self.kv_bytes_per_token,
             restore_s_per_token: if ok(restore) { restore } else { 0.0 },
         })

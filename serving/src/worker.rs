@@ -268,7 +268,7 @@ impl WorkerStack {
                         (mock, CodecSpec::ModelDir { path: dir })
                     }
                     None => {
-                        let layout = crate::plan::resolve_model("smollm2-135m")
+                        let layout = kvfabric_planner::plan::resolve_model("smollm2-135m")
                             .and_then(|s| {
                                 Ok(s.with_dtype(KvDtype::F32).block_layout(*block_tokens)?)
                             })

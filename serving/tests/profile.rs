@@ -11,11 +11,11 @@ use std::time::Duration;
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
 use kvfabric::layout::ModelSpec;
+use kvfabric_planner::sla::{plan, Targets, Workload};
 use kvfabric_serving::backend::{Backend, LocalBackend};
 use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
 use kvfabric_serving::engine::{Scheduler, SchedulerConfig};
 use kvfabric_serving::profile::{measure, measure_restore, EngineProfile, LocalProbe, Settings};
-use kvfabric_serving::sla::{plan, Targets, Workload};
 use kvfabric_tiers::{StoreConfig, TieredStore};
 
 /// Profiles a mock with timings `mock` (and its store's restores), in process.

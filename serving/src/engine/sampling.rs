@@ -89,25 +89,8 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best.1
 }
 
-/// SplitMix64: a tiny, well-mixed, reproducible generator.
-#[derive(Debug, Clone)]
-pub struct SplitMix64(pub u64);
-
-impl SplitMix64 {
-    /// Next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+/// The generator sampling draws from (defined with kvfabric's other seeded draws).
+pub use kvfabric::rng::SplitMix64;
 
 #[cfg(test)]
 mod tests {

@@ -3,8 +3,8 @@
 use anyhow::Context;
 use clap::Args;
 use kvfabric::layout::KvDtype;
-use kvfabric_serving::plan::{plan, resolve_model, Link, PlanInput};
-use kvfabric_serving::sla::LengthDist;
+use kvfabric_planner::plan::{plan, resolve_model, Link, PlanInput};
+use kvfabric_planner::sla::LengthDist;
 
 #[derive(Debug, Args)]
 #[command(after_help = "Presets: smollm2-135m, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, \
@@ -119,8 +119,8 @@ fn positive(what: &str, v: f64) -> anyhow::Result<f64> {
 }
 
 fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
+    use kvfabric_planner::sla::{plan, what_changes, Need, Targets, Workload};
     use kvfabric_serving::profile::EngineProfile;
-    use kvfabric_serving::sla::{plan, what_changes, Need, Targets, Workload};
 
     let path = args.profile.as_ref().context("--sla needs --profile")?;
     let text =

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use kvfabric_planner::live::{self, PlannerConfig, PlannerState, Pool, Predictor, Scaler};
+use kvfabric_planner::sla::Targets;
 use kvfabric_serving::metrics::HttpMetrics;
-use kvfabric_serving::planner::{self, PlannerConfig, PlannerState, Pool, Predictor, Scaler};
 use kvfabric_serving::profile::EngineProfile;
-use kvfabric_serving::sla::Targets;
 use kvfabric_serving::worker::Role;
 
 use super::scaler::{InProcess, Kind, Processes, WorkerTemplate, Workers};
@@ -299,7 +299,7 @@ impl PlannerArgs {
         let state = Arc::new(PlannerState::starting(&started));
         let scalers: Vec<(Pool, Arc<dyn Scaler>)> =
             pools.iter().map(|(p, w)| (*p, w.clone() as Arc<dyn Scaler>)).collect();
-        let task = planner::spawn(cfg, metrics, scalers, state.clone(), move |d| {
+        let task = live::spawn(cfg, metrics, scalers, state.clone(), move |d| {
             if let Some(f) = log.as_mut() {
                 if let Ok(line) = serde_json::to_string(d) {
                     if let Err(e) = writeln!(f, "{line}") {

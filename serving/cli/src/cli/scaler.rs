@@ -5,7 +5,7 @@
 //! - [`InProcess`] (`kvfabric up --planner`): worker stacks in this process, registered in
 //!   its embedded discovery, drained the same way in a task.
 //!
-//! A Kubernetes scaler would implement the same `kvfabric_serving::planner::Scaler` by
+//! A Kubernetes scaler would implement the same `kvfabric_planner::live::Scaler` by
 //! patching replicas.
 
 use std::process::Stdio;
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvfabric::control::{Discovery, EventBus, Registration};
-use kvfabric_serving::planner::{ScaleError, ScaleFuture, Scaler};
+use kvfabric_planner::live::{ScaleError, ScaleFuture, Scaler};
 use kvfabric_serving::protocol::ServeStats;
 use kvfabric_serving::worker::{drain, Role, WorkerStack};
 

@@ -23,7 +23,7 @@ use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::cuda::{self, CopyOp, DeviceBuffer, PinnedBuffer, Stream};
 use kvfabric::memory::{MemoryKind, Region, RegionId, RegionOptions};
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
-use kvfabric_serving::stats::gbps;
+use kvfabric_planner::stats::gbps;
 
 use super::transfer::{combos, measure_posts, measure_sync, Row};
 

@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
+use kvfabric_planner::stats::Percentiles;
 use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, ReferenceLoop, Weights};
 use kvfabric_serving::engine::sampling::argmax;
 use kvfabric_serving::engine::{
     Engine, GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig, StepInput,
 };
-use kvfabric_serving::stats::Percentiles;
 use kvfabric_tiers::{StoreConfig, TieredStore};
 use parking_lot::Mutex;
 

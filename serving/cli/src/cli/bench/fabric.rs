@@ -13,7 +13,7 @@ use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::hash::SequenceHash;
 use kvfabric::memory::RegionOptions;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
-use kvfabric_serving::stats::{gbps, Percentiles};
+use kvfabric_planner::stats::{gbps, Percentiles};
 use kvfabric_tiers::remote::protocol::NodeInfo;
 use kvfabric_tiers::remote::RemoteTier;
 
@@ -49,7 +49,7 @@ struct Row {
 }
 
 pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
-    let spec = kvfabric_serving::plan::resolve_model(&args.model)?;
+    let spec = kvfabric_planner::plan::resolve_model(&args.model)?;
     let block = spec.block_layout(16)?.bytes_per_block();
     let n = args.blocks.max(1);
     let secret = format!("bench-fabric-{}", std::process::id());

@@ -8,9 +8,9 @@ use std::time::Instant;
 use clap::Args;
 use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::SequenceHash;
+use kvfabric_planner::stats::Percentiles;
 use kvfabric_router::sim::{simulate, SimConfig, SplitMix};
 use kvfabric_router::{PrefixIndex, RouterConfig, RoutingMode};
-use kvfabric_serving::stats::Percentiles;
 
 #[derive(Debug, Args)]
 pub struct RouterArgs {

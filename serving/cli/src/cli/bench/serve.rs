@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use kvfabric_planner::stats::Percentiles;
 use kvfabric_serving::engine::sampling::SplitMix64;
-use kvfabric_serving::stats::Percentiles;
 use serde_json::{json, Value};
 
 use super::sse::SseParser;

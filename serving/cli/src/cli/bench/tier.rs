@@ -22,7 +22,7 @@ use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
 use kvfabric::hash::SequenceHash;
 use kvfabric::layout::ModelSpec;
-use kvfabric_serving::stats::{gbps, Percentiles};
+use kvfabric_planner::stats::{gbps, Percentiles};
 use kvfabric_tiers::disk::format::align_up;
 use kvfabric_tiers::disk::io::{open_direct, DiskIo, IoBuf, IoPreference};
 use kvfabric_tiers::disk::DiskConfig;

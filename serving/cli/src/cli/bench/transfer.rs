@@ -16,7 +16,7 @@ use clap::Args;
 use kvfabric::agent::{Agent, AgentConfig, AgentMetadata};
 use kvfabric::memory::RegionOptions;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
-use kvfabric_serving::stats::{gbps, Percentiles};
+use kvfabric_planner::stats::{gbps, Percentiles};
 
 use super::{parse_size, short_size};
 

@@ -38,8 +38,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::metrics::{HttpMetrics, LoadWindow, PlannerSnapshot, PoolSnapshot, Snapshot, Source};
 use crate::sla::{plan, LengthDist, Profile, Targets, Workload, DIST_POINTS};
+use crate::window::{LoadSource, LoadWindow};
 
 /// A future of the scaler.
 pub type ScaleFuture<'a> = Pin<Box<dyn Future<Output = Result<u32, ScaleError>> + Send + 'a>>;
@@ -565,6 +565,44 @@ impl Brain {
     }
 }
 
+/// The planner's state and decisions.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PlannerSnapshot {
+    /// Workers serving (not counting draining ones), every pool.
+    pub workers: u64,
+    /// Workers the last decision asked for.
+    pub desired: u64,
+    /// Workers draining.
+    pub draining: u64,
+    /// Request rate observed over the last interval, requests/s.
+    pub observed_rate: f64,
+    /// Request rate predicted for the next interval, requests/s.
+    pub predicted_rate: f64,
+    /// TTFT at the target's quantile over the last interval, seconds.
+    pub observed_ttft_s: f64,
+    /// ITL at the target's quantile over the last interval, seconds.
+    pub observed_itl_s: f64,
+    /// Decisions by action: scale up, scale down, hold.
+    pub decisions: [u64; 3],
+    /// Scaling actions that failed.
+    pub scale_failures: u64,
+    /// Per pool (`aggregated`; or `prefill` and `decode`).
+    pub pools: Vec<PoolSnapshot>,
+}
+
+/// One pool of the planner's workers.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PoolSnapshot {
+    /// `aggregated`, `prefill` or `decode`.
+    pub pool: &'static str,
+    /// Workers serving.
+    pub workers: u64,
+    /// Workers the last decision asked for.
+    pub desired: u64,
+    /// Workers draining.
+    pub draining: u64,
+}
+
 /// The planner's state for `/metrics`.
 #[derive(Debug, Default)]
 pub struct PlannerState {
@@ -593,18 +631,19 @@ impl PlannerState {
     }
 }
 
-impl Source for PlannerState {
-    fn snapshot(&self, out: &mut Snapshot) {
-        out.planner = Some(self.snapshot.lock().clone());
+impl PlannerState {
+    /// Its state now (for `/metrics`, `/health` and dashboards).
+    pub fn snapshot(&self) -> PlannerSnapshot {
+        self.snapshot.lock().clone()
     }
 }
 
-/// Runs the planner until the task is aborted: every interval, a window of `metrics`, a
+/// Runs the planner until the task is aborted: every interval, a window of `load`, a
 /// decision per pool, the scaling (the pools concurrently), `on_decision` for each (logging,
 /// a JSON-lines file).
 pub fn spawn(
     cfg: PlannerConfig,
-    metrics: HttpMetrics,
+    load: impl LoadSource,
     pools: Vec<(Pool, Arc<dyn Scaler>)>,
     state: Arc<PlannerState>,
     mut on_decision: impl FnMut(&Decision) + Send + 'static,
@@ -614,12 +653,12 @@ pub fn spawn(
         pools.into_iter().map(|(p, s)| (Brain::for_pool(cfg.clone(), p), s)).collect();
     tokio::spawn(async move {
         // Start the window now: what came before the planner is not this interval's.
-        let _ = metrics.take_window();
+        let _ = load.take_window();
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let window = metrics.take_window();
+            let window = load.take_window();
             let decided: Vec<Decision> = pools
                 .iter_mut()
                 .map(|(brain, scaler)| brain.decide(&window, scaler.workers()))

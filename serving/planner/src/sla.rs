@@ -1,8 +1,8 @@
 //! SLA planning arithmetic: from an engine's measured times, a workload and latency targets,
 //! how many workers each layout needs — disaggregated (prefill and decode workers) or
 //! aggregated — and which needs fewer, with the reasons. `kvfabric profile` produces the
-//! [`Profile`] (through `crate::profile`); `kvfabric plan --sla` and the live planner
-//! (`crate::planner`) call [`plan`].
+//! [`Profile`] (`kvfabric_serving::profile` measures one); `kvfabric plan --sla` and the live planner
+//! ([`crate::live`]) call [`plan`].
 //!
 //! The model, per worker, with requests spread evenly:
 //! - **Prefill** of one request takes `S = prefill(uncached prompt tokens)` plus the restore
@@ -900,7 +900,7 @@ mod tests {
     /// and a p50 target more.
     #[test]
     fn quantile_targets() {
-        use crate::engine::sampling::SplitMix64;
+        use kvfabric::rng::SplitMix64;
         let s = 0.08;
         let fixed = Service { times: vec![s] };
         // Prefills of prompts spread uniformly: 20..140 ms.
