@@ -18,7 +18,7 @@ use kvfabric_serving::attach::{AttachConfig, Attachment};
 use kvfabric_serving::engine::ModelInfo;
 use kvfabric_serving::protocol::CodecSpec;
 
-use super::up::shutdown_signal;
+use super::stack::shutdown_signal;
 
 #[derive(Debug, Args)]
 pub struct AttachArgs {

@@ -59,7 +59,7 @@ pub struct FabricArgs {
 const REPORT_PERIOD: Duration = Duration::from_secs(1);
 
 pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
-    let stop_signal = super::up::shutdown_signal();
+    let stop_signal = super::stack::shutdown_signal();
     let mut spec = kvfabric_planner::plan::resolve_model(&args.model)
         .with_context(|| format!("model {:?}", args.model))?;
     if let Some(d) = &args.dtype {

@@ -11,7 +11,7 @@ use clap::Args;
 use kvfabric_serving::http::{self, ServerConfig};
 use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
 
-use super::up::shutdown_signal;
+use super::stack::shutdown_signal;
 
 #[derive(Debug, Args)]
 pub struct FrontendArgs {

@@ -29,6 +29,7 @@ mod profile;
 mod route;
 mod scaler;
 mod soak;
+mod stack;
 mod up;
 mod worker;
 
@@ -267,7 +268,7 @@ pub fn one_line(e: &anyhow::Error) -> String {
 #[derive(clap::Args, Debug, Clone)]
 pub struct RoutingArgs {
     /// Routing with several workers: kv, round-robin, random, least-loaded.
-    #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = up::parse_mode)]
+    #[arg(long, env = "KVFABRIC_ROUTER", default_value = "kv", value_parser = parse_mode)]
     pub router: kvfabric_router::RoutingMode,
     /// Softmax temperature of kv routing (0: always the cheapest worker).
     #[arg(long, env = "KVFABRIC_ROUTER_TEMPERATURE", default_value_t = 0.0,
@@ -315,6 +316,11 @@ fn finite_positive(s: &str) -> Result<f64, String> {
 }
 
 /// The HTTP frontend's bounds (`up`, `frontend`): its listener and its requests' deadlines.
+/// A routing mode by name.
+pub fn parse_mode(s: &str) -> Result<kvfabric_router::RoutingMode, String> {
+    s.parse()
+}
+
 /// A count that must be at least 1 (0 would serve nothing, or nothing at once).
 pub(crate) fn at_least_one(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {

@@ -10,7 +10,7 @@ use clap::Args;
 use kvfabric::layout::ModelSpec;
 use kvfabric_serving::engine::TextCodec;
 
-use crate::cli::up::default_model_path;
+use crate::cli::stack::default_model_path;
 
 #[derive(Debug, Args)]
 pub struct ModelDirArgs {

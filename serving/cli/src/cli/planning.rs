@@ -171,7 +171,7 @@ impl PlannerArgs {
         &self,
         profile: &std::path::Path,
         name: &str,
-        engine: super::up::EngineOpts,
+        engine: super::stack::EngineOpts,
         discovery: Arc<dyn kvfabric::control::Discovery>,
         bus: Arc<dyn kvfabric::control::EventBus>,
         metrics: HttpMetrics,

@@ -18,7 +18,7 @@ use serde_json::json;
 
 use super::bench::serve::{first_model, one_request, Target};
 use super::plot::{Chart, Series};
-use super::up::EngineOpts;
+use super::stack::EngineOpts;
 
 #[derive(Debug, Args)]
 #[command(
@@ -226,7 +226,7 @@ pub async fn run(args: ProfileArgs) -> anyhow::Result<()> {
             let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
             let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
             let stack =
-                super::up::start_stack(&args.engine, "profile", &discovery, bus, !args.json)
+                super::stack::start_stack(&args.engine, "profile", &discovery, bus, !args.json)
                     .await?;
             let model = stack.sched.info().id.clone();
             let block_bytes = stack.store.block_bytes();
@@ -245,7 +245,7 @@ pub async fn run(args: ProfileArgs) -> anyhow::Result<()> {
             let restore = if tiers.is_empty() {
                 Vec::new()
             } else {
-                let dir = super::up::data_dir(&args.engine);
+                let dir = super::stack::data_dir(&args.engine);
                 measure_restore(
                     block_bytes,
                     settings.block_tokens,

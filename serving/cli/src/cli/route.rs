@@ -10,7 +10,7 @@ use kvfabric_serving::routed::{RoutedBackend, RoutedConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use super::up::shutdown_signal;
+use super::stack::shutdown_signal;
 
 #[derive(Debug, Args)]
 pub struct RouterArgs {

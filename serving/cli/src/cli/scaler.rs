@@ -18,7 +18,7 @@ use kvfabric_planner::live::{ScaleError, ScaleFuture, Scaler};
 use kvfabric_serving::protocol::ServeStats;
 use kvfabric_serving::worker::{drain, Role, WorkerStack};
 
-use super::up::EngineOpts;
+use super::stack::EngineOpts;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -322,10 +322,15 @@ impl Kind for InProcess {
 
     async fn start(&self, name: String) -> Result<Local, ScaleError> {
         let fail = |e: &dyn std::fmt::Display| ScaleError::Start(format!("{name}: {e}"));
-        let stack =
-            super::up::start_stack(&self.engine, &name, &self.discovery, self.bus.clone(), false)
-                .await
-                .map_err(|e| fail(&super::one_line(&e)))?;
+        let stack = super::stack::start_stack(
+            &self.engine,
+            &name,
+            &self.discovery,
+            self.bus.clone(),
+            false,
+        )
+        .await
+        .map_err(|e| fail(&super::one_line(&e)))?;
         let served = stack
             .serve(
                 &name,
@@ -355,7 +360,7 @@ impl Kind for InProcess {
         Ok(Box::pin(async move {
             w.stack.sched.stats().draining.store(true, std::sync::atomic::Ordering::Relaxed);
             w.registration.revoke().await;
-            let quiet = super::worker::DRAIN_QUIET;
+            let quiet = super::stack::DRAIN_QUIET;
             let drained = drain(w.stats.as_deref(), &w.stack.sched, quiet, deadline).await;
             w.server.abort();
             w.stack.shutdown().await;

@@ -12,7 +12,7 @@ use clap::Args;
 
 use kvfabric_serving::worker::Role;
 
-use super::up::{shutdown_signal, start_stack, EngineOpts};
+use super::stack::{shutdown_signal, start_stack, EngineOpts, DRAIN_QUIET};
 use kvfabric_serving::worker::Served;
 
 fn parse_role(s: &str) -> Result<Role, String> {
@@ -52,10 +52,6 @@ pub struct WorkerArgs {
         value_parser = clap::value_parser!(u64).range(0..=86_400))]
     drain_timeout_s: u64,
 }
-
-/// A drained worker has had nothing in flight for this long (longer than routers take to see
-/// it leave discovery).
-pub(super) const DRAIN_QUIET: Duration = Duration::from_millis(1000);
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();

@@ -22,7 +22,7 @@ use kvfabric_serving::engine::{
 use kvfabric_tiers::{StoreConfig, TieredStore};
 use parking_lot::Mutex;
 
-use crate::cli::up::{default_model_path, WeightsArg};
+use crate::cli::stack::{default_model_path, WeightsArg};
 
 #[derive(Debug, Args)]
 pub struct EngineArgs {

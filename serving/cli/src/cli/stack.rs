@@ -1,0 +1,303 @@
+//! What `up`, `worker`, `profile` and the planner's scaler share: the engine options
+//! ([`EngineOpts`]), the worker configuration they make, [`start_stack`] (a worker's engine,
+//! store and publishers), and the shutdown signal. The worker itself is
+//! `kvfabric_serving::worker::WorkerStack`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use kvfabric::control::{Discovery, EventBus};
+use kvfabric::transfer::TransportKind;
+use kvfabric_serving::disagg::DisaggConfig;
+use kvfabric_serving::engine::llama::{LlamaOptions, Weights};
+use kvfabric_serving::engine::mock::{MockConfig, MockKv};
+use kvfabric_serving::engine::SchedulerConfig;
+use kvfabric_serving::worker::{EngineSpec, WorkerConfig, WorkerStack};
+
+use super::at_least_one;
+
+/// A drained worker has had nothing in flight for this long (longer than routers take to see
+/// it leave discovery).
+pub(super) const DRAIN_QUIET: Duration = Duration::from_millis(1000);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EngineKind {
+    /// A llama-architecture GGUF model on CPU (candle).
+    Llama,
+    /// A timing model with synthetic KV (no model file).
+    Mock,
+}
+
+/// How much KV the mock materialises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MockKvArg {
+    /// Each block's tokens and chained seed only (tiers and transfers still move, and
+    /// checksum, every byte).
+    Header,
+    /// Every byte of every block, written and checked (tests of the data path).
+    Full,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WeightsArg {
+    /// Dequantize to f32 at load (exact, reproducible greedy output).
+    F32,
+    /// Keep the GGUF's quantized weights (faster, approximate).
+    Quantized,
+}
+
+/// What runs in a worker: the engine, its model and its block store.
+#[derive(Debug, Clone, Args)]
+pub struct EngineOpts {
+    /// The engine.
+    #[arg(long, env = "KVFABRIC_ENGINE", value_enum, default_value = "llama")]
+    pub engine: EngineKind,
+    /// A GGUF model file (default: the model scripts/fetch-model.sh caches).
+    #[arg(long, env = "KVFABRIC_MODEL")]
+    pub model: Option<PathBuf>,
+    /// A tokenizer.json to use instead of the GGUF's vocabulary.
+    #[arg(long, env = "KVFABRIC_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// The id the model is served under (default: the file name; `mock` for the mock).
+    #[arg(long, env = "KVFABRIC_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Weights of the llama engine.
+    #[arg(long, env = "KVFABRIC_WEIGHTS", value_enum, default_value = "f32")]
+    pub weights: WeightsArg,
+    /// Directory of the disk tier (default: ~/.cache/kvfabric/data).
+    #[arg(long, env = "KVFABRIC_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Host tier capacity per worker, blocks.
+    #[arg(long, env = "KVFABRIC_HOST_BLOCKS", default_value_t = 512,
+        value_parser = clap::value_parser!(u32).range(1..))]
+    pub host_blocks: u32,
+    /// Disk tier capacity per worker, blocks (0: no disk tier). The file grows as blocks
+    /// arrive.
+    #[arg(long, env = "KVFABRIC_DISK_BLOCKS", default_value_t = 4096)]
+    pub disk_blocks: u32,
+    /// Reuses a block needs before an eviction writes it to the disk tier (0: every block;
+    /// 1: blocks reused at least once, so that one-off prompts cost no disk write).
+    #[arg(long, env = "KVFABRIC_DISK_ADMIT_MIN_HITS", default_value_t = 1)]
+    pub disk_admit_min_hits: u32,
+    /// Tokens per KV block.
+    #[arg(long, env = "KVFABRIC_BLOCK_TOKENS", default_value_t = 16,
+        value_parser = clap::value_parser!(u32).range(1..))]
+    pub block_tokens: u32,
+    /// Context length cap, tokens.
+    #[arg(long, env = "KVFABRIC_CONTEXT", default_value_t = 8192)]
+    pub context: usize,
+    /// Sequences batched together at most.
+    #[arg(long, env = "KVFABRIC_MAX_BATCH", default_value_t = 8, value_parser = at_least_one)]
+    pub max_batch: usize,
+    /// Requests waiting at most; more are refused (429).
+    #[arg(long, env = "KVFABRIC_MAX_WAITING", default_value_t = 128)]
+    pub max_waiting: usize,
+    /// Prompt tokens computed per step at most.
+    #[arg(long, env = "KVFABRIC_STEP_TOKENS", default_value_t = 256, value_parser = at_least_one)]
+    pub step_tokens: usize,
+    /// Shared secret of the handshakes of the transfer engine and the workers' request ports
+    /// (every process of a deployment agrees on it; `up`: random when none is given).
+    #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
+    pub secret: Option<String>,
+    /// Decode workers: prefill remotely when at least this many prompt tokens are uncached.
+    #[arg(long, env = "KVFABRIC_PREFILL_THRESHOLD", default_value_t = 256)]
+    pub prefill_threshold: usize,
+    /// Decode workers: remote prefills pending at most (beyond, prefill locally).
+    #[arg(long, env = "KVFABRIC_MAX_PREFILL_QUEUE", default_value_t = 8)]
+    pub max_prefill_queue: usize,
+    /// Decode workers: give up on a remote prefill after this long and prefill locally.
+    #[arg(long, env = "KVFABRIC_PREFILL_DEADLINE_MS", default_value_t = 30_000)]
+    pub prefill_deadline_ms: u64,
+    /// Decode workers: the transport prefill workers write KV with (auto: shm on one host,
+    /// tcp across hosts).
+    #[arg(long, env = "KVFABRIC_KV_TRANSPORT", value_enum, default_value = "auto")]
+    pub kv_transport: KvTransport,
+    /// Use the KV fabric's nodes found in discovery (`kvfabric fabric`) as a remote tier
+    /// (G4): cached blocks no local tier holds are fetched from them.
+    #[arg(long, env = "KVFABRIC_REMOTE_TIER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub remote_tier: bool,
+    /// Mock: mirror the model of this Hugging Face directory (its tokenizer.json, chat
+    /// template and config.json's KV layout), as Dynamo's mocker does; without it, one token
+    /// per byte over SmolLM2-135M's KV in f32.
+    /// (`KVFABRIC_MODEL_DIR` is where scripts/fetch-model.sh caches the default model.)
+    #[arg(long, env = "KVFABRIC_MOCK_MODEL_DIR")]
+    pub model_dir: Option<PathBuf>,
+    /// Mock: how much of each KV block is materialised.
+    #[arg(long, env = "KVFABRIC_MOCK_KV", value_enum, default_value = "header")]
+    pub mock_kv: MockKvArg,
+    /// Mock: prefill cost per uncached prompt token, microseconds.
+    #[arg(long, env = "KVFABRIC_MOCK_PREFILL_US", default_value_t = 40.0)]
+    pub mock_prefill_us: f64,
+    /// Mock: fixed cost of a decode step, microseconds.
+    #[arg(long, env = "KVFABRIC_MOCK_DECODE_US", default_value_t = 8000.0)]
+    pub mock_decode_us: f64,
+    /// Mock: decode cost per token of active KV, microseconds.
+    #[arg(long, env = "KVFABRIC_MOCK_DECODE_KV_US", default_value_t = 0.2)]
+    pub mock_decode_kv_us: f64,
+    /// Mock, fault injection: the engine panics in this step (tests of supervision).
+    #[arg(long, hide = true)]
+    pub mock_panic_at_step: Option<u64>,
+}
+
+/// The transport of KV writes from prefill to decode workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvTransport {
+    /// Shared memory on one host, TCP across hosts.
+    Auto,
+    /// Shared memory (same host only).
+    Shm,
+    /// Striped TCP.
+    Tcp,
+}
+
+impl EngineOpts {
+    /// The decode side's disaggregation settings.
+    pub fn disagg(&self) -> DisaggConfig {
+        DisaggConfig {
+            threshold_tokens: self.prefill_threshold,
+            max_queue: self.max_prefill_queue,
+            deadline: Duration::from_millis(self.prefill_deadline_ms.max(1)),
+            transport: match self.kv_transport {
+                KvTransport::Auto => None,
+                KvTransport::Shm => Some(TransportKind::Shm),
+                KvTransport::Tcp => Some(TransportKind::Tcp),
+            },
+            ..DisaggConfig::default()
+        }
+    }
+}
+
+/// Where scripts/fetch-model.sh caches the default model.
+pub fn default_model_path() -> PathBuf {
+    let dir = std::env::var_os("KVFABRIC_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| ".".into());
+        home.join(".cache/kvfabric/models")
+    });
+    dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// The directory of the disk tier (`--data-dir`, or ~/.cache/kvfabric/data).
+pub fn data_dir(opts: &EngineOpts) -> PathBuf {
+    opts.data_dir.clone().unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| ".".into());
+        home.join(".cache/kvfabric/data")
+    })
+}
+
+/// The worker's configuration from the command line: the engine (the model file must exist),
+/// the store under the data directory, the scheduler's settings.
+pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConfig> {
+    let engine = match opts.engine {
+        EngineKind::Llama => {
+            let path = opts.model.clone().unwrap_or_else(default_model_path);
+            anyhow::ensure!(
+                path.is_file(),
+                "model file {} not found (scripts/fetch-model.sh fetches the default model; --model takes any llama GGUF)",
+                path.display()
+            );
+            let options = LlamaOptions {
+                weights: match opts.weights {
+                    WeightsArg::F32 => Weights::F32,
+                    WeightsArg::Quantized => Weights::Quantized,
+                },
+                block_tokens: opts.block_tokens,
+                max_context: opts.context,
+                tokenizer_json: opts.tokenizer.clone(),
+                name: opts.served_model_name.clone(),
+            };
+            EngineSpec::Llama { path, options }
+        }
+        EngineKind::Mock => EngineSpec::Mock {
+            name: opts.served_model_name.clone().unwrap_or_else(|| "mock".into()),
+            block_tokens: opts.block_tokens,
+            model_dir: opts.model_dir.clone(),
+            config: MockConfig {
+                prefill_us_per_token: opts.mock_prefill_us,
+                decode_step_us: opts.mock_decode_us,
+                decode_us_per_kv_token: opts.mock_decode_kv_us,
+                context_len: opts.context,
+                kv: match opts.mock_kv {
+                    MockKvArg::Header => MockKv::Header,
+                    MockKvArg::Full => MockKv::Full,
+                },
+                panic_at_step: opts.mock_panic_at_step,
+            },
+        },
+    };
+    let data_dir = data_dir(opts);
+    Ok(WorkerConfig {
+        name: name.to_string(),
+        engine,
+        scheduler: SchedulerConfig {
+            max_batch: opts.max_batch.max(1),
+            max_waiting: opts.max_waiting,
+            step_tokens: opts.step_tokens.max(1),
+            ..SchedulerConfig::default()
+        },
+        secret: opts.secret.clone().map(String::into_bytes),
+        host_blocks: opts.host_blocks,
+        disk: (opts.disk_blocks > 0).then_some((data_dir, opts.disk_blocks)),
+        disk_admit_min_hits: opts.disk_admit_min_hits,
+        remote_tier: opts.remote_tier,
+    })
+}
+
+/// Loads the engine (with a progress bar when `show_progress`), opens the store and starts
+/// the publishers of `name`'s KV events, load and dumps on `bus`.
+pub async fn start_stack(
+    opts: &EngineOpts,
+    name: &str,
+    discovery: &Arc<dyn Discovery>,
+    bus: Arc<dyn EventBus>,
+    show_progress: bool,
+) -> anyhow::Result<WorkerStack> {
+    let cfg = worker_config(opts, name)?;
+    let bar = if show_progress {
+        indicatif::ProgressBar::new(1)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    if let EngineSpec::Llama { path, .. } = &cfg.engine {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "loading {msg} [{bar:40}] {pos}/{len} tensors {elapsed}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        bar.set_message(path.file_name().and_then(|s| s.to_str()).unwrap_or("model").to_string());
+    }
+    let b = bar.clone();
+    let stack = WorkerStack::start(&cfg, discovery, bus, move |done, total| {
+        b.set_length(total as u64);
+        b.set_position(done as u64);
+    })
+    .await;
+    bar.finish_and_clear();
+    Ok(stack?)
+}
+
+/// Registers for SIGTERM and SIGINT at once, and resolves on the first of them. Call it
+/// before the process says it is ready: a signal that arrives before the returned future is
+/// polled is kept, instead of killing the process with its default action (no cleanup).
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{signal, Signal, SignalKind};
+    let term = signal(SignalKind::terminate()).ok();
+    let int = signal(SignalKind::interrupt()).ok();
+    async fn recv(s: Option<Signal>) {
+        match s {
+            Some(mut s) => {
+                s.recv().await;
+            }
+            None => std::future::pending().await,
+        }
+    }
+    async move {
+        tokio::select! {
+            _ = recv(term) => {}
+            _ = recv(int) => {}
+        }
+    }
+}
