@@ -1,24 +1,33 @@
-//! kvfabric-serving — the serving layer (the `kvfabric` binary is `serving/cli`).
+//! kvfabric-serving — the serving layer (the `kvfabric` binary is `serving/cli`). The engines
+//! live in `kvfabric-engine` (re-exported as [`engine`]) and capacity planning in
+//! `kvfabric-planner`.
 //!
-//! - [`engine`]: the engines (a real llama model on CPU, a mock) and the continuous batching
-//!   loop that serves them from the tiered block store.
 //! - [`backend`]: what the HTTP frontend serves from — a [`backend::LocalBackend`] (an
 //!   engine in this process), a [`routed::RoutedBackend`] (workers in discovery, KV-aware
-//!   routing), a [`disagg::DecodeBackend`] (remote prefill, local decode).
-//! - [`http`]: the OpenAI-compatible HTTP frontend over any backend.
-//! - [`worker`]: what a worker registers in discovery (kinds, role, model, tokenizer);
-//!   [`protocol`]: the framed TCP protocol between a routing frontend and a worker.
-//! - [`disagg`]: disaggregated prefill and decode; [`plan`]: capacity planning; [`stats`]:
-//!   benchmark statistics; [`metrics`]: Prometheus text.
+//!   routing, streams that move when a worker stalls), a [`disagg::DecodeBackend`] (remote
+//!   prefill, local decode).
+//! - [`http`]: the OpenAI-compatible HTTP frontend over any backend, with its bounded
+//!   listener and request bodies; [`dashboard`]: what its `/dashboard` shows.
+//! - [`worker`]: a worker assembled (engine, store, publishers) and registered;
+//!   [`protocol`]: what it registers and the framed TCP protocol between a routing frontend
+//!   and a worker, with the frontend's pool of connections.
+//! - [`disagg`]: disaggregated prefill and decode.
+//! - [`attach`]: an external engine (vLLM, SGLang) joined through its KV events and its
+//!   OpenAI API; [`openai`]: the client of such an API.
+//! - [`profile`]: measuring an engine's prefill and decode times for planning.
+//! - [`metrics`]: every component's metrics in Prometheus text.
 //!
 //! Like every library crate of kvfabric, it installs no tracing subscriber and reads no
 //! environment variables: the binary does.
+
+/// The engines and their scheduler (the `kvfabric-engine` crate, the one with a model
+/// runtime), under the name the serving layer has always used for them.
+pub use kvfabric_engine as engine;
 
 pub mod attach;
 pub mod backend;
 pub mod dashboard;
 pub mod disagg;
-pub mod engine;
 pub mod http;
 pub mod metrics;
 pub mod openai;

@@ -112,7 +112,7 @@ async fn up_logs_json_lines_and_a_corrupt_disk_block_is_a_warning_naming_it() {
     assert!(log.iter().all(|l| l["level"].is_string() && l["target"].is_string()));
     assert!(
         log.iter().any(|l| l["level"] == "DEBUG"
-            && l["target"].as_str().unwrap().starts_with("kvfabric_serving")),
+            && l["target"].as_str().unwrap().starts_with("kvfabric_engine")),
         "debug events of the engine are shown at --log-level debug"
     );
 

@@ -8,10 +8,8 @@ use std::time::Duration;
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
 use kvfabric::layout::{KvDtype, ModelSpec};
-use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
-use kvfabric_serving::engine::{
-    GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig,
-};
+use kvfabric_engine::mock::{MockConfig, MockEngine};
+use kvfabric_engine::{GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig};
 use kvfabric_tiers::{StoreConfig, TieredStore};
 use proptest::prelude::*;
 

@@ -10,8 +10,8 @@ use std::time::Duration;
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
 use kvfabric::layout::{KvDtype, ModelSpec};
-use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
-use kvfabric_serving::engine::{
+use kvfabric_engine::mock::{MockConfig, MockEngine};
+use kvfabric_engine::{
     Engine, EngineError, GenEvent, GenerateRequest, KvBlock, KvTable, ModelInfo, Next,
     SamplingParams, Scheduler, SchedulerConfig, StepInput, TextCodec,
 };

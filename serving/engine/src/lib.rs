@@ -1,4 +1,6 @@
-//! Engines and the batching loop that serves them.
+//! kvfabric-engine — engines and the batching loop that serves them. The one crate of
+//! kvfabric with a model runtime (candle) and a tokenizer and chat templates (tokenizers,
+//! minijinja): everything else builds without them.
 //!
 //! An [`Engine`] runs a model one step at a time over a ragged batch of sequences and keeps
 //! their KV rows; [`Scheduler`] owns one engine on its own thread and does everything around
@@ -7,7 +9,6 @@
 //! each newly full block back into the store (which offloads and events it), cancellation
 //! and deadlines. Two engines implement the trait: [`llama`] (a real model on CPU with
 //! candle) and [`mock`] (a timing model with synthetic, verifiable KV).
-
 //!
 //! This module holds the engine's side of the contract (the trait, requests, events,
 //! errors); [`scheduler`] the loop.

@@ -4,9 +4,9 @@
 
 use std::path::PathBuf;
 
-use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, ReferenceLoop};
-use kvfabric_serving::engine::sampling::argmax;
-use kvfabric_serving::engine::{ChatMessage, Engine, StepInput};
+use kvfabric_engine::llama::{LlamaEngine, LlamaOptions, ReferenceLoop};
+use kvfabric_engine::sampling::argmax;
+use kvfabric_engine::{ChatMessage, Engine, StepInput};
 
 fn load() -> LlamaEngine {
     let path = std::env::var_os("KVFABRIC_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
