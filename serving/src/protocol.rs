@@ -33,94 +33,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
 use crate::backend::Backend;
-use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
+use crate::engine::{EngineError, GenEvent, GenerateRequest};
 
-/// The discovery kind of workers.
-pub const WORKER_KIND: &str = "worker";
-
-/// The discovery kind of prefill workers.
-pub const PREFILL_KIND: &str = "prefill";
-
-/// A worker's role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Prefill and decode (the default).
-    #[default]
-    Aggregated,
-    /// Computes prompts' KV for decode workers.
-    Prefill,
-    /// Serves requests, prefilling long prompts remotely.
-    Decode,
-}
-
-/// What a worker registers in discovery.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct WorkerMetadata {
-    /// The model it serves.
-    pub model: ModelInfo,
-    /// How to tokenize for it.
-    pub codec: CodecSpec,
-    /// Its request port.
-    pub addr: SocketAddr,
-    /// Its role.
-    #[serde(default)]
-    pub role: Role,
-    /// How requests reach it: kvfabric's framed protocol (its own workers), or an engine's
-    /// OpenAI-compatible HTTP API (an engine behind `kvfabric attach`).
-    #[serde(default)]
-    pub api: WorkerApi,
-}
-
-/// How a frontend sends a worker its requests.
-#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum WorkerApi {
-    /// kvfabric's request protocol on `addr` (authenticated, framed JSON).
-    #[default]
-    Kvfabric,
-    /// An OpenAI-compatible server on `addr` (vLLM, SGLang, TensorRT-LLM's `trtllm-serve`):
-    /// requests go to `/v1/completions` as token ids.
-    OpenAi {
-        /// The model name the engine serves (its `--served-model-name`).
-        model: String,
-    },
-}
-
-/// How a worker's prompts are tokenized, as it registers it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum CodecSpec {
-    /// The vocabulary and chat template of a GGUF file (a path the frontend can read), or a
-    /// tokenizer.json next to it.
-    Gguf {
-        /// The GGUF file.
-        path: std::path::PathBuf,
-        /// A tokenizer.json overriding the GGUF's vocabulary.
-        tokenizer: Option<std::path::PathBuf>,
-    },
-    /// One token per byte (the mock engine).
-    Bytes,
-    /// A Hugging Face model directory's tokenizer.json and tokenizer_config.json (a path the
-    /// frontend can read; the mock mirroring a model).
-    ModelDir {
-        /// The directory.
-        path: std::path::PathBuf,
-    },
-}
-
-impl CodecSpec {
-    /// Loads the codec (reads the GGUF's metadata, not its weights).
-    pub fn load(&self) -> Result<TextCodec, EngineError> {
-        match self {
-            CodecSpec::Bytes => Ok(TextCodec::bytes()),
-            CodecSpec::ModelDir { path } => TextCodec::from_model_dir(path),
-            CodecSpec::Gguf { path, tokenizer } => {
-                TextCodec::from_gguf_path(path, tokenizer.as_deref())
-            }
-        }
-    }
-}
+pub use kvfabric::contract::discovery::{
+    CodecSpec, Role, WorkerApi, WorkerMetadata, PREFILL_KIND, WORKER_KIND,
+};
 
 /// Largest frame accepted (a 1M-token prompt as JSON fits).
 pub const MAX_FRAME: usize = 16 << 20;

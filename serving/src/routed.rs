@@ -564,7 +564,7 @@ impl Inner {
             Some(c) => c,
             None => {
                 let spec = md.codec.clone();
-                match tokio::task::spawn_blocking(move || spec.load()).await {
+                match tokio::task::spawn_blocking(move || TextCodec::from_spec(&spec)).await {
                     Ok(Ok(c)) => {
                         let c = Arc::new(c);
                         self.codecs.lock().insert(md.codec.clone(), c.clone());

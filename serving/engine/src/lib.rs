@@ -15,8 +15,6 @@
 
 use std::time::Duration;
 
-use kvfabric::layout::BlockLayout;
-
 pub mod kv;
 pub mod llama;
 pub mod mock;
@@ -90,16 +88,8 @@ impl EngineError {
     }
 }
 
-/// What a model is, as the frontend shows it.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct ModelInfo {
-    /// The served model's id.
-    pub id: String,
-    /// Context length, tokens.
-    pub context_len: usize,
-    /// The layout of its KV blocks in the store.
-    pub layout: BlockLayout,
-}
+/// What a model is, as a worker registers it (the control plane's contract).
+pub use kvfabric::contract::discovery::ModelInfo;
 
 /// One sequence's share of a step: `tokens` at positions `start..start + tokens.len()`.
 #[derive(Debug, Clone, Copy)]

@@ -40,6 +40,18 @@ enum CodecKind {
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 impl TextCodec {
+    /// The codec a worker registered (reads a GGUF's metadata, not its weights).
+    pub fn from_spec(spec: &kvfabric::contract::discovery::CodecSpec) -> Result<Self, EngineError> {
+        use kvfabric::contract::discovery::CodecSpec;
+        match spec {
+            CodecSpec::Bytes => Ok(TextCodec::bytes()),
+            CodecSpec::ModelDir { path } => TextCodec::from_model_dir(path),
+            CodecSpec::Gguf { path, tokenizer } => {
+                TextCodec::from_gguf_path(path, tokenizer.as_deref())
+            }
+        }
+    }
+
     /// The tokenizer and chat template stored in a GGUF file's metadata (a `gpt2`-style BPE
     /// vocabulary), or from `tokenizer_json` when given.
     pub fn from_gguf(

@@ -141,7 +141,6 @@ pub async fn serve(
         let (app, stats, mut stop) = (app.clone(), stats.clone(), stop_rx.clone());
         let reserve_paths = limits.reserve_paths;
         tasks.spawn(async move {
-            let _permit = permit;
             stats.open.inc();
             let mut builder = http1::Builder::new();
             builder.timer(TokioTimer::new()).header_read_timeout(timeout).keep_alive(keep_alive);
@@ -168,6 +167,9 @@ pub async fn serve(
                 conn.as_mut().graceful_shutdown();
                 let _ = conn.as_mut().await;
             }
+            // The permit goes back before the gauge drops, so that a caller who sees no open
+            // connection finds the whole pool free.
+            drop(permit);
             stats.open.dec();
         });
     }

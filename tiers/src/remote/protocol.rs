@@ -33,17 +33,7 @@ pub mod method {
     pub const PREFIX: u16 = 5;
 }
 
-/// Kind of fabric nodes in discovery.
-pub const FABRIC_KIND: &str = "fabric";
-
-/// What a fabric node publishes in discovery.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct NodeInfo {
-    /// The node's agent metadata (transfer address, exported regions).
-    pub agent: AgentMetadata,
-    /// Bytes per block it stores.
-    pub block_bytes: u64,
-}
+pub use kvfabric::contract::discovery::{NodeInfo, FABRIC_KIND};
 
 /// `HELLO`: the client's agent metadata.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]

@@ -97,7 +97,8 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
     let layout = spec.block_layout(args.block_size)?;
     let context_len = args.context_len.or(spec.context_length.map(|c| c as usize)).unwrap_or(4096);
     let codec = CodecSpec::ModelDir { path: args.model_dir.clone() };
-    codec.load().with_context(|| format!("the tokenizer of {}", args.model_dir.display()))?;
+    kvfabric_serving::engine::TextCodec::from_spec(&codec)
+        .with_context(|| format!("the tokenizer of {}", args.model_dir.display()))?;
     let events = match (&args.kv_events_connect, &args.kv_events_bind) {
         (Some(c), None) => EventsEndpoint::Connect(c.clone()),
         (None, Some(b)) => EventsEndpoint::Bind(b.clone()),

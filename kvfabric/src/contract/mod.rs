@@ -19,6 +19,8 @@
 use crate::events::{KvEvent, TierKind};
 use crate::hash::SequenceHash;
 
+pub mod discovery;
+
 /// The version of the messages this build writes and reads.
 pub const VERSION: u32 = 1;
 
