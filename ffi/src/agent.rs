@@ -138,6 +138,9 @@ impl kvf_agent {
         let mut acfg = AgentConfig::new(name, secret.as_bytes().to_vec());
         acfg.listen = cfg.addr("listen", SocketAddr::from(([127, 0, 0, 1], 0)));
         acfg.shm = cfg.bool("shm", true);
+        // The C ABI is a process's entry point: it reads the operator's RDMA settings from
+        // the environment, as the binary does (the library never reads it).
+        acfg.rdma = kvfabric::transport::rdma::RdmaConfig::from_settings(|k| std::env::var(k).ok());
         let deadline = Duration::from_millis(cfg.num::<u64>("deadline_ms", 30_000).max(1));
         acfg.limits.transfer_deadline = deadline;
         let etcd = cfg.list("etcd");

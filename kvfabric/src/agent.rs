@@ -108,8 +108,9 @@ pub struct AgentConfig {
     pub limits: AgentLimits,
     /// Fault injection for tests: wraps every transport.
     pub faults: Option<Arc<FaultInjector>>,
-    /// Use RDMA between hosts when this host has a usable device (None: never). Default: what
-    /// `KVFABRIC_RDMA` says ([`crate::transport::rdma::RdmaConfig::from_env`]).
+    /// Use RDMA between hosts when this host has a usable device (None: never). Default: the
+    /// first device with an active port; processes set what operators ask for
+    /// ([`crate::transport::rdma::RdmaConfig::from_settings`]).
     pub rdma: Option<crate::transport::rdma::RdmaConfig>,
 }
 
@@ -126,7 +127,7 @@ impl AgentConfig {
             inline_copy_bytes_max: 64 << 20,
             limits: AgentLimits::default(),
             faults: None,
-            rdma: crate::transport::rdma::RdmaConfig::from_env(),
+            rdma: Some(crate::transport::rdma::RdmaConfig::default()),
         }
     }
 }

@@ -21,6 +21,11 @@ impl SplitMix64 {
     pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
+
+    /// Uniform in [lo, hi] (lo when hi < lo).
+    pub fn range_u32(&mut self, lo: u32, hi: u32) -> u32 {
+        lo + (self.next_u64() % (u64::from(hi.saturating_sub(lo)) + 1)) as u32
+    }
 }
 
 #[cfg(test)]
@@ -35,5 +40,8 @@ mod tests {
         assert_eq!(r.next_u64(), 0x6E78_9E6A_A1B9_65F4);
         let x = SplitMix64(7).next_f64();
         assert!((0.0..1.0).contains(&x));
+        let mut r = SplitMix64(3);
+        assert!((0..1000).map(|_| r.range_u32(5, 7)).all(|x| (5..=7).contains(&x)));
+        assert_eq!(r.range_u32(9, 2), 9);
     }
 }

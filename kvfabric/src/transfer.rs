@@ -30,8 +30,9 @@ pub enum TransferOp {
     Write,
 }
 
-/// A range of a region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// A range of a region. Its serde form (`{"region": 3, "offset": 0, "len": 4096}`) is how a
+/// descriptor crosses a process in a message (a prefill job names its targets so).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Desc {
     /// The region (the local agent's for local descriptors, the peer's for remote ones).
     pub region: RegionId,

@@ -200,7 +200,7 @@ impl IndexFeed {
 
 /// The worker id of an instance name: stable across processes (XXH3-64 of the name).
 pub fn worker_id(name: &str) -> WorkerId {
-    xxhash_rust::xxh3::xxh3_64(name.as_bytes())
+    WorkerId::of_name(name)
 }
 
 #[cfg(test)]

@@ -20,8 +20,8 @@ use parking_lot::RwLock;
 
 use crate::table::{mix, random_seed, Table};
 
-/// A worker (or fabric node) id.
-pub type WorkerId = u64;
+/// A worker (or fabric node) id: the contract's.
+pub use kvfabric::contract::discovery::WorkerId;
 
 const SHARDS: usize = 64;
 
@@ -529,54 +529,59 @@ mod tests {
     #[test]
     fn leading_runs_per_worker_and_tier() {
         let ix = PrefixIndex::new();
-        ix.add_worker(1);
-        ix.add_worker(2);
-        assert_eq!(ix.ingest(1, &stored(1, &[10, 11, 12], TierKind::Host)), Ingest::Applied);
-        assert_eq!(ix.ingest(2, &stored(1, &[10, 11], TierKind::Disk)), Ingest::Applied);
-        assert_eq!(ix.ingest(2, &stored(2, &[10], TierKind::Device)), Ingest::Applied);
+        let (w1, w2) = (WorkerId(1), WorkerId(2));
+        ix.add_worker(w1);
+        ix.add_worker(w2);
+        assert_eq!(ix.ingest(w1, &stored(1, &[10, 11, 12], TierKind::Host)), Ingest::Applied);
+        assert_eq!(ix.ingest(w2, &stored(1, &[10, 11], TierKind::Disk)), Ingest::Applied);
+        assert_eq!(ix.ingest(w2, &stored(2, &[10], TierKind::Device)), Ingest::Applied);
         let o = ix.overlap(&hs(&[10, 11, 12, 13]));
-        assert_eq!(o.run(1), Run::uniform(3, TierKind::Host));
-        assert_eq!(o.run(2), Run { blocks: 2, per_tier: [1, 0, 1, 0] }, "device and disk");
+        assert_eq!(o.run(w1), Run::uniform(3, TierKind::Host));
+        assert_eq!(o.run(w2), Run { blocks: 2, per_tier: [1, 0, 1, 0] }, "device and disk");
         // A hole ends a run: worker 1 loses block 11.
-        ix.ingest(1, &removed(2, &[11], TierKind::Host));
-        assert_eq!(ix.overlap(&hs(&[10, 11, 12])).blocks(1), 1);
+        ix.ingest(w1, &removed(2, &[11], TierKind::Host));
+        assert_eq!(ix.overlap(&hs(&[10, 11, 12])).blocks(w1), 1);
         // Leaving removes everything at once.
-        assert!(ix.remove_worker(2));
-        assert_eq!(ix.overlap(&hs(&[10])).blocks(2), 0);
-        assert_eq!(ix.ingest(2, &stored(3, &[10], TierKind::Host)), Ingest::UnknownWorker);
-        assert_eq!(ix.overlap(&hs(&[10])).blocks(2), 0, "stale events cannot resurrect a worker");
+        assert!(ix.remove_worker(w2));
+        assert_eq!(ix.overlap(&hs(&[10])).blocks(w2), 0);
+        assert_eq!(ix.ingest(w2, &stored(3, &[10], TierKind::Host)), Ingest::UnknownWorker);
+        assert_eq!(ix.overlap(&hs(&[10])).blocks(w2), 0, "stale events cannot resurrect a worker");
     }
 
     #[test]
     fn duplicates_gaps_and_dumps() {
         let ix = PrefixIndex::new();
-        ix.add_worker(7);
-        assert_eq!(ix.ingest(7, &stored(1, &[1], TierKind::Host)), Ingest::Applied);
-        assert_eq!(ix.ingest(7, &stored(1, &[1], TierKind::Host)), Ingest::Duplicate);
+        let w7 = WorkerId(7);
+        ix.add_worker(w7);
+        assert_eq!(ix.ingest(w7, &stored(1, &[1], TierKind::Host)), Ingest::Applied);
+        assert_eq!(ix.ingest(w7, &stored(1, &[1], TierKind::Host)), Ingest::Duplicate);
         assert_eq!(
-            ix.ingest(7, &stored(4, &[2], TierKind::Host)),
+            ix.ingest(w7, &stored(4, &[2], TierKind::Host)),
             Ingest::Gap { expected: 2, got: 4 }
         );
         assert_eq!(
-            ix.ingest(7, &stored(3, &[3], TierKind::Host)),
+            ix.ingest(w7, &stored(3, &[3], TierKind::Host)),
             Ingest::Duplicate,
             "late event after a gap"
         );
         ix.reset_worker(
-            7,
+            w7,
             &[(SequenceHash(1), TierKind::Host), (SequenceHash(3), TierKind::Disk)],
             9,
         );
-        assert_eq!(ix.worker_blocks(7), 2);
-        assert_eq!(ix.overlap(&hs(&[2])).blocks(7), 0);
-        assert_eq!(ix.ingest(7, &stored(10, &[5], TierKind::Host)), Ingest::Applied);
-        ix.ingest(7, &KvEvent { event_id: 11, data: KvEventData::Cleared });
-        assert_eq!(ix.worker_blocks(7), 0);
+        assert_eq!(ix.worker_blocks(w7), 2);
+        assert_eq!(ix.overlap(&hs(&[2])).blocks(w7), 0);
+        assert_eq!(ix.ingest(w7, &stored(10, &[5], TierKind::Host)), Ingest::Applied);
+        ix.ingest(w7, &KvEvent { event_id: 11, data: KvEventData::Cleared });
+        assert_eq!(ix.worker_blocks(w7), 0);
         assert!(ix.is_empty());
     }
 
     /// The brute-force reference: per worker, a map block → tiers.
-    fn reference_overlap(model: &BTreeMap<u64, BTreeMap<u64, u8>>, q: &[u64]) -> Vec<(u64, Run)> {
+    fn reference_overlap(
+        model: &BTreeMap<WorkerId, BTreeMap<u64, u8>>,
+        q: &[u64],
+    ) -> Vec<(WorkerId, Run)> {
         let mut out = Vec::new();
         for (&w, blocks) in model {
             let mut run = Run::default();
@@ -595,16 +600,16 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Ev {
-        Store(u64, Vec<u64>, u8),
-        Remove(u64, Vec<u64>, u8),
-        Clear(u64),
-        Leave(u64),
-        Join(u64),
+        Store(WorkerId, Vec<u64>, u8),
+        Remove(WorkerId, Vec<u64>, u8),
+        Clear(WorkerId),
+        Leave(WorkerId),
+        Join(WorkerId),
     }
 
     /// Worker ids whose order is not the order in which they take slots, so that results
     /// sorted by id differ from results sorted by slot.
-    const IDS: [u64; 4] = [900, 5, u64::MAX - 1, 77];
+    const IDS: [WorkerId; 4] = [WorkerId(900), WorkerId(5), WorkerId(u64::MAX - 1), WorkerId(77)];
 
     fn ev() -> impl Strategy<Value = Ev> {
         let hashes = proptest::collection::vec(0u64..12, 1..5);
@@ -627,11 +632,11 @@ mod tests {
             queries in proptest::collection::vec(proptest::collection::vec(0u64..12, 1..6), 1..8),
         ) {
             let ix = PrefixIndex::new();
-            let mut model: BTreeMap<u64, BTreeMap<u64, u8>> = BTreeMap::new();
-            let mut ids: HashMap<u64, u64> = HashMap::new();
+            let mut model: BTreeMap<WorkerId, BTreeMap<u64, u8>> = BTreeMap::new();
+            let mut ids: HashMap<WorkerId, u64> = HashMap::new();
             for w in IDS { ix.add_worker(w); model.insert(w, BTreeMap::new()); }
             for e in events {
-                let mut next = |w: u64| { let i = ids.entry(w).or_insert(0); *i += 1; *i };
+                let mut next = |w: WorkerId| { let i = ids.entry(w).or_insert(0); *i += 1; *i };
                 match e {
                     Ev::Store(w, h, t) => {
                         let tier = TierKind::ALL[t as usize];

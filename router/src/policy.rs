@@ -274,7 +274,9 @@ impl Router {
                     .min_by(|a, b| score(**a).total_cmp(&score(**b)).then(a.cmp(b)))
                     .unwrap_or(&self.workers[0])
             }
-            RoutingMode::Kv => select(&costs, self.config.temperature, draw),
+            RoutingMode::Kv => {
+                select(&costs, self.config.temperature, draw).unwrap_or(self.workers[0])
+            }
         };
         let cost = costs.iter().find(|(w, _)| *w == worker).map_or(0.0, |c| c.1);
         let cached = overlap.run(worker);
@@ -357,10 +359,10 @@ impl Router {
 }
 
 /// Chooses among `(worker, cost)`: argmin (lowest id on ties) at temperature 0, else softmax
-/// sampling of −cost/temperature with the uniform `draw`.
-pub fn select(costs: &[(WorkerId, f64)], temperature: f64, draw: f64) -> WorkerId {
+/// sampling of −cost/temperature with the uniform `draw`. None when `costs` is empty.
+pub fn select(costs: &[(WorkerId, f64)], temperature: f64, draw: f64) -> Option<WorkerId> {
     let argmin =
-        || costs.iter().min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0))).map_or(0, |c| c.0);
+        || costs.iter().min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0))).map(|c| c.0);
     if temperature <= 0.0 || costs.len() < 2 {
         return argmin();
     }
@@ -373,11 +375,11 @@ pub fn select(costs: &[(WorkerId, f64)], temperature: f64, draw: f64) -> WorkerI
     let mut target = draw.clamp(0.0, 1.0) * total;
     for (c, w) in costs.iter().zip(&weights) {
         if target < *w {
-            return c.0;
+            return Some(c.0);
         }
         target -= w;
     }
-    costs.last().map_or(0, |c| c.0)
+    costs.last().map(|c| c.0)
 }
 
 #[cfg(test)]
@@ -411,33 +413,33 @@ mod tests {
     #[test]
     fn kv_mode_prefers_overlap_then_faster_tiers_then_lower_load() {
         let ix = ix_with(&[
-            (1, &[1, 2, 3, 4], TierKind::Host),
-            (2, &[1, 2, 3, 4], TierKind::Disk),
-            (3, &[1], TierKind::Host),
+            (WorkerId(1), &[1, 2, 3, 4], TierKind::Host),
+            (WorkerId(2), &[1, 2, 3, 4], TierKind::Disk),
+            (WorkerId(3), &[1], TierKind::Host),
         ]);
         let mut r = Router::new(RouterConfig::default());
-        for w in [1, 2, 3] {
+        for w in [1, 2, 3].map(WorkerId) {
             r.add_worker(w);
         }
         let d = r.route(&ix, 1, &hs(8), 128, 0.0, 0.5).unwrap();
-        assert_eq!(d.worker, 1, "host beats disk for the same overlap");
+        assert_eq!(d.worker, WorkerId(1), "host beats disk for the same overlap");
         assert_eq!(d.cached, Run::uniform(4, TierKind::Host));
         // Worker 1 is now loaded with the request (8 blocks + 64 uncached tokens queued):
         // the next identical request goes to worker 2 (disk copy, no load).
         let d2 = r.route(&ix, 2, &hs(8), 128, 0.0, 0.5).unwrap();
-        assert_eq!(d2.worker, 2);
+        assert_eq!(d2.worker, WorkerId(2));
         // Freeing requests brings worker 1 back.
         r.free(1);
         r.free(2);
-        assert_eq!(r.route(&ix, 3, &hs(8), 128, 0.0, 0.5).unwrap().worker, 1);
-        assert_eq!(r.load(1).active_blocks, 8);
+        assert_eq!(r.route(&ix, 3, &hs(8), 128, 0.0, 0.5).unwrap().worker, WorkerId(1));
+        assert_eq!(r.load(WorkerId(1)).active_blocks, 8);
         r.prefill_done(3);
-        assert_eq!(r.load(1).queued_prefill_tokens, 0);
-        r.report_load(1, Load { active_blocks: 1000, queued_prefill_tokens: 0 });
-        assert_eq!(r.load(1).active_blocks, 1000, "a report replaces tracked load");
-        assert_eq!(r.route(&ix, 4, &hs(8), 128, 0.0, 0.5).unwrap().worker, 2);
-        r.remove_worker(2);
-        assert!(r.route(&ix, 5, &hs(8), 128, 0.0, 0.5).unwrap().worker != 2);
+        assert_eq!(r.load(WorkerId(1)).queued_prefill_tokens, 0);
+        r.report_load(WorkerId(1), Load { active_blocks: 1000, queued_prefill_tokens: 0 });
+        assert_eq!(r.load(WorkerId(1)).active_blocks, 1000, "a report replaces tracked load");
+        assert_eq!(r.route(&ix, 4, &hs(8), 128, 0.0, 0.5).unwrap().worker, WorkerId(2));
+        r.remove_worker(WorkerId(2));
+        assert!(r.route(&ix, 5, &hs(8), 128, 0.0, 0.5).unwrap().worker != WorkerId(2));
     }
 
     #[test]
@@ -445,61 +447,65 @@ mod tests {
         let ix = PrefixIndex::new();
         let mut cfg = RouterConfig { mode: RoutingMode::RoundRobin, ..RouterConfig::default() };
         let mut r = Router::new(cfg.clone());
-        for w in [10, 20, 30] {
+        for w in [10, 20, 30].map(WorkerId) {
             r.add_worker(w);
         }
         let picks: Vec<_> =
             (0..6).map(|i| r.route(&ix, i, &hs(2), 32, 0.0, 0.0).unwrap().worker).collect();
-        assert_eq!(picks, vec![10, 20, 30, 10, 20, 30]);
+        assert_eq!(picks, [10, 20, 30, 10, 20, 30].map(WorkerId));
         cfg.mode = RoutingMode::Random;
         let mut r = Router::new(cfg.clone());
-        for w in [10, 20, 30] {
+        for w in [10, 20, 30].map(WorkerId) {
             r.add_worker(w);
         }
-        assert_eq!(r.route(&ix, 1, &hs(2), 32, 0.0, 0.0).unwrap().worker, 10);
-        assert_eq!(r.route(&ix, 2, &hs(2), 32, 0.0, 0.99).unwrap().worker, 30);
+        assert_eq!(r.route(&ix, 1, &hs(2), 32, 0.0, 0.0).unwrap().worker, WorkerId(10));
+        assert_eq!(r.route(&ix, 2, &hs(2), 32, 0.0, 0.99).unwrap().worker, WorkerId(30));
         cfg.mode = RoutingMode::LeastLoaded;
         let mut r = Router::new(cfg);
-        for w in [10, 20] {
+        for w in [10, 20].map(WorkerId) {
             r.add_worker(w);
         }
-        r.report_load(10, Load { active_blocks: 5, queued_prefill_tokens: 0 });
-        assert_eq!(r.route(&ix, 1, &hs(2), 32, 0.0, 0.0).unwrap().worker, 20);
+        r.report_load(WorkerId(10), Load { active_blocks: 5, queued_prefill_tokens: 0 });
+        assert_eq!(r.route(&ix, 1, &hs(2), 32, 0.0, 0.0).unwrap().worker, WorkerId(20));
         assert!(Router::new(RouterConfig::default()).route(&ix, 1, &hs(1), 16, 0.0, 0.0).is_none());
         assert!("warp".parse::<RoutingMode>().is_err());
     }
 
     #[test]
     fn softmax_temperature() {
-        let costs = [(1, 0.0), (2, 1.0), (3, 50.0)];
-        assert_eq!(select(&costs, 0.0, 0.99), 1);
-        assert_eq!(select(&[(5, 1.0), (4, 1.0)], 0.0, 0.0), 4, "deterministic tie-break");
+        let costs = [(WorkerId(1), 0.0), (WorkerId(2), 1.0), (WorkerId(3), 50.0)];
+        assert_eq!(select(&costs, 0.0, 0.99), Some(WorkerId(1)));
+        assert_eq!(
+            select(&[(WorkerId(5), 1.0), (WorkerId(4), 1.0)], 0.0, 0.0),
+            Some(WorkerId(4)),
+            "deterministic tie-break"
+        );
         // At temperature 1: weights 1, e^-1, ~0 → draw 0.8 of 1.37 lands on worker 2.
-        assert_eq!(select(&costs, 1.0, 0.1), 1);
-        assert_eq!(select(&costs, 1.0, 0.8), 2);
+        assert_eq!(select(&costs, 1.0, 0.1), Some(WorkerId(1)));
+        assert_eq!(select(&costs, 1.0, 0.8), Some(WorkerId(2)));
         let mut counts = HashMap::new();
         for i in 0..1000 {
             *counts.entry(select(&costs, 1.0, i as f64 / 1000.0)).or_insert(0) += 1;
         }
-        assert!((700..760).contains(&counts[&1]), "{counts:?}");
-        assert!(!counts.contains_key(&3));
+        assert!((700..760).contains(&counts[&Some(WorkerId(1))]), "{counts:?}");
+        assert!(!counts.contains_key(&Some(WorkerId(3))));
     }
 
     #[test]
     fn tracked_requests_stop_counting_after_their_ttl_without_any_report() {
         let ix = PrefixIndex::new();
         let mut r = Router::new(RouterConfig { tracked_ttl_s: 60.0, ..RouterConfig::default() });
-        r.add_worker(1);
+        r.add_worker(WorkerId(1));
         for id in 0..100 {
             r.route(&ix, id, &hs(3), 48, 10.0, 0.0).unwrap();
         }
-        assert_eq!((r.tracked(), r.load(1).active_blocks), (100, 300));
+        assert_eq!((r.tracked(), r.load(WorkerId(1)).active_blocks), (100, 300));
         // No release, no load report (the bus is down): still counted within the TTL...
         r.route(&ix, 100, &hs(1), 16, 69.0, 0.0).unwrap();
         assert_eq!(r.tracked(), 101);
         // ... and gone after it; the newer one stays.
         r.expire(70.5);
-        assert_eq!((r.tracked(), r.load(1).active_blocks), (1, 1));
+        assert_eq!((r.tracked(), r.load(WorkerId(1)).active_blocks), (1, 1));
         r.route(&ix, 101, &hs(1), 16, 200.0, 0.0).unwrap();
         assert_eq!(r.tracked(), 1, "expired on the next route too");
     }
@@ -509,7 +515,7 @@ mod tests {
         let ix = PrefixIndex::new(); // no events at all
         let mut r =
             Router::new(RouterConfig { approx_ttl_s: Some(10.0), ..RouterConfig::default() });
-        for w in [1, 2] {
+        for w in [1, 2].map(WorkerId) {
             r.add_worker(w);
         }
         let first = r.route(&ix, 1, &hs(8), 128, 0.0, 0.0).unwrap();

@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
 use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
+use kvfabric::rng::SplitMix64;
 
 use crate::index::{PrefixIndex, WorkerId};
 use crate::policy::{Router, RouterConfig};
@@ -96,33 +97,6 @@ pub struct SimResult {
     pub throughput_req_s: f64,
 }
 
-/// splitmix64: a tiny seeded generator (no clock, no global state).
-#[derive(Debug, Clone)]
-pub struct SplitMix(u64);
-
-impl SplitMix {
-    /// A generator from a seed.
-    pub fn new(seed: u64) -> Self {
-        SplitMix(seed)
-    }
-    /// The next 64 bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Uniform in [lo, hi].
-    pub fn range(&mut self, lo: u32, hi: u32) -> u32 {
-        lo + (self.next_u64() % u64::from(hi.saturating_sub(lo) + 1)) as u32
-    }
-}
-
 #[derive(Debug, Default)]
 struct SimWorker {
     lru: HashMap<SequenceHash, u64>,
@@ -201,7 +175,7 @@ struct Req {
 
 /// Runs the workload through a router configured by `router_cfg`.
 pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
-    let mut rng = SplitMix::new(cfg.seed);
+    let mut rng = SplitMix64(cfg.seed);
     let hasher = TokenBlockHasher::new(cfg.block_tokens.max(1) as usize, HashSeed::DEFAULT)
         .unwrap_or_else(|_| unreachable!("block_tokens is at least 1"));
     let prompts: Vec<Vec<u32>> = (0..cfg.system_prompts.max(1))
@@ -214,19 +188,19 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
     for c in 0..cfg.conversations {
         history.push(prompts[c % prompts.len()].clone());
         // Poisson arrivals of new conversations.
-        t += -(1.0 - rng.unit()).ln() / cfg.arrival_rate.max(1e-9);
+        t += -(1.0 - rng.next_f64()).ln() / cfg.arrival_rate.max(1e-9);
         queue.push(Reverse((Time(t), Ev::Arrival { conv: c })));
     }
     // Each conversation draws its messages from its own generator, and routing from another,
     // so that every router sees the same workload whatever order its events come in.
-    let mut conv_rng: Vec<SplitMix> =
-        (0..cfg.conversations).map(|c| SplitMix::new(rng.next_u64() ^ c as u64)).collect();
-    let mut route_rng = SplitMix::new(rng.next_u64());
+    let mut conv_rng: Vec<SplitMix64> =
+        (0..cfg.conversations).map(|c| SplitMix64(rng.next_u64() ^ c as u64)).collect();
+    let mut route_rng = SplitMix64(rng.next_u64());
     let index = PrefixIndex::new();
     let mut router = Router::new(router_cfg);
     let mut workers: Vec<SimWorker> =
         (0..cfg.workers.max(1)).map(|_| SimWorker::default()).collect();
-    for w in 0..workers.len() as u64 {
+    for w in (0..workers.len() as u64).map(WorkerId) {
         index.add_worker(w);
         router.add_worker(w);
     }
@@ -266,7 +240,7 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
         match ev {
             Ev::Arrival { conv } => {
                 let rng = &mut conv_rng[conv];
-                let user = rng.range(cfg.user_tokens.0, cfg.user_tokens.1);
+                let user = rng.range_u32(cfg.user_tokens.0, cfg.user_tokens.1);
                 let reusable = history[conv].len() as u64 / block * block;
                 history[conv].extend((0..user).map(|_| (rng.next_u64() % 49_152) as u32));
                 let prompt = &history[conv];
@@ -274,9 +248,16 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
                 let hashes = hasher.sequence_hashes(prompt);
                 let id = reqs.len();
                 let d = router
-                    .route(&index, id as u64, &hashes, prompt.len() as u64, now, route_rng.unit())
+                    .route(
+                        &index,
+                        id as u64,
+                        &hashes,
+                        prompt.len() as u64,
+                        now,
+                        route_rng.next_f64(),
+                    )
                     .unwrap_or_else(|| unreachable!("the router has workers"));
-                let w = &mut workers[d.worker as usize];
+                let w = &mut workers[d.worker.0 as usize];
                 let cached = w.cached_prefix(&hashes) as u64 * u64::from(cfg.block_tokens);
                 let uncached = prompt.len() as u64 - cached.min(prompt.len() as u64);
                 prompt_tokens += prompt.len() as u64;
@@ -285,14 +266,14 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
                 let end = start + uncached as f64 * cfg.prefill_s_per_token;
                 w.busy_until = end;
                 first = first.min(now);
-                let output = conv_rng[conv].range(cfg.output_tokens.0, cfg.output_tokens.1);
+                let output = conv_rng[conv].range_u32(cfg.output_tokens.0, cfg.output_tokens.1);
                 reqs.push(Req { conv, worker: d.worker, hashes, arrival: now, output });
                 queue.push(Reverse((Time(end), Ev::PrefillDone { req: id })));
             }
             Ev::PrefillDone { req } => {
                 let r = &reqs[req];
                 ttfts.push(now - r.arrival);
-                let w = &mut workers[r.worker as usize];
+                let w = &mut workers[r.worker.0 as usize];
                 let (stored, removed) = w.insert(&r.hashes, cfg.cache_blocks);
                 publish(&index, w, r.worker, stored, removed);
                 router.prefill_done(req as u64);
@@ -307,7 +288,7 @@ pub fn simulate(cfg: &SimConfig, router_cfg: RouterConfig) -> SimResult {
                 let rng = &mut conv_rng[conv];
                 history[conv].extend((0..output).map(|_| (rng.next_u64() % 49_152) as u32));
                 let hashes = hasher.sequence_hashes(&history[conv]);
-                let w = &mut workers[worker as usize];
+                let w = &mut workers[worker.0 as usize];
                 let (stored, removed) = w.insert(&hashes, cfg.cache_blocks);
                 publish(&index, w, worker, stored, removed);
                 turns_left[conv] -= 1;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
-use kvfabric_router::PrefixIndex;
+use kvfabric_router::{PrefixIndex, WorkerId};
 
 const WORKERS: u64 = 8;
 const BLOCKS: usize = 2000;
@@ -25,7 +25,7 @@ fn chain(w: u64) -> Vec<SequenceHash> {
 fn concurrent_ingest_and_query_give_consistent_answers() {
     let ix = Arc::new(PrefixIndex::new());
     for w in 0..WORKERS {
-        ix.add_worker(w);
+        ix.add_worker(WorkerId(w));
     }
     let chains: Arc<Vec<Vec<SequenceHash>>> = Arc::new((0..WORKERS).map(chain).collect());
     let done = Arc::new(AtomicBool::new(false));
@@ -42,7 +42,7 @@ fn concurrent_ingest_and_query_give_consistent_answers() {
                             tier: TierKind::Host,
                         },
                     };
-                    assert_eq!(ix.ingest(w, &e), kvfabric_router::Ingest::Applied);
+                    assert_eq!(ix.ingest(WorkerId(w), &e), kvfabric_router::Ingest::Applied);
                 }
             });
         }
@@ -57,11 +57,11 @@ fn concurrent_ingest_and_query_give_consistent_answers() {
                         let q = &chains[((w + r) % WORKERS) as usize];
                         let o = ix.overlap(q);
                         for (worker, run) in &o.workers {
-                            let idx = *worker as usize;
+                            let idx = worker.0 as usize;
                             let n = run.blocks as usize;
                             assert!(n <= BLOCKS);
                             assert_eq!(run.per_tier[1] as usize, n, "all in host memory");
-                            if *worker == (w + r) % WORKERS {
+                            if *worker == WorkerId((w + r) % WORKERS) {
                                 assert!(n >= seen[idx], "overlap shrank");
                                 seen[idx] = n;
                             } else {
@@ -74,7 +74,7 @@ fn concurrent_ingest_and_query_give_consistent_answers() {
         }
         // Let the writers finish, then release the readers.
         loop {
-            if (0..WORKERS).all(|w| ix.worker_blocks(w) == BLOCKS) {
+            if (0..WORKERS).all(|w| ix.worker_blocks(WorkerId(w)) == BLOCKS) {
                 done.store(true, Ordering::Release);
                 break;
             }
@@ -83,9 +83,9 @@ fn concurrent_ingest_and_query_give_consistent_answers() {
     });
     for w in 0..WORKERS {
         let o = ix.overlap(&chains[w as usize]);
-        assert_eq!(o.blocks(w), BLOCKS);
+        assert_eq!(o.blocks(WorkerId(w)), BLOCKS);
         for other in (0..WORKERS).filter(|&x| x != w) {
-            assert_eq!(o.blocks(other), 100);
+            assert_eq!(o.blocks(WorkerId(other)), 100);
         }
     }
 }

@@ -20,7 +20,7 @@ use kvfabric_router::engine::{
     decode_batch, EngineEvent, EngineHash, EngineMirror, EventsEndpoint, FeedItem, Flavor,
     Subscriber, SubscriberConfig,
 };
-use kvfabric_router::PrefixIndex;
+use kvfabric_router::{PrefixIndex, WorkerId};
 use serde_json::{json, Value};
 
 fn data(rel: &str) -> PathBuf {
@@ -209,7 +209,7 @@ struct Follower {
     last_seq: Option<u64>,
 }
 
-const W: u64 = 42;
+const W: WorkerId = WorkerId(42);
 
 impl Follower {
     async fn pump_until(&mut self, what: &str, mut done: impl FnMut(&Follower) -> bool) {

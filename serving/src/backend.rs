@@ -6,9 +6,8 @@ use std::sync::Arc;
 
 use kvfabric_tiers::TieredStore;
 use serde_json::{json, Value};
-use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, Scheduler, TextCodec};
+use crate::engine::{EngineError, EventRx, GenerateRequest, ModelInfo, Scheduler, TextCodec};
 use crate::metrics::{EngineSnapshot, Snapshot, Source};
 
 /// A served model: what it is and how to turn text into its tokens.
@@ -28,11 +27,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn model(&self, id: &str) -> Option<ModelEntry>;
     /// Starts a generation. Events follow on the channel: `Started` (or `Error`) first.
     /// Dropping the receiver cancels the generation.
-    fn submit(
-        &self,
-        model: &str,
-        req: GenerateRequest,
-    ) -> Result<UnboundedReceiver<GenEvent>, EngineError>;
+    fn submit(&self, model: &str, req: GenerateRequest) -> Result<EventRx, EngineError>;
     /// A JSON summary for `/health`.
     fn health(&self) -> Value;
     /// Fills the backend's part of a metrics snapshot (read at scrape time).
@@ -88,11 +83,7 @@ impl Backend for LocalBackend {
         (id == self.entry.info.id).then(|| self.entry.clone())
     }
 
-    fn submit(
-        &self,
-        _model: &str,
-        req: GenerateRequest,
-    ) -> Result<UnboundedReceiver<GenEvent>, EngineError> {
+    fn submit(&self, _model: &str, req: GenerateRequest) -> Result<EventRx, EngineError> {
         self.sched.submit(req)
     }
 

@@ -26,66 +26,24 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvfabric::agent::{Agent, AgentMetadata};
 use kvfabric::contract;
+use kvfabric::contract::prefill::PrefillHead;
 use kvfabric::control::EventBus;
 use kvfabric::hash::{HashSeed, TokenBlockHasher};
-use kvfabric::memory::RegionId;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_tiers::{StoreError, TieredStore};
 use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use crate::backend::{Backend, LocalBackend, ModelEntry};
 use crate::engine::{
-    EngineError, GenEvent, GenerateRequest, ModelInfo, RemotePrefill, SamplingParams, Scheduler,
+    EngineError, EventRx, EventTx, GenEvent, GenerateRequest, ModelInfo, RemotePrefill,
+    SamplingParams, Scheduler,
 };
 use crate::metrics::{PrefillServiceSnapshot, RemotePrefillSnapshot, Snapshot};
 use crate::routed::RoutedBackend;
 
-/// Where one block goes in the decode worker.
-#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
-pub struct BlockTarget {
-    /// Index of the block in the prompt.
-    pub index: usize,
-    /// The decode worker's region.
-    pub region: RegionId,
-    /// Offset of the slot.
-    pub offset: u64,
-    /// Bytes.
-    pub len: u64,
-}
-
-/// A prefill job on a prefill worker's queue.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct PrefillRequest {
-    /// Unique per decode worker.
-    pub id: u64,
-    /// The decode worker's agent (the WRITE's peer).
-    pub decode: AgentMetadata,
-    /// The model.
-    pub model: String,
-    /// The prompt's full blocks' tokens.
-    pub tokens: Vec<u32>,
-    /// The blocks to send and where.
-    pub blocks: Vec<BlockTarget>,
-    /// Force a transport (else the agent chooses: shm on one host, tcp across).
-    pub transport: Option<TransportKind>,
-    /// Give up after this time (Unix milliseconds).
-    pub deadline_unix_ms: u64,
-}
-
-/// The message of the transfer's notification and of a failure report.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct PrefillResult {
-    /// The request.
-    pub id: u64,
-    /// Whether the blocks were written.
-    pub ok: bool,
-    /// Time computing the prompt's KV (prefill worker), microseconds.
-    pub compute_us: u64,
-    /// Why it failed.
-    pub error: Option<String>,
-}
+pub use kvfabric::contract::prefill::{BlockTarget, PrefillRequest, PrefillResult};
 
 /// Decode-side settings.
 #[derive(Debug, Clone)]
@@ -278,15 +236,14 @@ impl DecodeInner {
             .enumerate()
             .map(|(k, s)| BlockTarget {
                 index: held + k,
-                region: s.region().id(),
-                offset: s.offset(),
-                len: s.len(),
+                at: Desc::new(s.region().id(), s.offset(), s.len()),
             })
             .collect();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.waiters.lock().insert(id, tx);
         let item = PrefillRequest {
+            v: contract::prefill::PREFILL_VERSION,
             id,
             decode: self.agent.metadata(),
             model: model.to_string(),
@@ -347,12 +304,7 @@ impl DecodeInner {
         }
     }
 
-    async fn drive(
-        self: Arc<Self>,
-        model: String,
-        req: GenerateRequest,
-        tx: mpsc::UnboundedSender<GenEvent>,
-    ) {
+    async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: EventTx) {
         let (remote, mut pins) = match tokio::select! {
             r = self.remote_prefill(&model, &req) => r,
             _ = tx.closed() => return,
@@ -401,15 +353,11 @@ impl Backend for DecodeBackend {
         self.inner.local.model(id)
     }
 
-    fn submit(
-        &self,
-        model: &str,
-        req: GenerateRequest,
-    ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
+    fn submit(&self, model: &str, req: GenerateRequest) -> Result<EventRx, EngineError> {
         if self.inner.local.model(model).is_none() {
             return Err(EngineError::invalid(format!("this worker does not serve {model:?}")));
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = crate::engine::stream::channel();
         tokio::spawn(self.inner.clone().drive(model.to_string(), req, tx));
         Ok(rx)
     }
@@ -497,10 +445,23 @@ pub fn run_prefill_service(
                 peers.clone(),
             );
             tokio::spawn(async move {
+                let head = serde_json::from_slice::<PrefillHead>(&item.payload);
                 let parsed = serde_json::from_slice::<PrefillRequest>(&item.payload);
                 // Acknowledged whatever happens: a job is never redone after a crash of this
                 // worker, because its decode worker has long fallen back by then.
                 let _ = item.ack().await;
+                // A job of another version is answered as such, so that its decode worker
+                // falls back at once, knowing why.
+                if let Some((head, why)) =
+                    head.ok().and_then(|h| h.version_error().map(|why| (h, why)))
+                {
+                    tracing::warn!(decode = %head.decode.name, reason = %why, "refusing a prefill job");
+                    stats.failed.fetch_add(1, Ordering::Relaxed);
+                    let msg = serde_json::to_vec(&PrefillResult::failed(head.id, 0, why));
+                    let topic = contract::prefill_failed(&head.decode.name);
+                    let _ = bus.publish(&topic, msg.unwrap_or_default()).await;
+                    return;
+                }
                 let req = match parsed {
                     Ok(r) => r,
                     Err(e) => {
@@ -515,12 +476,7 @@ pub fn run_prefill_service(
                 drop(permit);
                 if let Err(e) = r {
                     stats.failed.fetch_add(1, Ordering::Relaxed);
-                    let msg = PrefillResult {
-                        id,
-                        ok: false,
-                        compute_us: started.elapsed().as_micros() as u64,
-                        error: Some(e),
-                    };
+                    let msg = PrefillResult::failed(id, started.elapsed().as_micros() as u64, e);
                     let _ = bus
                         .publish(
                             &contract::prefill_failed(&decode),
@@ -561,7 +517,7 @@ async fn send_blocks(
             .get(b.index - range.start)
             .ok_or("a computed block was evicted before it was sent")?;
         local.push(Desc::new(r.region().id(), r.offset(), r.len()));
-        remote.push(Desc::new(b.region, b.offset, b.len));
+        remote.push(b.at);
     }
     let left = Duration::from_millis(req.deadline_unix_ms.saturating_sub(unix_ms()));
     let mut t = TransferRequest::new(TransferOp::Write, req.decode.name.clone(), local, remote)
@@ -602,7 +558,7 @@ async fn prefill_job(
         return Err("the job's tokens are not whole blocks".into());
     }
     let n = req.tokens.len() / bt;
-    if req.blocks.iter().any(|b| b.index >= n || b.len != store.block_bytes()) {
+    if req.blocks.iter().any(|b| b.index >= n || b.at.len != store.block_bytes()) {
         return Err("a block target is out of range".into());
     }
     let last_wanted = req.blocks.iter().map(|b| b.index).max().ok_or("no block requested")?;
@@ -662,7 +618,7 @@ async fn prefill_job(
         handle.wait().await.map_err(|e| e.to_string())?;
         drop(refs);
     }
-    let note = PrefillResult { id: req.id, ok: true, compute_us, error: None };
+    let note = PrefillResult::done(req.id, compute_us);
     let note = serde_json::to_vec(&note).unwrap_or_default();
     match send_blocks(agent, store, &req, &hashes, sent..n, Some(note)).await? {
         Some((handle, b, refs)) => {

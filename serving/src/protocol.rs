@@ -1,15 +1,16 @@
-//! The frontend↔worker protocol: how a worker appears in discovery ([`WorkerMetadata`] under
-//! [`WORKER_KIND`] or [`PREFILL_KIND`]), and the request transport: TCP, one request at a time
-//! per connection, length-prefixed JSON frames (`u32` little-endian length, then the JSON, at most
-//! [`MAX_FRAME`] bytes).
+//! The frontend↔worker protocol's port: how a worker appears in discovery ([`WorkerMetadata`]
+//! under [`WORKER_KIND`] or [`PREFILL_KIND`]), and the request transport over TCP, in the
+//! versioned frames of [`kvfabric::contract::worker`] (`u32` length, a version byte, JSON of at
+//! most [`MAX_FRAME`] bytes).
 //!
 //! Every connection starts with the agents' authenticated handshake
 //! ([`kvfabric::session::handshake`]: shared secret, HMAC challenge): no secret, no frames.
 //! Then the frontend sends a [`WorkerRequest`]; the worker answers with [`GenEvent`] frames
 //! (`started`, `token`…, then `done` or `error`). A frontend that closes the
 //! connection cancels the generation: the worker notices at once and drops its receiver,
-//! which frees the sequence's KV. Malformed, oversize or late frames get an `error` frame
-//! and the connection is closed; nothing a peer sends can panic the worker. A worker bounds its
+//! which frees the sequence's KV. Malformed, oversize or late frames, and frames of another
+//! protocol version, get an `error` frame and the connection is closed; nothing a peer sends
+//! can panic the worker. A worker bounds its
 //! connections ([`ServeLimits`], [`kvfabric::session::admission`]): in all, in the handshake
 //! (where a newer connection evicts the oldest, so silent strangers cannot hold the port), per
 //! source, per authenticated peer; a request must arrive within a deadline, and its body is
@@ -33,23 +34,14 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
 use crate::backend::Backend;
-use crate::engine::{EngineError, GenEvent, GenerateRequest};
+use crate::engine::{EngineError, GenEvent};
 
 pub use kvfabric::contract::discovery::{
     CodecSpec, Role, WorkerApi, WorkerMetadata, PREFILL_KIND, WORKER_KIND,
 };
-
-/// Largest frame accepted (a 1M-token prompt as JSON fits).
-pub const MAX_FRAME: usize = 16 << 20;
-
-/// What a frontend asks of a worker.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct WorkerRequest {
-    /// The model (the worker refuses others).
-    pub model: String,
-    /// The generation.
-    pub request: GenerateRequest,
-}
+pub use kvfabric::contract::worker::{
+    FrameHeaderError, WorkerRequest, FRAME_MAX as MAX_FRAME, HEADER_BYTES, PROTOCOL,
+};
 
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -57,9 +49,9 @@ pub enum FrameError {
     /// The socket failed.
     #[error("connection: {0}")]
     Io(#[from] std::io::Error),
-    /// A frame over [`MAX_FRAME`].
-    #[error("frame of {0} bytes is over the limit of {MAX_FRAME}")]
-    TooLarge(usize),
+    /// A frame over [`MAX_FRAME`], or of another protocol version.
+    #[error("{0}")]
+    Header(#[from] FrameHeaderError),
     /// Not the JSON expected.
     #[error("malformed frame: {0}")]
     Malformed(#[from] serde_json::Error),
@@ -74,6 +66,12 @@ impl FrameError {
     pub fn is_auth(&self) -> bool {
         use kvfabric::session::proto::SessionError;
         matches!(self, FrameError::Handshake(HandshakeError::Session(SessionError::Auth)))
+    }
+
+    /// Whether the peer speaks another version of the protocol: no retry can succeed until
+    /// both sides run the same release.
+    pub fn is_version(&self) -> bool {
+        matches!(self, FrameError::Header(FrameHeaderError::Version { .. }))
     }
 }
 
@@ -180,23 +178,12 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin, T: serde::Serialize>(
     value: &T,
 ) -> Result<(), FrameError> {
     let body = serde_json::to_vec(value)?;
-    if body.len() > MAX_FRAME {
-        return Err(FrameError::TooLarge(body.len()));
-    }
-    let mut buf = Vec::with_capacity(4 + body.len());
-    buf.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    let header = kvfabric::contract::worker::encode_header(body.len())?;
+    let mut buf = Vec::with_capacity(HEADER_BYTES + body.len());
+    buf.extend_from_slice(&header);
     buf.extend_from_slice(&body);
     w.write_all(&buf).await?;
     Ok(())
-}
-
-/// The body length a frame header announces, bounded by [`MAX_FRAME`].
-pub fn frame_len(header: [u8; 4]) -> Result<usize, FrameError> {
-    let n = u32::from_le_bytes(header) as usize;
-    if n > MAX_FRAME {
-        return Err(FrameError::TooLarge(n));
-    }
-    Ok(n)
 }
 
 /// Decodes one frame from the front of `buf`: the value and the bytes the frame took, or
@@ -205,10 +192,10 @@ pub fn frame_len(header: [u8; 4]) -> Result<usize, FrameError> {
 pub fn decode_frame<T: serde::de::DeserializeOwned>(
     buf: &[u8],
 ) -> Result<Option<(T, usize)>, FrameError> {
-    let Some(header) = buf.get(..4) else { return Ok(None) };
-    let n = frame_len([header[0], header[1], header[2], header[3]])?;
-    let Some(body) = buf.get(4..4 + n) else { return Ok(None) };
-    Ok(Some((serde_json::from_slice(body)?, 4 + n)))
+    let Some(header) = buf.first_chunk::<HEADER_BYTES>() else { return Ok(None) };
+    let n = kvfabric::contract::worker::decode_header(*header)?;
+    let Some(body) = buf.get(HEADER_BYTES..HEADER_BYTES + n) else { return Ok(None) };
+    Ok(Some((serde_json::from_slice(body)?, HEADER_BYTES + n)))
 }
 
 /// Reads one frame; `None` at a clean end of stream.
@@ -227,13 +214,13 @@ async fn read_frame_bytes<R: AsyncReadExt + Unpin>(
     r: &mut R,
     budget: Option<&'static Semaphore>,
 ) -> Result<Option<(Vec<u8>, Option<tokio::sync::SemaphorePermit<'static>>)>, FrameError> {
-    let mut len = [0u8; 4];
-    match r.read_exact(&mut len).await {
+    let mut header = [0u8; HEADER_BYTES];
+    match r.read_exact(&mut header).await {
         Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e.into()),
     }
-    let n = frame_len(len)?;
+    let n = kvfabric::contract::worker::decode_header(header)?;
     let share = match budget {
         // Bounded by MAX_FRAME (16 MiB): at most 16,384 KiB.
         Some(b) => Some(

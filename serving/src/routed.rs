@@ -25,11 +25,12 @@ use kvfabric_router::{PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
 use kvfabric_tiers::remote::protocol::{NodeInfo, FABRIC_KIND};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
-use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
 use crate::backend::{Backend, ModelEntry};
 use crate::engine::sampling::SplitMix64;
-use crate::engine::{EngineError, GenEvent, GenerateRequest, ModelInfo, TextCodec};
+use crate::engine::{
+    EngineError, EventRx, EventTx, GenEvent, GenerateRequest, ModelInfo, TextCodec,
+};
 use crate::metrics::{RoutedSnapshot, Snapshot};
 use crate::openai;
 use crate::protocol::{
@@ -131,6 +132,10 @@ struct WorkerEntry {
 /// A worker whose handshake failed on the secret is left out of routing this long, then
 /// tried again (its operator may have fixed the secret).
 const REFUSED_RETRY: Duration = Duration::from_secs(30);
+
+/// How long a worker of another protocol version stays out of routing: until it registers
+/// again (a re-registration is a new join).
+const INCOMPATIBLE_FOR: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 /// A worker that left discovery, kept a few minutes for dashboards.
 #[derive(Debug)]
@@ -614,9 +619,24 @@ impl Inner {
         model.router.add_worker(wid);
         model.workers += 1;
         tracing::info!(worker = %inst.id, addr = %md.addr, model = %md.model.id, role = ?md.role, "worker joined");
-        if md.api == WorkerApi::Kvfabric {
-            self.probe(inst.id.clone(), md.addr);
-        }
+        // A worker of another protocol version could not read our frames: known at join,
+        // shown, never routed to.
+        let incompatible = match md.api {
+            WorkerApi::Kvfabric { protocol: v } if v != protocol::PROTOCOL => {
+                let why = format!(
+                    "speaks worker protocol {v}, this frontend speaks {} (run one release on \
+                     frontends and workers)",
+                    protocol::PROTOCOL
+                );
+                tracing::warn!(worker = %inst.id, reason = %why, "a worker this frontend cannot talk to joined; left out of routing");
+                Some((Instant::now() + INCOMPATIBLE_FOR, why))
+            }
+            WorkerApi::Kvfabric { .. } => {
+                self.probe(inst.id.clone(), md.addr);
+                None
+            }
+            WorkerApi::OpenAi { .. } => None,
+        };
         st.by_id.insert(wid, inst.id.clone());
         let role = match (&md.api, md.role) {
             (WorkerApi::OpenAi { .. }, _) => "engine",
@@ -633,7 +653,7 @@ impl Inner {
                 model: md.model.id,
                 served: before.as_ref().map_or(0, |b| b.served),
                 penalty_until: None,
-                refused: None,
+                refused: incompatible,
                 role,
                 load: before.as_ref().map_or_else(contract::Load::default, |b| b.load),
                 stats: before.as_mut().and_then(|b| b.stats.take()),
@@ -820,22 +840,28 @@ impl Inner {
         tokio::spawn(async move {
             if let Err(e) = protocol::probe(addr, &name, &auth, timeout).await {
                 if let Some(this) = this.upgrade().filter(|_| e.is_auth()) {
-                    this.refuse(&name, &e.to_string());
+                    this.refuse(&name, &e);
                 }
             }
         });
     }
 
-    /// A worker's handshake failed on the secret: out of routing for [`REFUSED_RETRY`],
-    /// counted, logged once per worker until it serves again.
-    fn refuse(&self, name: &str, why: &str) {
-        self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+    /// A worker's handshake failed on the secret, or it answered in another protocol version:
+    /// out of routing (for [`REFUSED_RETRY`], or [`INCOMPATIBLE_FOR`]), counted, logged once
+    /// per worker until it serves again.
+    fn refuse(&self, name: &str, e: &protocol::FrameError) {
+        let (why, until) = if e.is_version() {
+            (e.to_string(), Instant::now() + INCOMPATIBLE_FOR)
+        } else {
+            self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+            (format!("refused this frontend's secret ({e})"), Instant::now() + REFUSED_RETRY)
+        };
         if let Some(w) = self.state.lock().workers.get_mut(name) {
             if w.refused.is_none() {
-                tracing::warn!(worker = %name, reason = %why, "a worker refused this frontend's \
-                    secret (or proved another): no request can reach it; left out of routing");
+                tracing::warn!(worker = %name, reason = %why, "no request can reach a worker; \
+                    left out of routing");
             }
-            w.refused = Some((Instant::now() + REFUSED_RETRY, why.to_string()));
+            w.refused = Some((until, why));
         }
     }
 
@@ -853,12 +879,7 @@ impl Inner {
         }
     }
 
-    async fn drive(
-        self: Arc<Self>,
-        model: String,
-        req: GenerateRequest,
-        tx: UnboundedSender<GenEvent>,
-    ) {
+    async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: EventTx) {
         let deadline = tokio::time::Instant::now() + req.timeout;
         let mut tried: Vec<WorkerId> = Vec::new();
         let mut last_err: Option<String> = None;
@@ -878,7 +899,7 @@ impl Inner {
             }
             let target = Target { model: &model, rid, name: &name, addr };
             let outcome = match &api {
-                WorkerApi::Kvfabric => {
+                WorkerApi::Kvfabric { .. } => {
                     self.relay(target, &wreq, &tx, deadline, &mut progress).await
                 }
                 WorkerApi::OpenAi { model: engine_model } => {
@@ -950,20 +971,22 @@ impl Inner {
             let mut v: Vec<String> = st
                 .workers
                 .iter()
-                .filter(|(_, w)| {
-                    w.model == model && w.refused.as_ref().is_some_and(|(t, _)| *t > now)
+                .filter(|(_, w)| w.model == model)
+                .filter_map(|(n, w)| {
+                    w.refused
+                        .as_ref()
+                        .filter(|(t, _)| *t > now)
+                        .map(|(_, why)| format!("{n} {why}"))
                 })
-                .map(|(n, _)| n.clone())
                 .collect();
             v.sort();
             v
         };
         let msg = match last_err {
             Some(e) => format!("no worker could serve {model:?} ({e})"),
-            None if !refused.is_empty() => format!(
-                "no worker can serve {model:?}: {} refused this frontend's secret",
-                refused.join(", ")
-            ),
+            None if !refused.is_empty() => {
+                format!("no worker can serve {model:?}: {}", refused.join("; "))
+            }
             None => format!("no worker serves {model:?} now"),
         };
         let _ = tx.send(GenEvent::Error(EngineError::Unavailable { message: msg }));
@@ -973,7 +996,7 @@ impl Inner {
         &self,
         t: Target<'_>,
         wreq: &WorkerRequest,
-        tx: &UnboundedSender<GenEvent>,
+        tx: &EventTx,
         deadline: tokio::time::Instant,
         progress: &mut Progress,
     ) -> Relay {
@@ -983,8 +1006,8 @@ impl Inner {
         let timeout = self.cfg.connect_timeout.min(left);
         let mut conn = match self.pool.request(addr, name, &auth, wreq, timeout).await {
             Ok(c) => c,
-            Err(e) if e.is_auth() => {
-                self.refuse(name, &e.to_string());
+            Err(e) if e.is_auth() || e.is_version() => {
+                self.refuse(name, &e);
                 return Relay::Retry(e.to_string());
             }
             Err(e) => {
@@ -1048,6 +1071,9 @@ impl Inner {
                     return if sent_token { Relay::Failed(why) } else { Relay::Retry(why) };
                 }
                 Ok(Err(e)) => {
+                    if e.is_version() {
+                        self.refuse(name, &e);
+                    }
                     return if sent_token {
                         Relay::Failed(e.to_string())
                     } else {
@@ -1201,7 +1227,7 @@ impl Inner {
         t: Target<'_>,
         engine_model: &str,
         req: &GenerateRequest,
-        tx: &UnboundedSender<GenEvent>,
+        tx: &EventTx,
         deadline: tokio::time::Instant,
         progress: &mut Progress,
     ) -> Relay {
@@ -1335,7 +1361,7 @@ struct Progress {
 
 impl Progress {
     /// Sends `started` if the client has not had one.
-    fn send_started(&mut self, tx: &UnboundedSender<GenEvent>, started: Option<GenEvent>) {
+    fn send_started(&mut self, tx: &EventTx, started: Option<GenEvent>) {
         if let Some(s) = started.filter(|_| !self.started_sent) {
             let _ = tx.send(s);
         }
@@ -1355,12 +1381,8 @@ impl Backend for RoutedBackend {
         self.inner.state.lock().models.get(id).map(|m| m.entry.clone())
     }
 
-    fn submit(
-        &self,
-        model: &str,
-        req: GenerateRequest,
-    ) -> Result<UnboundedReceiver<GenEvent>, EngineError> {
-        let (tx, rx) = mpsc::unbounded_channel();
+    fn submit(&self, model: &str, req: GenerateRequest) -> Result<EventRx, EngineError> {
+        let (tx, rx) = crate::engine::stream::channel();
         tokio::spawn(self.inner.clone().drive(model.to_string(), req, tx));
         Ok(rx)
     }
@@ -1376,7 +1398,7 @@ impl Backend for RoutedBackend {
             .filter_map(|(n, w)| {
                 w.refused.as_ref().filter(|(t, _)| *t > now).map(|(_, why)| (n, why))
             })
-            .map(|(n, why)| format!("worker {n} cannot be reached: {why} (wrong secret?)"))
+            .map(|(n, why)| format!("worker {n} cannot be reached: it {why}"))
             .collect();
         reasons.sort();
         let status = if st.workers.is_empty() {

@@ -3,6 +3,7 @@
 //! is to the rest of the system (its kinds in discovery, its role, the metadata it registers
 //! there) is part of the frontend↔worker protocol, re-exported here.
 
+use kvfabric::transport::rdma::RdmaConfig;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -76,6 +77,8 @@ pub struct WorkerConfig {
     pub disk_admit_min_hits: u32,
     /// Use the fabric nodes in discovery as a remote tier (G4).
     pub remote_tier: bool,
+    /// RDMA between hosts (None: never); the binary reads it from `KVFABRIC_RDMA*`.
+    pub rdma: Option<RdmaConfig>,
 }
 
 /// Why a worker could not start.
@@ -299,7 +302,9 @@ impl WorkerStack {
                 b.to_vec()
             }
         };
-        let agent = Agent::start(AgentConfig::new(cfg.name.clone(), secret.clone())).await?;
+        let mut agent_cfg = AgentConfig::new(cfg.name.clone(), secret.clone());
+        agent_cfg.rdma = cfg.rdma.clone();
+        let agent = Agent::start(agent_cfg).await?;
         let (sink, events) = ChannelSink::new(65_536);
         let mut tasks = Vec::new();
         let mut store_cfg = StoreConfig::new(block_bytes, cfg.host_blocks.max(1));

@@ -499,16 +499,42 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
             .unwrap()
             .unwrap()
     }
+    // A frame's header: its body's length, then the protocol version.
+    let head = |len: u32, version: u8| {
+        let mut h = len.to_le_bytes().to_vec();
+        h.push(version);
+        h
+    };
     // A length far over the limit, then a frame of garbage: each gets an error, no panic.
-    let e = answer(addr, &u32::MAX.to_le_bytes()).await;
+    let e = answer(addr, &head(u32::MAX, protocol::PROTOCOL)).await;
     assert!(matches!(e, Some(GenEvent::Error(_))), "{e:?}");
-    let mut garbage = 9u32.to_le_bytes().to_vec();
+    let mut garbage = head(9, protocol::PROTOCOL);
     garbage.extend_from_slice(b"not json!");
     assert!(matches!(answer(addr, &garbage).await, Some(GenEvent::Error(_))));
     // Valid JSON of the wrong shape, and a model the worker does not serve.
-    let mut wrong = 2u32.to_le_bytes().to_vec();
+    let mut wrong = head(2, protocol::PROTOCOL);
     wrong.extend_from_slice(b"{}");
     assert!(matches!(answer(addr, &wrong).await, Some(GenEvent::Error(_))));
+    // A frontend of another protocol version is told so, in words: the unversioned frames of
+    // version 1 (length, then JSON), and a version this build does not know.
+    let mut v1 = serde_json::to_vec(&serde_json::json!({"model": "mock"})).unwrap();
+    v1.splice(0..0, (v1.len() as u32).to_le_bytes());
+    let e = answer(addr, &v1).await;
+    assert!(
+        matches!(&e, Some(GenEvent::Error(err)) if err.to_string().contains(&format!(
+            "the peer speaks worker protocol 1 (unversioned frames), this build speaks {}",
+            protocol::PROTOCOL
+        ))),
+        "{e:?}"
+    );
+    let mut next = head(2, protocol::PROTOCOL + 1);
+    next.extend_from_slice(b"{}");
+    let e = answer(addr, &next).await;
+    assert!(
+        matches!(&e, Some(GenEvent::Error(err))
+            if err.to_string().contains(&format!("worker protocol {}", protocol::PROTOCOL + 1))),
+        "{e:?}"
+    );
     let req = |model: &str, max_tokens| WorkerRequest {
         model: model.into(),
         request: GenerateRequest {
@@ -541,7 +567,7 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
     // cut off before its request is read (and the worker serves on, below).
     let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut frame = serde_json::to_vec(&req("mock", 4)).unwrap();
-    frame.splice(0..0, (frame.len() as u32).to_le_bytes());
+    frame.splice(0..0, head(frame.len() as u32, protocol::PROTOCOL));
     let _ = c.write_all(&frame).await;
     let mut rest = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.unwrap();

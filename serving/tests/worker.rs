@@ -52,6 +52,7 @@ async fn mock_worker_with(
         disk: None,
         disk_admit_min_hits: 0,
         remote_tier,
+        rdma: None,
     };
     let stack = WorkerStack::start(&cfg, discovery, bus.clone(), |_, _| {}).await.unwrap();
     let served = stack
@@ -152,6 +153,53 @@ async fn silent_connections_on_a_request_port_do_not_shut_frontends_out() {
     }
     served.server.abort();
     stack.shutdown().await;
+}
+
+/// A worker of another request-protocol version (here one registered as the unversioned
+/// version 1) is known from its registration: shown refused with the versions in words, never
+/// sent a request, and named in the error when it is all that is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_of_another_protocol_version_is_named_and_never_sent_a_request() {
+    use kvfabric::control::Instance;
+    use kvfabric_serving::protocol::{WorkerApi, WorkerMetadata, PROTOCOL};
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    let (good, good_served) = mock_worker("w-good", &discovery, &bus).await;
+    // The same worker's registration, as a release before versions wrote it (no `protocol`).
+    let listed = discovery.list(WORKER_KIND).await.unwrap();
+    let mut md: WorkerMetadata = serde_json::from_value(listed[0].metadata.clone()).unwrap();
+    assert_eq!(md.api, WorkerApi::Kvfabric { protocol: PROTOCOL });
+    md.api = WorkerApi::Kvfabric { protocol: 1 };
+    let mut old = serde_json::to_value(&md).unwrap();
+    old["api"].as_object_mut().unwrap().remove("protocol");
+    assert_eq!(serde_json::from_value::<WorkerMetadata>(old.clone()).unwrap().api, md.api);
+    let instance = Instance { kind: WORKER_KIND.into(), id: "w-old".into(), metadata: old };
+    let old_reg = discovery.register(instance, Duration::from_secs(30)).await.unwrap();
+    let (routed, addr) = frontend(&discovery, &bus).await;
+    let r = routed.clone();
+    common::wait_until(Duration::from_secs(10), || {
+        r.dashboard().workers.iter().any(|w| w.name == "w-old" && w.state == "refused")
+    });
+    let h = common::get(addr, "/health").await.json();
+    assert_eq!(h["status"], "degraded", "{h}");
+    let why = format!("speaks worker protocol 1, this frontend speaks {PROTOCOL}");
+    assert!(h["reasons"][0].as_str().unwrap().contains(&why), "{h}");
+    let body =
+        |i: usize| json!({ "model": "mock", "prompt": format!("request {i}"), "max_tokens": 2 });
+    for i in 0..10 {
+        let r = common::post_json(addr, "/v1/completions", &body(i)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-kvfabric-worker"), Some("w-good"), "request {i}");
+    }
+    // Not a secret problem: nothing counted as one.
+    assert_eq!(routed.stats().auth_failures.load(Ordering::Relaxed), 0);
+    good_served.registration.revoke().await;
+    let r = common::post_json(addr, "/v1/completions", &body(99)).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains(&format!("w-old {why}")), "{}", r.text());
+    old_reg.revoke().await;
+    good_served.server.abort();
+    good.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,6 +9,27 @@ use std::net::SocketAddr;
 use crate::endpoint::AgentMetadata;
 use crate::layout::BlockLayout;
 
+/// A worker's (or a fabric node's) id in routing: stable across processes, the XXH3-64 of its
+/// instance name, so every router and frontend that sees the same name derives the same id.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(transparent)]
+pub struct WorkerId(pub u64);
+
+impl WorkerId {
+    /// The id of the instance `name`.
+    pub fn of_name(name: &str) -> Self {
+        WorkerId(xxhash_rust::xxh3::xxh3_64(name.as_bytes()))
+    }
+}
+
+impl std::fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
 /// The discovery kind of KV fabric nodes (`kvfabric fabric`).
 pub const FABRIC_KIND: &str = "fabric";
 
@@ -65,17 +86,20 @@ pub struct WorkerMetadata {
     pub role: Role,
     /// How requests reach it: kvfabric's framed protocol (its own workers), or an engine's
     /// OpenAI-compatible HTTP API (an engine behind `kvfabric attach`).
-    #[serde(default)]
+    #[serde(default = "WorkerApi::registered_before_versions")]
     pub api: WorkerApi,
 }
 
 /// How a frontend sends a worker its requests.
-#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum WorkerApi {
-    /// kvfabric's request protocol on `addr` (authenticated, framed JSON).
-    #[default]
-    Kvfabric,
+    /// kvfabric's request protocol on `addr` (authenticated, framed JSON; [`super::worker`]).
+    Kvfabric {
+        /// The version of the protocol it speaks (1 when a worker registered none).
+        #[serde(default = "protocol_v1")]
+        protocol: u8,
+    },
     /// An OpenAI-compatible server on `addr` (vLLM, SGLang, TensorRT-LLM's `trtllm-serve`):
     /// requests go to `/v1/completions` as token ids.
     OpenAi {
@@ -104,4 +128,28 @@ pub enum CodecSpec {
         /// The directory.
         path: std::path::PathBuf,
     },
+}
+
+impl Default for WorkerApi {
+    /// kvfabric's request protocol, in this build's version.
+    fn default() -> Self {
+        WorkerApi::Kvfabric { protocol: super::worker::PROTOCOL }
+    }
+}
+
+impl WorkerApi {
+    /// What a registration without `api` means: a kvfabric worker from before the field, which
+    /// spoke version 1.
+    fn registered_before_versions() -> Self {
+        WorkerApi::Kvfabric { protocol: 1 }
+    }
+
+    /// Whether requests reach it over kvfabric's request protocol (of any version).
+    pub fn is_kvfabric(&self) -> bool {
+        matches!(self, WorkerApi::Kvfabric { .. })
+    }
+}
+
+fn protocol_v1() -> u8 {
+    1
 }

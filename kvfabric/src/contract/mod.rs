@@ -20,6 +20,9 @@ use crate::events::{KvEvent, TierKind};
 use crate::hash::SequenceHash;
 
 pub mod discovery;
+pub mod generate;
+pub mod prefill;
+pub mod worker;
 
 /// The version of the messages this build writes and reads.
 pub const VERSION: u32 = 1;

@@ -273,8 +273,8 @@ async fn forty_authenticated_sixteen_mib_frames_do_not_take_the_workers_memory()
         .map(|i| {
             tokio::spawn(async move {
                 let mut c = session(addr, "w-frames", &format!("big-{i}")).await?;
-                let mut bytes = (frame as u32).to_le_bytes().to_vec();
-                bytes.resize(4 + frame, b'x');
+                let mut bytes = kvfabric::contract::worker::encode_header(frame).ok()?.to_vec();
+                bytes.resize(bytes.len() + frame, b'x');
                 c.write_all(&bytes).await.ok()?;
                 let mut sink = Vec::new();
                 tokio::io::AsyncReadExt::read_to_end(&mut c, &mut sink).await.ok()?;

@@ -1,21 +1,6 @@
 //! Next-token choice: greedy (temperature 0) or seeded sampling with temperature and top-p.
 
-/// How to pick tokens.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct SamplingParams {
-    /// 0 = greedy (argmax, lowest id on ties).
-    pub temperature: f32,
-    /// Nucleus: sample among the most likely tokens whose probabilities sum to `top_p`.
-    pub top_p: f32,
-    /// Seed of the sampler: the same seed, prompt and parameters give the same tokens.
-    pub seed: u64,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_p: 1.0, seed: 0 }
-    }
-}
+pub use kvfabric::contract::generate::SamplingParams;
 
 /// A sampler for one sequence.
 #[derive(Debug, Clone)]

@@ -12,10 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::stream::{EventRx, EventTx};
 use kvfabric::events::TierKind;
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric_tiers::{StoreError, TieredStore};
-use tokio::sync::mpsc;
 
 use super::{
     CacheHits, Engine, EngineError, FinishReason, GenEvent, GenerateRequest, KvBlock, ModelInfo,
@@ -100,7 +100,7 @@ fn bump(a: &AtomicU64, n: u64) {
 
 struct Submission {
     req: GenerateRequest,
-    tx: mpsc::UnboundedSender<GenEvent>,
+    tx: EventTx,
     arrived: Instant,
 }
 
@@ -220,10 +220,7 @@ impl Scheduler {
 
     /// Checks a request against the model's context, then queues it. Events arrive on the
     /// returned channel; dropping it cancels the generation and frees its KV.
-    pub fn submit(
-        &self,
-        req: GenerateRequest,
-    ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
+    pub fn submit(&self, req: GenerateRequest) -> Result<EventRx, EngineError> {
         let ctx = self.info.context_len;
         super::check_prompt(&self.info, &self.codec, &req.prompt)?;
         let needed = req.prompt.len().saturating_add(req.max_tokens);
@@ -248,7 +245,7 @@ impl Scheduler {
         if waiting >= self.max_waiting {
             return Err(EngineError::Overloaded { waiting });
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = crate::stream::channel();
         bump(&self.stats.waiting, 1);
         self.tx.send(Submission { req, tx, arrived: Instant::now() }).map_err(|_| {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -261,7 +258,7 @@ impl Scheduler {
 struct Seq {
     id: u64,
     req: GenerateRequest,
-    tx: mpsc::UnboundedSender<GenEvent>,
+    tx: EventTx,
     deadline: Instant,
     /// Prompt then generated tokens.
     tokens: Vec<u32>,
@@ -724,6 +721,7 @@ impl<E: Engine> Loop<E> {
         }
         s.tokens.push(tok);
         let (text, stopped) = s.text.push(codec, tok);
+        // A reader that left cancels; one too far behind was told why, and is cancelled too.
         if s.tx.send(GenEvent::Token { id: tok, text }).is_err() {
             return Outcome::Cancelled;
         }

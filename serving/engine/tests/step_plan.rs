@@ -75,7 +75,7 @@ fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
     }
 }
 
-async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>) -> Vec<u32> {
+async fn collect(mut rx: kvfabric_engine::EventRx) -> Vec<u32> {
     let mut tokens = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {

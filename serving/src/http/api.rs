@@ -63,6 +63,10 @@ impl From<EngineError> for ApiError {
             EngineError::Deadline { .. } => {
                 ApiError::new(StatusCode::GATEWAY_TIMEOUT, msg, "timeout")
             }
+            // Only ever an event of a stream already under way (its status was sent).
+            EngineError::SlowReader { .. } => {
+                ApiError::new(StatusCode::REQUEST_TIMEOUT, msg, "timeout")
+            }
             EngineError::Stopped | EngineError::Unavailable { .. } => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg, "server_error")
             }

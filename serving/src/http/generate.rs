@@ -8,9 +8,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{CacheHits, EngineError, FinishReason, GenEvent, GenerateRequest};
+use crate::engine::{CacheHits, EngineError, EventRx, FinishReason, GenEvent, GenerateRequest};
 use crate::metrics::Outcome;
 
 use super::api::{request_id, ApiError, Endpoint, Parsed};
@@ -73,7 +72,7 @@ pub(super) async fn start(
 /// One generation as the frontend follows it: events, timing, usage.
 pub(super) struct Generation {
     pub(super) st: Arc<AppState>,
-    rx: UnboundedReceiver<GenEvent>,
+    rx: EventRx,
     model: String,
     /// The worker that serves it (remote backends).
     worker: Option<String>,

@@ -62,6 +62,15 @@ use exchange::{Accept, Connect, Mailbox, RegionKey, MAILBOX_HEADER_BYTES};
 pub use device::DeviceInfo;
 pub use verbs::Unavailable;
 
+/// The names of the settings [`RdmaConfig::from_settings`] reads: the device (or `auto`,
+/// `off`), the GID index, the traffic class and the service level.
+pub const SETTINGS: [&str; 4] = [
+    "KVFABRIC_RDMA",
+    "KVFABRIC_RDMA_GID_INDEX",
+    "KVFABRIC_RDMA_TRAFFIC_CLASS",
+    "KVFABRIC_RDMA_SERVICE_LEVEL",
+];
+
 /// How the RDMA transport uses its device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RdmaConfig {
@@ -99,22 +108,18 @@ impl Default for RdmaConfig {
 }
 
 impl RdmaConfig {
-    /// The configuration the environment asks for, as operators set it for every agent of a
-    /// process (workers, peers, the C ABI's): `KVFABRIC_RDMA` = `auto` (default: the first
-    /// device with an active port), `off`, or a device name (`mlx5_0`);
+    /// The configuration operators ask for, as they give it to every agent of a process:
+    /// `get` looks up the settings by name — [`SETTINGS`]: `KVFABRIC_RDMA` = `auto` (default:
+    /// the first device with an active port), `off`, or a device name (`mlx5_0`);
     /// `KVFABRIC_RDMA_GID_INDEX` = the GID index on RoCE ports (default: chosen);
     /// `KVFABRIC_RDMA_TRAFFIC_CLASS` and `KVFABRIC_RDMA_SERVICE_LEVEL` (default 0). None: off.
-    pub fn from_env() -> Option<RdmaConfig> {
-        let var = |k: &str| std::env::var(k).ok();
-        let mut cfg = Self::from_values(
-            var("KVFABRIC_RDMA").as_deref(),
-            var("KVFABRIC_RDMA_GID_INDEX").as_deref(),
-        )?;
-        for (key, field) in [
-            ("KVFABRIC_RDMA_TRAFFIC_CLASS", &mut cfg.traffic_class),
-            ("KVFABRIC_RDMA_SERVICE_LEVEL", &mut cfg.service_level),
-        ] {
-            if let Some(v) = var(key) {
+    /// The library reads no environment: the binary and the C ABI pass
+    /// `|k| std::env::var(k).ok()`.
+    pub fn from_settings(get: impl Fn(&str) -> Option<String>) -> Option<RdmaConfig> {
+        let [rdma, gid, tc, sl] = SETTINGS;
+        let mut cfg = Self::from_values(get(rdma).as_deref(), get(gid).as_deref())?;
+        for (key, field) in [(tc, &mut cfg.traffic_class), (sl, &mut cfg.service_level)] {
+            if let Some(v) = get(key) {
                 match v.trim().parse::<u8>() {
                     Ok(x) => *field = x,
                     Err(_) => tracing::warn!(key, value = %v, "not 0..=255; using 0"),
@@ -1478,6 +1483,18 @@ mod tests {
         let c = RdmaConfig::from_values(Some("mlx5_1"), Some("3")).unwrap();
         assert_eq!((c.device.as_deref(), c.gid_index), (Some("mlx5_1"), Some(3)));
         assert_eq!(RdmaConfig::from_values(None, Some("x")).unwrap().gid_index, None);
+        let given = |k: &str| match k {
+            "KVFABRIC_RDMA" => Some("mlx5_2".to_string()),
+            "KVFABRIC_RDMA_TRAFFIC_CLASS" => Some("106".to_string()),
+            "KVFABRIC_RDMA_SERVICE_LEVEL" => Some("many".to_string()),
+            _ => None,
+        };
+        let c = RdmaConfig::from_settings(given).unwrap();
+        assert_eq!(
+            (c.device.as_deref(), c.traffic_class, c.service_level),
+            (Some("mlx5_2"), 106, 0)
+        );
+        assert_eq!(RdmaConfig::from_settings(|_| None), Some(RdmaConfig::default()));
     }
 
     /// Over a real session: an agent without a device answers a connect with a typed refusal

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::agent::Agent;
 use kvfabric::contract::{Load, Message};
 use kvfabric::events::ChannelSink;
 use kvfabric_tiers::disk::DiskConfig;
@@ -66,7 +66,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
         spec = spec.with_dtype(kvfabric::layout::KvDtype::parse(d)?);
     }
     let block_bytes = spec.block_layout(args.block_tokens)?.bytes_per_block();
-    let mut cfg = AgentConfig::new(args.name.clone(), args.secret.into_bytes());
+    let mut cfg = super::stack::agent_config(args.name.clone(), args.secret.into_bytes());
     cfg.listen = args.listen;
     let agent = Agent::start(cfg).await?;
 

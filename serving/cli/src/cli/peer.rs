@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::Args;
-use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::agent::Agent;
 use kvfabric::memory::{Region, RegionOptions};
 use tokio::io::AsyncBufReadExt;
 
@@ -79,7 +79,7 @@ fn emit(v: serde_json::Value) {
 }
 
 pub async fn run(args: PeerArgs) -> anyhow::Result<()> {
-    let mut cfg = AgentConfig::new(args.name, args.secret.into_bytes());
+    let mut cfg = super::stack::agent_config(args.name, args.secret.into_bytes());
     cfg.listen = args.listen;
     let agent = Agent::start(cfg).await?;
     let region = agent

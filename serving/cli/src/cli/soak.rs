@@ -7,7 +7,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use clap::Args;
-use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::agent::Agent;
 use kvfabric::events::NullSink;
 use kvfabric::hash::SequenceHash;
 use kvfabric_tiers::disk::DiskConfig;
@@ -33,7 +33,7 @@ pub struct SoakArgs {
 }
 
 pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
-    let agent = Agent::start(AgentConfig::new("soak", b"soak".to_vec())).await?;
+    let agent = Agent::start(super::stack::agent_config("soak", b"soak".to_vec())).await?;
     let mut disk = DiskConfig::new(args.dir.join("soak.slots"), args.disk_blocks);
     disk.queue_depth = 8;
     let mut cfg = StoreConfig::new(args.block_bytes, args.host_blocks).with_disk(disk);

@@ -8,8 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use kvfabric::agent::AgentConfig;
 use kvfabric::control::{Discovery, EventBus};
 use kvfabric::transfer::TransportKind;
+use kvfabric::transport::rdma::RdmaConfig;
 use kvfabric_serving::disagg::DisaggConfig;
 use kvfabric_serving::engine::llama::{LlamaOptions, Weights};
 use kvfabric_serving::engine::mock::{MockConfig, MockKv};
@@ -241,7 +243,23 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
         disk: (opts.disk_blocks > 0).then_some((data_dir, opts.disk_blocks)),
         disk_admit_min_hits: opts.disk_admit_min_hits,
         remote_tier: opts.remote_tier,
+        rdma: rdma(),
     })
+}
+
+/// The RDMA settings operators give every agent of the process in the environment
+/// (`KVFABRIC_RDMA` = `auto`, `off` or a device; `KVFABRIC_RDMA_GID_INDEX`,
+/// `KVFABRIC_RDMA_TRAFFIC_CLASS`, `KVFABRIC_RDMA_SERVICE_LEVEL`): the binary reads them, the
+/// library never does.
+pub fn rdma() -> Option<RdmaConfig> {
+    RdmaConfig::from_settings(|key| std::env::var(key).ok())
+}
+
+/// An agent's settings for `name`, with the process's RDMA settings.
+pub fn agent_config(name: impl Into<String>, secret: impl Into<Vec<u8>>) -> AgentConfig {
+    let mut cfg = AgentConfig::new(name, secret);
+    cfg.rdma = rdma();
+    cfg
 }
 
 /// Loads the engine (with a progress bar when `show_progress`), opens the store and starts

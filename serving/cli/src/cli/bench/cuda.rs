@@ -19,7 +19,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::agent::Agent;
 use kvfabric::cuda::{self, CopyOp, DeviceBuffer, PinnedBuffer, Stream};
 use kvfabric::memory::{MemoryKind, Region, RegionId, RegionOptions};
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
@@ -170,7 +170,9 @@ pub async fn rows(
     let stream = dev.stream()?;
     completion_costs(&bufs, &stream, min_time).await?;
     let secret = format!("{:016x}", super::transfer::rand_u64());
-    let agent = Agent::start(AgentConfig::new("bench-cuda-local", secret.into_bytes())).await?;
+    let agent =
+        Agent::start(crate::cli::stack::agent_config("bench-cuda-local", secret.into_bytes()))
+            .await?;
     // kvfabric's side: a host region page-locked in place (as the tiered store pins its host
     // tier) and two GPU regions.
     let host: Arc<Region> = agent.alloc_region(max_bytes, RegionOptions::default())?;
@@ -231,7 +233,8 @@ async fn ipc_rows(
         .find(|r| r.kind != MemoryKind::Host)
         .map(|r| r.id)
         .ok_or_else(|| anyhow::anyhow!("the peer exported no GPU region"))?;
-    let agent = Agent::start(AgentConfig::new("bench-cuda", secret.into_bytes())).await?;
+    let agent =
+        Agent::start(crate::cli::stack::agent_config("bench-cuda", secret.into_bytes())).await?;
     agent.load_peer(md.clone())?;
     let local = agent.alloc_device_region(0, max_bytes, false)?;
     let mut rows = Vec::new();

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::agent::Agent;
 use kvfabric::events::NullSink;
 use kvfabric_planner::stats::Percentiles;
 use kvfabric_serving::engine::llama::{LlamaEngine, LlamaOptions, ReferenceLoop, Weights};
@@ -152,7 +152,8 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
     let served = engine.share_weights();
     let shared = Arc::new(Mutex::new(engine));
 
-    let agent = Agent::start(AgentConfig::new("bench-engine", b"bench".to_vec())).await?;
+    let agent =
+        Agent::start(crate::cli::stack::agent_config("bench-engine", b"bench".to_vec())).await?;
     let blocks = (args.prompt_tokens + n) / info.layout.block_tokens as usize + 8;
     let store = TieredStore::open(
         StoreConfig::new(info.layout.bytes_per_block(), (blocks * 2) as u32),

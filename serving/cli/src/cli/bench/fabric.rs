@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::agent::Agent;
 use kvfabric::hash::SequenceHash;
 use kvfabric::memory::RegionOptions;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
@@ -75,7 +75,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let v: serde_json::Value = serde_json::from_str(&line).context("node info")?;
     let info: NodeInfo = serde_json::from_value(v["fabric"].clone())?;
 
-    let mut cfg = AgentConfig::new("bench-client", secret.into_bytes());
+    let mut cfg = crate::cli::stack::agent_config("bench-client", secret.into_bytes());
     cfg.shm = false; // measure the network path
     let agent = Agent::start(cfg).await?;
     let region = agent

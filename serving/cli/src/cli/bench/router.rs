@@ -8,9 +8,10 @@ use std::time::Instant;
 use clap::Args;
 use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::SequenceHash;
+use kvfabric::rng::SplitMix64;
 use kvfabric_planner::stats::Percentiles;
-use kvfabric_router::sim::{simulate, SimConfig, SplitMix};
-use kvfabric_router::{PrefixIndex, RouterConfig, RoutingMode};
+use kvfabric_router::sim::{simulate, SimConfig};
+use kvfabric_router::{PrefixIndex, RouterConfig, RoutingMode, WorkerId};
 
 #[derive(Debug, Args)]
 pub struct RouterArgs {
@@ -78,7 +79,7 @@ struct IndexRow {
 fn worker_chains(
     w: usize,
     blocks: usize,
-    rng: &mut SplitMix,
+    rng: &mut SplitMix64,
     shared: &[Vec<SequenceHash>],
 ) -> Vec<Vec<SequenceHash>> {
     let mut chains = Vec::new();
@@ -98,19 +99,19 @@ fn worker_chains(
 }
 
 fn index_bench(workers: usize, blocks: usize, query_blocks: usize, queries: usize) -> IndexRow {
-    let mut rng = SplitMix::new(7);
+    let mut rng = SplitMix64(7);
     let shared: Vec<Vec<SequenceHash>> =
         (0..16).map(|_| (0..32).map(|_| SequenceHash(rng.next_u64())).collect()).collect();
     let per_worker: Vec<Vec<Vec<SequenceHash>>> =
         (0..workers).map(|w| worker_chains(w, blocks, &mut rng, &shared)).collect();
     // Events: one block per Stored event, the worst case for the ingestion rate.
-    let events: Vec<(u64, KvEvent)> = per_worker
+    let events: Vec<(WorkerId, KvEvent)> = per_worker
         .iter()
         .enumerate()
         .flat_map(|(w, chains)| {
             chains.iter().flatten().enumerate().map(move |(i, &h)| {
                 (
-                    w as u64,
+                    WorkerId(w as u64),
                     KvEvent {
                         event_id: i as u64 + 1,
                         data: KvEventData::Stored {
@@ -124,7 +125,7 @@ fn index_bench(workers: usize, blocks: usize, query_blocks: usize, queries: usiz
         })
         .collect();
     let index = PrefixIndex::new();
-    for w in 0..workers as u64 {
+    for w in (0..workers as u64).map(WorkerId) {
         index.add_worker(w);
     }
     let start = Instant::now();

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use futures_util::stream::{self, StreamExt};
-use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::agent::Agent;
 use kvfabric::events::NullSink;
 use kvfabric::hash::SequenceHash;
 use kvfabric::layout::ModelSpec;
@@ -205,7 +205,8 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
         .prefix("kvfabric-bench-tier")
         .tempdir_in(&args.dir)
         .context("creating the work directory")?;
-    let agent = Agent::start(AgentConfig::new("bench-tier", b"bench".to_vec())).await?;
+    let agent =
+        Agent::start(crate::cli::stack::agent_config("bench-tier", b"bench".to_vec())).await?;
     let prefer = if args.pread { IoPreference::Pread } else { IoPreference::Auto };
     let mut rows = Vec::new();
     if args.g1 || args.g1_only {

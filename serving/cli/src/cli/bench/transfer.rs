@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use kvfabric::agent::{Agent, AgentConfig, AgentMetadata};
+use kvfabric::agent::{Agent, AgentMetadata};
 use kvfabric::memory::RegionOptions;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_planner::stats::{gbps, Percentiles};
@@ -304,7 +304,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
     let device_bytes = region_bytes.to_string();
     let extra: &[&str] = if args.gpu { &["--device-bytes", &device_bytes] } else { &[] };
     let (mut child, peer_md) = spawn_peer(&secret, region_bytes, extra).await?;
-    let mut cfg = AgentConfig::new("bench", secret.clone().into_bytes());
+    let mut cfg = crate::cli::stack::agent_config("bench", secret.clone().into_bytes());
     cfg.tcp_connections_per_peer = args.tcp_stripes;
     cfg.tcp_stripe_bytes = parse_size(&args.tcp_stripe_bytes)?;
     let agent = Agent::start(cfg).await?;

@@ -1,0 +1,202 @@
+//! The generation contract: what a frontend asks of an engine (a [`GenerateRequest`]), what
+//! the engine answers ([`GenEvent`]s), and why it fails ([`EngineError`]). The engine's
+//! scheduler takes and gives these types, and a worker's request port carries them as they
+//! are (inside [`super::worker`]'s versioned frames), so a field added here is a change of
+//! the wire, made in one place.
+
+use std::time::Duration;
+
+/// Why a request or an engine failed.
+#[derive(Debug, Clone, thiserror::Error, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum EngineError {
+    /// The request is malformed (bad parameters, untokenizable prompt).
+    #[error("{message}")]
+    Invalid {
+        /// What is wrong.
+        message: String,
+    },
+    /// The prompt (plus the tokens asked for) does not fit the model's context.
+    #[error("this model's maximum context length is {limit} tokens; the request needs {needed} ({prompt} in the prompt)")]
+    ContextLength {
+        /// The model's context.
+        limit: usize,
+        /// Prompt plus requested completion tokens.
+        needed: usize,
+        /// Prompt tokens.
+        prompt: usize,
+    },
+    /// Too many requests are waiting.
+    #[error("the engine is overloaded ({waiting} requests waiting); retry later")]
+    Overloaded {
+        /// Requests waiting.
+        waiting: usize,
+    },
+    /// The request ran past its deadline.
+    #[error("the request ran past its deadline of {timeout:?}")]
+    Deadline {
+        /// The request's timeout.
+        timeout: Duration,
+    },
+    /// The engine stopped.
+    #[error("the engine is not running")]
+    Stopped,
+    /// The client read its stream too slowly: it fell this many events behind, and the
+    /// generation was stopped.
+    #[error("the client read its stream too slowly (fell {buffered} events behind); the generation was stopped")]
+    SlowReader {
+        /// Events it had not read.
+        buffered: usize,
+    },
+    /// No worker can serve the request now.
+    #[error("{message}")]
+    Unavailable {
+        /// Why.
+        message: String,
+    },
+    /// The model could not be loaded or run.
+    #[error("{message}")]
+    Model {
+        /// What failed.
+        message: String,
+    },
+}
+
+impl EngineError {
+    /// A bad request.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        EngineError::Invalid { message: message.into() }
+    }
+
+    /// A model or engine failure.
+    pub fn model(message: impl Into<String>) -> Self {
+        EngineError::Model { message: message.into() }
+    }
+}
+
+/// The longest deadline a request may ask for: every timeout from a client or a peer is
+/// bounded by it before any clock arithmetic.
+pub const REQUEST_TIMEOUT_MAX: Duration = Duration::from_secs(24 * 3600);
+
+/// A generation request, tokens in.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct GenerateRequest {
+    /// Prompt tokens.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Keep going past EOS (benchmarks).
+    pub ignore_eos: bool,
+    /// When the request fails with [`EngineError::Deadline`].
+    pub timeout: Duration,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS, an end-of-turn token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+/// Prompt tokens served from the store, per tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CacheHits {
+    /// Tokens whose KV the engine still held in its own (device) memory: an engine behind
+    /// the OpenAI API reports its prefix-cache hits here.
+    #[serde(default)]
+    pub device_tokens: usize,
+    /// Tokens whose KV came from host memory.
+    pub host_tokens: usize,
+    /// From disk.
+    pub disk_tokens: usize,
+    /// From a remote fabric node.
+    pub remote_tokens: usize,
+}
+
+impl CacheHits {
+    /// All cached tokens.
+    pub fn total(&self) -> usize {
+        self.device_tokens + self.host_tokens + self.disk_tokens + self.remote_tokens
+    }
+}
+
+/// A prompt prefilled by a prefill worker.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RemotePrefill {
+    /// The prefill worker.
+    pub worker: String,
+    /// Blocks it wrote.
+    pub blocks: usize,
+    /// Prompt tokens in them.
+    pub tokens: usize,
+    /// Bytes it wrote.
+    pub bytes: u64,
+    /// From enqueueing the job to the notification, microseconds (queue, compute, transfer).
+    pub wait_us: u64,
+    /// Its compute time, microseconds.
+    pub compute_us: u64,
+}
+
+/// What a generation reports, in order: `Started`, `Token`s, then `Done` or `Error`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GenEvent {
+    /// Admitted: prompt KV reused from the store.
+    Started {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Prompt tokens whose KV came from the store.
+        cached: CacheHits,
+        /// The worker serving it (set by remote backends).
+        #[serde(default)]
+        worker: Option<String>,
+        /// The prompt's KV was computed by a prefill worker (disaggregated serving).
+        #[serde(default)]
+        remote_prefill: Option<RemotePrefill>,
+    },
+    /// A token and the text it completes (may be empty).
+    Token {
+        /// The token.
+        id: u32,
+        /// New text.
+        text: String,
+    },
+    /// The end.
+    Done {
+        /// Why.
+        reason: FinishReason,
+        /// Tokens generated.
+        completion_tokens: usize,
+        /// Text held back until the end (a partial stop-string match that never completed).
+        text: String,
+    },
+    /// The prompt's cache hits as the engine counted them, known only at the end (an engine
+    /// behind the OpenAI API reports them in its usage); replaces what `Started` said.
+    Cached(CacheHits),
+    /// The generation failed.
+    Error(EngineError),
+}
+
+/// How to pick tokens.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SamplingParams {
+    /// 0 = greedy (argmax, lowest id on ties).
+    pub temperature: f32,
+    /// Nucleus: sample among the most likely tokens whose probabilities sum to `top_p`.
+    pub top_p: f32,
+    /// Seed of the sampler: the same seed, prompt and parameters give the same tokens.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_p: 1.0, seed: 0 }
+    }
+}
