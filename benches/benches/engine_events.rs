@@ -5,8 +5,8 @@
 //! `cargo bench -p kvfabric-benches --bench engine_events`
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvfabric_router::engine::msgpack::Writer;
-use kvfabric_router::engine::{decode_batch, EngineMirror, Flavor};
+use kvfabric_attach::engine::msgpack::Writer;
+use kvfabric_attach::engine::{decode_batch, EngineMirror, Flavor};
 
 /// A batch of `events` BlockStored events of `blocks` blocks of 16 tokens, each chain the
 /// child of the previous one, hashes above 2^63 as vLLM's often are.

@@ -15,15 +15,15 @@
 //!   KV events and dumps on the control plane (`kvfabric::contract`) and asks a source for a
 //!   dump when its event ids show a gap; the routing frontend runs it.
 //! - [`sim`]: a deterministic routing simulation used by `kvfabric bench router`.
-//! - [`engine`]: vLLM's and SGLang's own KV events over ZeroMQ, mapped to kvfabric's hashes
-//!   and tiers (what `kvfabric attach` relays for an engine).
+//!
+//! Engines' own KV events (vLLM, SGLang over ZeroMQ) are decoded by `kvfabric-attach`, which
+//! relays them onto the control plane as any worker's events.
 //!
 //! The index and the policy are free of I/O and clock — the caller passes `now` and random draws — so they are
 //! tested exhaustively (the index against a brute-force reference over random event streams).
 //! The router depends on nothing but the `kvfabric` crate (hashes, KV events, the
 //! control-plane contract).
 
-pub mod engine;
 pub mod feed;
 pub mod index;
 pub mod policy;

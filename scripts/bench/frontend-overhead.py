@@ -4,7 +4,7 @@
     python3 scripts/bench/frontend-overhead.py ENGINE_HOST:PORT FRONTEND_HOST:PORT
 
 The engine serves the model "fast" and is attached to the frontend (`kvfabric attach --model
-fast ...`); router/tests/engines/fake_engine.py --model fast --prefill-us 0 --decode-us 0 is
+fast ...`); serving/attach/tests/engines/fake_engine.py --model fast --prefill-us 0 --decode-us 0 is
 the zero-delay stand-in used for docs/engines.md.
 """
 import json, random, socket, sys, threading, time

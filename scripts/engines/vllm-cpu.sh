@@ -27,7 +27,7 @@ HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=INFO venv/bin/python -m vllm.entrypoints.ope
   --enable-prompt-tokens-details --gpu-memory-utilization 0.15 \
   --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "kv"}' \
   > logs/vllm.log 2>&1 &
-(cd $REPO/router/tests/engines && ${KVFABRIC_VENV:-$HOME/.cache/kvfabric/venv}/bin/python fake_engine.py --model fake --block-size $BS > $LOGS/fake.json 2> $LOGS/fake.err) &
+(cd $REPO/serving/attach/tests/engines && ${KVFABRIC_VENV:-$HOME/.cache/kvfabric/venv}/bin/python fake_engine.py --model fake --block-size $BS > $LOGS/fake.json 2> $LOGS/fake.err) &
 sleep 2
 FE=$(head -1 logs/fake.json)
 FHTTP=$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['http'])" "$FE")

@@ -12,8 +12,8 @@
 //!   [`protocol`]: what it registers and the framed TCP protocol between a routing frontend
 //!   and a worker, with the frontend's pool of connections.
 //! - [`disagg`]: disaggregated prefill and decode.
-//! - [`attach`]: an external engine (vLLM, SGLang) joined through its KV events and its
-//!   OpenAI API; [`openai`]: the client of such an API.
+//! - [`openai`]: the client of an engine's OpenAI-compatible API, through which a routed
+//!   frontend serves an engine that `kvfabric attach` (the `kvfabric-attach` crate) joined.
 //! - [`profile`]: measuring an engine's prefill and decode times for planning.
 //! - [`metrics`]: every component's metrics in Prometheus text.
 //!
@@ -24,7 +24,6 @@
 /// runtime), under the name the serving layer has always used for them.
 pub use kvfabric_engine as engine;
 
-pub mod attach;
 pub mod backend;
 pub mod dashboard;
 pub mod disagg;

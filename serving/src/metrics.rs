@@ -545,29 +545,13 @@ pub struct PrefillServiceSnapshot {
     pub transfer_seconds: f64,
 }
 
-/// An engine attached by `kvfabric attach` (its KV events and health).
-#[derive(Debug, Clone, Default)]
-pub struct AttachSnapshot {
-    /// Engine event batches applied.
-    pub batches: u64,
-    /// kvfabric KV events published for the engine.
-    pub events: u64,
-    /// Payloads or messages that are not the engine's shape.
-    pub malformed: u64,
-    /// Replays of lost events that failed.
-    pub replay_failures: u64,
-    /// Times the engine's blocks were dropped because its events were lost for good.
-    pub resets: u64,
-    /// Dumps published.
-    pub dumps: u64,
-    /// Failed health checks of the engine.
-    pub failed_polls: u64,
-    /// 1 while the engine is registered in discovery.
-    pub registered: u64,
-    /// Blocks the engine holds, as its events say.
-    pub blocks: u64,
-    /// Blocks skipped, by reason (block size, LoRA, extra keys, group, orphan, medium).
-    pub skipped: Vec<(&'static str, u64)>,
+/// An engine attached by `kvfabric attach` (its KV events and health): the attach crate's.
+pub use kvfabric_attach::AttachSnapshot;
+
+impl Source for kvfabric_attach::AttachStats {
+    fn snapshot(&self, out: &mut Snapshot) {
+        out.attach = Some(kvfabric_attach::AttachStats::snapshot(self));
+    }
 }
 
 /// What one component shows at scrape time; each fills its part.

@@ -1,6 +1,6 @@
 //! Engines that are not kvfabric's behind its router, over real etcd and NATS: two engine
 //! processes that speak OpenAI HTTP and publish vLLM-format KV events over ZeroMQ
-//! (`router/tests/engines/fake_engine.py`: a prefix cache with LRU eviction and vLLM's event
+//! (`serving/attach/tests/engines/fake_engine.py`: a prefix cache with LRU eviction and vLLM's event
 //! structs through msgspec and pyzmq; it proves nothing about vLLM's scheduler, attention,
 //! real block hashes or timing), each with a `kvfabric attach` process, behind a `kvfabric
 //! frontend` process and a `kvfabric router` process. A shared long prefix lands on the engine
@@ -31,7 +31,7 @@ fn fake_engine() -> FakeEngine {
     let dir = std::path::PathBuf::from(
         std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
     )
-    .join("../../router/tests/engines");
+    .join("../attach/tests/engines");
     let (proc, line) = spawn_line(
         Command::new(kvfabric::testkit::engine_python())
             .arg(dir.join("fake_engine.py"))

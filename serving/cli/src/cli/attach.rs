@@ -12,11 +12,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use kvfabric::contract::discovery::{CodecSpec, ModelInfo};
 use kvfabric::layout::ModelSpec;
-use kvfabric_router::engine::{EventsEndpoint, Flavor, SubscriberConfig};
-use kvfabric_serving::attach::{AttachConfig, Attachment};
-use kvfabric_serving::engine::ModelInfo;
-use kvfabric_serving::protocol::CodecSpec;
+use kvfabric_attach::engine::{EventsEndpoint, Flavor, SubscriberConfig};
+use kvfabric_attach::{AttachConfig, Attachment};
 
 use super::stack::shutdown_signal;
 

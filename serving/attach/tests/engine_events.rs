@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
-use kvfabric_router::engine::decode::{Medium, Stored};
-use kvfabric_router::engine::{
+use kvfabric_attach::engine::decode::{Medium, Stored};
+use kvfabric_attach::engine::{
     decode_batch, EngineEvent, EngineHash, EngineMirror, EventsEndpoint, FeedItem, Flavor,
     Subscriber, SubscriberConfig,
 };

@@ -17,18 +17,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvfabric::contract::discovery::{
+    CodecSpec, ModelInfo, Role, WorkerApi, WorkerMetadata, WORKER_KIND,
+};
 use kvfabric::contract::{self, Load, Message};
 use kvfabric::control::{ControlError, Discovery, EventBus, Instance, Registration};
 use kvfabric::events::{KvEvent, KvEventData};
-use kvfabric_router::engine::{
-    decode_batch, EngineMirror, FeedItem, Flavor, MirrorStats, Subscriber, SubscriberConfig,
-};
 use parking_lot::Mutex;
 
-use crate::engine::ModelInfo;
-use crate::metrics::{AttachSnapshot, Snapshot, Source};
-use crate::openai;
-use crate::protocol::{CodecSpec, Role, WorkerApi, WorkerMetadata, WORKER_KIND};
+use crate::engine::{
+    decode_batch, EngineMirror, FeedItem, Flavor, MirrorStats, Subscriber, SubscriberConfig,
+};
+use crate::http;
 
 /// What to attach.
 #[derive(Debug, Clone)]
@@ -96,13 +96,12 @@ impl AttachStats {
             "resets": ld(&self.resets),
         })
     }
-}
 
-impl Source for AttachStats {
-    fn snapshot(&self, out: &mut Snapshot) {
+    /// The counters now, for a scrape.
+    pub fn snapshot(&self) -> AttachSnapshot {
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let m = *self.mirror.lock();
-        out.attach = Some(AttachSnapshot {
+        AttachSnapshot {
             batches: ld(&self.batches),
             events: ld(&self.events),
             malformed: ld(&self.malformed),
@@ -121,8 +120,33 @@ impl Source for AttachStats {
                 ("medium", m.unknown_medium),
                 ("invalid", m.invalid),
             ],
-        });
+        }
     }
+}
+
+/// An attached engine as a scrape shows it (its KV events and health).
+#[derive(Debug, Clone, Default)]
+pub struct AttachSnapshot {
+    /// Engine event batches applied.
+    pub batches: u64,
+    /// kvfabric KV events published for the engine.
+    pub events: u64,
+    /// Payloads or messages that are not the engine's shape.
+    pub malformed: u64,
+    /// Replays of lost events that failed.
+    pub replay_failures: u64,
+    /// Times the engine's blocks were dropped because its events were lost for good.
+    pub resets: u64,
+    /// Dumps published.
+    pub dumps: u64,
+    /// Failed health checks of the engine.
+    pub failed_polls: u64,
+    /// 1 while the engine is registered in discovery.
+    pub registered: u64,
+    /// Blocks the engine holds, as its events say.
+    pub blocks: u64,
+    /// Blocks skipped, by reason (block size, LoRA, extra keys, group, orphan, medium).
+    pub skipped: Vec<(&'static str, u64)>,
 }
 
 /// Why an attachment could not start.
@@ -133,7 +157,7 @@ pub enum AttachError {
     Control(#[from] ControlError),
     /// The events endpoint could not be opened.
     #[error("KV events: {0}")]
-    Events(#[from] kvfabric_router::engine::zmtp::ZmtpError),
+    Events(#[from] crate::engine::zmtp::ZmtpError),
     /// A setting is wrong.
     #[error("{0}")]
     Invalid(String),
@@ -332,7 +356,7 @@ impl Run {
             self.dump().await;
         }
         let timeout = self.cfg.poll.max(Duration::from_millis(200));
-        let health = openai::get(self.cfg.engine, "/health", timeout).await;
+        let health = http::get(self.cfg.engine, "/health", timeout).await;
         let ok = matches!(health, Ok((200, _)));
         if !ok {
             self.stats.failed_polls.fetch_add(1, Ordering::Relaxed);
@@ -360,7 +384,7 @@ impl Run {
         if self.registration.is_none() {
             self.register().await;
         }
-        if let Ok((200, text)) = openai::get(self.cfg.engine, "/metrics", timeout).await {
+        if let Ok((200, text)) = http::get(self.cfg.engine, "/metrics", timeout).await {
             if let Some(load) =
                 engine_load(&String::from_utf8_lossy(&text), self.cfg.model.layout.block_tokens)
             {

@@ -2,7 +2,7 @@
 //! never panics, and whatever it accepts the mirror applies without panicking.
 #![no_main]
 
-use kvfabric_router::engine::{decode_batch, EngineMirror, Flavor};
+use kvfabric_attach::engine::{decode_batch, EngineMirror, Flavor};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
