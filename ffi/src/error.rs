@@ -1,6 +1,5 @@
-//! Result codes, typed errors, the panic boundary, and copying text and bytes out to C.
+//! Result codes, typed errors and the panic boundary (copying text out to C is [`crate::ptr`]'s).
 
-use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use kvfabric::agent::AgentError;
@@ -281,42 +280,6 @@ pub(crate) fn recorded<H: Recorded>(
 /// Runs a `void` export (the `_free` functions) behind the panic boundary.
 pub(crate) fn guard_void(f: impl FnOnce()) {
     let _ = catch_unwind(AssertUnwindSafe(f));
-}
-
-/// Copies `text` into a caller buffer of `cap` bytes as a NUL-terminated string, truncated
-/// to fit (at a UTF-8 boundary); returns the bytes written without the NUL.
-pub(crate) fn copy_text(text: &str, buf: crate::ptr::OutBuf<c_char>) -> usize {
-    let cap = buf.cap();
-    if cap == 0 {
-        return 0;
-    }
-    let mut n = text.len().min(cap - 1);
-    while !text.is_char_boundary(n) {
-        n -= 1;
-    }
-    let mut bytes: Vec<c_char> = text.as_bytes()[..n].iter().map(|&b| b as c_char).collect();
-    bytes.push(0);
-    buf.write(&bytes);
-    n
-}
-
-/// Copies `text` to a caller buffer and its length to `len_out` (the `kvf_*_last_error`,
-/// `kvf_op_error` and `kvf_result_text` contract).
-///
-/// # Safety
-/// `buf` is valid for `cap` writes (or NULL with `cap` 0); `len_out` for one write.
-pub(crate) unsafe fn write_text(
-    text: &str,
-    buf: *mut c_char,
-    cap: usize,
-    len_out: *mut usize,
-) -> Result<(), FfiError> {
-    // SAFETY: forwarded contract.
-    let buf = unsafe { crate::ptr::OutBuf::new(buf, cap, "buf") }?;
-    // SAFETY: forwarded contract.
-    let out = unsafe { crate::ptr::Out::new(len_out, "len_out") }?;
-    out.set(copy_text(text, buf));
-    Ok(())
 }
 
 #[cfg(test)]

@@ -73,7 +73,7 @@ pub unsafe extern "C" fn kvf_result_text(
         let r = kvf_result::from_u32(code)
             .ok_or_else(|| FfiError::invalid(format!("unknown result code {code}")))?;
         // SAFETY: the caller's contract.
-        unsafe { error::write_text(r.describe(), buf, cap, len_out) }
+        unsafe { ptr::write_text(r.describe(), buf, cap, len_out) }
     })
 }
 

@@ -177,7 +177,7 @@ pub unsafe extern "C" fn kvf_op_error(
             _ => String::new(),
         };
         // SAFETY: the caller's contract.
-        unsafe { crate::error::write_text(&text, buf, cap, len_out) }
+        unsafe { crate::ptr::write_text(&text, buf, cap, len_out) }
     })
 }
 

@@ -125,3 +125,39 @@ pub(crate) unsafe fn free<T>(p: *mut T) {
         drop(unsafe { Box::from_raw(p) });
     }
 }
+
+/// Copies `text` into a caller buffer of `cap` bytes as a NUL-terminated string, truncated
+/// to fit (at a UTF-8 boundary); returns the bytes written without the NUL.
+pub(crate) fn copy_text(text: &str, buf: OutBuf<c_char>) -> usize {
+    let cap = buf.cap();
+    if cap == 0 {
+        return 0;
+    }
+    let mut n = text.len().min(cap - 1);
+    while !text.is_char_boundary(n) {
+        n -= 1;
+    }
+    let mut bytes: Vec<c_char> = text.as_bytes()[..n].iter().map(|&b| b as c_char).collect();
+    bytes.push(0);
+    buf.write(&bytes);
+    n
+}
+
+/// Copies `text` to a caller buffer and its length to `len_out` (the `kvf_*_last_error`,
+/// `kvf_op_error` and `kvf_result_text` contract).
+///
+/// # Safety
+/// `buf` is valid for `cap` writes (or NULL with `cap` 0); `len_out` for one write.
+pub(crate) unsafe fn write_text(
+    text: &str,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> Result<(), FfiError> {
+    // SAFETY: forwarded contract.
+    let buf = unsafe { OutBuf::new(buf, cap, "buf") }?;
+    // SAFETY: forwarded contract.
+    let out = unsafe { Out::new(len_out, "len_out") }?;
+    out.set(copy_text(text, buf));
+    Ok(())
+}

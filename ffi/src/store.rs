@@ -593,7 +593,7 @@ pub unsafe extern "C" fn kvf_store_last_error(
         // SAFETY: the caller's contract.
         let h = unsafe { ptr::handle(store, "store") }?;
         // SAFETY: the caller's contract.
-        unsafe { crate::error::write_text(&h.last_error.get(), buf, cap, len_out) }
+        unsafe { crate::ptr::write_text(&h.last_error.get(), buf, cap, len_out) }
     })
 }
 

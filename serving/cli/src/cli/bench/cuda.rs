@@ -25,7 +25,9 @@ use kvfabric::memory::{MemoryKind, Region, RegionId, RegionOptions};
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_planner::stats::gbps;
 
-use super::transfer::{combos, measure_posts, measure_sync, Row};
+use super::measure::{
+    combos, keep_measuring, measure_posts, measure_sync, rand_u64, spawn_peer, Row,
+};
 
 #[derive(Debug, Clone, Copy)]
 enum Op {
@@ -91,7 +93,7 @@ async fn completion_costs(bufs: &Buffers, s: &Stream, min_time: Duration) -> any
     let (mut polled, mut waited) = (Vec::new(), Vec::new());
     for (out, spin) in [(&mut polled, Duration::from_millis(1)), (&mut waited, Duration::ZERO)] {
         let start = std::time::Instant::now();
-        while super::transfer::keep_measuring(out.len(), start, min_time) {
+        while keep_measuring(out.len(), start, min_time) {
             let t = std::time::Instant::now();
             bufs.copy(s, Op::H2d, 0, len)?;
             s.record()?.done_polling(spin).await?;
@@ -169,7 +171,7 @@ pub async fn rows(
     };
     let stream = dev.stream()?;
     completion_costs(&bufs, &stream, min_time).await?;
-    let secret = format!("{:016x}", super::transfer::rand_u64());
+    let secret = format!("{:016x}", rand_u64());
     let agent =
         Agent::start(crate::cli::stack::agent_config("bench-cuda-local", secret.into_bytes()))
             .await?;
@@ -223,10 +225,9 @@ async fn ipc_rows(
     bufs: &Buffers,
     stream: &Stream,
 ) -> anyhow::Result<Vec<Row>> {
-    let secret = format!("{:016x}", super::transfer::rand_u64());
+    let secret = format!("{:016x}", rand_u64());
     let dev_bytes = max_bytes.to_string();
-    let (mut child, md) =
-        super::transfer::spawn_peer(&secret, 4096, &["--device-bytes", &dev_bytes]).await?;
+    let (mut child, md) = spawn_peer(&secret, 4096, &["--device-bytes", &dev_bytes]).await?;
     let remote = md
         .regions
         .iter()

@@ -6,6 +6,7 @@ use clap::{Args, Subcommand};
 mod cuda;
 mod engine;
 mod fabric;
+mod measure;
 mod router;
 pub(crate) mod serve;
 mod sse;

@@ -8,16 +8,16 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvfabric::agent::{Agent, AgentMetadata};
+use kvfabric::agent::Agent;
 use kvfabric::memory::RegionOptions;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
-use kvfabric_planner::stats::{gbps, Percentiles};
+use kvfabric_planner::stats::gbps;
 
+use super::measure::{combos, measure_posts, measure_sync, rand_u64, spawn_peer, Row};
 use super::{parse_size, short_size};
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -78,47 +78,6 @@ pub struct TransferArgs {
     plot: Option<std::path::PathBuf>,
 }
 
-/// The stopping rule of every measurement: at least 5 iterations and `min_time`, at most
-/// 2000 iterations or 4 × `min_time`.
-pub(super) fn keep_measuring(done: usize, start: Instant, min_time: Duration) -> bool {
-    (done < 5 || start.elapsed() < min_time) && done < 2000 && start.elapsed() < 4 * min_time
-}
-
-/// Runs `f` (one iteration) until `min_time` and at least 5 iterations (at most 2000 or
-/// 4 × min_time), after one warm-up; returns the per-iteration latencies.
-pub(super) fn measure_sync(
-    min_time: Duration,
-    mut f: impl FnMut() -> anyhow::Result<()>,
-) -> anyhow::Result<Vec<Duration>> {
-    f()?;
-    let mut lat = Vec::new();
-    let start = Instant::now();
-    while keep_measuring(lat.len(), start, min_time) {
-        let t = Instant::now();
-        f()?;
-        lat.push(t.elapsed());
-    }
-    Ok(lat)
-}
-
-/// Posts `req` once to warm up, then until the stopping rule of [`keep_measuring`]; the
-/// latency of each transfer.
-pub(super) async fn measure_posts(
-    agent: &Agent,
-    req: &TransferRequest,
-    min_time: Duration,
-) -> anyhow::Result<Vec<Duration>> {
-    agent.post(req.clone())?.wait().await?;
-    let mut lat = Vec::new();
-    let start = Instant::now();
-    while keep_measuring(lat.len(), start, min_time) {
-        let t = Instant::now();
-        agent.post(req.clone())?.wait().await?;
-        lat.push(t.elapsed());
-    }
-    Ok(lat)
-}
-
 /// A plain blocking TCP socket pair on loopback: a sink thread reads length-prefixed
 /// buffers and acknowledges each with one byte.
 struct PlainSocket {
@@ -153,103 +112,6 @@ impl PlainSocket {
         self.stream.read_exact(&mut ack)?;
         Ok(())
     }
-}
-
-#[derive(Debug, serde::Serialize)]
-pub(super) struct Row {
-    pub(super) transport: &'static str,
-    pub(super) op: &'static str,
-    pub(super) desc_bytes: u64,
-    pub(super) batch: usize,
-    pub(super) bytes: u64,
-    pub(super) iterations: usize,
-    pub(super) gbps: f64,
-    pub(super) p50_us: f64,
-    pub(super) p99_us: f64,
-    pub(super) limit: &'static str,
-    pub(super) limit_gbps: f64,
-    pub(super) ratio_to_limit: f64,
-    pub(super) memcpy_gbps: f64,
-    pub(super) tcp_socket_gbps: f64,
-    pub(super) checksum: bool,
-}
-
-/// The `(descriptor size, batch)` pairs whose transfer fits in `max_bytes`, sizes outer.
-pub(super) fn combos(sizes: &[u64], batches: &[usize], max_bytes: u64) -> Vec<(u64, usize)> {
-    sizes
-        .iter()
-        .flat_map(|&s| batches.iter().map(move |&b| (s, b)))
-        .filter(|&(s, b)| s.saturating_mul(b as u64) <= max_bytes)
-        .collect()
-}
-
-impl Row {
-    /// A row of `batch` descriptors of `desc` bytes whose transfers took `lat` each, against
-    /// `limit` measured at `limit_gbps`; no checksums, no memcpy or socket limit.
-    pub(super) fn measured(
-        (transport, op): (&'static str, &'static str),
-        (desc, batch): (u64, usize),
-        lat: &[Duration],
-        (limit, limit_gbps): (&'static str, f64),
-    ) -> Row {
-        let bytes = desc * batch as u64;
-        let p = Percentiles::of(lat);
-        let rate = gbps(bytes * lat.len() as u64, lat.iter().sum());
-        Row {
-            transport,
-            op,
-            desc_bytes: desc,
-            batch,
-            bytes,
-            iterations: lat.len(),
-            gbps: rate,
-            p50_us: p.p50_us,
-            p99_us: p.p99_us,
-            limit,
-            limit_gbps,
-            ratio_to_limit: rate / limit_gbps,
-            memcpy_gbps: f64::NAN,
-            tcp_socket_gbps: f64::NAN,
-            checksum: false,
-        }
-    }
-}
-
-pub(super) async fn spawn_peer(
-    secret: &str,
-    region_bytes: usize,
-    extra: &[&str],
-) -> anyhow::Result<(tokio::process::Child, AgentMetadata)> {
-    let exe = std::env::current_exe().context("locating the kvfabric binary")?;
-    let mut child = tokio::process::Command::new(exe)
-        .args([
-            "peer",
-            "--name",
-            "bench-peer",
-            "--region-bytes",
-            &region_bytes.to_string(),
-            "--seed",
-            "1",
-        ])
-        .args(extra)
-        .env("KVFABRIC_SECRET", secret)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting the peer process")?;
-    let stdout = child.stdout.take().context("peer stdout")?;
-    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
-    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await
-        .context("peer did not start within 30 s")??
-        .context("peer exited before printing its metadata")?;
-    let v: serde_json::Value = serde_json::from_str(&line)?;
-    let md: AgentMetadata =
-        serde_json::from_value(v["metadata"].clone()).context("peer metadata")?;
-    // Keep draining the peer's stdout so that it never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok((child, md))
 }
 
 pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
@@ -515,16 +377,4 @@ fn print_rows(rows: &[Row], json: bool) -> anyhow::Result<()> {
     }
     println!("limits: shm against single-thread memcpy, tcp against a plain blocking loopback socket, rdma against a plain verbs loop (the same WRITEs or READs posted as one chain between two queue pairs of the device), cuda against one raw cuMemcpy*Async of the same bytes, same run");
     Ok(())
-}
-
-pub(super) fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish()
 }
