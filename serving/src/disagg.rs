@@ -2,7 +2,7 @@
 //!
 //! A decode worker ([`DecodeBackend`]) takes requests from frontends. For each, it counts the
 //! prompt's full blocks its own store already holds; when the rest reaches
-//! [`DisaggConfig::threshold_tokens`] and fewer than [`DisaggConfig::max_queue`] remote
+//! [`DisaggConfig::threshold_tokens`] and fewer than [`DisaggConfig::queue_max`] remote
 //! prefills are pending, it reserves host slots for the missing blocks, picks a prefill worker
 //! by KV routing among the prefill workers (so that their prefix caches help too), and
 //! enqueues a [`PrefillRequest`] on that worker's durable queue (`prefill-NAME`) with its
@@ -51,7 +51,7 @@ pub struct DisaggConfig {
     /// Remote prefill when at least this many prompt tokens are not cached locally.
     pub threshold_tokens: usize,
     /// Remote prefills pending at most; beyond, prefill locally.
-    pub max_queue: usize,
+    pub queue_max: usize,
     /// Wait this long for a remote prefill, then prefill locally.
     pub deadline: Duration,
     /// Keep slots of an unfinished transfer reserved this long after giving up on it.
@@ -64,7 +64,7 @@ impl Default for DisaggConfig {
     fn default() -> Self {
         DisaggConfig {
             threshold_tokens: 256,
-            max_queue: 8,
+            queue_max: 8,
             deadline: Duration::from_secs(30),
             grace: Duration::from_secs(10),
             transport: None,
@@ -211,7 +211,7 @@ impl DecodeInner {
         if prompt.len() - held * bt < self.cfg.threshold_tokens || held == reusable {
             return None;
         }
-        if self.stats.pending.load(Ordering::Relaxed) as usize >= self.cfg.max_queue {
+        if self.stats.pending.load(Ordering::Relaxed) as usize >= self.cfg.queue_max {
             return None;
         }
         let (rid, worker) = self.prefill.pick(model, &prompt[..reusable * bt])?;

@@ -45,7 +45,7 @@ pub struct RoutedConfig {
     /// Connecting to a worker gives up after this long (then the next worker is tried).
     pub connect_timeout: Duration,
     /// Workers tried per request at most.
-    pub max_attempts: usize,
+    pub attempts_max: usize,
     /// This frontend's name (in dump requests).
     pub name: String,
     /// The discovery kind of the workers it routes to.
@@ -74,7 +74,7 @@ impl RoutedConfig {
         RoutedConfig {
             router: RouterConfig::default(),
             connect_timeout: Duration::from_secs(2),
-            max_attempts: 3,
+            attempts_max: 3,
             name: "frontend".into(),
             kind: WORKER_KIND.into(),
             secret: secret.into(),
@@ -887,7 +887,7 @@ impl Inner {
         let mut wreq = WorkerRequest { model: model.clone(), request: req };
         let mut progress = Progress { ids_known: true, ..Progress::default() };
         let mut migrations = 0u32;
-        for attempt in 0..self.cfg.max_attempts.max(1) {
+        for attempt in 0..self.cfg.attempts_max.max(1) {
             let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
             let Some((name, addr, api)) = self.route(&model, rid, &wreq.request.prompt, &tried)
             else {

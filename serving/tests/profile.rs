@@ -37,7 +37,7 @@ async fn profile_mock(mock: MockConfig) -> (EngineProfile, Agent) {
     let store = TieredStore::open(StoreConfig::new(block_bytes, 2048), &agent, Arc::new(NullSink))
         .await
         .unwrap();
-    let sched_cfg = SchedulerConfig { max_batch: 8, step_tokens: 4096, ..Default::default() };
+    let sched_cfg = SchedulerConfig { batch_max: 8, step_tokens: 4096, ..Default::default() };
     let sched =
         Scheduler::start(engine, store.clone(), sched_cfg, tokio::runtime::Handle::current())
             .unwrap();

@@ -218,7 +218,7 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
     let s = serve(Opts {
         mock: MockConfig { context_len: 256, ..MockConfig::zero_delay() },
         server: ServerConfig {
-            body: kvfabric_serving::http::BodyLimits { max_bytes: 64 << 10, ..Default::default() },
+            body: kvfabric_serving::http::BodyLimits { bytes_max: 64 << 10, ..Default::default() },
             ..ServerConfig::default()
         },
         ..Opts::default()
@@ -345,7 +345,7 @@ async fn a_client_that_hangs_up_mid_stream_cancels_its_generation() {
 async fn a_full_queue_answers_429_and_a_late_request_504() {
     let s = serve(Opts {
         mock: MockConfig { decode_step_us: 20_000.0, ..MockConfig::zero_delay() },
-        sched: SchedulerConfig { max_batch: 1, max_waiting: 1, ..SchedulerConfig::default() },
+        sched: SchedulerConfig { batch_max: 1, waiting_max: 1, ..SchedulerConfig::default() },
         server: ServerConfig {
             request_timeout: Duration::from_millis(1500),
             ..ServerConfig::default()

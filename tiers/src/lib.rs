@@ -9,7 +9,9 @@
 //!   index is rebuilt from disk on restart.
 //! - [`store::TieredStore`]: G2 host slots in a registered, shareable region (so the
 //!   transfer engine moves blocks straight out of and into them) over G3 and G4, with offload
-//!   under pressure or write-through, onboard with prefetch, KV events and [`metrics`].
+//!   under pressure or write-through, onboard with prefetch, KV events and [`metrics`]; and
+//!   G1, an optional tier of device slots ([`store::DeviceTierConfig`]: a
+//!   [`pool::SlotPool`] over a device region, filled and drained with the CUDA transport).
 //! - [`remote::RemoteTier`]: G4, a client of the KV fabric's nodes, which it follows through
 //!   discovery and spreads blocks over by consistent hashing.
 //! - [`fabric::FabricNode`]: a fabric node, a store served to peers over the transfer
@@ -20,9 +22,6 @@
 //! stored; a torn or corrupt block on disk is dropped, never served; a block that the disk
 //! cannot take stays in host memory; every store and removal in every tier emits a KV event
 //! with a monotonic id.
-//!
-//! Not here yet: G1 device memory (a [`pool::SlotPool`] over a device region, with the CUDA
-//! transport); [`kvfabric::events::TierKind`] already names it.
 
 pub mod disk;
 pub mod fabric;

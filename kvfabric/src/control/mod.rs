@@ -72,11 +72,17 @@ pub(crate) struct Held {
     pub(crate) left: Duration,
 }
 
+/// How long past a lease's end a store may take to revoke it (etcd's lessor checks its leases
+/// every 500 ms and revokes them in batches; a loaded server is later still).
+const EXPIRY_LAG: Duration = Duration::from_secs(5);
+
 /// Registers `kind`/`id` only where no other lease holds it: `try_create` creates the key
 /// under a new lease of ours, or says who holds it. A holder is given the time its lease has
 /// left, plus a second: a dead process's registration expires meanwhile and is taken over
 /// (logged); a live one keeps renewing it, and the claim fails with [`ControlError::Taken`].
-/// Nobody's registration is ever overwritten.
+/// A lease still held at its end with no time left is a dead holder's that the store has not
+/// revoked yet: it is waited for up to [`EXPIRY_LAG`] more. Nobody's registration is ever
+/// overwritten.
 pub(crate) async fn claim<T, F, Fut>(
     kind: &str,
     id: &str,
@@ -113,6 +119,8 @@ where
                         until
                     }
                 };
+                // A lease at its end, not renewed: its revocation is late, not its holder alive.
+                let until = if held.left.is_zero() { until + EXPIRY_LAG } else { until };
                 if now >= until {
                     return Err(ControlError::Taken { kind: kind.to_string(), id: id.to_string() });
                 }

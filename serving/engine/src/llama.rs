@@ -39,7 +39,7 @@ pub struct LlamaOptions {
     /// Tokens per KV block.
     pub block_tokens: u32,
     /// Cap on the context length (the model's own is used when smaller).
-    pub max_context: usize,
+    pub context_max: usize,
     /// A tokenizer.json to use instead of the GGUF's vocabulary.
     pub tokenizer_json: Option<std::path::PathBuf>,
     /// The model id to serve under (default: the file name without `.gguf`).
@@ -51,7 +51,7 @@ impl Default for LlamaOptions {
         LlamaOptions {
             weights: Weights::F32,
             block_tokens: 16,
-            max_context: 8192,
+            context_max: 8192,
             tokenizer_json: None,
             name: None,
         }
@@ -130,7 +130,7 @@ impl LlamaEngine {
         let n_kv = get_u32("attention.head_count_kv").unwrap_or(n_head);
         let n_layer = get_u32("block_count")?;
         let hidden = get_u32("embedding_length")?;
-        let ctx = get_u32("context_length").unwrap_or(4096).min(opts.max_context).max(1);
+        let ctx = get_u32("context_length").unwrap_or(4096).min(opts.context_max).max(1);
         let eps = md
             .get("llama.attention.layer_norm_rms_epsilon")
             .and_then(|v| v.to_f32().ok())

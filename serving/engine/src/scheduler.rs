@@ -29,9 +29,9 @@ const REMOTE_LOOKUP_MAX: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// Sequences decoded together at most.
-    pub max_batch: usize,
+    pub batch_max: usize,
     /// Requests waiting for a batch slot at most; more are refused as overloaded.
-    pub max_waiting: usize,
+    pub waiting_max: usize,
     /// Prompt tokens computed per step at most (long prompts are chunked).
     pub step_tokens: usize,
     /// Block hashing seed (LoRA / salt).
@@ -43,8 +43,8 @@ pub struct SchedulerConfig {
 impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
-            max_batch: 16,
-            max_waiting: 256,
+            batch_max: 16,
+            waiting_max: 256,
             step_tokens: 512,
             hash_seed: HashSeed::default(),
             store_blocks: true,
@@ -112,7 +112,7 @@ pub struct Scheduler {
     info: Arc<ModelInfo>,
     codec: Arc<TextCodec>,
     stats: Arc<SchedulerStats>,
-    max_waiting: usize,
+    waiting_max: usize,
     /// Why the engine thread died (None while it runs).
     failure: tokio::sync::watch::Receiver<Option<String>>,
     /// How it names a prompt's blocks.
@@ -152,7 +152,7 @@ impl Scheduler {
             .map_err(|e| EngineError::model(e.to_string()))?;
         let stats = Arc::new(SchedulerStats::default());
         let (tx, rx) = std::sync::mpsc::channel();
-        let max_waiting = cfg.max_waiting;
+        let waiting_max = cfg.waiting_max;
         let store_capacity = store.metrics().host_capacity_blocks;
         let lp = Loop {
             engine,
@@ -184,7 +184,7 @@ impl Scheduler {
                 }
             })
             .map_err(|e| EngineError::model(format!("starting the engine thread: {e}")))?;
-        Ok(Scheduler { tx, info, codec, stats, max_waiting, failure, hasher })
+        Ok(Scheduler { tx, info, codec, stats, waiting_max, failure, hasher })
     }
 
     /// Why the engine thread died, if it did: the engine serves nothing more.
@@ -242,7 +242,7 @@ impl Scheduler {
             )));
         }
         let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
-        if waiting >= self.max_waiting {
+        if waiting >= self.waiting_max {
             return Err(EngineError::Overloaded { waiting });
         }
         let (tx, rx) = crate::stream::channel();
@@ -366,7 +366,7 @@ impl<E: Engine> Loop<E> {
     }
 
     fn admit(&mut self) {
-        while self.running.len() < self.cfg.max_batch {
+        while self.running.len() < self.cfg.batch_max {
             let Some(sub) = self.waiting.pop_front() else { break };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             if sub.tx.is_closed() {

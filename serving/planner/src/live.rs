@@ -185,7 +185,7 @@ pub struct PlannerConfig {
     /// Fewest workers.
     pub min_workers: u32,
     /// Most workers.
-    pub max_workers: u32,
+    pub workers_max: u32,
     /// The latency targets.
     pub targets: Targets,
     /// The rate predictor.
@@ -416,7 +416,7 @@ impl Brain {
             ));
         }
         let (lo, hi) =
-            (self.cfg.min_workers.max(1), self.cfg.max_workers.max(self.cfg.min_workers.max(1)));
+            (self.cfg.min_workers.max(1), self.cfg.workers_max.max(self.cfg.min_workers.max(1)));
         let planned = if predicted.rate <= 0.0 {
             reasons.push("no load predicted".into());
             Some(lo)
@@ -743,7 +743,7 @@ mod tests {
         PlannerConfig {
             interval: Duration::from_secs(10),
             min_workers: 1,
-            max_workers: 8,
+            workers_max: 8,
             targets: Targets::at_quantile(0.3, 0.05, 0.99),
             predictor: Predictor::Constant,
             profile: mock_profile(),

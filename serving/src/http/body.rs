@@ -21,16 +21,16 @@ use super::api::ApiError;
 #[derive(Debug, Clone, Copy)]
 pub struct BodyLimits {
     /// Largest body accepted, bytes.
-    pub max_bytes: usize,
+    pub bytes_max: usize,
     /// Time a body may take beyond what its size needs at the minimum rate.
     pub grace: Duration,
     /// Slowest rate a body may arrive at, bytes per second, once its grace is spent.
-    pub min_bytes_per_s: u64,
+    pub bytes_per_s_min: u64,
 }
 
 impl Default for BodyLimits {
     fn default() -> Self {
-        BodyLimits { max_bytes: 4 << 20, grace: Duration::from_secs(10), min_bytes_per_s: 64 << 10 }
+        BodyLimits { bytes_max: 4 << 20, grace: Duration::from_secs(10), bytes_per_s_min: 64 << 10 }
     }
 }
 
@@ -55,8 +55,8 @@ pub(super) async fn bounded(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok());
-    if announced.is_some_and(|n| n > limits.max_bytes as u64) {
-        return too_large(limits.max_bytes);
+    if announced.is_some_and(|n| n > limits.bytes_max as u64) {
+        return too_large(limits.bytes_max);
     }
     let (parts, body) = req.into_parts();
     match read(body, limits).await {
@@ -67,11 +67,11 @@ pub(super) async fn bounded(
 
 async fn read(body: Body, limits: BodyLimits) -> Result<Bytes, Response> {
     let start = tokio::time::Instant::now();
-    let rate = limits.min_bytes_per_s.max(1);
+    let rate = limits.bytes_per_s_min.max(1);
     let mut body = body;
     let mut buf = bytes::BytesMut::new();
     loop {
-        // Bounded first: at most `max_bytes` (4 MiB by default) over the rate, in seconds.
+        // Bounded first: at most `bytes_max` (4 MiB by default) over the rate, in seconds.
         let allowed = limits.grace + Duration::from_secs_f64(buf.len() as f64 / rate as f64);
         let frame = match tokio::time::timeout_at(start + allowed, body.frame()).await {
             Err(_) => {
@@ -98,8 +98,8 @@ async fn read(body: Body, limits: BodyLimits) -> Result<Bytes, Response> {
             Ok(Some(Ok(frame))) => frame,
         };
         if let Ok(data) = frame.into_data() {
-            if buf.len() + data.len() > limits.max_bytes {
-                return Err(too_large(limits.max_bytes));
+            if buf.len() + data.len() > limits.bytes_max {
+                return Err(too_large(limits.bytes_max));
             }
             buf.extend_from_slice(&data);
         }

@@ -178,7 +178,7 @@ fn finish(api: Router<Arc<AppState>>, state: Arc<AppState>, limit: BodyLimits) -
         })
         .layer(axum::middleware::from_fn_with_state(limit, body::bounded))
         // Read once by `body::bounded`, within the same limit.
-        .layer(DefaultBodyLimit::max(limit.max_bytes))
+        .layer(DefaultBodyLimit::max(limit.bytes_max))
         .with_state(state)
 }
 

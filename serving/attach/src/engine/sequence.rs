@@ -55,7 +55,7 @@ pub struct Sequencer<P> {
     held: VecDeque<(u64, P)>,
     /// Most live batches held during a replay (older ones are dropped: the replay or a
     /// reset covers them).
-    max_held: usize,
+    held_max: usize,
     /// The engine has a replay endpoint.
     can_replay: bool,
     /// Fingerprints of the last batches applied, by sequence number.
@@ -69,13 +69,13 @@ const RECENT: usize = 4096;
 
 impl<P: AsRef<[u8]>> Sequencer<P> {
     /// A sequencer; `can_replay` when the engine has a replay endpoint.
-    pub fn new(can_replay: bool, max_held: usize) -> Self {
+    pub fn new(can_replay: bool, held_max: usize) -> Self {
         Sequencer {
             next: None,
             replaying: None,
             covered: None,
             held: VecDeque::new(),
-            max_held,
+            held_max,
             can_replay,
             recent: HashMap::new(),
             recent_order: VecDeque::new(),
@@ -138,7 +138,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// A live batch.
     pub fn live(&mut self, seq: u64, payload: P, out: &mut Vec<Action<P>>) {
         if self.replaying.is_some() {
-            if self.held.len() >= self.max_held {
+            if self.held.len() >= self.held_max {
                 self.held.pop_front();
             }
             self.held.push_back((seq, payload));

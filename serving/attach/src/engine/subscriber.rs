@@ -36,13 +36,13 @@ pub struct SubscriberConfig {
     /// A replay that has not ended within this has failed.
     pub replay_timeout: Duration,
     /// Longest wait between connection attempts.
-    pub max_backoff: Duration,
+    pub backoff_max: Duration,
     /// Live batches held during a replay, at most.
-    pub max_held: usize,
+    pub held_max: usize,
     /// Publishers connected at once, at most (bound endpoint). A connection past it takes the
     /// place of the quietest one: a publisher that never delivered a message before one that
     /// did, then the one silent the longest; so idle strangers cannot keep the engine out.
-    pub max_connections: usize,
+    pub connections_max: usize,
     /// After a (re)connection, replay is asked again this often ([`Sequencer::catch_up`])
     /// until the live stream delivers its first batch, at most [`CATCH_UPS`] times.
     pub catch_up: Duration,
@@ -58,9 +58,9 @@ impl SubscriberConfig {
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(5),
             replay_timeout: Duration::from_secs(10),
-            max_backoff: Duration::from_secs(2),
-            max_held: 8192,
-            max_connections: 4,
+            backoff_max: Duration::from_secs(2),
+            held_max: 8192,
+            connections_max: 4,
             catch_up: Duration::from_secs(1),
         }
     }
@@ -231,7 +231,7 @@ async fn connect_loop(addr: String, cfg: SubscriberConfig, tx: mpsc::Sender<Live
             return;
         }
         tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(cfg.max_backoff);
+        backoff = (backoff * 2).min(cfg.backoff_max);
     }
 }
 
@@ -248,7 +248,7 @@ async fn accept_loop(listener: TcpListener, cfg: SubscriberConfig, tx: mpsc::Sen
         next += 1;
         {
             let mut s = slots.lock();
-            if s.len() >= cfg.max_connections.max(1) {
+            if s.len() >= cfg.connections_max.max(1) {
                 // The quietest publisher gives way: never delivered before delivered, then
                 // silent the longest.
                 let victim = s
@@ -344,7 +344,7 @@ async fn sequence_loop(
         }
         None => None,
     };
-    let mut seq: Sequencer<Vec<u8>> = Sequencer::new(replay_addr.is_some(), cfg.max_held);
+    let mut seq: Sequencer<Vec<u8>> = Sequencer::new(replay_addr.is_some(), cfg.held_max);
     let (rtx, mut rrx) = mpsc::channel::<Replayed>(1024);
     let mut actions = Vec::new();
     let mut replay_task: Option<tokio::task::JoinHandle<()>> = None;
@@ -433,7 +433,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn idle_peers_on_a_bound_endpoint_give_way_to_the_engine() {
         let mut cfg = SubscriberConfig::new(EventsEndpoint::Bind("tcp://127.0.0.1:0".into()));
-        cfg.max_connections = 4;
+        cfg.connections_max = 4;
         let mut sub = Subscriber::start(cfg).await.unwrap();
         let addr = sub.bound().unwrap();
         // Four strangers connect as publishers and never publish.

@@ -66,14 +66,14 @@ impl SocketType {
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// Largest message (all frames).
-    pub max_message: usize,
+    pub message_max: usize,
     /// Most frames in one message.
-    pub max_frames: usize,
+    pub frames_max: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_message: 64 << 20, max_frames: 8 }
+        Limits { message_max: 64 << 20, frames_max: 8 }
     }
 }
 
@@ -224,7 +224,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         let mut frames = Vec::new();
         let mut total = 0usize;
         loop {
-            let (flags, body) = self.read_frame(self.limits.max_message - total).await?;
+            let (flags, body) = self.read_frame(self.limits.message_max - total).await?;
             if flags & FLAG_COMMAND != 0 {
                 if !frames.is_empty() {
                     return Err(ZmtpError::Protocol("a command inside a message"));
@@ -236,10 +236,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             if flags & FLAG_MORE == 0 {
                 return Ok(frames);
             }
-            if frames.len() >= self.limits.max_frames {
+            if frames.len() >= self.limits.frames_max {
                 return Err(ZmtpError::TooLarge(format!(
                     "more than {} frames in a message",
-                    self.limits.max_frames
+                    self.limits.frames_max
                 )));
             }
         }
@@ -369,7 +369,7 @@ mod tests {
         let mut then = vec![FLAG_LONG];
         then.extend_from_slice(&u64::MAX.to_be_bytes());
         tokio::spawn(peer(b, b"PUB", then));
-        let limits = Limits { max_message: 1 << 20, max_frames: 4 };
+        let limits = Limits { message_max: 1 << 20, frames_max: 4 };
         let mut c = Connection::handshake(a, SocketType::Sub, limits, Duration::from_secs(5))
             .await
             .unwrap();

@@ -46,7 +46,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let (discovery, bus) = args.control.connect().await?;
     let cfg = RoutedConfig {
         router: args.routing.config(),
-        max_attempts: args.max_attempts.max(1),
+        attempts_max: args.max_attempts.max(1),
         name: args.name.clone(),
         first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
         stall_timeout: Duration::from_secs(args.http.stall_timeout_s),

@@ -242,7 +242,7 @@ impl PlannerArgs {
         Ok(PlannerConfig {
             interval: Duration::from_secs_f64(self.planner_interval_s),
             min_workers: self.planner_min_workers,
-            max_workers: self.planner_max_workers,
+            workers_max: self.planner_max_workers,
             targets,
             predictor: self.planner_predictor,
             profile: curves,

@@ -159,7 +159,7 @@ impl EngineOpts {
     pub fn disagg(&self) -> DisaggConfig {
         DisaggConfig {
             threshold_tokens: self.prefill_threshold,
-            max_queue: self.max_prefill_queue,
+            queue_max: self.max_prefill_queue,
             deadline: Duration::from_millis(self.prefill_deadline_ms.max(1)),
             transport: match self.kv_transport {
                 KvTransport::Auto => None,
@@ -205,7 +205,7 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
                     WeightsArg::Quantized => Weights::Quantized,
                 },
                 block_tokens: opts.block_tokens,
-                max_context: opts.context,
+                context_max: opts.context,
                 tokenizer_json: opts.tokenizer.clone(),
                 name: opts.served_model_name.clone(),
             };
@@ -233,8 +233,8 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
         name: name.to_string(),
         engine,
         scheduler: SchedulerConfig {
-            max_batch: opts.max_batch.max(1),
-            max_waiting: opts.max_waiting,
+            batch_max: opts.max_batch.max(1),
+            waiting_max: opts.max_waiting,
             step_tokens: opts.step_tokens.max(1),
             ..SchedulerConfig::default()
         },
