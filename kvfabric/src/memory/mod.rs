@@ -19,9 +19,10 @@
 //!
 //! Regions are treated like DMA memory: the engine copies bytes in and out through raw
 //! pointers, and concurrent transfers that overlap in one region see unspecified bytes (as with
-//! RDMA or NIXL). All `unsafe` of the data plane's memory access lives in this module.
+//! RDMA or NIXL). All `unsafe` of the data plane's memory access lives in this module and its two parts:
+//! [`mapping`] (a peer's shared region mapped here, for the shm transport) and `copy` (the
+//! copy that streams large blocks past the caches).
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -29,8 +30,12 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+mod copy;
+mod mapping;
 mod seal;
 
+use copy::copy_bytes;
+pub use mapping::{copy_with_peer, PeerMapping};
 pub use seal::{ShmSeal, SEAL_BYTES};
 
 /// Why a region operation failed.
@@ -851,179 +856,6 @@ impl RegionTable {
     }
 }
 
-/// A peer's shareable region mapped into this process (shm transport).
-pub struct PeerMapping {
-    ptr: NonNull<u8>,
-    len: usize,
-    _map: memmap2::MmapMut,
-}
-
-impl std::fmt::Debug for PeerMapping {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerMapping").field("len", &self.len).finish()
-    }
-}
-
-// SAFETY: the mapping lives as long as the PeerMapping; access is through raw copies only.
-unsafe impl Send for PeerMapping {}
-// SAFETY: as above.
-unsafe impl Sync for PeerMapping {}
-
-impl PeerMapping {
-    /// Maps a peer's `/dev/shm` file holding `len` bytes of region `region`, once its seal
-    /// proves that the agent `owner` of the deployment `seal` belongs to made it for that
-    /// region ([`ShmSeal`]). Nothing is mapped before the seal is checked.
-    pub fn open(
-        path: &Path,
-        len: usize,
-        seal: &ShmSeal,
-        owner: &str,
-        region: RegionId,
-    ) -> Result<Self, MemoryError> {
-        use std::os::unix::fs::{FileExt, OpenOptionsExt};
-        let err = |source| MemoryError::Shm { path: path.to_path_buf(), source };
-        // Paths come from peer metadata: only kvfabric's own shm files, never a symlink.
-        let file_name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .filter(|n| n.starts_with("kvfabric.") && path.parent() == Some(Path::new("/dev/shm")));
-        let Some(file_name) = file_name else {
-            return Err(err(std::io::Error::other("not a kvfabric shared-memory file")));
-        };
-        let file: File = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(path)
-            .map_err(err)?;
-        let meta = file.metadata().map_err(err)?;
-        let not_sealed = || MemoryError::NotSealed {
-            path: path.to_path_buf(),
-            owner: owner.to_string(),
-            region,
-        };
-        // The owner sized it to exactly the region and its seal.
-        if len == 0 || !meta.is_file() || meta.len() != len as u64 + SEAL_BYTES as u64 {
-            return Err(not_sealed());
-        }
-        let mut trailer = [0u8; SEAL_BYTES];
-        file.read_exact_at(&mut trailer, len as u64).map_err(err)?;
-        if !seal.check(&trailer, file_name, owner, region, len as u64) {
-            return Err(not_sealed());
-        }
-        // SAFETY: a shared mapping of a file the peer created and never truncates; if the
-        // peer dies the file's pages stay valid while mapped.
-        let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }.map_err(err)?;
-        let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or(MemoryError::ZeroLength)?;
-        Ok(PeerMapping { ptr, len, _map: map })
-    }
-
-    /// Pointer to a checked range of the mapping.
-    pub fn ptr_at(&self, offset: u64, len: u64) -> Option<*mut u8> {
-        let end = offset.checked_add(len)?;
-        if end > self.len as u64 {
-            return None;
-        }
-        // SAFETY: offset is within the mapping (checked above).
-        Some(unsafe { self.ptr.as_ptr().add(offset as usize) })
-    }
-
-    /// XXH3-64 of a checked range.
-    pub fn checksum(&self, offset: u64, len: u64) -> Option<u64> {
-        let p = self.ptr_at(offset, len)?;
-        // SAFETY: checked range of the live mapping, read only for this call.
-        Some(crate::hash::data_checksum(unsafe { std::slice::from_raw_parts(p, len as usize) }))
-    }
-}
-
-/// Copies between a local region and a peer mapping: `to_peer` writes into the mapping.
-pub fn copy_with_peer(
-    local: &Region,
-    local_offset: u64,
-    peer: &PeerMapping,
-    peer_offset: u64,
-    len: u64,
-    to_peer: bool,
-) -> Result<(), MemoryError> {
-    let l = local.ptr_at(local_offset, len)?;
-    let p = peer.ptr_at(peer_offset, len).ok_or(MemoryError::OutOfBounds {
-        id: RegionId(u64::MAX),
-        offset: peer_offset,
-        len,
-        region_len: peer.len as u64,
-    })?;
-    // SAFETY: both ranges are checked against live mappings; they are different mappings
-    // (even when backed by one file they are separate address ranges).
-    unsafe {
-        if to_peer {
-            copy_bytes(l, p, len as usize)
-        } else {
-            copy_bytes(p, l, len as usize)
-        }
-    }
-    Ok(())
-}
-
-/// Copies of at least this many bytes stream past the caches.
-const STREAM_MIN: usize = 256 << 10;
-
-/// `memmove`, except that a large copy between disjoint ranges writes with non-temporal
-/// stores: KV blocks moved between processes are not read again by the copying core soon, and
-/// streaming them skips the read-for-ownership of every destination line (glibc streams only
-/// copies larger than most of the last-level cache, far above a descriptor's size, so a
-/// transfer copied in 4 MiB slices ran at half of one whole-buffer memcpy).
-///
-/// # Safety
-/// `src` must be valid for reads and `dst` for writes of `len` bytes.
-unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
-    let disjoint = (src as usize).abs_diff(dst as usize) >= len;
-    #[cfg(target_arch = "x86_64")]
-    if len >= STREAM_MIN && disjoint {
-        // SAFETY: forwarded from the caller; the ranges do not overlap.
-        unsafe { stream_copy(src, dst, len) };
-        return;
-    }
-    let _ = disjoint;
-    // SAFETY: forwarded from the caller; memmove handles any overlap.
-    unsafe { std::ptr::copy(src, dst, len) }
-}
-
-/// Forward copy with 16-byte non-temporal stores (SSE2, present on every x86_64).
-///
-/// # Safety
-/// As [`copy_bytes`], and the ranges must not overlap.
-#[cfg(target_arch = "x86_64")]
-unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    // Up to the first 16-byte boundary of the destination, plainly.
-    let head = dst.align_offset(16).min(len);
-    // SAFETY: `head <= len`: in bounds of both ranges, which do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
-    let body = (len - head) / 64 * 64;
-    let mut i = head;
-    while i < head + body {
-        // SAFETY: `i + 64 <= len`: 64 bytes in bounds of both ranges; the destination is
-        // 16-byte aligned from `head` on, as `_mm_stream_si128` needs; loads are unaligned.
-        unsafe {
-            let s = src.add(i) as *const __m128i;
-            let d = dst.add(i) as *mut __m128i;
-            let (a, b) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
-            let (c, e) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
-            _mm_stream_si128(d, a);
-            _mm_stream_si128(d.add(1), b);
-            _mm_stream_si128(d.add(2), c);
-            _mm_stream_si128(d.add(3), e);
-        }
-        i += 64;
-    }
-    // SAFETY: the rest, `i..len`, in bounds; then order the streaming stores before any
-    // later store (the notification that the bytes are there).
-    unsafe {
-        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
-        _mm_sfence();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1089,34 +921,6 @@ mod tests {
         assert_eq!(dropped.load(Ordering::SeqCst), 0, "the table still holds the region");
         table.deregister(id).unwrap();
         assert_eq!(dropped.load(Ordering::SeqCst), 1);
-    }
-
-    #[test]
-    fn streaming_copies_equal_memmove_at_every_alignment_and_length() {
-        let n = STREAM_MIN * 2 + 333;
-        let src: Vec<u8> = (0..n + 64).map(|i| (i * 31 % 251) as u8).collect();
-        for (so, dofs, len) in [
-            (0, 0, STREAM_MIN),
-            (1, 0, STREAM_MIN + 1),
-            (3, 7, STREAM_MIN * 2 + 5),
-            (15, 9, n - 15),
-            (0, 0, 100),
-            (5, 3, 64),
-        ] {
-            let mut dst = vec![0u8; n + 64];
-            // SAFETY: both buffers hold `len` bytes past their offsets; they are disjoint.
-            unsafe { copy_bytes(src.as_ptr().add(so), dst.as_mut_ptr().add(dofs), len) };
-            assert_eq!(&dst[dofs..dofs + len], &src[so..so + len], "{so} {dofs} {len}");
-            assert!(
-                dst[..dofs].iter().all(|&b| b == 0) && dst[dofs + len..].iter().all(|&b| b == 0)
-            );
-        }
-        // Overlapping ranges (one region) still copy as memmove does.
-        let mut buf = src.clone();
-        let want: Vec<u8> = src[..n - 100].to_vec();
-        // SAFETY: both ranges lie in `buf`; they overlap, which `copy_bytes` allows.
-        unsafe { copy_bytes(buf.as_ptr(), buf.as_mut_ptr().add(100), n - 100) };
-        assert_eq!(&buf[100..n], &want[..]);
     }
 
     fn table() -> RegionTable {

@@ -1,0 +1,123 @@
+//! A peer's shareable region mapped into this process: what the shm transport copies through.
+//! Mapped when the peer is loaded (`crate::peer`), below the transports, and only once the
+//! file's seal proves it is this deployment's and the named agent's ([`ShmSeal`]).
+
+use std::fs::File;
+use std::path::Path;
+use std::ptr::NonNull;
+
+use super::copy::copy_bytes;
+use super::{MemoryError, Region, RegionId, ShmSeal, SEAL_BYTES};
+
+/// A peer's shareable region mapped into this process (shm transport).
+pub struct PeerMapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    _map: memmap2::MmapMut,
+}
+
+impl std::fmt::Debug for PeerMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerMapping").field("len", &self.len).finish()
+    }
+}
+
+// SAFETY: the mapping lives as long as the PeerMapping; access is through raw copies only.
+unsafe impl Send for PeerMapping {}
+// SAFETY: as above.
+unsafe impl Sync for PeerMapping {}
+
+impl PeerMapping {
+    /// Maps a peer's `/dev/shm` file holding `len` bytes of region `region`, once its seal
+    /// proves that the agent `owner` of the deployment `seal` belongs to made it for that
+    /// region ([`ShmSeal`]). Nothing is mapped before the seal is checked.
+    pub fn open(
+        path: &Path,
+        len: usize,
+        seal: &ShmSeal,
+        owner: &str,
+        region: RegionId,
+    ) -> Result<Self, MemoryError> {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        let err = |source| MemoryError::Shm { path: path.to_path_buf(), source };
+        // Paths come from peer metadata: only kvfabric's own shm files, never a symlink.
+        let file_name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .filter(|n| n.starts_with("kvfabric.") && path.parent() == Some(Path::new("/dev/shm")));
+        let Some(file_name) = file_name else {
+            return Err(err(std::io::Error::other("not a kvfabric shared-memory file")));
+        };
+        let file: File = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path)
+            .map_err(err)?;
+        let meta = file.metadata().map_err(err)?;
+        let not_sealed = || MemoryError::NotSealed {
+            path: path.to_path_buf(),
+            owner: owner.to_string(),
+            region,
+        };
+        // The owner sized it to exactly the region and its seal.
+        if len == 0 || !meta.is_file() || meta.len() != len as u64 + SEAL_BYTES as u64 {
+            return Err(not_sealed());
+        }
+        let mut trailer = [0u8; SEAL_BYTES];
+        file.read_exact_at(&mut trailer, len as u64).map_err(err)?;
+        if !seal.check(&trailer, file_name, owner, region, len as u64) {
+            return Err(not_sealed());
+        }
+        // SAFETY: a shared mapping of a file the peer created and never truncates; if the
+        // peer dies the file's pages stay valid while mapped.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }.map_err(err)?;
+        let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or(MemoryError::ZeroLength)?;
+        Ok(PeerMapping { ptr, len, _map: map })
+    }
+
+    /// Pointer to a checked range of the mapping.
+    pub fn ptr_at(&self, offset: u64, len: u64) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        if end > self.len as u64 {
+            return None;
+        }
+        // SAFETY: offset is within the mapping (checked above).
+        Some(unsafe { self.ptr.as_ptr().add(offset as usize) })
+    }
+
+    /// XXH3-64 of a checked range.
+    pub fn checksum(&self, offset: u64, len: u64) -> Option<u64> {
+        let p = self.ptr_at(offset, len)?;
+        // SAFETY: checked range of the live mapping, read only for this call.
+        Some(crate::hash::data_checksum(unsafe { std::slice::from_raw_parts(p, len as usize) }))
+    }
+}
+
+/// Copies between a local region and a peer mapping: `to_peer` writes into the mapping.
+pub fn copy_with_peer(
+    local: &Region,
+    local_offset: u64,
+    peer: &PeerMapping,
+    peer_offset: u64,
+    len: u64,
+    to_peer: bool,
+) -> Result<(), MemoryError> {
+    let l = local.ptr_at(local_offset, len)?;
+    let p = peer.ptr_at(peer_offset, len).ok_or(MemoryError::OutOfBounds {
+        id: RegionId(u64::MAX),
+        offset: peer_offset,
+        len,
+        region_len: peer.len as u64,
+    })?;
+    // SAFETY: both ranges are checked against live mappings; they are different mappings
+    // (even when backed by one file they are separate address ranges).
+    unsafe {
+        if to_peer {
+            copy_bytes(l, p, len as usize)
+        } else {
+            copy_bytes(p, l, len as usize)
+        }
+    }
+    Ok(())
+}

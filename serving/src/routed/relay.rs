@@ -1,0 +1,484 @@
+//! A request's way through the routed backend: routed, sent to a worker (kvfabric's request
+//! port, or an engine's OpenAI API), its events relayed; retried on another worker before its
+//! first token, moved to another after it when its worker stalls or breaks.
+
+use super::*;
+
+impl Inner {
+    /// Picks a worker for a request, avoiding `tried`.
+    pub(super) fn route(
+        &self,
+        model: &str,
+        request_id: u64,
+        prompt: &[u32],
+        tried: &[WorkerId],
+    ) -> Option<(String, SocketAddr, WorkerApi)> {
+        let draw = self.rng.lock().next_f64();
+        let now = self.epoch.elapsed().as_secs_f64();
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let m = st.models.get_mut(model)?;
+        let hashes = m.hasher.sequence_hashes(prompt);
+        let d = m.router.route(&self.index, request_id, &hashes, prompt.len() as u64, now, draw)?;
+        let mut wid = d.worker;
+        // Avoid what failed for this request, and workers that are penalised for being slow
+        // unless every other worker failed already.
+        let clock = Instant::now();
+        let penalised = |w: &WorkerId| {
+            st.by_id
+                .get(w)
+                .and_then(|n| st.workers.get(n))
+                .and_then(|e| e.penalty_until)
+                .is_some_and(|t| t > clock)
+        };
+        // A worker that refused our secret cannot serve anything: never chosen.
+        let refused = |w: &WorkerId| {
+            st.by_id
+                .get(w)
+                .and_then(|n| st.workers.get(n))
+                .and_then(|e| e.refused.as_ref())
+                .is_some_and(|(t, _)| *t > clock)
+        };
+        let workers: Vec<WorkerId> = m.router.workers().to_vec();
+        let usable = |w: &WorkerId| !tried.contains(w) && !refused(w);
+        let fresh = |w: &WorkerId| usable(w) && !penalised(w);
+        let avoid_slow = workers.iter().any(fresh);
+        if !usable(&wid) || (avoid_slow && penalised(&wid)) {
+            m.router.free(request_id);
+            wid = if avoid_slow {
+                *workers.iter().find(|w| fresh(w))?
+            } else {
+                *workers.iter().find(|w| usable(w))?
+            };
+        }
+        let name = st.by_id.get(&wid)?.clone();
+        let w = st.workers.get_mut(&name)?;
+        w.served += 1;
+        Some((name, w.addr, w.api.clone()))
+    }
+
+    pub(super) fn with_router(&self, model: &str, f: impl FnOnce(&mut Router)) {
+        if let Some(m) = self.state.lock().models.get_mut(model) {
+            f(&mut m.router);
+        }
+    }
+
+    pub(super) async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: EventTx) {
+        let deadline = tokio::time::Instant::now() + req.timeout;
+        let mut tried: Vec<WorkerId> = Vec::new();
+        let mut last_err: Option<String> = None;
+        let (prompt, max_tokens) = (req.prompt.clone(), req.max_tokens);
+        let mut wreq = WorkerRequest { model: model.clone(), request: req };
+        let mut progress = Progress { ids_known: true, ..Progress::default() };
+        let mut migrations = 0u32;
+        for attempt in 0..self.cfg.attempts_max.max(1) {
+            let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let Some((name, addr, api)) = self.route(&model, rid, &wreq.request.prompt, &tried)
+            else {
+                break;
+            };
+            self.stats.routed.fetch_add(1, Ordering::Relaxed);
+            if attempt > 0 {
+                self.stats.retries.fetch_add(1, Ordering::Relaxed);
+            }
+            let target = Target { model: &model, rid, name: &name, addr };
+            let outcome = match &api {
+                WorkerApi::Kvfabric { .. } => {
+                    self.relay(target, &wreq, &tx, deadline, &mut progress).await
+                }
+                WorkerApi::OpenAi { model: engine_model } => {
+                    self.relay_openai(
+                        target,
+                        engine_model,
+                        &wreq.request,
+                        &tx,
+                        deadline,
+                        &mut progress,
+                    )
+                    .await
+                }
+            };
+            self.with_router(&model, |r| r.free(rid));
+            match outcome {
+                Relay::Finished => return,
+                Relay::Retry(why) => {
+                    tracing::info!(worker = %name, reason = %why, "retrying on another worker");
+                    tried.push(worker_id(&name));
+                    last_err = Some(format!("worker {name}: {why}"));
+                }
+                Relay::Failed(why) => {
+                    tried.push(worker_id(&name));
+                    let left = max_tokens.saturating_sub(progress.generated.len());
+                    let can_move = migrations < self.cfg.migrations_max
+                        && progress.ids_known
+                        && tokio::time::Instant::now() < deadline;
+                    if can_move && left == 0 {
+                        let _ = tx.send(GenEvent::Done {
+                            reason: crate::engine::FinishReason::Length,
+                            completion_tokens: progress.generated.len(),
+                            text: String::new(),
+                        });
+                        return;
+                    }
+                    if !can_move {
+                        self.stats.failed_mid_stream.fetch_add(1, Ordering::Relaxed);
+                        let e = EngineError::model(format!(
+                            "worker {name} failed after streaming had started: {why}"
+                        ));
+                        let _ = tx.send(GenEvent::Error(e));
+                        return;
+                    }
+                    // The next worker continues from the prompt and the tokens sent.
+                    migrations += 1;
+                    self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(worker = %name, reason = %why, tokens = progress.generated.len(),
+                        "a stream broke after its first token: moving it to another worker");
+                    wreq.request.prompt = [&prompt[..], &progress.generated[..]].concat();
+                    wreq.request.max_tokens = left;
+                    progress.moved = true;
+                    progress.counted_before = progress.generated.len();
+                    last_err = Some(format!("worker {name}: {why}"));
+                }
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                let _ = tx
+                    .send(GenEvent::Error(EngineError::Deadline { timeout: wreq.request.timeout }));
+                return;
+            }
+            wreq.request.timeout = deadline - now;
+        }
+        self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
+        let refused: Vec<String> = {
+            let st = self.state.lock();
+            let now = Instant::now();
+            let mut v: Vec<String> = st
+                .workers
+                .iter()
+                .filter(|(_, w)| w.model == model)
+                .filter_map(|(n, w)| {
+                    w.refused
+                        .as_ref()
+                        .filter(|(t, _)| *t > now)
+                        .map(|(_, why)| format!("{n} {why}"))
+                })
+                .collect();
+            v.sort();
+            v
+        };
+        let msg = match last_err {
+            Some(e) => format!("no worker could serve {model:?} ({e})"),
+            None if !refused.is_empty() => {
+                format!("no worker can serve {model:?}: {}", refused.join("; "))
+            }
+            None => format!("no worker serves {model:?} now"),
+        };
+        let _ = tx.send(GenEvent::Error(EngineError::Unavailable { message: msg }));
+    }
+
+    async fn relay(
+        &self,
+        t: Target<'_>,
+        wreq: &WorkerRequest,
+        tx: &EventTx,
+        deadline: tokio::time::Instant,
+        progress: &mut Progress,
+    ) -> Relay {
+        let Target { model, rid, name, addr } = t;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let auth = Auth { name: self.cfg.name.clone(), secret: self.cfg.secret.clone() };
+        let timeout = self.cfg.connect_timeout.min(left);
+        let mut conn = match self.pool.request(addr, name, &auth, wreq, timeout).await {
+            Ok(c) => c,
+            Err(e) if e.is_auth() || e.is_version() => {
+                self.refuse(name, &e);
+                return Relay::Retry(e.to_string());
+            }
+            Err(e) => {
+                // Refused, or no handshake in time (a frozen process): avoid it too.
+                self.penalise(name);
+                return Relay::Retry(e.to_string());
+            }
+        };
+        // Whether any event came back on this connection yet.
+        let mut answered = false;
+        let mut sent_token = false;
+        let first_token_by =
+            (tokio::time::Instant::now() + self.cfg.first_token_timeout).min(deadline);
+        // `Started` is held until the first token: a request retried elsewhere reports the
+        // worker that answered it.
+        let mut started: Option<GenEvent> = None;
+        let mut stall_by = deadline;
+        loop {
+            let until = if sent_token { stall_by.min(deadline) } else { first_token_by };
+            let frame = tokio::select! {
+                f = tokio::time::timeout_at(until, conn.next()) => f,
+                // The client went away: closing the connection cancels the worker's work.
+                _ = tx.closed() => return Relay::Finished,
+            };
+            // A kept connection that the worker closed before it read the request (it
+            // restarted, or closed it idle just then): the same request on a new one.
+            if conn.reused && !answered && matches!(frame, Ok(Ok(None) | Err(_))) {
+                match self.pool.fresh(addr, name, &auth, wreq, timeout).await {
+                    Ok(c) => conn = c,
+                    Err(e) => {
+                        self.penalise(name);
+                        return Relay::Retry(e.to_string());
+                    }
+                }
+                continue;
+            }
+            answered |= matches!(frame, Ok(Ok(Some(_))));
+            let ev = match frame {
+                Err(_) if !sent_token && until < deadline => {
+                    self.penalise(name);
+                    return Relay::Retry(format!(
+                        "no first token within {:?}",
+                        self.cfg.first_token_timeout
+                    ));
+                }
+                Err(_) if until < deadline => {
+                    self.penalise(name);
+                    self.stats.stalled_streams.fetch_add(1, Ordering::Relaxed);
+                    return Relay::Failed(format!("no token for {:?}", self.cfg.stall_timeout));
+                }
+                Err(_) => {
+                    tracing::warn!(worker = %name, first_token = sent_token, "request deadline reached waiting for the worker's next event");
+                    let _ = tx.send(GenEvent::Error(EngineError::Deadline {
+                        timeout: wreq.request.timeout,
+                    }));
+                    return Relay::Finished;
+                }
+                Ok(Ok(Some(ev))) => ev,
+                Ok(Ok(None)) => {
+                    let why = "the worker closed the connection".to_string();
+                    return if sent_token { Relay::Failed(why) } else { Relay::Retry(why) };
+                }
+                Ok(Err(e)) => {
+                    if e.is_version() {
+                        self.refuse(name, &e);
+                    }
+                    return if sent_token {
+                        Relay::Failed(e.to_string())
+                    } else {
+                        Relay::Retry(e.to_string())
+                    };
+                }
+            };
+            match ev {
+                GenEvent::Started { prompt_tokens, cached, remote_prefill, .. } => {
+                    // A stream that moved here has told its client how it started already.
+                    if !progress.started_sent {
+                        started = Some(GenEvent::Started {
+                            prompt_tokens,
+                            cached,
+                            worker: Some(name.to_string()),
+                            remote_prefill,
+                        });
+                    }
+                }
+                GenEvent::Token { id, .. } => {
+                    stall_by = tokio::time::Instant::now() + self.cfg.stall_timeout;
+                    if !sent_token {
+                        sent_token = true;
+                        self.with_router(model, |r| r.prefill_done(rid));
+                        self.forgive(name);
+                        progress.send_started(tx, started.take());
+                    }
+                    progress.generated.push(id);
+                    if tx.send(ev).is_err() {
+                        return Relay::Finished;
+                    }
+                }
+                GenEvent::Done { reason, text, completion_tokens } => {
+                    self.pool.give_back(conn);
+                    progress.send_started(tx, started.take());
+                    // Counted over every worker the stream had.
+                    let completion_tokens = progress.counted_before + completion_tokens;
+                    let _ = tx.send(GenEvent::Done { reason, completion_tokens, text });
+                    return Relay::Finished;
+                }
+                GenEvent::Cached(c) => match started.as_mut() {
+                    Some(GenEvent::Started { cached: sc, .. }) => *sc = c,
+                    _ if progress.started_sent && progress.moved => {}
+                    _ => {
+                        let _ = tx.send(GenEvent::Cached(c));
+                    }
+                },
+                GenEvent::Error(e) => {
+                    // The worker is done with the request; the connection is clean.
+                    self.pool.give_back(conn);
+                    let retryable =
+                        matches!(e, EngineError::Overloaded { .. } | EngineError::Stopped);
+                    if retryable && !sent_token {
+                        return Relay::Retry(e.to_string());
+                    }
+                    progress.send_started(tx, started.take());
+                    let _ = tx.send(GenEvent::Error(e));
+                    return Relay::Finished;
+                }
+            }
+        }
+    }
+}
+
+/// The worker a request attempt goes to.
+struct Target<'a> {
+    model: &'a str,
+    rid: u64,
+    name: &'a str,
+    addr: SocketAddr,
+}
+
+impl Inner {
+    /// Serves an attempt on an engine behind its OpenAI-compatible API: the prompt goes as
+    /// token ids to `/v1/completions`, streamed; the chunks become generation events. The
+    /// same rules as for kvfabric's workers: no first token in time, or an error before it,
+    /// and the request is retried elsewhere; after it, the request fails. Token ids are those
+    /// the engine sends (`token_ids`), else 0: the text is what the client gets.
+    async fn relay_openai(
+        &self,
+        t: Target<'_>,
+        engine_model: &str,
+        req: &GenerateRequest,
+        tx: &EventTx,
+        deadline: tokio::time::Instant,
+        progress: &mut Progress,
+    ) -> Relay {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let first_token_by =
+            (tokio::time::Instant::now() + self.cfg.first_token_timeout).min(deadline);
+        let body = openai::completion_body(engine_model, req);
+        let head_within = self.cfg.first_token_timeout.min(left);
+        let started = tokio::select! {
+            s = openai::start(t.addr, &body, head_within) => s,
+            _ = tx.closed() => return Relay::Finished,
+        };
+        let mut stream = match started {
+            Ok(s) => s,
+            Err(e) => {
+                if matches!(e, openai::OpenAiError::Connect { .. }) {
+                    self.penalise(t.name);
+                }
+                if e.retryable() {
+                    return Relay::Retry(e.to_string());
+                }
+                let _ = tx.send(GenEvent::Error(EngineError::invalid(e.to_string())));
+                return Relay::Finished;
+            }
+        };
+        let mut started = (!progress.started_sent).then(|| GenEvent::Started {
+            prompt_tokens: req.prompt.len(),
+            cached: Default::default(),
+            worker: Some(t.name.to_string()),
+            remote_prefill: None,
+        });
+        let (mut sent_token, mut reason, mut chunks) = (false, None, 0usize);
+        let mut stall_by = deadline;
+        loop {
+            let until = if sent_token { stall_by.min(deadline) } else { first_token_by };
+            let chunk = tokio::select! {
+                c = tokio::time::timeout_at(until, stream.next()) => c,
+                _ = tx.closed() => return Relay::Finished,
+            };
+            let chunk = match chunk {
+                Err(_) if !sent_token && until < deadline => {
+                    self.penalise(t.name);
+                    return Relay::Retry(format!(
+                        "no first token within {:?}",
+                        self.cfg.first_token_timeout
+                    ));
+                }
+                Err(_) if until < deadline => {
+                    self.penalise(t.name);
+                    self.stats.stalled_streams.fetch_add(1, Ordering::Relaxed);
+                    return Relay::Failed(format!("no token for {:?}", self.cfg.stall_timeout));
+                }
+                Err(_) => {
+                    let _ =
+                        tx.send(GenEvent::Error(EngineError::Deadline { timeout: req.timeout }));
+                    return Relay::Finished;
+                }
+                Ok(Err(e)) if sent_token => return Relay::Failed(e.to_string()),
+                Ok(Err(e)) => return Relay::Retry(e.to_string()),
+                Ok(Ok(c)) => c,
+            };
+            match chunk {
+                Some(openai::Chunk::Text { text, token_ids }) => {
+                    stall_by = tokio::time::Instant::now() + self.cfg.stall_timeout;
+                    if !sent_token {
+                        sent_token = true;
+                        self.with_router(t.model, |r| r.prefill_done(t.rid));
+                        self.forgive(t.name);
+                        progress.send_started(tx, started.take());
+                    }
+                    // An engine that does not return token ids: the stream cannot move.
+                    progress.ids_known &= !token_ids.is_empty();
+                    progress.generated.extend_from_slice(&token_ids);
+                    chunks += token_ids.len().max(1);
+                    let id = token_ids.last().copied().unwrap_or(0);
+                    if tx.send(GenEvent::Token { id, text }).is_err() {
+                        return Relay::Finished;
+                    }
+                }
+                Some(openai::Chunk::Finish(r)) => reason = Some(r),
+                Some(openai::Chunk::Usage { completion_tokens, cached }) => {
+                    // Counted over every worker the stream had.
+                    progress.counted = progress.counted_before + completion_tokens;
+                    if let Some(c) = cached.filter(|_| !progress.moved) {
+                        match started.as_mut() {
+                            Some(GenEvent::Started { cached: sc, .. }) => *sc = c,
+                            _ => {
+                                let _ = tx.send(GenEvent::Cached(c));
+                            }
+                        }
+                    }
+                }
+                None => {
+                    progress.send_started(tx, started.take());
+                    let Some(reason) = reason else {
+                        let why = "the engine ended the stream without a finish reason".to_string();
+                        return if sent_token { Relay::Failed(why) } else { Relay::Retry(why) };
+                    };
+                    let completion_tokens = progress.counted.max(progress.counted_before + chunks);
+                    let _ =
+                        tx.send(GenEvent::Done { reason, completion_tokens, text: String::new() });
+                    return Relay::Finished;
+                }
+            }
+        }
+    }
+}
+
+enum Relay {
+    Finished,
+    Retry(String),
+    Failed(String),
+}
+
+/// What the client was sent of a request so far, over every worker that served it.
+#[derive(Debug, Default)]
+struct Progress {
+    /// `Started` was sent (a stream that moves does not start again).
+    started_sent: bool,
+    /// The stream moved to another worker at least once.
+    moved: bool,
+    /// The tokens sent, in order.
+    generated: Vec<u32>,
+    /// Every token's id is known (an OpenAI engine may not return them): the stream can move.
+    ids_known: bool,
+    /// Completion tokens the engines reported (OpenAI usage), this attempt's included.
+    counted: usize,
+    /// ... before this attempt.
+    counted_before: usize,
+}
+
+impl Progress {
+    /// Sends `started` if the client has not had one.
+    fn send_started(&mut self, tx: &EventTx, started: Option<GenEvent>) {
+        if let Some(s) = started.filter(|_| !self.started_sent) {
+            let _ = tx.send(s);
+        }
+        self.started_sent = true;
+    }
+}
