@@ -37,7 +37,10 @@ pub mod completion;
 pub mod device;
 #[cfg(test)]
 mod fake;
+mod gpu;
+mod mailbox;
 pub mod plan;
+mod poller;
 pub mod raw;
 pub mod verbs;
 
@@ -60,6 +63,11 @@ use device::{Access, Cq, Device, Mr, OpenOptions, Qp};
 use exchange::{Accept, Connect, Mailbox, RegionKey, MAILBOX_HEADER_BYTES};
 
 pub use device::DeviceInfo;
+pub(crate) use gpu::gpu_direct;
+pub use gpu::GpuDirect;
+use gpu::{peermem_loaded, register_gpu};
+use mailbox::*;
+use poller::*;
 pub use verbs::Unavailable;
 
 /// The names of the settings [`RdmaConfig::from_settings`] reads: the device (or `auto`,
@@ -193,112 +201,6 @@ struct Connection {
     _budget: QpBudget,
 }
 
-/// The sender's side of a peer's mailbox: one staging slot, and the next sequence number;
-/// notifications to one peer go one at a time (their order on the first queue pair is the
-/// order of their sequence numbers, which name the mailbox slots).
-#[derive(Debug)]
-struct Outbox {
-    // Declared before the buffer it registers: dropped first.
-    mr: Mr,
-    buf: RawBuf,
-    seq: tokio::sync::Mutex<u32>,
-}
-
-/// The owner's side: where one peer's notifications land, `MAILBOX_SLOTS` slots written by
-/// WRITEs with immediate data. A slot is copied out when its receive completes and the
-/// receive posted again at once; the notification goes to the inbox's one delivery task, in
-/// order, which waits for room in the agent's queue. Past `INBOX_BACKLOG` waiting
-/// notifications (a consumer that does not drain), new ones are dropped, counted and logged
-/// rather than stalling the peer's data (which shares the queue pair).
-#[derive(Debug)]
-struct Inbox {
-    // Declared before the buffer it registers: dropped first.
-    _mr: Mr,
-    buf: RawBuf,
-    id: u32,
-    slot_bytes: u32,
-    peer: String,
-    conn: Weak<Connection>,
-    deliveries: tokio::sync::mpsc::Sender<crate::endpoint::Notification>,
-}
-
-/// Notifications an inbox holds for delivery at most.
-const INBOX_BACKLOG: usize = 4096;
-/// How long a peer's replaced incoming connection lives on (its last work and notifications).
-const RETIRE_GRACE: Duration = Duration::from_secs(5);
-
-/// A zeroed heap buffer that the adapter reads or writes while we hold it: only raw pointers
-/// touch its bytes (no reference to them is ever made).
-#[derive(Debug)]
-struct RawBuf {
-    ptr: std::ptr::NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: a plain heap allocation; concurrent access is ordered by the protocol around it
-// (staged under the sequence lock, copied out after its receive completed).
-unsafe impl Send for RawBuf {}
-// SAFETY: as above.
-unsafe impl Sync for RawBuf {}
-
-impl RawBuf {
-    fn zeroed(len: usize) -> RawBuf {
-        let layout = std::alloc::Layout::from_size_align(len.max(1), 64).expect("a small buffer");
-        // SAFETY: a non-zero size.
-        let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr =
-            std::ptr::NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        RawBuf { ptr, len: len.max(1) }
-    }
-
-    fn addr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-
-    /// A copy of `len` bytes at `at`; None when they are not all inside.
-    fn copy_out(&self, at: usize, len: usize) -> Option<Vec<u8>> {
-        if at.checked_add(len)? > self.len {
-            return None;
-        }
-        let mut v = vec![0u8; len];
-        // SAFETY: the range is inside the allocation (checked); bytes copied through raw
-        // pointers only.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), v.as_mut_ptr(), len) };
-        Some(v)
-    }
-
-    /// Writes `parts` one after the other from offset 0; false when they do not fit.
-    fn stage(&self, parts: &[&[u8]]) -> bool {
-        let total: usize = parts.iter().map(|p| p.len()).sum();
-        if total > self.len {
-            return false;
-        }
-        let mut at = 0;
-        for p in parts {
-            // SAFETY: inside the allocation (the total fits); raw pointers only.
-            unsafe {
-                std::ptr::copy_nonoverlapping(p.as_ptr(), self.ptr.as_ptr().add(at), p.len())
-            };
-            at += p.len();
-        }
-        true
-    }
-}
-
-impl Drop for RawBuf {
-    fn drop(&mut self) {
-        let layout = std::alloc::Layout::from_size_align(self.len, 64).expect("as allocated");
-        // SAFETY: allocated in `zeroed` with this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
-    }
-}
-
-/// Slots of a notification mailbox (receives posted on the first queue pair).
-const MAILBOX_SLOTS: u16 = device::RECV_DEPTH as u16;
-/// The queue pair index of receives' work request ids (no connection has that many queue
-/// pairs); their transfer field is the inbox's id.
-const RECV_QP: u8 = u8::MAX;
-
 impl Connection {
     fn new(qps: Vec<Qp>, depth: u32, keys: HashMap<u64, RegionKey>, budget: QpBudget) -> Self {
         let depth = qps.iter().map(Qp::depth).min().unwrap_or(1).min(depth).max(1);
@@ -429,94 +331,6 @@ pub struct RdmaTransport {
     refused: Mutex<HashMap<RegionId, (Instant, String)>>,
     /// Peers that refused a connection: when, and why ([`RdmaTransport::refused_by`]).
     refused_by: Mutex<HashMap<String, (Instant, String)>>,
-}
-
-/// How the adapter reaches GPU memory (GPUDirect RDMA).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuDirect {
-    /// A dma-buf the CUDA driver exports, registered with `ibv_reg_dmabuf_mr` (Linux 5.12,
-    /// rdma-core 34, an open NVIDIA kernel module).
-    DmaBuf,
-    /// The device address registered with plain `ibv_reg_mr`, which the `nvidia-peermem`
-    /// kernel module resolves.
-    PeerMem,
-}
-
-impl std::fmt::Display for GpuDirect {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            GpuDirect::DmaBuf => "dma-buf",
-            GpuDirect::PeerMem => "nvidia-peermem",
-        })
-    }
-}
-
-/// Registers GPU memory at device address `addr` the way `how` says, addressed by that
-/// address (the iova of a dma-buf's registration), as host memory is by its own.
-///
-/// # Safety
-/// The memory must stay allocated until the registration is dropped; `dmabuf` must export
-/// exactly it.
-unsafe fn register_gpu(
-    dev: &Arc<Device>,
-    how: GpuDirect,
-    dmabuf: impl FnOnce() -> Result<crate::cuda::DmaBuf, String>,
-    addr: u64,
-    len: usize,
-    access: Access,
-) -> Result<Mr, String> {
-    use std::os::fd::AsFd;
-    match how {
-        GpuDirect::DmaBuf => {
-            let buf = dmabuf()?;
-            // SAFETY: the caller keeps the memory; the descriptor is live for the call (the
-            // registration holds the buffer after it).
-            unsafe { dev.register_dmabuf(buf.fd.as_fd(), buf.offset, len, addr, access) }
-        }
-        // SAFETY: as above; nvidia-peermem resolves the device address.
-        GpuDirect::PeerMem => unsafe { dev.register(addr as *mut u8, len, access) },
-    }
-    .map_err(|e| e.to_string())
-}
-
-/// Whether the nvidia-peermem module is loaded (the adapter then registers GPU memory by its
-/// device address).
-fn peermem_loaded() -> bool {
-    std::path::Path::new("/sys/module/nvidia_peermem").exists()
-}
-
-/// How this host's adapter can reach GPU memory, or why it cannot: a dma-buf where both the
-/// verbs library and a GPU's driver support them, else `nvidia-peermem` where it is loaded.
-#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-pub(crate) fn gpu_direct(dev: &Device) -> Result<GpuDirect, String> {
-    #[cfg(test)]
-    if dev.info().name == fake::DEVICE {
-        return Ok(GpuDirect::DmaBuf);
-    }
-    let cuda = crate::cuda::probe().map_err(|e| e.to_string())?;
-    #[cfg(feature = "cuda")]
-    {
-        let dmabuf_gpus =
-            cuda.devices().iter().filter(|d| d.dmabuf_supported().unwrap_or(false)).count();
-        if dev.has_dmabuf() && dmabuf_gpus > 0 {
-            return Ok(GpuDirect::DmaBuf);
-        }
-        if peermem_loaded() {
-            return Ok(GpuDirect::PeerMem);
-        }
-        Err(format!(
-            "GPU memory cannot be registered with {}: {}, and the nvidia-peermem module is not \
-             loaded",
-            dev.info().name,
-            if dev.has_dmabuf() {
-                "no GPU's driver exports dma-bufs"
-            } else {
-                "its libibverbs cannot register dma-bufs (rdma-core 34)"
-            }
-        ))
-    }
-    #[cfg(not(feature = "cuda"))]
-    match cuda {}
 }
 
 impl RdmaTransport {
@@ -1260,175 +1074,6 @@ pub const REGISTER_RETRY: Duration = Duration::from_secs(60);
 /// How long the agent routes to a peer that refused an RDMA connection over TCP before it
 /// tries RDMA again.
 pub const PEER_RETRY: Duration = Duration::from_secs(30);
-
-/// How long the completion thread spins on an empty queue before it sleeps until the next
-/// completion (completions of a busy transfer come every few microseconds).
-const SPIN: Duration = Duration::from_micros(50);
-/// Longest sleep of the completion thread: it then looks at its stop flag.
-const SLEEP_MAX: Duration = Duration::from_millis(20);
-
-/// The completion queue failed (its device is gone): transfers in flight fail with `e`, and
-/// the transport stops ([`RdmaTransport::failure`]: the agent routes over TCP).
-fn device_failed(shared: &Shared, e: &device::VerbsError) {
-    tracing::error!(error = %e, "RDMA completion queue failed; transfers in flight fail, later ones go over TCP");
-    *shared.poll_error.lock() = Some(e.to_string());
-    for f in shared.inflight.lock().values() {
-        f.wake.notify_one();
-    }
-}
-
-fn poll_loop(cq: &Cq, shared: &Shared) {
-    let mut wc = vec![verbs::IbvWc::default(); 64];
-    let mut idle = 0u32;
-    let mut busy = Instant::now();
-    // With a completion channel: armed for the next completion's event.
-    let (mut events, mut armed) = (cq.has_channel(), false);
-    while !shared.stop.load(Ordering::Acquire) {
-        let n = match cq.poll(&mut wc) {
-            Ok(n) => n,
-            Err(e) => return device_failed(shared, &e),
-        };
-        if n == 0 {
-            if busy.elapsed() < SPIN {
-                std::hint::spin_loop();
-                continue;
-            }
-            if events {
-                // Sleep until the adapter has a completion: arm, poll once more (one that
-                // came before the arm raises no event), then wait for the event.
-                if !armed {
-                    match cq.arm() {
-                        Ok(()) => armed = true,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "RDMA: completion events failed; the completion queue is polled");
-                            events = false;
-                        }
-                    }
-                    continue;
-                }
-                armed = false;
-                match cq.wait(SLEEP_MAX) {
-                    // Completions are coming: spin again for the next ones.
-                    Ok(true) => {
-                        shared.woken.fetch_add(1, Ordering::Relaxed);
-                        busy = Instant::now();
-                    }
-                    // Nothing came: arm again and poll once more before the next sleep (a
-                    // queue armed twice raises one event).
-                    Ok(false) => {}
-                    // A provider whose polls go on answering "nothing" for a gone device
-                    // (the queue lives in user memory): the channel is what says so.
-                    Err(e) if e.call == device::CHANNEL_GONE => return device_failed(shared, &e),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "RDMA: completion events failed; the completion queue is polled");
-                        events = false;
-                    }
-                }
-                continue;
-            }
-            // No channel: back off to sleeps of up to 1 ms.
-            idle = idle.saturating_add(1);
-            std::thread::sleep(Duration::from_micros(u64::from(idle.min(1000))));
-            continue;
-        }
-        idle = 0;
-        busy = Instant::now();
-        let table = shared.inflight.lock();
-        for c in &wc[..n] {
-            let id = WrId::unpack(c.wr_id);
-            if id.qp == RECV_QP {
-                received(shared, id.transfer, c);
-                continue;
-            }
-            let Some(f) = table.get(&id.transfer) else { continue };
-            let q = usize::from(id.qp);
-            let (p, freed) = {
-                let mut t = f.tracker.lock();
-                let before = t.done(q);
-                let p = t.complete(q, id.index, c.status, c.vendor_err, &f.peer);
-                (p, t.done(q) - before)
-            };
-            f.conn.give_room(q, freed);
-            if matches!(p, Progress::Finished(_)) {
-                let (lock, cv) = &f.done;
-                *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
-                cv.notify_all();
-            }
-            f.wake.notify_one();
-        }
-    }
-}
-
-/// A receive of inbox `inbox` was consumed: a notification landed in its slot. It is copied
-/// out at once, delivered in order on the runtime, and the receive posted again once it was.
-fn received(shared: &Shared, inbox: u32, c: &verbs::IbvWc) {
-    let Some(inbox) = shared.inboxes.lock().get(&inbox).cloned() else { return };
-    if c.status != verbs::consts::WC_SUCCESS {
-        // A flushed receive: the connection is going. Anything else broke it.
-        if c.status != verbs::consts::WC_WR_FLUSH_ERR {
-            tracing::warn!(peer = %inbox.peer, status = completion::status_name(c.status), "RDMA: a mailbox receive failed; the connection is dropped");
-            if let Some(conn) = inbox.conn.upgrade() {
-                conn.fail();
-            }
-        }
-        return;
-    }
-    if c.opcode != verbs::consts::WC_RECV_RDMA_WITH_IMM {
-        return;
-    }
-    let seq = u32::from_be(c.imm_data);
-    let sb = inbox.slot_bytes as usize;
-    let at = (seq % u32::from(MAILBOX_SLOTS)) as usize * sb;
-    // The peer's bytes: hostile. Copy the slot out as it is, then check the copy.
-    let slot = inbox.buf.copy_out(at, sb);
-    // The slot is free once copied: its receive goes back at once (the next message for
-    // this slot needs it, and comes after this one). Senders are never held back here.
-    if let Some(conn) = inbox.conn.upgrade() {
-        let id = WrId { transfer: inbox.id, qp: RECV_QP, index: 0 }.pack();
-        if let Err(e) = conn.qps[0].post_receives(&[id]) {
-            tracing::warn!(peer = %inbox.peer, error = %e, "RDMA: a mailbox receive could not be posted again");
-        }
-    }
-    let Some(slot) = slot else { return };
-    let transfer_id = u64::from_le_bytes(slot[..8].try_into().unwrap_or_default());
-    let len = u32::from_le_bytes(slot[8..12].try_into().unwrap_or_default()) as usize;
-    if len > sb - MAILBOX_HEADER_BYTES {
-        tracing::warn!(peer = %inbox.peer, len, "RDMA: a notification longer than its mailbox slot was dropped");
-        return;
-    }
-    let message = slot[MAILBOX_HEADER_BYTES..MAILBOX_HEADER_BYTES + len].to_vec();
-    // In order, through the inbox's one delivery task; counted before it is handed over, so
-    // that whoever has the notification sees it counted.
-    match inbox.deliveries.try_reserve() {
-        Ok(permit) => {
-            shared.notifications_received.fetch_add(1, Ordering::Relaxed);
-            permit.send(crate::endpoint::Notification {
-                from: inbox.peer.clone(),
-                transfer_id,
-                message,
-            });
-        }
-        Err(_) => {
-            shared.notifications_dropped.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(peer = %inbox.peer, backlog = INBOX_BACKLOG, "RDMA: a notification was dropped: the agent's notification queue is not drained");
-        }
-    };
-}
-
-/// Reads and acknowledges the device's asynchronous events (a queue pair is destroyed only
-/// once its events are acknowledged), logging each kind once.
-fn event_loop(dev: &Device, shared: &Shared) {
-    let mut seen = std::collections::HashSet::new();
-    while !shared.stop.load(Ordering::Acquire) {
-        if let Some((what, qp)) = dev.async_event(Duration::from_millis(100)) {
-            if seen.insert(what) {
-                tracing::warn!(event = what, qp, device = %dev.info().name, "RDMA asynchronous event");
-            } else {
-                tracing::debug!(event = what, qp, "RDMA asynchronous event");
-            }
-        }
-    }
-}
 
 impl Drop for RdmaTransport {
     fn drop(&mut self) {
