@@ -155,6 +155,20 @@ async fn silent_connections_on_a_request_port_do_not_shut_frontends_out() {
     stack.shutdown().await;
 }
 
+/// A small completion request, distinct per `i`.
+fn completion(i: usize) -> serde_json::Value {
+    json!({ "model": "mock", "prompt": format!("request {i}"), "max_tokens": 2 })
+}
+
+/// Sends `n` completions to the frontend at `addr`: every one is served by `worker`.
+async fn all_served_by(addr: std::net::SocketAddr, n: usize, worker: &str) {
+    for i in 0..n {
+        let r = common::post_json(addr, "/v1/completions", &completion(i)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-kvfabric-worker"), Some(worker), "request {i}");
+    }
+}
+
 /// A worker of another request-protocol version (here one registered as the unversioned
 /// version 1) is known from its registration: shown refused with the versions in words, never
 /// sent a request, and named in the error when it is all that is left.
@@ -184,17 +198,11 @@ async fn a_worker_of_another_protocol_version_is_named_and_never_sent_a_request(
     assert_eq!(h["status"], "degraded", "{h}");
     let why = format!("speaks worker protocol 1, this frontend speaks {PROTOCOL}");
     assert!(h["reasons"][0].as_str().unwrap().contains(&why), "{h}");
-    let body =
-        |i: usize| json!({ "model": "mock", "prompt": format!("request {i}"), "max_tokens": 2 });
-    for i in 0..10 {
-        let r = common::post_json(addr, "/v1/completions", &body(i)).await;
-        assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(r.header("x-kvfabric-worker"), Some("w-good"), "request {i}");
-    }
+    all_served_by(addr, 10, "w-good").await;
     // Not a secret problem: nothing counted as one.
     assert_eq!(routed.stats().auth_failures.load(Ordering::Relaxed), 0);
     good_served.registration.revoke().await;
-    let r = common::post_json(addr, "/v1/completions", &body(99)).await;
+    let r = common::post_json(addr, "/v1/completions", &completion(99)).await;
     assert_eq!(r.status, 503, "{}", r.text());
     assert!(r.text().contains(&format!("w-old {why}")), "{}", r.text());
     old_reg.revoke().await;
@@ -223,17 +231,11 @@ async fn a_worker_with_another_secret_is_not_shown_healthy_and_gets_no_requests(
     assert!(h["reasons"][0].as_str().unwrap().contains("w-bad"), "{h}");
     let view = routed.dashboard();
     assert_eq!(view.workers.iter().find(|w| w.name == "w-bad").unwrap().state, "refused");
-    let body =
-        |i: usize| json!({ "model": "mock", "prompt": format!("request {i}"), "max_tokens": 2 });
-    for i in 0..10 {
-        let r = common::post_json(addr, "/v1/completions", &body(i)).await;
-        assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(r.header("x-kvfabric-worker"), Some("w-good"), "request {i}");
-    }
+    all_served_by(addr, 10, "w-good").await;
     assert_eq!(routed.stats().auth_failures.load(Ordering::Relaxed), 1, "no request tried w-bad");
     // With only the wrong-secret worker left: an outage, said as such.
     good_served.registration.revoke().await;
-    let r = common::post_json(addr, "/v1/completions", &body(99)).await;
+    let r = common::post_json(addr, "/v1/completions", &completion(99)).await;
     assert_eq!(r.status, 503, "{}", r.text());
     assert!(r.text().contains("w-bad refused this frontend's secret"), "{}", r.text());
     let h = common::get(addr, "/health").await;
