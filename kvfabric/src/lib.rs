@@ -52,6 +52,7 @@ pub mod events;
 pub mod gguf;
 pub mod hash;
 pub mod layout;
+pub mod lockfile;
 pub mod memory;
 pub mod peer;
 pub mod rng;

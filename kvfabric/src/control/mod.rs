@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
+pub mod file;
 pub mod memory;
 
 #[cfg(feature = "etcd")]
