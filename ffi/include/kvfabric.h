@@ -240,7 +240,10 @@ kvf_result kvf_result_text(uint32_t code, char *buf, size_t cap, size_t *len_out
 /**
  * Starts an agent (its own threads; no process-wide state) from `config` into
  * `*agent_out`. Reads: name, secret (required), listen, shm, worker_threads, etcd, nats,
- * namespace, deadline_ms, lease_ttl_ms. Free it with `kvf_agent_free`.
+ * namespace, deadline_ms, lease_ttl_ms, discovery_dir. Discovery is etcd's with `etcd`;
+ * else, with `discovery_dir`, a directory that the processes of one host share (an instance
+ * is there while its process lives; names are create-only); else in this agent alone.
+ * Free it with `kvf_agent_free`.
  *
  * # Safety
  * `config` is a live config; `agent_out` is valid for one write.

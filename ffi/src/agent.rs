@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use kvfabric::agent::{Agent, AgentConfig, AgentMetadata, Notification};
 use kvfabric::control::etcd::EtcdDiscovery;
+use kvfabric::control::file::FileDiscovery;
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::nats::NatsBus;
 use kvfabric::control::{Discovery, EventBus};
@@ -144,17 +145,21 @@ impl kvf_agent {
         let deadline = Duration::from_millis(cfg.num::<u64>("deadline_ms", 30_000).max(1));
         acfg.limits.transfer_deadline = deadline;
         let etcd = cfg.list("etcd");
+        let discovery_dir = cfg.str("discovery_dir").map(std::path::PathBuf::from);
         let nats = cfg.str("nats").map(String::from);
         let namespace = cfg.str("namespace").unwrap_or("default").to_string();
         let parts = rt.block_on(async {
             let agent = Agent::start(acfg).await?;
-            let discovery: Arc<dyn Discovery> = if etcd.is_empty() {
-                Arc::new(MemoryDiscovery::new())
-            } else {
+            let discovery: Arc<dyn Discovery> = if !etcd.is_empty() {
                 let d = EtcdDiscovery::connect(&etcd, &namespace).await?;
                 // The client connects lazily: ask once, so that a wrong endpoint fails here.
                 d.list(FABRIC_KIND).await?;
                 Arc::new(d)
+            } else if let Some(dir) = &discovery_dir {
+                // The processes of one host that share a directory find each other there.
+                Arc::new(FileDiscovery::open(dir)?)
+            } else {
+                Arc::new(MemoryDiscovery::new())
             };
             let bus: Arc<dyn EventBus> = match &nats {
                 Some(url) => Arc::new(NatsBus::connect(url, &namespace).await?),
@@ -213,7 +218,10 @@ pub(crate) fn copy_bytes(
 
 /// Starts an agent (its own threads; no process-wide state) from `config` into
 /// `*agent_out`. Reads: name, secret (required), listen, shm, worker_threads, etcd, nats,
-/// namespace, deadline_ms, lease_ttl_ms. Free it with `kvf_agent_free`.
+/// namespace, deadline_ms, lease_ttl_ms, discovery_dir. Discovery is etcd's with `etcd`;
+/// else, with `discovery_dir`, a directory that the processes of one host share (an instance
+/// is there while its process lives; names are create-only); else in this agent alone.
+/// Free it with `kvf_agent_free`.
 ///
 /// # Safety
 /// `config` is a live config; `agent_out` is valid for one write.

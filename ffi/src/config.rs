@@ -32,6 +32,11 @@ const KEYS: &[(&str, Kind, &str)] = &[
     ("namespace", Kind::Str, "namespace of discovery keys and bus subjects (default \"default\")"),
     ("deadline_ms", Kind::U64, "deadline of every transfer and remote call (default 30000)"),
     ("lease_ttl_ms", Kind::U64, "discovery lease of a serving store (default 10000)"),
+    (
+        "discovery_dir",
+        Kind::Str,
+        "without etcd: a directory the processes of one host share for discovery (default: none)",
+    ),
     // Store.
     ("block_tokens", Kind::U32, "tokens per block (default 16)"),
     ("block_bytes", Kind::U64, "bytes per block (or derive them from `model`)"),

@@ -181,3 +181,88 @@ fn discovery_remote_tier_and_events_over_etcd_and_nats() {
     agent_b.agent().deregister(rd).unwrap();
     drop(events);
 }
+
+/// Without etcd, processes of one host find each other in a shared directory
+/// (`discovery_dir`): a serving store registers there, a `remote` store finds it and loads
+/// its blocks, forgets it when it leaves, and a second store under a live name is refused.
+/// (Both agents run in this test process; the directory's lease is a per-file lock, which
+/// two handles in one process contend for as two processes would.)
+#[test]
+fn discovery_in_a_shared_directory_without_etcd() {
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = dir.path().join("nodes");
+    let nodes = nodes.to_str().unwrap();
+    let common = [
+        ("secret", "ffi-dir"),
+        ("discovery_dir", nodes),
+        ("block_tokens", "4"),
+        ("block_bytes", "4096"),
+        ("host_blocks", "32"),
+    ];
+    let mut ca = config(&common);
+    ca.set("name", "dir-a").unwrap();
+    ca.set("serve", "1").unwrap();
+    let mut cb = config(&common);
+    cb.set("name", "dir-b").unwrap();
+    cb.set("remote", "1").unwrap();
+    let agent_a = kvf_agent::new(&ca).unwrap();
+    let store_a = kvf_store::new(&agent_a, &ca).unwrap();
+    let agent_b = kvf_agent::new(&cb).unwrap();
+    let store_b = kvf_store::new(&agent_b, &cb).unwrap();
+
+    let tokens: Vec<u32> = (0..(2 * BT) as u32).map(|i| 700 + i).collect();
+    let mut src: Vec<u8> = (0..2 * BLOCK).map(|i| (i * 7 % 251) as u8).collect();
+    // SAFETY: `src` outlives the registration (deregistered below) and is not moved.
+    let rs = unsafe {
+        agent_a.agent().register_external(
+            std::ptr::NonNull::new(src.as_mut_ptr()).unwrap(),
+            src.len(),
+            false,
+        )
+    }
+    .unwrap()
+    .id();
+    let seg =
+        [kvf_segment { region: rs.0, offset: 0, block_stride: BLOCK as u64, bytes: BLOCK as u64 }];
+    let op = store_a.save(&tokens, 0, &[0, 1], &seg).unwrap();
+    assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 2);
+    drop(op);
+    wait_until("B to find A in the directory", || store_b.lookup(&tokens).unwrap().len() == 2);
+    let mut dst = vec![0u8; 2 * BLOCK];
+    // SAFETY: as above, for `dst`.
+    let rd = unsafe {
+        agent_b.agent().register_external(
+            std::ptr::NonNull::new(dst.as_mut_ptr()).unwrap(),
+            dst.len(),
+            false,
+        )
+    }
+    .unwrap()
+    .id();
+    let dseg =
+        [kvf_segment { region: rd.0, offset: 0, block_stride: BLOCK as u64, bytes: BLOCK as u64 }];
+    let op = store_b.load(&tokens, 0, &[1, 0], &dseg).unwrap();
+    assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 2);
+    drop(op);
+    assert_eq!(&dst[BLOCK..], &src[..BLOCK]);
+    assert_eq!(&dst[..BLOCK], &src[BLOCK..]);
+
+    // Another serving store under A's name, while A lives: refused.
+    let agent_c = kvf_agent::new(&ca).unwrap();
+    let refused = kvf_store::new(&agent_c, &ca);
+    assert!(refused.is_err(), "a second 'dir-a' was registered");
+    drop(agent_c);
+
+    // A leaves: B forgets its blocks (the ones B loaded stay in B's host tier).
+    let alt: Vec<u32> = (0..BT as u32).map(|i| 80_000 + i).collect();
+    let op = store_a.save(&alt, 0, &[0], &seg).unwrap();
+    assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 1);
+    drop(op);
+    wait_until("B to see A's other block", || store_b.lookup(&alt).unwrap().len() == 1);
+    drop(store_a);
+    agent_a.agent().deregister(rs).unwrap();
+    drop(agent_a);
+    wait_until("A's blocks to leave B's view", || store_b.lookup(&alt).unwrap().is_empty());
+    drop(store_b);
+    agent_b.agent().deregister(rd).unwrap();
+}

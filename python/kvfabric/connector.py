@@ -12,9 +12,10 @@ core and one worker process per rank). So:
 - The scheduler process (:class:`SchedulerLookup`) holds no KV. It asks the worker stores
   of its own instance (all ranks: a block counts only when every rank holds its shard)
   which leading run of a prompt they can provide, from their tiers and the fabric.
-- Engines share KV through the fabric: other instances' worker stores (found in discovery
-  when ``etcd`` is configured, else in the node directory) or dedicated ``kvfabric fabric``
-  nodes are the remote tier. With ``share``, every saved block is also put to the fabric,
+- Engines share KV through the fabric: other instances' worker stores of the same rank
+  (found in discovery: etcd's when ``etcd`` is configured, else a directory per rank under
+  the node directory, which the store itself registers in and follows) or dedicated
+  ``kvfabric fabric`` nodes are the remote tier. With ``share``, every saved block is also put to the fabric,
   which is needed when more than two stores share (each block has one home on the ring).
 
 Failures never reach the engine as exceptions: an unreachable worker store or fabric is a
@@ -217,13 +218,15 @@ class WorkerStore:
             advertise=_flag(cfg.get("serve"), True),
             remote=remote,
         )
-        self._discovery = remote and "etcd" not in cfg
+        if remote and "etcd" not in cfg:
+            # Without etcd, this rank's stores of every instance on the host find each other
+            # in a directory of the rank's own (kvfabric's file discovery: an entry lives as
+            # long as its process): the store registers there and follows the others.
+            scfg["discovery_dir"] = os.path.join(self._nodes.path, f"rank{rank}")
         self.agent, self.store = _open(scfg)
         self.block_tokens, self.block_bytes = self.store.block_tokens, self.store.block_bytes
+        # The scheduler process finds its own instance's worker stores here.
         self._nodes.publish(self.key, self.store.node_info())
-        self._peers: dict[str, bytes] = {}
-        self._scanned = 0.0
-        self.scan_peers(force=True)
         self._segments = None
         self._saves: dict[str, list] = {}  # req id -> save ops still running
         self._lock = threading.Lock()
@@ -235,30 +238,6 @@ class WorkerStore:
 
     def add_node(self, info: bytes):
         self.store.add_node(info)
-
-    def scan_peers(self, force: bool = False):
-        """Without etcd, other instances' worker stores of the same rank in the node
-        directory are this store's fabric (rescanned at most once a second)."""
-        if not self._discovery:
-            return
-        now = time.monotonic()
-        if not force and now - self._scanned < 1.0:
-            return
-        self._scanned = now
-        suffix = f".rank{self.rank}"
-        for key in self._nodes.keys():
-            if key == self.key or not key.endswith(suffix):
-                continue
-            info = self._nodes.read(key)
-            if info is None or self._peers.get(key) == info:
-                continue
-            try:
-                self.store.add_node(info)
-                self._peers[key] = info
-                self._once.ok(f"adding fabric node {key}")
-                log.info("kvfabric: %s uses %s as a fabric node", self.key, key)
-            except KvfError as e:
-                self._once.failed(f"adding fabric node {key}", e, "its blocks are not shared")
 
     # ------------------------------------------------------------ KV buffers
 

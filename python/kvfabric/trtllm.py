@@ -272,7 +272,6 @@ class KvfabricWorker(KvCacheConnectorWorker):
                 self._saving.add(rid)
 
     def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
-        self.store.scan_peers()
         self._finishing |= set(finished_gen_req_ids) & self._saving
         done = self.store.saves_done([str(r) for r in self._finishing])
         finished = [r for r in self._finishing if str(r) in done]

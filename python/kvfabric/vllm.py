@@ -344,7 +344,6 @@ class KvfabricConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         worker = self.worker_store
-        worker.scan_peers()
         recving = self._loads_done()
         # The scheduler delays freeing a request's blocks when it scheduled a save for it;
         # the worker saw that save in the same step's metadata.

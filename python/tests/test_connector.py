@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -208,10 +210,13 @@ def test_node_directory_finds_other_instances(tmp_path):
         assert matched == 48 and not errors
         assert np.array_equal(b.token_kv(ids_b, 64), b.reference_kv(p, 64))
         b.finish("r2", ids_b)
-        # A entry of a dead process is ignored.
-        (tmp_path / "ghost.rank0.node").write_text('{"pid": 999999999, "info": "7b7d"}')
-        b.worker.worker_store.scan_peers(force=True)
-        assert "ghost.rank0" not in b.worker.worker_store._peers
+        # Each follows the other in the rank's discovery directory; an entry whose process is
+        # gone (no lock held) is not a node.
+        ghost = {"pid": 999999999, "instance": {"kind": "fabric", "id": "ghost-rank0", "metadata": {}}}
+        (tmp_path / "rank0" / "fabric.ghost-rank0.json").write_text(json.dumps(ghost))
+        time.sleep(0.5)
+        assert b.worker.worker_store.metrics()["fabric_nodes"] == ["py-dir-a-rank0"]
+        assert a.worker.worker_store.metrics()["fabric_nodes"] == ["py-dir-b-rank0"]
     finally:
         b.close()
         a.close()
@@ -223,14 +228,16 @@ def test_shared_blocks_reach_every_instance(tmp_path):
     cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path), "share": True}
     engines = [FakeEngine(f"py-share-{i}", cfg) for i in range(3)]
     try:
-        for e in engines:
-            e.worker.worker_store.scan_peers(force=True)  # those started after it
+        # Each follows the others in the rank's discovery directory, those started after it
+        # included.
+        deadline = time.monotonic() + 10
+        while any(len(e.worker.worker_store.metrics()["fabric_nodes"]) < 2 for e in engines):
+            assert time.monotonic() < deadline, [e.worker.worker_store.metrics() for e in engines]
+            time.sleep(0.01)
         a, b, c = engines
         p = prompt(130, seed=21)
         _, ids, _ = a.prefill("r1", p)
         a.finish("r1", ids)
-        import time
-
         deadline = time.monotonic() + 10
         while a.worker.worker_store.metrics()["shared_blocks"] < 8:
             assert time.monotonic() < deadline, a.worker.worker_store.metrics()

@@ -11,6 +11,7 @@ CUDA streams.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -126,6 +127,14 @@ def prompt(n, seed):
     return [int(t) for t in rng.integers(1, 30_000, size=n)]
 
 
+
+def follows(b, a):
+    """Waits until B's worker store uses A's as a fabric node (found in discovery)."""
+    deadline = time.monotonic() + 10
+    while f"{a.worker.store.instance}-rank0" not in b.worker.store.metrics()["fabric_nodes"]:
+        assert time.monotonic() < deadline, b.worker.store.metrics()
+        time.sleep(0.01)
+
 def test_config_comes_from_the_environment(tmp_path):
     assert connector_config({"KVFABRIC_CONNECTOR_CONFIG": '{"name": "x", "secret": "s"}'}) == {"name": "x", "secret": "s"}
     f = tmp_path / "c.json"
@@ -151,7 +160,7 @@ def test_chunked_prefill_saves_and_another_engine_loads(tmp_path):
         a.finish(rid, ids)
         assert a.worker.store.stats.total["saved_blocks"] == 6
         # B: the scheduler sees A's blocks through B's worker store; the worker loads them.
-        b.worker.store.scan_peers(force=True)
+        follows(b, a)
         matched, ids_b, rid_b = b.serve(p)
         assert matched == 96
         assert np.array_equal(b.kv(ids_b, p, 100), b.expected(p, 100))
@@ -176,7 +185,7 @@ def test_a_lost_peer_is_a_counted_short_load(tmp_path):
         p = prompt(64, seed=3)
         _, ids, rid = a.serve(p)
         a.finish(rid, ids)
-        b.worker.store.scan_peers(force=True)
+        follows(b, a)
         req = SimpleNamespace(request_id=99, prompt_len=len(p), get_tokens=lambda beam: list(p))
         assert b.scheduler.get_num_new_matched_tokens(req, 0) == (48, False)
         a.close()
