@@ -238,6 +238,24 @@ const char *kvf_version(void);
 kvf_result kvf_result_text(uint32_t code, char *buf, size_t cap, size_t *len_out);
 
 /**
+ * Copies the metadata (JSON) of the live instance `kind`/`id` in the discovery directory
+ * `dir` (where agents opened with `discovery_dir` register; a serving store's metadata is its
+ * node info, which `kvf_store_add_lookup_node` and `kvf_store_add_node` take) into `buf`, and
+ * its length into `*len_out`. No live instance: `KVF_NOT_FOUND`. `KVF_BUFFER_TOO_SMALL`
+ * writes the size needed. Thread-safe; needs no agent.
+ *
+ * # Safety
+ * `dir`, `kind` and `id` are NUL-terminated strings; `buf` is valid for `cap` writes;
+ * `len_out` for one.
+ */
+kvf_result kvf_discovery_get(const char *dir,
+                             const char *kind,
+                             const char *id,
+                             uint8_t *buf,
+                             size_t cap,
+                             size_t *len_out);
+
+/**
  * Starts an agent (its own threads; no process-wide state) from `config` into
  * `*agent_out`. Reads: name, secret (required), listen, shm, worker_threads, etcd, nats,
  * namespace, deadline_ms, lease_ttl_ms, discovery_dir. Discovery is etcd's with `etcd`;

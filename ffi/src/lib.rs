@@ -77,6 +77,41 @@ pub unsafe extern "C" fn kvf_result_text(
     })
 }
 
+/// Copies the metadata (JSON) of the live instance `kind`/`id` in the discovery directory
+/// `dir` (where agents opened with `discovery_dir` register; a serving store's metadata is its
+/// node info, which `kvf_store_add_lookup_node` and `kvf_store_add_node` take) into `buf`, and
+/// its length into `*len_out`. No live instance: `KVF_NOT_FOUND`. `KVF_BUFFER_TOO_SMALL`
+/// writes the size needed. Thread-safe; needs no agent.
+///
+/// # Safety
+/// `dir`, `kind` and `id` are NUL-terminated strings; `buf` is valid for `cap` writes;
+/// `len_out` for one.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_discovery_get(
+    dir: *const c_char,
+    kind: *const c_char,
+    id: *const c_char,
+    buf: *mut u8,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvf_result {
+    error::guard(|| {
+        // SAFETY: the caller's contract.
+        let (dir, kind, id) =
+            unsafe { (ptr::cstr(dir, "dir")?, ptr::cstr(kind, "kind")?, ptr::cstr(id, "id")?) };
+        // SAFETY: as above.
+        let (buf, len_out) =
+            unsafe { (ptr::OutBuf::new(buf, cap, "buf")?, ptr::Out::new(len_out, "len_out")?) };
+        let found = kvfabric::control::file::FileDiscovery::open(dir)?.get(kind, id)?;
+        let inst = found.ok_or_else(|| {
+            FfiError::new(kvf_result::KVF_NOT_FOUND, format!("no live {kind} {id:?} in {dir}"))
+        })?;
+        let bytes = serde_json::to_vec(&inst.metadata)
+            .map_err(|e| FfiError::new(kvf_result::KVF_IO, e.to_string()))?;
+        agent::copy_bytes(&bytes, buf, len_out)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -228,6 +228,14 @@ fn discovery_in_a_shared_directory_without_etcd() {
     assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 2);
     drop(op);
     wait_until("B to find A in the directory", || store_b.lookup(&tokens).unwrap().len() == 2);
+    // What A registered there, read without an agent: its node info.
+    let found = discovery_get(nodes, "fabric", "dir-a").unwrap();
+    let info: serde_json::Value = serde_json::from_slice(&found).unwrap();
+    assert_eq!(info["agent"]["name"], "dir-a", "{info}");
+    assert_eq!(
+        discovery_get(nodes, "fabric", "dir-z"),
+        Err(kvfabric_ffi::kvf_result::KVF_NOT_FOUND)
+    );
     let mut dst = vec![0u8; 2 * BLOCK];
     // SAFETY: as above, for `dst`.
     let rd = unsafe {
@@ -263,6 +271,34 @@ fn discovery_in_a_shared_directory_without_etcd() {
     agent_a.agent().deregister(rs).unwrap();
     drop(agent_a);
     wait_until("A's blocks to leave B's view", || store_b.lookup(&alt).unwrap().is_empty());
+    assert_eq!(
+        discovery_get(nodes, "fabric", "dir-a"),
+        Err(kvfabric_ffi::kvf_result::KVF_NOT_FOUND)
+    );
     drop(store_b);
     agent_b.agent().deregister(rd).unwrap();
+}
+
+/// `kvf_discovery_get` through the C ABI: the bytes, or the code.
+fn discovery_get(dir: &str, kind: &str, id: &str) -> Result<Vec<u8>, kvfabric_ffi::kvf_result> {
+    let c = |s: &str| std::ffi::CString::new(s).unwrap();
+    let (dir, kind, id) = (c(dir), c(kind), c(id));
+    let mut buf = vec![0u8; 1 << 16];
+    let mut n = 0usize;
+    // SAFETY: NUL-terminated strings, a buffer of its length, one usize.
+    let r = unsafe {
+        kvfabric_ffi::kvf_discovery_get(
+            dir.as_ptr(),
+            kind.as_ptr(),
+            id.as_ptr(),
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut n,
+        )
+    };
+    if r != kvfabric_ffi::kvf_result::KVF_OK {
+        return Err(r);
+    }
+    buf.truncate(n);
+    Ok(buf)
 }

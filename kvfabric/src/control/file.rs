@@ -73,6 +73,19 @@ impl FileDiscovery {
         &self.dir
     }
 
+    /// The live instance `kind`/`id`, read now (no runtime needed: the C ABI's
+    /// `kvf_discovery_get`).
+    pub fn get(&self, kind: &str, id: &str) -> Result<Option<Instance>, ControlError> {
+        check_name(kind)?;
+        check_name(id)?;
+        if !PidLock::is_held(&self.base(kind, id)) {
+            return Ok(None);
+        }
+        Ok(Self::read_entry(&self.entry_path(kind, id))
+            .map(|e| e.instance)
+            .filter(|i| i.kind == kind && i.id == id))
+    }
+
     fn base(&self, kind: &str, id: &str) -> PathBuf {
         self.dir.join(format!("{kind}.{id}"))
     }
@@ -299,6 +312,8 @@ mod tests {
         let err = d.register(inst("fabric", "node-a", 9), ttl).await.unwrap_err();
         assert!(matches!(err, ControlError::Taken { .. }), "{err}");
         assert_eq!(d.list("fabric").await.unwrap()[0], inst("fabric", "node-a", 1));
+        assert_eq!(d.get("fabric", "node-a").unwrap(), Some(inst("fabric", "node-a", 1)));
+        assert_eq!(d.get("fabric", "node-z").unwrap(), None);
         // Dropped without revoking (its lock released, as when a process dies): gone at once,
         // and the name is free again.
         drop(b);
@@ -319,6 +334,7 @@ mod tests {
         std::fs::remove_file(dir.path().join("nodes/fabric.node-b.json")).unwrap();
         tokio::time::sleep(KEEPALIVE * 2).await;
         assert_eq!(d.list("fabric").await.unwrap(), vec![inst("fabric", "node-b", 4)]);
+        assert_eq!(d.get("fabric", "node-a").unwrap(), None, "revoked");
         // Garbage in the directory is not an instance.
         std::fs::write(dir.path().join("nodes/fabric.x.json"), b"{not json").unwrap();
         std::fs::write(dir.path().join("nodes/fabric.bad name.json"), b"{}").unwrap();
