@@ -713,7 +713,6 @@ fn plain(v: u64) -> (Labels, Value) {
 
 impl Collector for Components {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        use MetricType::{Counter as C, Gauge as G, Histogram as H};
         let snaps: Vec<(Option<LabelValue>, Snapshot)> = self
             .parts
             .iter()
@@ -726,622 +725,632 @@ impl Collector for Components {
         let e = &mut enc;
         let s = &snaps;
 
-        // Engine and store.
-        family(
-            e,
-            s,
-            "kvfabric_kv_hit_tokens",
-            "Prompt tokens served from KV blocks, per tier.",
-            None,
-            C,
-            |s, o| {
-                if let Some(x) = &s.engine {
-                    let [h, d, r] = x.hit_tokens;
-                    o.extend(tiered(&[("host", h), ("disk", d), ("remote", r)]));
-                }
-            },
-        )?;
-        family(e, s, "kvfabric_prefill_tokens", "Prompt tokens computed.", None, C, |s, o| {
-            o.extend(s.engine.as_ref().map(|x| plain(x.prefill_tokens)))
-        })?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_stored_blocks",
-            "Blocks stored by the engine.",
-            None,
-            C,
-            |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.stored_blocks))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_engine_memory_blocks",
-            "KV blocks held in engine memory because the host tier had no slot to spare (a host tier too small for the running batch).",
-            None,
-            C,
-            |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.engine_memory_blocks))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_queue_depth",
-            "Requests waiting for a batch slot.",
-            None,
-            G,
-            |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.waiting))),
-        )?;
-        family(e, s, "kvfabric_running_requests", "Requests in the batch.", None, G, |s, o| {
-            o.extend(s.engine.as_ref().map(|x| plain(x.running)))
-        })?;
-        family(e, s, "kvfabric_engine_steps", "Engine steps.", None, C, |s, o| {
-            o.extend(s.engine.as_ref().map(|x| plain(x.steps)))
-        })?;
-        family(
-            e,
-            s,
-            "kvfabric_engine_queue_time",
-            "Per request, from its arrival at the engine to the start of its first step: a batch slot, its cached blocks' import, and the step in flight.",
-            Some(Unit::Seconds),
-            H,
-            |s, o| {
-                o.extend(s.engine.as_ref().map(|x| (Vec::new(), Value::Histogram(x.queue_time.clone()))))
-            },
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_engine_prefill_time",
-            "Per request, from the start of its first step to its first token.",
-            Some(Unit::Seconds),
-            H,
-            |s, o| {
-                o.extend(
-                    s.engine
-                        .as_ref()
-                        .map(|x| (Vec::new(), Value::Histogram(x.prefill_time.clone()))),
-                )
-            },
-        )?;
-        let store = |s: &Snapshot| s.engine.as_ref().and_then(|x| x.store.clone());
-        family(
-            e,
-            s,
-            "kvfabric_kv_block_hits",
-            "Block lookups that hit, per tier.",
-            None,
-            C,
-            |s, o| {
-                if let Some(t) = store(s) {
-                    o.extend(tiered(&[("host", t.host_hits), ("disk", t.disk_hits)]));
-                }
-            },
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_block_misses",
-            "Block lookups that missed, per tier.",
-            None,
-            C,
-            |s, o| {
-                if let Some(t) = store(s) {
-                    o.extend(tiered(&[("host", t.host_misses), ("disk", t.disk_misses)]));
-                }
-            },
-        )?;
-        family(e, s, "kvfabric_kv_blocks", "Blocks held, per tier.", None, G, |s, o| {
-            if let Some(t) = store(s) {
-                let (h, d) = (t.host_used_blocks.into(), t.disk_used_blocks.into());
-                o.extend(tiered(&[("host", h), ("disk", d)]));
-                if t.device_capacity_blocks > 0 {
-                    o.extend(tiered(&[("device", t.device_used_blocks.into())]));
-                }
-            }
-        })?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_capacity_blocks",
-            "Block capacity, per tier.",
-            None,
-            G,
-            |s, o| {
-                if let Some(t) = store(s) {
-                    let (h, d) = (t.host_capacity_blocks.into(), t.disk_capacity_blocks.into());
-                    o.extend(tiered(&[("host", h), ("disk", d)]));
-                    if t.device_capacity_blocks > 0 {
-                        o.extend(tiered(&[("device", t.device_capacity_blocks.into())]));
-                    }
-                }
-            },
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_offload",
-            "Bytes offloaded host to disk.",
-            Some(Unit::Bytes),
-            C,
-            |s, o| o.extend(store(s).map(|t| plain(t.offload_bytes))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_onboard",
-            "Bytes onboarded disk to host.",
-            Some(Unit::Bytes),
-            C,
-            |s, o| o.extend(store(s).map(|t| plain(t.onboard_bytes))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_offload_errors",
-            "Offloads that failed (disk full, I/O error); the block stayed in host memory.",
-            None,
-            C,
-            |s, o| o.extend(store(s).map(|t| plain(t.offload_errors))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_disk_corrupt_blocks",
-            "Blocks found corrupt on disk and dropped.",
-            None,
-            C,
-            |s, o| o.extend(store(s).map(|t| plain(t.disk_corrupt_blocks))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_disk_io_backend",
-            "The disk tier's I/O backend now (1 for the one in use: io_uring, or pread after a fallback).",
-            None,
-            G,
-            |s, o| {
-                if let Some(b) = store(s).and_then(|t| t.disk_io_backend) {
-                    o.push((vec![("backend", b.into())], Value::Int(1)));
-                }
-            },
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_offload_duration",
-            "Time to write one block host to disk.",
-            Some(Unit::Seconds),
-            H,
-            |s, o| o.extend(store(s).map(|t| (Vec::new(), Value::Histogram(t.offload_latency)))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_kv_onboard_duration",
-            "Time to read one block disk to host.",
-            Some(Unit::Seconds),
-            H,
-            |s, o| o.extend(store(s).map(|t| (Vec::new(), Value::Histogram(t.onboard_latency)))),
-        )?;
-
-        // The agent's transfers.
-        family(
-            e,
-            s,
-            "kvfabric_transfers",
-            "Transfers ended, per transport and outcome (done, failed, timed_out, cancelled).",
-            None,
-            C,
-            |s, o| {
-                for c in &s.transfers {
-                    for (outcome, n) in [
-                        ("done", c.done),
-                        ("failed", c.failed),
-                        ("timed_out", c.timed_out),
-                        ("cancelled", c.cancelled),
-                    ] {
-                        let labels = vec![
-                            ("transport", LabelValue::from(c.transport.name())),
-                            ("outcome", LabelValue::from(outcome)),
-                        ];
-                        o.push((labels, Value::Int(n)));
-                    }
-                }
-            },
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_transfer",
-            "Bytes of completed transfers, per transport.",
-            Some(Unit::Bytes),
-            C,
-            |s, o| {
-                for c in &s.transfers {
-                    let labels = vec![("transport", LabelValue::from(c.transport.name()))];
-                    o.push((labels, Value::Int(c.bytes)));
-                }
-            },
-        )?;
-
-        family(
-            e,
-            s,
-            "kvfabric_port_connections_closed",
-            "Connections an authenticated port (agent, request) refused or closed, by reason: \
-             busy (at its limit), evicted (a newer connection took a handshake's place), \
-             handshake (failed: wrong secret, garbage, timeout), peer_limit, idle.",
-            None,
-            C,
-            |s, o| {
-                for p in &s.ports {
-                    for cause in kvfabric::session::admission::Cause::ALL {
-                        let labels = vec![
-                            ("port", LabelValue::from(p.port)),
-                            ("reason", LabelValue::from(cause.label())),
-                        ];
-                        o.push((labels, Value::Int(p.count(cause))));
-                    }
-                }
-            },
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_port_connections",
-            "Connections open on an authenticated port, in the handshake or authenticated.",
-            None,
-            G,
-            |s, o| {
-                for p in &s.ports {
-                    for (state, n) in [("handshake", p.pending), ("authenticated", p.admitted)] {
-                        let labels = vec![
-                            ("port", LabelValue::from(p.port)),
-                            ("state", LabelValue::from(state)),
-                        ];
-                        o.push((labels, Value::Int(n)));
-                    }
-                }
-            },
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_agent_peers_refused",
-            "Peers refused because their metadata named shared memory that is not theirs \
-             (another deployment's, another agent's).",
-            None,
-            C,
-            |s, o| o.extend(s.foreign_memory.map(plain)),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_rdma_state",
-            "The agent's RDMA transport (1 on its state): off, unavailable (no device), up, or \
-             failed (its device went away: transfers between hosts go over TCP).",
-            None,
-            G,
-            |s, o| {
-                if let Some(now) = s.rdma {
-                    for state in ["off", "unavailable", "up", "failed"] {
-                        let labels = vec![("state", LabelValue::from(state))];
-                        o.push((labels, Value::Int(u64::from(state == now))));
-                    }
-                }
-            },
-        )?;
-
-        // An attached engine.
-        let at = |s: &Snapshot| s.attach.clone();
-        for (name, help, kind, get) in [
-            (
-                "kvfabric_attach_event_batches",
-                "The engine's KV event batches applied.",
-                C,
-                (|a: &AttachSnapshot| a.batches) as fn(&AttachSnapshot) -> u64,
-            ),
-            ("kvfabric_attach_kv_events", "KV events published for the engine.", C, |a| a.events),
-            (
-                "kvfabric_attach_events_malformed",
-                "Engine event payloads or messages that are not the engine's shape.",
-                C,
-                |a| a.malformed,
-            ),
-            (
-                "kvfabric_attach_replay_failures",
-                "Replays of the engine's lost events that failed (refused, timed out, broken off).",
-                C,
-                |a| a.replay_failures,
-            ),
-            (
-                "kvfabric_attach_resets",
-                "Times the engine's blocks were dropped because its events were lost for good.",
-                C,
-                |a| a.resets,
-            ),
-            ("kvfabric_attach_dumps", "Dumps of the engine's blocks published.", C, |a| a.dumps),
-            (
-                "kvfabric_attach_failed_health_checks",
-                "Health checks of the engine that failed.",
-                C,
-                |a| a.failed_polls,
-            ),
-            (
-                "kvfabric_attach_registered",
-                "1 while the engine is registered in discovery.",
-                G,
-                |a| a.registered,
-            ),
-            (
-                "kvfabric_attach_engine_blocks",
-                "Blocks the engine holds, as its events say.",
-                G,
-                |a| a.blocks,
-            ),
-        ] {
-            family(e, s, name, help, None, kind, |s, o| o.extend(at(s).map(|a| plain(get(&a)))))?;
-        }
-        family(
-            e,
-            s,
-            "kvfabric_attach_skipped_blocks",
-            "Engine blocks the router cannot key, by reason.",
-            None,
-            C,
-            |s, o| {
-                if let Some(a) = at(s) {
-                    for (reason, n) in a.skipped {
-                        o.push((vec![("reason", LabelValue::from(reason))], Value::Int(n)));
-                    }
-                }
-            },
-        )?;
-
-        // The planner.
-        let pl = |s: &Snapshot| s.planner.clone();
-        for (name, help, get) in [
-            (
-                "kvfabric_planner_workers",
-                "Workers serving (not draining).",
-                (|p: &PlannerSnapshot| p.workers) as fn(&PlannerSnapshot) -> u64,
-            ),
-            ("kvfabric_planner_desired_workers", "Workers the last decision asked for.", |p| {
-                p.desired
-            }),
-            ("kvfabric_planner_draining_workers", "Workers draining.", |p| p.draining),
-        ] {
-            family(e, s, name, help, None, G, |s, o| o.extend(pl(s).map(|p| plain(get(&p)))))?;
-        }
-        for (name, help, get) in [
-            (
-                "kvfabric_planner_observed_request_rate",
-                "Requests per second over the last interval.",
-                (|p: &PlannerSnapshot| p.observed_rate) as fn(&PlannerSnapshot) -> f64,
-            ),
-            (
-                "kvfabric_planner_predicted_request_rate",
-                "Requests per second predicted for the next interval.",
-                |p| p.predicted_rate,
-            ),
-            (
-                "kvfabric_planner_observed_ttft_seconds",
-                "Time to first token at the target's quantile over the last interval.",
-                |p| p.observed_ttft_s,
-            ),
-            (
-                "kvfabric_planner_observed_itl_seconds",
-                "Inter-token latency at the target's quantile over the last interval.",
-                |p| p.observed_itl_s,
-            ),
-        ] {
-            family(e, s, name, help, None, G, |s, o| {
-                o.extend(pl(s).map(|p| (Vec::new(), Value::Float(get(&p)))))
-            })?;
-        }
-        family(
-            e,
-            s,
-            "kvfabric_planner_decisions",
-            "Planner decisions by action.",
-            None,
-            C,
-            |s, o| {
-                if let Some(p) = pl(s) {
-                    for (action, n) in ["up", "down", "hold"].iter().zip(p.decisions) {
-                        o.push((vec![("action", LabelValue::from(*action))], Value::Int(n)));
-                    }
-                }
-            },
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_planner_pool_workers",
-            "Workers of each of the planner's pools: serving, desired by the last decision, draining.",
-            None,
-            G,
-            |s, o| {
-                for p in pl(s).map(|p| p.pools).unwrap_or_default() {
-                    for (state, n) in
-                        [("serving", p.workers), ("desired", p.desired), ("draining", p.draining)]
-                    {
-                        let labels =
-                            vec![("pool", LabelValue::from(p.pool)), ("state", LabelValue::from(state))];
-                        o.push((labels, Value::Int(n)));
-                    }
-                }
-            },
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_planner_scale_failures",
-            "Scaling actions that failed (a worker that did not start or stop).",
-            None,
-            C,
-            |s, o| o.extend(pl(s).map(|p| plain(p.scale_failures))),
-        )?;
-
-        // Routed backend.
-        let routed = |s: &Snapshot| s.routed.clone();
-        for (name, help, get) in [
-            (
-                "kvfabric_frontend_routed",
-                "Requests routed to workers (attempts).",
-                (|r: &RoutedSnapshot| r.routed) as fn(&RoutedSnapshot) -> u64,
-            ),
-            ("kvfabric_frontend_retries", "Attempts retried on another worker.", |r| r.retries),
-            (
-                "kvfabric_frontend_failed_mid_stream",
-                "Requests failed after tokens were sent.",
-                |r| r.failed_mid_stream,
-            ),
-            ("kvfabric_frontend_no_worker", "Requests no worker could serve.", |r| r.no_worker),
-            (
-                "kvfabric_frontend_unresponsive_workers",
-                "Attempts abandoned: no connection, handshake or first token in time.",
-                |r| r.slow_workers,
-            ),
-            (
-                "kvfabric_frontend_worker_auth_failures",
-                "Attempts whose worker refused the frontend's secret (or proved another).",
-                |r| r.auth_failures,
-            ),
-            (
-                "kvfabric_frontend_stalled_streams",
-                "Streams ended because their worker sent nothing for the inter-token deadline.",
-                |r| r.stalled_streams,
-            ),
-            (
-                "kvfabric_frontend_stream_migrations",
-                "Streams moved to another worker after theirs stalled or broke mid-stream.",
-                |r| r.migrations,
-            ),
-            ("kvfabric_frontend_kv_events", "KV events applied to the prefix index.", |r| {
-                r.kv_events
-            }),
-            ("kvfabric_frontend_kv_event_gaps", "Gaps in a source's KV event ids.", |r| {
-                r.kv_event_gaps
-            }),
-            ("kvfabric_frontend_kv_dumps", "KV dumps applied to the prefix index.", |r| r.kv_dumps),
-            (
-                "kvfabric_frontend_kv_events_malformed",
-                "KV event messages dropped: malformed, or of another contract version.",
-                |r| r.kv_events_malformed,
-            ),
-            (
-                "kvfabric_frontend_kv_events_unknown_worker",
-                "KV events of workers not in discovery, dropped.",
-                |r| r.kv_events_unknown_worker,
-            ),
-        ] {
-            family(e, s, name, help, None, C, |s, o| o.extend(routed(s).map(|r| plain(get(&r)))))?;
-        }
-        family(
-            e,
-            s,
-            "kvfabric_frontend_worker_requests",
-            "Requests sent to each worker.",
-            None,
-            C,
-            |s, o| {
-                if let Some(r) = &s.routed {
-                    o.extend(r.worker_requests.iter().map(|(w, n)| {
-                        (vec![("to_worker", LabelValue(w.clone()))], Value::Int(*n))
-                    }));
-                }
-            },
-        )?;
-        family(e, s, "kvfabric_frontend_workers", "Workers known.", None, G, |s, o| {
-            o.extend(s.routed.as_ref().map(|r| plain(r.worker_requests.len() as u64)))
-        })?;
-
-        // Remote prefill, decode side.
-        let rp = |s: &Snapshot| s.remote_prefill.clone();
-        family(e, s, "kvfabric_prefills", "Prefills by where they ran.", None, C, |s, o| {
-            if let Some(p) = rp(s) {
-                o.push((vec![("where", "remote".into())], Value::Int(p.remote)));
-                o.push((vec![("where", "local".into())], Value::Int(p.local)));
-            }
-        })?;
-        family(
-            e,
-            s,
-            "kvfabric_remote_prefill_fallbacks",
-            "Remote prefills that failed or timed out.",
-            None,
-            C,
-            |s, o| o.extend(rp(s).map(|p| plain(p.fallbacks))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_remote_prefill",
-            "KV bytes written by prefill workers.",
-            Some(Unit::Bytes),
-            C,
-            |s, o| o.extend(rp(s).map(|p| plain(p.bytes))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_remote_prefill_wait",
-            "Time waiting for remote prefills.",
-            Some(Unit::Seconds),
-            C,
-            |s, o| o.extend(rp(s).map(|p| (Vec::new(), Value::Float(p.wait_seconds)))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_prefill_queue_depth",
-            "Remote prefills pending.",
-            None,
-            G,
-            |s, o| o.extend(rp(s).map(|p| plain(p.pending))),
-        )?;
-
-        // Prefill service, prefill side.
-        let ps = |s: &Snapshot| s.prefill_service.clone();
-        family(
-            e,
-            s,
-            "kvfabric_prefill_jobs_done",
-            "Prefill jobs whose blocks were written.",
-            None,
-            C,
-            |s, o| o.extend(ps(s).map(|p| plain(p.done))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_prefill_jobs_failed",
-            "Prefill jobs failed or expired.",
-            None,
-            C,
-            |s, o| o.extend(ps(s).map(|p| plain(p.failed))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_prefill_sent",
-            "KV bytes written to decode workers.",
-            Some(Unit::Bytes),
-            C,
-            |s, o| o.extend(ps(s).map(|p| plain(p.bytes))),
-        )?;
-        family(
-            e,
-            s,
-            "kvfabric_prefill_transfer",
-            "Time in KV writes.",
-            Some(Unit::Seconds),
-            C,
-            |s, o| o.extend(ps(s).map(|p| (Vec::new(), Value::Float(p.transfer_seconds)))),
-        )?;
+        engine_and_store(e, s)?;
+        transfers(e, s)?;
+        attached_engine(e, s)?;
+        planner(e, s)?;
+        routed(e, s)?;
+        remote_prefill(e, s)?;
+        prefill_service(e, s)?;
         Ok(())
     }
+}
+
+/// The engine and its store.
+fn engine_and_store(
+    e: &mut DescriptorEncoder<'_>,
+    s: &[(Option<LabelValue>, Snapshot)],
+) -> std::fmt::Result {
+    use MetricType::{Counter as C, Gauge as G, Histogram as H};
+    family(
+        e,
+        s,
+        "kvfabric_kv_hit_tokens",
+        "Prompt tokens served from KV blocks, per tier.",
+        None,
+        C,
+        |s, o| {
+            if let Some(x) = &s.engine {
+                let [h, d, r] = x.hit_tokens;
+                o.extend(tiered(&[("host", h), ("disk", d), ("remote", r)]));
+            }
+        },
+    )?;
+    family(e, s, "kvfabric_prefill_tokens", "Prompt tokens computed.", None, C, |s, o| {
+        o.extend(s.engine.as_ref().map(|x| plain(x.prefill_tokens)))
+    })?;
+    family(e, s, "kvfabric_kv_stored_blocks", "Blocks stored by the engine.", None, C, |s, o| {
+        o.extend(s.engine.as_ref().map(|x| plain(x.stored_blocks)))
+    })?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_engine_memory_blocks",
+        "KV blocks held in engine memory because the host tier had no slot to spare (a host tier too small for the running batch).",
+        None,
+        C,
+        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.engine_memory_blocks))),
+    )?;
+    family(e, s, "kvfabric_queue_depth", "Requests waiting for a batch slot.", None, G, |s, o| {
+        o.extend(s.engine.as_ref().map(|x| plain(x.waiting)))
+    })?;
+    family(e, s, "kvfabric_running_requests", "Requests in the batch.", None, G, |s, o| {
+        o.extend(s.engine.as_ref().map(|x| plain(x.running)))
+    })?;
+    family(e, s, "kvfabric_engine_steps", "Engine steps.", None, C, |s, o| {
+        o.extend(s.engine.as_ref().map(|x| plain(x.steps)))
+    })?;
+    family(
+        e,
+        s,
+        "kvfabric_engine_queue_time",
+        "Per request, from its arrival at the engine to the start of its first step: a batch slot, its cached blocks' import, and the step in flight.",
+        Some(Unit::Seconds),
+        H,
+        |s, o| {
+            o.extend(s.engine.as_ref().map(|x| (Vec::new(), Value::Histogram(x.queue_time.clone()))))
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_engine_prefill_time",
+        "Per request, from the start of its first step to its first token.",
+        Some(Unit::Seconds),
+        H,
+        |s, o| {
+            o.extend(
+                s.engine.as_ref().map(|x| (Vec::new(), Value::Histogram(x.prefill_time.clone()))),
+            )
+        },
+    )?;
+    let store = |s: &Snapshot| s.engine.as_ref().and_then(|x| x.store.clone());
+    family(
+        e,
+        s,
+        "kvfabric_kv_block_hits",
+        "Block lookups that hit, per tier.",
+        None,
+        C,
+        |s, o| {
+            if let Some(t) = store(s) {
+                o.extend(tiered(&[("host", t.host_hits), ("disk", t.disk_hits)]));
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_block_misses",
+        "Block lookups that missed, per tier.",
+        None,
+        C,
+        |s, o| {
+            if let Some(t) = store(s) {
+                o.extend(tiered(&[("host", t.host_misses), ("disk", t.disk_misses)]));
+            }
+        },
+    )?;
+    family(e, s, "kvfabric_kv_blocks", "Blocks held, per tier.", None, G, |s, o| {
+        if let Some(t) = store(s) {
+            let (h, d) = (t.host_used_blocks.into(), t.disk_used_blocks.into());
+            o.extend(tiered(&[("host", h), ("disk", d)]));
+            if t.device_capacity_blocks > 0 {
+                o.extend(tiered(&[("device", t.device_used_blocks.into())]));
+            }
+        }
+    })?;
+    family(e, s, "kvfabric_kv_capacity_blocks", "Block capacity, per tier.", None, G, |s, o| {
+        if let Some(t) = store(s) {
+            let (h, d) = (t.host_capacity_blocks.into(), t.disk_capacity_blocks.into());
+            o.extend(tiered(&[("host", h), ("disk", d)]));
+            if t.device_capacity_blocks > 0 {
+                o.extend(tiered(&[("device", t.device_capacity_blocks.into())]));
+            }
+        }
+    })?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_offload",
+        "Bytes offloaded host to disk.",
+        Some(Unit::Bytes),
+        C,
+        |s, o| o.extend(store(s).map(|t| plain(t.offload_bytes))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_onboard",
+        "Bytes onboarded disk to host.",
+        Some(Unit::Bytes),
+        C,
+        |s, o| o.extend(store(s).map(|t| plain(t.onboard_bytes))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_offload_errors",
+        "Offloads that failed (disk full, I/O error); the block stayed in host memory.",
+        None,
+        C,
+        |s, o| o.extend(store(s).map(|t| plain(t.offload_errors))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_disk_corrupt_blocks",
+        "Blocks found corrupt on disk and dropped.",
+        None,
+        C,
+        |s, o| o.extend(store(s).map(|t| plain(t.disk_corrupt_blocks))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_disk_io_backend",
+        "The disk tier's I/O backend now (1 for the one in use: io_uring, or pread after a fallback).",
+        None,
+        G,
+        |s, o| {
+            if let Some(b) = store(s).and_then(|t| t.disk_io_backend) {
+                o.push((vec![("backend", b.into())], Value::Int(1)));
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_offload_duration",
+        "Time to write one block host to disk.",
+        Some(Unit::Seconds),
+        H,
+        |s, o| o.extend(store(s).map(|t| (Vec::new(), Value::Histogram(t.offload_latency)))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_onboard_duration",
+        "Time to read one block disk to host.",
+        Some(Unit::Seconds),
+        H,
+        |s, o| o.extend(store(s).map(|t| (Vec::new(), Value::Histogram(t.onboard_latency)))),
+    )?;
+    Ok(())
+}
+
+/// The agent's transfers and ports.
+fn transfers(
+    e: &mut DescriptorEncoder<'_>,
+    s: &[(Option<LabelValue>, Snapshot)],
+) -> std::fmt::Result {
+    use MetricType::{Counter as C, Gauge as G};
+    family(
+        e,
+        s,
+        "kvfabric_transfers",
+        "Transfers ended, per transport and outcome (done, failed, timed_out, cancelled).",
+        None,
+        C,
+        |s, o| {
+            for c in &s.transfers {
+                for (outcome, n) in [
+                    ("done", c.done),
+                    ("failed", c.failed),
+                    ("timed_out", c.timed_out),
+                    ("cancelled", c.cancelled),
+                ] {
+                    let labels = vec![
+                        ("transport", LabelValue::from(c.transport.name())),
+                        ("outcome", LabelValue::from(outcome)),
+                    ];
+                    o.push((labels, Value::Int(n)));
+                }
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_transfer",
+        "Bytes of completed transfers, per transport.",
+        Some(Unit::Bytes),
+        C,
+        |s, o| {
+            for c in &s.transfers {
+                let labels = vec![("transport", LabelValue::from(c.transport.name()))];
+                o.push((labels, Value::Int(c.bytes)));
+            }
+        },
+    )?;
+
+    family(
+        e,
+        s,
+        "kvfabric_port_connections_closed",
+        "Connections an authenticated port (agent, request) refused or closed, by reason: \
+         busy (at its limit), evicted (a newer connection took a handshake's place), \
+         handshake (failed: wrong secret, garbage, timeout), peer_limit, idle.",
+        None,
+        C,
+        |s, o| {
+            for p in &s.ports {
+                for cause in kvfabric::session::admission::Cause::ALL {
+                    let labels = vec![
+                        ("port", LabelValue::from(p.port)),
+                        ("reason", LabelValue::from(cause.label())),
+                    ];
+                    o.push((labels, Value::Int(p.count(cause))));
+                }
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_port_connections",
+        "Connections open on an authenticated port, in the handshake or authenticated.",
+        None,
+        G,
+        |s, o| {
+            for p in &s.ports {
+                for (state, n) in [("handshake", p.pending), ("authenticated", p.admitted)] {
+                    let labels = vec![
+                        ("port", LabelValue::from(p.port)),
+                        ("state", LabelValue::from(state)),
+                    ];
+                    o.push((labels, Value::Int(n)));
+                }
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_agent_peers_refused",
+        "Peers refused because their metadata named shared memory that is not theirs \
+         (another deployment's, another agent's).",
+        None,
+        C,
+        |s, o| o.extend(s.foreign_memory.map(plain)),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_rdma_state",
+        "The agent's RDMA transport (1 on its state): off, unavailable (no device), up, or \
+         failed (its device went away: transfers between hosts go over TCP).",
+        None,
+        G,
+        |s, o| {
+            if let Some(now) = s.rdma {
+                for state in ["off", "unavailable", "up", "failed"] {
+                    let labels = vec![("state", LabelValue::from(state))];
+                    o.push((labels, Value::Int(u64::from(state == now))));
+                }
+            }
+        },
+    )?;
+    Ok(())
+}
+
+/// An attached engine.
+fn attached_engine(
+    e: &mut DescriptorEncoder<'_>,
+    s: &[(Option<LabelValue>, Snapshot)],
+) -> std::fmt::Result {
+    use MetricType::{Counter as C, Gauge as G};
+    let at = |s: &Snapshot| s.attach.clone();
+    for (name, help, kind, get) in [
+        (
+            "kvfabric_attach_event_batches",
+            "The engine's KV event batches applied.",
+            C,
+            (|a: &AttachSnapshot| a.batches) as fn(&AttachSnapshot) -> u64,
+        ),
+        ("kvfabric_attach_kv_events", "KV events published for the engine.", C, |a| a.events),
+        (
+            "kvfabric_attach_events_malformed",
+            "Engine event payloads or messages that are not the engine's shape.",
+            C,
+            |a| a.malformed,
+        ),
+        (
+            "kvfabric_attach_replay_failures",
+            "Replays of the engine's lost events that failed (refused, timed out, broken off).",
+            C,
+            |a| a.replay_failures,
+        ),
+        (
+            "kvfabric_attach_resets",
+            "Times the engine's blocks were dropped because its events were lost for good.",
+            C,
+            |a| a.resets,
+        ),
+        ("kvfabric_attach_dumps", "Dumps of the engine's blocks published.", C, |a| a.dumps),
+        (
+            "kvfabric_attach_failed_health_checks",
+            "Health checks of the engine that failed.",
+            C,
+            |a| a.failed_polls,
+        ),
+        ("kvfabric_attach_registered", "1 while the engine is registered in discovery.", G, |a| {
+            a.registered
+        }),
+        ("kvfabric_attach_engine_blocks", "Blocks the engine holds, as its events say.", G, |a| {
+            a.blocks
+        }),
+    ] {
+        family(e, s, name, help, None, kind, |s, o| o.extend(at(s).map(|a| plain(get(&a)))))?;
+    }
+    family(
+        e,
+        s,
+        "kvfabric_attach_skipped_blocks",
+        "Engine blocks the router cannot key, by reason.",
+        None,
+        C,
+        |s, o| {
+            if let Some(a) = at(s) {
+                for (reason, n) in a.skipped {
+                    o.push((vec![("reason", LabelValue::from(reason))], Value::Int(n)));
+                }
+            }
+        },
+    )?;
+    Ok(())
+}
+
+/// The planner.
+fn planner(
+    e: &mut DescriptorEncoder<'_>,
+    s: &[(Option<LabelValue>, Snapshot)],
+) -> std::fmt::Result {
+    use MetricType::{Counter as C, Gauge as G};
+    let pl = |s: &Snapshot| s.planner.clone();
+    for (name, help, get) in [
+        (
+            "kvfabric_planner_workers",
+            "Workers serving (not draining).",
+            (|p: &PlannerSnapshot| p.workers) as fn(&PlannerSnapshot) -> u64,
+        ),
+        ("kvfabric_planner_desired_workers", "Workers the last decision asked for.", |p| p.desired),
+        ("kvfabric_planner_draining_workers", "Workers draining.", |p| p.draining),
+    ] {
+        family(e, s, name, help, None, G, |s, o| o.extend(pl(s).map(|p| plain(get(&p)))))?;
+    }
+    for (name, help, get) in [
+        (
+            "kvfabric_planner_observed_request_rate",
+            "Requests per second over the last interval.",
+            (|p: &PlannerSnapshot| p.observed_rate) as fn(&PlannerSnapshot) -> f64,
+        ),
+        (
+            "kvfabric_planner_predicted_request_rate",
+            "Requests per second predicted for the next interval.",
+            |p| p.predicted_rate,
+        ),
+        (
+            "kvfabric_planner_observed_ttft_seconds",
+            "Time to first token at the target's quantile over the last interval.",
+            |p| p.observed_ttft_s,
+        ),
+        (
+            "kvfabric_planner_observed_itl_seconds",
+            "Inter-token latency at the target's quantile over the last interval.",
+            |p| p.observed_itl_s,
+        ),
+    ] {
+        family(e, s, name, help, None, G, |s, o| {
+            o.extend(pl(s).map(|p| (Vec::new(), Value::Float(get(&p)))))
+        })?;
+    }
+    family(e, s, "kvfabric_planner_decisions", "Planner decisions by action.", None, C, |s, o| {
+        if let Some(p) = pl(s) {
+            for (action, n) in ["up", "down", "hold"].iter().zip(p.decisions) {
+                o.push((vec![("action", LabelValue::from(*action))], Value::Int(n)));
+            }
+        }
+    })?;
+    family(
+        e,
+        s,
+        "kvfabric_planner_pool_workers",
+        "Workers of each of the planner's pools: serving, desired by the last decision, draining.",
+        None,
+        G,
+        |s, o| {
+            for p in pl(s).map(|p| p.pools).unwrap_or_default() {
+                for (state, n) in
+                    [("serving", p.workers), ("desired", p.desired), ("draining", p.draining)]
+                {
+                    let labels = vec![
+                        ("pool", LabelValue::from(p.pool)),
+                        ("state", LabelValue::from(state)),
+                    ];
+                    o.push((labels, Value::Int(n)));
+                }
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_planner_scale_failures",
+        "Scaling actions that failed (a worker that did not start or stop).",
+        None,
+        C,
+        |s, o| o.extend(pl(s).map(|p| plain(p.scale_failures))),
+    )?;
+    Ok(())
+}
+
+/// The routed backend.
+fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -> std::fmt::Result {
+    use MetricType::{Counter as C, Gauge as G};
+    let routed = |s: &Snapshot| s.routed.clone();
+    for (name, help, get) in [
+        (
+            "kvfabric_frontend_routed",
+            "Requests routed to workers (attempts).",
+            (|r: &RoutedSnapshot| r.routed) as fn(&RoutedSnapshot) -> u64,
+        ),
+        ("kvfabric_frontend_retries", "Attempts retried on another worker.", |r| r.retries),
+        ("kvfabric_frontend_failed_mid_stream", "Requests failed after tokens were sent.", |r| {
+            r.failed_mid_stream
+        }),
+        ("kvfabric_frontend_no_worker", "Requests no worker could serve.", |r| r.no_worker),
+        (
+            "kvfabric_frontend_unresponsive_workers",
+            "Attempts abandoned: no connection, handshake or first token in time.",
+            |r| r.slow_workers,
+        ),
+        (
+            "kvfabric_frontend_worker_auth_failures",
+            "Attempts whose worker refused the frontend's secret (or proved another).",
+            |r| r.auth_failures,
+        ),
+        (
+            "kvfabric_frontend_stalled_streams",
+            "Streams ended because their worker sent nothing for the inter-token deadline.",
+            |r| r.stalled_streams,
+        ),
+        (
+            "kvfabric_frontend_stream_migrations",
+            "Streams moved to another worker after theirs stalled or broke mid-stream.",
+            |r| r.migrations,
+        ),
+        ("kvfabric_frontend_kv_events", "KV events applied to the prefix index.", |r| r.kv_events),
+        ("kvfabric_frontend_kv_event_gaps", "Gaps in a source's KV event ids.", |r| {
+            r.kv_event_gaps
+        }),
+        ("kvfabric_frontend_kv_dumps", "KV dumps applied to the prefix index.", |r| r.kv_dumps),
+        (
+            "kvfabric_frontend_kv_events_malformed",
+            "KV event messages dropped: malformed, or of another contract version.",
+            |r| r.kv_events_malformed,
+        ),
+        (
+            "kvfabric_frontend_kv_events_unknown_worker",
+            "KV events of workers not in discovery, dropped.",
+            |r| r.kv_events_unknown_worker,
+        ),
+    ] {
+        family(e, s, name, help, None, C, |s, o| o.extend(routed(s).map(|r| plain(get(&r)))))?;
+    }
+    family(
+        e,
+        s,
+        "kvfabric_frontend_worker_requests",
+        "Requests sent to each worker.",
+        None,
+        C,
+        |s, o| {
+            if let Some(r) = &s.routed {
+                o.extend(
+                    r.worker_requests
+                        .iter()
+                        .map(|(w, n)| (vec![("to_worker", LabelValue(w.clone()))], Value::Int(*n))),
+                );
+            }
+        },
+    )?;
+    family(e, s, "kvfabric_frontend_workers", "Workers known.", None, G, |s, o| {
+        o.extend(s.routed.as_ref().map(|r| plain(r.worker_requests.len() as u64)))
+    })?;
+    Ok(())
+}
+
+/// Remote prefill, decode side.
+fn remote_prefill(
+    e: &mut DescriptorEncoder<'_>,
+    s: &[(Option<LabelValue>, Snapshot)],
+) -> std::fmt::Result {
+    use MetricType::{Counter as C, Gauge as G};
+    let rp = |s: &Snapshot| s.remote_prefill.clone();
+    family(e, s, "kvfabric_prefills", "Prefills by where they ran.", None, C, |s, o| {
+        if let Some(p) = rp(s) {
+            o.push((vec![("where", "remote".into())], Value::Int(p.remote)));
+            o.push((vec![("where", "local".into())], Value::Int(p.local)));
+        }
+    })?;
+    family(
+        e,
+        s,
+        "kvfabric_remote_prefill_fallbacks",
+        "Remote prefills that failed or timed out.",
+        None,
+        C,
+        |s, o| o.extend(rp(s).map(|p| plain(p.fallbacks))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_remote_prefill",
+        "KV bytes written by prefill workers.",
+        Some(Unit::Bytes),
+        C,
+        |s, o| o.extend(rp(s).map(|p| plain(p.bytes))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_remote_prefill_wait",
+        "Time waiting for remote prefills.",
+        Some(Unit::Seconds),
+        C,
+        |s, o| o.extend(rp(s).map(|p| (Vec::new(), Value::Float(p.wait_seconds)))),
+    )?;
+    family(e, s, "kvfabric_prefill_queue_depth", "Remote prefills pending.", None, G, |s, o| {
+        o.extend(rp(s).map(|p| plain(p.pending)))
+    })?;
+    Ok(())
+}
+
+/// The prefill service, prefill side.
+fn prefill_service(
+    e: &mut DescriptorEncoder<'_>,
+    s: &[(Option<LabelValue>, Snapshot)],
+) -> std::fmt::Result {
+    use MetricType::Counter as C;
+    let ps = |s: &Snapshot| s.prefill_service.clone();
+    family(
+        e,
+        s,
+        "kvfabric_prefill_jobs_done",
+        "Prefill jobs whose blocks were written.",
+        None,
+        C,
+        |s, o| o.extend(ps(s).map(|p| plain(p.done))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_prefill_jobs_failed",
+        "Prefill jobs failed or expired.",
+        None,
+        C,
+        |s, o| o.extend(ps(s).map(|p| plain(p.failed))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_prefill_sent",
+        "KV bytes written to decode workers.",
+        Some(Unit::Bytes),
+        C,
+        |s, o| o.extend(ps(s).map(|p| plain(p.bytes))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_prefill_transfer",
+        "Time in KV writes.",
+        Some(Unit::Seconds),
+        C,
+        |s, o| o.extend(ps(s).map(|p| (Vec::new(), Value::Float(p.transfer_seconds)))),
+    )?;
+    Ok(())
 }
 
 /// The registry of an HTTP frontend: its own metrics and its components'.
