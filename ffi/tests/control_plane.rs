@@ -21,6 +21,28 @@ fn config(pairs: &[(&str, &str)]) -> kvf_config {
     c
 }
 
+/// Registers `buf` with the agent.
+///
+/// # Safety
+/// `buf` stays alive and unmoved until the region is deregistered.
+unsafe fn register(agent: &kvf_agent, buf: &mut [u8]) -> kvfabric::memory::RegionId {
+    // SAFETY: the caller's contract.
+    unsafe {
+        agent.agent().register_external(
+            std::ptr::NonNull::new(buf.as_mut_ptr()).unwrap(),
+            buf.len(),
+            false,
+        )
+    }
+    .unwrap()
+    .id()
+}
+
+/// One segment per block: block `i` at `i * BLOCK` of `region`.
+fn block_segment(region: kvfabric::memory::RegionId) -> [kvf_segment; 1] {
+    [kvf_segment { region: region.0, offset: 0, block_stride: BLOCK as u64, bytes: BLOCK as u64 }]
+}
+
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
@@ -68,17 +90,8 @@ fn discovery_remote_tier_and_events_over_etcd_and_nats() {
     let tokens: Vec<u32> = (0..(3 * BT + 1) as u32).map(|i| 500 + i * 3).collect();
     let mut src: Vec<u8> = (0..3 * BLOCK).map(|i| (i * 13 % 251) as u8).collect();
     // SAFETY: `src` outlives the registration (deregistered below) and is not moved.
-    let rs = unsafe {
-        agent_a.agent().register_external(
-            std::ptr::NonNull::new(src.as_mut_ptr()).unwrap(),
-            src.len(),
-            false,
-        )
-    }
-    .unwrap()
-    .id();
-    let seg =
-        [kvf_segment { region: rs.0, offset: 0, block_stride: BLOCK as u64, bytes: BLOCK as u64 }];
+    let rs = unsafe { register(&agent_a, &mut src) };
+    let seg = block_segment(rs);
     let op = store_a.save(&tokens, 0, &[0, 1, 2], &seg).unwrap();
     assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 3);
     drop(op);
@@ -96,18 +109,9 @@ fn discovery_remote_tier_and_events_over_etcd_and_nats() {
         .iter()
         .all(|t| *t == kvfabric::events::TierKind::Remote));
     let mut dst = vec![0u8; 8 * BLOCK];
-    // SAFETY: as above, for `dst`.
-    let rd = unsafe {
-        agent_b.agent().register_external(
-            std::ptr::NonNull::new(dst.as_mut_ptr()).unwrap(),
-            dst.len(),
-            false,
-        )
-    }
-    .unwrap()
-    .id();
-    let dseg =
-        [kvf_segment { region: rd.0, offset: 0, block_stride: BLOCK as u64, bytes: BLOCK as u64 }];
+    // SAFETY: `dst` outlives the registration (deregistered below) and is not moved.
+    let rd = unsafe { register(&agent_b, &mut dst) };
+    let dseg = block_segment(rd);
     let op = store_b.load(&tokens, 0, &[7, 5, 3], &dseg).unwrap();
     assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 3);
     drop(op);
@@ -213,17 +217,8 @@ fn discovery_in_a_shared_directory_without_etcd() {
     let tokens: Vec<u32> = (0..(2 * BT) as u32).map(|i| 700 + i).collect();
     let mut src: Vec<u8> = (0..2 * BLOCK).map(|i| (i * 7 % 251) as u8).collect();
     // SAFETY: `src` outlives the registration (deregistered below) and is not moved.
-    let rs = unsafe {
-        agent_a.agent().register_external(
-            std::ptr::NonNull::new(src.as_mut_ptr()).unwrap(),
-            src.len(),
-            false,
-        )
-    }
-    .unwrap()
-    .id();
-    let seg =
-        [kvf_segment { region: rs.0, offset: 0, block_stride: BLOCK as u64, bytes: BLOCK as u64 }];
+    let rs = unsafe { register(&agent_a, &mut src) };
+    let seg = block_segment(rs);
     let op = store_a.save(&tokens, 0, &[0, 1], &seg).unwrap();
     assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 2);
     drop(op);
@@ -237,18 +232,9 @@ fn discovery_in_a_shared_directory_without_etcd() {
         Err(kvfabric_ffi::kvf_result::KVF_NOT_FOUND)
     );
     let mut dst = vec![0u8; 2 * BLOCK];
-    // SAFETY: as above, for `dst`.
-    let rd = unsafe {
-        agent_b.agent().register_external(
-            std::ptr::NonNull::new(dst.as_mut_ptr()).unwrap(),
-            dst.len(),
-            false,
-        )
-    }
-    .unwrap()
-    .id();
-    let dseg =
-        [kvf_segment { region: rd.0, offset: 0, block_stride: BLOCK as u64, bytes: BLOCK as u64 }];
+    // SAFETY: `dst` outlives the registration (deregistered below) and is not moved.
+    let rd = unsafe { register(&agent_b, &mut dst) };
+    let dseg = block_segment(rd);
     let op = store_b.load(&tokens, 0, &[1, 0], &dseg).unwrap();
     assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap().unwrap(), 2);
     drop(op);
