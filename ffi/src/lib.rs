@@ -102,7 +102,7 @@ pub unsafe extern "C" fn kvf_discovery_get(
         // SAFETY: as above.
         let (buf, len_out) =
             unsafe { (ptr::OutBuf::new(buf, cap, "buf")?, ptr::Out::new(len_out, "len_out")?) };
-        let found = kvfabric::control::file::FileDiscovery::open(dir)?.get(kind, id)?;
+        let found = kvfabric::control::file::FileDiscovery::at(dir).get(kind, id)?;
         let inst = found.ok_or_else(|| {
             FfiError::new(kvf_result::KVF_NOT_FOUND, format!("no live {kind} {id:?} in {dir}"))
         })?;

@@ -143,11 +143,6 @@ impl WorkerApi {
     fn registered_before_versions() -> Self {
         WorkerApi::Kvfabric { protocol: 1 }
     }
-
-    /// Whether requests reach it over kvfabric's request protocol (of any version).
-    pub fn is_kvfabric(&self) -> bool {
-        matches!(self, WorkerApi::Kvfabric { .. })
-    }
 }
 
 fn protocol_v1() -> u8 {

@@ -68,9 +68,10 @@ impl FileDiscovery {
         Ok(FileDiscovery { dir })
     }
 
-    /// The directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// Discovery in `dir` as it is, for reading (nothing is created: a directory that does
+    /// not exist holds no instance).
+    pub fn at(dir: impl Into<PathBuf>) -> Self {
+        FileDiscovery { dir: dir.into() }
     }
 
     /// The live instance `kind`/`id`, read now (no runtime needed: the C ABI's
@@ -130,16 +131,19 @@ impl FileDiscovery {
             else {
                 continue;
             };
-            if check_name(id).is_err() || !PidLock::is_held(&self.base(kind, id)) {
-                continue;
-            }
-            if let Some(e) = Self::read_entry(&f.path())
-                .filter(|e| e.instance.kind == kind && e.instance.id == id)
-            {
-                out.insert(id.to_string(), e.instance);
+            if let Ok(Some(instance)) = self.get(kind, id) {
+                out.insert(id.to_string(), instance);
             }
         }
         Ok(out)
+    }
+
+    /// [`Self::scan`] on the blocking pool (it reads files and takes locks).
+    async fn scan_blocking(&self, kind: &str) -> Result<HashMap<String, Instance>, ControlError> {
+        let (this, kind) = (self.clone(), kind.to_string());
+        tokio::task::spawn_blocking(move || this.scan(&kind))
+            .await
+            .map_err(|_| ControlError::Closed)?
     }
 
     fn sorted(map: &HashMap<String, Instance>) -> Vec<Instance> {
@@ -216,12 +220,7 @@ impl Discovery for FileDiscovery {
     fn list<'a>(&'a self, kind: &'a str) -> ControlFuture<'a, Vec<Instance>> {
         Box::pin(async move {
             check_name(kind)?;
-            let this = self.clone();
-            let kind = kind.to_string();
-            let map = tokio::task::spawn_blocking(move || this.scan(&kind))
-                .await
-                .map_err(|_| ControlError::Closed)??;
-            Ok(Self::sorted(&map))
+            Ok(Self::sorted(&self.scan_blocking(kind).await?))
         })
     }
 
@@ -231,7 +230,7 @@ impl Discovery for FileDiscovery {
     ) -> ControlFuture<'a, (Vec<Instance>, mpsc::Receiver<DiscoveryEvent>)> {
         Box::pin(async move {
             check_name(kind)?;
-            let mut seen = self.scan(kind)?;
+            let mut seen = self.scan_blocking(kind).await?;
             let (tx, rx) = mpsc::channel(super::memory::SUBSCRIBER_BUFFER);
             let (this, kind) = (self.clone(), kind.to_string());
             let now = Self::sorted(&seen);
@@ -242,11 +241,7 @@ impl Discovery for FileDiscovery {
                         _ = tx.closed() => return,
                         _ = tick.tick() => {}
                     }
-                    let (t, k) = (this.clone(), kind.clone());
-                    let Ok(Ok(current)) = tokio::task::spawn_blocking(move || t.scan(&k)).await
-                    else {
-                        continue;
-                    };
+                    let Ok(current) = this.scan_blocking(&kind).await else { continue };
                     let mut events = Vec::new();
                     for (id, inst) in &current {
                         if seen.get(id) != Some(inst) {
