@@ -14,6 +14,11 @@
 //! - [`feed::IndexFeed`]: the thin async part — a task that keeps an index current from the
 //!   KV events and dumps on the control plane (`kvfabric::contract`) and asks a source for a
 //!   dump when its event ids show a gap; the routing frontend runs it.
+//! - [`membership::Membership`]: the router service's state — workers and fabric nodes
+//!   joining and leaving discovery, their load reports, the workers avoided, one policy per
+//!   model — and the choice of a worker for a request. Model-agnostic: a frontend that sends
+//!   requests (`kvfabric-serving`) says what it prepares for a worker through
+//!   [`membership::Admission`].
 //! - [`sim`]: a deterministic routing simulation used by `kvfabric bench router`.
 //!
 //! Engines' own KV events (vLLM, SGLang over ZeroMQ) are decoded by `kvfabric-attach`, which
@@ -26,6 +31,7 @@
 
 pub mod feed;
 pub mod index;
+pub mod membership;
 pub mod policy;
 pub mod sim;
 mod table;

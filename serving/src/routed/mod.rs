@@ -17,17 +17,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvfabric::contract::{self, Message};
-use kvfabric::control::{Discovery, DiscoveryEvent, EventBus, Instance};
-use kvfabric::hash::{HashSeed, TokenBlockHasher};
-use kvfabric_router::feed::{worker_id, FeedStats, IndexFeed};
-use kvfabric_router::{PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
-use kvfabric_tiers::remote::protocol::{NodeInfo, FABRIC_KIND};
+use kvfabric::control::{Discovery, EventBus};
+use kvfabric_router::feed::{worker_id, FeedStats};
+use kvfabric_router::membership::{
+    Membership, MembershipConfig, Refusal, Scored, Scores, WorkerEntry, REPORTS_STOPPED,
+};
+use kvfabric_router::{RouterConfig, RoutingMode, WorkerId};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
 use crate::backend::{Backend, ModelEntry};
-use crate::engine::sampling::SplitMix64;
 use crate::engine::{
     EngineError, EventRx, EventTx, GenEvent, GenerateRequest, ModelInfo, TextCodec,
 };
@@ -37,7 +36,7 @@ use crate::protocol::{
     self, Auth, CodecSpec, WorkerApi, WorkerMetadata, WorkerRequest, WORKER_KIND,
 };
 
-mod membership;
+mod admission;
 mod relay;
 mod view;
 
@@ -113,113 +112,18 @@ pub struct RoutedStats {
 }
 
 #[derive(Debug)]
-struct WorkerEntry {
-    wid: WorkerId,
-    addr: SocketAddr,
-    api: WorkerApi,
-    model: String,
-    /// Requests sent to it.
-    served: u64,
-    /// Avoided until then: it did not answer in time (connection, handshake, first token).
-    penalty_until: Option<Instant>,
-    /// Not routed to until then, and why: it refused our secret (or we refused its), so no
-    /// request can reach it; tried again after [`REFUSED_RETRY`].
-    refused: Option<(Instant, String)>,
-    /// Its role, as a dashboard names it.
-    role: &'static str,
-    /// Its last load report, when it came, and how old it was on arrival (ms).
-    load: contract::Load,
-    stats: Option<Box<contract::WorkerStats>>,
-    reported: Option<(Instant, Option<f64>)>,
-}
-
-/// A worker whose handshake failed on the secret is left out of routing this long, then
-/// tried again (its operator may have fixed the secret).
-const REFUSED_RETRY: Duration = Duration::from_secs(30);
-
-/// How long a worker of another protocol version stays out of routing: until it registers
-/// again (a re-registration is a new join).
-const INCOMPATIBLE_FOR: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
-
-/// A worker that left discovery, kept a few minutes for dashboards.
-#[derive(Debug)]
-struct Departed {
-    name: String,
-    left: Instant,
-    entry: WorkerEntry,
-}
-
-/// Departed workers are kept this long, and this many at most.
-const DEPARTED_KEEP: Duration = Duration::from_secs(300);
-const DEPARTED_MAX: usize = 64;
-/// A draining worker whose reports stopped this long ago has drained.
-const REPORTS_STOPPED: Duration = Duration::from_secs(2);
-
-#[derive(Debug)]
-struct ModelState {
-    entry: ModelEntry,
-    router: Router,
-    hasher: TokenBlockHasher,
-    workers: usize,
-}
-
-/// A worker this frontend does not route to but hears report (a prefill worker), for
-/// dashboards; forgotten when its reports stop.
-#[derive(Debug)]
-struct Reporter {
-    load: contract::Load,
-    stats: Box<contract::WorkerStats>,
-    at: Instant,
-}
-
-/// Reporters kept at most (names come from the bus), and their names' length at most.
-const REPORTERS_MAX: usize = 256;
-const NAME_MAX: usize = 128;
-/// A reporter whose reports stopped this long ago is forgotten.
-const REPORTER_KEEP: Duration = Duration::from_secs(10);
-
-/// A KV fabric node in discovery (`kvfabric fabric`): never routed to. Its KV events fill the
-/// index (so they are not "unknown", and the cache map sees what it holds), and its load
-/// reports (role `fabric`: tier occupancy, transfers) show on dashboards.
-#[derive(Debug)]
-struct FabricEntry {
-    wid: WorkerId,
-    addr: SocketAddr,
-    /// Bytes per block it stores: workers of another block size ignore it.
-    block_bytes: u64,
-    stats: Option<Box<contract::WorkerStats>>,
-    reported: Option<Instant>,
-}
-
-/// Fabric nodes kept at most (names come from discovery).
-const FABRIC_MAX: usize = 256;
-
-#[derive(Debug, Default)]
-struct State {
-    workers: HashMap<String, WorkerEntry>,
-    fabric: HashMap<String, FabricEntry>,
-    reporters: HashMap<String, Reporter>,
-    departed: std::collections::VecDeque<Departed>,
-    by_id: HashMap<WorkerId, String>,
-    models: HashMap<String, ModelState>,
-}
-
-#[derive(Debug)]
 struct Inner {
     cfg: RoutedConfig,
     discovery: Arc<dyn Discovery>,
     bus: Arc<dyn EventBus>,
-    index: Arc<PrefixIndex>,
-    state: Mutex<State>,
+    /// Who can be routed to, and the routing itself (the router crate's service state).
+    members: Membership,
+    /// Tokenizers, by how workers registered them.
     codecs: Mutex<HashMap<CodecSpec, Arc<TextCodec>>>,
     next_id: AtomicU64,
-    rng: Mutex<SplitMix64>,
     stats: RoutedStats,
-    epoch: Instant,
     /// Authenticated connections to workers, kept between requests.
     pool: protocol::ConnectionPool,
-    /// Keeps `index` current from the bus; follows every worker and node that joins.
-    feed: IndexFeed,
 }
 
 /// Workers in discovery behind one routing frontend. Cheap to clone.
@@ -244,58 +148,29 @@ impl RoutedBackend {
         }
         let ctl =
             |e: kvfabric::control::ControlError| EngineError::model(format!("control plane: {e}"));
-        let mut loads = bus.subscribe(contract::LOAD).await.map_err(ctl)?;
-        let (initial, mut watch) = discovery.watch(&cfg.kind).await.map_err(ctl)?;
-        let (nodes, mut fabric_watch) = discovery.watch(FABRIC_KIND).await.map_err(ctl)?;
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64);
-        let index = Arc::new(PrefixIndex::new());
-        let feed =
-            IndexFeed::start(bus.clone(), index.clone(), cfg.name.clone()).await.map_err(ctl)?;
+        let members = Membership::new(
+            bus.clone(),
+            MembershipConfig {
+                router: cfg.router.clone(),
+                name: cfg.name.clone(),
+                kind: cfg.kind.clone(),
+                slow_penalty: cfg.slow_penalty,
+            },
+        )
+        .await
+        .map_err(ctl)?;
         let inner = Arc::new(Inner {
             cfg,
             discovery: discovery.clone(),
-            bus: bus.clone(),
-            index,
-            state: Mutex::new(State::default()),
+            bus,
+            members,
             codecs: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
-            rng: Mutex::new(SplitMix64(seed)),
             stats: RoutedStats::default(),
-            epoch: Instant::now(),
             pool: protocol::ConnectionPool::default(),
-            feed,
         });
-        for inst in initial {
-            inner.join(inst).await;
-        }
-        for inst in nodes {
-            inner.join_fabric(inst);
-        }
-        let i = inner.clone();
-        let task = tokio::spawn(async move {
-            let (mut load_open, mut watch_open, mut fabric_open) = (true, true, true);
-            while load_open || watch_open || fabric_open {
-                tokio::select! {
-                    biased;
-                    d = watch.recv(), if watch_open => match d {
-                        Some(DiscoveryEvent::Joined(inst)) => i.join(inst).await,
-                        Some(DiscoveryEvent::Left { id, .. }) => i.leave(&id),
-                        None => watch_open = false,
-                    },
-                    d = fabric_watch.recv(), if fabric_open => match d {
-                        Some(DiscoveryEvent::Joined(inst)) => i.join_fabric(inst),
-                        Some(DiscoveryEvent::Left { id, .. }) => i.leave_fabric(&id),
-                        None => fabric_open = false,
-                    },
-                    m = loads.recv(), if load_open => match m {
-                        Some(bytes) => i.on_load(&bytes),
-                        None => load_open = false,
-                    },
-                }
-            }
-        });
+        let admit = admission::Admit(Arc::downgrade(&inner));
+        let task = inner.members.follow(discovery, admit).await.map_err(ctl)?;
         Ok(RoutedBackend { inner, task: Arc::new(task) })
     }
 
@@ -306,7 +181,7 @@ impl RoutedBackend {
     pub async fn wait_for_workers(&self, n: usize, timeout: std::time::Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            if self.inner.state.lock().workers.len() >= n {
+            if self.inner.members.read(|m| m.workers.len()) >= n {
                 return true;
             }
             if tokio::time::Instant::now() >= deadline {
@@ -323,13 +198,15 @@ impl RoutedBackend {
 
     /// The counters of the index's feed (KV events applied, gaps, dumps).
     pub fn feed_stats(&self) -> &FeedStats {
-        self.inner.feed.stats()
+        self.inner.members.feed_stats()
     }
 
     /// Requests sent to each worker so far.
     pub fn served(&self) -> Vec<(String, u64)> {
-        let st = self.inner.state.lock();
-        let mut v: Vec<_> = st.workers.iter().map(|(n, w)| (n.clone(), w.served)).collect();
+        let mut v: Vec<_> = self
+            .inner
+            .members
+            .read(|m| m.workers.iter().map(|(n, w)| (n.clone(), w.served)).collect());
         v.sort();
         v
     }
@@ -338,14 +215,14 @@ impl RoutedBackend {
     /// and the id to [`RoutedBackend::release`] when its work is done.
     pub fn pick(&self, model: &str, prompt: &[u32]) -> Option<(u64, String)> {
         let rid = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let (name, _, _) = self.inner.route(model, rid, prompt, &[])?;
+        let pick = self.inner.members.route(model, rid, prompt, &[])?;
         self.inner.stats.routed.fetch_add(1, Ordering::Relaxed);
-        Some((rid, name))
+        Some((rid, pick.name))
     }
 
     /// Ends the tracking of a request from [`RoutedBackend::pick`].
     pub fn release(&self, model: &str, rid: u64, _completed: bool) {
-        self.inner.with_router(model, |r| r.free(rid));
+        self.inner.members.free(model, rid);
     }
 
     /// Stops following the control plane.
@@ -356,14 +233,13 @@ impl RoutedBackend {
 
 impl Backend for RoutedBackend {
     fn models(&self) -> Vec<ModelInfo> {
-        let st = self.inner.state.lock();
-        let mut v: Vec<ModelInfo> = st.models.values().map(|m| m.entry.info.clone()).collect();
-        v.sort_by(|a, b| a.id.cmp(&b.id));
-        v
+        self.inner.members.models()
     }
 
     fn model(&self, id: &str) -> Option<ModelEntry> {
-        self.inner.state.lock().models.get(id).map(|m| m.entry.clone())
+        let (info, spec) = self.inner.members.model(id)?;
+        let codec = self.inner.codecs.lock().get(&spec).cloned()?;
+        Some(ModelEntry { info, codec })
     }
 
     fn submit(&self, model: &str, req: GenerateRequest) -> Result<EventRx, EngineError> {
@@ -373,33 +249,32 @@ impl Backend for RoutedBackend {
     }
 
     fn health(&self) -> Value {
-        let st = self.inner.state.lock();
-        let mut workers: Vec<&String> = st.workers.keys().collect();
-        workers.sort();
         let now = Instant::now();
-        let mut reasons: Vec<String> = st
-            .workers
-            .iter()
-            .filter_map(|(n, w)| {
-                w.refused.as_ref().filter(|(t, _)| *t > now).map(|(_, why)| (n, why))
+        self.inner.members.read(|st| {
+            let mut workers: Vec<&String> = st.workers.keys().collect();
+            workers.sort();
+            let mut reasons: Vec<String> = st
+                .workers
+                .iter()
+                .filter_map(|(n, w)| w.refused_now(now).map(|why| (n, why)))
+                .map(|(n, why)| format!("worker {n} cannot be reached: it {why}"))
+                .collect();
+            reasons.sort();
+            let status = if st.workers.is_empty() {
+                "no workers"
+            } else if reasons.len() == st.workers.len() {
+                "no usable workers"
+            } else if reasons.is_empty() {
+                "ok"
+            } else {
+                "degraded"
+            };
+            json!({
+                "status": status,
+                "reasons": reasons,
+                "workers": workers,
+                "models": st.models.keys().collect::<Vec<_>>(),
             })
-            .map(|(n, why)| format!("worker {n} cannot be reached: it {why}"))
-            .collect();
-        reasons.sort();
-        let status = if st.workers.is_empty() {
-            "no workers"
-        } else if reasons.len() == st.workers.len() {
-            "no usable workers"
-        } else if reasons.is_empty() {
-            "ok"
-        } else {
-            "degraded"
-        };
-        json!({
-            "status": status,
-            "reasons": reasons,
-            "workers": workers,
-            "models": st.models.keys().collect::<Vec<_>>(),
         })
     }
 
@@ -417,7 +292,7 @@ impl Backend for RoutedBackend {
 
     fn metrics(&self, out: &mut Snapshot) {
         let s = &self.inner.stats;
-        let f = self.inner.feed.stats();
+        let f = self.inner.members.feed_stats();
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         out.routed = Some(RoutedSnapshot {
             routed: ld(&s.routed),

@@ -5,64 +5,6 @@
 use super::*;
 
 impl Inner {
-    /// Picks a worker for a request, avoiding `tried`.
-    pub(super) fn route(
-        &self,
-        model: &str,
-        request_id: u64,
-        prompt: &[u32],
-        tried: &[WorkerId],
-    ) -> Option<(String, SocketAddr, WorkerApi)> {
-        let draw = self.rng.lock().next_f64();
-        let now = self.epoch.elapsed().as_secs_f64();
-        let mut st = self.state.lock();
-        let st = &mut *st;
-        let m = st.models.get_mut(model)?;
-        let hashes = m.hasher.sequence_hashes(prompt);
-        let d = m.router.route(&self.index, request_id, &hashes, prompt.len() as u64, now, draw)?;
-        let mut wid = d.worker;
-        // Avoid what failed for this request, and workers that are penalised for being slow
-        // unless every other worker failed already.
-        let clock = Instant::now();
-        let penalised = |w: &WorkerId| {
-            st.by_id
-                .get(w)
-                .and_then(|n| st.workers.get(n))
-                .and_then(|e| e.penalty_until)
-                .is_some_and(|t| t > clock)
-        };
-        // A worker that refused our secret cannot serve anything: never chosen.
-        let refused = |w: &WorkerId| {
-            st.by_id
-                .get(w)
-                .and_then(|n| st.workers.get(n))
-                .and_then(|e| e.refused.as_ref())
-                .is_some_and(|(t, _)| *t > clock)
-        };
-        let workers: Vec<WorkerId> = m.router.workers().to_vec();
-        let usable = |w: &WorkerId| !tried.contains(w) && !refused(w);
-        let fresh = |w: &WorkerId| usable(w) && !penalised(w);
-        let avoid_slow = workers.iter().any(fresh);
-        if !usable(&wid) || (avoid_slow && penalised(&wid)) {
-            m.router.free(request_id);
-            wid = if avoid_slow {
-                *workers.iter().find(|w| fresh(w))?
-            } else {
-                *workers.iter().find(|w| usable(w))?
-            };
-        }
-        let name = st.by_id.get(&wid)?.clone();
-        let w = st.workers.get_mut(&name)?;
-        w.served += 1;
-        Some((name, w.addr, w.api.clone()))
-    }
-
-    pub(super) fn with_router(&self, model: &str, f: impl FnOnce(&mut Router)) {
-        if let Some(m) = self.state.lock().models.get_mut(model) {
-            f(&mut m.router);
-        }
-    }
-
     pub(super) async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: EventTx) {
         let deadline = tokio::time::Instant::now() + req.timeout;
         let mut tried: Vec<WorkerId> = Vec::new();
@@ -73,10 +15,10 @@ impl Inner {
         let mut migrations = 0u32;
         for attempt in 0..self.cfg.attempts_max.max(1) {
             let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
-            let Some((name, addr, api)) = self.route(&model, rid, &wreq.request.prompt, &tried)
-            else {
+            let Some(pick) = self.members.route(&model, rid, &wreq.request.prompt, &tried) else {
                 break;
             };
+            let (name, addr, api) = (pick.name, pick.addr, pick.api);
             self.stats.routed.fetch_add(1, Ordering::Relaxed);
             if attempt > 0 {
                 self.stats.retries.fetch_add(1, Ordering::Relaxed);
@@ -98,7 +40,7 @@ impl Inner {
                     .await
                 }
             };
-            self.with_router(&model, |r| r.free(rid));
+            self.members.free(&model, rid);
             match outcome {
                 Relay::Finished => return,
                 Relay::Retry(why) => {
@@ -149,23 +91,15 @@ impl Inner {
             wreq.request.timeout = deadline - now;
         }
         self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
-        let refused: Vec<String> = {
-            let st = self.state.lock();
-            let now = Instant::now();
-            let mut v: Vec<String> = st
-                .workers
+        let now = Instant::now();
+        let mut refused: Vec<String> = self.members.read(|st| {
+            st.workers
                 .iter()
                 .filter(|(_, w)| w.model == model)
-                .filter_map(|(n, w)| {
-                    w.refused
-                        .as_ref()
-                        .filter(|(t, _)| *t > now)
-                        .map(|(_, why)| format!("{n} {why}"))
-                })
-                .collect();
-            v.sort();
-            v
-        };
+                .filter_map(|(n, w)| w.refused_now(now).map(|why| format!("{n} {why}")))
+                .collect()
+        });
+        refused.sort();
         let msg = match last_err {
             Some(e) => format!("no worker could serve {model:?} ({e})"),
             None if !refused.is_empty() => {
@@ -281,8 +215,8 @@ impl Inner {
                     stall_by = tokio::time::Instant::now() + self.cfg.stall_timeout;
                     if !sent_token {
                         sent_token = true;
-                        self.with_router(model, |r| r.prefill_done(rid));
-                        self.forgive(name);
+                        self.members.prefill_done(model, rid);
+                        self.members.forgive(name);
                         progress.send_started(tx, started.take());
                     }
                     progress.generated.push(id);
@@ -408,8 +342,8 @@ impl Inner {
                     stall_by = tokio::time::Instant::now() + self.cfg.stall_timeout;
                     if !sent_token {
                         sent_token = true;
-                        self.with_router(t.model, |r| r.prefill_done(t.rid));
-                        self.forgive(t.name);
+                        self.members.prefill_done(t.model, t.rid);
+                        self.members.forgive(t.name);
                         progress.send_started(tx, started.take());
                     }
                     // An engine that does not return token ids: the stream cannot move.

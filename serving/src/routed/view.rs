@@ -10,21 +10,8 @@ impl RoutedBackend {
     pub fn explain(&self, model: &str, prompt: &[u32], track: bool) -> Result<Value, EngineError> {
         let unknown =
             || EngineError::Unavailable { message: format!("no worker serves {model:?} now") };
-        let now = self.inner.epoch.elapsed().as_secs_f64();
-        let (hashes, block_tokens, scores) = {
-            let st = self.inner.state.lock();
-            let m = st.models.get(model).ok_or_else(unknown)?;
-            let hashes = m.hasher.sequence_hashes(prompt);
-            let scores = m.router.scores(&self.inner.index, &hashes, now);
-            let named: Vec<Scored> = scores
-                .into_iter()
-                .filter_map(|(w, run, cost)| {
-                    let terms = m.router.cost_terms(w, hashes.len(), run);
-                    st.by_id.get(&w).map(|n| (n.clone(), run, cost, m.router.load(w), terms))
-                })
-                .collect();
-            (hashes, m.router.config().block_tokens, named)
-        };
+        let Scores { blocks, block_tokens, workers: scores } =
+            self.inner.members.scores(model, prompt).ok_or_else(unknown)?;
         let (request_id, chosen) = if track {
             match self.pick(model, prompt) {
                 Some((rid, name)) => (Some(rid), Some(name)),
@@ -60,15 +47,15 @@ impl RoutedBackend {
                 })
             })
             .collect();
-        let mode = self.inner.mode_name();
-        let reason = explain_reason(&mode, &chosen, &scores, hashes.len(), track);
+        let mode = self.inner.members.mode_name();
+        let reason = explain_reason(&mode, &chosen, &scores, blocks, track);
         Ok(json!({
             "model": model,
             "worker": chosen,
             "reason": reason,
             "request_id": request_id,
             "prompt_tokens": prompt.len(),
-            "blocks": hashes.len(),
+            "blocks": blocks,
             "block_tokens": block_tokens,
             "mode": mode,
             "workers": workers,
@@ -79,6 +66,7 @@ impl RoutedBackend {
     pub fn dashboard(&self) -> crate::dashboard::BackendView {
         use crate::dashboard::{BackendView, ControlView, WorkerView};
         let now = Instant::now();
+        let index = self.inner.members.index();
         let view =
             |name: &str, w: &WorkerEntry, state: &'static str, left: Option<Instant>| WorkerView {
                 name: name.to_string(),
@@ -89,101 +77,100 @@ impl RoutedBackend {
                 requests: w.served,
                 load: w.load,
                 stats: w.stats.as_deref().cloned(),
-                indexed_blocks: self.inner.index.worker_blocks(w.wid) as u64,
+                indexed_blocks: index.worker_blocks(w.wid) as u64,
                 report_age_s: w
                     .reported
                     .map(|(at, _)| now.saturating_duration_since(at).as_secs_f64()),
                 left_s_ago: left.map(|l| now.saturating_duration_since(l).as_secs_f64()),
                 note: w
-                    .refused
-                    .as_ref()
-                    .filter(|(t, _)| *t > now)
-                    .map(|(_, why)| format!("cannot be reached: {why} (wrong secret?)")),
+                    .refused_now(now)
+                    .map(|why| format!("cannot be reached: {why} (wrong secret?)")),
             };
-        let mut st = self.inner.state.lock();
-        st.departed.retain(|d| now.saturating_duration_since(d.left) < DEPARTED_KEEP);
-        let mut workers: Vec<WorkerView> = st
-            .workers
-            .iter()
-            .map(|(name, w)| {
-                let avoided = w.penalty_until.is_some_and(|t| t > now);
-                let refused = w.refused.as_ref().is_some_and(|(t, _)| *t > now);
-                let draining = w.stats.as_ref().is_some_and(|s| s.draining);
-                let state = match (refused, draining, avoided) {
-                    (true, _, _) => "refused",
-                    (false, true, _) => "draining",
-                    (false, false, true) => "avoided",
-                    (false, false, false) => "serving",
-                };
-                view(name, w, state, None)
-            })
-            .collect();
-        st.reporters.retain(|_, r| now.saturating_duration_since(r.at) < REPORTER_KEEP);
-        workers.extend(st.reporters.iter().map(|(name, r)| WorkerView {
-            name: name.clone(),
-            role: "prefill",
-            state: if r.stats.draining { "draining" } else { "serving" },
-            load: r.load,
-            stats: Some((*r.stats).clone()),
-            report_age_s: Some(now.saturating_duration_since(r.at).as_secs_f64()),
-            ..WorkerView::default()
-        }));
-        workers.sort_by(|a, b| a.name.cmp(&b.name));
-        let departed = st
-            .departed
-            .iter()
-            .rev()
-            .map(|d| {
-                let w = &d.entry;
-                let reporting = w
-                    .reported
-                    .is_some_and(|(at, _)| now.saturating_duration_since(at) < REPORTS_STOPPED);
-                // A worker that drains says so, and keeps reporting after it left; one that
-                // was killed or lost its lease left with its reports already stopped.
-                let drains = w.stats.as_ref().is_some_and(|s| s.draining)
-                    || w.reported.is_some_and(|(at, _)| at > d.left);
-                let state = match drains {
-                    true if reporting => "draining",
-                    true => "drained",
-                    false => "lost",
-                };
-                // Its blocks left the index with it: `indexed_blocks` reads 0.
-                view(&d.name, w, state, Some(d.left))
-            })
-            .collect();
-        let bus_lag_ms =
-            st.workers.values().filter_map(|w| w.reported.and_then(|r| r.1)).reduce(f64::max);
-        // The block sizes of the models served: a node of none of them serves no worker.
-        let sizes: Vec<u64> =
-            st.models.values().map(|m| m.entry.info.layout.bytes_per_block()).collect();
-        let mut fabric: Vec<WorkerView> = st
-            .fabric
-            .iter()
-            .map(|(name, f)| WorkerView {
+        let (workers, departed, fabric, bus_lag_ms) = self.inner.members.read(|st| {
+            let mut workers: Vec<WorkerView> = st
+                .workers
+                .iter()
+                .map(|(name, w)| {
+                    let avoided = w.penalty_until.is_some_and(|t| t > now);
+                    let refused = w.refused_now(now).is_some();
+                    let draining = w.stats.as_ref().is_some_and(|s| s.draining);
+                    let state = match (refused, draining, avoided) {
+                        (true, _, _) => "refused",
+                        (false, true, _) => "draining",
+                        (false, false, true) => "avoided",
+                        (false, false, false) => "serving",
+                    };
+                    view(name, w, state, None)
+                })
+                .collect();
+            workers.extend(st.reporters.iter().map(|(name, r)| WorkerView {
                 name: name.clone(),
-                role: "fabric",
-                state: if sizes.is_empty() || sizes.contains(&f.block_bytes) {
-                    "serving"
-                } else {
-                    "ignored"
-                },
-                note: (!sizes.is_empty() && !sizes.contains(&f.block_bytes)).then(|| {
-                    format!(
-                        "stores blocks of {} bytes; the workers' are {}: no worker uses it",
-                        f.block_bytes,
-                        sizes.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
-                    )
-                }),
-                addr: Some(f.addr.to_string()),
-                stats: f.stats.as_deref().cloned(),
-                indexed_blocks: self.inner.index.worker_blocks(f.wid) as u64,
-                report_age_s: f.reported.map(|at| now.saturating_duration_since(at).as_secs_f64()),
+                role: "prefill",
+                state: if r.stats.draining { "draining" } else { "serving" },
+                load: r.load,
+                stats: Some((*r.stats).clone()),
+                report_age_s: Some(now.saturating_duration_since(r.at).as_secs_f64()),
                 ..WorkerView::default()
-            })
-            .collect();
-        fabric.sort_by(|a, b| a.name.cmp(&b.name));
-        drop(st);
-        let f = self.inner.feed.stats();
+            }));
+            workers.sort_by(|a, b| a.name.cmp(&b.name));
+            let departed = st
+                .departed
+                .iter()
+                .rev()
+                .map(|d| {
+                    let w = &d.entry;
+                    let reporting = w
+                        .reported
+                        .is_some_and(|(at, _)| now.saturating_duration_since(at) < REPORTS_STOPPED);
+                    // A worker that drains says so, and keeps reporting after it left; one that
+                    // was killed or lost its lease left with its reports already stopped.
+                    let drains = w.stats.as_ref().is_some_and(|s| s.draining)
+                        || w.reported.is_some_and(|(at, _)| at > d.left);
+                    let state = match drains {
+                        true if reporting => "draining",
+                        true => "drained",
+                        false => "lost",
+                    };
+                    // Its blocks left the index with it: `indexed_blocks` reads 0.
+                    view(&d.name, w, state, Some(d.left))
+                })
+                .collect();
+            let bus_lag_ms =
+                st.workers.values().filter_map(|w| w.reported.and_then(|r| r.1)).reduce(f64::max);
+            // The block sizes of the models served: a node of none of them serves no worker.
+            let sizes: Vec<u64> =
+                st.models.values().map(|m| m.info.layout.bytes_per_block()).collect();
+            let mut fabric: Vec<WorkerView> = st
+                .fabric
+                .iter()
+                .map(|(name, f)| WorkerView {
+                    name: name.clone(),
+                    role: "fabric",
+                    state: if sizes.is_empty() || sizes.contains(&f.block_bytes) {
+                        "serving"
+                    } else {
+                        "ignored"
+                    },
+                    note: (!sizes.is_empty() && !sizes.contains(&f.block_bytes)).then(|| {
+                        format!(
+                            "stores blocks of {} bytes; the workers' are {}: no worker uses it",
+                            f.block_bytes,
+                            sizes.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+                        )
+                    }),
+                    addr: Some(f.addr.to_string()),
+                    stats: f.stats.as_deref().cloned(),
+                    indexed_blocks: index.worker_blocks(f.wid) as u64,
+                    report_age_s: f
+                        .reported
+                        .map(|at| now.saturating_duration_since(at).as_secs_f64()),
+                    ..WorkerView::default()
+                })
+                .collect();
+            fabric.sort_by(|a, b| a.name.cmp(&b.name));
+            (workers, departed, fabric, bus_lag_ms)
+        });
+        let f = self.inner.members.feed_stats();
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         BackendView {
             workers,
@@ -199,7 +186,7 @@ impl RoutedBackend {
                 kv_events_malformed: ld(&f.malformed),
                 kv_events_unknown_worker: ld(&f.unknown),
                 bus_lag_ms,
-                routing: self.inner.mode_name(),
+                routing: self.inner.members.mode_name(),
             }),
         }
     }
@@ -256,6 +243,3 @@ pub(super) fn explain_reason(
 pub(super) fn by_choice(a: &Scored, b: &Scored) -> std::cmp::Ordering {
     a.2.total_cmp(&b.2).then_with(|| worker_id(&a.0).cmp(&worker_id(&b.0)))
 }
-
-/// A worker's name, leading cached run, cost, load and cost terms (`explain`).
-pub(super) type Scored = (String, kvfabric_router::Run, f64, kvfabric::contract::Load, [f64; 3]);
