@@ -31,6 +31,19 @@ pub enum Weights {
     Quantized,
 }
 
+impl std::str::FromStr for Weights {
+    type Err = String;
+
+    /// `f32` or `quantized`, as command lines name them.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Weights::F32),
+            "quantized" => Ok(Weights::Quantized),
+            _ => Err(format!("unknown weights {s:?} (f32: dequantized at load, exact; quantized: as the GGUF stores them, faster)")),
+        }
+    }
+}
+
 /// Options of [`LlamaEngine::load`].
 #[derive(Debug, Clone)]
 pub struct LlamaOptions {

@@ -24,7 +24,7 @@ mod model_dir;
 pub mod peer;
 mod plan;
 mod planning;
-mod plot;
+
 mod profile;
 mod route;
 mod scaler;

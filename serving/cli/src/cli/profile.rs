@@ -16,9 +16,9 @@ use kvfabric_serving::profile::{
 };
 use serde_json::json;
 
-use super::bench::serve::{first_model, one_request, Target};
-use super::plot::{Chart, Series};
 use super::stack::EngineOpts;
+use kvfabric_benches::plot::{Chart, Series};
+use kvfabric_benches::serve::{first_model, one_request, Target};
 
 #[derive(Debug, Args)]
 #[command(
@@ -202,7 +202,7 @@ pub async fn run(args: ProfileArgs) -> anyhow::Result<()> {
     let bar = bar(args.json);
     let profile = match &args.url {
         Some(url) => {
-            let target = super::bench::serve::target(url).await?;
+            let target = kvfabric_benches::serve::target(url).await?;
             let model = match &args.engine.served_model_name {
                 Some(m) => m.clone(),
                 None => first_model(&target).await.with_context(|| format!("GET {url}/models"))?,
@@ -407,7 +407,7 @@ pub fn plot(p: &EngineProfile) -> String {
         },
     ];
     if !p.restore.is_empty() {
-        let tiers = super::plot::distinct(p.restore.iter().map(|r| r.tier.as_str()));
+        let tiers = kvfabric_benches::plot::distinct(p.restore.iter().map(|r| r.tier.as_str()));
         charts.push(Chart {
             x_log2: false,
             x_bytes: false,
@@ -429,5 +429,5 @@ pub fn plot(p: &EngineProfile) -> String {
                 .collect(),
         });
     }
-    super::plot::render(&charts, 3)
+    kvfabric_benches::plot::render(&charts, 3)
 }

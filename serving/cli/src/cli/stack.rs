@@ -42,14 +42,6 @@ pub enum MockKvArg {
     Full,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum WeightsArg {
-    /// Dequantize to f32 at load (exact, reproducible greedy output).
-    F32,
-    /// Keep the GGUF's quantized weights (faster, approximate).
-    Quantized,
-}
-
 /// What runs in a worker: the engine, its model and its block store.
 #[derive(Debug, Clone, Args)]
 pub struct EngineOpts {
@@ -65,9 +57,10 @@ pub struct EngineOpts {
     /// The id the model is served under (default: the file name; `mock` for the mock).
     #[arg(long, env = "KVFABRIC_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
-    /// Weights of the llama engine.
-    #[arg(long, env = "KVFABRIC_WEIGHTS", value_enum, default_value = "f32")]
-    pub weights: WeightsArg,
+    /// Weights of the llama engine: `f32` (dequantized at load: exact, reproducible greedy
+    /// output) or `quantized` (as the GGUF stores them: faster, approximate).
+    #[arg(long, env = "KVFABRIC_WEIGHTS", default_value = "f32")]
+    pub weights: Weights,
     /// Directory of the disk tier (default: ~/.cache/kvfabric/data).
     #[arg(long, env = "KVFABRIC_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
@@ -200,10 +193,7 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
                 path.display()
             );
             let options = LlamaOptions {
-                weights: match opts.weights {
-                    WeightsArg::F32 => Weights::F32,
-                    WeightsArg::Quantized => Weights::Quantized,
-                },
+                weights: opts.weights,
                 block_tokens: opts.block_tokens,
                 context_max: opts.context,
                 tokenizer_json: opts.tokenizer.clone(),

@@ -16,6 +16,7 @@
 //! On a machine without CUDA, [`rows`] fails with the typed reason (no driver, no GPU, a
 //! build without the feature), which the caller prints.
 
+use crate::Host;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ use kvfabric::memory::{MemoryKind, Region, RegionId, RegionOptions};
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_planner::stats::gbps;
 
-use super::measure::{
+use crate::measure::{
     combos, keep_measuring, measure_posts, measure_sync, rand_u64, spawn_peer, Row,
 };
 
@@ -55,8 +56,8 @@ struct Buffers {
 
 impl Buffers {
     /// Queues `len` bytes at `off` in the direction of `op`.
-    fn copy(&self, s: &Stream, op: Op, off: u64, len: u64) -> anyhow::Result<()> {
-        anyhow::ensure!(off + len <= self.a.len() as u64, "copy outside the buffers");
+    fn copy(&self, s: &Stream, op: Op, off: u64, len: u64) -> crate::Result<()> {
+        crate::ensure!(off + len <= self.a.len() as u64, "copy outside the buffers");
         let (o, n) = (off as usize, len as usize);
         // SAFETY: `off + len` is inside every buffer (checked above); the buffers outlive the
         // synchronize that ends each measurement.
@@ -76,7 +77,7 @@ impl Buffers {
 /// event polled from this task, and an event awaited through the device's waiting thread.
 /// The data path polls, then waits; the difference to the floor is the fixed cost of every
 /// transfer on top of its copies.
-async fn completion_costs(bufs: &Buffers, s: &Stream, min_time: Duration) -> anyhow::Result<()> {
+async fn completion_costs(bufs: &Buffers, s: &Stream, min_time: Duration) -> crate::Result<()> {
     let len = 64 << 10;
     let median = |mut v: Vec<Duration>| {
         v.sort();
@@ -155,12 +156,13 @@ fn scattered(local: RegionId, remote: RegionId, desc: u64, batch: usize) -> (Vec
 }
 
 /// The rows for every `(descriptor size, batch)` that fits in `max_bytes`.
-pub async fn rows(
+pub(crate) async fn rows(
+    run: &Host,
     sizes: &[u64],
     batches: &[usize],
     max_bytes: usize,
     min_time: Duration,
-) -> anyhow::Result<Vec<Row>> {
+) -> crate::Result<Vec<Row>> {
     let cuda = cuda::probe()?;
     let dev = cuda.device(0)?;
     eprintln!("cuda: device 0, {}", dev.name());
@@ -172,9 +174,7 @@ pub async fn rows(
     let stream = dev.stream()?;
     completion_costs(&bufs, &stream, min_time).await?;
     let secret = format!("{:016x}", rand_u64());
-    let agent =
-        Agent::start(crate::cli::stack::agent_config("bench-cuda-local", secret.into_bytes()))
-            .await?;
+    let agent = Agent::start(run.agent_config("bench-cuda-local", secret.into_bytes())).await?;
     // kvfabric's side: a host region page-locked in place (as the tiered store pins its host
     // tier) and two GPU regions.
     let host: Arc<Region> = agent.alloc_region(max_bytes, RegionOptions::default())?;
@@ -212,30 +212,30 @@ pub async fn rows(
             ));
         }
     }
-    rows.extend(ipc_rows(sizes, batches, max_bytes, min_time, &bufs, &stream).await?);
+    rows.extend(ipc_rows(run, sizes, batches, max_bytes, min_time, &bufs, &stream).await?);
     Ok(rows)
 }
 
 /// The `cuda-ipc` rows (see the module docs).
 async fn ipc_rows(
+    host: &Host,
     sizes: &[u64],
     batches: &[usize],
     max_bytes: usize,
     min_time: Duration,
     bufs: &Buffers,
     stream: &Stream,
-) -> anyhow::Result<Vec<Row>> {
+) -> crate::Result<Vec<Row>> {
     let secret = format!("{:016x}", rand_u64());
     let dev_bytes = max_bytes.to_string();
-    let (mut child, md) = spawn_peer(&secret, 4096, &["--device-bytes", &dev_bytes]).await?;
+    let (mut child, md) = spawn_peer(host, &secret, 4096, &["--device-bytes", &dev_bytes]).await?;
     let remote = md
         .regions
         .iter()
         .find(|r| r.kind != MemoryKind::Host)
         .map(|r| r.id)
-        .ok_or_else(|| anyhow::anyhow!("the peer exported no GPU region"))?;
-    let agent =
-        Agent::start(crate::cli::stack::agent_config("bench-cuda", secret.into_bytes())).await?;
+        .ok_or_else(|| crate::failed!("the peer exported no GPU region"))?;
+    let agent = Agent::start(host.agent_config("bench-cuda", secret.into_bytes())).await?;
     agent.load_peer(md.clone())?;
     let local = agent.alloc_device_region(0, max_bytes, false)?;
     let mut rows = Vec::new();

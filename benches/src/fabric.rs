@@ -3,11 +3,12 @@
 //! bytes in the same batches out of the node's exported memory, the limit for the fabric
 //! protocol (RPC, lookup in the node's store, pinning, its WRITE into our memory).
 
+use crate::Host;
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use crate::Context;
 use clap::Args;
 use kvfabric::agent::Agent;
 use kvfabric::hash::SequenceHash;
@@ -48,12 +49,12 @@ struct Row {
     ratio_to_transfer: f64,
 }
 
-pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
+pub async fn run(args: FabricArgs, host: &Host) -> crate::Result<()> {
     let spec = kvfabric_planner::plan::resolve_model(&args.model)?;
     let block = spec.block_layout(16)?.bytes_per_block();
     let n = args.blocks.max(1);
     let secret = format!("bench-fabric-{}", std::process::id());
-    let exe = std::env::current_exe()?;
+    let exe = &host.exe;
     let mut child = std::process::Command::new(exe)
         .args([
             "fabric",
@@ -75,7 +76,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let v: serde_json::Value = serde_json::from_str(&line).context("node info")?;
     let info: NodeInfo = serde_json::from_value(v["fabric"].clone())?;
 
-    let mut cfg = crate::cli::stack::agent_config("bench-client", secret.into_bytes());
+    let mut cfg = host.agent_config("bench-client", secret.into_bytes());
     cfg.shm = false; // measure the network path
     let agent = Agent::start(cfg).await?;
     let region = agent
@@ -90,7 +91,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
         region.write_at(i as u64 * block, &buf)?;
     }
     let parents = vec![None; n];
-    anyhow::ensure!(remote.put(&hashes, &parents, &locs).await?.iter().all(|&s| s), "put failed");
+    crate::ensure!(remote.put(&hashes, &parents, &locs).await?.iter().all(|&s| s), "put failed");
     let node_region = info.agent.regions.first().context("node exports no region")?.id;
     let stride = block.div_ceil(4096) * 4096;
 
@@ -107,7 +108,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
                 let t = Instant::now();
                 let served = remote.get(&hs, &ls).await?;
                 let d = t.elapsed();
-                anyhow::ensure!(served.iter().all(|&s| s), "a block was not served");
+                crate::ensure!(served.iter().all(|&s| s), "a block was not served");
                 get_lat.push(d);
                 get_time += d;
                 moved += chunk.len() as u64 * block;

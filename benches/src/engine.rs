@@ -22,16 +22,16 @@ use kvfabric_serving::engine::{
 use kvfabric_tiers::{StoreConfig, TieredStore};
 use parking_lot::Mutex;
 
-use crate::cli::stack::{default_model_path, WeightsArg};
+use crate::Host;
 
 #[derive(Debug, Args)]
 pub struct EngineArgs {
     /// A llama GGUF (default: the fetched SmolLM2-135M-Instruct).
     #[arg(long)]
     model: Option<std::path::PathBuf>,
-    /// Weights.
-    #[arg(long, value_enum, default_value = "f32")]
-    weights: WeightsArg,
+    /// Weights: `f32` or `quantized`.
+    #[arg(long, default_value = "f32")]
+    weights: Weights,
     /// Prompt tokens.
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
@@ -68,7 +68,7 @@ impl Round {
     }
 }
 
-fn candle_loop(e: &LlamaEngine, prompt: &[u32], n: usize) -> anyhow::Result<Round> {
+fn candle_loop(e: &LlamaEngine, prompt: &[u32], n: usize) -> crate::Result<Round> {
     let mut r = ReferenceLoop::new(e);
     let mut tokens = vec![argmax(&r.forward(prompt)?)];
     let mut gaps = Vec::with_capacity(n);
@@ -81,7 +81,7 @@ fn candle_loop(e: &LlamaEngine, prompt: &[u32], n: usize) -> anyhow::Result<Roun
     Ok(Round { tokens, gaps })
 }
 
-fn engine_step(e: &mut LlamaEngine, prompt: &[u32], n: usize) -> anyhow::Result<Round> {
+fn engine_step(e: &mut LlamaEngine, prompt: &[u32], n: usize) -> crate::Result<Round> {
     e.add_sequence(u64::MAX);
     let seq = u64::MAX;
     let first = e.step(&[StepInput { seq, start: 0, tokens: prompt, logits: true }])?;
@@ -99,7 +99,7 @@ fn engine_step(e: &mut LlamaEngine, prompt: &[u32], n: usize) -> anyhow::Result<
     Ok(Round { tokens, gaps })
 }
 
-async fn serving(s: &Scheduler, prompt: &[u32], n: usize) -> anyhow::Result<Round> {
+async fn serving(s: &Scheduler, prompt: &[u32], n: usize) -> crate::Result<Round> {
     let mut rx = s.submit(GenerateRequest {
         prompt: prompt.to_vec(),
         max_tokens: n,
@@ -129,15 +129,9 @@ async fn serving(s: &Scheduler, prompt: &[u32], n: usize) -> anyhow::Result<Roun
     Ok(Round { tokens, gaps })
 }
 
-pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
-    let path = args.model.clone().unwrap_or_else(default_model_path);
-    let opts = LlamaOptions {
-        weights: match args.weights {
-            WeightsArg::F32 => Weights::F32,
-            WeightsArg::Quantized => Weights::Quantized,
-        },
-        ..LlamaOptions::default()
-    };
+pub async fn run(args: EngineArgs, host: &Host) -> crate::Result<()> {
+    let path = args.model.clone().unwrap_or_else(|| host.model.clone());
+    let opts = LlamaOptions { weights: args.weights, ..LlamaOptions::default() };
     let p = path.clone();
     let engine =
         tokio::task::spawn_blocking(move || LlamaEngine::load(&p, &opts, |_, _| {})).await??;
@@ -146,14 +140,13 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
     // serving path from reusing the previous round's blocks.
     let text = "The history of the printing press begins with movable type in East Asia and continues in Europe, where it changed how knowledge spread. ".repeat(64);
     let base = engine.codec().encode(&text)?;
-    anyhow::ensure!(base.len() >= args.prompt_tokens, "prompt text too short");
+    crate::ensure!(base.len() >= args.prompt_tokens, "prompt text too short");
     let info = engine.info().clone();
     // The scheduler's engine shares the weights of the one the direct rounds use.
     let served = engine.share_weights();
     let shared = Arc::new(Mutex::new(engine));
 
-    let agent =
-        Agent::start(crate::cli::stack::agent_config("bench-engine", b"bench".to_vec())).await?;
+    let agent = Agent::start(host.agent_config("bench-engine", b"bench".to_vec())).await?;
     let blocks = (args.prompt_tokens + n) / info.layout.block_tokens as usize + 8;
     let store = TieredStore::open(
         StoreConfig::new(info.layout.bytes_per_block(), (blocks * 2) as u32),
@@ -174,7 +167,7 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         prompt[0] = (round as u32 * 7 + 11) % (info.layout.block_tokens * 1000);
         let (r0, r1) = {
             let (sh, pr) = (shared.clone(), prompt.clone());
-            tokio::task::spawn_blocking(move || -> anyhow::Result<(Round, Round)> {
+            tokio::task::spawn_blocking(move || -> crate::Result<(Round, Round)> {
                 let mut e = sh.lock();
                 Ok((candle_loop(&e, &pr, n)?, engine_step(&mut e, &pr, n)?))
             })

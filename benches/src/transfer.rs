@@ -6,19 +6,20 @@
 //! adds H2D, D2H and D2D rows against raw `cuMemcpy*Async` of the same bytes
 //! ([`super::cuda`]); without CUDA it says why and runs the other transports.
 
+use crate::Host;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
-use anyhow::Context;
+use crate::Context;
 use clap::Args;
 use kvfabric::agent::Agent;
 use kvfabric::memory::RegionOptions;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_planner::stats::gbps;
 
-use super::measure::{combos, measure_posts, measure_sync, rand_u64, spawn_peer, Row};
-use super::{parse_size, short_size};
+use crate::measure::{combos, measure_posts, measure_sync, rand_u64, spawn_peer, Row};
+use crate::{parse_size, short_size};
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum TransportArg {
@@ -85,7 +86,7 @@ struct PlainSocket {
 }
 
 impl PlainSocket {
-    fn start(max_bytes: usize) -> anyhow::Result<Self> {
+    fn start(max_bytes: usize) -> crate::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
         std::thread::spawn(move || -> std::io::Result<()> {
@@ -105,7 +106,7 @@ impl PlainSocket {
         Ok(PlainSocket { stream })
     }
 
-    fn send(&mut self, bytes: &[u8]) -> anyhow::Result<()> {
+    fn send(&mut self, bytes: &[u8]) -> crate::Result<()> {
         self.stream.write_all(&(bytes.len() as u64).to_le_bytes())?;
         self.stream.write_all(bytes)?;
         let mut ack = [0u8; 1];
@@ -114,9 +115,9 @@ impl PlainSocket {
     }
 }
 
-pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
-    let sizes = args.sizes.iter().map(|s| parse_size(s)).collect::<anyhow::Result<Vec<u64>>>()?;
-    anyhow::ensure!(args.batches.iter().all(|&b| b >= 1), "--batches must be >= 1");
+pub async fn run(args: TransferArgs, host: &Host) -> crate::Result<()> {
+    let sizes = args.sizes.iter().map(|s| parse_size(s)).collect::<crate::Result<Vec<u64>>>()?;
+    crate::ensure!(args.batches.iter().all(|&b| b >= 1), "--batches must be >= 1");
     let transports: Vec<TransportKind> = args
         .transports
         .iter()
@@ -136,8 +137,8 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
             OpArg::Write => TransferOp::Write,
         })
         .collect();
-    anyhow::ensure!(args.max_transfer_mib >= 1, "--max-transfer-mib must be >= 1");
-    anyhow::ensure!(
+    crate::ensure!(args.max_transfer_mib >= 1, "--max-transfer-mib must be >= 1");
+    crate::ensure!(
         !args.gpu || transports == [TransportKind::Rdma] && !with_cuda,
         "--gpu measures GPUDirect RDMA: use it with --transports rdma alone"
     );
@@ -149,11 +150,14 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
 
     let mut rows = Vec::new();
     if with_cuda {
-        match super::cuda::rows(&sizes, &args.batches, region_bytes, min_time).await {
+        match crate::cuda::rows(host, &sizes, &args.batches, region_bytes, min_time).await {
             Ok(r) => rows.extend(r),
             // Without CUDA, say so; with nothing else to measure, that is the command's error.
             Err(e) if transports.is_empty() => {
-                return Err(e.context("bench transfer --transports cuda"))
+                return Err(crate::BenchError::Step {
+                    what: "bench transfer --transports cuda".into(),
+                    source: Box::new(e),
+                })
             }
             Err(e) => eprintln!("bench transfer: skipping the cuda rows: {e:#}"),
         }
@@ -165,8 +169,8 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
     let secret = format!("{:016x}{:016x}", rand_u64(), rand_u64());
     let device_bytes = region_bytes.to_string();
     let extra: &[&str] = if args.gpu { &["--device-bytes", &device_bytes] } else { &[] };
-    let (mut child, peer_md) = spawn_peer(&secret, region_bytes, extra).await?;
-    let mut cfg = crate::cli::stack::agent_config("bench", secret.clone().into_bytes());
+    let (mut child, peer_md) = spawn_peer(host, &secret, region_bytes, extra).await?;
+    let mut cfg = host.agent_config("bench", secret.clone().into_bytes());
     cfg.tcp_connections_per_peer = args.tcp_stripes;
     cfg.tcp_stripe_bytes = parse_size(&args.tcp_stripe_bytes)?;
     let agent = Agent::start(cfg).await?;
@@ -200,7 +204,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         };
         if let Some(why) = why {
             transports.retain(|&t| t != TransportKind::Rdma);
-            anyhow::ensure!(
+            crate::ensure!(
                 !transports.is_empty() || !rows.is_empty(),
                 "bench transfer --transports rdma: {why}"
             );
@@ -247,7 +251,7 @@ pub async fn run(args: TransferArgs) -> anyhow::Result<()> {
         if let Some(l) = rdma_loop.as_mut() {
             for (i, read) in [false, true].into_iter().enumerate() {
                 let lat = measure_sync(min_time, || {
-                    l.run(read, desc, batch).map_err(|e| anyhow::anyhow!("{e}"))
+                    l.run(read, desc, batch).map_err(|e| crate::failed!("{e}"))
                 })?;
                 verbs_gbps[i] = gbps(bytes * lat.len() as u64, lat.iter().sum());
             }
@@ -309,7 +313,7 @@ fn reaches_gpu(status: &kvfabric::endpoint::RdmaStatus) -> bool {
 /// GB/s against descriptor size, a panel per operation: a line per transport and batch, and
 /// each transport's limit (dashed).
 pub(super) fn plot_rows(rows: &[Row]) -> String {
-    use super::super::plot::{distinct, render, Chart, Series};
+    use crate::plot::{distinct, render, Chart, Series};
     let ops = distinct(rows.iter().map(|r| r.op));
     let charts: Vec<Chart> = ops
         .iter()
@@ -349,7 +353,7 @@ pub(super) fn plot_rows(rows: &[Row]) -> String {
     render(&charts, 2)
 }
 
-fn print_rows(rows: &[Row], json: bool) -> anyhow::Result<()> {
+fn print_rows(rows: &[Row], json: bool) -> crate::Result<()> {
     if json {
         for r in rows {
             println!("{}", serde_json::to_string(r)?);

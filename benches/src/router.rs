@@ -174,7 +174,7 @@ struct SimRow {
     throughput_req_s: f64,
 }
 
-pub fn run(args: RouterArgs) -> anyhow::Result<()> {
+pub fn run(args: RouterArgs) -> crate::Result<()> {
     if !args.sim_only {
         let mut rows = Vec::new();
         for &w in &args.workers {
@@ -255,7 +255,7 @@ pub fn run(args: RouterArgs) -> anyhow::Result<()> {
         });
     }
     if let Some(path) = &args.plot {
-        use super::super::plot::{render, Chart, Series};
+        use crate::plot::{render, Chart, Series};
         let mut series: Vec<Series> = rows
             .iter()
             .map(|r| Series::line(r.mode, vec![(50.0, r.ttft_p50_ms), (99.0, r.ttft_p99_ms)]))
@@ -276,7 +276,7 @@ pub fn run(args: RouterArgs) -> anyhow::Result<()> {
             series,
         };
         std::fs::write(path, render(&[chart], 1))
-            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+            .map_err(|e| crate::failed!("writing {}: {e}", path.display()))?;
     }
     if args.json {
         println!(

@@ -7,13 +7,13 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use crate::Context;
 use clap::Args;
 use kvfabric_planner::stats::Percentiles;
 use kvfabric_serving::engine::sampling::SplitMix64;
 use serde_json::{json, Value};
 
-use super::sse::SseParser;
+use crate::sse::SseParser;
 use tokio::net::TcpStream;
 
 #[derive(Debug, Args)]
@@ -133,17 +133,26 @@ struct Row {
     e2e_ms: [f64; 3],
 }
 
+/// One request's outcome, as the client saw it.
 #[derive(Debug, Default)]
-pub(crate) struct Outcome {
+pub struct Outcome {
     /// When it was sent, from the level's start.
     pub sent: Duration,
+    /// Time to its first token, if one came.
     pub ttft: Option<Duration>,
+    /// The gaps between its tokens (inter-token latency).
     pub gaps: Vec<Duration>,
+    /// From sending to the end of the answer.
     pub e2e: Duration,
+    /// Prompt tokens, as the server's usage says.
     pub prompt_tokens: u64,
+    /// Completion tokens, as the server's usage says.
     pub completion_tokens: u64,
+    /// Prompt tokens the server found cached.
     pub cached_tokens: u64,
+    /// The answer's text.
     pub text: String,
+    /// Why it failed, if it did.
     pub error: Option<String>,
 }
 
@@ -165,17 +174,20 @@ fn words(rng: &mut SplitMix64, n: usize) -> String {
     s
 }
 
-pub(crate) struct Target {
+/// An OpenAI-compatible endpoint ([`target`]).
+#[derive(Debug)]
+pub struct Target {
     addr: SocketAddr,
     host: String,
     prefix: String,
 }
 
-pub(crate) async fn target(url: &str) -> anyhow::Result<Target> {
+/// The endpoint of `url` (`http://host:port`, optionally with a path prefix; `/v1` when none).
+pub async fn target(url: &str) -> crate::Result<Target> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| {
-            anyhow::anyhow!(
+            crate::failed!(
                 "--url must start with http:// (got {url:?}; https needs a TLS client this build does not have: put a local TLS proxy in front)"
             )
         })?;
@@ -187,7 +199,7 @@ pub(crate) async fn target(url: &str) -> anyhow::Result<Target> {
         .await
         .with_context(|| format!("resolving {hostport}"))?
         .next()
-        .ok_or_else(|| anyhow::anyhow!("{hostport} does not resolve"))?;
+        .ok_or_else(|| crate::failed!("{hostport} does not resolve"))?;
     Ok(Target { addr, host: hostport.to_string(), prefix })
 }
 
@@ -202,13 +214,13 @@ impl Drop for AbortOnDrop {
 
 /// One HTTP/1.1 exchange (hyper); `on_data` sees each piece of the decoded body as it
 /// arrives.
-pub(crate) async fn exchange(
+pub async fn exchange(
     t: &Target,
     method: &str,
     path: &str,
     body: &str,
     mut on_data: impl FnMut(&[u8]),
-) -> anyhow::Result<u16> {
+) -> crate::Result<u16> {
     use http_body_util::BodyExt;
     let tcp = TcpStream::connect(t.addr).await?;
     tcp.set_nodelay(true)?;
@@ -235,7 +247,9 @@ pub(crate) async fn exchange(
     Ok(status)
 }
 
-pub(crate) async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome {
+/// Sends one completion request (`body`, streamed or not) and reads its answer to the end
+/// within `timeout`: its timings, usage and text, or why it failed.
+pub async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome {
     let start = Instant::now();
     let mut out = Outcome::default();
     let mut sse = SseParser::default();
@@ -293,15 +307,15 @@ pub(crate) async fn one_request(t: &Target, body: String, timeout: Duration) -> 
 }
 
 /// The first model the server lists.
-pub(crate) async fn first_model(t: &Target) -> anyhow::Result<String> {
+pub async fn first_model(t: &Target) -> crate::Result<String> {
     let mut body = Vec::new();
     let status = exchange(t, "GET", "/models", "", |d| body.extend_from_slice(d)).await?;
-    anyhow::ensure!(status == 200, "GET /models answered {status}");
+    crate::ensure!(status == 200, "GET /models answered {status}");
     let v: Value = serde_json::from_slice(&body).context("/models is not JSON")?;
-    Ok(v["data"][0]["id"].as_str().ok_or_else(|| anyhow::anyhow!("no model listed"))?.to_string())
+    Ok(v["data"][0]["id"].as_str().ok_or_else(|| crate::failed!("no model listed"))?.to_string())
 }
 
-pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub async fn run(args: ServeArgs) -> crate::Result<()> {
     let t = target(&args.url).await?;
     let model = match &args.model {
         Some(m) => m.clone(),
@@ -554,7 +568,7 @@ struct Decided {
     desired: f64,
 }
 
-fn read_decisions(path: &std::path::Path, start_unix_ms: u64) -> anyhow::Result<Vec<Decided>> {
+fn read_decisions(path: &std::path::Path, start_unix_ms: u64) -> crate::Result<Vec<Decided>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut out = Vec::new();
@@ -567,7 +581,7 @@ fn read_decisions(path: &std::path::Path, start_unix_ms: u64) -> anyhow::Result<
             v["after"].as_f64(),
             v["desired"].as_f64(),
         ) else {
-            anyhow::bail!("{} line {}: not a planner decision", path.display(), i + 1);
+            crate::bail!("{} line {}: not a planner decision", path.display(), i + 1);
         };
         if at >= start_unix_ms {
             out.push(Decided { at_s: (at - start_unix_ms) as f64 / 1e3, before, after, desired });
@@ -649,7 +663,7 @@ fn timeline(
     window_s: f64,
     target_ms: Option<f64>,
 ) -> String {
-    use super::super::plot::{render, Chart, Series};
+    use crate::plot::{render, Chart, Series};
     let window_s = window_s.max(0.1);
     let end = all.iter().map(|o| o.sent.as_secs_f64()).fold(0.0, f64::max);
     let n = (end / window_s).ceil() as usize + 1;

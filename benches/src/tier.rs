@@ -12,10 +12,11 @@
 //! depth is 16 at once, so the queue stays full while completed blocks are verified. The plain
 //! loops keep as many outstanding over a queue of the same depth.
 
+use crate::Host;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use crate::Context;
 use clap::Args;
 use futures_util::stream::{self, StreamExt};
 use kvfabric::agent::Agent;
@@ -120,7 +121,7 @@ async fn plain(
     (depth, outstanding): (usize, usize),
     prefer: IoPreference,
     memory: &Arc<kvfabric::memory::Region>,
-) -> anyhow::Result<f64> {
+) -> crate::Result<f64> {
     let write = op == Plain::Write;
     if write {
         // A new file each time, as the store's slot file is (reusing one would rewrite
@@ -133,11 +134,11 @@ async fn plain(
         use std::os::fd::AsRawFd;
         // SAFETY: fallocate on our open descriptor; no memory involved.
         let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, (req * n) as libc::off_t) };
-        anyhow::ensure!(r == 0, "fallocate: {}", std::io::Error::last_os_error());
+        crate::ensure!(r == 0, "fallocate: {}", std::io::Error::last_os_error());
     }
     let io = Arc::new(DiskIo::new(file, depth, prefer)?);
     let start = Instant::now();
-    let results: Vec<anyhow::Result<usize>> = stream::iter(0..n)
+    let results: Vec<crate::Result<usize>> = stream::iter(0..n)
         .map(|i| {
             let (io, memory) = (io.clone(), memory.clone());
             async move {
@@ -164,7 +165,7 @@ async fn plain(
         .await;
     let elapsed = start.elapsed();
     for r in results {
-        anyhow::ensure!(r? as u64 == req, "short plain I/O");
+        crate::ensure!(r? as u64 == req, "short plain I/O");
     }
     Ok(gbps(req * n, elapsed))
 }
@@ -177,7 +178,7 @@ async fn plain_reads(
     depth: (usize, usize),
     prefer: IoPreference,
     memory: &Arc<kvfabric::memory::Region>,
-) -> anyhow::Result<(f64, f64)> {
+) -> crate::Result<(f64, f64)> {
     let raw = plain(path, Plain::Read, req, n, depth, prefer, memory).await?;
     let hashed = plain(path, Plain::ReadHash, req, n, depth, prefer, memory).await?;
     Ok((raw, hashed))
@@ -186,33 +187,31 @@ async fn plain_reads(
 /// Runs on a runtime worker, as the store's callers (the serving engine's tasks) do: calls
 /// from the main thread's `block_on` would add a cross-thread wake to every store call and to
 /// no plain request.
-pub async fn run(args: TierArgs) -> anyhow::Result<()> {
-    tokio::spawn(run_on_worker(args)).await?
+pub async fn run(args: TierArgs, host: &Host) -> crate::Result<()> {
+    tokio::spawn(run_on_worker(args, host.clone())).await?
 }
 
-async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
+async fn run_on_worker(args: TierArgs, host: Host) -> crate::Result<()> {
+    crate::ensure!(
         args.depths.iter().all(|&d| (1..=4096).contains(&d)),
         "--depths must be 1..=4096"
     );
-    anyhow::ensure!((1..=16).contains(&args.outstanding), "--outstanding must be 1..=16");
+    crate::ensure!((1..=16).contains(&args.outstanding), "--outstanding must be 1..=16");
     if args.g1_only {
         // Before anything else starts (and logs): without CUDA there is nothing to measure.
-        kvfabric::cuda::available()
-            .map_err(|why| anyhow::anyhow!("bench tier --g1-only: {why}"))?;
+        kvfabric::cuda::available().map_err(|why| crate::failed!("bench tier --g1-only: {why}"))?;
     }
     let work = tempfile::Builder::new()
         .prefix("kvfabric-bench-tier")
         .tempdir_in(&args.dir)
         .context("creating the work directory")?;
-    let agent =
-        Agent::start(crate::cli::stack::agent_config("bench-tier", b"bench".to_vec())).await?;
+    let agent = Agent::start(host.agent_config("bench-tier", b"bench".to_vec())).await?;
     let prefer = if args.pread { IoPreference::Pread } else { IoPreference::Auto };
     let mut rows = Vec::new();
     if args.g1 || args.g1_only {
         match kvfabric::cuda::available() {
             Ok(()) => rows.extend(g1_rows(&args, &agent).await?),
-            Err(why) if args.g1_only => anyhow::bail!("bench tier --g1-only: {why}"),
+            Err(why) if args.g1_only => crate::bail!("bench tier --g1-only: {why}"),
             Err(why) => eprintln!("bench tier: skipping the G1 rows: {why}"),
         }
     }
@@ -282,7 +281,7 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                     let store = store.clone();
                     async move {
                         let written = store.offload(&[h]).await?;
-                        anyhow::ensure!(written == 1, "block {h} not written");
+                        crate::ensure!(written == 1, "block {h} not written");
                         Ok(())
                     }
                 })
@@ -306,7 +305,7 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                     let store = store.clone();
                     async move {
                         let got = store.get(&[h]).await?;
-                        anyhow::ensure!(got.len() == 1, "block {h} not onboarded");
+                        crate::ensure!(got.len() == 1, "block {h} not onboarded");
                         Ok(())
                     }
                 })
@@ -314,7 +313,7 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 // Spot-check bytes (outside the timing).
                 for &h in hashes.iter().step_by(17) {
                     let got = store.get(&[h]).await?;
-                    anyhow::ensure!(
+                    crate::ensure!(
                         got[0].to_vec()
                             == kvfabric_tiers::synthetic::block(h, block_bytes as usize),
                         "block {h} bytes differ"
@@ -331,7 +330,7 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
                 for chunk in hashes.chunks(ask) {
                     let t = Instant::now();
                     let got = store.get(chunk).await?;
-                    anyhow::ensure!(got.len() == chunk.len(), "prefix not onboarded");
+                    crate::ensure!(got.len() == chunk.len(), "prefix not onboarded");
                     drop(got);
                     lats.2.push(t.elapsed());
                 }
@@ -425,7 +424,7 @@ async fn run_on_worker(args: TierArgs) -> anyhow::Result<()> {
 /// GB/s against queue depth, a panel per operation: a line per model (block size) and its
 /// plain I/O limit (dashed).
 fn plot_rows(rows: &[Row]) -> String {
-    use super::super::plot::{distinct, render, Chart, Series};
+    use crate::plot::{distinct, render, Chart, Series};
     let ops = distinct(rows.iter().map(|r| r.op));
     let charts: Vec<Chart> = ops
         .iter()
@@ -515,13 +514,13 @@ async fn timed<F, Fut>(
     hashes: &[SequenceHash],
     depth: usize,
     f: F,
-) -> anyhow::Result<(Vec<Duration>, Duration)>
+) -> crate::Result<(Vec<Duration>, Duration)>
 where
     F: Fn(SequenceHash) -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<()>>,
+    Fut: std::future::Future<Output = crate::Result<()>>,
 {
     let start = Instant::now();
-    let results: Vec<anyhow::Result<Duration>> = stream::iter(hashes.iter().copied())
+    let results: Vec<crate::Result<Duration>> = stream::iter(hashes.iter().copied())
         .map(|h| {
             let fut = f(h);
             async move {
@@ -534,7 +533,7 @@ where
         .collect()
         .await;
     let elapsed = start.elapsed();
-    let lat = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    let lat = results.into_iter().collect::<crate::Result<Vec<_>>>()?;
     Ok((lat, elapsed))
 }
 
@@ -543,7 +542,7 @@ where
 /// moving a G1 block down (D2H). `g2->g1`: `n` blocks in host memory brought up into free
 /// G1 slots with `get_device`, `depth` per call (H2D). Limit: the same blocks copied with raw
 /// `cuMemcpy*Async` between a device buffer and pinned host memory, `depth` per synchronize.
-async fn g1_rows(args: &TierArgs, agent: &Agent) -> anyhow::Result<Vec<Row>> {
+async fn g1_rows(args: &TierArgs, agent: &Agent) -> crate::Result<Vec<Row>> {
     use kvfabric_tiers::store::{DeviceSlots, DeviceTierConfig};
     let cuda = kvfabric::cuda::probe()?;
     let dev = cuda.device(0)?;
@@ -591,13 +590,13 @@ async fn g1_rows(args: &TierArgs, agent: &Agent) -> anyhow::Result<Vec<Row>> {
                 for &h in &second {
                     store.remove(h).await;
                 }
-                anyhow::ensure!(store.device_occupancy().0 == 0, "G1 not emptied");
+                crate::ensure!(store.device_occupancy().0 == 0, "G1 not emptied");
                 // Up again, `depth` per call.
                 let start = Instant::now();
                 for chunk in first.chunks(depth) {
                     let t = Instant::now();
                     let got = store.get_device(chunk).await?;
-                    anyhow::ensure!(got.len() == chunk.len(), "prefix not brought up to G1");
+                    crate::ensure!(got.len() == chunk.len(), "prefix not brought up to G1");
                     u_lat.push(t.elapsed());
                 }
                 up.push(gbps(block_bytes * n, start.elapsed()));

@@ -4,23 +4,23 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use crate::Context;
 use kvfabric::agent::{Agent, AgentMetadata};
 use kvfabric::transfer::TransferRequest;
 use kvfabric_planner::stats::{gbps, Percentiles};
 
 /// The stopping rule of every measurement: at least 5 iterations and `min_time`, at most
 /// 2000 iterations or 4 × `min_time`.
-pub(super) fn keep_measuring(done: usize, start: Instant, min_time: Duration) -> bool {
+pub(crate) fn keep_measuring(done: usize, start: Instant, min_time: Duration) -> bool {
     (done < 5 || start.elapsed() < min_time) && done < 2000 && start.elapsed() < 4 * min_time
 }
 
 /// Runs `f` (one iteration) until `min_time` and at least 5 iterations (at most 2000 or
 /// 4 × min_time), after one warm-up; returns the per-iteration latencies.
-pub(super) fn measure_sync(
+pub(crate) fn measure_sync(
     min_time: Duration,
-    mut f: impl FnMut() -> anyhow::Result<()>,
-) -> anyhow::Result<Vec<Duration>> {
+    mut f: impl FnMut() -> crate::Result<()>,
+) -> crate::Result<Vec<Duration>> {
     f()?;
     let mut lat = Vec::new();
     let start = Instant::now();
@@ -34,11 +34,11 @@ pub(super) fn measure_sync(
 
 /// Posts `req` once to warm up, then until the stopping rule of [`keep_measuring`]; the
 /// latency of each transfer.
-pub(super) async fn measure_posts(
+pub(crate) async fn measure_posts(
     agent: &Agent,
     req: &TransferRequest,
     min_time: Duration,
-) -> anyhow::Result<Vec<Duration>> {
+) -> crate::Result<Vec<Duration>> {
     agent.post(req.clone())?.wait().await?;
     let mut lat = Vec::new();
     let start = Instant::now();
@@ -51,26 +51,26 @@ pub(super) async fn measure_posts(
 }
 
 #[derive(Debug, serde::Serialize)]
-pub(super) struct Row {
-    pub(super) transport: &'static str,
-    pub(super) op: &'static str,
-    pub(super) desc_bytes: u64,
-    pub(super) batch: usize,
-    pub(super) bytes: u64,
-    pub(super) iterations: usize,
-    pub(super) gbps: f64,
-    pub(super) p50_us: f64,
-    pub(super) p99_us: f64,
-    pub(super) limit: &'static str,
-    pub(super) limit_gbps: f64,
-    pub(super) ratio_to_limit: f64,
-    pub(super) memcpy_gbps: f64,
-    pub(super) tcp_socket_gbps: f64,
-    pub(super) checksum: bool,
+pub(crate) struct Row {
+    pub(crate) transport: &'static str,
+    pub(crate) op: &'static str,
+    pub(crate) desc_bytes: u64,
+    pub(crate) batch: usize,
+    pub(crate) bytes: u64,
+    pub(crate) iterations: usize,
+    pub(crate) gbps: f64,
+    pub(crate) p50_us: f64,
+    pub(crate) p99_us: f64,
+    pub(crate) limit: &'static str,
+    pub(crate) limit_gbps: f64,
+    pub(crate) ratio_to_limit: f64,
+    pub(crate) memcpy_gbps: f64,
+    pub(crate) tcp_socket_gbps: f64,
+    pub(crate) checksum: bool,
 }
 
 /// The `(descriptor size, batch)` pairs whose transfer fits in `max_bytes`, sizes outer.
-pub(super) fn combos(sizes: &[u64], batches: &[usize], max_bytes: u64) -> Vec<(u64, usize)> {
+pub(crate) fn combos(sizes: &[u64], batches: &[usize], max_bytes: u64) -> Vec<(u64, usize)> {
     sizes
         .iter()
         .flat_map(|&s| batches.iter().map(move |&b| (s, b)))
@@ -81,7 +81,7 @@ pub(super) fn combos(sizes: &[u64], batches: &[usize], max_bytes: u64) -> Vec<(u
 impl Row {
     /// A row of `batch` descriptors of `desc` bytes whose transfers took `lat` each, against
     /// `limit` measured at `limit_gbps`; no checksums, no memcpy or socket limit.
-    pub(super) fn measured(
+    pub(crate) fn measured(
         (transport, op): (&'static str, &'static str),
         (desc, batch): (u64, usize),
         lat: &[Duration],
@@ -110,13 +110,13 @@ impl Row {
     }
 }
 
-pub(super) async fn spawn_peer(
+pub(crate) async fn spawn_peer(
+    host: &crate::Host,
     secret: &str,
     region_bytes: usize,
     extra: &[&str],
-) -> anyhow::Result<(tokio::process::Child, AgentMetadata)> {
-    let exe = std::env::current_exe().context("locating the kvfabric binary")?;
-    let mut child = tokio::process::Command::new(exe)
+) -> crate::Result<(tokio::process::Child, AgentMetadata)> {
+    let mut child = tokio::process::Command::new(&host.exe)
         .args([
             "peer",
             "--name",
@@ -147,7 +147,7 @@ pub(super) async fn spawn_peer(
     Ok((child, md))
 }
 
-pub(super) fn rand_u64() -> u64 {
+pub(crate) fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
