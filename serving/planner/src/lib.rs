@@ -8,6 +8,8 @@
 //! - [`live`]: the live planner's decisions ([`live::Brain`], pure: the caller passes each
 //!   interval's [`window::LoadWindow`]) and its loop over a [`window::LoadSource`] and a
 //!   [`live::Scaler`] per pool.
+//! - [`trace`]: public production traces (Mooncake FAST'25 JSONL) read as a stream, expanded
+//!   into token ids, their infinite-cache limit and LRU reuse-vs-capacity curve.
 //! - [`window`]: what a frontend saw of its load over an interval; [`stats`]: quantiles.
 //!
 //! It depends on `kvfabric` only: a gateway or an operator's tool embeds it without candle,
@@ -18,4 +20,5 @@ pub mod live;
 pub mod plan;
 pub mod sla;
 pub mod stats;
+pub mod trace;
 pub mod window;
