@@ -14,6 +14,8 @@
 //! - [`fabric`]: remote gets from a fabric node against a plain transfer of the same bytes.
 //! - [`engine`]: decode speed of the llama engine and the serving loop against a plain candle
 //!   loop.
+//! - [`trace`]: a public production trace replayed offline through a simulated deployment
+//!   that runs the real router and tier policies, against the trace's limit.
 //! - [`serve`]: load on any OpenAI-compatible endpoint (TTFT, ITL, latency, throughput per
 //!   concurrency or arrival rate), its SSE reading in [`sse`].
 //!
@@ -35,6 +37,7 @@ pub mod router;
 pub mod serve;
 pub mod sse;
 pub mod tier;
+pub mod trace;
 pub mod transfer;
 
 /// What a benchmark run takes from the program that runs it.
@@ -104,9 +107,12 @@ pub enum BenchError {
     /// The engine failed.
     #[error(transparent)]
     Engine(#[from] kvfabric_serving::engine::EngineError),
-    /// The planner's model refused the profile.
+    /// The planner's model refused the profile, the model or a link.
     #[error(transparent)]
     Plan(#[from] kvfabric_planner::plan::PlanError),
+    /// A trace could not be read.
+    #[error(transparent)]
+    Trace(#[from] kvfabric_planner::trace::TraceError),
     /// An HTTP exchange failed.
     #[error(transparent)]
     Http(#[from] hyper::Error),

@@ -3,7 +3,7 @@
 //! module parses their arguments and says where this binary is and how agents reach RDMA.
 
 use clap::{Args, Subcommand};
-use kvfabric_benches::{engine, fabric, router, serve, tier, transfer, Host};
+use kvfabric_benches::{engine, fabric, router, serve, tier, trace, transfer, Host};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -28,6 +28,10 @@ enum Which {
     /// Load on any OpenAI-compatible endpoint: TTFT, ITL, latency and throughput per
     /// concurrency level.
     Serve(serve::ServeArgs),
+    /// A public production trace (Mooncake FAST'25 JSONL) replayed offline through a
+    /// simulated deployment running kvfabric's router and tier policies: reuse per tier
+    /// against the trace's limit, TTFT and ITL, KV moved, kv routing beside round-robin.
+    Trace(trace::TraceArgs),
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -44,6 +48,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Which::Fabric(a) => fabric::run(a, &host).await?,
         Which::Engine(a) => engine::run(a, &host).await?,
         Which::Serve(a) => serve::run(a).await?,
+        Which::Trace(a) => trace::run(a).await?,
     }
     Ok(())
 }

@@ -1,0 +1,264 @@
+//! `kvfabric bench trace FILE`: a public production trace (Mooncake FAST'25 JSONL) replayed
+//! offline through a simulated deployment that runs kvfabric's real router and tier policies
+//! ([`sim`]), with the same run under round-robin routing beside it, against the trace's
+//! limit (what an infinite cache would reuse).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use kvfabric::layout::ModelSpec;
+use kvfabric_planner::plan::Link;
+use kvfabric_planner::trace::TraceReader;
+use kvfabric_router::RoutingMode;
+
+pub mod sim;
+
+use sim::{SimConfig, SimResult};
+
+/// `kvfabric bench trace`.
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// The trace (one JSON request per line: timestamp, input_length, output_length,
+    /// hash_ids).
+    file: PathBuf,
+    /// Tokens per hash id of the trace.
+    #[arg(long, default_value_t = 512)]
+    trace_block_tokens: u32,
+    /// Workers.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Routing: kv, round-robin, random, least-loaded (round-robin runs beside it).
+    #[arg(long, default_value = "kv")]
+    routing: String,
+    /// kvfabric's tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u32,
+    /// G1 (device) capacity per worker, tokens.
+    #[arg(long, default_value_t = 1 << 20)]
+    g1_tokens: u64,
+    /// G2 (host) capacity per worker, tokens (0: none).
+    #[arg(long, default_value_t = 0)]
+    g2_tokens: u64,
+    /// G3 (disk) capacity per worker, tokens (0: none).
+    #[arg(long, default_value_t = 0)]
+    g3_tokens: u64,
+    /// G4 capacity shared by every worker (fabric nodes), tokens (0: none).
+    #[arg(long, default_value_t = 0)]
+    g4_tokens: u64,
+    /// Hits a block needs before the host tier writes it to disk.
+    #[arg(long, default_value_t = 2)]
+    g3_min_hits: u32,
+    /// The model whose KV bytes per token the transfers move (a preset, a config.json or a
+    /// GGUF).
+    #[arg(long, default_value = "llama-3.1-70b")]
+    model: String,
+    /// The link a G2 hit crosses to G1 (a name or GB/s).
+    #[arg(long, default_value = "pcie5")]
+    g2_link: String,
+    /// The link a G3 hit crosses to G1.
+    #[arg(long, default_value = "7")]
+    g3_link: String,
+    /// The link a G4 hit crosses to G1.
+    #[arg(long, default_value = "400g")]
+    g4_link: String,
+    /// Linear engine model: uncached prompt tokens a worker prefills per second.
+    #[arg(long, default_value_t = 20_000.0)]
+    prefill_tokens_per_s: f64,
+    /// Linear engine model: one decode step, ms.
+    #[arg(long, default_value_t = 20.0)]
+    decode_step_ms: f64,
+    /// Linear engine model: sequences a worker decodes at once.
+    #[arg(long, default_value_t = 64)]
+    batch_max: usize,
+    /// Replay this many times faster than the trace's timestamps.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Replay the first N requests only.
+    #[arg(long)]
+    max_requests: Option<u64>,
+    /// Seed of the expansion into tokens and of routing draws.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One replay and how long the simulator took.
+#[derive(Debug, serde::Serialize)]
+struct Run {
+    routing: String,
+    #[serde(flatten)]
+    result: SimResult,
+    reuse: f64,
+    reuse_of_limit: f64,
+    wall_s: f64,
+    events_per_s: f64,
+}
+
+/// Runs the replay under the chosen routing and under round-robin.
+pub async fn run(args: TraceArgs) -> crate::Result<()> {
+    let mode: RoutingMode =
+        args.routing.parse().map_err(|e: String| crate::failed!("--routing: {e}"))?;
+    crate::ensure!(args.workers >= 1, "--workers must be at least 1");
+    crate::ensure!(args.block_tokens >= 1, "--block-tokens must be at least 1");
+    crate::ensure!(
+        args.prefill_tokens_per_s > 0.0 && args.decode_step_ms >= 0.0 && args.speedup > 0.0,
+        "--prefill-tokens-per-s and --speedup must be above 0, --decode-step-ms at least 0"
+    );
+    let spec = kvfabric_planner::plan::resolve_model(&args.model)?;
+    let bytes_per_token = spec.block_layout(1)?.bytes_per_block();
+    let link = |s: &str| Link::parse(s).map(|l| l.gbps);
+    let bt = u64::from(args.block_tokens);
+    let cfg = SimConfig {
+        workers: args.workers,
+        mode,
+        block_tokens: args.block_tokens,
+        trace_block_tokens: args.trace_block_tokens,
+        tier_blocks: [args.g1_tokens / bt, args.g2_tokens / bt, args.g3_tokens / bt],
+        g4_blocks: args.g4_tokens / bt,
+        g3_min_hits: args.g3_min_hits,
+        bytes_per_token,
+        link_gbps: [link(&args.g2_link)?, link(&args.g3_link)?, link(&args.g4_link)?],
+        prefill_tokens_per_s: args.prefill_tokens_per_s,
+        decode_step_ms: args.decode_step_ms,
+        batch_max: args.batch_max.max(1),
+        speedup: args.speedup,
+        requests_max: args.max_requests.unwrap_or(u64::MAX),
+        seed: args.seed,
+    };
+    let mut modes = vec![mode];
+    if mode != RoutingMode::RoundRobin {
+        modes.push(RoutingMode::RoundRobin);
+    }
+    let mut runs = Vec::new();
+    for m in modes {
+        let cfg = SimConfig { mode: m, ..cfg.clone() };
+        let file = args.file.clone();
+        let trace_bt = args.trace_block_tokens;
+        let start = Instant::now();
+        let result = tokio::task::spawn_blocking(move || {
+            let reader = TraceReader::open(&file, trace_bt)?;
+            sim::simulate(reader, &cfg)
+        })
+        .await??;
+        let wall_s = start.elapsed().as_secs_f64();
+        let reuse = result.reuse();
+        runs.push(Run {
+            routing: format!("{m:?}").to_lowercase(),
+            reuse_of_limit: reuse / result.limit.token_ratio().max(1e-12),
+            events_per_s: result.events as f64 / wall_s.max(1e-9),
+            result,
+            reuse,
+            wall_s,
+        });
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "config": cfg, "runs": runs }))?
+        );
+        return Ok(());
+    }
+    print_runs(&args, &spec, &cfg, &runs);
+    Ok(())
+}
+
+fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run]) {
+    let Some(first) = runs.first() else { return };
+    let l = first.result.limit;
+    println!(
+        "trace {}: {} requests, {} prompt tokens; limit (an infinite cache): {:.3} of tokens, {:.3} of blocks",
+        args.file.display(),
+        l.requests,
+        l.tokens,
+        l.token_ratio(),
+        l.block_ratio()
+    );
+    println!(
+        "{} workers; per worker G1 {} G2 {} G3 {} tokens; shared G4 {} tokens; {} KV ({} KiB/token); \
+         engine: {} prefill tokens/s, {} ms/step, batch {}",
+        cfg.workers,
+        args.g1_tokens,
+        args.g2_tokens,
+        args.g3_tokens,
+        args.g4_tokens,
+        spec.name,
+        cfg.bytes_per_token / 1024,
+        cfg.prefill_tokens_per_s,
+        cfg.decode_step_ms,
+        cfg.batch_max
+    );
+    println!(
+        "{:>12} {:>7} {:>7} {:>6} {:>6} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>11} {:>7}",
+        "routing",
+        "reuse",
+        "of lim",
+        "G1",
+        "G2",
+        "G3",
+        "G4",
+        "prefill",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "workers",
+        "wall s"
+    );
+    for run in runs {
+        let r = &run.result;
+        let share = |t: usize| r.reused_tokens[t] as f64 / r.prompt_tokens.max(1) as f64;
+        let (lo, hi) = (
+            r.per_worker.iter().min().copied().unwrap_or(0),
+            r.per_worker.iter().max().copied().unwrap_or(0),
+        );
+        println!(
+            "{:>12} {:>7.3} {:>7.3} {:>6.3} {:>6.3} {:>6.3} {:>6.3} {:>10} {:>8.2}s {:>8.2}s {:>7.1}ms {:>7.1}ms {:>11} {:>7.1}",
+            run.routing,
+            run.reuse,
+            run.reuse_of_limit,
+            share(0),
+            share(1),
+            share(2),
+            share(3),
+            r.prefill_tokens,
+            r.ttft_s[0],
+            r.ttft_s[2],
+            r.itl_s[0] * 1e3,
+            r.itl_s[2] * 1e3,
+            format!("{lo}..{hi}"),
+            run.wall_s
+        );
+    }
+    let gb = |b: u64| b as f64 / 1e9;
+    for run in runs {
+        let (m, p) = (&run.result.bytes, &run.result.peak_bytes_per_s);
+        println!(
+            "{:>12} KV moved, GB (peak GB/s over 1 s): onboard G2 {:.1} ({:.2}), G3 {:.1} ({:.2}), \
+             G4 {:.1} ({:.2}); offload G1→G2 {:.1} ({:.2}), G2→G3 {:.1} ({:.2}); written to G4 {:.1} ({:.2}); \
+             {} index events, {:.1} M/s",
+            run.routing,
+            gb(m.onboard_g2),
+            gb(p.onboard_g2),
+            gb(m.onboard_g3),
+            gb(p.onboard_g3),
+            gb(m.onboard_g4),
+            gb(p.onboard_g4),
+            gb(m.offload_g2),
+            gb(p.offload_g2),
+            gb(m.offload_g3),
+            gb(p.offload_g3),
+            gb(m.write_g4),
+            gb(p.write_g4),
+            run.result.events,
+            run.events_per_s / 1e6
+        );
+    }
+    println!(
+        "timing: the linear engine model (prefills one at a time per worker; restore of hits below \
+         G1 over their links, then the uncached tokens; decode steps of {} ms, {} sequences at once)",
+        cfg.decode_step_ms, cfg.batch_max
+    );
+}
