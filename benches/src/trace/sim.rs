@@ -118,6 +118,10 @@ pub struct SimResult {
     pub per_worker: Vec<u64>,
     /// KV events the index ingested (blocks).
     pub events: u64,
+    /// Seconds the index spent ingesting them (wall clock, not simulated).
+    pub ingest_s: f64,
+    /// Distinct blocks the index held at the end.
+    pub index_blocks: u64,
     /// Blocks not cached because G1 was full of pinned blocks.
     pub g1_full: u64,
     /// Simulated seconds from the first arrival to the last finish.
@@ -213,6 +217,8 @@ struct Running {
 struct Events<'a> {
     index: &'a PrefixIndex,
     count: u64,
+    /// Time spent in the index's ingestion.
+    ingest: std::time::Duration,
 }
 
 impl Events<'_> {
@@ -227,7 +233,10 @@ impl Events<'_> {
         }
         *event_id += 1;
         self.count += n as u64;
-        self.index.ingest(id, &KvEvent { event_id: *event_id, data });
+        let event = KvEvent { event_id: *event_id, data };
+        let start = std::time::Instant::now();
+        self.index.ingest(id, &event);
+        self.ingest += start.elapsed();
     }
 }
 
@@ -259,7 +268,7 @@ pub fn simulate(
         Expander { block_tokens: cfg.trace_block_tokens.max(1), ..Expander::new(cfg.seed) };
     let block_bytes = cfg.bytes_per_token * bt as u64;
     let index = PrefixIndex::new();
-    let mut events = Events { index: &index, count: 0 };
+    let mut events = Events { index: &index, count: 0, ingest: std::time::Duration::ZERO };
     let mut router = Router::new(RouterConfig {
         mode: cfg.mode,
         block_tokens: cfg.block_tokens,
@@ -447,6 +456,8 @@ pub fn simulate(
     r.limit = curve.limit();
     r.per_worker = workers.iter().map(|w| w.served).collect();
     r.events = events.count;
+    r.ingest_s = events.ingest.as_secs_f64();
+    r.index_blocks = index.len() as u64;
     r.span_s = last_finish;
     let mut peak = Moved::default();
     for s in &rates.per_s {
