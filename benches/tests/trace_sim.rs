@@ -81,8 +81,7 @@ fn on_real_traffic_kv_beats_round_robin_a_pool_nears_the_limit_and_a_seed_repeat
     assert!(pooled.reused_tokens[3] > 0 && pooled.bytes.write_g4 > 0);
     // Same seed, same numbers (all but the wall-clock time of the index's ingestion).
     let again = run(&trace, &small);
-    let simulated = |r: &SimResult| {
-        serde_json::to_string(&SimResult { ingest_s: 0.0, ..r.clone() }).unwrap()
-    };
+    let simulated =
+        |r: &SimResult| serde_json::to_string(&SimResult { ingest_s: 0.0, ..r.clone() }).unwrap();
     assert_eq!(simulated(&again), simulated(&kv), "a replay is deterministic");
 }

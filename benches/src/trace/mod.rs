@@ -12,6 +12,7 @@ use kvfabric_planner::plan::Link;
 use kvfabric_planner::trace::TraceReader;
 use kvfabric_router::RoutingMode;
 
+pub mod capacity;
 pub mod sim;
 
 use sim::{SimConfig, SimResult};

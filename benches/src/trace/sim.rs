@@ -114,6 +114,10 @@ pub struct SimResult {
     pub bytes: Moved,
     /// The peak of each over any 1 s of simulated time, bytes.
     pub peak_bytes_per_s: Moved,
+    /// The 99th percentile of each over the seconds of the replay, bytes.
+    pub p99_bytes_per_s: Moved,
+    /// Bytes a request restores from below G1 (G2, G3, G4 hits), p50, p90, p99 over requests.
+    pub restore_bytes: [f64; 3],
     /// Requests each worker served.
     pub per_worker: Vec<u64>,
     /// KV events the index ingested (blocks).
@@ -314,6 +318,7 @@ pub fn simulate(
     let mut rates = Rates::default();
     let mut r = SimResult::default();
     let (mut ttft, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
+    let mut restores = Vec::new();
     let mut tokens = Vec::new();
     let mut last_finish = 0.0f64;
     let speedup = if cfg.speedup > 0.0 { cfg.speedup } else { 1.0 };
@@ -408,6 +413,7 @@ pub fn simulate(
             *r.bytes.fields()[ONBOARD[t - 1]] += bytes;
             rates.add(now, ONBOARD[t - 1], bytes);
         }
+        restores.push((per_tier[1] + per_tier[2] + per_tier[3]) as f64 * block_bytes as f64);
         let reused: u64 = per_tier.iter().sum::<u64>() * block;
         for (t, n) in per_tier.iter().enumerate() {
             r.reused_tokens[t] += n * block;
@@ -453,6 +459,7 @@ pub fn simulate(
     r.ttft_s = q(&mut ttft);
     r.itl_s = q(&mut itl);
     r.e2e_s = q(&mut e2e);
+    r.restore_bytes = q(&mut restores);
     r.limit = curve.limit();
     r.per_worker = workers.iter().map(|w| w.served).collect();
     r.events = events.count;
@@ -466,6 +473,12 @@ pub fn simulate(
         }
     }
     r.peak_bytes_per_s = peak;
+    let mut p99 = Moved::default();
+    for (k, f) in p99.fields().into_iter().enumerate() {
+        let mut v: Vec<f64> = rates.per_s.iter().map(|s| s[k] as f64).collect();
+        *f = q(&mut v)[2] as u64;
+    }
+    r.p99_bytes_per_s = p99;
     Ok(r)
 }
 

@@ -78,6 +78,25 @@ pub struct PlanArgs {
     /// --sla: what the targets bound: mean, or a percentile (p50, p90, p99, p99.9).
     #[arg(long, default_value = "p99")]
     percentile: String,
+    /// Plan cache capacity from a trace (Mooncake FAST'25 JSONL) instead: reuse against
+    /// capacity per worker behind kv routing and pooled, the sizes that reach 50/90/99% of the
+    /// trace's limit, the restore bandwidth of the pool's hits per --link (KV bytes of
+    /// --model).
+    #[arg(long, conflicts_with = "sla")]
+    trace: Option<std::path::PathBuf>,
+    /// --trace: tokens per hash id of the trace.
+    #[arg(long, default_value_t = 512)]
+    trace_block_tokens: u32,
+    /// --trace: workers (nodes) the traffic is spread over.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// --trace: per-worker cache capacities to evaluate, tokens, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "262144,524288,1048576,2097152,4194304,8388608,16777216"
+    )]
+    cache_tokens: Vec<u64>,
 }
 
 /// `mean` or `pNN`: None for the mean, else the quantile.
@@ -208,6 +227,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     if args.sla {
         return run_sla(&args);
     }
+    if let Some(trace) = &args.trace {
+        return run_trace(&args, trace);
+    }
     let model = resolve_model(&args.model).with_context(|| format!("model {:?}", args.model))?;
     let dtype = args.dtype.as_deref().map(KvDtype::parse).transpose()?;
     let mut contexts = args
@@ -239,6 +261,98 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {
         print!("{}", plan.render());
+    }
+    Ok(())
+}
+
+fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
+    use kvfabric_benches::trace::capacity::{capacity, CapacityConfig, SHARES};
+    use kvfabric_benches::trace::sim::SimConfig;
+
+    let model = resolve_model(&args.model).with_context(|| format!("model {:?}", args.model))?;
+    let bytes_per_token = model.block_layout(1)?.bytes_per_block();
+    let links = args.link.iter().map(|l| Link::parse(l)).collect::<Result<Vec<_>, _>>()?;
+    anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    anyhow::ensure!(
+        !args.cache_tokens.is_empty() && args.cache_tokens.iter().all(|&c| c > 0),
+        "--cache-tokens must name capacities above 0"
+    );
+    let mut sizes = args.cache_tokens.clone();
+    sizes.sort_unstable();
+    let cfg = CapacityConfig {
+        workers: args.workers,
+        trace_block_tokens: args.trace_block_tokens,
+        per_worker_tokens: sizes,
+        bytes_per_token,
+        links,
+        // 64-token blocks: a planning granularity four times coarser than serving's, for speed.
+        sim: SimConfig { block_tokens: 64, bytes_per_token, ..SimConfig::default() },
+    };
+    let report = capacity(trace, &cfg).with_context(|| trace.display().to_string())?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    let l = report.limit;
+    let gb = |tokens: u64| tokens as f64 * bytes_per_token as f64 / 1e9;
+    println!(
+        "trace {}: {} requests, {} prompt tokens; limit (an infinite cache): {:.3} of tokens",
+        trace.display(),
+        l.requests,
+        l.tokens,
+        l.token_ratio()
+    );
+    println!(
+        "{} workers, kv routing; {} KV, {} KiB per token",
+        cfg.workers,
+        model.name,
+        bytes_per_token / 1024
+    );
+    println!(
+        "{:>14} {:>10} {:>8} {:>8} {:>14} {:>10} {:>8} {:>8} {:>8}",
+        "per worker", "GB", "local kv", "local rr", "pooled", "GB", "pooled", "/ kv", "/ rr"
+    );
+    for p in &report.points {
+        println!(
+            "{:>14} {:>10.1} {:>8.3} {:>8.3} {:>14} {:>10.1} {:>8.3} {:>7.2}× {:>7.2}×",
+            p.per_worker_tokens,
+            gb(p.per_worker_tokens),
+            p.local_reuse,
+            p.local_round_robin_reuse,
+            p.pooled_tokens,
+            gb(p.pooled_tokens),
+            p.pooled_reuse,
+            p.pooled_reuse / p.local_reuse.max(1e-9),
+            p.pooled_reuse / p.local_round_robin_reuse.max(1e-9)
+        );
+    }
+    for (i, s) in SHARES.iter().enumerate() {
+        let pooled = report.pooled_for[i]
+            .map_or("not reached".to_string(), |t| format!("{t} tokens ({:.0} GB)", gb(t)));
+        let most = cfg.per_worker_tokens.last().copied().unwrap_or(0);
+        let local = report.local_for[i].map_or_else(
+            || format!("not reached up to {most} tokens per worker"),
+            |t| format!("{t} tokens per worker ({:.0} GB)", gb(t)),
+        );
+        println!("{:.0}% of the limit: pooled {pooled}; local {local}", s * 100.0);
+    }
+    println!(
+        "the pool's hits (pool of {} tokens, local caches of {} tokens; reuse {:.3}) onboard {:.1} GB/s at p99 over seconds, {:.1} GB/s at peak:",
+        report.restore_pool_tokens,
+        cfg.per_worker_tokens[0],
+        report.restore_pool_reuse,
+        report.pool_onboard_gbps[0],
+        report.pool_onboard_gbps[1]
+    );
+    for n in &report.links {
+        println!(
+            "  {:>8} ({:>6.1} GB/s): {:>5.1}% of it at p99, {:>5.1}% at peak; a request's restore at p99 {:.1} ms",
+            n.link,
+            n.gbps,
+            n.p99_share * 100.0,
+            n.peak_share * 100.0,
+            n.request_p99_ms
+        );
     }
     Ok(())
 }
