@@ -622,3 +622,71 @@ fn profile_then_plan_with_an_sla() {
     let bad = kvfabric(&["plan", "--sla"]);
     assert!(!bad.status.success(), "--sla needs --profile");
 }
+
+/// The first `n` lines of the shipped conversation trace, in a file of their own.
+fn trace_slice(dir: &std::path::Path, n: usize) -> std::path::PathBuf {
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../benches/traces/conversation_trace.jsonl");
+    let text = std::fs::read_to_string(shipped).unwrap();
+    let path = dir.join("slice.jsonl");
+    let lines: Vec<&str> = text.lines().take(n).collect();
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    path
+}
+
+#[test]
+fn bench_trace_and_plan_trace_replay_real_traffic_and_name_a_bad_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let slice = trace_slice(dir.path(), 400);
+    let slice = slice.to_str().unwrap();
+    let v = stdout_json(&kvfabric(&[
+        "bench",
+        "trace",
+        slice,
+        "--g1-tokens",
+        "131072",
+        "--g4-tokens",
+        "4194304",
+        "--json",
+    ]));
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "kv and round-robin beside it");
+    assert_eq!(runs[0]["routing"], "kv");
+    assert_eq!(runs[1]["routing"], "roundrobin");
+    for r in runs {
+        assert_eq!(r["requests"], 400);
+        let (reuse, of) = (r["reuse"].as_f64().unwrap(), r["reuse_of_limit"].as_f64().unwrap());
+        assert!(reuse > 0.0 && of <= 1.0 + 1e-9, "{r}");
+        assert!(r["ttft_s"][0].as_f64().unwrap() >= 0.0);
+    }
+    let plan = stdout_json(&kvfabric(&[
+        "plan",
+        "--trace",
+        slice,
+        "--model",
+        "llama-3.1-70b",
+        "--workers",
+        "4",
+        "--cache-tokens",
+        "65536,1048576",
+        "--json",
+    ]));
+    let points = plan["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    let reuse = |i: usize, k: &str| points[i][k].as_f64().unwrap();
+    assert!(reuse(1, "local_reuse") >= reuse(0, "local_reuse"));
+    assert!(reuse(1, "pooled_reuse") >= reuse(1, "local_round_robin_reuse"));
+    assert_eq!(points[1]["pooled_tokens"], 4 * 1048576);
+    assert!(plan["pooled_for"][0].as_u64().unwrap() > 0);
+    // A malformed line is named, in one line, for both commands.
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n{\"timestamp\": 1, \"input_length\": 10}\n",
+    )
+    .unwrap();
+    let e = one_line_error(&kvfabric(&["bench", "trace", bad.to_str().unwrap()]));
+    assert!(e.contains("trace line 2"), "{e}");
+    let e = one_line_error(&kvfabric(&["plan", "--trace", bad.to_str().unwrap()]));
+    assert!(e.contains("trace line 2"), "{e}");
+}
