@@ -60,7 +60,26 @@ pub struct ServeArgs {
     /// Write one JSON line per request (its start, TTFT and end in seconds from the level's
     /// start, its error) to this file.
     #[arg(long)]
+    request_log: Option<std::path::PathBuf>,
+    /// Replay a trace (Mooncake FAST'25 JSONL) instead of the generated workload: token-id
+    /// prompts expanded from its ids, `max_tokens` its output lengths, sent at its timestamps.
+    #[arg(long)]
     trace: Option<std::path::PathBuf>,
+    /// --trace: tokens per hash id of the trace.
+    #[arg(long, default_value_t = 512)]
+    trace_block_tokens: u32,
+    /// --trace: send this many times faster than the timestamps.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// --trace: send the first N requests only.
+    #[arg(long)]
+    max_requests: Option<u64>,
+    /// --trace: requests in flight at most.
+    #[arg(long, default_value_t = 1024)]
+    in_flight_max: usize,
+    /// --trace: token ids are drawn below this (the server's vocabulary must hold them).
+    #[arg(long, default_value_t = 32_000)]
+    vocab: u32,
     /// Plot the run over time to this SVG file: request rate, TTFT p50/p99 per window, and
     /// with --planner-log the planner's workers.
     #[arg(long)]
@@ -150,6 +169,8 @@ pub struct Outcome {
     pub completion_tokens: u64,
     /// Prompt tokens the server found cached.
     pub cached_tokens: u64,
+    /// ... per tier (device, host, disk, remote), where the server is kvfabric.
+    pub cached_per_tier: [u64; 4],
     /// The answer's text.
     pub text: String,
     /// Why it failed, if it did.
@@ -275,6 +296,10 @@ pub async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome
                     out.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
                     out.cached_tokens =
                         u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+                    let c = &v["kvfabric"]["cached_tokens"];
+                    out.cached_per_tier =
+                        ["device_tokens", "host_tokens", "disk_tokens", "remote_tokens"]
+                            .map(|k| c[k].as_u64().unwrap_or(0));
                 }
                 let text = v["choices"].get(0).and_then(|c| c["text"].as_str()).unwrap_or("");
                 out.text.push_str(text);
@@ -321,6 +346,26 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
         Some(m) => m.clone(),
         None => first_model(&t).await.with_context(|| format!("GET {}/models", args.url))?,
     };
+    if let Some(file) = &args.trace {
+        use crate::trace::online::{print, replay, OnlineConfig};
+        let cfg = OnlineConfig {
+            file: file.clone(),
+            trace_block_tokens: args.trace_block_tokens,
+            speedup: args.speedup,
+            requests_max: args.max_requests.unwrap_or(u64::MAX),
+            in_flight_max: args.in_flight_max,
+            vocab: args.vocab,
+            seed: args.seed,
+            timeout: Duration::from_secs(args.timeout_s.max(1)),
+        };
+        let r = replay(t, &model, &cfg).await?;
+        if args.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            print(&model, &args.url, &cfg, &r);
+        }
+        return Ok(());
+    }
     let mut rng = SplitMix64(args.seed);
     let prefixes: Vec<String> =
         (0..args.prefixes.max(1)).map(|_| words(&mut rng, args.prefix_words)).collect();
@@ -453,7 +498,7 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
         });
         all.extend(outs);
     }
-    if let Some(path) = &args.trace {
+    if let Some(path) = &args.request_log {
         let mut text = String::new();
         for o in &all {
             let line = json!({

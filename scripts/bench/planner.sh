@@ -70,7 +70,7 @@ STEPS="$R:$STEP_S,$((2 * R)):$STEP_S,$((4 * R)):$STEP_S,$((2 * R)):$STEP_S,$R:$S
 echo "ramp: $STEPS (requests/s:seconds), 128-word prompts, 64 tokens out; TTFT p99 target $TTFT_MS ms, ITL $ITL_MS ms, planner interval $INTERVAL_S s"
 "$BIN" bench serve --url "http://127.0.0.1:$FP" --rate-steps "$STEPS" --concurrency 512 \
   --input-words 128 --output-tokens 64 --window-s "$INTERVAL_S" --ttft-target-ms "$TTFT_MS" \
-  --planner-log "$OUT/decisions.jsonl" --trace "$OUT/trace.jsonl" --plot "$OUT/timeline.svg"
+  --planner-log "$OUT/decisions.jsonl" --request-log "$OUT/trace.jsonl" --plot "$OUT/timeline.svg"
 echo
 echo "decisions:"
 python3 - "$OUT/decisions.jsonl" <<'PY'
