@@ -181,7 +181,8 @@ macro_rules! bail {
 #[macro_export]
 macro_rules! ensure {
     ($cond:expr, $($arg:tt)*) => {
-        if !$cond {
+        let holds: bool = $cond;
+        if !holds {
             $crate::bail!($($arg)*);
         }
     };

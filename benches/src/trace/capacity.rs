@@ -129,7 +129,7 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
     let local_for = SHARES
         .map(|s| points.iter().find(|p| p.local_reuse >= goal(s)).map(|p| p.per_worker_tokens));
     // The restore replay: the smallest local caches, and a pool reaching 99% of the limit.
-    let pool = pooled_for[2].unwrap_or_else(|| limit.tokens);
+    let pool = pooled_for[2].unwrap_or(limit.tokens);
     let first = cfg.per_worker_tokens.first().copied().unwrap_or(1 << 20);
     let sim = SimConfig {
         workers: workers as usize,

@@ -13,7 +13,7 @@ use kvfabric_planner::trace::TraceReader;
 use kvfabric_router::RoutingMode;
 
 pub mod capacity;
-pub mod online;
+
 pub mod sim;
 
 use sim::{SimConfig, SimResult};

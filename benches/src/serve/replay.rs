@@ -13,7 +13,7 @@ use kvfabric_planner::stats::Percentiles;
 use kvfabric_planner::trace::{Expander, Limit, ReuseCurve, TraceReader};
 use serde_json::json;
 
-use crate::serve::{one_request, Outcome, Target};
+use super::{one_request, Outcome, Target};
 
 /// What to replay, and how.
 #[derive(Debug, Clone)]

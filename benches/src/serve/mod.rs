@@ -14,6 +14,8 @@ use kvfabric_serving::engine::sampling::SplitMix64;
 use serde_json::{json, Value};
 
 use crate::sse::SseParser;
+
+pub mod replay;
 use tokio::net::TcpStream;
 
 #[derive(Debug, Args)]
@@ -347,7 +349,7 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
         None => first_model(&t).await.with_context(|| format!("GET {}/models", args.url))?,
     };
     if let Some(file) = &args.trace {
-        use crate::trace::online::{print, replay, OnlineConfig};
+        use replay::{print, replay, OnlineConfig};
         let cfg = OnlineConfig {
             file: file.clone(),
             trace_block_tokens: args.trace_block_tokens,
