@@ -333,6 +333,41 @@ pub async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome
     out
 }
 
+/// What the requests that succeeded add up to.
+pub(crate) struct Summary {
+    /// TTFT ms p50, p90, p99.
+    pub ttft_ms: [f64; 3],
+    /// Every gap between tokens, ms p50, p90, p99.
+    pub itl_ms: [f64; 3],
+    /// End to end ms p50, p90, p99.
+    pub e2e_ms: [f64; 3],
+    /// Prompt tokens, as the server counted them.
+    pub prompt: u64,
+    /// Of them, found cached.
+    pub cached: u64,
+    /// Completion tokens.
+    pub completion: u64,
+}
+
+/// Sums up outcomes (those that succeeded).
+pub(crate) fn summarize(ok: &[&Outcome]) -> Summary {
+    let p3 = |d: &[Duration]| {
+        let p = Percentiles::of(d);
+        [p.p50_us / 1e3, p.p90_us / 1e3, p.p99_us / 1e3]
+    };
+    let ttfts: Vec<Duration> = ok.iter().filter_map(|o| o.ttft).collect();
+    let gaps: Vec<Duration> = ok.iter().flat_map(|o| o.gaps.iter().copied()).collect();
+    let e2es: Vec<Duration> = ok.iter().map(|o| o.e2e).collect();
+    Summary {
+        ttft_ms: p3(&ttfts),
+        itl_ms: p3(&gaps),
+        e2e_ms: p3(&e2es),
+        prompt: ok.iter().map(|o| o.prompt_tokens).sum(),
+        cached: ok.iter().map(|o| o.cached_tokens).sum(),
+        completion: ok.iter().map(|o| o.completion_tokens).sum(),
+    }
+}
+
 /// The first model the server lists.
 pub async fn first_model(t: &Target) -> crate::Result<String> {
     let mut body = Vec::new();
@@ -474,16 +509,7 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
         if let Some(e) = errors.first() {
             eprintln!("{} of {} requests failed; first error: {e}", errors.len(), outs.len());
         }
-        let p3 = |d: &[Duration]| {
-            let p = Percentiles::of(d);
-            [p.p50_us / 1e3, p.p90_us / 1e3, p.p99_us / 1e3]
-        };
-        let ttfts: Vec<Duration> = ok.iter().filter_map(|o| o.ttft).collect();
-        let gaps: Vec<Duration> = ok.iter().flat_map(|o| o.gaps.iter().copied()).collect();
-        let e2es: Vec<Duration> = ok.iter().map(|o| o.e2e).collect();
-        let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
-        let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
-        let completion: u64 = ok.iter().map(|o| o.completion_tokens).sum();
+        let Summary { ttft_ms, itl_ms, e2e_ms, prompt, cached, completion } = summarize(&ok);
         rows.push(Row {
             concurrency: conc,
             rate: args.rate.or(ramp.as_ref().map(|a| a.len() as f64 / duration)),
@@ -494,9 +520,9 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
             output_tokens_per_s: completion as f64 / duration,
             prompt_tokens_per_s: prompt as f64 / duration,
             cached_prompt_share: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
-            ttft_ms: p3(&ttfts),
-            itl_ms: p3(&gaps),
-            e2e_ms: p3(&e2es),
+            ttft_ms,
+            itl_ms,
+            e2e_ms,
         });
         all.extend(outs);
     }

@@ -9,11 +9,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvfabric_planner::stats::Percentiles;
 use kvfabric_planner::trace::{Expander, Limit, ReuseCurve, TraceReader};
 use serde_json::json;
 
-use super::{one_request, Outcome, Target};
+use super::{one_request, summarize, Outcome, Target};
 
 /// What to replay, and how.
 #[derive(Debug, Clone)]
@@ -118,15 +117,8 @@ pub async fn replay(
         outs.push(t.await?);
     }
     let ok: Vec<&Outcome> = outs.iter().filter(|o| o.error.is_none()).collect();
-    let p3 = |d: &[Duration]| {
-        let p = Percentiles::of(d);
-        [p.p50_us / 1e3, p.p90_us / 1e3, p.p99_us / 1e3]
-    };
-    let ttfts: Vec<Duration> = ok.iter().filter_map(|o| o.ttft).collect();
-    let gaps: Vec<Duration> = ok.iter().flat_map(|o| o.gaps.iter().copied()).collect();
-    let e2es: Vec<Duration> = ok.iter().map(|o| o.e2e).collect();
-    let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
-    let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
+    let sum = summarize(&ok);
+    let (prompt, cached) = (sum.prompt, sum.cached);
     let mut per_tier = [0u64; 4];
     for o in &ok {
         for (t, n) in per_tier.iter_mut().zip(o.cached_per_tier) {
@@ -145,9 +137,9 @@ pub async fn replay(
         cached_per_tier: per_tier,
         reuse: cached as f64 / prompt.max(1) as f64,
         limit: curve.limit(),
-        ttft_ms: p3(&ttfts),
-        itl_ms: p3(&gaps),
-        e2e_ms: p3(&e2es),
+        ttft_ms: sum.ttft_ms,
+        itl_ms: sum.itl_ms,
+        e2e_ms: sum.e2e_ms,
         duration_s: start.elapsed().as_secs_f64(),
     })
 }
