@@ -690,3 +690,62 @@ fn bench_trace_and_plan_trace_replay_real_traffic_and_name_a_bad_line() {
     let e = one_line_error(&kvfabric(&["plan", "--trace", bad.to_str().unwrap()]));
     assert!(e.contains("trace line 2"), "{e}");
 }
+
+#[test]
+fn bench_serve_replays_a_trace_online_and_the_server_finds_its_shared_prefixes() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    // 16-token ids: kvfabric's own block size, so every shared id is a shared block.
+    let trace = dir.path().join("t.jsonl");
+    let reqs = [
+        (0, 32, "[1, 2]"),
+        (150, 48, "[1, 2, 3]"),
+        (300, 64, "[1, 2, 3, 4]"),
+        (450, 20, "[5, 6]"),
+        (600, 80, "[1, 2, 3, 4, 7]"),
+    ];
+    let text: Vec<String> = reqs
+        .iter()
+        .map(|(t, n, ids)| {
+            format!("{{\"timestamp\": {t}, \"input_length\": {n}, \"output_length\": 4, \"hash_ids\": {ids}}}")
+        })
+        .collect();
+    std::fs::write(&trace, text.join("\n")).unwrap();
+    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0", "--workers", "2"])
+        .args(["--mock-decode-us", "500", "--mock-prefill-us", "1"])
+        .env_remove("KVFABRIC_CONFIG")
+        .env("KVFABRIC_MODEL_DIR", std::env::temp_dir())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
+    let out = kvfabric(&[
+        "bench",
+        "serve",
+        "--url",
+        &url,
+        "--trace",
+        trace.to_str().unwrap(),
+        "--trace-block-tokens",
+        "16",
+        "--vocab",
+        "256",
+        "--json",
+    ]);
+    let _ = up.kill();
+    let _ = up.wait();
+    let v = stdout_json(&out);
+    assert_eq!(v["requests"], 5, "{v}");
+    assert_eq!(v["errors"], 0, "{v}");
+    assert_eq!(v["prompt_tokens"], 32 + 48 + 64 + 20 + 80, "{v}");
+    // The limit: 2 + 3 + 4 reused ids of 16 tokens.
+    assert_eq!(v["limit"]["reused_tokens"], 144, "{v}");
+    let cached = v["cached_tokens"].as_u64().unwrap();
+    assert!(cached >= 64 && cached <= 144, "the server found the shared prefixes: {v}");
+    let tiers: u64 =
+        v["cached_per_tier"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).sum();
+    assert!(tiers > 0, "kvfabric says where its hits came from: {v}");
+}
