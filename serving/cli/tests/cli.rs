@@ -744,7 +744,7 @@ fn bench_serve_replays_a_trace_online_and_the_server_finds_its_shared_prefixes()
     // The limit: 2 + 3 + 4 reused ids of 16 tokens.
     assert_eq!(v["limit"]["reused_tokens"], 144, "{v}");
     let cached = v["cached_tokens"].as_u64().unwrap();
-    assert!(cached >= 64 && cached <= 144, "the server found the shared prefixes: {v}");
+    assert!((64..=144).contains(&cached), "the server found the shared prefixes: {v}");
     let tiers: u64 =
         v["cached_per_tier"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).sum();
     assert!(tiers > 0, "kvfabric says where its hits came from: {v}");
