@@ -18,6 +18,27 @@ fn stdout_json(out: &Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("valid JSON on stdout")
 }
 
+/// `kvfabric up` with the mock engine and two workers on a free port, its URL, and its
+/// stdout (kept open while it runs: a closed pipe would fail its next line).
+type Stdout = std::io::Lines<std::io::BufReader<std::process::ChildStdout>>;
+fn mock_up() -> (std::process::Child, String, Stdout) {
+    use std::io::{BufRead, BufReader};
+    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0", "--workers", "2"])
+        .args(["--mock-decode-us", "500", "--mock-prefill-us", "1"])
+        .env_remove("KVFABRIC_CONFIG")
+        // Where scripts/fetch-model.sh caches the model: not a model directory for the mock
+        // (the two once shared a variable, and every mock run of a relocated cache failed).
+        .env("KVFABRIC_MODEL_DIR", std::env::temp_dir())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
+    (up, url, lines)
+}
+
 /// A failed run: non-zero exit, exactly one line on stderr, no panic.
 fn one_line_error(out: &Output) -> String {
     assert!(!out.status.success(), "expected failure, got success");
@@ -270,20 +291,7 @@ fn up_refuses_a_missing_or_broken_model_with_one_line() {
 
 #[test]
 fn bench_serve_drives_a_mock_server_and_reports_json_rows() {
-    use std::io::{BufRead, BufReader};
-    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0", "--workers", "2"])
-        .args(["--mock-decode-us", "500", "--mock-prefill-us", "1"])
-        .env_remove("KVFABRIC_CONFIG")
-        // Where scripts/fetch-model.sh caches the model: not a model directory for the mock
-        // (the two once shared a variable, and every mock run of a relocated cache failed).
-        .env("KVFABRIC_MODEL_DIR", std::env::temp_dir())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
+    let (mut up, url, _stdout) = mock_up();
     let out = kvfabric(&[
         "bench",
         "serve",
@@ -693,7 +701,6 @@ fn bench_trace_and_plan_trace_replay_real_traffic_and_name_a_bad_line() {
 
 #[test]
 fn bench_serve_replays_a_trace_online_and_the_server_finds_its_shared_prefixes() {
-    use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().unwrap();
     // 16-token ids: kvfabric's own block size, so every shared id is a shared block.
     let trace = dir.path().join("t.jsonl");
@@ -711,17 +718,7 @@ fn bench_serve_replays_a_trace_online_and_the_server_finds_its_shared_prefixes()
         })
         .collect();
     std::fs::write(&trace, text.join("\n")).unwrap();
-    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0", "--workers", "2"])
-        .args(["--mock-decode-us", "500", "--mock-prefill-us", "1"])
-        .env_remove("KVFABRIC_CONFIG")
-        .env("KVFABRIC_MODEL_DIR", std::env::temp_dir())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    let url = first.split(" at ").nth(1).unwrap().trim().to_string();
+    let (mut up, url, _stdout) = mock_up();
     let out = kvfabric(&[
         "bench",
         "serve",
