@@ -28,11 +28,12 @@ fn one_roomy_worker_reuses_exactly_the_limit() {
     ];
     let cfg = SimConfig { workers: 1, tier_blocks: [1 << 20, 0, 0], ..SimConfig::default() };
     let r = run(&trace, &cfg);
-    // Reused: 1,2 (1024) + 1 (512) + 1,2,3 (1536).
+    // Reused: 1,2 (1024) + 1 (512) + 1,2,3 (1536), but a prompt held whole still computes its
+    // last block (an engine computes at least one token, for its logits).
     assert_eq!(r.limit.reused_tokens, 3072);
-    assert_eq!(r.reused_tokens, [3072, 0, 0, 0]);
+    assert_eq!(r.reused_tokens, [3072 - 16, 0, 0, 0]);
     assert_eq!(r.prompt_tokens, 1024 + 1536 + 1040 + 512 + 1536);
-    assert_eq!(r.prefill_tokens, r.prompt_tokens - 3072);
+    assert_eq!(r.prefill_tokens, r.prompt_tokens - 3072 + 16);
     assert_eq!(r.requests, 5);
     assert_eq!(r.per_worker, [5]);
     // TTFT: the uncached tokens at 20,000 tokens/s (the first request: 1024 tokens).
@@ -51,8 +52,9 @@ fn what_g1_evicts_is_found_in_g2_and_its_transfer_counted() {
         ..SimConfig::default()
     };
     let r = run(&trace, &cfg);
-    assert_eq!(r.reused_tokens, [0, 1024, 0, 0]);
-    assert_eq!(r.bytes.onboard_g2, 1024 * 1000);
+    // The whole prompt but its last block (which is computed).
+    assert_eq!(r.reused_tokens, [0, 1008, 0, 0]);
+    assert_eq!(r.bytes.onboard_g2, 1008 * 1000);
     // Every block of the first two prompts left G1 for G2 (64 blocks of 16 = 1024 tokens).
     assert_eq!(r.bytes.offload_g2, 2 * 1024 * 1000);
     // Without G2 the third request finds nothing.
@@ -84,4 +86,32 @@ fn on_real_traffic_kv_beats_round_robin_a_pool_nears_the_limit_and_a_seed_repeat
     let simulated =
         |r: &SimResult| serde_json::to_string(&SimResult { ingest_s: 0.0, ..r.clone() }).unwrap();
     assert_eq!(simulated(&again), simulated(&kv), "a replay is deterministic");
+}
+
+/// With a measured profile a step takes the profile's time: a lone request's TTFT is the
+/// prefill curve at its uncached tokens, its ITL the decode curve at a batch of one; a second
+/// request arriving mid-prefill waits for the step in flight and shares the next.
+#[test]
+fn a_profile_times_the_steps() {
+    use kvfabric_planner::sla::{Curve, Profile};
+    let profile = Profile {
+        prefill_s: Curve::new(vec![(0.0, 0.01), (1000.0, 0.11)]).unwrap(),
+        itl_s: vec![(1024.0, Curve::new(vec![(1.0, 0.005), (8.0, 0.012)]).unwrap())],
+        batch_max: 8,
+        kv_bytes_per_token: 1000,
+        restore_s_per_token: 0.0,
+    };
+    let cfg = SimConfig { workers: 1, profile: Some(profile), ..SimConfig::default() };
+    let mut lone = req(0, 500, &[1]);
+    lone.output_length = 11;
+    let r = run(&[lone.clone()], &cfg);
+    assert!((r.ttft_s[0] - 0.06).abs() < 1e-9, "{:?}", r.ttft_s);
+    assert!((r.itl_s[0] - 0.005).abs() < 1e-9, "{:?}", r.itl_s);
+    assert!((r.e2e_s[0] - (0.06 + 10.0 * 0.005)).abs() < 1e-9, "{:?}", r.e2e_s);
+    // A second prompt at 10 ms waits for the first's step (60 ms), then its own (60 ms) with
+    // one decode of the first (5 ms): its TTFT is 115 ms from its arrival.
+    let mut second = req(10, 500, &[2]);
+    second.output_length = 1;
+    let r = run(&[lone, second], &cfg);
+    assert!((r.ttft_s[2] - 0.115).abs() < 1e-6, "{:?}", r.ttft_s);
 }

@@ -67,9 +67,9 @@ pub struct ServeArgs {
     /// prompts expanded from its ids, `max_tokens` its output lengths, sent at its timestamps.
     #[arg(long)]
     trace: Option<std::path::PathBuf>,
-    /// --trace: tokens per hash id of the trace.
-    #[arg(long, default_value_t = 512)]
-    trace_block_tokens: u32,
+    /// --trace: how its ids become prompts.
+    #[command(flatten)]
+    shape: crate::trace::ShapeArgs,
     /// --trace: send this many times faster than the timestamps.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
@@ -387,7 +387,7 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
         use replay::{print, replay, OnlineConfig};
         let cfg = OnlineConfig {
             file: file.clone(),
-            trace_block_tokens: args.trace_block_tokens,
+            reshape: args.shape.reshape()?,
             speedup: args.speedup,
             requests_max: args.max_requests.unwrap_or(u64::MAX),
             in_flight_max: args.in_flight_max,

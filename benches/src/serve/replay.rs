@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvfabric_planner::trace::{Expander, Limit, ReuseCurve, TraceReader};
+use kvfabric_planner::trace::{Expander, Limit, Reshape, ReuseCurve, TraceReader};
 use serde_json::json;
 
 use super::{one_request, summarize, Outcome, Target};
@@ -19,8 +19,8 @@ use super::{one_request, summarize, Outcome, Target};
 pub struct OnlineConfig {
     /// The trace.
     pub file: PathBuf,
-    /// Tokens per id of the trace.
-    pub trace_block_tokens: u32,
+    /// How its ids become prompts.
+    pub reshape: Reshape,
     /// Arrivals this many times faster than the trace's timestamps.
     pub speedup: f64,
     /// Requests sent at most.
@@ -71,20 +71,20 @@ pub async fn replay(
     crate::ensure!(cfg.speedup > 0.0, "--speedup must be above 0");
     crate::ensure!(cfg.in_flight_max >= 1, "--in-flight-max must be at least 1");
     let expander = Expander {
-        block_tokens: cfg.trace_block_tokens.max(1),
+        block_tokens: cfg.reshape.to.max(1),
         vocab: cfg.vocab.max(2),
         ..Expander::new(cfg.seed)
     };
     let target = Arc::new(target);
     let sem = Arc::new(tokio::sync::Semaphore::new(cfg.in_flight_max));
-    let mut curve = ReuseCurve::new(cfg.trace_block_tokens);
+    let mut curve = ReuseCurve::new(cfg.reshape.to);
     let mut tasks = Vec::new();
     let start = Instant::now();
-    for (i, req) in TraceReader::open(&cfg.file, cfg.trace_block_tokens)?.enumerate() {
+    for (i, req) in TraceReader::open(&cfg.file, cfg.reshape.from)?.enumerate() {
         if i as u64 >= cfg.requests_max {
             break;
         }
-        let req = req?;
+        let req = cfg.reshape.apply(req?);
         curve.push(&req);
         let due = Duration::from_secs_f64(req.timestamp as f64 / 1000.0 / cfg.speedup);
         tokio::time::sleep_until(tokio::time::Instant::from_std(start + due)).await;

@@ -16,7 +16,7 @@
 use std::path::Path;
 
 use kvfabric_planner::plan::Link;
-use kvfabric_planner::trace::{Limit, ReuseCurve, TraceError, TraceReader};
+use kvfabric_planner::trace::{Limit, Reshape, ReuseCurve, TraceError, TraceReader};
 
 use super::sim::{simulate, SimConfig};
 
@@ -109,7 +109,7 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
             workers: workers as usize,
             tier_blocks: [c / bt, 0, 0],
             g4_blocks: 0,
-            trace_block_tokens: cfg.trace_block_tokens,
+            reshape: Reshape::none(cfg.trace_block_tokens),
             ..cfg.sim.clone()
         };
         let local = simulate(TraceReader::open(path, cfg.trace_block_tokens)?, &sim)?;
@@ -135,7 +135,7 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
         workers: workers as usize,
         tier_blocks: [first / bt, 0, 0],
         g4_blocks: pool / bt,
-        trace_block_tokens: cfg.trace_block_tokens,
+        reshape: Reshape::none(cfg.trace_block_tokens),
         bytes_per_token: cfg.bytes_per_token,
         ..cfg.sim.clone()
     };

@@ -7,9 +7,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
+
+use crate::Context;
 use kvfabric::layout::ModelSpec;
 use kvfabric_planner::plan::Link;
-use kvfabric_planner::trace::TraceReader;
+use kvfabric_planner::trace::{Reshape, TraceReader};
 use kvfabric_router::RoutingMode;
 
 pub mod capacity;
@@ -18,15 +20,45 @@ pub mod sim;
 
 use sim::{SimConfig, SimResult};
 
+/// How a trace's ids become prompts (`bench trace` and `bench serve --trace` alike).
+#[derive(Debug, Clone, Args)]
+pub struct ShapeArgs {
+    /// Tokens per hash id of the trace.
+    #[arg(long, default_value_t = 512)]
+    pub trace_block_tokens: u32,
+    /// Replay each id as this many tokens instead (default: as the trace says): the trace's
+    /// sharing on prompts that many times shorter, for small engines and quick runs.
+    #[arg(long)]
+    pub replay_block_tokens: Option<u32>,
+    /// Cut answers at this many tokens.
+    #[arg(long)]
+    pub output_tokens_max: Option<u64>,
+}
+
+impl ShapeArgs {
+    /// The reshaping these flags ask for.
+    pub fn reshape(&self) -> crate::Result<Reshape> {
+        let to = self.replay_block_tokens.unwrap_or(self.trace_block_tokens);
+        crate::ensure!(
+            self.trace_block_tokens >= 1 && to >= 1,
+            "--trace-block-tokens and --replay-block-tokens must be at least 1"
+        );
+        Ok(Reshape {
+            from: self.trace_block_tokens,
+            to,
+            output_max: self.output_tokens_max.unwrap_or(u64::MAX),
+        })
+    }
+}
+
 /// `kvfabric bench trace`.
 #[derive(Debug, Args)]
 pub struct TraceArgs {
     /// The trace (one JSON request per line: timestamp, input_length, output_length,
     /// hash_ids).
     file: PathBuf,
-    /// Tokens per hash id of the trace.
-    #[arg(long, default_value_t = 512)]
-    trace_block_tokens: u32,
+    #[command(flatten)]
+    shape: ShapeArgs,
     /// Workers.
     #[arg(long, default_value_t = 8)]
     workers: usize,
@@ -48,8 +80,9 @@ pub struct TraceArgs {
     /// G4 capacity shared by every worker (fabric nodes), tokens (0: none).
     #[arg(long, default_value_t = 0)]
     g4_tokens: u64,
-    /// Hits a block needs before the host tier writes it to disk.
-    #[arg(long, default_value_t = 2)]
+    /// Reuses a block needs before its eviction writes it to G3 (as a worker's
+    /// --disk-admit-min-hits: 0 every block, 1 blocks reused at least once).
+    #[arg(long, default_value_t = 1)]
     g3_min_hits: u32,
     /// The model whose KV bytes per token the transfers move (a preset, a config.json or a
     /// GGUF).
@@ -70,9 +103,19 @@ pub struct TraceArgs {
     /// Linear engine model: one decode step, ms.
     #[arg(long, default_value_t = 20.0)]
     decode_step_ms: f64,
-    /// Linear engine model: sequences a worker decodes at once.
-    #[arg(long, default_value_t = 64)]
-    batch_max: usize,
+    /// Linear engine model: decode cost per token of KV the decoding sequences hold, µs.
+    #[arg(long, default_value_t = 0.0)]
+    decode_kv_us: f64,
+    /// Prompt tokens a step computes at most (longer prompts are chunked over steps).
+    #[arg(long, default_value_t = 8192)]
+    step_tokens: u64,
+    /// A `kvfabric profile` JSON of the engine: prefill time and ITL from its measurements
+    /// instead of the linear model (its batch limit, unless --batch-max is given).
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Sequences a worker decodes at once (default 64; with --profile, the profile's).
+    #[arg(long)]
+    batch_max: Option<usize>,
     /// Replay this many times faster than the trace's timestamps.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
@@ -106,18 +149,33 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
     crate::ensure!(args.workers >= 1, "--workers must be at least 1");
     crate::ensure!(args.block_tokens >= 1, "--block-tokens must be at least 1");
     crate::ensure!(
-        args.prefill_tokens_per_s > 0.0 && args.decode_step_ms >= 0.0 && args.speedup > 0.0,
-        "--prefill-tokens-per-s and --speedup must be above 0, --decode-step-ms at least 0"
+        args.prefill_tokens_per_s > 0.0
+            && args.decode_step_ms >= 0.0
+            && args.decode_kv_us >= 0.0
+            && args.speedup > 0.0,
+        "--prefill-tokens-per-s and --speedup must be above 0, --decode-step-ms and \
+         --decode-kv-us at least 0"
     );
     let spec = kvfabric_planner::plan::resolve_model(&args.model)?;
     let bytes_per_token = spec.block_layout(1)?.bytes_per_block();
     let link = |s: &str| Link::parse(s).map(|l| l.gbps);
     let bt = u64::from(args.block_tokens);
+    let profile = match &args.profile {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let p = kvfabric_serving::profile::EngineProfile::from_json(&text)
+                .with_context(|| path.display().to_string())?;
+            Some(p.planning().with_context(|| path.display().to_string())?)
+        }
+        None => None,
+    };
+    let batch_max = args.batch_max.or(profile.as_ref().map(|p| p.batch_max as usize)).unwrap_or(64);
     let cfg = SimConfig {
         workers: args.workers,
         mode,
         block_tokens: args.block_tokens,
-        trace_block_tokens: args.trace_block_tokens,
+        reshape: args.shape.reshape()?,
         tier_blocks: [args.g1_tokens / bt, args.g2_tokens / bt, args.g3_tokens / bt],
         g4_blocks: args.g4_tokens / bt,
         g3_min_hits: args.g3_min_hits,
@@ -125,7 +183,10 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         link_gbps: [link(&args.g2_link)?, link(&args.g3_link)?, link(&args.g4_link)?],
         prefill_tokens_per_s: args.prefill_tokens_per_s,
         decode_step_ms: args.decode_step_ms,
-        batch_max: args.batch_max.max(1),
+        decode_us_per_kv_token: args.decode_kv_us,
+        step_tokens: args.step_tokens.max(1),
+        profile,
+        batch_max: batch_max.max(1),
         speedup: args.speedup,
         requests_max: args.max_requests.unwrap_or(u64::MAX),
         seed: args.seed,
@@ -138,7 +199,7 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
     for m in modes {
         let cfg = SimConfig { mode: m, ..cfg.clone() };
         let file = args.file.clone();
-        let trace_bt = args.trace_block_tokens;
+        let trace_bt = args.shape.trace_block_tokens;
         let start = Instant::now();
         let result = tokio::task::spawn_blocking(move || {
             let reader = TraceReader::open(&file, trace_bt)?;
@@ -259,9 +320,19 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
             run.result.index_blocks
         );
     }
-    println!(
-        "timing: the linear engine model (prefills one at a time per worker; restore of hits below \
-         G1 over their links, then the uncached tokens; decode steps of {} ms, {} sequences at once)",
-        cfg.decode_step_ms, cfg.batch_max
-    );
+    match &args.profile {
+        Some(path) => println!(
+            "timing: the engine measured in {} (prefill time against the tokens computed, ITL \
+             against the decode batch and context); prefills one at a time per worker, after the \
+             restore of hits below G1 over their links; {} sequences decoded at once",
+            path.display(),
+            cfg.batch_max
+        ),
+        None => println!(
+            "timing: the linear engine model (prefills one at a time per worker; restore of hits \
+             below G1 over their links, then the uncached tokens; decode steps of {} ms, {} \
+             sequences at once)",
+            cfg.decode_step_ms, cfg.batch_max
+        ),
+    }
 }

@@ -6,30 +6,34 @@
 //! Per worker: G1 (device), G2 (host), G3 (disk) pools, in blocks of `block_tokens`; one G4
 //! pool shared by every worker (fabric nodes). A request's prompt is expanded into tokens
 //! ([`Expander`]) and hashed as kvfabric hashes it; its worker is the router's choice at its
-//! arrival; its leading cached run is looked up G1, then G2, G3, G4, at arrival.
+//! arrival; its leading cached run is looked up G1, then G2, G3, G4, at its admission.
 //!
-//! Timing, stated plainly (the linear engine model):
-//! - prefills run one at a time per worker, first come first served; one takes the restore
-//!   of its hits below G1 (bytes over each tier's link, one after the other), then its uncached
-//!   tokens at `prefill_tokens_per_s`; its end is the first token (TTFT from arrival);
-//! - decoding runs `batch_max` sequences at a time per worker, each step `decode_step_ms`; a
-//!   sequence waits for a free place after its prefill (that wait shows in its ITL, the mean
-//!   gap between its tokens).
+//! Timing: each worker runs steps, as a continuous-batching engine does. A step admits
+//! waiting requests while the batch has room (their leading cached run looked up then, at
+//! least one prompt token left to compute; hits below G1 onboard into G1), computes every
+//! admitted prompt's next chunk within `step_tokens` and one token of every decoding sequence.
+//! It takes the restore of its admissions' hits (bytes over each tier's link), plus either
+//! the linear model (prefill tokens at `prefill_tokens_per_s`; when it decodes,
+//! `decode_step_ms` and `decode_us_per_kv_token` per token of KV held: the mock engine's
+//! model) or a measured [`Profile`] (prefill time of its tokens, ITL of its batch). A prompt's
+//! last chunk ends at its first token (TTFT from arrival); ITL is a request's mean gap.
 //!
-//! Blocks move as the tiered store moves them: a prefill's blocks enter G1 at its end, pinned
-//! until the request finishes, then evictable (LRU); G1's victims go to G2 (unless there
-//! already), G2's to G3 when the frequency filter admits them (hit at least `g3_min_hits`
-//! times), G3's are dropped; blocks a prefill computed are written through to G4 (as
-//! Mooncake's store puts every prefill's KV), whose LRU victims are dropped. Hits onboard
+//! Blocks move as the tiered store moves them: a prompt's blocks enter G1 at its first
+//! token, pinned until the request finishes, then evictable (LRU), and its answer's full
+//! blocks at its end; G1's victims go to G2 (unless there already, or straight on down when
+//! there is no G2), G2's to G3 when the frequency filter admits them (reused at least
+//! `g3_min_hits` times), G3's are dropped; blocks a prefill computed are written through to G4
+//! (as Mooncake's store puts every prefill's KV), whose LRU victims are dropped. Hits onboard
 //! into G1 and stay where they were. Every change is a KV event to the index.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric::rng::SplitMix64;
-use kvfabric_planner::trace::{Expander, Limit, ReuseCurve, TraceError, TraceRequest};
+use kvfabric_planner::sla::Profile;
+use kvfabric_planner::trace::{Expander, Limit, Reshape, ReuseCurve, TraceError, TraceRequest};
 use kvfabric_router::{PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
 use kvfabric_tiers::policy::{FrequencyFilter, PolicyKind};
 use kvfabric_tiers::pool::SlotPool;
@@ -43,22 +47,30 @@ pub struct SimConfig {
     pub mode: RoutingMode,
     /// kvfabric's tokens per KV block.
     pub block_tokens: u32,
-    /// Tokens per hash id of the trace.
-    pub trace_block_tokens: u32,
+    /// How the trace's ids become prompts (block size, a replayed scale, answers cut).
+    pub reshape: Reshape,
     /// G1, G2, G3 blocks per worker (0: no such tier).
     pub tier_blocks: [u64; 3],
     /// G4 blocks shared by all workers (0: none).
     pub g4_blocks: u64,
-    /// Hits a block needs before G2 may write it to G3.
+    /// Reuses a block needs before its eviction writes it to G3 (the store's
+    /// `disk_admit_min_hits`: 0 every block, 1 blocks reused at least once).
     pub g3_min_hits: u32,
     /// KV bytes per token (of the model).
     pub bytes_per_token: u64,
     /// GB/s of the links a hit in G2, G3, G4 crosses to reach G1.
     pub link_gbps: [f64; 3],
-    /// Uncached prompt tokens a worker prefills per second.
+    /// Linear engine model: uncached prompt tokens a worker prefills per second.
     pub prefill_tokens_per_s: f64,
-    /// One decode step, ms.
+    /// Linear engine model: one decode step, ms.
     pub decode_step_ms: f64,
+    /// Linear engine model: decode cost per token of KV the decoding sequences hold, µs.
+    pub decode_us_per_kv_token: f64,
+    /// Prompt tokens a step computes at most (longer prompts are chunked over steps).
+    pub step_tokens: u64,
+    /// A measured engine (`kvfabric profile`) instead of the linear model: prefill time
+    /// against the tokens computed, ITL against the decode batch and context.
+    pub profile: Option<Profile>,
     /// Sequences a worker decodes at once.
     pub batch_max: usize,
     /// Arrival times divided by this.
@@ -75,14 +87,17 @@ impl Default for SimConfig {
             workers: 8,
             mode: RoutingMode::Kv,
             block_tokens: 16,
-            trace_block_tokens: 512,
+            reshape: Reshape::none(512),
             tier_blocks: [1 << 16, 0, 0],
             g4_blocks: 0,
-            g3_min_hits: 2,
+            g3_min_hits: 1,
             bytes_per_token: 327_680,
             link_gbps: [64.0, 7.0, 50.0],
             prefill_tokens_per_s: 20_000.0,
             decode_step_ms: 20.0,
+            decode_us_per_kv_token: 0.0,
+            step_tokens: 8192,
+            profile: None,
             batch_max: 64,
             speedup: 1.0,
             requests_max: u64::MAX,
@@ -187,10 +202,19 @@ struct SimWorker {
     tiers: [Option<Tier>; 3],
     filter: FrequencyFilter,
     event_id: u64,
-    prefill_free_at: f64,
-    /// When each decode place frees, earliest first.
-    decode_free: BinaryHeap<Reverse<Time>>,
+    /// Requests routed here, not yet admitted (arrival order).
+    waiting: VecDeque<usize>,
+    /// Requests admitted (prefilling or decoding), admission order.
+    running: Vec<usize>,
+    /// The step in flight: each prefill chunk (request, tokens) and the requests decoding.
+    step: Option<Step>,
     served: u64,
+}
+
+#[derive(Debug, Default)]
+struct Step {
+    chunks: Vec<(usize, u64)>,
+    decoding: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -207,19 +231,24 @@ impl Ord for Time {
     }
 }
 
-#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Ev {
-    /// Prefill ended: the prompt's blocks enter G1, pinned.
-    Prefilled { req: usize },
-    /// The request finished: its blocks unpinned.
-    Finished { req: usize },
-}
-
-struct Running {
-    worker: usize,
+/// One request's state.
+struct Request {
+    arrival: f64,
+    input: u64,
+    output: u64,
     hashes: Vec<SequenceHash>,
+    /// Full blocks of its answer.
+    answer_blocks: u64,
     /// G1 slots it pins.
     pinned: Vec<u32>,
+    /// Leading prompt blocks found cached at admission.
+    cached_blocks: u64,
+    /// Prompt tokens still to compute (set at admission).
+    to_compute: u64,
+    /// Its first token, once out.
+    first_token: Option<f64>,
+    /// Tokens out so far.
+    generated: u64,
 }
 
 /// Emits events to the index on behalf of one source.
@@ -265,6 +294,255 @@ impl Rates {
     }
 }
 
+/// The deployment during a replay.
+struct Sim<'a> {
+    cfg: &'a SimConfig,
+    block_bytes: u64,
+    events: Events<'a>,
+    router: Router,
+    workers: Vec<SimWorker>,
+    g4: Option<Tier>,
+    g4_event_id: u64,
+    requests: Vec<Request>,
+    /// Ends of the steps in flight: (time, worker).
+    steps: BinaryHeap<Reverse<(Time, usize)>>,
+    rates: Rates,
+    r: SimResult,
+    ttft: Vec<f64>,
+    itl: Vec<f64>,
+    e2e: Vec<f64>,
+    restores: Vec<f64>,
+    last_finish: f64,
+}
+
+impl Sim<'_> {
+    /// Runs every step that ends by `until`, and the steps they start.
+    fn advance(&mut self, until: f64) {
+        while let Some(&Reverse((Time(t), wi))) = self.steps.peek() {
+            if t > until {
+                break;
+            }
+            self.steps.pop();
+            self.end_step(wi, t);
+            self.start_step(wi, t);
+        }
+    }
+
+    /// A request routed to worker `wi` at `now`: it waits for admission; an idle worker
+    /// starts a step at once.
+    fn arrive(&mut self, wi: usize, rid: usize, now: f64) {
+        let w = &mut self.workers[wi];
+        w.waiting.push_back(rid);
+        if w.step.is_none() {
+            self.start_step(wi, now);
+        }
+    }
+
+    /// Admits what fits the batch, then starts a step of every admitted prompt's next chunk
+    /// (within the step's token budget, first admitted first) and one token of every
+    /// decoding sequence. Idle when there is nothing to compute.
+    fn start_step(&mut self, wi: usize, t: f64) {
+        let mut restore_s = 0.0;
+        while self.workers[wi].running.len() < self.cfg.batch_max.max(1) {
+            let Some(rid) = self.workers[wi].waiting.pop_front() else { break };
+            restore_s += self.admit(wi, rid, t);
+            self.workers[wi].running.push(rid);
+        }
+        let mut step = Step::default();
+        let mut budget = self.cfg.step_tokens.max(1);
+        let mut kv_tokens = 0u64;
+        for &rid in &self.workers[wi].running {
+            let q = &self.requests[rid];
+            if q.to_compute > 0 {
+                if budget > 0 {
+                    let c = q.to_compute.min(budget);
+                    budget -= c;
+                    step.chunks.push((rid, c));
+                }
+            } else if q.first_token.is_some() {
+                step.decoding.push(rid);
+                kv_tokens += q.input + q.generated;
+            }
+        }
+        if step.chunks.is_empty() && step.decoding.is_empty() {
+            self.workers[wi].step = None;
+            return;
+        }
+        let prefill: u64 = step.chunks.iter().map(|c| c.1).sum();
+        let d = restore_s + self.step_s(prefill, step.decoding.len(), kv_tokens);
+        self.workers[wi].step = Some(step);
+        self.steps.push(Reverse((Time(t + d), wi)));
+    }
+
+    /// Seconds a step takes: its prefill tokens, and a decode of `decoding` sequences holding
+    /// `kv_tokens` tokens of KV.
+    fn step_s(&self, prefill: u64, decoding: usize, kv_tokens: u64) -> f64 {
+        let cfg = self.cfg;
+        match &cfg.profile {
+            Some(p) => {
+                let pre = if prefill > 0 { p.prefill_s.at(prefill as f64) } else { 0.0 };
+                let dec = if decoding > 0 {
+                    let context = kv_tokens as f64 / decoding as f64;
+                    p.itl(context, decoding as f64).unwrap_or(cfg.decode_step_ms / 1e3)
+                } else {
+                    0.0
+                };
+                pre + dec
+            }
+            None => {
+                let pre = prefill as f64 / cfg.prefill_tokens_per_s.max(1e-9);
+                let dec = if decoding > 0 {
+                    cfg.decode_step_ms / 1e3 + cfg.decode_us_per_kv_token * kv_tokens as f64 / 1e6
+                } else {
+                    0.0
+                };
+                pre + dec
+            }
+        }
+    }
+
+    /// Admits a request: its leading cached run, tier by tier (at least one prompt token is
+    /// left to compute, for its logits, as engines do); hits below G1 onboard into G1, every
+    /// hit pinned. Returns the seconds their restore takes over their links.
+    fn admit(&mut self, wi: usize, rid: usize, t: f64) -> f64 {
+        let bt = u64::from(self.cfg.block_tokens.max(1));
+        let q = &mut self.requests[rid];
+        let w = &mut self.workers[wi];
+        let reusable = (q.input.saturating_sub(1) / bt) as usize;
+        let mut per_tier = [0u64; 4];
+        for h in q.hashes.iter().take(reusable) {
+            let tier = (0..3)
+                .find(|&k| w.tiers[k].as_ref().is_some_and(|x| x.pool.lookup(*h).is_some()))
+                .or_else(|| self.g4.as_ref().filter(|g| g.pool.lookup(*h).is_some()).map(|_| 3));
+            let Some(k) = tier else { break };
+            per_tier[k] += 1;
+            w.filter.hit(*h);
+        }
+        let mut restore_s = 0.0;
+        for k in 1..4 {
+            let bytes = per_tier[k] * self.block_bytes;
+            restore_s += bytes as f64 / (self.cfg.link_gbps[k - 1].max(1e-9) * 1e9);
+            *self.r.bytes.fields()[ONBOARD[k - 1]] += bytes;
+            self.rates.add(t, ONBOARD[k - 1], bytes);
+        }
+        self.restores
+            .push((per_tier[1] + per_tier[2] + per_tier[3]) as f64 * self.block_bytes as f64);
+        for (k, n) in per_tier.iter().enumerate() {
+            self.r.reused_tokens[k] += n * bt;
+        }
+        let hit_blocks = per_tier.iter().sum::<u64>();
+        q.cached_blocks = hit_blocks;
+        q.to_compute = q.input - hit_blocks * bt;
+        self.r.prefill_tokens += q.to_compute;
+        let hits = &q.hashes[..hit_blocks as usize];
+        let (pinned, _) = store_blocks(
+            w,
+            hits,
+            None,
+            &mut self.events,
+            &mut self.rates,
+            t,
+            self.block_bytes,
+            &mut self.r,
+        );
+        q.pinned = pinned;
+        restore_s
+    }
+
+    /// The end of worker `wi`'s step at `t`: chunks computed (a prompt done is a first
+    /// token, its blocks stored), a token for every decoding sequence (the last one finishes
+    /// it).
+    fn end_step(&mut self, wi: usize, t: f64) {
+        let Some(step) = self.workers[wi].step.take() else { return };
+        for (rid, c) in step.chunks {
+            let q = &mut self.requests[rid];
+            q.to_compute -= c;
+            if q.to_compute > 0 {
+                continue;
+            }
+            q.first_token = Some(t);
+            q.generated = 1;
+            self.ttft.push(t - q.arrival);
+            self.router.prefill_done(rid as u64);
+            let done = q.cached_blocks;
+            let w = &mut self.workers[wi];
+            let parent = done.checked_sub(1).map(|i| q.hashes[i as usize]);
+            let rest = &q.hashes[done as usize..];
+            let (pinned, computed) = store_blocks(
+                w,
+                rest,
+                parent,
+                &mut self.events,
+                &mut self.rates,
+                t,
+                self.block_bytes,
+                &mut self.r,
+            );
+            q.pinned.extend(pinned);
+            if let Some(g4) = self.g4.as_mut() {
+                self.r.bytes.write_g4 += write_g4(
+                    g4,
+                    &computed,
+                    &mut self.events,
+                    &mut self.g4_event_id,
+                    &mut self.rates,
+                    t,
+                    self.block_bytes,
+                );
+            }
+            if q.generated >= q.output {
+                self.finish(wi, rid, t);
+            }
+        }
+        for rid in step.decoding {
+            let q = &mut self.requests[rid];
+            q.generated += 1;
+            if q.generated >= q.output {
+                self.finish(wi, rid, t);
+            }
+        }
+    }
+
+    /// A request's last token at `t`: its blocks unpinned, its answer's full blocks stored (an
+    /// engine caches what it generates; no later prompt of a trace holds them).
+    fn finish(&mut self, wi: usize, rid: usize, t: f64) {
+        let q = &mut self.requests[rid];
+        let first = q.first_token.unwrap_or(t);
+        if q.output > 1 {
+            self.itl.push((t - first) / (q.output - 1) as f64);
+        }
+        self.e2e.push(t - q.arrival);
+        self.last_finish = self.last_finish.max(t);
+        self.router.free(rid as u64);
+        let w = &mut self.workers[wi];
+        w.running.retain(|&x| x != rid);
+        if let Some(g1) = w.tiers[0].as_mut() {
+            for s in q.pinned.drain(..) {
+                let _ = g1.pool.unpin(s);
+            }
+        }
+        let mut mix = SplitMix64(self.cfg.seed ^ (rid as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let answer: Vec<SequenceHash> =
+            (0..q.answer_blocks).map(|_| SequenceHash(mix.next_u64())).collect();
+        q.hashes = Vec::new();
+        let (pinned, _) = store_blocks(
+            w,
+            &answer,
+            None,
+            &mut self.events,
+            &mut self.rates,
+            t,
+            self.block_bytes,
+            &mut self.r,
+        );
+        if let Some(g1) = w.tiers[0].as_mut() {
+            for s in pinned {
+                let _ = g1.pool.unpin(s);
+            }
+        }
+    }
+}
+
 /// Replays `trace` through the simulated deployment.
 pub fn simulate(
     trace: impl Iterator<Item = Result<TraceRequest, TraceError>>,
@@ -273,18 +551,15 @@ pub fn simulate(
     let bt = cfg.block_tokens.max(1) as usize;
     let hasher = TokenBlockHasher::new(bt, HashSeed::default())
         .unwrap_or_else(|_| unreachable!("block_tokens is at least 1"));
-    let expander =
-        Expander { block_tokens: cfg.trace_block_tokens.max(1), ..Expander::new(cfg.seed) };
-    let block_bytes = cfg.bytes_per_token * bt as u64;
+    let expander = Expander { block_tokens: cfg.reshape.to.max(1), ..Expander::new(cfg.seed) };
     let index = PrefixIndex::new();
-    let mut events = Events { index: &index, count: 0, ingest: std::time::Duration::ZERO };
     let mut router = Router::new(RouterConfig {
         mode: cfg.mode,
         block_tokens: cfg.block_tokens,
         ..RouterConfig::default()
     });
     let kinds = [TierKind::Device, TierKind::Host, TierKind::Disk];
-    let mut workers: Vec<SimWorker> = (0..cfg.workers.max(1))
+    let workers: Vec<SimWorker> = (0..cfg.workers.max(1))
         .map(|i| {
             let id = WorkerId(i as u64 + 1);
             index.add_worker(id);
@@ -300,177 +575,97 @@ pub fn simulate(
                 }),
                 filter: FrequencyFilter::new(cfg.g3_min_hits, 1 << 22),
                 event_id: 0,
-                prefill_free_at: 0.0,
-                decode_free: (0..cfg.batch_max.max(1)).map(|_| Reverse(Time(0.0))).collect(),
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+                step: None,
                 served: 0,
             }
         })
         .collect();
-    let g4_id = WorkerId(0);
-    let mut g4 = (cfg.g4_blocks > 0).then(|| {
-        index.add_worker(g4_id);
+    let g4 = (cfg.g4_blocks > 0).then(|| {
+        index.add_worker(WorkerId(0));
         Tier {
             pool: SlotPool::new(cfg.g4_blocks.min(u64::from(u32::MAX - 1)) as u32, PolicyKind::Lru),
             kind: TierKind::Remote,
         }
     });
-    let mut g4_event_id = 0u64;
-    let mut curve = ReuseCurve::new(cfg.trace_block_tokens);
-    let mut memo: HashMap<(Option<SequenceHash>, u64), Box<[SequenceHash]>> = HashMap::new();
-    let mut queue: BinaryHeap<Reverse<(Time, Ev)>> = BinaryHeap::new();
-    let mut running: Vec<Option<Running>> = Vec::new();
-    let mut rng = SplitMix64(cfg.seed ^ 0x5EED);
-    let mut rates = Rates::default();
-    let mut r = SimResult::default();
-    let (mut ttft, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
-    let mut restores = Vec::new();
-    let mut tokens = Vec::new();
-    let mut last_finish = 0.0f64;
-    let speedup = if cfg.speedup > 0.0 { cfg.speedup } else { 1.0 };
-
-    // Applies every completion up to `until`.
-    let drain = |until: f64,
-                 queue: &mut BinaryHeap<Reverse<(Time, Ev)>>,
-                 running: &mut Vec<Option<Running>>,
-                 workers: &mut Vec<SimWorker>,
-                 g4: &mut Option<Tier>,
-                 g4_event_id: &mut u64,
-                 events: &mut Events<'_>,
-                 rates: &mut Rates,
-                 router: &mut Router,
-                 r: &mut SimResult| {
-        while let Some(Reverse((Time(t), _))) = queue.peek() {
-            if *t > until {
-                break;
-            }
-            let Some(Reverse((Time(t), ev))) = queue.pop() else { break };
-            match ev {
-                Ev::Prefilled { req } => {
-                    let Some(run) = running[req].as_mut() else { continue };
-                    router.prefill_done(req as u64);
-                    let w = &mut workers[run.worker];
-                    let (pinned, computed) =
-                        store_prompt(w, &run.hashes, events, rates, t, block_bytes, r);
-                    run.pinned = pinned;
-                    if let Some(g4) = g4.as_mut() {
-                        r.bytes.write_g4 +=
-                            write_g4(g4, &computed, events, g4_event_id, rates, t, block_bytes);
-                    }
-                }
-                Ev::Finished { req } => {
-                    let Some(run) = running[req].take() else { continue };
-                    router.free(req as u64);
-                    let w = &mut workers[run.worker];
-                    if let Some(g1) = w.tiers[0].as_mut() {
-                        for s in run.pinned {
-                            let _ = g1.pool.unpin(s);
-                        }
-                    }
-                }
-            }
-        }
+    let mut sim = Sim {
+        cfg,
+        block_bytes: cfg.bytes_per_token * bt as u64,
+        events: Events { index: &index, count: 0, ingest: std::time::Duration::ZERO },
+        router,
+        workers,
+        g4,
+        g4_event_id: 0,
+        requests: Vec::new(),
+        steps: BinaryHeap::new(),
+        rates: Rates::default(),
+        r: SimResult::default(),
+        ttft: Vec::new(),
+        itl: Vec::new(),
+        e2e: Vec::new(),
+        restores: Vec::new(),
+        last_finish: 0.0,
     };
-
+    let mut curve = ReuseCurve::new(cfg.reshape.to);
+    let mut memo: HashMap<(Option<SequenceHash>, u64), Box<[SequenceHash]>> = HashMap::new();
+    let mut rng = SplitMix64(cfg.seed ^ 0x5EED);
+    let mut tokens = Vec::new();
+    let speedup = if cfg.speedup > 0.0 { cfg.speedup } else { 1.0 };
     for (i, req) in trace.enumerate() {
-        let req = req?;
         if i as u64 >= cfg.requests_max {
             break;
         }
+        let req = cfg.reshape.apply(req?);
         curve.push(&req);
         let now = req.timestamp as f64 / 1000.0 / speedup;
-        drain(
-            now,
-            &mut queue,
-            &mut running,
-            &mut workers,
-            &mut g4,
-            &mut g4_event_id,
-            &mut events,
-            &mut rates,
-            &mut router,
-            &mut r,
-        );
-        router.expire(now);
+        sim.advance(now);
+        sim.router.expire(now);
         // The prompt's block hashes, as kvfabric computes them, memoized per trace block.
         let hashes = prompt_hashes(&req, &expander, &hasher, &mut memo, &mut tokens);
-        let rid = running.len();
-        let d = router
+        let rid = sim.requests.len();
+        let d = sim
+            .router
             .route(&index, rid as u64, &hashes, req.input_length, now, rng.next_f64())
             .unwrap_or_else(|| unreachable!("the router has workers"));
         let wi = (d.worker.0 - 1) as usize;
-        let w = &mut workers[wi];
-        w.served += 1;
-        // The leading run, tier by tier.
-        let mut per_tier = [0u64; 4];
-        for h in &hashes {
-            let tier = (0..3)
-                .find(|&t| w.tiers[t].as_ref().is_some_and(|x| x.pool.lookup(*h).is_some()))
-                .or_else(|| g4.as_ref().filter(|g| g.pool.lookup(*h).is_some()).map(|_| 3));
-            let Some(t) = tier else { break };
-            per_tier[t] += 1;
-            w.filter.hit(*h);
-        }
+        sim.workers[wi].served += 1;
+        sim.r.prompt_tokens += req.input_length;
+        sim.r.requests += 1;
+        let output = req.output_length.max(1);
         let block = bt as u64;
-        let mut restore_s = 0.0;
-        for t in 1..4 {
-            let bytes = per_tier[t] * block_bytes;
-            restore_s += bytes as f64 / (cfg.link_gbps[t - 1].max(1e-9) * 1e9);
-            *r.bytes.fields()[ONBOARD[t - 1]] += bytes;
-            rates.add(now, ONBOARD[t - 1], bytes);
-        }
-        restores.push((per_tier[1] + per_tier[2] + per_tier[3]) as f64 * block_bytes as f64);
-        let reused: u64 = per_tier.iter().sum::<u64>() * block;
-        for (t, n) in per_tier.iter().enumerate() {
-            r.reused_tokens[t] += n * block;
-        }
-        let compute = req.input_length.saturating_sub(reused);
-        r.prefill_tokens += compute;
-        r.prompt_tokens += req.input_length;
-        r.requests += 1;
-        let start = now.max(w.prefill_free_at);
-        let end = start + restore_s + compute as f64 / cfg.prefill_tokens_per_s.max(1e-9);
-        w.prefill_free_at = end;
-        let Reverse(Time(place)) = w.decode_free.pop().unwrap_or(Reverse(Time(0.0)));
-        let steps = req.output_length.saturating_sub(1) as f64;
-        let decode_start = end.max(place);
-        let finish = decode_start + steps * cfg.decode_step_ms / 1000.0;
-        w.decode_free.push(Reverse(Time(finish)));
-        ttft.push(end - now);
-        if req.output_length > 1 {
-            itl.push((finish - end) / steps);
-        }
-        e2e.push(finish - now);
-        last_finish = last_finish.max(finish);
-        running.push(Some(Running { worker: wi, hashes, pinned: Vec::new() }));
-        queue.push(Reverse((Time(end), Ev::Prefilled { req: rid })));
-        queue.push(Reverse((Time(finish), Ev::Finished { req: rid })));
+        let kv_tokens = req.input_length + output - 1;
+        sim.requests.push(Request {
+            arrival: now,
+            input: req.input_length,
+            output,
+            hashes,
+            answer_blocks: kv_tokens / block - req.input_length / block,
+            pinned: Vec::new(),
+            cached_blocks: 0,
+            to_compute: 0,
+            first_token: None,
+            generated: 0,
+        });
+        sim.arrive(wi, rid, now);
     }
-    drain(
-        f64::INFINITY,
-        &mut queue,
-        &mut running,
-        &mut workers,
-        &mut g4,
-        &mut g4_event_id,
-        &mut events,
-        &mut rates,
-        &mut router,
-        &mut r,
-    );
+    sim.advance(f64::INFINITY);
     let q = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         [0.5, 0.9, 0.99].map(|p| kvfabric_planner::stats::quantile(v, p))
     };
-    r.ttft_s = q(&mut ttft);
-    r.itl_s = q(&mut itl);
-    r.e2e_s = q(&mut e2e);
-    r.restore_bytes = q(&mut restores);
+    let mut r = std::mem::take(&mut sim.r);
+    r.ttft_s = q(&mut sim.ttft);
+    r.itl_s = q(&mut sim.itl);
+    r.e2e_s = q(&mut sim.e2e);
+    r.restore_bytes = q(&mut sim.restores);
     r.limit = curve.limit();
-    r.per_worker = workers.iter().map(|w| w.served).collect();
-    r.events = events.count;
-    r.ingest_s = events.ingest.as_secs_f64();
+    r.per_worker = sim.workers.iter().map(|w| w.served).collect();
+    r.events = sim.events.count;
+    r.ingest_s = sim.events.ingest.as_secs_f64();
     r.index_blocks = index.len() as u64;
-    r.span_s = last_finish;
+    r.span_s = sim.last_finish;
+    let rates = &sim.rates;
     let mut peak = Moved::default();
     for s in &rates.per_s {
         for (k, f) in peak.fields().into_iter().enumerate() {
@@ -521,11 +716,13 @@ fn prompt_hashes(
     out
 }
 
-/// Puts a prefill's blocks in G1, pinned (evicting what must go down a tier); returns the
-/// pinned slots and the blocks that no tier held (computed by this prefill).
-fn store_prompt(
+/// Puts blocks in G1, pinned (evicting what must go down a tier), `parent` the block before
+/// the first; returns the pinned slots and the blocks that no tier held (computed here).
+#[allow(clippy::too_many_arguments)]
+fn store_blocks(
     w: &mut SimWorker,
     hashes: &[SequenceHash],
+    parent: Option<SequenceHash>,
     events: &mut Events<'_>,
     rates: &mut Rates,
     t: f64,
@@ -547,7 +744,7 @@ fn store_prompt(
                 }
                 continue;
             }
-            let parent = k.checked_sub(1).map(|p| hashes[p]);
+            let parent = k.checked_sub(1).map(|p| hashes[p]).or(parent);
             let slot = match g1.pool.reserve(h, parent) {
                 Ok(s) => Some(s),
                 Err(_) => match g1.pool.begin_evict() {
@@ -591,7 +788,6 @@ fn store_prompt(
         if !below {
             computed.push(h);
         }
-        w.filter.hit(h);
     }
     offload(w, 1, offloads, events, rates, t, block_bytes, r);
     (pinned, computed)
@@ -614,7 +810,11 @@ fn offload(
         return;
     }
     let filter = &w.filter;
-    let Some(tier) = w.tiers[to].as_mut() else { return };
+    let Some(tier) = w.tiers[to].as_mut() else {
+        // No such tier: the victims go on down (G1 straight to disk, as a store without a
+        // host tier of its own does).
+        return offload(w, to + 1, blocks, events, rates, t, block_bytes, r);
+    };
     let (mut stored, mut removed, mut next) = (Vec::new(), Vec::new(), Vec::new());
     for (h, parent) in blocks {
         if to == 2 && !filter.admits(h) {

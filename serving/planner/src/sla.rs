@@ -97,7 +97,9 @@ pub struct Profile {
 }
 
 impl Profile {
-    fn itl(&self, context: f64, batch: f64) -> Option<f64> {
+    /// Inter-token latency, seconds, of a decode batch of `batch` sequences at `context`
+    /// tokens (None without any decode measurement).
+    pub fn itl(&self, context: f64, batch: f64) -> Option<f64> {
         let by_context = |a: &&(f64, Curve), b: &&(f64, Curve)| a.0.total_cmp(&b.0);
         let below = self.itl_s.iter().filter(|(c, _)| *c <= context).max_by(by_context);
         let above = self.itl_s.iter().filter(|(c, _)| *c >= context).min_by(by_context);

@@ -41,6 +41,38 @@ pub struct TraceRequest {
     pub hash_ids: Vec<u64>,
 }
 
+/// A trace replayed at another scale: each id's block as `to` tokens instead of `from` (the
+/// same sharing on prompts `to / from` as long, for small engines and quick runs; a partial
+/// last block keeps its share, rounded up), and answers cut at `output_max` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Reshape {
+    /// Tokens per id in the trace.
+    pub from: u32,
+    /// Tokens per id replayed.
+    pub to: u32,
+    /// Answer tokens at most.
+    pub output_max: u64,
+}
+
+impl Reshape {
+    /// The trace as it is: ids of `block_tokens`, answers as long as they are.
+    pub fn none(block_tokens: u32) -> Self {
+        Reshape { from: block_tokens, to: block_tokens, output_max: u64::MAX }
+    }
+
+    /// `r` at the replayed scale (its ids unchanged).
+    pub fn apply(&self, mut r: TraceRequest) -> TraceRequest {
+        let (from, to) = (u64::from(self.from.max(1)), u64::from(self.to.max(1)));
+        if from != to {
+            let full = r.input_length / from;
+            let partial = r.input_length % from;
+            r.input_length = full * to + (partial * to).div_ceil(from);
+        }
+        r.output_length = r.output_length.min(self.output_max);
+        r
+    }
+}
+
 /// Why a trace cannot be read.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {

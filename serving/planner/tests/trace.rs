@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use kvfabric::hash::{HashSeed, TokenBlockHasher};
 use kvfabric::rng::SplitMix64;
 use kvfabric_planner::trace::{
-    Expander, Limit, ReuseCurve, TraceError, TraceReader, TraceRequest, LINE_BYTES_MAX,
+    Expander, Limit, Reshape, ReuseCurve, TraceError, TraceReader, TraceRequest, LINE_BYTES_MAX,
 };
 
 fn read(text: &str, block_tokens: u32) -> Vec<Result<TraceRequest, TraceError>> {
@@ -104,6 +104,35 @@ fn the_expansion_shares_exactly_what_the_ids_share() {
     assert_eq!(Expander::new(7).tokens(&req(0, 100, &[1])), a[..100]);
     assert_ne!(Expander::new(8).tokens(&req(0, 100, &[1])), a[..100]);
     assert!(a.iter().all(|&t| t < 32_000));
+}
+
+#[test]
+fn a_reshaped_trace_keeps_its_sharing_on_shorter_prompts() {
+    let r = Reshape { from: 512, to: 32, output_max: 100 };
+    let mut a = req(5, 1500, &[1, 2, 3]);
+    a.output_length = 400;
+    let small = r.apply(a.clone());
+    // Two full blocks of 32, and the partial third's share (476 of 512) rounded up: 30.
+    assert_eq!(small.input_length, 64 + 30);
+    assert_eq!((small.output_length, small.timestamp, &small.hash_ids), (100, 5, &a.hash_ids));
+    assert_eq!(r.apply(req(0, 512, &[1])).input_length, 32);
+    assert_eq!(r.apply(req(0, 1, &[1])).input_length, 1, "a partial block keeps a token");
+    assert_eq!(Reshape::none(512).apply(a.clone()), a);
+    // The reshaped prompts share as the ids do, at the new block size.
+    let x = Expander { block_tokens: 32, ..Expander::new(7) };
+    let b = x.tokens(&r.apply(req(0, 1100, &[1, 2, 4])));
+    let t = x.tokens(&small);
+    assert_eq!((t.len(), b.len()), (94, 64 + 5));
+    assert_eq!(t[..64], b[..64]);
+    assert_ne!(t[64..69], b[64..69]);
+    // Its limit, counted at the new size, is the same share of blocks.
+    let (mut full, mut scaled) = (ReuseCurve::new(512), ReuseCurve::new(32));
+    for q in [req(0, 1024, &[1, 2]), req(1, 1536, &[1, 2, 3]), req(2, 1024, &[1, 4])] {
+        full.push(&q);
+        scaled.push(&r.apply(q));
+    }
+    assert_eq!(full.limit().block_ratio(), scaled.limit().block_ratio());
+    assert_eq!(scaled.limit().reused_tokens, 64 + 32);
 }
 
 #[test]
