@@ -75,6 +75,9 @@ pub struct CapacityReport {
     pub limit: Limit,
     /// Reuse at each capacity.
     pub points: Vec<CapacityPoint>,
+    /// The pooled (or single) cache's exact LRU curve: (tokens, reuse) at capacities a
+    /// quarter-octave apart, from 64 K tokens up to the first that reaches the limit.
+    pub pooled_curve: Vec<(u64, f64)>,
     /// The pooled capacity (tokens) that reuses 50%, 90%, 99% of the limit's tokens.
     pub pooled_for: [Option<u64>; 3],
     /// The smallest per-worker capacity evaluated that reaches those shares locally.
@@ -125,6 +128,17 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
         });
     }
     let pooled_for = SHARES.map(|s| curve.capacity_for(s).map(|b| b * tb));
+    let mut pooled_curve = Vec::new();
+    let mut cap = 65_536.0f64;
+    loop {
+        let blocks = (cap as u64) / tb;
+        let reused = curve.reused_tokens(blocks);
+        pooled_curve.push((blocks * tb, reused as f64 / tokens));
+        if reused >= limit.reused_tokens || pooled_curve.len() >= 200 {
+            break;
+        }
+        cap *= 2f64.powf(0.25);
+    }
     let goal = |s: f64| s * limit.token_ratio();
     let local_for = SHARES
         .map(|s| points.iter().find(|p| p.local_reuse >= goal(s)).map(|p| p.per_worker_tokens));
@@ -156,6 +170,7 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
     Ok(CapacityReport {
         limit,
         points,
+        pooled_curve,
         pooled_for,
         local_for,
         pool_onboard_gbps: [p99, peak],

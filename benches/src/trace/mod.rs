@@ -18,6 +18,8 @@ pub mod capacity;
 
 pub mod sim;
 
+pub mod sizing;
+
 use sim::{SimConfig, SimResult};
 
 /// How a trace's ids become prompts (`bench trace` and `bench serve --trace` alike).
@@ -128,6 +130,13 @@ pub struct TraceArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Draw the replay over time to this SVG file: reuse, TTFT p50/p99 and the KV moved per
+    /// window, each routing beside the other.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Width of the plot's windows, seconds of the trace (after --speedup).
+    #[arg(long, default_value_t = 60.0)]
+    window_s: f64,
 }
 
 /// One replay and how long the simulator took.
@@ -216,6 +225,11 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
             reuse,
             wall_s,
         });
+    }
+    if let Some(path) = &args.plot {
+        crate::ensure!(args.window_s > 0.0, "--window-s must be above 0");
+        std::fs::write(path, plot(&runs, args.window_s))
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     if args.json {
         println!(
@@ -335,4 +349,116 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
             cfg.decode_step_ms, cfg.batch_max
         ),
     }
+}
+
+/// The runs over time, in windows of `window_s`: reuse (with the whole trace's limit), TTFT
+/// p50 and p99 by arrival, and the first run's KV traffic per tier.
+fn plot(runs: &[Run], window_s: f64) -> String {
+    use crate::plot::{render, Chart, Series};
+    let w = window_s.max(1e-3);
+    let at = |i: usize| (i as f64 + 0.5) * w;
+    // Per-second counts summed into windows.
+    let windows = |v: &[u64]| -> Vec<u64> {
+        let mut out = Vec::new();
+        for (s, &n) in v.iter().enumerate() {
+            let i = (s as f64 / w) as usize;
+            if out.len() <= i {
+                out.resize(i + 1, 0);
+            }
+            out[i] += n;
+        }
+        out
+    };
+    let mut reuse = Vec::new();
+    let mut ttft = Vec::new();
+    for (k, run) in runs.iter().enumerate() {
+        let t = &run.result.timeline;
+        let (prompt, reused) = (windows(&t.prompt_tokens), windows(&t.reused_tokens));
+        let points = prompt
+            .iter()
+            .enumerate()
+            .filter(|(_, &p)| p > 0)
+            .map(|(i, &p)| (at(i), reused.get(i).copied().unwrap_or(0) as f64 / p as f64))
+            .collect();
+        reuse.push(Series::line(run.routing.clone(), points));
+        let mut by_window: Vec<Vec<f64>> = Vec::new();
+        for &(arrival, x) in &t.ttft {
+            let i = (arrival / w) as usize;
+            if by_window.len() <= i {
+                by_window.resize(i + 1, Vec::new());
+            }
+            by_window[i].push(x);
+        }
+        let mut p50 = Vec::new();
+        let mut p99 = Vec::new();
+        for (i, v) in by_window.iter_mut().enumerate().filter(|(_, v)| !v.is_empty()) {
+            v.sort_by(f64::total_cmp);
+            p50.push((at(i), kvfabric_planner::stats::quantile(v, 0.5)));
+            p99.push((at(i), kvfabric_planner::stats::quantile(v, 0.99)));
+        }
+        ttft.push(Series::line(format!("{} p50", run.routing), p50));
+        ttft.push(Series {
+            dashed: true,
+            color_of: Some(2 * k),
+            ..Series::line(format!("{} p99", run.routing), p99)
+        });
+    }
+    if let Some(first) = runs.first() {
+        let limit = first.result.limit.token_ratio();
+        let end = first.result.timeline.prompt_tokens.len() as f64;
+        reuse.push(Series {
+            dashed: true,
+            ..Series::line("limit", vec![(0.0, limit), (end, limit)])
+        });
+    }
+    let mut traffic = Vec::new();
+    if let Some(first) = runs.first() {
+        let names = [
+            "onboard G2",
+            "onboard G3",
+            "onboard G4",
+            "offload G1→G2",
+            "offload G2→G3",
+            "written to G4",
+        ];
+        for (k, name) in names.iter().enumerate() {
+            let per_s: Vec<u64> = first.result.timeline.bytes.iter().map(|b| b[k]).collect();
+            if per_s.iter().all(|&b| b == 0) {
+                continue;
+            }
+            let points = windows(&per_s)
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| (at(i), b as f64 / w / 1e9))
+                .collect();
+            traffic.push(Series::line(*name, points));
+        }
+    }
+    let x_label = format!("trace time, s (windows of {w} s)");
+    let mut charts = vec![
+        Chart {
+            title: "Prompt tokens reused".into(),
+            x_label: x_label.clone(),
+            y_label: "share of the window's prompt tokens".into(),
+            series: reuse,
+            ..Chart::default()
+        },
+        Chart {
+            title: "TTFT by arrival".into(),
+            x_label: x_label.clone(),
+            y_label: "TTFT, s".into(),
+            series: ttft,
+            ..Chart::default()
+        },
+    ];
+    if !traffic.is_empty() {
+        charts.push(Chart {
+            title: format!("KV moved ({})", runs.first().map_or("", |r| r.routing.as_str())),
+            x_label,
+            y_label: "GB/s over the window".into(),
+            series: traffic,
+            ..Chart::default()
+        });
+    }
+    render(&charts, charts.len().min(3))
 }

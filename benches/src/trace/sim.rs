@@ -145,6 +145,33 @@ pub struct SimResult {
     pub g1_full: u64,
     /// Simulated seconds from the first arrival to the last finish.
     pub span_s: f64,
+    /// Second by second, for plots (not in the JSON).
+    #[serde(skip)]
+    pub timeline: Timeline,
+}
+
+/// A replay second by second (by arrival for prompts, by transfer for bytes).
+#[derive(Debug, Clone, Default)]
+pub struct Timeline {
+    /// Prompt tokens of the requests that arrived in each second.
+    pub prompt_tokens: Vec<u64>,
+    /// Of them, found cached.
+    pub reused_tokens: Vec<u64>,
+    /// KV bytes moved in each second: onboarded from G2, G3, G4; offloaded G1→G2, G2→G3;
+    /// written to G4.
+    pub bytes: Vec<[u64; 6]>,
+    /// (arrival, TTFT) of every request, seconds.
+    pub ttft: Vec<(f64, f64)>,
+}
+
+impl Timeline {
+    fn add(v: &mut Vec<u64>, t: f64, n: u64) {
+        let s = t.max(0.0) as usize;
+        if v.len() <= s {
+            v.resize(s + 1, 0);
+        }
+        v[s] += n;
+    }
 }
 
 /// KV bytes per movement.
@@ -427,6 +454,8 @@ impl Sim<'_> {
         }
         self.restores
             .push((per_tier[1] + per_tier[2] + per_tier[3]) as f64 * self.block_bytes as f64);
+        let reused: u64 = per_tier.iter().sum::<u64>() * bt;
+        Timeline::add(&mut self.r.timeline.reused_tokens, q.arrival, reused);
         for (k, n) in per_tier.iter().enumerate() {
             self.r.reused_tokens[k] += n * bt;
         }
@@ -463,6 +492,7 @@ impl Sim<'_> {
             q.first_token = Some(t);
             q.generated = 1;
             self.ttft.push(t - q.arrival);
+            self.r.timeline.ttft.push((q.arrival, t - q.arrival));
             self.router.prefill_done(rid as u64);
             let done = q.cached_blocks;
             let w = &mut self.workers[wi];
@@ -631,6 +661,7 @@ pub fn simulate(
         let wi = (d.worker.0 - 1) as usize;
         sim.workers[wi].served += 1;
         sim.r.prompt_tokens += req.input_length;
+        Timeline::add(&mut sim.r.timeline.prompt_tokens, now, req.input_length);
         sim.r.requests += 1;
         let output = req.output_length.max(1);
         let block = bt as u64;
@@ -679,6 +710,7 @@ pub fn simulate(
         *f = q(&mut v)[2] as u64;
     }
     r.p99_bytes_per_s = p99;
+    r.timeline.bytes = std::mem::take(&mut sim.rates.per_s);
     Ok(r)
 }
 

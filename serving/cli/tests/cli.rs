@@ -629,6 +629,40 @@ fn profile_then_plan_with_an_sla() {
     assert!(one_line_error(&bad).contains("LO must be below HI"));
     let bad = kvfabric(&["plan", "--sla"]);
     assert!(!bad.status.success(), "--sla needs --profile");
+    // The same profile sizes workers for a trace: the model's plan, then replays; the count
+    // it names met the targets and one fewer did not.
+    let slice = trace_slice(dir.path(), 300);
+    let sized = stdout_json(&kvfabric(&[
+        "plan",
+        "--trace",
+        slice.to_str().unwrap(),
+        "--sla",
+        "--profile",
+        json.to_str().unwrap(),
+        "--workers",
+        "1",
+        "--cache-tokens",
+        "262144",
+        "--ttft-ms",
+        "3000",
+        "--itl-ms",
+        "100",
+        "--percentile",
+        "p90",
+        "--json",
+    ]));
+    assert_eq!(sized["requests"], 300, "{sized}");
+    let rate = sized["workload"]["rate"].as_f64().unwrap();
+    assert!(rate > 1.0 && rate < 10.0, "the slice's own rate: {sized}");
+    let replays = sized["replays"].as_array().unwrap();
+    let n = sized["workers"].as_u64().expect("a count that meets the targets");
+    let of = |w: u64| replays.iter().find(|r| r["workers"] == w);
+    assert_eq!(of(n).unwrap()["meets"], true, "{sized}");
+    assert!(n == 1 || of(n - 1).is_some_and(|r| r["meets"] == false), "{sized}");
+    for r in replays {
+        let t = r["ttft_s"].as_f64().unwrap();
+        assert_eq!(r["meets"], t <= 3.0 && r["itl_s"].as_f64().unwrap() <= 0.1, "{r}");
+    }
 }
 
 /// The first `n` lines of the shipped conversation trace, in a file of their own.
@@ -655,8 +689,14 @@ fn bench_trace_and_plan_trace_replay_real_traffic_and_name_a_bad_line() {
         "131072",
         "--g4-tokens",
         "4194304",
+        "--plot",
+        dir.path().join("trace.svg").to_str().unwrap(),
         "--json",
     ]));
+    let svg = std::fs::read_to_string(dir.path().join("trace.svg")).unwrap();
+    for title in ["Prompt tokens reused", "TTFT by arrival", "KV moved"] {
+        assert!(svg.contains(title), "{title} missing from the plot");
+    }
     let runs = v["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2, "kv and round-robin beside it");
     assert_eq!(runs[0]["routing"], "kv");
@@ -677,8 +717,13 @@ fn bench_trace_and_plan_trace_replay_real_traffic_and_name_a_bad_line() {
         "4",
         "--cache-tokens",
         "65536,1048576",
+        "--plot",
+        dir.path().join("plan.svg").to_str().unwrap(),
         "--json",
     ]));
+    let svg = std::fs::read_to_string(dir.path().join("plan.svg")).unwrap();
+    assert!(svg.contains("Prompt tokens reused against cache size") && svg.contains("limit"));
+    assert!(!plan["pooled_curve"].as_array().unwrap().is_empty());
     let points = plan["points"].as_array().unwrap();
     assert_eq!(points.len(), 2);
     let reuse = |i: usize, k: &str| points[i][k].as_f64().unwrap();

@@ -82,7 +82,10 @@ pub struct PlanArgs {
     /// capacity per worker behind kv routing and pooled, the sizes that reach 50/90/99% of the
     /// trace's limit, the restore bandwidth of the pool's hits per --link (KV bytes of
     /// --model).
-    #[arg(long, conflicts_with = "sla")]
+    /// With --sla and --profile: the workers that meet the targets on this trace (its rate,
+    /// lengths and the reuse kv-routed caches of the first --cache-tokens attain), from the
+    /// model and then from replays of the trace timed by the profile.
+    #[arg(long)]
     trace: Option<std::path::PathBuf>,
     /// --trace: tokens per hash id of the trace.
     #[arg(long, default_value_t = 512)]
@@ -97,6 +100,10 @@ pub struct PlanArgs {
         default_value = "262144,524288,1048576,2097152,4194304,8388608,16777216"
     )]
     cache_tokens: Vec<u64>,
+    /// --trace: draw reuse against cache size (local behind kv and round-robin routing,
+    /// pooled, the limit) to this SVG file.
+    #[arg(long, requires = "trace")]
+    plot: Option<std::path::PathBuf>,
 }
 
 /// `mean` or `pNN`: None for the mean, else the quantile.
@@ -137,8 +144,15 @@ fn positive(what: &str, v: f64) -> anyhow::Result<f64> {
     Ok(v)
 }
 
-fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
-    use kvfabric_planner::sla::{plan, what_changes, Need, Targets, Workload};
+/// The profile and targets of `--sla`.
+fn sla_inputs(
+    args: &PlanArgs,
+) -> anyhow::Result<(
+    kvfabric_serving::profile::EngineProfile,
+    kvfabric_planner::sla::Profile,
+    kvfabric_planner::sla::Targets,
+)> {
+    use kvfabric_planner::sla::Targets;
     use kvfabric_serving::profile::EngineProfile;
 
     let path = args.profile.as_ref().context("--sla needs --profile")?;
@@ -146,6 +160,100 @@ fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let profile = EngineProfile::from_json(&text).with_context(|| path.display().to_string())?;
     let curves = profile.planning()?;
+    let (ttft, itl) =
+        (positive("--ttft-ms", args.ttft_ms)? / 1e3, positive("--itl-ms", args.itl_ms)? / 1e3);
+    let targets = match parse_percentile(&args.percentile)? {
+        None => Targets::means(ttft, itl),
+        Some(q) => Targets::at_quantile(ttft, itl, q),
+    };
+    Ok((profile, curves, targets))
+}
+
+fn run_trace_sla(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
+    use kvfabric_benches::trace::sim::SimConfig;
+    use kvfabric_benches::trace::sizing::{size, SizingConfig};
+
+    let (profile, curves, targets) = sla_inputs(args)?;
+    anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    let per_worker_tokens = args.cache_tokens.iter().copied().min().unwrap_or(1 << 20).max(1);
+    let cfg = SizingConfig {
+        trace_block_tokens: args.trace_block_tokens,
+        workers: args.workers,
+        per_worker_tokens,
+        profile: curves,
+        targets,
+        // 64-token blocks, as the capacity plan: four times coarser than serving's, for speed.
+        sim: SimConfig { block_tokens: 64, ..SimConfig::default() },
+        replays_max: 10,
+    };
+    let r = size(trace, &cfg).with_context(|| trace.display().to_string())?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let w = &r.workload;
+    let at = targets.quantile.map_or("mean".to_string(), |q| format!("p{}", q * 100.0));
+    println!(
+        "trace {}: {} requests, {:.2} req/s, {:.0} prompt + {:.0} answer tokens on average; \
+         {:.1}% of prompt tokens cached ({} workers, {} tokens each, kv routing)",
+        trace.display(),
+        r.requests,
+        w.rate,
+        w.isl,
+        w.osl,
+        w.hit_rate * 100.0,
+        args.workers,
+        per_worker_tokens
+    );
+    println!(
+        "engine {} ({}); targets: TTFT {:.0} ms, ITL {:.0} ms at {at}",
+        profile.model,
+        args.profile.as_ref().map_or(String::new(), |p| p.display().to_string()),
+        targets.ttft_s * 1e3,
+        targets.itl_s * 1e3
+    );
+    let need = |n: &kvfabric_planner::sla::Need| match n {
+        kvfabric_planner::sla::Need::Disaggregated { prefill, decode, .. } => {
+            format!("{prefill} prefill + {decode} decode workers")
+        }
+        kvfabric_planner::sla::Need::Aggregated { workers } => format!("{workers} workers"),
+        kvfabric_planner::sla::Need::Infeasible(why) => format!("cannot meet the targets: {why}"),
+    };
+    println!("the model (plan --sla on the trace's workload):");
+    println!("  disaggregated: {}", need(&r.plan.disaggregated));
+    println!("  aggregated:    {}", need(&r.plan.aggregated));
+    println!("  choice: {:?}", r.plan.layout());
+    println!("replays of the trace, aggregated workers timed by the profile:");
+    println!("{:>9} {:>7} {:>12} {:>12} {:>6}", "workers", "reuse", "TTFT", "ITL", "meets");
+    for p in &r.replays {
+        println!(
+            "{:>9} {:>7.3} {:>10.1}ms {:>10.1}ms {:>6}",
+            p.workers,
+            p.reuse,
+            p.ttft_s * 1e3,
+            p.itl_s * 1e3,
+            if p.meets { "yes" } else { "no" }
+        );
+    }
+    match r.workers {
+        Some(n) => println!(
+            "{n} aggregated workers meet the targets on this trace's replay (TTFT and ITL at {})",
+            match targets.quantile {
+                Some(q) if q > 0.9 => "p99",
+                Some(q) if q > 0.5 => "p90",
+                _ => "p50",
+            }
+        ),
+        None => println!("no replay tried met the targets"),
+    }
+    Ok(())
+}
+
+fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
+    use kvfabric_planner::sla::{plan, what_changes, Need, Workload};
+
+    let (profile, curves, targets) = sla_inputs(args)?;
+    let path = args.profile.as_ref().context("--sla needs --profile")?;
     anyhow::ensure!(
         args.hit_rate.is_finite() && (0.0..1.0).contains(&args.hit_rate),
         "--hit-rate must be in 0..1"
@@ -158,12 +266,6 @@ fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
         osl,
         hit_rate: args.hit_rate,
         isl_dist,
-    };
-    let (ttft, itl) =
-        (positive("--ttft-ms", args.ttft_ms)? / 1e3, positive("--itl-ms", args.itl_ms)? / 1e3);
-    let targets = match parse_percentile(&args.percentile)? {
-        None => Targets::means(ttft, itl),
-        Some(q) => Targets::at_quantile(ttft, itl, q),
     };
     let p = plan(&curves, &load, &targets);
     let changes = what_changes(&curves, &load, &targets);
@@ -224,6 +326,9 @@ fn parse_count(what: &str, s: &str) -> anyhow::Result<u64> {
 }
 
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    if let (true, Some(trace)) = (args.sla, &args.trace) {
+        return run_trace_sla(&args, trace);
+    }
     if args.sla {
         return run_sla(&args);
     }
@@ -289,6 +394,10 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
         sim: SimConfig { block_tokens: 64, bytes_per_token, ..SimConfig::default() },
     };
     let report = capacity(trace, &cfg).with_context(|| trace.display().to_string())?;
+    if let Some(path) = &args.plot {
+        std::fs::write(path, capacity_plot(&report, cfg.workers))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
@@ -355,4 +464,38 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Reuse against the cache's total size (every worker's together): per-worker caches behind
+/// kv and round-robin routing, one pool, and the limit (Mooncake FAST'25's figures 9 and 10).
+fn capacity_plot(r: &kvfabric_benches::trace::capacity::CapacityReport, workers: usize) -> String {
+    use kvfabric_benches::plot::{render, Chart, Series};
+    let total = |p: &kvfabric_benches::trace::capacity::CapacityPoint| p.pooled_tokens as f64;
+    let pooled: Vec<(f64, f64)> = r.pooled_curve.iter().map(|&(t, u)| (t as f64, u)).collect();
+    let (lo, hi) = (
+        pooled.first().map_or(1.0, |p| p.0).min(r.points.first().map_or(f64::MAX, total)),
+        pooled.last().map_or(1.0, |p| p.0).max(r.points.last().map_or(0.0, total)),
+    );
+    let limit = r.limit.token_ratio();
+    let series = vec![
+        Series::line("pooled (one cache)", pooled),
+        Series::line(
+            format!("{workers} local caches, kv routing"),
+            r.points.iter().map(|p| (total(p), p.local_reuse)).collect(),
+        ),
+        Series::line(
+            format!("{workers} local caches, round-robin"),
+            r.points.iter().map(|p| (total(p), p.local_round_robin_reuse)).collect(),
+        ),
+        Series { dashed: true, ..Series::line("limit", vec![(lo, limit), (hi, limit)]) },
+    ];
+    let chart = Chart {
+        title: "Prompt tokens reused against cache size".into(),
+        x_label: "cache, tokens (all workers together; K, M: 2^10, 2^20)".into(),
+        y_label: "share of prompt tokens reused".into(),
+        x_log2: true,
+        x_bytes: true,
+        series,
+    };
+    render(&[chart], 1)
 }

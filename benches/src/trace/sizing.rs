@@ -1,0 +1,156 @@
+//! Sizing workers from a trace and a measured engine (`kvfabric plan --trace --sla
+//! --profile`): the trace's own workload (its arrival rate, prompt-length distribution,
+//! answer lengths, and the reuse kv-routed caches of the given size attain on it) planned
+//! with the queueing model of `plan --sla` ([`kvfabric_planner::sla::plan`]: aggregated
+//! against disaggregated workers), then checked by replaying the trace through the simulator
+//! with that many aggregated workers timed by the profile: workers added until a replay meets
+//! the targets, then the fewest that do found by bisection.
+//!
+//! The replay's percentiles are the simulator's p50, p90 and p99 (a target for another
+//! quantile is checked at the next one above it); ITL is a request's mean gap between its
+//! tokens. The simulator runs aggregated workers only: a disaggregated plan's figures are the
+//! model's.
+
+use std::path::Path;
+
+use kvfabric_planner::sla::{plan, LengthDist, Plan, Profile, Targets, Workload};
+use kvfabric_planner::trace::{Reshape, TraceError, TraceReader};
+
+use super::sim::{simulate, SimConfig, SimResult};
+
+/// What to size for.
+#[derive(Debug, Clone)]
+pub struct SizingConfig {
+    /// Tokens per id of the trace.
+    pub trace_block_tokens: u32,
+    /// Workers of the replay that measures the reuse (and where the search starts when the
+    /// model finds no plan).
+    pub workers: usize,
+    /// Each worker's cache (G1), tokens.
+    pub per_worker_tokens: u64,
+    /// The engine, measured.
+    pub profile: Profile,
+    /// The latency targets.
+    pub targets: Targets,
+    /// The simulator's settings otherwise (block size, seed).
+    pub sim: SimConfig,
+    /// Replays the search runs at most.
+    pub replays_max: usize,
+}
+
+/// One replay of the search.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SizingReplay {
+    /// Aggregated workers.
+    pub workers: usize,
+    /// Prompt tokens reused.
+    pub reuse: f64,
+    /// TTFT and ITL at the targets' quantile (see the module), seconds.
+    pub ttft_s: f64,
+    /// ITL at the targets' quantile, seconds.
+    pub itl_s: f64,
+    /// Both within the targets.
+    pub meets: bool,
+}
+
+/// The sizing.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SizingReport {
+    /// The trace's workload.
+    pub workload: Workload,
+    /// Requests in the trace.
+    pub requests: u64,
+    /// The model's plan for it.
+    pub plan: Plan,
+    /// The replays, in the order they ran.
+    pub replays: Vec<SizingReplay>,
+    /// The fewest aggregated workers whose replay met the targets (None: none tried did).
+    pub workers: Option<usize>,
+}
+
+/// The replay's figure for quantile `q` (None: the median stands for the mean).
+fn at(v: [f64; 3], q: Option<f64>) -> f64 {
+    match q {
+        Some(q) if q > 0.9 => v[2],
+        Some(q) if q > 0.5 => v[1],
+        _ => v[0],
+    }
+}
+
+/// Sizes workers for the trace at `path`.
+pub fn size(path: &Path, cfg: &SizingConfig) -> Result<SizingReport, TraceError> {
+    let (mut lens, mut outs) = (Vec::new(), Vec::new());
+    let (mut first, mut last) = (None, 0u64);
+    for r in TraceReader::open(path, cfg.trace_block_tokens)? {
+        let r = r?;
+        first.get_or_insert(r.timestamp);
+        last = r.timestamp;
+        lens.push(r.input_length as f64);
+        outs.push(r.output_length.max(1) as f64);
+    }
+    let n = lens.len().max(1) as f64;
+    let span_s = (last.saturating_sub(first.unwrap_or(0)) as f64 / 1e3).max(1e-3);
+    let bt = u64::from(cfg.sim.block_tokens.max(1));
+    let sim_for = |workers: usize| SimConfig {
+        workers: workers.max(1),
+        tier_blocks: [cfg.per_worker_tokens / bt, 0, 0],
+        g4_blocks: 0,
+        reshape: Reshape::none(cfg.trace_block_tokens),
+        profile: Some(cfg.profile.clone()),
+        batch_max: cfg.profile.batch_max.max(1) as usize,
+        ..cfg.sim.clone()
+    };
+    let replay = |workers: usize| -> Result<SimResult, TraceError> {
+        simulate(TraceReader::open(path, cfg.trace_block_tokens)?, &sim_for(workers))
+    };
+    let first_replay = replay(cfg.workers)?;
+    let workload = Workload {
+        rate: lens.len() as f64 / span_s,
+        isl: lens.iter().sum::<f64>() / n,
+        osl: outs.iter().sum::<f64>() / n,
+        hit_rate: first_replay.reuse().clamp(0.0, 0.999),
+        isl_dist: LengthDist::empirical(&lens).unwrap_or_default(),
+    };
+    let plan = plan(&cfg.profile, &workload, &cfg.targets);
+    let q = cfg.targets.quantile;
+    let check = |workers: usize, r: &SimResult| {
+        let (ttft, itl) = (at(r.ttft_s, q), at(r.itl_s, q));
+        SizingReplay {
+            workers,
+            reuse: r.reuse(),
+            ttft_s: ttft,
+            itl_s: itl,
+            meets: ttft <= cfg.targets.ttft_s && itl <= cfg.targets.itl_s,
+        }
+    };
+    let mut replays = vec![check(cfg.workers, &first_replay)];
+    let budget = cfg.replays_max.max(2);
+    let run = |w: usize, replays: &mut Vec<SizingReplay>| -> Result<bool, TraceError> {
+        if let Some(r) = replays.iter().find(|r| r.workers == w) {
+            return Ok(r.meets);
+        }
+        let r = check(w, &replay(w)?);
+        replays.push(r.clone());
+        Ok(r.meets)
+    };
+    // Up from the model's count (half as many again each time) until a replay meets them.
+    let mut w = plan.aggregated.workers().map_or(cfg.workers, |w| w as usize).max(1);
+    while replays.len() < budget && !run(w, &mut replays)? {
+        w += (w / 2).max(1);
+    }
+    // Then the fewest: halving below the fewest that meet while none below is known to fail,
+    // bisecting between the two once one is.
+    while replays.len() < budget {
+        let Some(hi) = replays.iter().filter(|r| r.meets).map(|r| r.workers).min() else { break };
+        let lo = replays.iter().filter(|r| !r.meets && r.workers < hi).map(|r| r.workers).max();
+        let mid = match lo {
+            Some(lo) if hi - lo <= 1 => break,
+            Some(lo) => (lo + hi) / 2,
+            None if hi <= 1 => break,
+            None => hi / 2,
+        };
+        run(mid, &mut replays)?;
+    }
+    let workers = replays.iter().filter(|r| r.meets).map(|r| r.workers).min();
+    Ok(SizingReport { workload, requests: lens.len() as u64, plan, replays, workers })
+}
