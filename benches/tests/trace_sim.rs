@@ -115,3 +115,34 @@ fn a_profile_times_the_steps() {
     let r = run(&[lone, second], &cfg);
     assert!((r.ttft_s[2] - 0.115).abs() < 1e-6, "{:?}", r.ttft_s);
 }
+
+/// A disaggregated layout: prompts computed on the prefill workers (the cache they hit is
+/// theirs), every prompt's KV handed to a decode worker over the KV link, whose first step
+/// gives the first token; decode steps never carry a prefill, so every gap is one step.
+#[test]
+fn a_disaggregated_layout_hands_every_prompt_over_and_decodes_undisturbed() {
+    let mut trace = vec![req(0, 1024, &[1, 2]), req(10, 1536, &[1, 2, 3]), req(20, 1024, &[4, 5])];
+    for r in &mut trace {
+        r.output_length = 5;
+    }
+    let cfg = SimConfig {
+        workers: 2,
+        prefill_workers: 1,
+        kv_link_gbps: 1.0,
+        bytes_per_token: 1000,
+        ..SimConfig::default()
+    };
+    let r = run(&trace, &cfg);
+    let prompts = 1024 + 1536 + 1024;
+    assert_eq!(r.bytes.handoff, prompts * 1000, "every prompt's KV crosses once");
+    // The second prompt found the first's two ids on the (single) prefill worker.
+    assert_eq!(r.reused_tokens[0], 1024);
+    assert_eq!(r.per_worker[0], 3, "one prefill worker computed every prompt");
+    assert_eq!(r.per_worker[1] + r.per_worker[2], 3, "and the decode workers took them");
+    // Decode steps of 20 ms, nothing else in them.
+    assert!(r.itl_s.iter().all(|&x| (x - 0.02).abs() < 1e-9), "{:?}", r.itl_s);
+    // The fastest first token: a whole prompt computed (1024 tokens at 20,000/s), 1 MB over
+    // 1 GB/s, then one decode step.
+    let first = 1024.0 / 20_000.0 + 1024.0 * 1000.0 / 1e9 + 0.02;
+    assert!(r.ttft_s[0] >= first - 1e-9, "{:?}", r.ttft_s);
+}

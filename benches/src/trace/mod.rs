@@ -61,9 +61,18 @@ pub struct TraceArgs {
     file: PathBuf,
     #[command(flatten)]
     shape: ShapeArgs,
-    /// Workers.
+    /// Workers (with --prefill-workers, the decode workers).
     #[arg(long, default_value_t = 8)]
     workers: usize,
+    /// A disaggregated layout: this many prefill workers beside --workers decode workers
+    /// (0: aggregated). Prompts are routed over the prefill workers; each prompt's KV then
+    /// crosses --kv-link to the least-loaded decode worker, whose first step gives its first
+    /// token.
+    #[arg(long, default_value_t = 0)]
+    prefill_workers: usize,
+    /// The link a disaggregated handoff crosses (a name or GB/s).
+    #[arg(long, default_value = "400g")]
+    kv_link: String,
     /// Routing: kv, round-robin, random, least-loaded (round-robin runs beside it).
     #[arg(long, default_value = "kv")]
     routing: String,
@@ -182,6 +191,8 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
     let batch_max = args.batch_max.or(profile.as_ref().map(|p| p.batch_max as usize)).unwrap_or(64);
     let cfg = SimConfig {
         workers: args.workers,
+        prefill_workers: args.prefill_workers,
+        kv_link_gbps: link(&args.kv_link)?,
         mode,
         block_tokens: args.block_tokens,
         reshape: args.shape.reshape()?,
@@ -253,10 +264,17 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
         l.token_ratio(),
         l.block_ratio()
     );
+    let layout = match cfg.prefill_workers {
+        0 => format!("{} workers", cfg.workers),
+        p => format!(
+            "{p} prefill + {} decode workers (handoffs over {:.1} GB/s)",
+            cfg.workers, cfg.kv_link_gbps
+        ),
+    };
     println!(
-        "{} workers; per worker G1 {} G2 {} G3 {} tokens; shared G4 {} tokens; {} KV ({} KiB/token); \
+        "{}; per worker G1 {} G2 {} G3 {} tokens; shared G4 {} tokens; {} KV ({} KiB/token); \
          engine: {} prefill tokens/s, {} ms/step, batch {}",
-        cfg.workers,
+        layout,
         args.g1_tokens,
         args.g2_tokens,
         args.g3_tokens,
@@ -315,6 +333,7 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
         println!(
             "{:>12} KV moved, GB (peak GB/s over 1 s): onboard G2 {:.1} ({:.2}), G3 {:.1} ({:.2}), \
              G4 {:.1} ({:.2}); offload G1→G2 {:.1} ({:.2}), G2→G3 {:.1} ({:.2}); written to G4 {:.1} ({:.2}); \
+             handed off {:.1} ({:.2}); \
              index: {} block events ingested at {:.2} M/s (ingestion alone), {} blocks held at the end",
             run.routing,
             gb(m.onboard_g2),
@@ -329,6 +348,8 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
             gb(p.offload_g3),
             gb(m.write_g4),
             gb(p.write_g4),
+            gb(m.handoff),
+            gb(p.handoff),
             run.result.events,
             run.result.events as f64 / run.result.ingest_s.max(1e-9) / 1e6,
             run.result.index_blocks
@@ -336,17 +357,24 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
     }
     match &args.profile {
         Some(path) => println!(
-            "timing: the engine measured in {} (prefill time against the tokens computed, ITL \
-             against the decode batch and context); prefills one at a time per worker, after the \
-             restore of hits below G1 over their links; {} sequences decoded at once",
-            path.display(),
-            cfg.batch_max
+            "timing: steps of admitted prompts' chunks (at most {} tokens) and one token of every \
+             decoding sequence ({} at most); a step takes its admissions' restores over their \
+             links, then the engine measured in {} (prefill time of its prompt tokens, ITL of its \
+             decode batch at its mean context)",
+            cfg.step_tokens,
+            cfg.batch_max,
+            path.display()
         ),
         None => println!(
-            "timing: the linear engine model (prefills one at a time per worker; restore of hits \
-             below G1 over their links, then the uncached tokens; decode steps of {} ms, {} \
-             sequences at once)",
-            cfg.decode_step_ms, cfg.batch_max
+            "timing: steps of admitted prompts' chunks (at most {} tokens) and one token of every \
+             decoding sequence ({} at most); a step takes its admissions' restores over their \
+             links, its prefill tokens at {} tokens/s, and {} ms (+ {} µs per KV token held) \
+             when it decodes (the linear engine model)",
+            cfg.step_tokens,
+            cfg.batch_max,
+            cfg.prefill_tokens_per_s,
+            cfg.decode_step_ms,
+            cfg.decode_us_per_kv_token
         ),
     }
 }
@@ -420,6 +448,7 @@ fn plot(runs: &[Run], window_s: f64) -> String {
             "offload G1→G2",
             "offload G2→G3",
             "written to G4",
+            "handed off",
         ];
         for (k, name) in names.iter().enumerate() {
             let per_s: Vec<u64> = first.result.timeline.bytes.iter().map(|b| b[k]).collect();

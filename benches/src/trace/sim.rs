@@ -41,8 +41,14 @@ use kvfabric_tiers::pool::SlotPool;
 /// The simulated deployment.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SimConfig {
-    /// Workers.
+    /// Workers (with `prefill_workers`, the decode workers).
     pub workers: usize,
+    /// A disaggregated layout: this many prefill workers beside the decode workers (0:
+    /// aggregated). Prompts are routed over the prefill workers, their KV handed to the
+    /// least-loaded decode worker over `kv_link_gbps`.
+    pub prefill_workers: usize,
+    /// GB/s of the link a handoff crosses.
+    pub kv_link_gbps: f64,
     /// Routing.
     pub mode: RoutingMode,
     /// kvfabric's tokens per KV block.
@@ -85,6 +91,8 @@ impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
             workers: 8,
+            prefill_workers: 0,
+            kv_link_gbps: 50.0,
             mode: RoutingMode::Kv,
             block_tokens: 16,
             reshape: Reshape::none(512),
@@ -158,8 +166,8 @@ pub struct Timeline {
     /// Of them, found cached.
     pub reused_tokens: Vec<u64>,
     /// KV bytes moved in each second: onboarded from G2, G3, G4; offloaded G1→G2, G2→G3;
-    /// written to G4.
-    pub bytes: Vec<[u64; 6]>,
+    /// written to G4; handed off from prefill to decode workers.
+    pub bytes: Vec<[u64; MOVES]>,
     /// (arrival, TTFT) of every request, seconds.
     pub ttft: Vec<(f64, f64)>,
 }
@@ -189,10 +197,12 @@ pub struct Moved {
     pub offload_g3: u64,
     /// Prefills → G4.
     pub write_g4: u64,
+    /// Prefill workers → decode workers (a disaggregated layout's handoffs).
+    pub handoff: u64,
 }
 
 impl Moved {
-    fn fields(&mut self) -> [&mut u64; 6] {
+    fn fields(&mut self) -> [&mut u64; MOVES] {
         [
             &mut self.onboard_g2,
             &mut self.onboard_g3,
@@ -200,6 +210,7 @@ impl Moved {
             &mut self.offload_g2,
             &mut self.offload_g3,
             &mut self.write_g4,
+            &mut self.handoff,
         ]
     }
 }
@@ -215,6 +226,9 @@ const ONBOARD: [usize; 3] = [0, 1, 2];
 const OFFLOAD_G2: usize = 3;
 const OFFLOAD_G3: usize = 4;
 const WRITE_G4: usize = 5;
+const HANDOFF: usize = 6;
+/// Kinds of KV movement counted.
+pub const MOVES: usize = 7;
 
 /// One tier of one worker (or the shared G4).
 #[derive(Debug)]
@@ -226,6 +240,9 @@ struct Tier {
 #[derive(Debug)]
 struct SimWorker {
     id: WorkerId,
+    /// A prefill worker of a disaggregated layout (its requests leave at their first chunk's
+    /// end); otherwise it decodes (aggregated, or a decode worker).
+    prefill_only: bool,
     tiers: [Option<Tier>; 3],
     filter: FrequencyFilter,
     event_id: u64,
@@ -258,6 +275,15 @@ impl Ord for Time {
     }
 }
 
+/// What happens at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// Worker `0`'s step ends.
+    StepEnd(usize),
+    /// Request `rid`'s KV reaches decode worker `to`.
+    Handoff { rid: usize, to: usize },
+}
+
 /// One request's state.
 struct Request {
     arrival: f64,
@@ -276,6 +302,8 @@ struct Request {
     first_token: Option<f64>,
     /// Tokens out so far.
     generated: u64,
+    /// Disaggregated: the decode worker it goes to after its prefill.
+    decode_worker: Option<usize>,
 }
 
 /// Emits events to the index on behalf of one source.
@@ -308,14 +336,14 @@ impl Events<'_> {
 /// Per-second byte counters, for the peak over any 1 s window.
 #[derive(Default)]
 struct Rates {
-    per_s: Vec<[u64; 6]>,
+    per_s: Vec<[u64; MOVES]>,
 }
 
 impl Rates {
     fn add(&mut self, t: f64, what: usize, bytes: u64) {
         let s = t.max(0.0) as usize;
         if self.per_s.len() <= s {
-            self.per_s.resize(s + 1, [0; 6]);
+            self.per_s.resize(s + 1, [0; MOVES]);
         }
         self.per_s[s][what] += bytes;
     }
@@ -331,8 +359,10 @@ struct Sim<'a> {
     g4: Option<Tier>,
     g4_event_id: u64,
     requests: Vec<Request>,
-    /// Ends of the steps in flight: (time, worker).
-    steps: BinaryHeap<Reverse<(Time, usize)>>,
+    /// Ends of the steps in flight, and handoffs arriving at decode workers.
+    steps: BinaryHeap<Reverse<(Time, Ev)>>,
+    /// Routes over the decode workers of a disaggregated layout (least loaded).
+    decode_router: Option<Router>,
     rates: Rates,
     r: SimResult,
     ttft: Vec<f64>,
@@ -345,13 +375,18 @@ struct Sim<'a> {
 impl Sim<'_> {
     /// Runs every step that ends by `until`, and the steps they start.
     fn advance(&mut self, until: f64) {
-        while let Some(&Reverse((Time(t), wi))) = self.steps.peek() {
+        while let Some(&Reverse((Time(t), ev))) = self.steps.peek() {
             if t > until {
                 break;
             }
             self.steps.pop();
-            self.end_step(wi, t);
-            self.start_step(wi, t);
+            match ev {
+                Ev::StepEnd(wi) => {
+                    self.end_step(wi, t);
+                    self.start_step(wi, t);
+                }
+                Ev::Handoff { rid, to } => self.arrive(to, rid, t),
+            }
         }
     }
 
@@ -386,7 +421,7 @@ impl Sim<'_> {
                     budget -= c;
                     step.chunks.push((rid, c));
                 }
-            } else if q.first_token.is_some() {
+            } else {
                 step.decoding.push(rid);
                 kv_tokens += q.input + q.generated;
             }
@@ -398,7 +433,7 @@ impl Sim<'_> {
         let prefill: u64 = step.chunks.iter().map(|c| c.1).sum();
         let d = restore_s + self.step_s(prefill, step.decoding.len(), kv_tokens);
         self.workers[wi].step = Some(step);
-        self.steps.push(Reverse((Time(t + d), wi)));
+        self.steps.push(Reverse((Time(t + d), Ev::StepEnd(wi))));
     }
 
     /// Seconds a step takes: its prefill tokens, and a decode of `decoding` sequences holding
@@ -435,6 +470,21 @@ impl Sim<'_> {
         let bt = u64::from(self.cfg.block_tokens.max(1));
         let q = &mut self.requests[rid];
         let w = &mut self.workers[wi];
+        if q.decode_worker.is_some() {
+            // Its KV came from a prefill worker: held here for its decode, cached after.
+            let (pinned, _) = store_blocks(
+                w,
+                &q.hashes,
+                None,
+                &mut self.events,
+                &mut self.rates,
+                t,
+                self.block_bytes,
+                &mut self.r,
+            );
+            q.pinned = pinned;
+            return 0.0;
+        }
         let reusable = (q.input.saturating_sub(1) / bt) as usize;
         let mut per_tier = [0u64; 4];
         for h in q.hashes.iter().take(reusable) {
@@ -489,10 +539,13 @@ impl Sim<'_> {
             if q.to_compute > 0 {
                 continue;
             }
-            q.first_token = Some(t);
-            q.generated = 1;
-            self.ttft.push(t - q.arrival);
-            self.r.timeline.ttft.push((q.arrival, t - q.arrival));
+            let prefill_only = self.workers[wi].prefill_only;
+            if !prefill_only {
+                q.first_token = Some(t);
+                q.generated = 1;
+                self.ttft.push(t - q.arrival);
+                self.r.timeline.ttft.push((q.arrival, t - q.arrival));
+            }
             self.router.prefill_done(rid as u64);
             let done = q.cached_blocks;
             let w = &mut self.workers[wi];
@@ -520,17 +573,55 @@ impl Sim<'_> {
                     self.block_bytes,
                 );
             }
-            if q.generated >= q.output {
+            if prefill_only {
+                self.hand_off(wi, rid, t);
+            } else if q.generated >= q.output {
                 self.finish(wi, rid, t);
             }
         }
         for rid in step.decoding {
             let q = &mut self.requests[rid];
+            if q.first_token.is_none() {
+                // A handed-off request's first token, from its decode worker's first step.
+                q.first_token = Some(t);
+                self.ttft.push(t - q.arrival);
+                self.r.timeline.ttft.push((q.arrival, t - q.arrival));
+                if let Some(r) = self.decode_router.as_mut() {
+                    r.prefill_done(rid as u64);
+                }
+            }
             q.generated += 1;
             if q.generated >= q.output {
                 self.finish(wi, rid, t);
             }
         }
+    }
+
+    /// A prefill worker's prompt is done: its blocks stay cached there (unpinned), its KV
+    /// crosses the KV link to the least-loaded decode worker, where it waits for admission.
+    fn hand_off(&mut self, wi: usize, rid: usize, t: f64) {
+        self.router.free(rid as u64);
+        let q = &mut self.requests[rid];
+        let w = &mut self.workers[wi];
+        w.running.retain(|&x| x != rid);
+        if let Some(g1) = w.tiers[0].as_mut() {
+            for s in q.pinned.drain(..) {
+                let _ = g1.pool.unpin(s);
+            }
+        }
+        let Some(router) = self.decode_router.as_mut() else { return };
+        let Some(d) = router.route(self.events.index, rid as u64, &q.hashes, q.input, t, 0.5)
+        else {
+            return;
+        };
+        let to = (d.worker.0 - 1) as usize;
+        q.decode_worker = Some(to);
+        self.workers[to].served += 1;
+        let bytes = q.input * self.cfg.bytes_per_token;
+        self.r.bytes.handoff += bytes;
+        self.rates.add(t, HANDOFF, bytes);
+        let transfer = bytes as f64 / (self.cfg.kv_link_gbps.max(1e-9) * 1e9);
+        self.steps.push(Reverse((Time(t + transfer), Ev::Handoff { rid, to })));
     }
 
     /// A request's last token at `t`: its blocks unpinned, its answer's full blocks stored (an
@@ -543,7 +634,10 @@ impl Sim<'_> {
         }
         self.e2e.push(t - q.arrival);
         self.last_finish = self.last_finish.max(t);
-        self.router.free(rid as u64);
+        match self.decode_router.as_mut() {
+            Some(r) => r.free(rid as u64),
+            None => self.router.free(rid as u64),
+        }
         let w = &mut self.workers[wi];
         w.running.retain(|&x| x != rid);
         if let Some(g1) = w.tiers[0].as_mut() {
@@ -589,13 +683,26 @@ pub fn simulate(
         ..RouterConfig::default()
     });
     let kinds = [TierKind::Device, TierKind::Host, TierKind::Disk];
-    let workers: Vec<SimWorker> = (0..cfg.workers.max(1))
+    let prefill = cfg.prefill_workers;
+    let mut decode_router = (prefill > 0).then(|| {
+        Router::new(RouterConfig {
+            mode: RoutingMode::LeastLoaded,
+            block_tokens: cfg.block_tokens,
+            ..RouterConfig::default()
+        })
+    });
+    // Prefill workers first (ids 1..=P), then the (decode) workers.
+    let workers: Vec<SimWorker> = (0..prefill + cfg.workers.max(1))
         .map(|i| {
             let id = WorkerId(i as u64 + 1);
             index.add_worker(id);
-            router.add_worker(id);
+            match decode_router.as_mut() {
+                Some(d) if i >= prefill => d.add_worker(id),
+                _ => router.add_worker(id),
+            }
             SimWorker {
                 id,
+                prefill_only: i < prefill,
                 tiers: std::array::from_fn(|t| {
                     let blocks = cfg.tier_blocks[t].min(u64::from(u32::MAX - 1)) as u32;
                     (blocks > 0 || t == 0).then(|| Tier {
@@ -629,6 +736,7 @@ pub fn simulate(
         g4_event_id: 0,
         requests: Vec::new(),
         steps: BinaryHeap::new(),
+        decode_router,
         rates: Rates::default(),
         r: SimResult::default(),
         ttft: Vec::new(),
@@ -677,6 +785,7 @@ pub fn simulate(
             to_compute: 0,
             first_token: None,
             generated: 0,
+            decode_worker: None,
         });
         sim.arrive(wi, rid, now);
     }
