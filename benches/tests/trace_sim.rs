@@ -146,3 +146,22 @@ fn a_disaggregated_layout_hands_every_prompt_over_and_decodes_undisturbed() {
     let first = 1024.0 / 20_000.0 + 1024.0 * 1000.0 / 1e9 + 0.02;
     assert!(r.ttft_s[0] >= first - 1e-9, "{:?}", r.ttft_s);
 }
+
+/// Steps that cannot mix (`mixed_steps: false`, as kvfabric's scheduler runs the mock):
+/// while a sequence decodes, a new prompt's chunk runs in a step of its own, without the 20 ms
+/// of the decodes; mixed, the decodes ride in its step.
+#[test]
+fn split_steps_give_a_new_prompt_a_step_of_its_own() {
+    let mut a = req(0, 16, &[1]);
+    a.output_length = 100;
+    let mut b = req(500, 2000, &[2, 3, 4, 5]);
+    b.output_length = 1;
+    let cfg = SimConfig { workers: 1, ..SimConfig::default() };
+    let mixed = run(&[a.clone(), b.clone()], &cfg);
+    let split = run(&[a, b], &SimConfig { mixed_steps: false, ..cfg });
+    // B's TTFT is the largest of the two: the same wait for the step in flight, then its
+    // 2000 tokens at 20,000/s, plus a decode step only when mixed.
+    let d = mixed.ttft_s[2] - split.ttft_s[2];
+    assert!((d - 0.02).abs() < 1e-9, "mixed {:?} split {:?}", mixed.ttft_s, split.ttft_s);
+    assert!(split.ttft_s[2] >= 0.1 - 1e-9);
+}

@@ -163,7 +163,7 @@ impl Backend for LocalBackend {
                 "cached_tokens": run * block_tokens,
                 "cached_blocks_per_tier": tiers,
                 "active_blocks": 0,
-                "queued_prefill_tokens": self.sched.stats().queued_prefill_tokens.load(Ordering::Relaxed),
+                "queued_prefill_tokens": self.sched.stats().prefill_load(),
                 "cost": uncached,
                 "cost_terms": { "prefill_blocks": uncached, "decode_load": 0.0, "queued_prefill": 0.0 },
             }],
@@ -184,7 +184,7 @@ impl Backend for LocalBackend {
             state: if draining { "draining" } else { "serving" },
             load: kvfabric::contract::Load {
                 active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(block_tokens),
-                queued_prefill_tokens: s.queued_prefill_tokens.load(Ordering::Relaxed),
+                queued_prefill_tokens: s.prefill_load(),
             },
             stats: Some(stats),
             ..Default::default()

@@ -344,7 +344,7 @@ impl WorkerStack {
                     let s = sched.stats();
                     let load = Load {
                         active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(bt),
-                        queued_prefill_tokens: s.queued_prefill_tokens.load(Ordering::Relaxed),
+                        queued_prefill_tokens: s.prefill_load(),
                     };
                     let mut snap = Snapshot::default();
                     let source = report.lock().clone();

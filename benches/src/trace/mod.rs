@@ -120,6 +120,11 @@ pub struct TraceArgs {
     /// Prompt tokens a step computes at most (longer prompts are chunked over steps).
     #[arg(long, default_value_t = 8192)]
     step_tokens: u64,
+    /// While prompts and decodes both wait, steps alternate between them instead of sharing
+    /// one, as kvfabric's scheduler runs an engine whose mixed steps cost the sum of their
+    /// parts (the mock engine with decode costs).
+    #[arg(long)]
+    split_steps: bool,
     /// A `kvfabric profile` JSON of the engine: prefill time and ITL from its measurements
     /// instead of the linear model (its batch limit, unless --batch-max is given).
     #[arg(long)]
@@ -205,6 +210,7 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         decode_step_ms: args.decode_step_ms,
         decode_us_per_kv_token: args.decode_kv_us,
         step_tokens: args.step_tokens.max(1),
+        mixed_steps: !args.split_steps,
         profile,
         batch_max: batch_max.max(1),
         speedup: args.speedup,

@@ -74,6 +74,10 @@ pub struct SimConfig {
     pub decode_us_per_kv_token: f64,
     /// Prompt tokens a step computes at most (longer prompts are chunked over steps).
     pub step_tokens: u64,
+    /// Prompt chunks and decodes share a step (an engine whose mixed steps amortize, as a
+    /// GPU's do); false: while both wait, steps alternate between them, as kvfabric's
+    /// scheduler runs an engine whose mixed steps cost the sum of their parts (the mock).
+    pub mixed_steps: bool,
     /// A measured engine (`kvfabric profile`) instead of the linear model: prefill time
     /// against the tokens computed, ITL against the decode batch and context.
     pub profile: Option<Profile>,
@@ -105,6 +109,7 @@ impl Default for SimConfig {
             decode_step_ms: 20.0,
             decode_us_per_kv_token: 0.0,
             step_tokens: 8192,
+            mixed_steps: true,
             profile: None,
             batch_max: 64,
             speedup: 1.0,
@@ -252,6 +257,8 @@ struct SimWorker {
     running: Vec<usize>,
     /// The step in flight: each prefill chunk (request, tokens) and the requests decoding.
     step: Option<Step>,
+    /// Alternating steps: the last one left the decodes out.
+    decodes_deferred: bool,
     served: u64,
 }
 
@@ -413,19 +420,30 @@ impl Sim<'_> {
         let mut step = Step::default();
         let mut budget = self.cfg.step_tokens.max(1);
         let mut kv_tokens = 0u64;
-        for &rid in &self.workers[wi].running {
+        let w = &self.workers[wi];
+        let pending = |prompt: bool| {
+            w.running.iter().any(|&rid| (self.requests[rid].to_compute > 0) == prompt)
+        };
+        let split = !self.cfg.mixed_steps && pending(true) && pending(false);
+        let (decodes, prompts) = match (split, w.decodes_deferred) {
+            (false, _) => (true, true),
+            (true, false) => (false, true),
+            (true, true) => (true, false),
+        };
+        for &rid in &w.running {
             let q = &self.requests[rid];
             if q.to_compute > 0 {
-                if budget > 0 {
+                if prompts && budget > 0 {
                     let c = q.to_compute.min(budget);
                     budget -= c;
                     step.chunks.push((rid, c));
                 }
-            } else {
+            } else if decodes {
                 step.decoding.push(rid);
                 kv_tokens += q.input + q.generated;
             }
         }
+        self.workers[wi].decodes_deferred = !decodes;
         if step.chunks.is_empty() && step.decoding.is_empty() {
             self.workers[wi].step = None;
             return;
@@ -715,6 +733,7 @@ pub fn simulate(
                 waiting: VecDeque::new(),
                 running: Vec::new(),
                 step: None,
+                decodes_deferred: false,
                 served: 0,
             }
         })

@@ -61,8 +61,13 @@ pub struct SchedulerStats {
     pub running: AtomicU64,
     /// Tokens of KV held by the requests in the batch (decode load).
     pub active_tokens: AtomicU64,
-    /// Prompt tokens not computed yet, waiting or running (prefill load).
+    /// Prompt tokens not computed yet, waiting or running (prefill load), as of the end of
+    /// the engine's last iteration.
     pub queued_prefill_tokens: AtomicU64,
+    /// Prompt tokens of requests submitted that the engine's loop has not taken in yet (it
+    /// takes them between steps: during a long step they wait here, and a load report that
+    /// left them out would tell routers the worker is idler than it is).
+    pub inbox_prompt_tokens: AtomicU64,
     /// Prompt tokens admitted.
     pub prompt_tokens: AtomicU64,
     /// Prompt tokens served from host, disk and remote blocks.
@@ -92,6 +97,15 @@ pub struct SchedulerStats {
     /// Per request: from the start of its first step to its first token (its prompt's
     /// steps, and any steps that ran between them).
     pub prefill_time: kvfabric_tiers::metrics::Histogram,
+}
+
+impl SchedulerStats {
+    /// Prompt tokens the engine has yet to compute: those of its last iteration's count and
+    /// those submitted since (what a load report tells routers).
+    pub fn prefill_load(&self) -> u64 {
+        self.queued_prefill_tokens.load(Ordering::Relaxed)
+            + self.inbox_prompt_tokens.load(Ordering::Relaxed)
+    }
 }
 
 fn bump(a: &AtomicU64, n: u64) {
@@ -246,9 +260,12 @@ impl Scheduler {
             return Err(EngineError::Overloaded { waiting });
         }
         let (tx, rx) = crate::stream::channel();
+        let prompt = req.prompt.len() as u64;
         bump(&self.stats.waiting, 1);
+        bump(&self.stats.inbox_prompt_tokens, prompt);
         self.tx.send(Submission { req, tx, arrived: Instant::now() }).map_err(|_| {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            self.stats.inbox_prompt_tokens.fetch_sub(prompt, Ordering::Relaxed);
             EngineError::Stopped
         })?;
         Ok(rx)
@@ -325,12 +342,12 @@ impl<E: Engine> Loop<E> {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
                 match self.rx.recv() {
-                    Ok(s) => self.waiting.push_back(s),
+                    Ok(s) => self.take_in(s),
                     Err(_) => return,
                 }
             }
             while let Ok(s) = self.rx.try_recv() {
-                self.waiting.push_back(s);
+                self.take_in(s);
             }
             self.admit();
             self.import_some();
@@ -339,6 +356,12 @@ impl<E: Engine> Loop<E> {
             }
             self.report_load();
         }
+    }
+
+    /// A submission reaches the loop's waiting queue (its tokens counted there from now on).
+    fn take_in(&mut self, s: Submission) {
+        self.stats.inbox_prompt_tokens.fetch_sub(s.req.prompt.len() as u64, Ordering::Relaxed);
+        self.waiting.push_back(s);
     }
 
     fn report_load(&self) {

@@ -215,3 +215,30 @@ async fn queue_and_prefill_times_split_what_a_request_waited_for_from_its_own_st
     let prompt_steps = steps.lock().iter().filter(|s| s.iter().any(|&(_, _, n)| n > 1)).count();
     assert_eq!(prompt_steps, 2, "{:?}", steps.lock());
 }
+
+/// A request submitted while the engine is in a long step waits in the loop's inbox until
+/// the step ends; the load a worker reports (what routers balance on) counts its prompt from
+/// the moment it was submitted, not from the next iteration. A report that left it out told
+/// kv routers a busy worker was idle, and they piled conversations onto it (the trace
+/// agreement runs showed it: a third of the requests on one of four workers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_submitted_during_a_step_counts_in_the_load_at_once() {
+    let mock = MockConfig { prefill_us_per_token: 2_000.0, ..MockConfig::zero_delay() };
+    let (sched, steps, _agent) = scheduler(mock, true, 512).await;
+    let a_rx = sched.submit(request(vec![97; 200], 1)).unwrap();
+    // A's 200-token step has started (0.4 s of it to run).
+    for _ in 0..200 {
+        if !steps.lock().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(steps.lock().len(), 1, "A's step runs");
+    let b_rx = sched.submit(request(vec![98; 120], 1)).unwrap();
+    let load = sched.stats().prefill_load();
+    assert!(load >= 120, "B's prompt counts at once: {load}");
+    let (a, b) = tokio::join!(collect(a_rx), collect(b_rx));
+    assert_eq!((a.len(), b.len()), (1, 1));
+    let stats = sched.stats();
+    assert_eq!(stats.inbox_prompt_tokens.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
