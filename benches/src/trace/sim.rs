@@ -488,53 +488,44 @@ impl Sim<'_> {
         let bt = u64::from(self.cfg.block_tokens.max(1));
         let q = &mut self.requests[rid];
         let w = &mut self.workers[wi];
-        if q.decode_worker.is_some() {
-            // Its KV came from a prefill worker: held here for its decode, cached after.
-            let (pinned, _) = store_blocks(
-                w,
-                &q.hashes,
-                None,
-                &mut self.events,
-                &mut self.rates,
-                t,
-                self.block_bytes,
-                &mut self.r,
-            );
-            q.pinned = pinned;
-            return 0.0;
-        }
-        let reusable = (q.input.saturating_sub(1) / bt) as usize;
-        let mut per_tier = [0u64; 4];
-        for h in q.hashes.iter().take(reusable) {
-            let tier = (0..3)
-                .find(|&k| w.tiers[k].as_ref().is_some_and(|x| x.pool.lookup(*h).is_some()))
-                .or_else(|| self.g4.as_ref().filter(|g| g.pool.lookup(*h).is_some()).map(|_| 3));
-            let Some(k) = tier else { break };
-            per_tier[k] += 1;
-            w.filter.hit(*h);
-        }
         let mut restore_s = 0.0;
-        for k in 1..4 {
-            let bytes = per_tier[k] * self.block_bytes;
-            restore_s += bytes as f64 / (self.cfg.link_gbps[k - 1].max(1e-9) * 1e9);
-            *self.r.bytes.fields()[ONBOARD[k - 1]] += bytes;
-            self.rates.add(t, ONBOARD[k - 1], bytes);
-        }
-        self.restores
-            .push((per_tier[1] + per_tier[2] + per_tier[3]) as f64 * self.block_bytes as f64);
-        let reused: u64 = per_tier.iter().sum::<u64>() * bt;
-        Timeline::add(&mut self.r.timeline.reused_tokens, q.arrival, reused);
-        for (k, n) in per_tier.iter().enumerate() {
-            self.r.reused_tokens[k] += n * bt;
-        }
-        let hit_blocks = per_tier.iter().sum::<u64>();
-        q.cached_blocks = hit_blocks;
-        q.to_compute = q.input - hit_blocks * bt;
-        self.r.prefill_tokens += q.to_compute;
-        let hits = &q.hashes[..hit_blocks as usize];
+        let held = if q.decode_worker.is_some() {
+            // Its KV came from a prefill worker: held here for its decode, cached after.
+            q.hashes.len()
+        } else {
+            let reusable = (q.input.saturating_sub(1) / bt) as usize;
+            let mut per_tier = [0u64; 4];
+            for h in q.hashes.iter().take(reusable) {
+                let tier = (0..3)
+                    .find(|&k| w.tiers[k].as_ref().is_some_and(|x| x.pool.lookup(*h).is_some()))
+                    .or_else(|| {
+                        self.g4.as_ref().filter(|g| g.pool.lookup(*h).is_some()).map(|_| 3)
+                    });
+                let Some(k) = tier else { break };
+                per_tier[k] += 1;
+                w.filter.hit(*h);
+            }
+            for k in 1..4 {
+                let bytes = per_tier[k] * self.block_bytes;
+                restore_s += bytes as f64 / (self.cfg.link_gbps[k - 1].max(1e-9) * 1e9);
+                *self.r.bytes.fields()[ONBOARD[k - 1]] += bytes;
+                self.rates.add(t, ONBOARD[k - 1], bytes);
+            }
+            self.restores
+                .push((per_tier[1] + per_tier[2] + per_tier[3]) as f64 * self.block_bytes as f64);
+            let hit_blocks = per_tier.iter().sum::<u64>();
+            Timeline::add(&mut self.r.timeline.reused_tokens, q.arrival, hit_blocks * bt);
+            for (k, n) in per_tier.iter().enumerate() {
+                self.r.reused_tokens[k] += n * bt;
+            }
+            q.cached_blocks = hit_blocks;
+            q.to_compute = q.input - hit_blocks * bt;
+            self.r.prefill_tokens += q.to_compute;
+            hit_blocks as usize
+        };
         let (pinned, _) = store_blocks(
             w,
-            hits,
+            &q.hashes[..held],
             None,
             &mut self.events,
             &mut self.rates,
