@@ -169,7 +169,11 @@ struct Run {
 pub async fn run(args: TraceArgs) -> crate::Result<()> {
     let mode: RoutingMode =
         args.routing.parse().map_err(|e: String| crate::failed!("--routing: {e}"))?;
-    crate::ensure!(args.workers >= 1, "--workers must be at least 1");
+    let most = sizing::REPLAY_WORKERS_MAX;
+    crate::ensure!(
+        (1..=most).contains(&args.workers) && args.prefill_workers <= most,
+        "--workers must be within 1..={most}, --prefill-workers at most {most}"
+    );
     crate::ensure!(args.block_tokens >= 1, "--block-tokens must be at least 1");
     crate::ensure!(
         args.prefill_tokens_per_s > 0.0

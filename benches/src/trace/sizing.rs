@@ -18,13 +18,17 @@ use kvfabric_planner::trace::{Reshape, TraceError, TraceReader};
 
 use super::sim::{simulate, SimConfig, SimResult};
 
+/// Most workers a replay simulates (each holds its own pools; more workers than requests
+/// would sit idle anyway).
+pub const REPLAY_WORKERS_MAX: usize = 1024;
+
 /// What to size for.
 #[derive(Debug, Clone)]
 pub struct SizingConfig {
     /// Tokens per id of the trace.
     pub trace_block_tokens: u32,
     /// Workers of the replay that measures the reuse (and where the search starts when the
-    /// model finds no plan).
+    /// model finds no plan); replays simulate [`REPLAY_WORKERS_MAX`] at most.
     pub workers: usize,
     /// Each worker's cache (G1), tokens.
     pub per_worker_tokens: u64,
@@ -91,8 +95,9 @@ pub fn size(path: &Path, cfg: &SizingConfig) -> Result<SizingReport, TraceError>
     let n = lens.len().max(1) as f64;
     let span_s = (last.saturating_sub(first.unwrap_or(0)) as f64 / 1e3).max(1e-3);
     let bt = u64::from(cfg.sim.block_tokens.max(1));
+    let cap = REPLAY_WORKERS_MAX.min(lens.len()).max(1);
     let sim_for = |workers: usize| SimConfig {
-        workers: workers.max(1),
+        workers: workers.clamp(1, cap),
         tier_blocks: [cfg.per_worker_tokens / bt, 0, 0],
         g4_blocks: 0,
         reshape: Reshape::none(cfg.trace_block_tokens),
@@ -123,7 +128,7 @@ pub fn size(path: &Path, cfg: &SizingConfig) -> Result<SizingReport, TraceError>
             meets: ttft <= cfg.targets.ttft_s && itl <= cfg.targets.itl_s,
         }
     };
-    let mut replays = vec![check(cfg.workers, &first_replay)];
+    let mut replays = vec![check(cfg.workers.clamp(1, cap), &first_replay)];
     let budget = cfg.replays_max.max(2);
     let run = |w: usize, replays: &mut Vec<SizingReplay>| -> Result<bool, TraceError> {
         if let Some(r) = replays.iter().find(|r| r.workers == w) {
@@ -134,9 +139,12 @@ pub fn size(path: &Path, cfg: &SizingConfig) -> Result<SizingReport, TraceError>
         Ok(r.meets)
     };
     // Up from the model's count (half as many again each time) until a replay meets them.
-    let mut w = plan.aggregated.workers().map_or(cfg.workers, |w| w as usize).max(1);
+    let mut w = plan.aggregated.workers().map_or(cfg.workers, |w| w as usize).clamp(1, cap);
     while replays.len() < budget && !run(w, &mut replays)? {
-        w += (w / 2).max(1);
+        if w == cap {
+            break;
+        }
+        w = (w + (w / 2).max(1)).min(cap);
     }
     // Then the fewest: halving below the fewest that meet while none below is known to fail,
     // bisecting between the two once one is.

@@ -174,7 +174,8 @@ fn run_trace_sla(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()>
     use kvfabric_benches::trace::sizing::{size, SizingConfig};
 
     let (profile, curves, targets) = sla_inputs(args)?;
-    anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    let most = kvfabric_benches::trace::sizing::REPLAY_WORKERS_MAX;
+    anyhow::ensure!((1..=most).contains(&args.workers), "--workers must be within 1..={most}");
     let per_worker_tokens = args.cache_tokens.iter().copied().min().unwrap_or(1 << 20).max(1);
     let cfg = SizingConfig {
         trace_block_tokens: args.trace_block_tokens,
@@ -377,7 +378,8 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
     let model = resolve_model(&args.model).with_context(|| format!("model {:?}", args.model))?;
     let bytes_per_token = model.block_layout(1)?.bytes_per_block();
     let links = args.link.iter().map(|l| Link::parse(l)).collect::<Result<Vec<_>, _>>()?;
-    anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    let most = kvfabric_benches::trace::sizing::REPLAY_WORKERS_MAX;
+    anyhow::ensure!((1..=most).contains(&args.workers), "--workers must be within 1..={most}");
     anyhow::ensure!(
         !args.cache_tokens.is_empty() && args.cache_tokens.iter().all(|&c| c > 0),
         "--cache-tokens must name capacities above 0"
