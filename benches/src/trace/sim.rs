@@ -262,6 +262,17 @@ struct SimWorker {
     served: u64,
 }
 
+impl SimWorker {
+    /// Unpins G1 `slots` (evictable from now on).
+    fn unpin(&mut self, slots: impl IntoIterator<Item = u32>) {
+        if let Some(g1) = self.tiers[0].as_mut() {
+            for s in slots {
+                let _ = g1.pool.unpin(s);
+            }
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Step {
     chunks: Vec<(usize, u64)>,
@@ -372,7 +383,6 @@ struct Sim<'a> {
     decode_router: Option<Router>,
     rates: Rates,
     r: SimResult,
-    ttft: Vec<f64>,
     itl: Vec<f64>,
     e2e: Vec<f64>,
     restores: Vec<f64>,
@@ -552,7 +562,6 @@ impl Sim<'_> {
             if !prefill_only {
                 q.first_token = Some(t);
                 q.generated = 1;
-                self.ttft.push(t - q.arrival);
                 self.r.timeline.ttft.push((q.arrival, t - q.arrival));
             }
             self.router.prefill_done(rid as u64);
@@ -593,7 +602,6 @@ impl Sim<'_> {
             if q.first_token.is_none() {
                 // A handed-off request's first token, from its decode worker's first step.
                 q.first_token = Some(t);
-                self.ttft.push(t - q.arrival);
                 self.r.timeline.ttft.push((q.arrival, t - q.arrival));
                 if let Some(r) = self.decode_router.as_mut() {
                     r.prefill_done(rid as u64);
@@ -613,11 +621,7 @@ impl Sim<'_> {
         let q = &mut self.requests[rid];
         let w = &mut self.workers[wi];
         w.running.retain(|&x| x != rid);
-        if let Some(g1) = w.tiers[0].as_mut() {
-            for s in q.pinned.drain(..) {
-                let _ = g1.pool.unpin(s);
-            }
-        }
+        w.unpin(q.pinned.drain(..));
         let Some(router) = self.decode_router.as_mut() else { return };
         let Some(d) = router.route(self.events.index, rid as u64, &q.hashes, q.input, t, 0.5)
         else {
@@ -649,11 +653,7 @@ impl Sim<'_> {
         }
         let w = &mut self.workers[wi];
         w.running.retain(|&x| x != rid);
-        if let Some(g1) = w.tiers[0].as_mut() {
-            for s in q.pinned.drain(..) {
-                let _ = g1.pool.unpin(s);
-            }
-        }
+        w.unpin(q.pinned.drain(..));
         let mut mix = SplitMix64(self.cfg.seed ^ (rid as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let answer: Vec<SequenceHash> =
             (0..q.answer_blocks).map(|_| SequenceHash(mix.next_u64())).collect();
@@ -668,11 +668,7 @@ impl Sim<'_> {
             self.block_bytes,
             &mut self.r,
         );
-        if let Some(g1) = w.tiers[0].as_mut() {
-            for s in pinned {
-                let _ = g1.pool.unpin(s);
-            }
-        }
+        w.unpin(pinned);
     }
 }
 
@@ -749,7 +745,6 @@ pub fn simulate(
         decode_router,
         rates: Rates::default(),
         r: SimResult::default(),
-        ttft: Vec::new(),
         itl: Vec::new(),
         e2e: Vec::new(),
         restores: Vec::new(),
@@ -805,7 +800,8 @@ pub fn simulate(
         [0.5, 0.9, 0.99].map(|p| kvfabric_planner::stats::quantile(v, p))
     };
     let mut r = std::mem::take(&mut sim.r);
-    r.ttft_s = q(&mut sim.ttft);
+    let mut ttft: Vec<f64> = r.timeline.ttft.iter().map(|&(_, x)| x).collect();
+    r.ttft_s = q(&mut ttft);
     r.itl_s = q(&mut sim.itl);
     r.e2e_s = q(&mut sim.e2e);
     r.restore_bytes = q(&mut sim.restores);

@@ -72,13 +72,20 @@ pub struct SizingReport {
     pub workers: Option<usize>,
 }
 
-/// The replay's figure for quantile `q` (None: the median stands for the mean).
-fn at(v: [f64; 3], q: Option<f64>) -> f64 {
+/// The replay percentile that checks targets for quantile `q`: the index into the
+/// simulator's p50/p90/p99 and its name (the next at or above `q`; the median stands for the
+/// mean).
+pub fn replay_percentile(q: Option<f64>) -> (usize, &'static str) {
     match q {
-        Some(q) if q > 0.9 => v[2],
-        Some(q) if q > 0.5 => v[1],
-        _ => v[0],
+        Some(q) if q > 0.9 => (2, "p99"),
+        Some(q) if q > 0.5 => (1, "p90"),
+        _ => (0, "p50"),
     }
+}
+
+/// The replay's figure for quantile `q`.
+fn at(v: [f64; 3], q: Option<f64>) -> f64 {
+    v[replay_percentile(q).0]
 }
 
 /// Sizes workers for the trace at `path`.

@@ -213,13 +213,7 @@ fn run_trace_sla(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()>
         targets.ttft_s * 1e3,
         targets.itl_s * 1e3
     );
-    let need = |n: &kvfabric_planner::sla::Need| match n {
-        kvfabric_planner::sla::Need::Disaggregated { prefill, decode, .. } => {
-            format!("{prefill} prefill + {decode} decode workers")
-        }
-        kvfabric_planner::sla::Need::Aggregated { workers } => format!("{workers} workers"),
-        kvfabric_planner::sla::Need::Infeasible(why) => format!("cannot meet the targets: {why}"),
-    };
+    let need = |n| describe_need(n, profile.kv_bytes_per_token > 0);
     println!("the model (plan --sla on the trace's workload):");
     println!("  disaggregated: {}", need(&r.plan.disaggregated));
     println!("  aggregated:    {}", need(&r.plan.aggregated));
@@ -239,19 +233,33 @@ fn run_trace_sla(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()>
     match r.workers {
         Some(n) => println!(
             "{n} aggregated workers meet the targets on this trace's replay (TTFT and ITL at {})",
-            match targets.quantile {
-                Some(q) if q > 0.9 => "p99",
-                Some(q) if q > 0.5 => "p90",
-                _ => "p50",
-            }
+            kvfabric_benches::trace::sizing::replay_percentile(targets.quantile).1
         ),
         None => println!("no replay tried met the targets"),
     }
     Ok(())
 }
 
+/// One layout's need in words (`kv_known`: the profile knows the KV size).
+fn describe_need(n: &kvfabric_planner::sla::Need, kv_known: bool) -> String {
+    use kvfabric_planner::sla::Need;
+    match n {
+        Need::Disaggregated { prefill, decode, kv_bytes_per_s } => format!(
+            "{prefill} prefill + {decode} decode workers, {} of KV between them{}",
+            if *kv_bytes_per_s >= 1e9 {
+                format!("{:.2} GB/s", kv_bytes_per_s / 1e9)
+            } else {
+                format!("{:.1} MB/s", kv_bytes_per_s / 1e6)
+            },
+            if kv_known { "" } else { " (KV size unknown: --kv-bytes-per-token)" }
+        ),
+        Need::Aggregated { workers } => format!("{workers} workers"),
+        Need::Infeasible(why) => format!("cannot meet the targets: {why}"),
+    }
+}
+
 fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
-    use kvfabric_planner::sla::{plan, what_changes, Need, Workload};
+    use kvfabric_planner::sla::{plan, what_changes, Workload};
 
     let (profile, curves, targets) = sla_inputs(args)?;
     let path = args.profile.as_ref().context("--sla needs --profile")?;
@@ -287,23 +295,7 @@ fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
         load.osl,
         load.hit_rate * 100.0
     );
-    let need = |n: &Need| match n {
-        Need::Disaggregated { prefill, decode, kv_bytes_per_s } => format!(
-            "{prefill} prefill + {decode} decode workers, {} of KV between them{}",
-            if *kv_bytes_per_s >= 1e9 {
-                format!("{:.2} GB/s", kv_bytes_per_s / 1e9)
-            } else {
-                format!("{:.1} MB/s", kv_bytes_per_s / 1e6)
-            },
-            if profile.kv_bytes_per_token == 0 {
-                " (KV size unknown: --kv-bytes-per-token)"
-            } else {
-                ""
-            }
-        ),
-        Need::Aggregated { workers } => format!("{workers} workers"),
-        Need::Infeasible(why) => format!("cannot meet the targets: {why}"),
-    };
+    let need = |n| describe_need(n, profile.kv_bytes_per_token > 0);
     println!("  disaggregated: {}", need(&p.disaggregated));
     println!("  aggregated:    {}", need(&p.aggregated));
     println!("why:");
