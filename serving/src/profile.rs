@@ -58,6 +58,9 @@ pub enum ProfileError {
     /// A profile file is unusable.
     #[error("profile: {0}")]
     Format(String),
+    /// A profile file could not be read.
+    #[error("reading the profile: {0}")]
+    Read(#[source] std::io::Error),
 }
 
 /// One generation's timing.
@@ -679,6 +682,11 @@ impl EngineProfile {
                 restore_s_per_cached_token,
             },
         }
+    }
+
+    /// Reads a profile file ([`Self::from_json`]); errors do not name the path (callers do).
+    pub fn read(path: &Path) -> Result<Self, ProfileError> {
+        Self::from_json(&std::fs::read_to_string(path).map_err(ProfileError::Read)?)
     }
 
     /// Reads a profile, refusing other versions and unusable contents.

@@ -189,9 +189,7 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
     let bt = u64::from(args.block_tokens);
     let profile = match &args.profile {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            let p = kvfabric_serving::profile::EngineProfile::from_json(&text)
+            let p = kvfabric_serving::profile::EngineProfile::read(path)
                 .with_context(|| path.display().to_string())?;
             Some(p.planning().with_context(|| path.display().to_string())?)
         }

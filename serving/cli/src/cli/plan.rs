@@ -156,9 +156,7 @@ fn sla_inputs(
     use kvfabric_serving::profile::EngineProfile;
 
     let path = args.profile.as_ref().context("--sla needs --profile")?;
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let profile = EngineProfile::from_json(&text).with_context(|| path.display().to_string())?;
+    let profile = EngineProfile::read(path).with_context(|| path.display().to_string())?;
     let curves = profile.planning()?;
     let (ttft, itl) =
         (positive("--ttft-ms", args.ttft_ms)? / 1e3, positive("--itl-ms", args.itl_ms)? / 1e3);

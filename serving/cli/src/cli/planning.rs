@@ -206,9 +206,7 @@ impl PlannerArgs {
 
     /// The planner's settings, with the curves of `profile`.
     fn config(&self, profile: &std::path::Path) -> anyhow::Result<PlannerConfig> {
-        let text = std::fs::read_to_string(profile)
-            .with_context(|| format!("reading the planner's profile {}", profile.display()))?;
-        let curves = EngineProfile::from_json(&text)
+        let curves = EngineProfile::read(profile)
             .and_then(|p| p.planning())
             .with_context(|| profile.display().to_string())?;
         anyhow::ensure!(

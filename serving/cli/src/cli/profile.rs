@@ -167,10 +167,7 @@ fn on_step(bar: &indicatif::ProgressBar) -> impl FnMut(Step) + '_ {
 
 pub async fn run(args: ProfileArgs) -> anyhow::Result<()> {
     if let Some(from) = &args.from {
-        let text = std::fs::read_to_string(from)
-            .with_context(|| format!("reading the profile {}", from.display()))?;
-        let profile =
-            EngineProfile::from_json(&text).with_context(|| from.display().to_string())?;
+        let profile = EngineProfile::read(from).with_context(|| from.display().to_string())?;
         if let Some(path) = &args.plot {
             std::fs::write(path, plot(&profile))
                 .with_context(|| format!("writing {}", path.display()))?;
