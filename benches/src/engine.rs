@@ -123,7 +123,7 @@ async fn serving(s: &Scheduler, prompt: &[u32], n: usize) -> crate::Result<Round
             }
             GenEvent::Done { .. } => break,
             GenEvent::Error(e) => return Err(e.into()),
-            GenEvent::Started { .. } | GenEvent::Cached(_) => {}
+            GenEvent::Started { .. } | GenEvent::Cached(_) | GenEvent::Accepted { .. } => {}
         }
     }
     Ok(Round { tokens, gaps })

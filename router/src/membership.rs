@@ -592,6 +592,14 @@ impl Membership {
         Some(Pick { name, addr: w.addr, api: w.api.clone() })
     }
 
+    /// The worker accepted the request as its `seq`-th (its load reports count it from the
+    /// one that has accepted that many).
+    pub fn accepted(&self, model: &str, request_id: u64, seq: u64) {
+        if let Some(m) = self.s.members.lock().models.get_mut(model) {
+            m.router.accepted(request_id, seq);
+        }
+    }
+
     /// The request's prompt is prefilled (its first token came): it weighs as decode load.
     pub fn prefill_done(&self, model: &str, request_id: u64) {
         if let Some(m) = self.s.members.lock().models.get_mut(model) {

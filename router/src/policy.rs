@@ -7,8 +7,12 @@
 //! (device > host > disk > remote), plus its decode load and its prefill queue. With
 //! temperature 0 the cheapest worker wins (ties: the lowest id); above 0 a worker is sampled
 //! with probability ∝ exp(−cost / temperature). The router tracks the requests it routed
-//! (added at routing, prefill done, freed) so load is right between load reports; in
-//! approximate mode it predicts cache contents from its own decisions, each for a TTL.
+//! (added at routing, prefill done, freed) so load is right between load reports: a worker
+//! that numbers the requests it accepts says in each report how many it counts, and the
+//! router adds on top only those the report does not count yet (the ones still on their way,
+//! or accepted after it was measured); a report without that number replaces every tracked
+//! request of its worker. In approximate mode the router predicts cache contents from its own
+//! decisions, each for a TTL.
 //!
 //! Free of I/O and clock: the caller passes `now` (seconds, any epoch) and the random draw.
 
@@ -102,6 +106,8 @@ struct Tracked {
     blocks: u64,
     prefill_tokens: u64,
     prefilled: bool,
+    /// Its number at the worker, once the worker said it (see [`Load::accepted`]).
+    accepted: Option<u64>,
     /// When it stops counting (`now` of [`Router::route`] plus the tracked TTL).
     expires: f64,
 }
@@ -169,11 +175,27 @@ impl Router {
         &self.workers
     }
 
-    /// A load report from a worker replaces what the router assumed.
+    /// A load report from a worker replaces what the router assumed of the requests it
+    /// counts: those numbered up to its `accepted`, or all when it numbers none.
     pub fn report_load(&mut self, w: WorkerId, load: Load) {
         self.reported.insert(w, load);
         // Requests the worker already counts are no longer added on top.
-        self.tracked.retain(|_, t| t.worker != w);
+        self.tracked.retain(|_, t| {
+            t.worker != w
+                || match (load.accepted, t.accepted) {
+                    (Some(counted), Some(seq)) => seq > counted,
+                    (Some(_), None) => true,
+                    (None, _) => false,
+                }
+        });
+    }
+
+    /// The worker accepted request `request_id` as its `seq`-th: a report that counts that
+    /// many counts it.
+    pub fn accepted(&mut self, request_id: u64, seq: u64) {
+        if let Some(t) = self.tracked.get_mut(&request_id) {
+            t.accepted = Some(seq);
+        }
     }
 
     /// The load the router assumes for a worker: its last report plus what was routed since.
@@ -289,6 +311,7 @@ impl Router {
                 blocks: n as u64,
                 prefill_tokens: uncached_tokens,
                 prefilled: false,
+                accepted: None,
                 expires: now + self.config.tracked_ttl_s.max(0.0),
             },
         );
@@ -435,11 +458,46 @@ mod tests {
         assert_eq!(r.load(WorkerId(1)).active_blocks, 8);
         r.prefill_done(3);
         assert_eq!(r.load(WorkerId(1)).queued_prefill_tokens, 0);
-        r.report_load(WorkerId(1), Load { active_blocks: 1000, queued_prefill_tokens: 0 });
+        r.report_load(WorkerId(1), Load { active_blocks: 1000, ..Load::default() });
         assert_eq!(r.load(WorkerId(1)).active_blocks, 1000, "a report replaces tracked load");
         assert_eq!(r.route(&ix, 4, &hs(8), 128, 0.0, 0.5).unwrap().worker, WorkerId(2));
         r.remove_worker(WorkerId(2));
         assert!(r.route(&ix, 5, &hs(8), 128, 0.0, 0.5).unwrap().worker != WorkerId(2));
+    }
+
+    #[test]
+    fn a_numbered_report_replaces_only_the_requests_it_counts() {
+        let ix = PrefixIndex::new();
+        let mut r = Router::new(RouterConfig::default());
+        let w = WorkerId(1);
+        r.add_worker(w);
+        // Three requests of 2 blocks, 32 tokens each: the worker numbered the first two; the
+        // third is still on its way.
+        for rid in 1..=3 {
+            r.route(&ix, rid, &hs(2), 32, 0.0, 0.5).unwrap();
+        }
+        r.accepted(1, 41);
+        r.accepted(2, 42);
+        let report = |accepted| Load { active_blocks: 100, queued_prefill_tokens: 0, accepted };
+        // Measured when it had accepted 41: request 2 (42) and 3 (unnumbered) come on top.
+        r.report_load(w, report(Some(41)));
+        assert_eq!(
+            r.load(w),
+            Load { active_blocks: 104, queued_prefill_tokens: 64, accepted: Some(41) }
+        );
+        assert_eq!(r.tracked(), 2);
+        r.accepted(3, 43);
+        r.report_load(w, report(Some(43)));
+        assert_eq!(r.load(w).active_blocks, 100, "the report counts all three");
+        assert_eq!(r.load(w).queued_prefill_tokens, 0);
+        assert_eq!(r.tracked(), 0);
+        // A report that numbers nothing (an engine behind its OpenAI API) replaces them all.
+        r.route(&ix, 4, &hs(2), 32, 0.0, 0.5).unwrap();
+        r.report_load(w, report(None));
+        assert_eq!(r.load(w).active_blocks, 100);
+        // A request the router no longer tracks ignores its number.
+        r.accepted(4, 44);
+        assert_eq!(r.tracked(), 0);
     }
 
     #[test]
@@ -465,7 +523,7 @@ mod tests {
         for w in [10, 20].map(WorkerId) {
             r.add_worker(w);
         }
-        r.report_load(WorkerId(10), Load { active_blocks: 5, queued_prefill_tokens: 0 });
+        r.report_load(WorkerId(10), Load { active_blocks: 5, ..Load::default() });
         assert_eq!(r.route(&ix, 1, &hs(2), 32, 0.0, 0.0).unwrap().worker, WorkerId(20));
         assert!(Router::new(RouterConfig::default()).route(&ix, 1, &hs(1), 16, 0.0, 0.0).is_none());
         assert!("warp".parse::<RoutingMode>().is_err());

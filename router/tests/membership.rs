@@ -129,7 +129,7 @@ async fn workers_join_leave_report_and_are_routed_to_only_when_they_can_be_reach
     assert!(members.route("m", 30, &[1], &[worker_id("b")]).is_none());
 
     // Load reports off the bus reach the worker; a report of nobody is dropped.
-    let load = Load { active_blocks: 7, queued_prefill_tokens: 64 };
+    let load = Load { active_blocks: 7, queued_prefill_tokens: 64, accepted: Some(3) };
     for source in ["b", "stranger"] {
         let msg = Message::Load { source: source.into(), load, stats: None };
         bus.publish(msg.topic(), msg.encode()).await.unwrap();

@@ -28,6 +28,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Starts a generation. Events follow on the channel: `Started` (or `Error`) first.
     /// Dropping the receiver cancels the generation.
     fn submit(&self, model: &str, req: GenerateRequest) -> Result<EventRx, EngineError>;
+    /// [`Backend::submit`], and the request's number among those the engine accepted, when
+    /// the engine numbers them (its load reports then say which requests they count).
+    fn submit_numbered(
+        &self,
+        model: &str,
+        req: GenerateRequest,
+    ) -> Result<(EventRx, Option<u64>), EngineError> {
+        self.submit(model, req).map(|rx| (rx, None))
+    }
     /// A JSON summary for `/health`.
     fn health(&self) -> Value;
     /// Fills the backend's part of a metrics snapshot (read at scrape time).
@@ -85,6 +94,14 @@ impl Backend for LocalBackend {
 
     fn submit(&self, _model: &str, req: GenerateRequest) -> Result<EventRx, EngineError> {
         self.sched.submit(req)
+    }
+
+    fn submit_numbered(
+        &self,
+        _model: &str,
+        req: GenerateRequest,
+    ) -> Result<(EventRx, Option<u64>), EngineError> {
+        self.sched.submit_numbered(req).map(|(rx, seq)| (rx, Some(seq)))
     }
 
     fn health(&self) -> Value {
@@ -185,6 +202,7 @@ impl Backend for LocalBackend {
             load: kvfabric::contract::Load {
                 active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(block_tokens),
                 queued_prefill_tokens: s.prefill_load(),
+                accepted: None,
             },
             stats: Some(stats),
             ..Default::default()

@@ -133,6 +133,8 @@ impl Probe for LocalProbe {
                     GenEvent::Token { .. } => trace.tokens.push(Instant::now()),
                     GenEvent::Done { .. } => break,
                     GenEvent::Error(e) => return Err(e.into()),
+                    // A backend's own submit never numbers requests (only a worker's port).
+                    GenEvent::Accepted { .. } => {}
                 }
             }
             if trace.tokens.is_empty() {

@@ -6,7 +6,7 @@
 //! Every connection starts with the agents' authenticated handshake
 //! ([`kvfabric::session::handshake`]: shared secret, HMAC challenge): no secret, no frames.
 //! Then the frontend sends a [`WorkerRequest`]; the worker answers with [`GenEvent`] frames
-//! (`started`, `token`…, then `done` or `error`). A frontend that closes the
+//! (`accepted` with the request's number, `started`, `token`…, then `done` or `error`). A frontend that closes the
 //! connection cancels the generation: the worker notices at once and drops its receiver,
 //! which frees the sequence's KV. Malformed, oversize or late frames, and frames of another
 //! protocol version, get an `error` frame and the connection is closed; nothing a peer sends
@@ -354,8 +354,15 @@ async fn answer(
         write_frame(wr, &GenEvent::Error(e)).await?;
         return Ok(true);
     }
-    let mut rx = match backend.submit(&req.model, req.request) {
-        Ok(rx) => rx,
+    let mut rx = match backend.submit_numbered(&req.model, req.request) {
+        Ok((rx, seq)) => {
+            // Its number first: the frontend's router counts it on top of this worker's
+            // load reports until one counts it.
+            if let Some(seq) = seq {
+                write_frame(wr, &GenEvent::Accepted { seq }).await?;
+            }
+            rx
+        }
         Err(e) => {
             write_frame(wr, &GenEvent::Error(e)).await?;
             return Ok(true);

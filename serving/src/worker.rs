@@ -342,12 +342,20 @@ impl WorkerStack {
                 loop {
                     tick.tick().await;
                     let s = sched.stats();
+                    // Read first: every request up to it counts in what follows.
+                    let accepted = s.accepted.load(Ordering::SeqCst);
+                    let source = report.lock().clone();
                     let load = Load {
                         active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(bt),
                         queued_prefill_tokens: s.prefill_load(),
+                        // A decode worker's requests reach its engine after their remote
+                        // prefill, unnumbered: its report replaces what routers tracked.
+                        accepted: source
+                            .as_ref()
+                            .is_none_or(|(_, role)| *role != "decode")
+                            .then_some(accepted),
                     };
                     let mut snap = Snapshot::default();
-                    let source = report.lock().clone();
                     let role = match source {
                         Some((source, role)) => {
                             source.snapshot(&mut snap);

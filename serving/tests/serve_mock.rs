@@ -598,9 +598,10 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
     assert_eq!(stats.port.snapshot().count(Cause::Peer), 1);
     drop(held);
     // A silent peer is dropped after the request timeout (10 s) with an error; we don't wait
-    // for it here. A valid request streams started, tokens, done.
+    // for it here. A valid request streams its number, started, tokens, done.
     // The connection stays open after `done` and carries the next request.
     let mut c = connect(req("mock", 4)).await.unwrap();
+    let mut numbers = Vec::new();
     for round in 0..2 {
         if round == 1 {
             protocol::write_frame(&mut c, &req("mock", 4)).await.unwrap();
@@ -608,6 +609,10 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
         let mut kinds = Vec::new();
         while let Some(ev) = read_frame::<_, GenEvent>(&mut c).await.unwrap() {
             let kind = match ev {
+                GenEvent::Accepted { seq } => {
+                    numbers.push(seq);
+                    "accepted"
+                }
                 GenEvent::Started { .. } => "started",
                 GenEvent::Token { .. } => "token",
                 GenEvent::Done { .. } => "done",
@@ -619,8 +624,15 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
                 break;
             }
         }
-        assert_eq!(kinds, ["started", "token", "token", "token", "token", "done"], "{round}");
+        assert_eq!(
+            kinds,
+            ["accepted", "started", "token", "token", "token", "token", "done"],
+            "{round}"
+        );
     }
+    // Numbered as the engine accepted them, and counted in the scheduler's own tally.
+    assert_eq!(numbers[1], numbers[0] + 1, "{numbers:?}");
+    assert_eq!(s.sched.stats().accepted.load(Ordering::Relaxed), numbers[1]);
     // The port counts the request out just after it writes `done`: a kept connection is not
     // in flight.
     wait_until("the kept connection to leave flight", || {

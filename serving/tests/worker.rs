@@ -389,7 +389,11 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     // transports of long names) is shown cut to size, and its sums saturate.
     let evil = kvfabric::contract::Message::Load {
         source: "evil".into(),
-        load: kvfabric::contract::Load { active_blocks: u64::MAX, queued_prefill_tokens: 1 },
+        load: kvfabric::contract::Load {
+            active_blocks: u64::MAX,
+            queued_prefill_tokens: 1,
+            accepted: Some(u64::MAX),
+        },
         stats: Some(Box::new(kvfabric::contract::WorkerStats {
             role: "prefill".into(),
             prefill_tokens: u64::MAX,

@@ -9,6 +9,7 @@ use std::time::Instant;
 use clap::Args;
 
 use crate::Context;
+use kvfabric::events::TierKind;
 use kvfabric::layout::ModelSpec;
 use kvfabric_planner::plan::Link;
 use kvfabric_planner::trace::{Reshape, TraceReader};
@@ -82,6 +83,11 @@ pub struct TraceArgs {
     /// G1 (device) capacity per worker, tokens.
     #[arg(long, default_value_t = 1 << 20)]
     g1_tokens: u64,
+    /// The memory G1 is: device (a GPU engine's), or host (an engine computing on the CPU, as
+    /// kvfabric's own engines and the mock do: their KV lives in the store's host tier, and
+    /// routers credit it as host blocks).
+    #[arg(long, default_value = "device")]
+    g1_tier: String,
     /// G2 (host) capacity per worker, tokens (0: none).
     #[arg(long, default_value_t = 0)]
     g2_tokens: u64,
@@ -135,6 +141,11 @@ pub struct TraceArgs {
     /// Replay this many times faster than the trace's timestamps.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
+    /// Milliseconds between a worker's load reports to the router (kvfabric's workers send
+    /// one every 200); the router adds the requests it routed since each report on top of
+    /// it. 0: no reports, the router tracks every request exactly.
+    #[arg(long, default_value_t = 200.0)]
+    load_report_ms: f64,
     /// Replay the first N requests only.
     #[arg(long)]
     max_requests: Option<u64>,
@@ -179,9 +190,10 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         args.prefill_tokens_per_s > 0.0
             && args.decode_step_ms >= 0.0
             && args.decode_kv_us >= 0.0
+            && args.load_report_ms >= 0.0
             && args.speedup > 0.0,
-        "--prefill-tokens-per-s and --speedup must be above 0, --decode-step-ms and \
-         --decode-kv-us at least 0"
+        "--prefill-tokens-per-s and --speedup must be above 0, --decode-step-ms, \
+         --decode-kv-us and --load-report-ms at least 0"
     );
     let spec = kvfabric_planner::plan::resolve_model(&args.model)?;
     let bytes_per_token = spec.block_layout(1)?.bytes_per_block();
@@ -204,6 +216,11 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         block_tokens: args.block_tokens,
         reshape: args.shape.reshape()?,
         tier_blocks: [args.g1_tokens / bt, args.g2_tokens / bt, args.g3_tokens / bt],
+        g1_tier: match args.g1_tier.as_str() {
+            "device" => TierKind::Device,
+            "host" => TierKind::Host,
+            other => crate::bail!("--g1-tier {other:?}: device or host"),
+        },
         g4_blocks: args.g4_tokens / bt,
         g3_min_hits: args.g3_min_hits,
         bytes_per_token,
@@ -215,6 +232,7 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         mixed_steps: !args.split_steps,
         profile,
         batch_max: batch_max.max(1),
+        load_report_s: args.load_report_ms / 1e3,
         speedup: args.speedup,
         requests_max: args.max_requests.unwrap_or(u64::MAX),
         seed: args.seed,

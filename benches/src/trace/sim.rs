@@ -29,6 +29,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 
+use kvfabric::contract::Load;
 use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric::rng::SplitMix64;
@@ -57,6 +58,10 @@ pub struct SimConfig {
     pub reshape: Reshape,
     /// G1, G2, G3 blocks per worker (0: no such tier).
     pub tier_blocks: [u64; 3],
+    /// The memory G1 is: the device's (a GPU engine), or the host's (an engine computing on
+    /// the CPU, as kvfabric's own engines and its mock do: their KV lives in the store's host
+    /// tier). KV events name it, and routers credit its blocks by that tier's weight.
+    pub g1_tier: TierKind,
     /// G4 blocks shared by all workers (0: none).
     pub g4_blocks: u64,
     /// Reuses a block needs before its eviction writes it to G3 (the store's
@@ -83,6 +88,14 @@ pub struct SimConfig {
     pub profile: Option<Profile>,
     /// Sequences a worker decodes at once.
     pub batch_max: usize,
+    /// Seconds between a worker's load reports to the router, as kvfabric's workers send
+    /// them (0: none, the router's own tracking is exact). Each report says what the worker
+    /// holds and queues at that moment and how many requests it has accepted; the router
+    /// adds on top only the requests routed since (as the real one does). Each worker
+    /// reports at its own phase of the period, drawn from the seed (real workers start at
+    /// random moments). The workers of a disaggregated layout's decode router do not report
+    /// (its tracking is exact).
+    pub load_report_s: f64,
     /// Arrival times divided by this.
     pub speedup: f64,
     /// Requests replayed at most.
@@ -101,6 +114,7 @@ impl Default for SimConfig {
             block_tokens: 16,
             reshape: Reshape::none(512),
             tier_blocks: [1 << 16, 0, 0],
+            g1_tier: TierKind::Device,
             g4_blocks: 0,
             g3_min_hits: 1,
             bytes_per_token: 327_680,
@@ -112,6 +126,7 @@ impl Default for SimConfig {
             mixed_steps: true,
             profile: None,
             batch_max: 64,
+            load_report_s: 0.2,
             speedup: 1.0,
             requests_max: u64::MAX,
             seed: 1,
@@ -260,6 +275,8 @@ struct SimWorker {
     /// Alternating steps: the last one left the decodes out.
     decodes_deferred: bool,
     served: u64,
+    /// Requests routed here, ever (each one's number, as a worker's `accepted`).
+    accepted: u64,
 }
 
 impl SimWorker {
@@ -387,6 +404,8 @@ struct Sim<'a> {
     e2e: Vec<f64>,
     restores: Vec<f64>,
     last_finish: f64,
+    /// The workers' next load reports.
+    reports: BinaryHeap<Reverse<(Time, usize)>>,
 }
 
 impl Sim<'_> {
@@ -404,6 +423,40 @@ impl Sim<'_> {
                 }
                 Ev::Handoff { rid, to } => self.arrive(to, rid, t),
             }
+        }
+    }
+
+    /// Worker `wi`'s load as its report says it at `t` (what a scheduler counts: the KV its
+    /// admitted requests hold, the prompt tokens they and the waiting ones have left).
+    fn report(&mut self, wi: usize) {
+        let w = &self.workers[wi];
+        let (mut held, mut queued) = (0u64, 0u64);
+        for &rid in &w.running {
+            let q = &self.requests[rid];
+            held += q.input - q.to_compute + q.generated.saturating_sub(1);
+            queued += q.to_compute;
+        }
+        queued += w.waiting.iter().map(|&rid| self.requests[rid].input).sum::<u64>();
+        let load = Load {
+            active_blocks: held.div_ceil(u64::from(self.cfg.block_tokens.max(1))),
+            queued_prefill_tokens: queued,
+            accepted: Some(w.accepted),
+        };
+        self.router.report_load(w.id, load);
+    }
+
+    /// The load reports due by `until` (each worker every `load_report_s`), each after the
+    /// steps that end before it.
+    fn reports_until(&mut self, until: f64) {
+        let period = self.cfg.load_report_s;
+        while let Some(&Reverse((Time(t), wi))) = self.reports.peek() {
+            if t > until {
+                break;
+            }
+            self.reports.pop();
+            self.advance(t);
+            self.report(wi);
+            self.reports.push(Reverse((Time(t + period), wi)));
         }
     }
 
@@ -687,7 +740,7 @@ pub fn simulate(
         block_tokens: cfg.block_tokens,
         ..RouterConfig::default()
     });
-    let kinds = [TierKind::Device, TierKind::Host, TierKind::Disk];
+    let kinds = [cfg.g1_tier, TierKind::Host, TierKind::Disk];
     let prefill = cfg.prefill_workers;
     let mut decode_router = (prefill > 0).then(|| {
         Router::new(RouterConfig {
@@ -722,6 +775,7 @@ pub fn simulate(
                 step: None,
                 decodes_deferred: false,
                 served: 0,
+                accepted: 0,
             }
         })
         .collect();
@@ -749,7 +803,16 @@ pub fn simulate(
         e2e: Vec::new(),
         restores: Vec::new(),
         last_finish: 0.0,
+        reports: BinaryHeap::new(),
     };
+    if cfg.load_report_s > 0.0 && cfg.load_report_s.is_finite() {
+        // The workers the router routes over (the first ones: prefill workers come first).
+        let mut phase = SplitMix64(cfg.seed ^ 0x10AD);
+        for wi in 0..sim.router.workers().len() {
+            let first = cfg.load_report_s * phase.next_f64();
+            sim.reports.push(Reverse((Time(first), wi)));
+        }
+    }
     let mut curve = ReuseCurve::new(cfg.reshape.to);
     let mut memo: HashMap<(Option<SequenceHash>, u64), Box<[SequenceHash]>> = HashMap::new();
     let mut rng = SplitMix64(cfg.seed ^ 0x5EED);
@@ -762,6 +825,7 @@ pub fn simulate(
         let req = cfg.reshape.apply(req?);
         curve.push(&req);
         let now = req.timestamp as f64 / 1000.0 / speedup;
+        sim.reports_until(now);
         sim.advance(now);
         sim.router.expire(now);
         // The prompt's block hashes, as kvfabric computes them, memoized per trace block.
@@ -773,6 +837,8 @@ pub fn simulate(
             .unwrap_or_else(|| unreachable!("the router has workers"));
         let wi = (d.worker.0 - 1) as usize;
         sim.workers[wi].served += 1;
+        sim.workers[wi].accepted += 1;
+        sim.router.accepted(rid as u64, sim.workers[wi].accepted);
         sim.r.prompt_tokens += req.input_length;
         Timeline::add(&mut sim.r.timeline.prompt_tokens, now, req.input_length);
         sim.r.requests += 1;
@@ -881,6 +947,7 @@ fn store_blocks(
     let mut computed = Vec::new();
     let mut removed = Vec::new();
     let mut offloads: Vec<(SequenceHash, Option<SequenceHash>)> = Vec::new();
+    let g1_kind = w.tiers[0].as_ref().map_or(TierKind::Device, |g1| g1.kind);
     {
         let Some(g1) = w.tiers[0].as_mut() else { return (pinned, computed) };
         for (k, &h) in hashes.iter().enumerate() {
@@ -914,20 +981,12 @@ fn store_blocks(
             }
         }
     }
-    let id = w.id;
+    let (id, tier) = (w.id, g1_kind);
+    events.emit(id, &mut w.event_id, KvEventData::Removed { sequence_hashes: removed, tier });
     events.emit(
         id,
         &mut w.event_id,
-        KvEventData::Removed { sequence_hashes: removed, tier: TierKind::Device },
-    );
-    events.emit(
-        id,
-        &mut w.event_id,
-        KvEventData::Stored {
-            sequence_hashes: stored.clone(),
-            parent: None,
-            tier: TierKind::Device,
-        },
+        KvEventData::Stored { sequence_hashes: stored.clone(), parent: None, tier },
     );
     // Blocks that no lower tier holds were computed here.
     for &h in &stored {

@@ -144,10 +144,18 @@ pub struct RemotePrefill {
     pub compute_us: u64,
 }
 
-/// What a generation reports, in order: `Started`, `Token`s, then `Done` or `Error`.
+/// What a generation reports, in order: `Started`, `Token`s, then `Done` or `Error` (and on a
+/// worker's request port, `Accepted` before them).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GenEvent {
+    /// The worker queued the request as the `seq`-th it accepted (sent first, by a worker's
+    /// request port only): its load reports count the request from the one whose
+    /// [`Load::accepted`](super::Load::accepted) reaches `seq`.
+    Accepted {
+        /// The request's number at the worker.
+        seq: u64,
+    },
     /// Admitted: prompt KV reused from the store.
     Started {
         /// Prompt tokens.

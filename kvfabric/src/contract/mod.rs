@@ -51,6 +51,13 @@ pub struct Load {
     pub active_blocks: u64,
     /// Prompt tokens waiting for prefill.
     pub queued_prefill_tokens: u64,
+    /// How many requests the worker had accepted when it measured this load (each request
+    /// learns its number from [`GenEvent::Accepted`](generate::GenEvent::Accepted)): a router
+    /// stops adding a request it sent there on top of the report once the report counts it,
+    /// and keeps adding the ones still on their way. None: the reporter numbers no requests,
+    /// and its report replaces what routers tracked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accepted: Option<u64>,
 }
 
 /// One tier's occupancy, in blocks.
@@ -242,7 +249,7 @@ mod tests {
             },
             Message::Load {
                 source: "w-1".into(),
-                load: Load { active_blocks: 3, queued_prefill_tokens: 100 },
+                load: Load { active_blocks: 3, queued_prefill_tokens: 100, accepted: Some(7) },
                 stats: None,
             },
             Message::Load {

@@ -3,8 +3,8 @@
 //!
 //! A frame is `u32` little-endian body length, one byte of [`PROTOCOL`] version, then the body:
 //! one JSON value, at most [`FRAME_MAX`] bytes. The frontend sends a [`WorkerRequest`]; the
-//! worker answers with [`GenEvent`](super::generate::GenEvent) frames (`started`, `token`…,
-//! then `done` or `error`), and the connection may then carry the next request.
+//! worker answers with [`GenEvent`](super::generate::GenEvent) frames (`accepted`, `started`,
+//! `token`…, then `done` or `error`), and the connection may then carry the next request.
 //!
 //! Every frame carries the version, so a peer of another version is named as such
 //! ([`FrameHeaderError::Version`]) instead of being misread; a worker also registers the version
@@ -16,8 +16,9 @@ use super::generate::GenerateRequest;
 
 /// The version of the request port's frames this build speaks. 1: length and JSON, no version
 /// byte (before 2026-12). 2: the version byte; the generation types of
-/// [`super::generate`].
-pub const PROTOCOL: u8 = 2;
+/// [`super::generate`]. 3: the worker numbers each request it accepts (`accepted`, first),
+/// and its load reports say how many it had accepted.
+pub const PROTOCOL: u8 = 3;
 
 /// Largest frame body (a 1M-token prompt as JSON fits).
 pub const FRAME_MAX: usize = 16 << 20;

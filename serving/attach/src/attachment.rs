@@ -468,6 +468,8 @@ pub fn engine_load(text: &str, block_tokens: u32) -> Option<Load> {
     Some(Load {
         active_blocks: active.clamp(0.0, 1e12) as u64,
         queued_prefill_tokens: (waiting * mean_prompt).clamp(0.0, 1e15) as u64,
+        // The engine numbers no requests: each report replaces what routers tracked.
+        accepted: None,
     })
 }
 

@@ -356,7 +356,7 @@ async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
                     GenEvent::Token { id, .. } => tokens.push(id),
                     GenEvent::Done { .. } => break,
                     GenEvent::Error(e) => panic!("{e}"),
-                    GenEvent::Cached(_) => {}
+                    GenEvent::Cached(_) | GenEvent::Accepted { .. } => {}
                 }
             }
             (remote, tokens)

@@ -4,34 +4,29 @@
 //! simulator, configured alike and timed by a `kvfabric profile` of that very stack. Reuse
 //! must agree within 5 percentage points and TTFT p50 within 25%.
 //!
-//! The slice: the requests of the trace's 100 busiest conversations (by their first two
-//! ids), the first 400 of them, timestamps from the first, replayed 100 times faster with each
+//! The slice: the requests of the trace's 200 busiest conversations (by their first two
+//! ids), the first 800 of them, timestamps from the first, replayed 50 times faster with each
 //! 512-token id as 16 tokens (`--replay-block-tokens 16`) and answers cut at 8 tokens: the
-//! trace's own sharing (its limit here is 0.76) in a run of 15 s on two cores.
+//! trace's own sharing in a run of 35 s on two cores, busy enough that load weighs in kv
+//! routing (TTFT p90 is several times p50).
+//!
+//! Routing under load is chaotic: a worker's load report 10 ms earlier or later sends a
+//! conversation elsewhere, and the caches diverge from there. One real run is one draw; the
+//! simulator is replayed with five seeds (each gives the workers' load reports other phases,
+//! as real workers start at random moments) and the real run is held to their mean. The
+//! simulator is configured as the stack is: the mock computes in the store's host tier, so
+//! its blocks are host blocks to the router (`--g1-tier host`: credited 0.9, not 1.0), and
+//! workers report their load every 200 ms. Measured here, three runs of this test: reuse real
+//! 0.381/0.394/0.399 against simulated means 0.391/0.399/0.399; TTFT p50 real 48.6/48.2/49.3 ms
+//! against 44.0/44.0/43.4 ms; p90 185/183/179 ms against 183/177/178 ms. Before the workers
+//! numbered the requests their load reports count (`GenEvent::Accepted`, `Load::accepted`),
+//! the real router dropped the requests still on their way with each report, and a 400-request
+//! slice at 100× gave real reuse anywhere in 0.589–0.657 against the simulator's 0.60.
 //!
 //! What it cannot show: a disk tier's agreement (the worker keeps a quarter of its host tier
 //! free, written back to disk in the background, and disk reads cost the run's own disk; the
 //! simulator's G3 is a plain LRU behind its link), and large-scale timing (the stack shares two
 //! cores with the replaying client). Its own file, so that no other test shares the cores.
-//!
-//! Not in CI yet: the two sides do not agree reliably. Over six runs before this session's
-//! fix of worker load reports (below) the real reuse varied 0.617–0.657 against the
-//! simulator's 0.606 and the real TTFT p50 12.8–17.7 ms against 12.6–12.9 ms: most runs
-//! within the bounds, some not. Three runs after it: reuse 0.64–0.66 real against 0.599, TTFT
-//! p50 18–19 ms against 11.5–11.9 ms. What these runs found:
-//! - a worker's load report left out requests submitted during a long step (they wait in
-//!   the engine loop's inbox), so kv routers saw a busy worker as idle and piled
-//!   conversations onto it (a 1 ms-per-token run put 83 of 200 requests on one of four
-//!   workers); fixed in the scheduler (`SchedulerStats::prefill_load`), tested in
-//!   `serving/engine/tests/step_plan.rs`;
-//! - the real router replaces what it tracks with each worker's report every 200 ms; the
-//!   simulator's router tracks only what it routed. Emulating the reports matched a 30×,
-//!   1 ms-per-token slice (reuse 0.622 against 0.625; TTFT p90/p99 within 1–5%; p50 52
-//!   against 65–73 ms) but moved this slice's reuse to 0.554, further off, so it is not in
-//!   the simulator: the reports' timing (a snapshot after each step, delivered over the bus)
-//!   needs modelling as it is.
-//!
-//! Run it with `cargo test -p kvfabric-cli --test trace_agreement -- --ignored --nocapture`.
 
 mod common;
 
@@ -91,11 +86,9 @@ fn busy_slice(dir: &std::path::Path, groups: usize, n: usize) -> std::path::Path
 }
 
 #[test]
-#[ignore = "timing-sensitive: on two shared cores the real stack's reuse and TTFT p50 vary from \
-            run to run by about as much as the bounds allow; run it alone with --ignored"]
 fn the_simulator_agrees_with_the_real_stack_on_a_slice_of_real_traffic() {
     let dir = tempfile::tempdir().unwrap();
-    let slice = busy_slice(dir.path(), 100, 400);
+    let slice = busy_slice(dir.path(), 200, 800);
     let slice = slice.to_str().unwrap();
     let host_blocks = 512u64;
     let (_up, line) = spawn_line(
@@ -129,7 +122,7 @@ fn the_simulator_agrees_with_the_real_stack_on_a_slice_of_real_traffic() {
         profile.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let shape = ["--replay-block-tokens", "16", "--output-tokens-max", "8", "--speedup", "100"];
+    let shape = ["--replay-block-tokens", "16", "--output-tokens-max", "8", "--speedup", "50"];
     let online = json(&kvfabric(
         &[
             &["bench", "serve", "--url", &url, "--trace", slice, "--vocab", "256", "--json"][..],
@@ -138,39 +131,51 @@ fn the_simulator_agrees_with_the_real_stack_on_a_slice_of_real_traffic() {
         .concat(),
     ));
     let g1_tokens = (host_blocks * 16).to_string();
-    let offline = json(&kvfabric(
-        &[
-            &["bench", "trace", slice, "--workers", "4", "--g1-tokens", &g1_tokens][..],
-            &["--profile", profile.to_str().unwrap(), "--batch-max", "16", "--split-steps"],
-            &["--model", "smollm2-135m", "--json"],
-            &shape,
-        ]
-        .concat(),
-    ));
-    let sim = &offline["runs"][0];
-    assert_eq!(sim["routing"], "kv", "{offline}");
+    let replays: Vec<Value> = (1..=5)
+        .map(|seed| {
+            let offline = json(&kvfabric(
+                &[
+                    &["bench", "trace", slice, "--workers", "4", "--g1-tokens", &g1_tokens][..],
+                    &["--profile", profile.to_str().unwrap(), "--batch-max", "16"],
+                    // The mock computes in the store's host tier: its blocks are host blocks.
+                    &["--g1-tier", "host", "--split-steps", "--model", "smollm2-135m", "--json"],
+                    &["--seed", &seed.to_string()],
+                    &shape,
+                ]
+                .concat(),
+            ));
+            let sim = offline["runs"][0].clone();
+            assert_eq!(sim["routing"], "kv", "{offline}");
+            sim
+        })
+        .collect();
+    let sim = &replays[0];
     assert_eq!(online["errors"], 0, "{online}");
-    assert_eq!(online["requests"], 400, "{online}");
+    assert_eq!(online["requests"], 800, "{online}");
     // Both count the same prompts and the same limit.
     assert_eq!(online["prompt_tokens"], sim["prompt_tokens"], "{online}\n{sim}");
     assert_eq!(online["limit"], sim["limit"], "{online}\n{sim}");
     let limit =
         sim["limit"]["reused_tokens"].as_f64().unwrap() / sim["limit"]["tokens"].as_f64().unwrap();
-    let (real, simulated) = (online["reuse"].as_f64().unwrap(), sim["reuse"].as_f64().unwrap());
+    let mean = |f: &dyn Fn(&Value) -> f64| replays.iter().map(f).sum::<f64>() / 5.0;
+    let real = online["reuse"].as_f64().unwrap();
+    let simulated = mean(&|r| r["reuse"].as_f64().unwrap());
     // The host tiers hold a fraction of the slice's blocks: reuse is well above nothing and
     // well below the limit, so agreeing on it says something.
-    assert!(real > 0.3 && real < limit - 0.05, "real reuse {real}, limit {limit}");
+    assert!(real > 0.25 && real < limit - 0.1, "real reuse {real}, limit {limit}");
     assert!((real - simulated).abs() <= 0.05, "reuse: real {real}, simulated {simulated}");
     let real_p50 = online["ttft_ms"][0].as_f64().unwrap() / 1e3;
-    let sim_p50 = sim["ttft_s"][0].as_f64().unwrap();
+    let sim_p50 = mean(&|r| r["ttft_s"][0].as_f64().unwrap());
     assert!(
         (sim_p50 - real_p50).abs() <= 0.25 * real_p50,
         "TTFT p50: real {real_p50} s, simulated {sim_p50} s"
     );
     eprintln!(
         "agreement: reuse real {real:.3} simulated {simulated:.3} (limit {limit:.3}); TTFT p50 \
-         real {:.1} ms simulated {:.1} ms",
+         real {:.1} ms simulated {:.1} ms; p90 real {:.1} ms simulated {:.1} ms",
         real_p50 * 1e3,
-        sim_p50 * 1e3
+        sim_p50 * 1e3,
+        online["ttft_ms"][1].as_f64().unwrap(),
+        mean(&|r| r["ttft_s"][1].as_f64().unwrap()) * 1e3,
     );
 }

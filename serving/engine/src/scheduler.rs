@@ -64,10 +64,14 @@ pub struct SchedulerStats {
     /// Prompt tokens not computed yet, waiting or running (prefill load), as of the end of
     /// the engine's last iteration.
     pub queued_prefill_tokens: AtomicU64,
-    /// Prompt tokens of requests submitted that the engine's loop has not taken in yet (it
-    /// takes them between steps: during a long step they wait here, and a load report that
-    /// left them out would tell routers the worker is idler than it is).
+    /// Prompt tokens of requests submitted that the engine's loop has not counted in
+    /// `queued_prefill_tokens` yet (it takes them in between steps: during a long step they
+    /// wait here, and a load report that left them out would tell routers the worker is
+    /// idler than it is).
     pub inbox_prompt_tokens: AtomicU64,
+    /// Requests accepted (submitted and queued), ever: the number of the latest. Every
+    /// request up to it counts in [`SchedulerStats::prefill_load`] read after it.
+    pub accepted: AtomicU64,
     /// Prompt tokens admitted.
     pub prompt_tokens: AtomicU64,
     /// Prompt tokens served from host, disk and remote blocks.
@@ -101,10 +105,13 @@ pub struct SchedulerStats {
 
 impl SchedulerStats {
     /// Prompt tokens the engine has yet to compute: those of its last iteration's count and
-    /// those submitted since (what a load report tells routers).
+    /// those submitted since (what a load report tells routers). A request is in one or the
+    /// other (for a moment in both, never in neither): the loop counts it in
+    /// `queued_prefill_tokens` before taking it out of the inbox, and this reads the inbox
+    /// first.
     pub fn prefill_load(&self) -> u64 {
-        self.queued_prefill_tokens.load(Ordering::Relaxed)
-            + self.inbox_prompt_tokens.load(Ordering::Relaxed)
+        let inbox = self.inbox_prompt_tokens.load(Ordering::SeqCst);
+        inbox + self.queued_prefill_tokens.load(Ordering::SeqCst)
     }
 }
 
@@ -183,6 +190,7 @@ impl Scheduler {
             block_bytes: info.layout.bytes_per_block() as usize,
             host_capacity: store_capacity as usize,
             decodes_deferred: false,
+            taken_in: 0,
         };
         let (failed, failure) = tokio::sync::watch::channel(None);
         std::thread::Builder::new()
@@ -235,6 +243,13 @@ impl Scheduler {
     /// Checks a request against the model's context, then queues it. Events arrive on the
     /// returned channel; dropping it cancels the generation and frees its KV.
     pub fn submit(&self, req: GenerateRequest) -> Result<EventRx, EngineError> {
+        self.submit_numbered(req).map(|(rx, _)| rx)
+    }
+
+    /// [`Scheduler::submit`], and the request's number among those accepted: every load
+    /// read after [`SchedulerStats::accepted`] reached it counts the request (until it is
+    /// done).
+    pub fn submit_numbered(&self, req: GenerateRequest) -> Result<(EventRx, u64), EngineError> {
         let ctx = self.info.context_len;
         super::check_prompt(&self.info, &self.codec, &req.prompt)?;
         let needed = req.prompt.len().saturating_add(req.max_tokens);
@@ -262,13 +277,15 @@ impl Scheduler {
         let (tx, rx) = crate::stream::channel();
         let prompt = req.prompt.len() as u64;
         bump(&self.stats.waiting, 1);
-        bump(&self.stats.inbox_prompt_tokens, prompt);
+        self.stats.inbox_prompt_tokens.fetch_add(prompt, Ordering::SeqCst);
+        // Numbered after its tokens are counted: a load read after the number counts them.
+        let seq = self.stats.accepted.fetch_add(1, Ordering::SeqCst) + 1;
         self.tx.send(Submission { req, tx, arrived: Instant::now() }).map_err(|_| {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            self.stats.inbox_prompt_tokens.fetch_sub(prompt, Ordering::Relaxed);
+            self.stats.inbox_prompt_tokens.fetch_sub(prompt, Ordering::SeqCst);
             EngineError::Stopped
         })?;
-        Ok(rx)
+        Ok((rx, seq))
     }
 }
 
@@ -328,6 +345,9 @@ struct Loop<E: Engine> {
     /// The last step ran prompt chunks without the decodes (engines whose mixed steps do
     /// not amortize): the next runs the decodes.
     decodes_deferred: bool,
+    /// Prompt tokens taken in from the inbox since the last load count (they leave
+    /// `inbox_prompt_tokens` once `queued_prefill_tokens` counts them).
+    taken_in: u64,
 }
 
 enum Outcome {
@@ -351,6 +371,8 @@ impl<E: Engine> Loop<E> {
             }
             self.admit();
             self.import_some();
+            // Counted before the step too: what it takes in counts while it runs.
+            self.report_load();
             if !self.running.is_empty() {
                 self.step();
             }
@@ -358,13 +380,14 @@ impl<E: Engine> Loop<E> {
         }
     }
 
-    /// A submission reaches the loop's waiting queue (its tokens counted there from now on).
+    /// A submission reaches the loop's waiting queue (its tokens move from the inbox's count
+    /// to the queue's at the next [`Loop::report_load`]).
     fn take_in(&mut self, s: Submission) {
-        self.stats.inbox_prompt_tokens.fetch_sub(s.req.prompt.len() as u64, Ordering::Relaxed);
+        self.taken_in += s.req.prompt.len() as u64;
         self.waiting.push_back(s);
     }
 
-    fn report_load(&self) {
+    fn report_load(&mut self) {
         // A sequence still importing counts its cached blocks as held, not as prefill work.
         let bt = self.hasher.block_tokens();
         let active: usize = self
@@ -385,7 +408,9 @@ impl<E: Engine> Loop<E> {
             .sum::<usize>()
             + self.waiting.iter().map(|w| w.req.prompt.len()).sum::<usize>();
         self.stats.active_tokens.store(active as u64, Ordering::Relaxed);
-        self.stats.queued_prefill_tokens.store(queued as u64, Ordering::Relaxed);
+        self.stats.queued_prefill_tokens.store(queued as u64, Ordering::SeqCst);
+        let taken = std::mem::take(&mut self.taken_in);
+        self.stats.inbox_prompt_tokens.fetch_sub(taken, Ordering::SeqCst);
     }
 
     fn admit(&mut self) {

@@ -105,6 +105,7 @@ async fn generate(sched: &Scheduler, prompt: &[u32], n: usize) -> (Vec<u32>, usi
             GenEvent::Token { id, .. } => tokens.push(id),
             GenEvent::Done { .. } => break,
             GenEvent::Error(e) => panic!("{e}"),
+            GenEvent::Accepted { .. } => panic!("the scheduler numbers requests on the side"),
             GenEvent::Cached(c) => cached = c.total(),
         }
     }

@@ -234,11 +234,24 @@ async fn a_request_submitted_during_a_step_counts_in_the_load_at_once() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(steps.lock().len(), 1, "A's step runs");
-    let b_rx = sched.submit(request(vec![98; 120], 1)).unwrap();
-    let load = sched.stats().prefill_load();
-    assert!(load >= 120, "B's prompt counts at once: {load}");
+    let (b_rx, b_seq) = sched.submit_numbered(request(vec![98; 120], 1)).unwrap();
+    assert_eq!(b_seq, 2, "numbered in order of acceptance");
+    let stats = sched.stats();
+    assert_eq!(stats.accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    // B counts from its submission through its own step (0.24 s), also while the loop moves
+    // it from the inbox to the queue between A's step and B's.
+    let mut polls = 0;
+    loop {
+        let started = steps.lock().len() >= 2;
+        let load = stats.prefill_load();
+        assert!(load >= 120, "B's prompt counts at once and until its step: {load} ({polls})");
+        polls += 1;
+        if started {
+            break;
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
     let (a, b) = tokio::join!(collect(a_rx), collect(b_rx));
     assert_eq!((a.len(), b.len()), (1, 1));
-    let stats = sched.stats();
     assert_eq!(stats.inbox_prompt_tokens.load(std::sync::atomic::Ordering::Relaxed), 0);
 }

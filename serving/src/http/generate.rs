@@ -142,7 +142,7 @@ impl Generation {
                 Ok(Some(ev)) => ev,
             };
             match ev {
-                GenEvent::Started { .. } => {}
+                GenEvent::Started { .. } | GenEvent::Accepted { .. } => {}
                 GenEvent::Token { text, .. } => {
                     let now = Instant::now();
                     let m = &self.st.metrics;

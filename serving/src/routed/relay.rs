@@ -200,6 +200,7 @@ impl Inner {
                 }
             };
             match ev {
+                GenEvent::Accepted { seq } => self.members.accepted(model, rid, seq),
                 GenEvent::Started { prompt_tokens, cached, remote_prefill, .. } => {
                     // A stream that moved here has told its client how it started already.
                     if !progress.started_sent {
