@@ -397,8 +397,8 @@ async fn a_frozen_worker_is_skipped_at_the_first_token_limit() {
     wait_for("2 workers", Duration::from_secs(10), async || workers_known(&f).await.len() == 2)
         .await;
 
-    let pid = a._proc.0.id().to_string();
-    assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let pid = a._proc.0.id();
+    common::freeze(pid);
     let start = Instant::now();
     let tasks: Vec<_> = (0..6)
         .map(|i| {
@@ -424,7 +424,7 @@ async fn a_frozen_worker_is_skipped_at_the_first_token_limit() {
     let r = post_json(f.addr, "/v1/completions", &completion("after", 4)).await;
     assert_eq!((r.status, r.header("x-kvfabric-worker")), (200, Some("fz-b")));
     assert!(t.elapsed() < Duration::from_millis(900), "no wait for the frozen worker");
-    let _ = std::process::Command::new("kill").args(["-CONT", &pid]).status();
+    let _ = std::process::Command::new("kill").args(["-CONT", &pid.to_string()]).status();
 }
 
 /// A worker that accepts a request but produces no first token in time (here: a very slow
@@ -494,13 +494,13 @@ async fn a_stream_on_a_frozen_worker_moves_to_another_and_completes() {
         .trim()
         .to_string();
     let frozen = workers.iter().find(|w| w.name == serving).unwrap();
-    let pid = frozen._proc.0.id().to_string();
+    let pid = frozen._proc.0.id();
     tokio::time::sleep(Duration::from_millis(200)).await; // some tokens on the way
-    assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    common::freeze(pid);
     let stopped = Instant::now();
     tokio::time::timeout(Duration::from_secs(30), c.read_to_end(&mut got)).await.unwrap().unwrap();
     let took = stopped.elapsed();
-    let _ = std::process::Command::new("kill").args(["-CONT", &pid]).status();
+    let _ = std::process::Command::new("kill").args(["-CONT", &pid.to_string()]).status();
     let r = common::parse_response(&got);
     let (text, events) = common::streamed_text(&r);
     assert_eq!(text, want, "the moved stream's text");

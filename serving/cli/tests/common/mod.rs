@@ -48,6 +48,34 @@ pub fn spawn_worker(name: &str, args: &[&str]) -> (Proc, Value) {
     (proc, v)
 }
 
+/// Stops process `pid` (SIGSTOP) and waits until every thread of it is stopped. The kernel
+/// hands a stop signal to one thread, which then stops the others: on a busy machine that
+/// thread may wait for a core while the others run on, and a worker frozen with `kill -STOP`
+/// once answered requests sent after `kill` had returned.
+pub fn freeze(pid: u32) {
+    let sent = std::process::Command::new("kill").args(["-STOP", &pid.to_string()]).status();
+    assert!(sent.is_ok_and(|s| s.success()), "kill -STOP {pid}");
+    let stopped = |stat: &str| {
+        // The state follows the command's name in parentheses (which may hold anything).
+        stat.rsplit_once(')')
+            .is_none_or(|(_, rest)| rest.trim_start().starts_with(['T', 't', 'Z', 'X']))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let all = std::fs::read_dir(format!("/proc/{pid}/task")).map(|tasks| {
+            tasks.flatten().all(|t| {
+                // A thread that is gone is not running.
+                std::fs::read_to_string(t.path().join("stat")).map_or(true, |s| stopped(&s))
+            })
+        });
+        if all.unwrap_or(false) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "process {pid} did not stop in 10 s");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
 /// The `/dev/shm` files of process `pid` (agents name them `kvfabric.{name}.{pid}.…`).
 pub fn shm_files(pid: u32) -> Vec<String> {
     std::fs::read_dir("/dev/shm")
