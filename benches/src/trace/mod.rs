@@ -143,7 +143,7 @@ pub struct TraceArgs {
     speedup: f64,
     /// Milliseconds between a worker's load reports to the router (kvfabric's workers send
     /// one every 200); the router adds the requests it routed since each report on top of
-    /// it. 0: no reports, the router tracks every request exactly.
+    /// it. 0: no reports, the router tracks every request exactly; else at least 1.
     #[arg(long, default_value_t = 200.0)]
     load_report_ms: f64,
     /// Replay the first N requests only.
@@ -190,10 +190,15 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         args.prefill_tokens_per_s > 0.0
             && args.decode_step_ms >= 0.0
             && args.decode_kv_us >= 0.0
-            && args.load_report_ms >= 0.0
             && args.speedup > 0.0,
-        "--prefill-tokens-per-s and --speedup must be above 0, --decode-step-ms, \
-         --decode-kv-us and --load-report-ms at least 0"
+        "--prefill-tokens-per-s and --speedup must be above 0, --decode-step-ms and \
+         --decode-kv-us at least 0"
+    );
+    crate::ensure!(
+        args.load_report_ms == 0.0
+            || (args.load_report_ms >= sim::LOAD_REPORT_MIN_S * 1e3
+                && args.load_report_ms <= 3_600_000.0),
+        "--load-report-ms must be 0 (no reports) or within 1..=3600000"
     );
     let spec = kvfabric_planner::plan::resolve_model(&args.model)?;
     let bytes_per_token = spec.block_layout(1)?.bytes_per_block();

@@ -39,6 +39,9 @@ use kvfabric_router::{PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
 use kvfabric_tiers::policy::{FrequencyFilter, PolicyKind};
 use kvfabric_tiers::pool::SlotPool;
 
+/// The shortest period of load reports simulated (1 ms): a whole trace's reports stay few.
+pub const LOAD_REPORT_MIN_S: f64 = 1e-3;
+
 /// The simulated deployment.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SimConfig {
@@ -94,7 +97,7 @@ pub struct SimConfig {
     /// adds on top only the requests routed since (as the real one does). Each worker
     /// reports at its own phase of the period, drawn from the seed (real workers start at
     /// random moments). The workers of a disaggregated layout's decode router do not report
-    /// (its tracking is exact).
+    /// (its tracking is exact). Periods under [`LOAD_REPORT_MIN_S`] count as that.
     pub load_report_s: f64,
     /// Arrival times divided by this.
     pub speedup: f64,
@@ -426,14 +429,15 @@ impl Sim<'_> {
         }
     }
 
-    /// Worker `wi`'s load as its report says it at `t` (what a scheduler counts: the KV its
-    /// admitted requests hold, the prompt tokens they and the waiting ones have left).
+    /// Worker `wi` reports its load now: what a scheduler counts (the KV its admitted
+    /// requests hold, the prompt tokens they and the waiting ones have left) and how many
+    /// requests it has accepted.
     fn report(&mut self, wi: usize) {
         let w = &self.workers[wi];
         let (mut held, mut queued) = (0u64, 0u64);
         for &rid in &w.running {
             let q = &self.requests[rid];
-            held += q.input - q.to_compute + q.generated.saturating_sub(1);
+            held += q.input.saturating_sub(q.to_compute) + q.generated.saturating_sub(1);
             queued += q.to_compute;
         }
         queued += w.waiting.iter().map(|&rid| self.requests[rid].input).sum::<u64>();
@@ -448,7 +452,7 @@ impl Sim<'_> {
     /// The load reports due by `until` (each worker every `load_report_s`), each after the
     /// steps that end before it.
     fn reports_until(&mut self, until: f64) {
-        let period = self.cfg.load_report_s;
+        let period = self.cfg.load_report_s.max(LOAD_REPORT_MIN_S);
         while let Some(&Reverse((Time(t), wi))) = self.reports.peek() {
             if t > until {
                 break;
@@ -809,7 +813,7 @@ pub fn simulate(
         // The workers the router routes over (the first ones: prefill workers come first).
         let mut phase = SplitMix64(cfg.seed ^ 0x10AD);
         for wi in 0..sim.router.workers().len() {
-            let first = cfg.load_report_s * phase.next_f64();
+            let first = cfg.load_report_s.max(LOAD_REPORT_MIN_S) * phase.next_f64();
             sim.reports.push(Reverse((Time(first), wi)));
         }
     }

@@ -742,6 +742,11 @@ fn bench_trace_and_plan_trace_replay_real_traffic_and_name_a_bad_line() {
     assert!(e.contains("trace line 2"), "{e}");
     let e = one_line_error(&kvfabric(&["plan", "--trace", bad.to_str().unwrap()]));
     assert!(e.contains("trace line 2"), "{e}");
+    // Settings out of range are named before any replay.
+    for (flag, value) in [("--load-report-ms", "0.5"), ("--g1-tier", "gpu")] {
+        let e = one_line_error(&kvfabric(&["bench", "trace", bad.to_str().unwrap(), flag, value]));
+        assert!(e.contains(flag), "{flag} {value}: {e}");
+    }
 }
 
 #[test]
