@@ -3,7 +3,7 @@
 #
 #   scripts/gpu-check.sh build [DIR]   here (with cargo): builds the GPU test binaries and the
 #                                      release `kvfabric` binary (feature cuda, driver loaded at
-#                                      run time), the C ABI library and the Python binding
+#                                      run time), the C ABI library and the Python wheel
 #                                      with its GPU test, stripped, into DIR (default
 #                                      dist/gpu-check)
 #   scripts/gpu-check.sh run [DIR]     on the GPU machine: runs every CUDA test (the ones that
@@ -45,10 +45,12 @@ for l in sys.stdin:
     cp "$CARGO_TARGET_DIR/release/kvfabric" "$dir/kvfabric"
     cp "$CARGO_TARGET_DIR/release/libkvfabric_ffi.so" "$dir/libkvfabric_ffi.so"
     strip "$dir"/*-tests "$dir/kvfabric" "$dir/libkvfabric_ffi.so"
-    # The Python binding and its GPU test (CUDA torch tensors through the C ABI).
+    # The Python package as users install it (the wheel), and its GPU test (CUDA torch
+    # tensors through the C ABI).
+    rm -f "$dir"/kvfabric-*.whl
+    DIST="$dir" scripts/build-wheel.sh
     rm -rf "$dir/python" && mkdir -p "$dir/python/tests"
-    cp -r python/kvfabric "$dir/python/"
-    cp python/tests/conftest.py python/tests/test_gpu.py "$dir/python/tests/"
+    cp ffi/python/tests/conftest.py ffi/python/tests/test_gpu.py "$dir/python/tests/"
     cp "$0" "$dir/gpu-check.sh"
     du -sh "$dir"
     ;;
@@ -66,9 +68,11 @@ for l in sys.stdin:
         tee "$out/$name.log" || status=1
       grep -q "test result: ok" "$out/$name.log" || status=1
     done
-    echo "== python: CUDA torch tensors through the C ABI"
-    (cd "$dir/python" && KVFABRIC_EXPECT_CUDA=1 KVFABRIC_LIB="$dir/libkvfabric_ffi.so" \
-      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1) |
+    echo "== python: the wheel installed, CUDA torch tensors through the C ABI"
+    rm -rf "$dir/site"
+    python3 -m pip install -q --no-deps --no-index --target "$dir/site" "$dir"/kvfabric-*.whl || status=1
+    (cd "$dir/python" && env -u KVFABRIC_LIB PYTHONPATH="$dir/site" KVFABRIC_TEST_INSTALLED=1 \
+      KVFABRIC_EXPECT_CUDA=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1) |
       tee "$out/python-gpu.log" || status=1
     grep -q " passed" "$out/python-gpu.log" || status=1
     echo "== bench transfer --transports cuda"

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "ffi", "python"))
 
 from kvfabric.connector import WorkerStore  # noqa: E402
 

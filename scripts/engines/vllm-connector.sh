@@ -26,7 +26,7 @@ trap cleanup EXIT
 
 start() { # name port extra-kvfabric-json
   local cfg='{"kv_connector":"KvfabricConnector","kv_connector_module_path":"kvfabric.vllm","kv_role":"kv_both","kv_connector_extra_config":{"kvfabric":{"name":"'$1'","secret":"demo-secret","node_dir":"'$RUN/nodes'"'$3${EXTRA:-}'}}}'
-  PYTHONPATH="$REPO/python" KVFABRIC_LIB="$LIB" VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1 \
+  PYTHONPATH="$REPO/ffi/python" KVFABRIC_LIB="$LIB" VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1 \
     "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype bfloat16 \
     --max-model-len 2048 --port "$2" --block-size "$BS" --gpu-memory-utilization 0.15 \
     --enable-prompt-tokens-details --kv-transfer-config "$cfg" > "$RUN/$1.log" 2>&1 &

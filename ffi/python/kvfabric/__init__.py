@@ -33,14 +33,19 @@ from ._ffi import (  # noqa: F401  (re-exported constants)
     kvf_segment,
 )
 
+# The version of this package, which must be the library's (kvf_version()): one number for
+# the Rust workspace, the C library and this binding (tests/test_abi.py checks all three).
+__version__ = "0.1.0"
+
 _lib = None
 
 
 def lib() -> ctypes.CDLL:
-    """The loaded library ($KVFABRIC_LIB or the cargo target directory)."""
+    """The loaded library: $KVFABRIC_LIB, the one this package ships, or (in a source
+    checkout) the cargo target directory's. A library of another version is refused."""
     global _lib
     if _lib is None:
-        _lib = _ffi.load()
+        _lib = _ffi.load(expect_version=__version__)
     return _lib
 
 
@@ -362,4 +367,4 @@ def version() -> str:
     return lib().kvf_version().decode()
 
 
-__all__ = ["Agent", "Config", "KvfError", "Op", "Store", "segments", "version", "lib"]
+__all__ = ["Agent", "Config", "KvfError", "Op", "Store", "segments", "version", "lib", "__version__"]

@@ -1,11 +1,13 @@
 """kvfabric behind vLLM's V1 KV connector interface (``KVConnectorBase_V1``).
 
-Load it with::
+Load it with (the installed package registers the name with vLLM: ``kvfabric.vllm_plugin``)::
 
     --kv-transfer-config '{"kv_connector": "KvfabricConnector",
-                           "kv_connector_module_path": "kvfabric.vllm",
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"kvfabric": {"name": "vllm-a", "secret": "..."}}}'
+
+or, without installing it (a source tree on ``PYTHONPATH``), name the module too:
+``"kv_connector_module_path": "kvfabric.vllm"``.
 
 With vLLM installed the connector subclasses vLLM's base class; without it, stand-ins with
 the same surface, so that engines (and tests) that own plain numpy buffers can drive it.
