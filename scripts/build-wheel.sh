@@ -9,23 +9,28 @@
 # 3. tagged py3-none (the library does not use Python's C API, so any Python 3 loads it) and
 #    with the platform tag that auditwheel finds the files consistent with: the oldest glibc
 #    whose symbol versions they need (manylinux_2_35_x86_64 when built on Debian 12).
-#   KVFABRIC_BUILD_VENV  where pip, wheel and auditwheel live (default ~/.cache/kvfabric/build-venv)
+#   KVFABRIC_BUILD_VENV  where the build tools live (default ~/.cache/kvfabric/build-venv):
+#                        setuptools and setuptools-rust (pyproject.toml's build requirements,
+#                        installed once rather than in an isolated environment per build),
+#                        wheel and auditwheel
 #   CARGO_TARGET_DIR     the cargo target directory (default ./target)
 # Prints the wheel's path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dist="$(mkdir -p "${DIST:-dist}" && cd "${DIST:-dist}" && pwd)"
 venv="${KVFABRIC_BUILD_VENV:-$HOME/.cache/kvfabric/build-venv}"
-if ! "$venv/bin/python" -c "import wheel, auditwheel" >/dev/null 2>&1; then
-  echo "creating $venv (pip, wheel, auditwheel)" >&2
+tools=("setuptools>=77" "setuptools-rust>=1.13" wheel auditwheel)
+if ! "$venv/bin/python" -c "import setuptools_rust, wheel, auditwheel" >/dev/null 2>&1; then
+  echo "creating $venv (${tools[*]})" >&2
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip wheel auditwheel >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip "${tools[@]}" >&2
 fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
 SETUPTOOLS_RUST_CARGO_PROFILE="${PROFILE:-release}" \
-  "$venv/bin/pip" wheel -q --disable-pip-version-check --no-deps -w "$tmp/built" ./ffi/python >&2
+  "$venv/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
+  -w "$tmp/built" ./ffi/python >&2
 built="$(ls "$tmp"/built/kvfabric-*.whl)"
 
 "$venv/bin/python" -m wheel unpack -d "$tmp/unpacked" "$built" >&2
