@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-import glob
+import importlib.resources
 import os
 from ctypes import POINTER, c_bool, c_char, c_char_p, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 
@@ -58,10 +58,15 @@ def _find_library() -> str:
     env = os.environ.get("KVFABRIC_LIB")
     if env:
         return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    shipped = sorted(glob.glob(os.path.join(here, LIBRARY + "*.so")))
-    if shipped:
+    # The package's own resources: an installed package is a directory on disk (ctypes
+    # cannot load a library out of a zip, so nothing is extracted).
+    package = importlib.resources.files(__package__ or "kvfabric")
+    shipped = sorted(
+        str(f) for f in package.iterdir() if f.name.startswith(LIBRARY) and f.name.endswith(".so")
+    )
+    if shipped and os.path.exists(shipped[0]):
         return shipped[0]
+    here = os.path.dirname(os.path.abspath(__file__))
     # ffi/python/kvfabric -> the repository root's target/.
     roots = [os.environ.get("CARGO_TARGET_DIR"), os.path.join(here, "..", "..", "..", "target")]
     for root in filter(None, roots):
