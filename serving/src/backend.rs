@@ -37,6 +37,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<(EventRx, Option<u64>), EngineError> {
         self.submit(model, req).map(|rx| (rx, None))
     }
+    /// Whether [`Backend::submit_numbered`] numbers every request, in the order of the
+    /// engine's [`SchedulerStats::accepted`](crate::engine::SchedulerStats::accepted).
+    fn numbers_requests(&self) -> bool {
+        false
+    }
     /// A JSON summary for `/health`.
     fn health(&self) -> Value;
     /// Fills the backend's part of a metrics snapshot (read at scrape time).
@@ -102,6 +107,10 @@ impl Backend for LocalBackend {
         req: GenerateRequest,
     ) -> Result<(EventRx, Option<u64>), EngineError> {
         self.sched.submit_numbered(req).map(|(rx, seq)| (rx, Some(seq)))
+    }
+
+    fn numbers_requests(&self) -> bool {
+        true
     }
 
     fn health(&self) -> Value {

@@ -6,14 +6,14 @@
 //! Every connection starts with the agents' authenticated handshake
 //! ([`kvfabric::session::handshake`]: shared secret, HMAC challenge): no secret, no frames.
 //! Then the frontend sends a [`WorkerRequest`]; the worker answers with [`GenEvent`] frames
-//! (`accepted` with the request's number, `started`, `token`…, then `done` or `error`). A frontend that closes the
-//! connection cancels the generation: the worker notices at once and drops its receiver,
-//! which frees the sequence's KV. Malformed, oversize or late frames, and frames of another
-//! protocol version, get an `error` frame and the connection is closed; nothing a peer sends
-//! can panic the worker. A worker bounds its
-//! connections ([`ServeLimits`], [`kvfabric::session::admission`]): in all, in the handshake
-//! (where a newer connection evicts the oldest, so silent strangers cannot hold the port), per
-//! source, per authenticated peer; a request must arrive within a deadline, and its body is
+//! (`accepted` with the request's number, `started`, `token`…, then `done` or `error`). A
+//! frontend that closes the connection cancels the generation: the worker notices at once
+//! and drops its receiver, which frees the sequence's KV. Malformed, oversize or late
+//! frames, and frames of another protocol version, get an `error` frame and the connection
+//! is closed; nothing a peer sends can panic the worker. A worker bounds its connections
+//! ([`ServeLimits`], [`kvfabric::session::admission`]): in all, in the handshake (where a
+//! newer connection evicts the oldest, so silent strangers cannot hold the port), per source,
+//! per authenticated peer; a request must arrive within a deadline, and its body is
 //! read as it arrives (no allocation of the announced size up front). After `done` a connection
 //! may carry the frontend's next request: frontends keep their connections
 //! ([`ConnectionPool`]) instead of authenticating again per request.

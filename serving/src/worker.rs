@@ -348,11 +348,12 @@ impl WorkerStack {
                     let load = Load {
                         active_blocks: s.active_tokens.load(Ordering::Relaxed).div_ceil(bt),
                         queued_prefill_tokens: s.prefill_load(),
-                        // A decode worker's requests reach its engine after their remote
-                        // prefill, unnumbered: its report replaces what routers tracked.
+                        // A backend that numbers no requests (a decode worker's: they reach
+                        // its engine after their remote prefill) reports no count, and its
+                        // report replaces what routers tracked.
                         accepted: source
                             .as_ref()
-                            .is_none_or(|(_, role)| *role != "decode")
+                            .is_none_or(|(s, _)| s.numbers_requests())
                             .then_some(accepted),
                     };
                     let mut snap = Snapshot::default();
@@ -525,6 +526,15 @@ impl Source for MetricsSource {
 }
 
 impl MetricsSource {
+    /// Whether the requests it serves are numbered as its engine accepts them (a prefill
+    /// worker's jobs reach no router: its count is harmless).
+    fn numbers_requests(&self) -> bool {
+        match self {
+            MetricsSource::Backend(b, _) => b.numbers_requests(),
+            MetricsSource::Prefill(..) => true,
+        }
+    }
+
     /// OpenMetrics text of this worker alone (its own `/metrics`).
     pub fn render(&self) -> String {
         Components::new().with(None, Arc::new(self.clone())).render()

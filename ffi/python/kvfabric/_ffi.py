@@ -64,7 +64,7 @@ def _find_library() -> str:
     shipped = sorted(
         str(f) for f in package.iterdir() if f.name.startswith(LIBRARY) and f.name.endswith(".so")
     )
-    if shipped and os.path.exists(shipped[0]):
+    if shipped:
         return shipped[0]
     here = os.path.dirname(os.path.abspath(__file__))
     # ffi/python/kvfabric -> the repository root's target/.

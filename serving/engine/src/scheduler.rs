@@ -61,8 +61,8 @@ pub struct SchedulerStats {
     pub running: AtomicU64,
     /// Tokens of KV held by the requests in the batch (decode load).
     pub active_tokens: AtomicU64,
-    /// Prompt tokens not computed yet, waiting or running (prefill load), as of the end of
-    /// the engine's last iteration.
+    /// Prompt tokens not computed yet, waiting or running (prefill load), as of the engine's
+    /// last count (before and after each step).
     pub queued_prefill_tokens: AtomicU64,
     /// Prompt tokens of requests submitted that the engine's loop has not counted in
     /// `queued_prefill_tokens` yet (it takes them in between steps: during a long step they
@@ -371,7 +371,8 @@ impl<E: Engine> Loop<E> {
             }
             self.admit();
             self.import_some();
-            // Counted before the step too: what it takes in counts while it runs.
+            // Counted before the step too: the KV of what it admitted counts as held while the
+            // step runs (the inbox's count already covers their prompts).
             self.report_load();
             if !self.running.is_empty() {
                 self.step();
