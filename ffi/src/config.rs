@@ -42,7 +42,11 @@ const KEYS: &[(&str, Kind, &str)] = &[
     ("block_bytes", Kind::U64, "bytes per block (or derive them from `model`)"),
     ("model", Kind::Str, "a model preset, config.json or GGUF file whose block size to use"),
     ("host_blocks", Kind::U32, "host (G2) tier capacity in blocks (default 1024)"),
-    ("shared_host", Kind::Bool, "host tier in /dev/shm for same-host peers (default true)"),
+    (
+        "shared_host",
+        Kind::Bool,
+        "host tier in shared memory (a memfd) for same-host peers (default true)",
+    ),
     ("disk_path", Kind::Str, "file of the disk (G3) tier (default: no disk tier)"),
     ("disk_blocks", Kind::U32, "disk tier capacity in blocks (default 4096)"),
     ("disk_admit_min_hits", Kind::U32, "hits before a block is offloaded to disk (default 0)"),

@@ -250,10 +250,18 @@ fn open_rdma(
     }
 }
 
+/// What peers compare to know they share a host: the kernel's boot id and this process's pid
+/// namespace. Shared memory is opened through `/proc/{pid}/fd`, which names the owner only in
+/// its own pid namespace, so two containers on one kernel but in separate pid namespaces are
+/// different hosts here (they use tcp).
 fn host_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| format!("unknown-host-{}", std::process::id()))
+        .unwrap_or_else(|_| format!("unknown-host-{}", std::process::id()));
+    match std::fs::read_link("/proc/self/ns/pid") {
+        Ok(ns) => format!("{boot}/{}", ns.display()),
+        Err(_) => boot,
+    }
 }
 
 /// What a transfer holds while it runs. Fields drop in declaration order: the leases on its
@@ -285,10 +293,6 @@ impl Agent {
             .local_addr()
             .map_err(|source| AgentError::Bind { addr: config.listen, source })?;
         let (notify_tx, notify_rx) = mpsc::channel(config.limits.notifications_queued_max.max(1));
-        let stale = RegionTable::remove_stale_shm_files();
-        if stale > 0 {
-            tracing::info!(files = stale, "removed /dev/shm files of dead processes");
-        }
         let shm_prefix = format!(
             "kvfabric.{}.{}.{}",
             sanitize(&config.name),
@@ -983,16 +987,12 @@ impl Agent {
         self.choose_transport(req).map(|(t, _)| t.kind())
     }
 
-    /// Stops accepting connections and unlinks the `/dev/shm` files of its shared regions
-    /// (mappings stay valid: in-flight transfers finish or time out; peers that did not map
-    /// a region yet can no longer reach it by shm).
+    /// Stops accepting connections (in-flight transfers finish or time out). Its shared
+    /// regions are memfds: their memory goes with the last region handle and the last peer
+    /// mapping, and nothing of them outlives the process, however it exits.
     pub fn shutdown(&self) {
         if let Some(server) = self.inner.server.lock().take() {
             server.stop();
-        }
-        let unlinked = self.inner.regions().unlink_shared();
-        if unlinked > 0 {
-            tracing::debug!(agent = %self.inner.config.name, files = unlinked, "unlinked shm files");
         }
     }
 }
@@ -1002,7 +1002,6 @@ impl Drop for AgentInner {
         if let Some(server) = self.server.get_mut().take() {
             server.stop();
         }
-        self.regions().unlink_shared();
     }
 }
 

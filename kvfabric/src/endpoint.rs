@@ -32,7 +32,7 @@ pub struct ExportedRegion {
     pub id: RegionId,
     /// Its length.
     pub len: u64,
-    /// The `/dev/shm` file of a shareable region.
+    /// Where a peer on the owner's host opens a shareable region (`/proc/{pid}/fd/{fd}`).
     pub shm_path: Option<String>,
     /// Host or GPU memory (absent in metadata from agents that predate GPU memory: host).
     #[serde(default)]

@@ -13,16 +13,16 @@ use crate::session::client::Session;
 pub struct Peer {
     metadata: AgentMetadata,
     pub(crate) session: Session,
-    /// Its shareable regions, mapped when it was loaded, each only after its file's seal
+    /// Its shareable regions, mapped when it was loaded, each only after its memfd's seal
     /// proved it ours ([`ShmSeal`]).
     shm_maps: HashMap<RegionId, Arc<PeerMapping>>,
     same_host: bool,
 }
 
 impl Peer {
-    /// A peer; on this host, its shareable regions are mapped now. A file whose seal does not
+    /// A peer; on this host, its shareable regions are mapped now. A memfd whose seal does not
     /// hold (another deployment's, another agent's, a forgery) refuses the whole peer: its
-    /// metadata lies. A file that cannot be opened (its owner exited) only leaves that region
+    /// metadata lies. A region that cannot be opened (its owner exited) only leaves that region
     /// to the other transports.
     pub(crate) fn new(
         metadata: AgentMetadata,

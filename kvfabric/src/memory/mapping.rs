@@ -1,6 +1,6 @@
 //! A peer's shareable region mapped into this process: what the shm transport copies through.
 //! Mapped when the peer is loaded (`crate::peer`), below the transports, and only once the
-//! file's seal proves it is this deployment's and the named agent's ([`ShmSeal`]).
+//! memfd's seal proves it is this deployment's and the named agent's ([`ShmSeal`]).
 
 use std::fs::File;
 use std::path::Path;
@@ -28,9 +28,15 @@ unsafe impl Send for PeerMapping {}
 unsafe impl Sync for PeerMapping {}
 
 impl PeerMapping {
-    /// Maps a peer's `/dev/shm` file holding `len` bytes of region `region`, once its seal
-    /// proves that the agent `owner` of the deployment `seal` belongs to made it for that
-    /// region ([`ShmSeal`]). Nothing is mapped before the seal is checked.
+    /// Maps a peer's shareable region, `len` bytes of region `region`, from `path` (the
+    /// peer's `/proc/{pid}/fd/{fd}`), once its seal proves that the agent `owner` of the
+    /// deployment `seal` belongs to made it for that region ([`ShmSeal`]). Nothing is mapped
+    /// before the seal is checked.
+    ///
+    /// A path that is not a kvfabric memfd of that region (the peer exited, or the
+    /// descriptor now holds something else) is [`MemoryError::Shm`]: the region is only out
+    /// of reach. A kvfabric memfd of that region whose seal does not hold is
+    /// [`MemoryError::NotSealed`]: the metadata lies.
     pub fn open(
         path: &Path,
         len: usize,
@@ -40,20 +46,31 @@ impl PeerMapping {
     ) -> Result<Self, MemoryError> {
         use std::os::unix::fs::{FileExt, OpenOptionsExt};
         let err = |source| MemoryError::Shm { path: path.to_path_buf(), source };
-        // Paths come from peer metadata: only kvfabric's own shm files, never a symlink.
-        let file_name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .filter(|n| n.starts_with("kvfabric.") && path.parent() == Some(Path::new("/dev/shm")));
-        let Some(file_name) = file_name else {
-            return Err(err(std::io::Error::other("not a kvfabric shared-memory file")));
-        };
+        let not_ours = || err(std::io::Error::other("not a kvfabric shared-memory region"));
+        // Paths come from peer metadata: only a descriptor of a process, and only one that
+        // is a kvfabric memfd of this region — checked before opening (opening some files
+        // has effects) and again on what was opened (the descriptor may change between).
+        if !is_proc_fd_path(path) {
+            return Err(not_ours());
+        }
+        let expected = |link: std::path::PathBuf| memfd_region_name(link, region);
+        if std::fs::read_link(path).ok().and_then(expected).is_none() {
+            return Err(not_ours());
+        }
         let file: File = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .custom_flags(libc::O_NOFOLLOW)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
             .open(path)
             .map_err(err)?;
+        let opened = {
+            use std::os::fd::AsRawFd;
+            std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        };
+        let Some(file_name) = opened.ok().and_then(expected) else {
+            return Err(not_ours());
+        };
+        let file_name = file_name.as_str();
         let meta = file.metadata().map_err(err)?;
         let not_sealed = || MemoryError::NotSealed {
             path: path.to_path_buf(),
@@ -69,8 +86,8 @@ impl PeerMapping {
         if !seal.check(&trailer, file_name, owner, region, len as u64) {
             return Err(not_sealed());
         }
-        // SAFETY: a shared mapping of a file the peer created and never truncates; if the
-        // peer dies the file's pages stay valid while mapped.
+        // SAFETY: a shared mapping of a memfd the peer created and never truncates; if the
+        // peer dies the pages stay valid while mapped.
         let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }.map_err(err)?;
         let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or(MemoryError::ZeroLength)?;
         Ok(PeerMapping { ptr, len, _map: map })
@@ -92,6 +109,25 @@ impl PeerMapping {
         // SAFETY: checked range of the live mapping, read only for this call.
         Some(crate::hash::data_checksum(unsafe { std::slice::from_raw_parts(p, len as usize) }))
     }
+}
+
+/// Whether `path` is `/proc/{pid}/fd/{fd}`, both numbers plain decimal.
+fn is_proc_fd_path(path: &Path) -> bool {
+    let Some(s) = path.to_str() else { return false };
+    let number = |p: &str| !p.is_empty() && p.len() <= 10 && p.bytes().all(|b| b.is_ascii_digit());
+    match s.strip_prefix("/proc/").and_then(|r| r.split_once("/fd/")) {
+        Some((pid, fd)) => number(pid) && number(fd),
+        None => false,
+    }
+}
+
+/// The memfd name in `link` (what `/proc/{pid}/fd/{fd}` points at: `/memfd:NAME (deleted)`)
+/// when it names a kvfabric region with id `region`.
+fn memfd_region_name(link: std::path::PathBuf, region: RegionId) -> Option<String> {
+    let link = link.to_str()?;
+    let name = link.strip_prefix("/memfd:")?.strip_suffix(" (deleted)")?;
+    let suffix = format!(".{}.{}", region.index(), region.generation());
+    (name.starts_with("kvfabric.") && name.ends_with(&suffix)).then(|| name.to_string())
 }
 
 /// Copies between a local region and a peer mapping: `to_peer` writes into the mapping.

@@ -4,8 +4,8 @@
 //! - [`RegionId`]: a handle (slab index + generation), never a pointer. A stale id (its region
 //!   deregistered, the slot reused) is refused, not aliased.
 //! - [`Region`]: one registered range. Host memory of three kinds: owned (anonymous mmap,
-//!   page-aligned, pre-faulted, optionally huge pages), shareable (a file in `/dev/shm` that a
-//!   peer on the same host maps), and external memory the caller owns, registered through an
+//!   page-aligned, pre-faulted, optionally huge pages), shareable (a memfd that a peer on the same
+//!   host maps through `/proc/{pid}/fd`), and external memory the caller owns, registered through an
 //!   `unsafe` constructor. GPU memory ([`MemoryKind::Device`]): allocated by kvfabric (an
 //!   owner value frees it with the region) or an engine's existing allocation, registered
 //!   through an `unsafe` constructor; the CPU never touches it: every host access of a device
@@ -192,6 +192,18 @@ impl std::fmt::Display for RegionId {
     }
 }
 
+/// The name of a shareable region's memfd: `{prefix}.{index}.{generation}`, the prefix cut
+/// to fit the kernel's limit on memfd names (249 bytes). The name is what the seal covers
+/// and what a peer checks against the region id its metadata names.
+fn memfd_name(prefix: &str, id: RegionId) -> String {
+    let suffix = format!(".{}.{}", id.index(), id.generation());
+    let mut cut = prefix.len().min(200);
+    while !prefix.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}{suffix}", &prefix[..cut])
+}
+
 /// How to allocate an owned region.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RegionOptions {
@@ -245,8 +257,9 @@ pub enum MemoryKind {
 enum Backing {
     /// Anonymous mmap we own, `mapped` bytes (the length rounded up to the page size).
     Anonymous { mapped: usize },
-    /// A `/dev/shm` file and its mapping; the file is unlinked when the region drops.
-    Shared { path: PathBuf, _map: memmap2::MmapMut },
+    /// A memfd and its mapping; `path` is where peers on this host open it
+    /// (`/proc/{pid}/fd/{fd}`). The memory goes when the last descriptor and mapping do.
+    Shared { path: PathBuf, _file: std::fs::File, _map: memmap2::MmapMut },
     /// Memory the caller owns.
     External,
     /// Memory whose owner value (a CUDA allocation) frees it when the region drops.
@@ -297,10 +310,7 @@ impl Drop for Region {
                     libc::munmap(self.ptr.as_ptr().cast(), *mapped);
                 }
             }
-            Backing::Shared { path, .. } => {
-                let _ = std::fs::remove_file(path);
-            }
-            Backing::External | Backing::Owned(_) => {}
+            Backing::External | Backing::Shared { .. } | Backing::Owned(_) => {}
         }
     }
 }
@@ -336,7 +346,7 @@ impl Region {
         self.exported
     }
 
-    /// The `/dev/shm` file of a shareable region.
+    /// Where a peer on this host opens a shareable region's memory (`/proc/{pid}/fd/{fd}`).
     pub fn shm_path(&self) -> Option<&Path> {
         match &self.backing {
             Backing::Shared { path, .. } => Some(path),
@@ -593,42 +603,8 @@ struct Slot {
 }
 
 impl RegionTable {
-    /// Removes `/dev/shm/kvfabric.{name}.{pid}.*` files whose process is gone (a process
-    /// killed with SIGKILL never unlinks its files). Returns how many were removed.
-    pub fn remove_stale_shm_files() -> usize {
-        let Ok(dir) = std::fs::read_dir("/dev/shm") else { return 0 };
-        let mut removed = 0;
-        for entry in dir.flatten() {
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let mut parts = name.split('.');
-            if parts.next() != Some("kvfabric") {
-                continue;
-            }
-            let Some(pid) = parts.nth(1).and_then(|p| p.parse::<u32>().ok()) else { continue };
-            if !Path::new(&format!("/proc/{pid}")).exists()
-                && std::fs::remove_file(entry.path()).is_ok()
-            {
-                removed += 1;
-            }
-        }
-        removed
-    }
-
-    /// Unlinks the `/dev/shm` files of this table's shared regions now, at shutdown: the
-    /// memory stays mapped (here and in peers that mapped it) until the regions drop, but no
-    /// file outlives a process that exits cleanly while regions are still referenced.
-    /// Returns how many files were removed.
-    pub fn unlink_shared(&self) -> usize {
-        self.all()
-            .iter()
-            .filter_map(|r| r.shm_path())
-            .filter(|p| std::fs::remove_file(p).is_ok())
-            .count()
-    }
-
-    /// A table whose shared regions are named `/dev/shm/{shm_prefix}.{index}.{generation}`,
-    /// each file sealed with `seal` as the agent `owner`'s.
+    /// A table whose shared regions are memfds named `{shm_prefix}.{index}.{generation}`,
+    /// each sealed with `seal` as the agent `owner`'s.
     pub fn new(
         shm_prefix: impl Into<String>,
         regions_max: usize,
@@ -687,54 +663,49 @@ impl RegionTable {
         }
         self.insert(|id| {
             if opts.shared {
-                let path = PathBuf::from(format!(
-                    "/dev/shm/{}.{}.{}",
-                    self.shm_prefix,
-                    id.index(),
-                    id.generation()
-                ));
-                let shm_err = |source| MemoryError::Shm { path: path.clone(), source };
-                use std::os::unix::fs::OpenOptionsExt;
-                // Owner-only: the shared secret guards the data, so other users must not
-                // simply read the file.
-                let file = std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .mode(0o600)
-                    .create_new(true)
-                    .open(&path)
-                    .map_err(shm_err)?;
+                // An anonymous shared-memory file (memfd): it has no name in any directory, so
+                // nothing outlives this process however it dies (SIGKILL included). Peers on
+                // this host open it through `/proc/{pid}/fd/{fd}`, which the kernel lets only
+                // processes that may inspect this one (same user, PTRACE_MODE_READ) open.
+                let name = memfd_name(&self.shm_prefix, id);
+                let shm_err = |source| MemoryError::Shm {
+                    path: PathBuf::from(format!("memfd:{name}")),
+                    source,
+                };
+                let c_name = std::ffi::CString::new(name.clone())
+                    .map_err(|_| shm_err(std::io::Error::other("a NUL in the region's name")))?;
+                // SAFETY: plain syscall with a NUL-terminated name that outlives the call.
+                let fd = unsafe { libc::memfd_create(c_name.as_ptr(), libc::MFD_CLOEXEC) };
+                if fd < 0 {
+                    return Err(shm_err(std::io::Error::last_os_error()));
+                }
+                // SAFETY: memfd_create just returned this descriptor; nothing else owns it.
+                let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
                 let map = (|| {
-                    // The region's bytes, then the seal that tells peers whose file it is.
+                    // The region's bytes, then the seal that tells peers whose memory it is.
                     let file_len = len as u64 + SEAL_BYTES as u64;
                     file.set_len(file_len)?;
-                    // Reserve the pages now: a full /dev/shm is an error here, not a SIGBUS
-                    // at the first touch of an unbacked page.
-                    use std::os::fd::AsRawFd;
+                    // Reserve the pages now: a full shared-memory limit is an error here, not
+                    // a SIGBUS at the first touch of an unbacked page.
                     // SAFETY: plain syscall on a file descriptor we own; no memory is passed.
-                    let rc = unsafe {
-                        libc::posix_fallocate(file.as_raw_fd(), 0, file_len as libc::off_t)
-                    };
+                    let rc = unsafe { libc::posix_fallocate(fd, 0, file_len as libc::off_t) };
                     if rc != 0 {
                         return Err(std::io::Error::from_raw_os_error(rc));
                     }
-                    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-                    let trailer = self.seal.trailer(name, &self.owner, id, len as u64);
+                    let trailer = self.seal.trailer(&name, &self.owner, id, len as u64);
                     std::os::unix::fs::FileExt::write_all_at(&file, &trailer, len as u64)?;
-                    // SAFETY: the file was just created by us with create_new and is sized to
-                    // `len`; peers map it but never truncate it.
+                    // SAFETY: the memfd was just created by us and is sized past `len`; peers
+                    // map it but never truncate it.
                     unsafe { memmap2::MmapOptions::new().len(len).populate().map_mut(&file) }
                 })()
-                .map_err(|e| {
-                    let _ = std::fs::remove_file(&path);
-                    shm_err(e)
-                })?;
+                .map_err(shm_err)?;
                 let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or(MemoryError::ZeroLength)?;
+                let path = PathBuf::from(format!("/proc/{}/fd/{fd}", std::process::id()));
                 Ok(Region {
                     id,
                     ptr,
                     len,
-                    backing: Backing::Shared { path, _map: map },
+                    backing: Backing::Shared { path, _file: file, _map: map },
                     kind: MemoryKind::Host,
                     ipc: None,
                     exported: opts.export,
@@ -970,30 +941,46 @@ mod tests {
     }
 
     #[test]
-    fn shared_region_is_visible_through_a_peer_mapping_and_unlinked_on_drop() {
+    fn shared_region_is_a_memfd_visible_through_a_peer_mapping() {
         let t = table();
         let r = t
             .alloc(8192, RegionOptions { shared: true, export: true, ..Default::default() })
             .unwrap();
         let path = r.shm_path().unwrap().to_path_buf();
+        assert!(path.starts_with(format!("/proc/{}/fd", std::process::id())), "{path:?}");
+        let target = std::fs::read_link(&path).unwrap();
+        let target = target.to_str().unwrap();
+        assert!(target.starts_with("/memfd:kvfabric.test."), "no file in any directory: {target}");
         let seal = ShmSeal::new(b"deployment a");
         let open = |len, owner: &str, region| PeerMapping::open(&path, len, &seal, owner, region);
         let peer = open(8192, "owner", r.id()).unwrap();
-        assert!(
-            PeerMapping::open(Path::new("/etc/passwd"), 10, &seal, "owner", r.id()).is_err(),
-            "foreign paths refused"
-        );
-        // Another deployment's process, another owner, another region: nothing is mapped.
+        // Paths that are not a process's descriptor, or a descriptor that is not a kvfabric
+        // memfd of the named region: out of reach, nothing opened or mapped.
+        let file = std::fs::File::open("/etc/passwd").unwrap();
+        let passwd = {
+            use std::os::fd::AsRawFd;
+            PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), file.as_raw_fd()))
+        };
+        for foreign in [Path::new("/etc/passwd"), &passwd, Path::new("/proc/self/fd/0")] {
+            assert!(
+                matches!(
+                    PeerMapping::open(foreign, 10, &seal, "owner", r.id()),
+                    Err(MemoryError::Shm { .. })
+                ),
+                "{foreign:?} refused"
+            );
+        }
+        assert!(matches!(
+            open(8192, "owner", RegionId(r.id().0 + 1)),
+            Err(MemoryError::Shm { .. })
+        ));
+        // Another deployment's process, another owner: nothing is mapped, the metadata lies.
         let other = ShmSeal::new(b"deployment b");
         assert!(matches!(
             PeerMapping::open(&path, 8192, &other, "owner", r.id()),
             Err(MemoryError::NotSealed { .. })
         ));
         assert!(matches!(open(8192, "someone", r.id()), Err(MemoryError::NotSealed { .. })));
-        assert!(matches!(
-            open(8192, "owner", RegionId(r.id().0 + 1)),
-            Err(MemoryError::NotSealed { .. })
-        ));
         let src = t.alloc(4096, RegionOptions::default()).unwrap();
         src.write_at(0, b"hello shm").unwrap();
         copy_with_peer(&src, 0, &peer, 100, 9, true).unwrap();
@@ -1001,12 +988,19 @@ mod tests {
         r.read_at(100, &mut out).unwrap();
         assert_eq!(&out, b"hello shm");
         assert!(copy_with_peer(&src, 0, &peer, 8190, 9, true).is_err());
-        assert!(open(1 << 20, "owner", r.id()).is_err(), "longer than the file");
+        assert!(open(1 << 20, "owner", r.id()).is_err(), "longer than the memfd");
         assert!(open(4096, "owner", r.id()).is_err(), "shorter than the region");
         let id = r.id();
         drop(r);
         t.deregister(id).unwrap();
-        assert!(!path.exists(), "unlinked when the last reference goes");
+        // The descriptor is closed with the region; the peer's mapping still holds the bytes.
+        assert!(std::fs::read_link(&path)
+            .map_or(true, |l| !l.to_str().unwrap().contains("memfd:kvfabric.test.")));
+        let mut out = [0u8; 9];
+        let p = peer.ptr_at(100, 9).unwrap();
+        // SAFETY: a checked range of the live mapping.
+        out.copy_from_slice(unsafe { std::slice::from_raw_parts(p, 9) });
+        assert_eq!(&out, b"hello shm");
     }
 
     #[test]

@@ -1,20 +1,21 @@
-//! The seal of a shareable region's file: proof that a `/dev/shm` file was made by a process
-//! of this deployment, for the peer and the region that a peer's metadata names.
+//! The seal of a shareable region's memfd: proof that it was made by a process of this
+//! deployment, for the peer and the region that a peer's metadata names.
 //!
-//! A peer on this host announces its shareable regions as paths. Paths alone prove nothing:
-//! an authenticated peer could name another process's file (another deployment's host tier)
-//! and have us write into it. So the owner appends a trailer to every file it creates, past the
-//! region's bytes: a magic and an HMAC, keyed by a key derived from the deployment's shared
-//! secret, over the file's name, the owner's agent name, the region id and the region length.
-//! Before mapping a peer's file we read the trailer with `pread` (nothing is mapped yet) and
-//! check it with our own secret: a file of a deployment whose secret we do not share, a file
-//! of another agent than the one the metadata names, or a file of another region is refused.
+//! A peer on this host announces its shareable regions as paths (`/proc/{pid}/fd/{fd}`).
+//! Paths alone prove nothing: an authenticated peer could name another process's memfd
+//! (another deployment's host tier) and have us write into it. So the owner appends a trailer
+//! to every memfd it creates, past the region's bytes: a magic and an HMAC, keyed by a key
+//! derived from the deployment's shared secret, over the memfd's name, the owner's agent
+//! name, the region id and the region length. Before mapping a peer's memfd we read the
+//! trailer with `pread` (nothing is mapped yet) and check it with our own secret: a memfd of a
+//! deployment whose secret we do not share, or of another agent than the one the metadata
+//! names, is refused.
 //!
 //! What the seal cannot prove: within one deployment every holder of the secret is trusted
 //! with every name (the handshake authenticates the secret, not the name), so a secret holder
 //! that claims another member's name reaches that member's memory just as it reaches it over
 //! TCP. The seal keeps deployments apart, and keeps honest members from being pointed at each
-//! other's files.
+//! other's memory.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;

@@ -359,24 +359,32 @@ async fn workers_share_blocks_through_a_fabric_node() {
     drop(node);
 }
 
-/// SIGTERM: a worker leaves discovery and unlinks its shared-memory files before it exits
-/// (its host region is a `/dev/shm` file peers on the host map).
+/// SIGKILL, the death no cleanup code sees: a worker's host region is a memfd that peers on
+/// the host open through its `/proc/{pid}/fd`, so nothing of it is left once the process is
+/// gone (a `/dev/shm` file, as earlier versions made, outlived such a death).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_stopped_cleanly_leaves_no_shared_memory() {
+async fn a_killed_worker_leaves_no_shared_memory() {
     let etcd = EtcdServer::start().unwrap();
     let nats = NatsServer::start().unwrap();
-    let w = mock_worker("w-term", &etcd, &nats, "100");
+    let w = mock_worker("w-kill", &etcd, &nats, "100");
     let pid = w._proc.0.id();
-    assert!(!common::shm_files(pid).is_empty(), "the worker's host region is a /dev/shm file");
-    let term = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
-    assert!(term.unwrap().success());
+    let regions = common::shared_regions(pid);
+    assert!(!regions.is_empty(), "the worker's host region is shared memory");
+    let (path, _) = &regions[0];
+    // Reachable as a peer reaches it while the worker lives, and nowhere in /dev/shm.
+    let held = std::fs::OpenOptions::new().read(true).write(true).open(path);
+    assert!(held.is_ok(), "{path}: {held:?}");
+    drop(held);
+    let in_dev_shm: Vec<_> =
+        common::dev_shm_files().into_iter().filter(|f| f.contains(&format!(".{pid}."))).collect();
+    assert_eq!(in_dev_shm, Vec::<String>::new());
     let mut w = w;
-    let start = Instant::now();
-    while w._proc.0.try_wait().unwrap().is_none() {
-        assert!(start.elapsed() < Duration::from_secs(30), "the worker did not stop");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(common::shm_files(pid), Vec::<String>::new(), "files left after a clean stop");
+    w._proc.0.kill().unwrap();
+    w._proc.0.wait().unwrap();
+    assert!(std::fs::OpenOptions::new().read(true).open(path).is_err(), "{path} still opens");
+    let in_dev_shm: Vec<_> =
+        common::dev_shm_files().into_iter().filter(|f| f.contains(&format!(".{pid}."))).collect();
+    assert_eq!(in_dev_shm, Vec::<String>::new(), "left behind by a killed worker");
 }
 
 /// A worker frozen with SIGSTOP (alive, still registered) under load: requests routed to it

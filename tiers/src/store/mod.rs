@@ -66,7 +66,7 @@ pub struct StoreConfig {
     pub write_through: bool,
     /// Disk blocks found by a lookup are prefetched into host memory, at most this many.
     pub prefetch_blocks: u32,
-    /// Put host slots in a `/dev/shm` region that same-host peers can map.
+    /// Put host slots in a shared-memory region (a memfd) that same-host peers can map.
     pub shared_host: bool,
     /// Host slots kept free by evicting (and offloading) least recently used blocks in the
     /// background after commits, so that allocations seldom wait for a disk write (0: evict

@@ -76,15 +76,30 @@ pub fn freeze(pid: u32) {
     }
 }
 
-/// The `/dev/shm` files of process `pid` (agents name them `kvfabric.{name}.{pid}.…`).
-pub fn shm_files(pid: u32) -> Vec<String> {
+/// The kvfabric shared regions process `pid` holds: its descriptors that are kvfabric memfds,
+/// as `(path peers open, memfd name)`.
+pub fn shared_regions(pid: u32) -> Vec<(String, String)> {
+    let dir = format!("/proc/{pid}/fd");
+    std::fs::read_dir(&dir)
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    let target = std::fs::read_link(e.path()).ok()?;
+                    let name = target.to_str()?.strip_prefix("/memfd:kvfabric.")?.to_string();
+                    Some((e.path().display().to_string(), name))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// What `/dev/shm` holds of kvfabric's (earlier versions put shared regions there).
+pub fn dev_shm_files() -> Vec<String> {
     std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().to_string())
-                .filter(|n| {
-                    n.starts_with("kvfabric.") && n.split('.').nth(2) == Some(&pid.to_string())
-                })
+                .filter(|n| n.starts_with("kvfabric."))
                 .collect()
         })
         .unwrap_or_default()
