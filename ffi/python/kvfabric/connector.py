@@ -80,6 +80,7 @@ class Stats:
         "lookup_errors",  # lookups that failed (counted as misses)
         "loaded_blocks",
         "load_failed_blocks",  # blocks the engine had to compute after all
+        "load_failed_requests",  # requests whose load failed: computed, not looked up again
         "load_seconds",
         "saved_blocks",  # blocks the store took (those it held already not counted)
         "save_errors",  # saves that failed (the blocks are not cached)

@@ -211,6 +211,12 @@ class KvfabricConnector(KVConnectorBase_V1):
         # request's load), and handed to them, not yet reported finished.
         self._async_pending: dict[str, ReqMeta] = {}
         self._async_loading: set[str] = set()
+        # The blocks each live request loads, and the requests whose load failed: vLLM
+        # recomputes a failed load's blocks, and when it truncates the request back to no
+        # computed tokens it looks the request up again. Offering the same blocks again
+        # would fail the same way, forever: a request whose load failed computes its prompt.
+        self._loading_blocks: dict[str, set[int]] = {}
+        self._load_failed: set[str] = set()
         # Worker-side state.
         self._layers: list[str] = []
         self._loads: list[tuple[Any, ReqMeta]] = []
@@ -364,6 +370,8 @@ class KvfabricConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        if request.request_id in self._load_failed:
+            return 0, False
         matched = self._lookup.matched_tokens(list(request.prompt_token_ids), num_computed_tokens)
         if matched <= 0:
             return 0, False
@@ -377,6 +385,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         bs = self._block_size
         block_ids = list(blocks.get_block_ids()[0])
         first, n = computed // bs, num_external_tokens // bs
+        self._loading_blocks[request.request_id] = set(block_ids[first:first + n])
         if self._async_load:
             # The request waits for its blocks: the load goes to the workers in this step's
             # metadata, without the request being scheduled.
@@ -457,6 +466,12 @@ class KvfabricConnector(KVConnectorBase_V1):
         return ids
 
     def update_connector_output(self, connector_output) -> None:
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if invalid:
+            for rid, blocks in self._loading_blocks.items():
+                if blocks & invalid and rid not in self._load_failed:
+                    self._load_failed.add(rid)
+                    self._lookup.stats.add(load_failed_requests=1)
         # Loads the workers reported finished no longer hold their blocks.
         for rid in getattr(connector_output, "finished_recving", None) or ():
             self._async_loading.discard(rid)
@@ -467,6 +482,8 @@ class KvfabricConnector(KVConnectorBase_V1):
         saved = self._saved.pop(rid, 0)
         self._lookups.pop(rid, None)
         self._pending_loads.pop(rid, None)
+        self._loading_blocks.pop(rid, None)
+        self._load_failed.discard(rid)
         # A load not handed to the workers yet never starts.
         self._async_pending.pop(rid, None)
         # With asynchronous saves, the blocks stay allocated until the workers report the

@@ -432,6 +432,44 @@ def test_an_async_load_that_fails_reports_its_blocks_and_the_request(tmp_path):
             a.close()
 
 
+def test_a_request_whose_load_failed_is_not_offered_the_same_blocks_again(tmp_path):
+    """vLLM recomputes a failed load's blocks; when that truncates the request to no computed
+    tokens it looks the request up again. The lookup still finds the blocks (the node that
+    timed out still has them): offering them again loops forever (seen in a real vLLM under
+    load: the same request rescheduled every step). The request computes its prompt instead;
+    other requests still load."""
+    from fake_engine import KVCacheBlocks
+
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
+    a = FakeEngine("py-refail-a", cfg)
+    b = FakeEngine("py-refail-b", cfg)
+    try:
+        b.worker.add_node(a.worker.node_info())
+        p = prompt(40, seed=31)
+        _, ids_a, _ = a.prefill("r1", p)
+        a.finish("r1", ids_a)
+
+        def req(rid):
+            return type("R", (), {"request_id": rid, "prompt_token_ids": p, "num_tokens": 40})()
+
+        x = req("x")
+        matched, is_async = b.scheduler.get_num_new_matched_tokens(x, 0)
+        assert (matched, is_async) == (32, True)
+        ids = [b.free.pop(0) for _ in range(3)]
+        b.scheduler.update_state_after_alloc(x, KVCacheBlocks(ids), matched)
+        # What the workers report when the load ends with its first block missing.
+        output = type("Out", (), {"invalid_block_ids": {ids[0]}, "finished_recving": {"x"}})()
+        b.scheduler.update_connector_output(output)
+        assert b.scheduler.get_num_new_matched_tokens(x, 0) == (0, False), "offered again"
+        assert b.scheduler.get_num_new_matched_tokens(req("y"), 0) == (32, True)
+        # Once finished, the id is forgotten (vLLM does not reuse ids; nothing grows).
+        b.scheduler.request_finished(x, ids)
+        assert b.scheduler.get_num_new_matched_tokens(x, 0) == (32, True), "a new request of that id"
+    finally:
+        b.close()
+        a.close()
+
+
 def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(tmp_path):
     """vLLM frees an aborted request's blocks at once unless the connector says otherwise: a
     request aborted while its blocks load keeps them until the workers report the load ended
