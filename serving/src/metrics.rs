@@ -578,6 +578,8 @@ pub struct Snapshot {
     pub foreign_memory: Option<u64>,
     /// The planner.
     pub planner: Option<PlannerSnapshot>,
+    /// The control-plane backends (etcd, NATS) this process uses.
+    pub control: Vec<kvfabric::control::ControlStatus>,
 }
 
 /// The live planner reads the frontend's load from its metrics.
@@ -1031,7 +1033,158 @@ fn transfers(
             }
         },
     )?;
+    control_plane(e, s)
+}
+
+/// The control-plane backends a process uses, by `component` (etcd, nats).
+fn control_plane(
+    e: &mut DescriptorEncoder<'_>,
+    s: &[(Option<LabelValue>, Snapshot)],
+) -> Result<(), std::fmt::Error> {
+    type Get = fn(&kvfabric::control::ControlStatus) -> Value;
+    let families: [(&str, &str, Option<Unit>, MetricType, Get); 6] = [
+        (
+            "kvfabric_control_plane_up",
+            "Whether the backend answered the last time this process asked (1) or not (0).",
+            None,
+            MetricType::Gauge,
+            |c| Value::Int(u64::from(c.connected)),
+        ),
+        (
+            "kvfabric_control_plane_contact_age",
+            "Time since the backend last answered this process.",
+            Some(Unit::Seconds),
+            MetricType::Gauge,
+            |c| Value::Float(c.since_contact_s),
+        ),
+        (
+            "kvfabric_control_plane_reconnects",
+            "Times the backend came back after an outage.",
+            None,
+            MetricType::Counter,
+            |c| Value::Int(c.reconnects),
+        ),
+        (
+            "kvfabric_control_plane_lease_renewals_failed",
+            "Lease keep-alives that failed (etcd): past the lease's TTL the instance leaves \
+             discovery.",
+            None,
+            MetricType::Counter,
+            |c| Value::Int(c.lease_renewals_failed),
+        ),
+        (
+            "kvfabric_control_plane_events_behind",
+            "Events received from the bus (NATS) that this process has not read yet.",
+            None,
+            MetricType::Gauge,
+            |c| Value::Int(c.events_behind),
+        ),
+        (
+            "kvfabric_control_plane_events_dropped",
+            "Events the bus client (NATS) dropped because this process read them too slowly.",
+            None,
+            MetricType::Counter,
+            |c| Value::Int(c.events_dropped),
+        ),
+    ];
+    for (name, help, unit, kind, get) in families {
+        family(e, s, name, help, unit, kind, |s, o| {
+            for c in s.control.iter().filter(|c| c.is_remote()) {
+                o.push((vec![("component", LabelValue::from(c.backend))], get(c)));
+            }
+        })?;
+    }
     Ok(())
+}
+
+/// The control-plane backends a process uses, for its `/metrics` and `/health`.
+#[derive(Clone)]
+pub struct ControlSource {
+    discovery: Arc<dyn kvfabric::control::Discovery>,
+    bus: Arc<dyn kvfabric::control::EventBus>,
+}
+
+impl std::fmt::Debug for ControlSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlSource").finish_non_exhaustive()
+    }
+}
+
+impl ControlSource {
+    /// The process's discovery and event bus.
+    pub fn new(
+        discovery: Arc<dyn kvfabric::control::Discovery>,
+        bus: Arc<dyn kvfabric::control::EventBus>,
+    ) -> Self {
+        ControlSource { discovery, bus }
+    }
+
+    /// Their state now: discovery's, then the bus's.
+    pub fn statuses(&self) -> Vec<kvfabric::control::ControlStatus> {
+        vec![self.discovery.status(), self.bus.status()]
+    }
+}
+
+impl Source for ControlSource {
+    fn snapshot(&self, out: &mut Snapshot) {
+        out.control.extend(self.statuses());
+    }
+}
+
+/// Adds the control plane to a `/health` body: `control_plane` (each backend's state) and,
+/// while one does not answer, status `degraded` (from `ok`) with a reason per backend.
+pub fn add_control_plane(h: &mut serde_json::Value, control: &[kvfabric::control::ControlStatus]) {
+    let remote: Vec<_> = control.iter().filter(|c| c.is_remote()).collect();
+    if remote.is_empty() {
+        return;
+    }
+    h["control_plane"] = serde_json::json!(remote
+        .iter()
+        .map(|c| serde_json::json!({
+            "component": c.backend, "up": c.connected, "error": c.error,
+            "since_contact_s": c.since_contact_s, "reconnects": c.reconnects,
+            "lease_renewals_failed": c.lease_renewals_failed,
+            "events_behind": c.events_behind, "events_dropped": c.events_dropped,
+        }))
+        .collect::<Vec<_>>());
+    let reasons = control_plane_reasons(control);
+    if reasons.is_empty() {
+        return;
+    }
+    if h["status"] == "ok" {
+        h["status"] = "degraded".into();
+    }
+    match h["reasons"].as_array_mut() {
+        Some(r) => r.extend(reasons.into_iter().map(Into::into)),
+        None => h["reasons"] = serde_json::json!(reasons),
+    }
+}
+
+/// Why `/health` is degraded by the control plane, if it is: one reason per backend that
+/// does not answer, saying what still works without it.
+pub fn control_plane_reasons(statuses: &[kvfabric::control::ControlStatus]) -> Vec<String> {
+    statuses
+        .iter()
+        .filter(|c| c.is_remote() && !c.connected)
+        .map(|c| {
+            let still = match c.backend {
+                "etcd" => {
+                    "discovery is frozen (no instance joins or leaves here; requests still go \
+                     to the workers known before; this process's lease lapses after its TTL)"
+                }
+                _ => {
+                    "KV events, load reports and dumps are not delivered (routing uses what it \
+                     last knew; requests are still served)"
+                }
+            };
+            format!(
+                "{} unreachable for {:.0} s ({}): {still}",
+                c.backend,
+                c.since_contact_s,
+                c.error.as_deref().unwrap_or("no answer")
+            )
+        })
+        .collect()
 }
 
 /// An attached engine.

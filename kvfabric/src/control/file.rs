@@ -269,6 +269,7 @@ impl Discovery for FileDiscovery {
             backend: "file",
             connected: ok,
             error: (!ok).then(|| format!("{} is not a directory", self.dir.display())),
+            ..ControlStatus::embedded()
         }
     }
 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 pub mod file;
+pub mod health;
 pub mod memory;
 
 #[cfg(feature = "etcd")]
@@ -199,21 +200,46 @@ impl Drop for Registration {
     }
 }
 
-/// Whether a control-plane backend is reachable now (for `/health` and dashboards).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+/// Whether a control-plane backend is reachable now, and what its outages cost this process
+/// (for `/health`, `/metrics` and dashboards; [`health::BackendHealth`] keeps it).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ControlStatus {
-    /// The backend: `etcd`, `nats`, or `embedded` (in this process).
+    /// The backend: `etcd`, `nats`, `file`, or `embedded` (in this process).
     pub backend: &'static str,
     /// It answered the last time it was asked (an embedded one always does).
     pub connected: bool,
     /// Why not, when not.
     pub error: Option<String>,
+    /// Seconds since it last answered.
+    pub since_contact_s: f64,
+    /// Times the connection came back after an outage.
+    pub reconnects: u64,
+    /// Lease renewals (keep-alives) that failed.
+    pub lease_renewals_failed: u64,
+    /// Events received but not yet read by this process.
+    pub events_behind: u64,
+    /// Events dropped before this process read them.
+    pub events_dropped: u64,
 }
 
 impl ControlStatus {
     /// An in-process backend: always there.
     pub const fn embedded() -> Self {
-        ControlStatus { backend: "embedded", connected: true, error: None }
+        ControlStatus {
+            backend: "embedded",
+            connected: true,
+            error: None,
+            since_contact_s: 0.0,
+            reconnects: 0,
+            lease_renewals_failed: 0,
+            events_behind: 0,
+            events_dropped: 0,
+        }
+    }
+
+    /// Whether it is a backend outside this process (etcd or NATS), whose outages matter.
+    pub fn is_remote(&self) -> bool {
+        matches!(self.backend, "etcd" | "nats")
     }
 }
 

@@ -26,6 +26,7 @@ pub struct NatsBus {
     js: jetstream::Context,
     namespace: String,
     connections: tokio::sync::watch::Receiver<u64>,
+    health: std::sync::Arc<super::health::BackendHealth>,
 }
 
 impl std::fmt::Debug for NatsBus {
@@ -40,20 +41,25 @@ impl NatsBus {
         check_name(namespace)?;
         let (tx, connections) = tokio::sync::watch::channel(0u64);
         let tx = std::sync::Arc::new(tx);
+        let health = std::sync::Arc::new(super::health::BackendHealth::new("nats"));
+        let h = health.clone();
         let options = async_nats::ConnectOptions::new().event_callback(move |event| {
-            let tx = tx.clone();
+            let (tx, health) = (tx.clone(), h.clone());
             async move {
                 match event {
                     async_nats::Event::Connected => {
                         // The first connection is the caller's to report; later ones are
-                        // recoveries.
-                        if *tx.borrow() > 0 {
-                            tracing::info!("NATS connection regained");
-                        }
+                        // recoveries (logged and counted by `health`).
+                        health.reached();
                         tx.send_modify(|n| *n += 1);
                     }
                     async_nats::Event::Disconnected => {
-                        tracing::warn!("NATS connection lost; reconnecting");
+                        health.lost("NATS connection lost; reconnecting");
+                    }
+                    async_nats::Event::SlowConsumer(_) => {
+                        // The client dropped a message for a subscription this process did
+                        // not read fast enough.
+                        health.events_dropped(1);
                     }
                     async_nats::Event::ServerError(e) => {
                         tracing::warn!(error = %e, "NATS server error");
@@ -71,7 +77,7 @@ impl NatsBus {
             .map_err(backend)?;
         let js = jetstream::new(client.clone());
         tracing::debug!(%url, "connected to NATS");
-        Ok(NatsBus { client, js, namespace: namespace.to_string(), connections })
+        Ok(NatsBus { client, js, namespace: namespace.to_string(), connections, health })
     }
 
     fn subject(&self, topic: &str) -> String {
@@ -116,12 +122,13 @@ impl EventBus for NatsBus {
 
     fn status(&self) -> super::ControlStatus {
         let state = self.client.connection_state();
-        let connected = state == async_nats::connection::State::Connected;
-        super::ControlStatus {
-            backend: "nats",
-            connected,
-            error: (!connected).then(|| format!("NATS connection {state}")),
+        if state == async_nats::connection::State::Connected {
+            // A live connection is contact now (the client pings the server to keep it so).
+            self.health.reached();
+        } else {
+            self.health.lost(format!("NATS connection {state}"));
         }
+        self.health.status()
     }
 
     fn publish<'a>(&'a self, topic: &'a str, payload: Vec<u8>) -> ControlFuture<'a, ()> {
@@ -142,6 +149,7 @@ impl EventBus for NatsBus {
                 .map_err(|_| ControlError::Timeout("nats flush"))?
                 .map_err(backend)?;
             let (tx, rx) = mpsc::channel(super::memory::SUBSCRIBER_BUFFER);
+            self.health.track_subscription(&tx);
             tokio::spawn(async move {
                 while let Some(msg) = sub.next().await {
                     if tx.send(msg.payload.to_vec()).await.is_err() {

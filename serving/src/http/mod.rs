@@ -255,6 +255,14 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
             }
         }
     }
+    // The control plane (etcd, NATS): an outage degrades, and says what still works.
+    let mut control = Vec::new();
+    for source in &st.cfg.sources {
+        let mut snap = metrics::Snapshot::default();
+        source.snapshot(&mut snap);
+        control.extend(snap.control);
+    }
+    metrics::add_control_plane(&mut h, &control);
     let serving = matches!(h["status"].as_str(), Some("ok" | "degraded"));
     let status = if serving { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, Json(h)).into_response()

@@ -181,8 +181,8 @@ pub(crate) struct Gateway {
     endpoints: Arc<[String]>,
     current: Arc<AtomicUsize>,
     timeout: Duration,
-    /// Why the last attempt to reach etcd failed; None once one answered again.
-    unreachable: Arc<parking_lot::Mutex<Option<String>>>,
+    /// Whether etcd answers, shared by every clone (the process's view of it).
+    health: Arc<crate::control::health::BackendHealth>,
 }
 
 impl Gateway {
@@ -210,17 +210,20 @@ impl Gateway {
             endpoints: out.into(),
             current: Arc::new(AtomicUsize::new(0)),
             timeout,
-            unreachable: Arc::default(),
+            health: Arc::new(crate::control::health::BackendHealth::new("etcd")),
         })
     }
 
-    /// Why etcd could not be reached the last time it was tried; None if it answered.
-    pub fn unreachable(&self) -> Option<String> {
-        self.unreachable.lock().clone()
+    /// This process's view of etcd's health.
+    pub fn health(&self) -> &crate::control::health::BackendHealth {
+        &self.health
     }
 
     fn reached(&self, outcome: Result<(), &ControlError>) {
-        *self.unreachable.lock() = outcome.err().map(ToString::to_string);
+        match outcome {
+            Ok(()) => self.health.reached(),
+            Err(e) => self.health.lost(e),
+        }
     }
 
     async fn send(

@@ -139,8 +139,7 @@ impl EtcdDiscovery {
 
 impl Discovery for EtcdDiscovery {
     fn status(&self) -> super::ControlStatus {
-        let error = self.etcd.unreachable();
-        super::ControlStatus { backend: "etcd", connected: error.is_none(), error }
+        self.etcd.health().status()
     }
 
     fn register(&self, instance: Instance, ttl: Duration) -> ControlFuture<'_, Registration> {
@@ -202,14 +201,24 @@ impl Discovery for EtcdDiscovery {
                         // the lease alive: keep it, so watchers see no spurious leave and join.
                         Err(e) => Err(e),
                     };
+                    // etcd's loss and return are logged once per process by its health;
+                    // here only what concerns this registration.
                     match (outcome, lost.is_some()) {
                         (Ok(()), true) => {
-                            tracing::info!(%key, "etcd reachable again; registration kept");
+                            tracing::debug!(%key, "registration kept through the outage");
                             lost = None;
                         }
-                        (Err(e), false) => {
-                            tracing::warn!(%key, error = %e, "etcd keep-alive failed; retrying every {period:?}");
-                            lost = Some(e);
+                        (Err(e), was_lost) => {
+                            etcd.health().lease_renewal_failed();
+                            if !was_lost {
+                                if matches!(e, ControlError::Taken { .. }) {
+                                    // Not an outage: another instance holds the name now.
+                                    tracing::warn!(%key, error = %e, "registration lost; retrying every {period:?}");
+                                } else {
+                                    tracing::debug!(%key, error = %e, "etcd keep-alive failed; retrying every {period:?}");
+                                }
+                                lost = Some(e);
+                            }
                         }
                         _ => {}
                     }
@@ -250,7 +259,7 @@ impl Discovery for EtcdDiscovery {
                     match this.etcd.stream("etcd watch", "/v3/watch", &create).await {
                         Ok(mut stream) => {
                             if broken {
-                                tracing::info!(%prefix, "etcd watch re-established");
+                                tracing::debug!(%prefix, "etcd watch re-established");
                                 broken = false;
                             }
                             // A quiet watch is re-established (list, diff, resume) every
@@ -291,7 +300,7 @@ impl Discovery for EtcdDiscovery {
                         }
                         Err(e) => {
                             if !broken {
-                                tracing::warn!(%prefix, error = %e, "etcd watch failed; retrying");
+                                tracing::debug!(%prefix, error = %e, "etcd watch failed; retrying");
                                 broken = true;
                             }
                         }

@@ -121,6 +121,7 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
         down_after: args.down_after.max(1),
     };
     let (discovery, bus) = args.control.connect().await?;
+    let control = kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
     let attachment = Attachment::start(cfg, discovery, bus).await?;
     let mut metrics_task = None;
     let mut metrics_addr = None;
@@ -128,7 +129,9 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
         let listener = kvfabric_serving::http::listen::bind(at)
             .with_context(|| format!("--metrics-listen {at}"))?;
         let stats = attachment.stats_source();
-        let components = kvfabric_serving::metrics::Components::new().with(None, stats.clone());
+        let components = kvfabric_serving::metrics::Components::new()
+            .with(None, stats.clone())
+            .with(None, std::sync::Arc::new(control.clone()));
         let app = axum::Router::new()
             .route(
                 "/metrics",
@@ -143,7 +146,8 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
             .route(
                 "/health",
                 axum::routing::get(move || {
-                    let h = stats.health();
+                    let mut h = stats.health();
+                    kvfabric_serving::metrics::add_control_plane(&mut h, &control.statuses());
                     async move {
                         let code = if h["status"] == "ok" {
                             axum::http::StatusCode::OK

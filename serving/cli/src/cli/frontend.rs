@@ -53,6 +53,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         migrations_max: args.http.stream_migrations,
         ..RoutedConfig::new(args.secret.clone().into_bytes())
     };
+    let control = kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
     let metrics = kvfabric_serving::metrics::HttpMetrics::default();
     let planner = match &args.planner.profile {
@@ -79,10 +80,11 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let sources: Vec<Arc<dyn kvfabric_serving::metrics::Source>> = planner
+    let mut sources: Vec<Arc<dyn kvfabric_serving::metrics::Source>> = planner
         .iter()
         .map(|p| p.state.clone() as Arc<dyn kvfabric_serving::metrics::Source>)
         .collect();
+    sources.push(Arc::new(control));
     let addr = SocketAddr::new(args.host, args.port);
     let b = backend.clone();
     let served = serve_routed(

@@ -40,6 +40,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         name: args.name.clone(),
         ..RoutedConfig::new(b"kvfabric-router-sends-no-requests".to_vec())
     };
+    let control = kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
     let addr = SocketAddr::new(args.host, args.port);
     let b = backend.clone();
@@ -49,7 +50,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         addr,
         &args.http,
         Default::default(),
-        Vec::new(),
+        vec![Arc::new(control)],
         stop_signal,
         |c| http::routing_router(b, c),
     )

@@ -6,6 +6,7 @@
 //! `--drain-timeout-s`), stops and keeps its host blocks on disk.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
@@ -40,7 +41,8 @@ pub struct WorkerArgs {
     listen: SocketAddr,
     #[command(flatten)]
     control: super::control::ControlArgs,
-    /// Serve `/metrics` (Prometheus) on this address.
+    /// Serve `/metrics` (Prometheus) and `/health` (JSON: `ok`, or `degraded` while etcd or
+    /// NATS does not answer) on this address.
     #[arg(long, env = "KVFABRIC_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
     /// Discovery lease TTL, seconds.
@@ -81,16 +83,44 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         Some(at) => {
             let listener = tokio::net::TcpListener::bind(at).await?;
             metrics_addr = Some(listener.local_addr()?);
-            let app = axum::Router::new().route(
-                "/metrics",
-                axum::routing::get(move || {
-                    let source = source.clone();
-                    async move {
-                        let content_type = kvfabric_serving::metrics::CONTENT_TYPE;
-                        ([(axum::http::header::CONTENT_TYPE, content_type)], source.render())
-                    }
-                }),
-            );
+            // Its own counters and the control plane's state; /health says whether the
+            // control plane answers (a worker keeps serving without it).
+            let control =
+                kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
+            let components = kvfabric_serving::metrics::Components::new()
+                .with(None, Arc::new(source.clone()))
+                .with(None, Arc::new(control.clone()));
+            let name = args.name.clone();
+            let app = axum::Router::new()
+                .route(
+                    "/metrics",
+                    axum::routing::get(move || {
+                        let components = components.clone();
+                        async move {
+                            let content_type = kvfabric_serving::metrics::CONTENT_TYPE;
+                            (
+                                [(axum::http::header::CONTENT_TYPE, content_type)],
+                                components.render(),
+                            )
+                        }
+                    }),
+                )
+                .route(
+                    "/health",
+                    axum::routing::get(move || {
+                        let (control, name) = (control.clone(), name.clone());
+                        async move {
+                            let mut h = serde_json::json!({
+                                "status": "ok", "reasons": [], "worker": name,
+                            });
+                            kvfabric_serving::metrics::add_control_plane(
+                                &mut h,
+                                &control.statuses(),
+                            );
+                            axum::Json(h)
+                        }
+                    }),
+                );
             Some(tokio::spawn(async move {
                 let limits = kvfabric_serving::http::listen::HttpLimits::default();
                 let stats = kvfabric_serving::metrics::ListenStats::default();

@@ -1,0 +1,180 @@
+//! The control plane as an operator sees it: a frontend's and a worker's `/health` and
+//! `/metrics` while real etcd and NATS servers are stopped and started again, with requests
+//! served throughout. Each outage degrades `/health` with its reason (and what still works),
+//! moves `kvfabric_control_plane_up` to 0, and both come back when the server does, with the
+//! reconnect counted.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{get, post_json, spawn_server, spawn_worker, Proc};
+use kvfabric::testkit::{EtcdServer, NatsServer};
+use serde_json::{json, Value};
+
+const SECRET: &str = "control-plane-test-secret";
+
+fn frontend(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["frontend", "--port", "0", "--namespace", "cp", "--secret", SECRET]).args([
+        "--name",
+        "cp-fe",
+        "--etcd",
+        &etcd.endpoint(),
+        "--nats",
+        &nats.url(),
+    ]);
+    let (proc, addr, _) = spawn_server(cmd);
+    (proc, addr)
+}
+
+/// A mock worker with its metrics port; its address.
+fn worker(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
+    let args = [
+        "--namespace",
+        "cp",
+        "--etcd",
+        &etcd.endpoint(),
+        "--nats",
+        &nats.url(),
+        "--secret",
+        SECRET,
+        "--engine",
+        "mock",
+        "--disk-blocks",
+        "0",
+        "--mock-decode-us",
+        "200",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        // Keep-alives every 2 s, and longer than the outages: the worker stays registered
+        // through them, and fails a renewal in each etcd outage.
+        "--lease-ttl-s",
+        "6",
+    ];
+    let (proc, line) = spawn_worker("cp-w", &args);
+    let metrics = line["metrics"].as_str().expect("the metrics address").parse().unwrap();
+    (proc, metrics)
+}
+
+/// The value of `name{component="c"}` in a `/metrics` text.
+fn sample(text: &str, name: &str, component: &str) -> Option<f64> {
+    let prefix = format!("{name}{{component=\"{component}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.trim().parse().ok())
+}
+
+async fn health(addr: SocketAddr) -> Value {
+    let r = get(addr, "/health").await;
+    assert_eq!(r.status, 200, "degraded still serves: {}", r.text());
+    r.json()
+}
+
+async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn reasons(h: &Value) -> String {
+    h["reasons"].as_array().map(|r| format!("{r:?}")).unwrap_or_default()
+}
+
+/// A control-plane server the test stops and starts.
+trait Server {
+    fn kill(&mut self);
+    fn restart(&mut self) -> std::io::Result<()>;
+}
+
+impl Server for EtcdServer {
+    fn kill(&mut self) {
+        EtcdServer::kill(self)
+    }
+    fn restart(&mut self) -> std::io::Result<()> {
+        EtcdServer::restart(self)
+    }
+}
+
+impl Server for NatsServer {
+    fn kill(&mut self) {
+        NatsServer::kill(self)
+    }
+    fn restart(&mut self) -> std::io::Result<()> {
+        NatsServer::restart(self)
+    }
+}
+
+/// One outage of `component` (`server` killed, then started again on its ports and data):
+/// both processes degrade with its reason, say it is down in `/metrics`, keep serving, and
+/// recover when it is back.
+async fn outage(component: &str, server: &mut dyn Server, fe: SocketAddr, w: SocketAddr) {
+    let down = Instant::now();
+    server.kill();
+    for (who, addr) in [("frontend", fe), ("worker", w)] {
+        wait_until(&format!("the {who} to see {component} down"), async || {
+            let h = health(addr).await;
+            h["status"] == "degraded" && reasons(&h).contains(&format!("{component} unreachable"))
+        })
+        .await;
+        let text = get(addr, "/metrics").await.text();
+        assert_eq!(sample(&text, "kvfabric_control_plane_up", component), Some(0.0), "{who}");
+        let h = health(addr).await;
+        let cp = h["control_plane"].as_array().unwrap();
+        let mine = cp.iter().find(|c| c["component"] == component).unwrap();
+        assert_eq!(mine["up"], false, "{who}: {h}");
+    }
+    let what_works = reasons(&health(fe).await);
+    let expected =
+        if component == "etcd" { "discovery is frozen" } else { "requests are still served" };
+    assert!(what_works.contains(expected), "{what_works}");
+    // Serving holds: the frontend still routes to the worker it knows.
+    let body = json!({"model": "mock", "prompt": format!("during the {component} outage"),
+        "max_tokens": 4});
+    let r = post_json(fe, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Down long enough for a keep-alive to fail (every 2 s), shorter than the lease (6 s).
+    tokio::time::sleep(Duration::from_millis(3500).saturating_sub(down.elapsed())).await;
+    server.restart().unwrap();
+    for (who, addr) in [("frontend", fe), ("worker", w)] {
+        wait_until(&format!("the {who} to see {component} back"), async || {
+            health(addr).await["status"] == "ok"
+        })
+        .await;
+        let text = get(addr, "/metrics").await.text();
+        assert_eq!(sample(&text, "kvfabric_control_plane_up", component), Some(1.0), "{who}");
+        let reconnects = sample(&text, "kvfabric_control_plane_reconnects_total", component);
+        assert!(reconnects >= Some(1.0), "{who}: {component} reconnects {reconnects:?}");
+        let age = sample(&text, "kvfabric_control_plane_contact_age_seconds", component);
+        assert!(age.is_some_and(|a| a < 15.0), "{who}: {component} contact age {age:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_metrics_follow_an_etcd_and_a_nats_outage() {
+    let mut etcd = EtcdServer::start().unwrap();
+    let mut nats = NatsServer::start().unwrap();
+    let (_fe_proc, fe) = frontend(&etcd, &nats);
+    let (_w_proc, w) = worker(&etcd, &nats);
+    wait_until("the frontend to see the worker", async || {
+        health(fe).await["workers"].as_array().is_some_and(|a| !a.is_empty())
+    })
+    .await;
+    for addr in [fe, w] {
+        let h = health(addr).await;
+        assert_eq!(h["status"], "ok", "{h}");
+        let text = get(addr, "/metrics").await.text();
+        for c in ["etcd", "nats"] {
+            assert_eq!(sample(&text, "kvfabric_control_plane_up", c), Some(1.0), "{c}: {text}");
+            assert_eq!(sample(&text, "kvfabric_control_plane_events_dropped_total", c), Some(0.0));
+        }
+    }
+    outage("etcd", &mut etcd, fe, w).await;
+    // The worker's keep-alives failed while etcd was away.
+    let text = get(w, "/metrics").await.text();
+    let failed = sample(&text, "kvfabric_control_plane_lease_renewals_failed_total", "etcd");
+    assert!(failed >= Some(1.0), "lease renewals failed: {failed:?}");
+    outage("nats", &mut nats, fe, w).await;
+}
