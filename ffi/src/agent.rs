@@ -129,6 +129,7 @@ impl kvf_agent {
                 format!("kvf-{}-{:08x}", std::process::id(), u32::from_le_bytes(r))
             }
         };
+        init_logging();
         let threads = cfg.num::<u32>("worker_threads", 2).clamp(1, 64) as usize;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
@@ -578,4 +579,22 @@ pub unsafe extern "C" fn kvf_agent_wait_notification(
         msg_len.set(n.message.len());
         Ok(())
     })
+}
+
+/// kvfabric's own log, on the host process's stderr: warnings by default (each cause is logged
+/// once when it starts, once when it ends), `KVFABRIC_LOG` to choose (`off`, `debug`,
+/// `kvfabric=debug`, any tracing filter). Installed once per process, by the first agent,
+/// unless the process already has a tracing subscriber.
+fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = std::env::var("KVFABRIC_LOG").unwrap_or_else(|_| "warn".to_string());
+        let filter = tracing_subscriber::EnvFilter::try_new(&filter)
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_target(true)
+            .try_init();
+    });
 }

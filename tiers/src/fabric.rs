@@ -21,6 +21,9 @@ pub struct FabricNode {
     transfer_deadline: Duration,
 }
 
+/// A GET that takes longer than this is logged (with where its time went).
+const SLOW_GET: Duration = Duration::from_secs(1);
+
 impl FabricNode {
     /// Serves `store` to peers of `agent` (installs itself as the agent's RPC handler).
     pub fn serve(agent: Agent, store: TieredStore, transfer_deadline: Duration) -> Arc<Self> {
@@ -62,6 +65,7 @@ impl FabricNode {
         let (mut local, mut remote) = (Vec::new(), Vec::new());
         // One pinning call for the leading run (the common case: every block held), then
         // one per block after the first miss.
+        let started = std::time::Instant::now();
         let all: Vec<SequenceHash> = blocks.iter().map(|b| b.hash).collect();
         let mut refs: Vec<crate::store::BlockRef> = self.store.get(&all).await.unwrap_or_default();
         let run = refs.len();
@@ -89,8 +93,18 @@ impl FabricNode {
             let h = self.agent.post(req).map_err(|e| e.to_string())?;
             // The source blocks stay pinned until no byte of the transfer can be read any
             // more, even if this handler is dropped while it runs.
+            let pinned = started.elapsed();
             let mut guard = Quarantine { handle: Some(h.clone()), slots: refs };
-            h.wait().await.map_err(|e| e.to_string())?;
+            let outcome = h.wait().await;
+            let (n, took) = (served.iter().filter(|&&s| s).count(), started.elapsed());
+            if let Err(e) = &outcome {
+                tracing::warn!(peer = from, blocks = n, ?pinned, ?took, error = %e,
+                    "fabric node: sending blocks to a peer failed");
+            } else if took > SLOW_GET {
+                tracing::warn!(peer = from, blocks = n, ?pinned, ?took,
+                    "fabric node: sending blocks to a peer was slow");
+            }
+            outcome.map_err(|e| e.to_string())?;
             guard.handle = None;
         }
         Ok(served)
