@@ -22,7 +22,8 @@
 #                 store writes through.
 # The disk row asks A for the prompt of DISK_LAG rounds ago: out of kvfabric A's host tier
 # and out of LMCache's L1 (the server's hit counters, printed at the end, say which tier
-# served). Logs and results in $RUN (default /tmp/kvf-lmcache-compare).
+# served). Logs and results in $RUN (default /tmp/kvf-lmcache-compare). KVF_EXTRA: more of
+# both kvfabric instances' config, e.g. KVF_EXTRA=',"shm":false'.
 set -u
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 VLLM_VENV=${VLLM_VENV:-/work/vllm/venv}
@@ -60,7 +61,7 @@ vllm() { # name port kv-transfer-config
   pids+=($!)
 }
 kvf() { # name port extra-kvfabric-json
-  vllm "$1" "$2" '{"kv_connector":"KvfabricConnector","kv_role":"kv_both","kv_connector_extra_config":{"kvfabric":{"name":"'$1'","secret":"compare-secret","node_dir":"'$RUN/nodes'"'$3'}}}'
+  vllm "$1" "$2" '{"kv_connector":"KvfabricConnector","kv_role":"kv_both","kv_connector_extra_config":{"kvfabric":{"name":"'$1'","secret":"compare-secret","node_dir":"'$RUN/nodes'"'$3${KVF_EXTRA:-}'}}}'
 }
 ports=(8110 8111)
 kvf kvfabric-a 8110 ',"host_blocks":64,"disk_path":"'$RUN/a.disk'","disk_blocks":1024,"write_through":true'

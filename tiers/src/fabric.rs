@@ -101,8 +101,13 @@ impl FabricNode {
                 tracing::warn!(peer = from, blocks = n, ?pinned, ?took, error = %e,
                     "fabric node: sending blocks to a peer failed");
             } else if took > SLOW_GET {
-                tracing::warn!(peer = from, blocks = n, ?pinned, ?took,
-                    "fabric node: sending blocks to a peer was slow");
+                tracing::warn!(
+                    peer = from,
+                    blocks = n,
+                    ?pinned,
+                    ?took,
+                    "fabric node: sending blocks to a peer was slow"
+                );
             }
             outcome.map_err(|e| e.to_string())?;
             guard.handle = None;
