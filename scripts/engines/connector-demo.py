@@ -13,51 +13,12 @@ Standard library only.
 """
 
 import argparse
-import json
 import random
 import statistics
 import threading
 import time
-import urllib.request
 
-
-def post(url, body, stream=False):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=600)
-
-
-def complete(base, model, tokens, max_tokens=16):
-    """Streams a greedy completion of token ids; returns (seconds to first token, text,
-    cached prompt tokens)."""
-    body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, text, cached = None, [], None
-    with post(base + "/v1/completions", body) as r:
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for c in chunk.get("choices", []):
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                text.append(c.get("text", ""))
-            usage = chunk.get("usage")
-            if usage:
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    return ttft, "".join(text), cached
-
-
-def token_times(base, model, tokens, max_tokens, out):
-    """Streams a greedy completion that ignores end-of-sequence; appends each token's arrival
-    time (perf_counter) to out."""
-    body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with post(base + "/v1/completions", body) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                out.append(time.perf_counter())
+from vllm_http import complete, reset, token_times
 
 
 def decode_stall(args, rng):
@@ -91,10 +52,6 @@ def decode_stall(args, rng):
     print(f"{'token gap of the decode':<28} {'n':>4} {'p50 ms':>7} {'max ms':>7}")
     print(f"{'outside the loads':<28} {len(outside):>4} {ms(outside)}")
     print(f"{'during the loads':<28} {len(inside):>4} {ms(inside)}")
-
-
-def reset(base):
-    post(base + "/reset_prefix_cache", {}).read()
 
 
 def main():

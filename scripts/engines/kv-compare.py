@@ -27,7 +27,8 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
+
+from vllm_http import complete, reset, token_times
 
 ROWS = [
     ("compute", "A computes the prompt"),
@@ -37,49 +38,6 @@ ROWS = [
 ]
 
 
-def post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=600)
-
-
-def complete(base, model, tokens, max_tokens=16):
-    """A streamed greedy completion of token ids: (seconds to first token, text, cached
-    prompt tokens that vLLM reports)."""
-    body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, text, cached = None, [], None
-    with post(base + "/v1/completions", body) as r:
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for c in chunk.get("choices", []):
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                text.append(c.get("text", ""))
-            usage = chunk.get("usage")
-            if usage:
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    return ttft, "".join(text), cached
-
-
-def reset(base):
-    post(base + "/reset_prefix_cache", {}).read()
-
-
-def token_times(base, model, max_tokens, out):
-    """Streams a decode that ignores end-of-sequence; appends each token's arrival time."""
-    body = {"model": model, "prompt": [9, 10, 11], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with post(base + "/v1/completions", body) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                out.append(time.perf_counter())
-
-
 def decode_gaps(a, b, model, prompts, decode_tokens):
     """B decodes while it loads `prompts` (computed on A first): B's token gaps that overlap
     a load, and the loads' times to first token."""
@@ -87,7 +45,7 @@ def decode_gaps(a, b, model, prompts, decode_tokens):
         complete(a, model, p, 1)
     time.sleep(1.0)  # saves end in the background
     arrivals, windows, ttfts = [], [], []
-    decode = threading.Thread(target=token_times, args=(b, model, decode_tokens, arrivals))
+    decode = threading.Thread(target=token_times, args=(b, model, [9, 10, 11], decode_tokens, arrivals))
     decode.start()
     while len(arrivals) < 20 and decode.is_alive():
         time.sleep(0.01)
