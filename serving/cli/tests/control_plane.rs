@@ -1,6 +1,6 @@
-//! The control plane as an operator sees it: a frontend's and a worker's `/health` and
-//! `/metrics` while real etcd and NATS servers are stopped and started again, with requests
-//! served throughout. Each outage degrades `/health` with its reason (and what still works),
+//! The control plane as an operator sees it: a frontend's, a worker's and a fabric node's
+//! `/health` and `/metrics` while real etcd and NATS servers are stopped and started again,
+//! with requests served throughout. Each outage degrades `/health` with its reason (and what still works),
 //! moves `kvfabric_control_plane_up` to 0, and both come back when the server does, with the
 //! reconnect counted.
 
@@ -59,6 +59,20 @@ fn worker(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
     (proc, metrics)
 }
 
+/// A fabric node with its metrics port; its address.
+fn fabric(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["fabric", "--name", "cp-g4", "--namespace", "cp", "--host-blocks", "16"])
+        .args(["--etcd", &etcd.endpoint(), "--nats", &nats.url()])
+        .args(["--metrics-listen", "127.0.0.1:0", "--lease-ttl-s", "6"])
+        .env("KVFABRIC_SECRET", SECRET)
+        .env_remove("KVFABRIC_MODEL");
+    let (proc, line) = common::spawn_line(&mut cmd);
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    let metrics = v["metrics"].as_str().expect("the metrics address").parse().unwrap();
+    (proc, metrics)
+}
+
 /// The value of `name{component="c"}` in a `/metrics` text.
 fn sample(text: &str, name: &str, component: &str) -> Option<f64> {
     let prefix = format!("{name}{{component=\"{component}\"}} ");
@@ -114,10 +128,11 @@ impl Server for NatsServer {
 /// One outage of `component` (`server` killed, then started again on its ports and data):
 /// both processes degrade with its reason, say it is down in `/metrics`, keep serving, and
 /// recover when it is back.
-async fn outage(component: &str, server: &mut dyn Server, fe: SocketAddr, w: SocketAddr) {
+async fn outage(component: &str, server: &mut dyn Server, procs: &[(&str, SocketAddr)]) {
+    let fe = procs[0].1;
     let down = Instant::now();
     server.kill();
-    for (who, addr) in [("frontend", fe), ("worker", w)] {
+    for &(who, addr) in procs {
         wait_until(&format!("the {who} to see {component} down"), async || {
             let h = health(addr).await;
             h["status"] == "degraded" && reasons(&h).contains(&format!("{component} unreachable"))
@@ -142,7 +157,7 @@ async fn outage(component: &str, server: &mut dyn Server, fe: SocketAddr, w: Soc
     // Down long enough for a keep-alive to fail (every 2 s), shorter than the lease (6 s).
     tokio::time::sleep(Duration::from_millis(3500).saturating_sub(down.elapsed())).await;
     server.restart().unwrap();
-    for (who, addr) in [("frontend", fe), ("worker", w)] {
+    for &(who, addr) in procs {
         wait_until(&format!("the {who} to see {component} back"), async || {
             health(addr).await["status"] == "ok"
         })
@@ -162,11 +177,13 @@ async fn health_and_metrics_follow_an_etcd_and_a_nats_outage() {
     let mut nats = NatsServer::start().unwrap();
     let (_fe_proc, fe) = frontend(&etcd, &nats);
     let (_w_proc, w) = worker(&etcd, &nats);
+    let (_g4_proc, g4) = fabric(&etcd, &nats);
+    let procs = [("frontend", fe), ("worker", w), ("fabric node", g4)];
     wait_until("the frontend to see the worker", async || {
         health(fe).await["workers"].as_array().is_some_and(|a| !a.is_empty())
     })
     .await;
-    for addr in [fe, w] {
+    for (_, addr) in procs {
         let h = health(addr).await;
         assert_eq!(h["status"], "ok", "{h}");
         let text = get(addr, "/metrics").await.text();
@@ -175,10 +192,10 @@ async fn health_and_metrics_follow_an_etcd_and_a_nats_outage() {
             assert_eq!(sample(&text, "kvfabric_control_plane_events_dropped_total", c), Some(0.0));
         }
     }
-    outage("etcd", &mut etcd, fe, w).await;
+    outage("etcd", &mut etcd, &procs).await;
     // The worker's keep-alives failed while etcd was away.
     let text = get(w, "/metrics").await.text();
     let failed = sample(&text, "kvfabric_control_plane_lease_renewals_failed_total", "etcd");
     assert!(failed >= Some(1.0), "lease renewals failed: {failed:?}");
-    outage("nats", &mut nats, fe, w).await;
+    outage("nats", &mut nats, &procs).await;
 }

@@ -126,49 +126,15 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
     let mut metrics_task = None;
     let mut metrics_addr = None;
     if let Some(at) = args.metrics_listen {
-        let listener = kvfabric_serving::http::listen::bind(at)
-            .with_context(|| format!("--metrics-listen {at}"))?;
         let stats = attachment.stats_source();
         let components = kvfabric_serving::metrics::Components::new()
             .with(None, stats.clone())
             .with(None, std::sync::Arc::new(control.clone()));
-        let app = axum::Router::new()
-            .route(
-                "/metrics",
-                axum::routing::get(move || {
-                    let text = components.render();
-                    async move {
-                        let content_type = kvfabric_serving::metrics::CONTENT_TYPE;
-                        ([(axum::http::header::CONTENT_TYPE, content_type)], text)
-                    }
-                }),
-            )
-            .route(
-                "/health",
-                axum::routing::get(move || {
-                    let mut h = stats.health();
-                    kvfabric_serving::metrics::add_control_plane(&mut h, &control.statuses());
-                    async move {
-                        let code = if h["status"] == "ok" {
-                            axum::http::StatusCode::OK
-                        } else {
-                            axum::http::StatusCode::SERVICE_UNAVAILABLE
-                        };
-                        (code, axum::Json(h))
-                    }
-                }),
-            );
-        metrics_addr = Some(listener.local_addr()?.to_string());
-        tracing::info!(addr = %listener.local_addr()?, "attach metrics and health listening");
-        // Bounded connections and idle timeouts, as every HTTP listener of kvfabric.
-        metrics_task = Some(tokio::spawn(async move {
-            let limits = kvfabric_serving::http::listen::HttpLimits::default();
-            let listen_stats = kvfabric_serving::metrics::ListenStats::default();
-            let forever = std::future::pending::<()>();
-            let _ =
-                kvfabric_serving::http::listen::serve(listener, app, limits, listen_stats, forever)
-                    .await;
-        }));
+        let health = move || stats.health();
+        let (addr, task) = super::stack::metrics_port(at, components, control, health).await?;
+        tracing::info!(%addr, "attach metrics and health listening");
+        metrics_addr = Some(addr.to_string());
+        metrics_task = Some(task);
     }
     let events_at = match (&events, attachment.bound()) {
         (EventsEndpoint::Bind(_), Some(a)) => format!("tcp://{a}"),

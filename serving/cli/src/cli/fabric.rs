@@ -53,6 +53,10 @@ pub struct FabricArgs {
     /// Discovery lease TTL, seconds.
     #[arg(long, env = "KVFABRIC_LEASE_TTL_S", default_value_t = 10)]
     lease_ttl_s: u64,
+    /// Serve `/metrics` (Prometheus: the control plane's state) and `/health` (JSON: `ok`,
+    /// or `degraded` while etcd or NATS does not answer) on this address.
+    #[arg(long, env = "KVFABRIC_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
 }
 
 /// How often a fabric node reports its tiers.
@@ -87,7 +91,22 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let node = FabricNode::serve(agent.clone(), store, Duration::from_secs(30));
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
     let registration = node.register(&*discovery, &args.name, ttl).await?;
-    super::say!("{}", serde_json::json!({ "fabric": node.info() }));
+    let mut metrics_addr = None;
+    let metrics = match args.metrics_listen {
+        Some(at) => {
+            let control =
+                kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
+            let components = kvfabric_serving::metrics::Components::new()
+                .with(None, std::sync::Arc::new(control.clone()));
+            let name = args.name.clone();
+            let health = move || serde_json::json!({ "status": "ok", "reasons": [], "node": name });
+            let (addr, task) = super::stack::metrics_port(at, components, control, health).await?;
+            metrics_addr = Some(addr);
+            Some(task)
+        }
+        None => None,
+    };
+    super::say!("{}", serde_json::json!({ "fabric": node.info(), "metrics": metrics_addr }));
 
     let publisher =
         StorePublisher::start(bus.clone(), args.name.clone(), node.store().clone(), events).await?;
@@ -115,6 +134,9 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     agent.shutdown();
     registration.revoke().await;
     reports.abort();
+    if let Some(m) = metrics {
+        m.abort();
+    }
     drop(publisher);
     tracing::info!(node = %args.name, "fabric node stopped");
     Ok(())

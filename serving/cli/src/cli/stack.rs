@@ -309,3 +309,55 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
         }
     }
 }
+
+/// Serves `/metrics` (the components' OpenMetrics text) and `/health` (the JSON `health`
+/// gives, with the control plane's state added: `degraded` while etcd or NATS does not
+/// answer) on `at`, with the bounds of every kvfabric HTTP listener. Its address and task.
+pub(super) async fn metrics_port(
+    at: std::net::SocketAddr,
+    components: kvfabric_serving::metrics::Components,
+    control: kvfabric_serving::metrics::ControlSource,
+    health: impl Fn() -> serde_json::Value + Clone + Send + Sync + 'static,
+) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    use kvfabric_serving::metrics::{add_control_plane, ListenStats, CONTENT_TYPE};
+    let listener = kvfabric_serving::http::listen::bind(at)
+        .map_err(|e| anyhow::anyhow!("--metrics-listen {at}: {e}"))?;
+    let addr = listener.local_addr()?;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let text = components.render();
+                async move { ([(axum::http::header::CONTENT_TYPE, CONTENT_TYPE)], text) }
+            }),
+        )
+        .route(
+            "/health",
+            axum::routing::get(move || {
+                let mut h = health();
+                add_control_plane(&mut h, &control.statuses());
+                async move {
+                    let serving = matches!(h["status"].as_str(), Some("ok" | "degraded"));
+                    let code = if serving {
+                        axum::http::StatusCode::OK
+                    } else {
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE
+                    };
+                    (code, axum::Json(h))
+                }
+            }),
+        );
+    let task = tokio::spawn(async move {
+        let limits = kvfabric_serving::http::listen::HttpLimits::default();
+        let forever = std::future::pending::<()>();
+        let _ = kvfabric_serving::http::listen::serve(
+            listener,
+            app,
+            limits,
+            ListenStats::default(),
+            forever,
+        )
+        .await;
+    });
+    Ok((addr, task))
+}

@@ -81,8 +81,6 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let mut metrics_addr = None;
     let metrics = match args.metrics_listen {
         Some(at) => {
-            let listener = tokio::net::TcpListener::bind(at).await?;
-            metrics_addr = Some(listener.local_addr()?);
             // Its own counters and the control plane's state; /health says whether the
             // control plane answers (a worker keeps serving without it).
             let control =
@@ -91,44 +89,11 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                 .with(None, Arc::new(source.clone()))
                 .with(None, Arc::new(control.clone()));
             let name = args.name.clone();
-            let app = axum::Router::new()
-                .route(
-                    "/metrics",
-                    axum::routing::get(move || {
-                        let components = components.clone();
-                        async move {
-                            let content_type = kvfabric_serving::metrics::CONTENT_TYPE;
-                            (
-                                [(axum::http::header::CONTENT_TYPE, content_type)],
-                                components.render(),
-                            )
-                        }
-                    }),
-                )
-                .route(
-                    "/health",
-                    axum::routing::get(move || {
-                        let (control, name) = (control.clone(), name.clone());
-                        async move {
-                            let mut h = serde_json::json!({
-                                "status": "ok", "reasons": [], "worker": name,
-                            });
-                            kvfabric_serving::metrics::add_control_plane(
-                                &mut h,
-                                &control.statuses(),
-                            );
-                            axum::Json(h)
-                        }
-                    }),
-                );
-            Some(tokio::spawn(async move {
-                let limits = kvfabric_serving::http::listen::HttpLimits::default();
-                let stats = kvfabric_serving::metrics::ListenStats::default();
-                let forever = std::future::pending::<()>();
-                let _ =
-                    kvfabric_serving::http::listen::serve(listener, app, limits, stats, forever)
-                        .await;
-            }))
+            let health =
+                move || serde_json::json!({ "status": "ok", "reasons": [], "worker": name });
+            let (addr, task) = super::stack::metrics_port(at, components, control, health).await?;
+            metrics_addr = Some(addr);
+            Some(task)
         }
         None => None,
     };
