@@ -1147,7 +1147,13 @@ pub fn add_control_plane(h: &mut serde_json::Value, control: &[kvfabric::control
             "events_behind": c.events_behind, "events_dropped": c.events_dropped,
         }))
         .collect::<Vec<_>>());
-    let reasons = control_plane_reasons(control);
+    degrade(h, control_plane_reasons(control));
+}
+
+/// Adds `reasons` to a `/health` body and turns its status `degraded` (from `ok`); nothing
+/// when there are none.
+pub fn degrade(h: &mut serde_json::Value, reasons: impl IntoIterator<Item = String>) {
+    let reasons: Vec<String> = reasons.into_iter().collect();
     if reasons.is_empty() {
         return;
     }

@@ -25,6 +25,15 @@ def prompt(n, seed=0):
     return [int(t) for t in rng.integers(1, 50_000, size=n)]
 
 
+def computed_by_a(a, b, n, seed):
+    """A computes (and saves) a prompt of ``n`` tokens, B knows A's worker store; the prompt."""
+    b.worker.add_node(a.worker.node_info())
+    p = prompt(n, seed=seed)
+    _, ids_a, _ = a.prefill("r1", p)
+    a.finish("r1", ids_a)
+    return p
+
+
 def test_version_and_error_codes():
     assert kvfabric.version()
     with pytest.raises(KvfError) as e:
@@ -144,10 +153,7 @@ def test_failed_loads_are_reported_per_block(tmp_path):
     a = FakeEngine("py-fail-a", cfg)
     b = FakeEngine("py-fail-b", cfg)
     try:
-        b.worker.add_node(a.worker.node_info())
-        p = prompt(40, seed=11)
-        _, ids_a, _ = a.prefill("r1", p)
-        a.finish("r1", ids_a)
+        p = computed_by_a(a, b, 40, 11)
         # The lookup says 32 tokens; then A goes away before the load.
         request = type("R", (), {"request_id": "x", "prompt_token_ids": p})()
         matched, _ = b.scheduler.get_num_new_matched_tokens(request, 0)
@@ -348,10 +354,7 @@ def test_async_loads_wait_outside_the_step_and_match_a_recomputation(tmp_path):
         a = FakeEngine(f"py-async-a-{async_load}", cfg)
         b = FakeEngine(f"py-async-b-{async_load}", cfg)
         try:
-            b.worker.add_node(a.worker.node_info())
-            p = prompt(70, seed=23)
-            _, ids_a, _ = a.prefill("r1", p)
-            a.finish("r1", ids_a)
+            p = computed_by_a(a, b, 70, 23)
             request = type("R", (), {"request_id": "probe", "prompt_token_ids": p})()
             assert b.scheduler.get_num_new_matched_tokens(request, 0) == (64, async_load)
             b.scheduler._lookups.clear()
@@ -374,10 +377,7 @@ def test_an_async_load_is_over_once_its_request_is_scheduled_even_unreported(tmp
     a = FakeEngine("py-unreported-a", cfg)
     b = FakeEngine("py-unreported-b", cfg, connector_output=False)
     try:
-        b.worker.add_node(a.worker.node_info())
-        p = prompt(70, seed=29)
-        _, ids_a, _ = a.prefill("r1", p)
-        a.finish("r1", ids_a)
+        p = computed_by_a(a, b, 70, 29)
         matched, ids_b, errors = b.prefill("r2", p)
         assert (matched, errors, b.load_steps > 0) == (64, set(), True)
         assert np.array_equal(b.token_kv(ids_b, 70), b.reference_kv(p, 70))
@@ -399,10 +399,7 @@ def test_an_async_load_that_fails_reports_its_blocks_and_the_request(tmp_path):
     a = FakeEngine("py-afail-a", cfg)
     b = FakeEngine("py-afail-b", cfg)
     try:
-        b.worker.add_node(a.worker.node_info())
-        p = prompt(40, seed=29)
-        _, ids_a, _ = a.prefill("r1", p)
-        a.finish("r1", ids_a)
+        p = computed_by_a(a, b, 40, 29)
         request = type("R", (), {"request_id": "x", "prompt_token_ids": p, "num_tokens": 40})()
         matched, is_async = b.scheduler.get_num_new_matched_tokens(request, 0)
         assert (matched, is_async) == (32, True)
@@ -444,10 +441,7 @@ def test_a_request_whose_load_failed_is_not_offered_the_same_blocks_again(tmp_pa
     a = FakeEngine("py-refail-a", cfg)
     b = FakeEngine("py-refail-b", cfg)
     try:
-        b.worker.add_node(a.worker.node_info())
-        p = prompt(40, seed=31)
-        _, ids_a, _ = a.prefill("r1", p)
-        a.finish("r1", ids_a)
+        p = computed_by_a(a, b, 40, 31)
 
         def req(rid):
             return type("R", (), {"request_id": rid, "prompt_token_ids": p, "num_tokens": 40})()

@@ -97,7 +97,9 @@ impl BackendHealth {
     /// Its state now.
     pub fn status(&self) -> ControlStatus {
         let up = self.up.load(Ordering::Acquire);
-        let error = if up { None } else { self.down.lock().as_ref().map(|(r, _)| r.clone()) };
+        let error = (!up).then(|| {
+            self.down.lock().as_ref().map_or_else(|| "unreachable".into(), |(r, _)| r.clone())
+        });
         let since_ms = self.now_ms().saturating_sub(self.last_ok_ms.load(Ordering::Relaxed));
         let behind = {
             let mut subs = self.subscriptions.lock();
@@ -107,7 +109,7 @@ impl BackendHealth {
         ControlStatus {
             backend: self.backend,
             connected: up,
-            error: if up { None } else { Some(error.unwrap_or_else(|| "unreachable".into())) },
+            error,
             since_contact_s: since_ms as f64 / 1e3,
             reconnects: self.reconnects.load(Ordering::Relaxed),
             lease_renewals_failed: self.lease_renewals_failed.load(Ordering::Relaxed),

@@ -10,24 +10,14 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{get, post_json, spawn_server, spawn_worker, Proc};
+use common::{get, post_json, spawn_worker, Proc};
 use kvfabric::testkit::{EtcdServer, NatsServer};
 use serde_json::{json, Value};
 
 const SECRET: &str = "control-plane-test-secret";
 
 fn frontend(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
-    cmd.args(["frontend", "--port", "0", "--namespace", "cp", "--secret", SECRET]).args([
-        "--name",
-        "cp-fe",
-        "--etcd",
-        &etcd.endpoint(),
-        "--nats",
-        &nats.url(),
-    ]);
-    let (proc, addr, _) = spawn_server(cmd);
-    (proc, addr)
+    common::spawn_frontend("cp-fe", "cp", SECRET, &etcd.endpoint(), &nats.url())
 }
 
 /// A mock worker with its metrics port; its address.

@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{get, post_json, spawn_server, spawn_worker, Proc};
+use common::{get, post_json, spawn_worker, Proc};
 use kvfabric::testkit::{EtcdServer, NatsServer};
 use serde_json::{json, Value};
 
@@ -156,17 +156,7 @@ fn fabric_node(name: &str, etcd: &EtcdServer, nats: &NatsServer) -> Proc {
 }
 
 fn frontend(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
-    cmd.args(["frontend", "--port", "0", "--namespace", "dash", "--secret", SECRET]).args([
-        "--name",
-        "dash-fe",
-        "--etcd",
-        &etcd.endpoint(),
-        "--nats",
-        &nats.url(),
-    ]);
-    let (proc, addr, _) = spawn_server(cmd);
-    (proc, addr)
+    common::spawn_frontend("dash-fe", "dash", SECRET, &etcd.endpoint(), &nats.url())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

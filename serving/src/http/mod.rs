@@ -233,35 +233,28 @@ fn model_card(st: &AppState, info: &crate::engine::ModelInfo) -> Value {
 /// parse the body.
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     let mut h = st.backend.health();
-    // A planner beside the backend: its workers, and short of what it asked for is degraded.
+    let mut control = Vec::new();
     for source in &st.cfg.sources {
         let mut snap = metrics::Snapshot::default();
         source.snapshot(&mut snap);
+        // A planner beside the backend: its workers, and short of what it asked for is
+        // degraded.
         if let Some(p) = snap.planner {
             h["planner"] = serde_json::json!({
                 "workers": p.workers, "desired": p.desired, "draining": p.draining,
                 "scale_failures": p.scale_failures,
             });
             if p.workers < p.desired && h["status"] == "ok" {
-                h["status"] = "degraded".into();
                 let why = format!(
                     "planner: {} of {} workers serving (a worker did not start)",
                     p.workers, p.desired
                 );
-                match h["reasons"].as_array_mut() {
-                    Some(r) => r.push(why.into()),
-                    None => h["reasons"] = serde_json::json!([why]),
-                }
+                metrics::degrade(&mut h, [why]);
             }
         }
-    }
-    // The control plane (etcd, NATS): an outage degrades, and says what still works.
-    let mut control = Vec::new();
-    for source in &st.cfg.sources {
-        let mut snap = metrics::Snapshot::default();
-        source.snapshot(&mut snap);
         control.extend(snap.control);
     }
+    // The control plane (etcd, NATS): an outage degrades, and says what still works.
     metrics::add_control_plane(&mut h, &control);
     let serving = matches!(h["status"].as_str(), Some("ok" | "degraded"));
     let status = if serving { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };

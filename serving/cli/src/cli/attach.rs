@@ -121,17 +121,15 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
         down_after: args.down_after.max(1),
     };
     let (discovery, bus) = args.control.connect().await?;
-    let control = kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
-    let attachment = Attachment::start(cfg, discovery, bus).await?;
+    let attachment = Attachment::start(cfg, discovery.clone(), bus.clone()).await?;
     let mut metrics_task = None;
     let mut metrics_addr = None;
     if let Some(at) = args.metrics_listen {
         let stats = attachment.stats_source();
-        let components = kvfabric_serving::metrics::Components::new()
-            .with(None, stats.clone())
-            .with(None, std::sync::Arc::new(control.clone()));
+        let own = stats.clone();
         let health = move || stats.health();
-        let (addr, task) = super::stack::metrics_port(at, components, control, health).await?;
+        let (addr, task) =
+            super::stack::metrics_port(at, Some(own), &discovery, &bus, health).await?;
         tracing::info!(%addr, "attach metrics and health listening");
         metrics_addr = Some(addr.to_string());
         metrics_task = Some(task);

@@ -94,13 +94,10 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let mut metrics_addr = None;
     let metrics = match args.metrics_listen {
         Some(at) => {
-            let control =
-                kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
-            let components = kvfabric_serving::metrics::Components::new()
-                .with(None, std::sync::Arc::new(control.clone()));
             let name = args.name.clone();
             let health = move || serde_json::json!({ "status": "ok", "reasons": [], "node": name });
-            let (addr, task) = super::stack::metrics_port(at, components, control, health).await?;
+            let (addr, task) =
+                super::stack::metrics_port(at, None, &discovery, &bus, health).await?;
             metrics_addr = Some(addr);
             Some(task)
         }

@@ -310,16 +310,26 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
-/// Serves `/metrics` (the components' OpenMetrics text) and `/health` (the JSON `health`
-/// gives, with the control plane's state added: `degraded` while etcd or NATS does not
-/// answer) on `at`, with the bounds of every kvfabric HTTP listener. Its address and task.
+/// Serves `/metrics` (`own`'s counters and the control plane's state) and `/health` (the
+/// JSON `health` gives, with the control plane's state added: `degraded` while etcd or NATS
+/// does not answer) on `at`, with the bounds of every kvfabric HTTP listener. Its address
+/// and task.
 pub(super) async fn metrics_port(
     at: std::net::SocketAddr,
-    components: kvfabric_serving::metrics::Components,
-    control: kvfabric_serving::metrics::ControlSource,
+    own: Option<Arc<dyn kvfabric_serving::metrics::Source>>,
+    discovery: &Arc<dyn Discovery>,
+    bus: &Arc<dyn EventBus>,
     health: impl Fn() -> serde_json::Value + Clone + Send + Sync + 'static,
 ) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
-    use kvfabric_serving::metrics::{add_control_plane, ListenStats, CONTENT_TYPE};
+    use kvfabric_serving::metrics::{
+        add_control_plane, Components, ControlSource, ListenStats, CONTENT_TYPE,
+    };
+    let control = ControlSource::new(discovery.clone(), bus.clone());
+    let mut components = Components::new();
+    if let Some(own) = own {
+        components = components.with(None, own);
+    }
+    let components = components.with(None, Arc::new(control.clone()));
     let listener = kvfabric_serving::http::listen::bind(at)
         .map_err(|e| anyhow::anyhow!("--metrics-listen {at}: {e}"))?;
     let addr = listener.local_addr()?;

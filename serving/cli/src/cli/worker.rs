@@ -83,15 +83,12 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         Some(at) => {
             // Its own counters and the control plane's state; /health says whether the
             // control plane answers (a worker keeps serving without it).
-            let control =
-                kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
-            let components = kvfabric_serving::metrics::Components::new()
-                .with(None, Arc::new(source.clone()))
-                .with(None, Arc::new(control.clone()));
             let name = args.name.clone();
             let health =
                 move || serde_json::json!({ "status": "ok", "reasons": [], "worker": name });
-            let (addr, task) = super::stack::metrics_port(at, components, control, health).await?;
+            let own = Arc::new(source.clone());
+            let (addr, task) =
+                super::stack::metrics_port(at, Some(own), &discovery, &bus, health).await?;
             metrics_addr = Some(addr);
             Some(task)
         }

@@ -105,6 +105,22 @@ pub fn dev_shm_files() -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A `kvfabric frontend` process named `name` in `namespace` over the etcd and NATS servers
+/// at `etcd` and `nats`, on a free port; its address.
+pub fn spawn_frontend(
+    name: &str,
+    namespace: &str,
+    secret: &str,
+    etcd: &str,
+    nats: &str,
+) -> (Proc, std::net::SocketAddr) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["frontend", "--port", "0", "--namespace", namespace, "--secret", secret])
+        .args(["--name", name, "--etcd", etcd, "--nats", nats]);
+    let (proc, addr, _) = spawn_server(cmd);
+    (proc, addr)
+}
+
 /// Starts `cmd`, a server that prints `kvfabric WHAT at http://ADDR/v1` first, and returns it
 /// with its address and that line.
 pub fn spawn_server(mut cmd: std::process::Command) -> (Proc, std::net::SocketAddr, String) {
