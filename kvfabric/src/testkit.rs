@@ -10,7 +10,30 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A free loopback port for a server that may be killed and restarted on it, chosen below
+/// the kernel's ephemeral range: a port from `bind(":0")` is one the kernel hands out again
+/// to any outgoing connection or `bind(":0")` of any process, so while the server is down
+/// (a test's outage) another test could take it and the restart would fail. Ports below the
+/// range are only ever taken by name. Falls back to an ephemeral port when none is found.
 fn free_port() -> std::io::Result<u16> {
+    use std::hash::{BuildHasher, Hasher};
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    const FIRST: u16 = 10_000;
+    if low > FIRST + 100 {
+        let span = u64::from(low - FIRST);
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        let start = h.finish() % span;
+        for i in 0..span.min(512) {
+            let port = FIRST + ((start + i * 7919) % span) as u16;
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
