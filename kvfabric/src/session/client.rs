@@ -5,6 +5,14 @@
 //! Each connection carries one request at a time. A request whose future is dropped mid-frame
 //! drops its connection too, so a half-sent frame is never followed by another; the next
 //! request opens a fresh connection.
+//!
+//! RPCs have connections of their own, apart from the stripes. A call holds its connection
+//! until the peer's handler answers, and a handler may itself move bytes back to the caller
+//! over the caller's stripes (a fabric node's GET writes into the caller's memory). Two
+//! agents calling each other at once, each call on a stripe the other's transfer needed,
+//! once waited for each other until the transfer deadline. Requests on stripes are answered
+//! by the peer's session server alone (bytes, commits, checksums), never by waiting on other
+//! work, so a stripe is always given back soon.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -35,6 +43,11 @@ fn session_error(peer: &str, e: SessionError) -> TransferError {
 /// sessions idle for their idle timeout ([`super::admission::AdmissionLimits::idle_timeout`],
 /// 120 s by default), and a request must not race that close.
 const IDLE_REUSE_MAX: Duration = Duration::from_secs(60);
+
+/// RPC connections a session opens to its peer at most; a call past them waits for one.
+/// With the stripes (4 by default) they stay well inside a server's admitted connections per
+/// peer ([`super::admission::AdmissionLimits::per_peer_max`], 64 for an agent's port).
+pub(crate) const RPC_CONNECTIONS_MAX: usize = 16;
 
 /// One authenticated connection.
 #[derive(Debug)]
@@ -67,6 +80,10 @@ pub(crate) struct Session {
     stripe_bytes: u64,
     stripes: Vec<tokio::sync::Mutex<Option<Conn>>>,
     next_stripe: AtomicUsize,
+    /// RPC connections not in use (see the module's notes).
+    rpc_idle: parking_lot::Mutex<Vec<Conn>>,
+    /// One per RPC connection in use.
+    rpc_permits: tokio::sync::Semaphore,
 }
 
 impl Session {
@@ -85,6 +102,8 @@ impl Session {
             stripe_bytes: cfg.stripe_bytes,
             stripes: (0..cfg.connections.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect(),
             next_stripe: AtomicUsize::new(0),
+            rpc_idle: parking_lot::Mutex::new(Vec::new()),
+            rpc_permits: tokio::sync::Semaphore::new(RPC_CONNECTIONS_MAX),
         }
     }
 
@@ -147,7 +166,27 @@ impl Session {
             Some(c) if c.reusable() => c,
             _ => self.connect().await?,
         };
-        Ok(StripeConn { session: self, slot, conn })
+        Ok(StripeConn { session: self, home: Home::Stripe(slot), conn })
+    }
+
+    /// An RPC connection: an idle one still usable, else a new one.
+    async fn rpc_conn(&self) -> Result<StripeConn<'_>, TransferError> {
+        let permit = self
+            .rpc_permits
+            .acquire()
+            .await
+            .map_err(|_| disconnected(self.peer(), "session closed"))?;
+        let idle = loop {
+            let Some(c) = self.rpc_idle.lock().pop() else { break None };
+            if c.reusable() {
+                break Some(c);
+            }
+        };
+        let conn = match idle {
+            Some(c) => c,
+            None => self.connect().await?,
+        };
+        Ok(StripeConn { session: self, home: Home::Rpc(permit), conn })
     }
 
     /// Sends a commit (checksums to verify, a notification) on stripe 0 and waits for its
@@ -202,7 +241,7 @@ impl Session {
 
     /// Calls the peer's RPC service.
     pub(crate) async fn call(&self, method: u16, body: Vec<u8>) -> Result<Vec<u8>, TransferError> {
-        let mut c = self.conn(self.next_stripes(1)).await?;
+        let mut c = self.rpc_conn().await?;
         c.send(&Message::Rpc { method, body }).await?;
         match c.reply().await {
             Ok(Message::RpcReply { body }) => {
@@ -244,19 +283,30 @@ async fn read_event(
     }
 }
 
-/// A connection taken out of its stripe for one request.
+/// Where a connection in use goes back to.
+enum Home<'s> {
+    /// Its stripe, held until then.
+    Stripe(tokio::sync::MutexGuard<'s, Option<Conn>>),
+    /// The idle RPC connections; the permit is this connection's place among them.
+    Rpc(tokio::sync::SemaphorePermit<'s>),
+}
+
+/// A connection taken out of its stripe (or the RPC connections) for one request.
 pub(crate) struct StripeConn<'s> {
     session: &'s Session,
-    slot: tokio::sync::MutexGuard<'s, Option<Conn>>,
+    home: Home<'s>,
     conn: Conn,
 }
 
 impl StripeConn<'_> {
     /// Puts the connection back for the next request (only after a clean exchange).
     pub(crate) fn keep(self) {
-        let StripeConn { mut slot, mut conn, .. } = self;
+        let StripeConn { session, home, mut conn } = self;
         conn.last_used = std::time::Instant::now();
-        *slot = Some(conn);
+        match home {
+            Home::Stripe(mut slot) => *slot = Some(conn),
+            Home::Rpc(_permit) => session.rpc_idle.lock().push(conn),
+        }
     }
 
     fn peer(&self) -> &str {
