@@ -7,6 +7,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvfabric::affinity::CpuSet;
 use kvfabric::agent::{Agent, AgentConfig, AgentMetadata, Notification};
 use kvfabric::control::etcd::EtcdDiscovery;
 use kvfabric::control::file::FileDiscovery;
@@ -131,9 +132,22 @@ impl kvf_agent {
         };
         init_logging();
         let threads = cfg.num::<u32>("worker_threads", 2).clamp(1, 64) as usize;
+        let cpus: CpuSet = cfg.str("cpus").unwrap_or("all").parse().map_err(|e| {
+            FfiError::new(kvf_result::KVF_INVALID_CONFIG, format!("config key \"cpus\": {e}"))
+        })?;
+        let widen_failed = Arc::new(std::sync::Once::new());
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name("kvfabric-ffi")
+            // Every thread of the runtime (workers and the blocking pool) leaves the cores an
+            // engine pinned the creating thread to (kvfabric::affinity).
+            .on_thread_start(move || {
+                if let Err(e) = cpus.apply_to_current_thread() {
+                    widen_failed.call_once(|| {
+                        tracing::warn!(error = %e, ?cpus, "cannot set the CPUs of kvfabric's threads; they keep the creating thread's");
+                    });
+                }
+            })
             .enable_all()
             .build()
             .map_err(io)?;
@@ -218,8 +232,8 @@ pub(crate) fn copy_bytes(
 }
 
 /// Starts an agent (its own threads; no process-wide state) from `config` into
-/// `*agent_out`. Reads: name, secret (required), listen, shm, worker_threads, etcd, nats,
-/// namespace, deadline_ms, lease_ttl_ms, discovery_dir. Discovery is etcd's with `etcd`;
+/// `*agent_out`. Reads: name, secret (required), listen, shm, worker_threads, cpus, etcd,
+/// nats, namespace, deadline_ms, lease_ttl_ms, discovery_dir. Discovery is etcd's with `etcd`;
 /// else, with `discovery_dir`, a directory that the processes of one host share (an instance
 /// is there while its process lives; names are create-only); else in this agent alone.
 /// Free it with `kvf_agent_free`.

@@ -27,6 +27,12 @@ const KEYS: &[(&str, Kind, &str)] = &[
     ("listen", Kind::Addr, "transfer listen address (default 127.0.0.1:0)"),
     ("shm", Kind::Bool, "offer the shared-memory transport to same-host peers (default true)"),
     ("worker_threads", Kind::U32, "threads of the agent's runtime (default 2)"),
+    (
+        "cpus",
+        Kind::Str,
+        "CPUs of the agent's threads: all (default: every CPU the process may use, not the \
+         cores an engine pinned its threads to), inherit, or a list such as 2-5,8",
+    ),
     ("etcd", Kind::List, "etcd endpoints, comma-separated (default: none, embedded discovery)"),
     ("nats", Kind::Str, "NATS URL (default: none, embedded event bus)"),
     ("namespace", Kind::Str, "namespace of discovery keys and bus subjects (default \"default\")"),

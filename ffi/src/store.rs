@@ -213,7 +213,12 @@ impl kvf_store {
         let name = ctx.agent.name().to_string();
         let (sink, events) = ChannelSink::new(65_536);
         let rt = ctx.rt();
-        let store = rt.block_on(TieredStore::open(scfg, &ctx.agent, sink.clone()))?;
+        // Opened on the runtime, not on the calling thread: threads the store starts (its
+        // disk I/O thread) inherit the runtime's CPUs, not the engine's pinned cores.
+        let (agent_c, sink_c) = (ctx.agent.clone(), sink.clone());
+        let store = rt
+            .block_on(rt.spawn(async move { TieredStore::open(scfg, &agent_c, sink_c).await }))
+            .map_err(|e| FfiError::new(kvf_result::KVF_PANIC, e.to_string()))??;
         let tasks: Vec<JoinHandle<()>> = Vec::new();
         // One id sequence for the store's own events and those the engine publishes; dumps
         // for routers that lost some.

@@ -43,6 +43,7 @@
 //! `unsafe` lives in [`memory`], the session's socket I/O and the transports, each block with
 //! its `SAFETY` argument.
 
+pub mod affinity;
 pub mod agent;
 pub mod contract;
 pub mod control;
