@@ -6,7 +6,8 @@
 #                           ones), pkg-config, g++ (the C++ example), Python's venv (the
 #                           binding's tests), and libibverbs-dev (the RDMA transport's verbs
 #                           ABI is checked against its verbs.h; its libibverbs1 is loaded),
-#                           chromium (the dashboard's browser test)
+#                           chromium (the dashboard's browser test), prometheus (its
+#                           server and promtool: the alert rules' tests)
 # Building needs no system package beyond the C toolchain: etcd is reached over its HTTP/JSON
 # gateway, so there is no protoc step. Prints nothing on success unless it installed something.
 #   KVFABRIC_MODEL_DIR  where the model is cached (see scripts/fetch-model.sh)
@@ -39,6 +40,8 @@ if [ "$profile" = test ]; then
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
   [ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)
   [ -x /usr/bin/chromium ] || need_apt+=(chromium) # the dashboard's browser test
+  # The alert rules' promtool tests and the real-Prometheus test (deploy/prometheus).
+  command -v promtool >/dev/null 2>&1 && [ -x /usr/bin/prometheus ] || need_apt+=(prometheus)
 fi
 
 if [ ${#need_apt[@]} -gt 0 ]; then

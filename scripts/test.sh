@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs every test of the workspace on a fresh Debian 12 machine of this kind, installing what
 # the tests need when it is missing (scripts/setup.sh test: etcd-server, nats-server, a C
-# compiler, chromium, the default model); with cargo-nextest when it is installed, else cargo
-# test; then the Python binding's tests in a virtual environment (numpy, pytest; msgspec and
-# pyzmq for the engine stand-ins that publish vLLM- and SGLang-format KV events; playwright for
-# the dashboard's browser test).
+# compiler, chromium, prometheus, the default model): the alert rules' promtool tests, then
+# the Rust tests (with cargo-nextest when it is installed, else cargo test), then the Python
+# binding's tests in a virtual environment (numpy, pytest; msgspec and pyzmq for the engine
+# stand-ins that publish vLLM- and SGLang-format KV events; playwright for the dashboard's
+# browser test).
 #   CARGO_TARGET_DIR   reused when set (CI points it outside the clone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,10 @@ KVFABRIC_TEST_PYTHON="${KVFABRIC_VENV:-$HOME/.cache/kvfabric/venv}/bin/python"
 export KVFABRIC_TEST_PYTHON
 
 status=0
+# The alert rules load, and each fires where it should (promtool's unit tests); the
+# real-Prometheus test is serving/cli/tests/prometheus.rs.
+promtool check rules deploy/prometheus/alerts.yml >/dev/null || status=$?
+promtool test rules deploy/prometheus/alerts.test.yml || status=$?
 if cargo nextest --version >/dev/null 2>&1; then
   # nextest does not run doctests: run them first, so that nextest's summary closes the log.
   cargo test --workspace --doc --quiet

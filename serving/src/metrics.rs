@@ -91,7 +91,8 @@ pub struct HttpMetrics {
     e2e: Histogram,
     prompt_tokens: Counter,
     generation_tokens: Counter,
-    cached_prompt_tokens: Counter,
+    /// Per tier ([`CACHE_TIERS`]), over the same requests as `prompt_tokens`.
+    cached_prompt_tokens: Family<Labels, Counter>,
     /// The TTFT and ITL histograms' bucket counts again, readable (the dashboard's
     /// percentiles); bucket `i` counts observations at most `LATENCY_BUCKETS[i]` (ITL:
     /// `ITL_BUCKETS[i]`) and above the bucket before, the last one those above all bounds.
@@ -125,6 +126,10 @@ impl Window {
     }
 }
 
+/// The tiers of `kvfabric_cached_prompt_tokens_total{tier}`, fastest first: an engine's own
+/// memory, host memory, disk, a remote fabric node (the dashboard's G1 to G4).
+pub const CACHE_TIERS: [&str; 4] = ["device", "host", "disk", "remote"];
+
 /// The frontend's cumulative counts ([`HttpMetrics::totals`]).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct HttpTotals {
@@ -140,8 +145,10 @@ pub struct HttpTotals {
     pub prompt_tokens: u64,
     /// Generated tokens.
     pub generated_tokens: u64,
-    /// Prompt tokens whose KV came from the block store.
+    /// Prompt tokens whose KV came from a cache (the sum of `cached_by_tier`).
     pub cached_prompt_tokens: u64,
+    /// Those per tier, in [`CACHE_TIERS`] order.
+    pub cached_by_tier: [u64; 4],
     /// TTFT observations per bucket of [`LATENCY_BUCKETS`] (not cumulative), and above.
     pub ttft_buckets: Vec<u64>,
     /// ITL observations per bucket of [`ITL_BUCKETS`] (not cumulative), and above.
@@ -281,7 +288,14 @@ impl Default for HttpMetrics {
             e2e: Histogram::new(LATENCY_BUCKETS.iter().copied()),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
-            cached_prompt_tokens: Counter::default(),
+            cached_prompt_tokens: {
+                let f = Family::<Labels, Counter>::default();
+                // Every tier has a sample from the start, 0 until a hit.
+                for t in CACHE_TIERS {
+                    f.get_or_create(&vec![("tier", t.into())]);
+                }
+                f
+            },
             ttft_buckets: (0..=LATENCY_BUCKETS.len()).map(|_| AtomicU64::new(0)).collect(),
             itl_buckets: (0..=ITL_BUCKETS.len()).map(|_| AtomicU64::new(0)).collect(),
             window: Arc::new(parking_lot::Mutex::new(Window::new())),
@@ -348,11 +362,16 @@ impl HttpMetrics {
         }
     }
 
-    /// A finished request's token counts.
-    pub fn tokens(&self, prompt: u64, generated: u64, cached: u64) {
+    /// The token counts of a request an engine admitted, once it ends (answered, failed or
+    /// cancelled): its prompt, what it generated, and its prompt tokens from cache per tier
+    /// ([`CACHE_TIERS`] order).
+    pub fn tokens(&self, prompt: u64, generated: u64, cached_by_tier: [u64; 4]) {
         self.prompt_tokens.inc_by(prompt);
         self.generation_tokens.inc_by(generated);
-        self.cached_prompt_tokens.inc_by(cached);
+        for (t, n) in CACHE_TIERS.iter().zip(cached_by_tier) {
+            self.cached_prompt_tokens.get_or_create(&vec![("tier", (*t).into())]).inc_by(n);
+        }
+        let cached: u64 = cached_by_tier.iter().sum();
         if !self.windowed() {
             return;
         }
@@ -376,6 +395,8 @@ impl HttpMetrics {
     pub fn totals(&self) -> HttpTotals {
         let outcome = |v: &str| self.requests.get_or_create(&vec![("outcome", v.into())]).get();
         let ld = |b: &[AtomicU64]| b.iter().map(|a| a.load(Relaxed)).collect();
+        let cached_by_tier = CACHE_TIERS
+            .map(|t| self.cached_prompt_tokens.get_or_create(&vec![("tier", t.into())]).get());
         HttpTotals {
             ok: outcome("ok"),
             client_errors: outcome("client_error"),
@@ -383,7 +404,8 @@ impl HttpMetrics {
             cancelled: outcome("cancelled"),
             prompt_tokens: self.prompt_tokens.get(),
             generated_tokens: self.generation_tokens.get(),
-            cached_prompt_tokens: self.cached_prompt_tokens.get(),
+            cached_prompt_tokens: cached_by_tier.iter().sum(),
+            cached_by_tier,
             ttft_buckets: ld(&self.ttft_buckets),
             itl_buckets: ld(&self.itl_buckets),
         }
@@ -423,7 +445,7 @@ impl HttpMetrics {
         );
         r.register(
             "kvfabric_cached_prompt_tokens",
-            "Prompt tokens whose KV came from the block store.",
+            "Prompt tokens whose KV came from a cache, per tier (the same requests as kvfabric_prompt_tokens).",
             self.cached_prompt_tokens.clone(),
         );
     }
@@ -513,6 +535,8 @@ pub struct RoutedSnapshot {
     pub kv_events_unknown_worker: u64,
     /// Requests sent to each worker.
     pub worker_requests: Vec<(String, u64)>,
+    /// Workers in discovery per model, for every model seen since the frontend started.
+    pub model_workers: Vec<(String, u64)>,
 }
 
 /// A decode worker's remote prefill counters.
@@ -830,6 +854,22 @@ fn engine_and_store(
         |s, o| {
             if let Some(t) = store(s) {
                 o.extend(tiered(&[("host", t.host_misses), ("disk", t.disk_misses)]));
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_kv_evicted_blocks",
+        "Blocks evicted to make room, per tier (host: moved down, or dropped with nothing below).",
+        None,
+        C,
+        |s, o| {
+            if let Some(t) = store(s) {
+                o.extend(tiered(&[
+                    ("host", t.host_evicted_blocks),
+                    ("disk", t.disk_evicted_blocks),
+                ]));
             }
         },
     )?;
@@ -1417,6 +1457,23 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
     family(e, s, "kvfabric_frontend_workers", "Workers known.", None, G, |s, o| {
         o.extend(s.routed.as_ref().map(|r| plain(r.worker_requests.len() as u64)))
     })?;
+    family(
+        e,
+        s,
+        "kvfabric_frontend_model_workers",
+        "Workers serving each model seen since the frontend started (0: none left).",
+        None,
+        G,
+        |s, o| {
+            if let Some(r) = &s.routed {
+                o.extend(
+                    r.model_workers
+                        .iter()
+                        .map(|(m, n)| (vec![("model", LabelValue(m.clone()))], Value::Int(*n))),
+                );
+            }
+        },
+    )?;
     Ok(())
 }
 
@@ -1583,7 +1640,7 @@ mod tests {
         h.first_token(Duration::from_millis(5));
         h.first_token(Duration::from_millis(50));
         h.first_token(Duration::from_secs(100));
-        h.tokens(10, 3, 4);
+        h.tokens(10, 3, [0, 3, 1, 0]);
         h.duration(Duration::from_millis(20));
         h.request(Outcome::Ok);
         let store = MetricsSnapshot {
@@ -1617,6 +1674,10 @@ mod tests {
             "kvfabric_time_to_first_token_seconds_count 3\n",
             "kvfabric_requests_total{outcome=\"ok\"} 1\n",
             "kvfabric_prompt_tokens_total 10\n",
+            "kvfabric_cached_prompt_tokens_total{tier=\"device\"} 0\n",
+            "kvfabric_cached_prompt_tokens_total{tier=\"host\"} 3\n",
+            "kvfabric_cached_prompt_tokens_total{tier=\"disk\"} 1\n",
+            "kvfabric_cached_prompt_tokens_total{tier=\"remote\"} 0\n",
             "kvfabric_kv_offload_bytes_total 4096\n",
             "kvfabric_prefill_transfer_seconds_total 1.5\n",
             "# UNIT kvfabric_kv_offload_bytes bytes\n",
@@ -1675,7 +1736,7 @@ mod tests {
         m.request(Outcome::Ok);
         m.request(Outcome::ServerError);
         m.request(Outcome::ClientError);
-        m.tokens(100, 10, 40);
+        m.tokens(100, 10, [0, 30, 0, 10]);
         m.first_token(Duration::from_millis(5));
         for i in 0..1_000_000u64 {
             m.inter_token(Duration::from_millis(if i < 500_000 { 1 } else { 9 }));

@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use common::{get, metric, post, post_json, streamed_text};
+use common::{get, metric, metric_sum, post, post_json, streamed_text};
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
 use kvfabric::layout::{KvDtype, ModelSpec};
@@ -315,7 +315,13 @@ async fn a_client_that_hangs_up_mid_stream_cancels_its_generation() {
         ..Opts::default()
     })
     .await;
-    let body = chat("tell me everything", json!({"stream": true, "max_tokens": 4000})).to_string();
+    // The same conversation once, answered: its blocks are stored for the next.
+    let content = "tell me everything you know about caches, ".repeat(12);
+    let r =
+        post_json(s.addr, "/v1/chat/completions", &chat(&content, json!({"max_tokens": 1}))).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let prompt = r.json()["usage"]["prompt_tokens"].as_u64().unwrap() as f64;
+    let body = chat(&content, json!({"stream": true, "max_tokens": 4000})).to_string();
     let mut conn = tokio::net::TcpStream::connect(s.addr).await.unwrap();
     conn.write_all(&common::request_bytes("POST", "/v1/chat/completions", Some(&body)))
         .await
@@ -336,6 +342,18 @@ async fn a_client_that_hangs_up_mid_stream_cancels_its_generation() {
     assert!(stats.generated_tokens.load(Ordering::Relaxed) < 4000);
     let m = get(s.addr, "/metrics").await.text();
     assert_eq!(metric(&m, "kvfabric_requests_total{outcome=\"cancelled\"}"), 1.0);
+    // Its tokens count like any other request's: prompt tokens and tokens from cache are over
+    // the same two requests, and the dashboard shows what /metrics says.
+    assert_eq!(metric(&m, "kvfabric_prompt_tokens_total"), 2.0 * prompt);
+    let cached = metric_sum(&m, "kvfabric_cached_prompt_tokens_total");
+    assert!(cached >= 16.0 && cached < prompt, "the cancelled request reused the blocks: {m}");
+    let page = get(s.addr, "/dashboard/state").await.json();
+    assert_eq!(page["requests"]["prompt_tokens"].as_f64(), Some(2.0 * prompt), "{page}");
+    assert_eq!(page["requests"]["cached_prompt_tokens"].as_f64(), Some(cached), "{page}");
+    for (i, tier) in ["device", "host", "disk", "remote"].iter().enumerate() {
+        let sample = format!("kvfabric_cached_prompt_tokens_total{{tier=\"{tier}\"}}");
+        assert_eq!(page["tiers"][i]["hit_tokens"].as_f64(), Some(metric(&m, &sample)), "{page}");
+    }
     // The engine still serves.
     let r = post_json(s.addr, "/v1/chat/completions", &chat("again", json!({}))).await;
     assert_eq!(r.status, 200);
@@ -398,7 +416,10 @@ async fn a_repeated_prompt_reuses_blocks_from_host_and_from_disk() {
     let m = get(s.addr, "/metrics").await.text();
     assert!(metric(&m, "kvfabric_kv_hit_tokens_total{tier=\"disk\"}") > 0.0, "{m}");
     assert!(metric(&m, "kvfabric_kv_onboard_bytes_total") > 0.0);
-    assert_eq!(metric(&m, "kvfabric_cached_prompt_tokens_total"), cached as f64);
+    assert_eq!(metric_sum(&m, "kvfabric_cached_prompt_tokens_total"), cached as f64);
+    let from =
+        |t: &str| metric(&m, &format!("kvfabric_cached_prompt_tokens_total{{tier=\"{t}\"}}"));
+    assert!(from("disk") > 0.0 && from("host") + from("disk") == cached as f64, "{m}");
     // A different prompt sharing the first blocks reuses just those.
     let mut other = body.clone();
     other["prompt"] =

@@ -128,6 +128,10 @@ pub struct MetricsSnapshot {
     pub disk_hits: u64,
     /// Disk lookup misses.
     pub disk_misses: u64,
+    /// Blocks evicted from the host tier (moved down, or dropped when nothing is below).
+    pub host_evicted_blocks: u64,
+    /// Blocks evicted from the disk tier to make room.
+    pub disk_evicted_blocks: u64,
     /// Offloaded blocks.
     pub offload_blocks: u64,
     /// Offloaded bytes.

@@ -104,6 +104,8 @@ pub struct SlotPool {
     policy: Box<dyn EvictionPolicy>,
     /// Slots marked evicting (begun, not finished).
     evicting: u32,
+    /// Blocks that left the tier by eviction, since it was made.
+    evicted: u64,
 }
 
 impl SlotPool {
@@ -117,6 +119,7 @@ impl SlotPool {
             free: (0..capacity).rev().collect(),
             policy: policy.build(capacity),
             evicting: 0,
+            evicted: 0,
         }
     }
 
@@ -361,6 +364,7 @@ impl SlotPool {
         if copied && pins == 0 {
             self.index.remove(&hash);
             self.free_slot(slot);
+            self.evicted += 1;
             return Ok(EvictOutcome::Freed);
         }
         if let SlotState::Ready { evicting, .. } = &mut self.slots[slot as usize] {
@@ -370,6 +374,11 @@ impl SlotPool {
             self.policy.insert(slot);
         }
         Ok(EvictOutcome::Kept)
+    }
+
+    /// Blocks that left the tier by eviction (moved down or dropped), since it was made.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
     }
 
     /// Evictions begun and not finished: slots that will be free or evictable again soon.

@@ -109,6 +109,7 @@ async fn host_tier_stores_pins_and_evicts_lru() {
     assert_eq!((stored, removed), (7, 3));
     let m = s.metrics();
     assert_eq!((m.host_used_blocks, m.host_capacity_blocks), (4, 4));
+    assert_eq!((m.host_evicted_blocks, m.disk_evicted_blocks), (3, 0), "each removal counted");
 }
 
 /// A dropped store gives its host tier back: the region is deregistered from the agent (a
@@ -194,6 +195,7 @@ async fn a_working_set_larger_than_host_spills_to_disk_and_comes_back() {
     let m = s.metrics();
     assert_eq!(m.offload_blocks, 16);
     assert_eq!(m.disk_used_blocks, 16);
+    assert_eq!(m.host_evicted_blocks, 16, "moved down to disk, counted as host evictions");
     let hashes: Vec<_> = (0..20).map(h).collect();
     let tiers = s.lookup_prefix(&hashes);
     assert_eq!(tiers.len(), 20);

@@ -56,7 +56,6 @@ struct Sample {
 #[derive(Debug, Clone, Default)]
 struct WorkTotals {
     prefill_tokens: u64,
-    hit_tokens: [u64; 4],
     transfer_bytes: BTreeMap<String, u64>,
     remote_prefills: u64,
     prefill_fallbacks: u64,
@@ -66,13 +65,8 @@ impl WorkTotals {
     /// What `b` added since `a`, per counter (a counter that went down adds nothing).
     fn since(b: &WorkTotals, a: &WorkTotals) -> WorkTotals {
         let d = |x: u64, y: u64| y.saturating_sub(x);
-        let mut hit_tokens = [0; 4];
-        for (i, h) in hit_tokens.iter_mut().enumerate() {
-            *h = d(a.hit_tokens[i], b.hit_tokens[i]);
-        }
         WorkTotals {
             prefill_tokens: d(a.prefill_tokens, b.prefill_tokens),
-            hit_tokens,
             transfer_bytes: b
                 .transfer_bytes
                 .iter()
@@ -93,9 +87,6 @@ impl WorkTotals {
         // Reports come off the bus: sums saturate rather than trust their magnitudes.
         for s in workers.iter().filter_map(|w| w.stats.as_ref()) {
             t.prefill_tokens = t.prefill_tokens.saturating_add(s.prefill_tokens);
-            for (a, b) in t.hit_tokens.iter_mut().zip(s.hit_tokens) {
-                *a = a.saturating_add(b);
-            }
             for x in &s.transfers {
                 let b = t.transfer_bytes.entry(x.transport.clone()).or_default();
                 *b = b.saturating_add(x.bytes);
@@ -178,9 +169,6 @@ fn point(a: &Sample, b: &Sample) -> Value {
         let Some(before) = a.work.get(name) else { continue };
         let inc = WorkTotals::since(now, before);
         work.prefill_tokens = work.prefill_tokens.saturating_add(inc.prefill_tokens);
-        for (x, y) in work.hit_tokens.iter_mut().zip(inc.hit_tokens) {
-            *x = x.saturating_add(y);
-        }
         for (k, v) in inc.transfer_bytes {
             let e = work.transfer_bytes.entry(k).or_default();
             *e = e.saturating_add(v);
@@ -188,11 +176,15 @@ fn point(a: &Sample, b: &Sample) -> Value {
         work.remote_prefills = work.remote_prefills.saturating_add(inc.remote_prefills);
         work.prefill_fallbacks = work.prefill_fallbacks.saturating_add(inc.prefill_fallbacks);
     }
-    let prompt = work.hit_tokens.iter().fold(work.prefill_tokens as f64, |s, h| s + *h as f64);
-    let hit_rate: Vec<Option<f64>> = work
-        .hit_tokens
-        .iter()
-        .map(|h| (prompt > 0.0).then(|| (*h as f64 / prompt).clamp(0.0, 1.0)))
+    // Prompt tokens from cache per tier, over the prompt tokens of the same requests: the
+    // frontend's own counts (what `/metrics` says), not the workers' (theirs include other
+    // frontends' requests).
+    let prompt = d(ha.prompt_tokens, hb.prompt_tokens) as f64;
+    let hit_rate: Vec<Option<f64>> = (0..4)
+        .map(|i| {
+            let h = d(ha.cached_by_tier[i], hb.cached_by_tier[i]) as f64;
+            (prompt > 0.0).then(|| (h / prompt).clamp(0.0, 1.0))
+        })
         .collect();
     let bytes: BTreeMap<&String, f64> =
         work.transfer_bytes.iter().map(|(k, v)| (k, *v as f64 / dt)).collect();
@@ -242,7 +234,7 @@ pub(super) async fn state(State(st): State<Arc<AppState>>) -> Json<Value> {
         .enumerate()
         .map(|(i, name)| {
             json!({ "tier": name, "used_blocks": occupancy[i].0,
-                    "capacity_blocks": occupancy[i].1, "hit_tokens": work.hit_tokens[i] })
+                    "capacity_blocks": occupancy[i].1, "hit_tokens": http.cached_by_tier[i] })
         })
         .collect();
     let health = st.backend.health();
@@ -298,40 +290,36 @@ pub(super) async fn style() -> impl IntoResponse {
 mod tests {
     use super::*;
 
-    fn sample(after_s: u64, ok: u64, workers: &[(&str, u64, [u64; 4])]) -> Sample {
+    /// A sample: the frontend's answered requests, prompt tokens and tokens from cache per
+    /// tier, and each worker's remote prefills.
+    fn sample(after_s: u64, http: (u64, u64, [u64; 4]), workers: &[(&str, u64)]) -> Sample {
         let work = workers
             .iter()
-            .map(|(name, prefill, hits)| {
-                let t = WorkTotals {
-                    prefill_tokens: *prefill,
-                    hit_tokens: *hits,
-                    ..Default::default()
-                };
-                (name.to_string(), t)
+            .map(|(name, n)| {
+                (name.to_string(), WorkTotals { remote_prefills: *n, ..Default::default() })
             })
             .collect();
         let mono = std::time::Instant::now() + Duration::from_secs(after_s);
-        let http = HttpTotals { ok, ..HttpTotals::default() };
+        let (ok, prompt_tokens, cached_by_tier) = http;
+        let http = HttpTotals { ok, prompt_tokens, cached_by_tier, ..HttpTotals::default() };
         Sample { at: after_s as f64, mono, http, work }
     }
 
-    /// Per-worker increases: a worker that joins adds nothing in its first interval, one that
-    /// restarts (counters down) adds nothing, and absurd counters saturate and clamp.
+    /// Worker rates sum each worker's increase: one that joins adds nothing in its first
+    /// interval, one that restarts (counters down) adds nothing. Tokens from cache are the
+    /// frontend's, over its own prompt tokens; absurd counters saturate and clamp.
     #[test]
-    fn rates_are_sums_of_each_workers_increase() {
-        let a = sample(0, 10, &[("w-0", 100, [0, 100, 0, 0]), ("w-1", 50, [0; 4])]);
-        let b = sample(
-            2,
-            30,
-            &[("w-0", 200, [0, 300, 0, 0]), ("w-1", 0, [0; 4]), ("w-2", 9000, [0; 4])],
-        );
+    fn rates_sum_each_workers_increase_and_hits_are_the_frontends_own() {
+        let a = sample(0, (10, 300, [0, 100, 0, 0]), &[("w-0", 100), ("w-1", 50)]);
+        let b = sample(2, (30, 600, [0, 300, 0, 0]), &[("w-0", 110), ("w-1", 0), ("w-2", 9000)]);
         let p = point(&a, &b);
         assert!((p["requests_per_s"].as_f64().unwrap() - 10.0).abs() < 0.1, "{p}");
-        // w-0 computed 100 and found 200 in G2; w-1 restarted; w-2 is new.
+        // w-0 made 10; w-1 restarted; w-2 is new.
+        assert!((p["remote_prefills_per_s"].as_f64().unwrap() - 5.0).abs() < 0.1, "{p}");
+        // 200 of the 300 prompt tokens came from host memory.
         assert!((p["hit_rate"]["G2"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-9, "{p}");
         assert_eq!(p["hit_rate"]["G1"], 0.0);
-        let evil =
-            sample(4, 30, &[("w-0", u64::MAX, [u64::MAX; 4]), ("w-1", u64::MAX, [u64::MAX; 4])]);
+        let evil = sample(4, (30, 601, [u64::MAX; 4]), &[("w-0", u64::MAX)]);
         let p = point(&b, &evil);
         for t in ["G1", "G2", "G3", "G4"] {
             let h = p["hit_rate"][t].as_f64().unwrap();

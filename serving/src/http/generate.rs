@@ -205,11 +205,29 @@ impl Generation {
         } else if self.last_token.is_none() {
             m.no_first_token(self.started.elapsed());
         }
-        m.tokens(
-            self.prompt_tokens as u64,
-            self.completion_tokens as u64,
-            self.cached_tokens() as u64,
-        );
+        self.count_tokens();
+    }
+
+    /// Counts the request's tokens: every request an engine admitted, whatever its end, so
+    /// that prompt tokens and tokens from cache are over the same requests.
+    fn count_tokens(&self) {
+        let c = self.cached_by_tier();
+        self.st.metrics.tokens(self.prompt_tokens as u64, self.completion_tokens as u64, c);
+    }
+
+    /// [`Self::cached_tokens`] per tier (`metrics::CACHE_TIERS` order). The blocks a prefill
+    /// worker wrote for this request are onboarded from host memory: they are taken off the
+    /// host tier (then off the others, should there be fewer there).
+    fn cached_by_tier(&self) -> [u64; 4] {
+        let c = &self.cached;
+        let mut tiers = [c.device_tokens, c.host_tokens, c.disk_tokens, c.remote_tokens];
+        let mut computed = self.remote_prefill.as_ref().map_or(0, |r| r.tokens);
+        for i in [1, 3, 2, 0] {
+            let take = computed.min(tiers[i]);
+            tiers[i] -= take;
+            computed -= take;
+        }
+        tiers.map(|n| n as u64)
     }
 
     pub(super) fn chunk(
@@ -246,8 +264,9 @@ impl Drop for Generation {
     fn drop(&mut self) {
         if !self.finished {
             // The client went away mid-generation: the receiver drops with us, which
-            // cancels the engine's work.
+            // cancels the engine's work. Its tokens count as those of any other end.
             self.st.metrics.request(Outcome::Cancelled);
+            self.count_tokens();
             self.finished = true;
         }
     }

@@ -11,7 +11,7 @@
 //! another worker; after a token it fails with a clear error. Every wait has the request's
 //! deadline.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -124,7 +124,13 @@ struct Inner {
     stats: RoutedStats,
     /// Authenticated connections to workers, kept between requests.
     pool: protocol::ConnectionPool,
+    /// Every model a worker in discovery served since this frontend started (at most
+    /// [`MODELS_REMEMBERED_MAX`]): `/metrics` says 0 workers for one whose workers all left.
+    models_seen: Mutex<std::collections::BTreeSet<String>>,
 }
+
+/// Models remembered for `kvfabric_frontend_model_workers`.
+const MODELS_REMEMBERED_MAX: usize = 1024;
 
 /// Workers in discovery behind one routing frontend. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -168,6 +174,7 @@ impl RoutedBackend {
             next_id: AtomicU64::new(1),
             stats: RoutedStats::default(),
             pool: protocol::ConnectionPool::default(),
+            models_seen: Mutex::new(Default::default()),
         });
         let admit = admission::Admit(Arc::downgrade(&inner));
         let task = inner.members.follow(discovery, admit).await.map_err(ctl)?;
@@ -202,6 +209,24 @@ impl RoutedBackend {
     }
 
     /// Requests sent to each worker so far.
+    /// Workers in discovery per model, for every model seen since the frontend started.
+    pub fn model_workers(&self) -> Vec<(String, u64)> {
+        let mut now: BTreeMap<String, u64> = BTreeMap::new();
+        self.inner.members.read(|m| {
+            for w in m.workers.values() {
+                *now.entry(w.model.clone()).or_default() += 1;
+            }
+        });
+        let mut seen = self.inner.models_seen.lock();
+        for model in now.keys() {
+            if seen.len() < MODELS_REMEMBERED_MAX {
+                seen.insert(model.clone());
+            }
+        }
+        seen.iter().map(|m| (m.clone(), now.get(m).copied().unwrap_or(0))).collect()
+    }
+
+    /// Requests sent to each worker in discovery.
     pub fn served(&self) -> Vec<(String, u64)> {
         let mut v: Vec<_> = self
             .inner
@@ -309,6 +334,7 @@ impl Backend for RoutedBackend {
             kv_events_malformed: ld(&f.malformed),
             kv_events_unknown_worker: ld(&f.unknown),
             worker_requests: self.served(),
+            model_workers: self.model_workers(),
         });
     }
 }

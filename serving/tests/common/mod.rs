@@ -124,6 +124,23 @@ pub fn metric(text: &str, sample: &str) -> f64 {
         .unwrap_or_else(|| panic!("no sample {sample} in metrics"))
 }
 
+/// The sum of every sample of the family `name` (with any labels).
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    let samples: Vec<f64> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let value = match rest.strip_prefix('{') {
+                Some(labelled) => labelled.split_once("} ")?.1,
+                None => rest.strip_prefix(' ')?,
+            };
+            value.trim().parse().ok()
+        })
+        .collect();
+    assert!(!samples.is_empty(), "no sample of {name} in metrics");
+    samples.iter().sum()
+}
+
 /// The streamed text of an SSE response (chat deltas or completion texts), and the chunks.
 pub fn streamed_text(r: &Response) -> (String, Vec<Value>) {
     let mut text = String::new();

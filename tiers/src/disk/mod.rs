@@ -342,6 +342,11 @@ impl DiskTier {
         (st.pool.used(), st.pool.usable())
     }
 
+    /// Blocks evicted from the disk to make room, since the tier opened.
+    pub fn evicted(&self) -> u64 {
+        self.state.lock().pool.evicted()
+    }
+
     /// Every block on disk with its parent.
     pub fn blocks(&self) -> Vec<(SequenceHash, Option<SequenceHash>)> {
         self.state.lock().pool.blocks()

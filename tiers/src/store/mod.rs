@@ -439,9 +439,9 @@ impl TieredStore {
     /// Metrics and occupancy.
     pub fn metrics(&self) -> MetricsSnapshot {
         let m = &self.inner.metrics;
-        let (host_used, host_cap) = {
+        let (host_used, host_cap, host_evicted) = {
             let h = self.inner.host.lock();
-            (h.pool.used(), h.pool.capacity())
+            (h.pool.used(), h.pool.capacity(), h.pool.evicted())
         };
         let (disk_used, disk_cap) = self.inner.disk.as_ref().map_or((0, 0), |d| d.occupancy());
         let (device_used, device_cap) = self.device_occupancy();
@@ -456,6 +456,8 @@ impl TieredStore {
             host_misses: get(&m.host.misses),
             disk_hits: get(&m.disk.hits),
             disk_misses: get(&m.disk.misses),
+            host_evicted_blocks: host_evicted,
+            disk_evicted_blocks: self.inner.disk.as_ref().map_or(0, |d| d.evicted()),
             offload_blocks: get(&m.offload_blocks),
             offload_bytes: get(&m.offload_bytes),
             offload_errors: get(&m.offload_errors),

@@ -216,6 +216,27 @@ pub fn apply_config_file() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `KVFABRIC_SECRET_FILE`: the shared secret read from a file (a container secret such as
+/// `/run/secrets/kvfabric`, so that it is in no process listing or environment dump of the
+/// orchestrator), unless `--secret` or `KVFABRIC_SECRET` gives it. Trailing whitespace (the
+/// file's newline) is not part of it; an empty or unreadable file is an error.
+pub fn apply_secret_file() -> anyhow::Result<()> {
+    let Some(path) = std::env::var_os("KVFABRIC_SECRET_FILE") else { return Ok(()) };
+    let on_command_line = std::env::args().any(|a| a == "--secret" || a.starts_with("--secret="));
+    if on_command_line || std::env::var_os("KVFABRIC_SECRET").is_some() {
+        return Ok(());
+    }
+    let path = std::path::PathBuf::from(path);
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("reading KVFABRIC_SECRET_FILE {}", path.display()))?;
+    let secret = text.trim_end();
+    anyhow::ensure!(!secret.is_empty(), "KVFABRIC_SECRET_FILE {} is empty", path.display());
+    // Single-threaded here (before the runtime starts): nothing reads the environment
+    // concurrently.
+    std::env::set_var("KVFABRIC_SECRET", secret);
+    Ok(())
+}
+
 fn scalar(v: &toml::Value) -> anyhow::Result<String> {
     Ok(match v {
         toml::Value::String(s) => s.clone(),

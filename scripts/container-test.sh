@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The container image and the compose deployment, end to end on this machine (not part of CI:
+# it installs podman and builds images; docs/deploy.md has its timings):
+# 1. podman, runc, podman-compose and mmdebstrap from Debian's packages, when missing;
+# 2. the base image the Dockerfile names (debian:bookworm-slim), made from Debian's packages
+#    with mmdebstrap and imported under that name, when no such image is present (these
+#    machines reach no image registry);
+# 3. the wheel, built here (scripts/build-wheel.sh), and the image from it: the Dockerfile's
+#    `runtime-prebuilt` target. Its `build` stage (a Rust toolchain image) is the one part not
+#    run here: no toolchain image is reachable, and Debian 12's rustc is too old;
+# 4. the etcd and NATS images (targets etcd and nats, Debian's packages);
+# 5. deploy/compose.yaml up with podman-compose, on ports of its own, a fresh secret; a chat
+#    completion through the frontend, twice (the second reuses the first's KV); the
+#    dashboard's numbers; every container's health; then down.
+# podman runs here with runc, cgroupfs, explicit ulimits and host networking (../shared/ops.md),
+# set through a containers.conf of this run (CONTAINERS_CONF).
+#   KEEP=1   leave the deployment running
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo="$PWD"
+t0=$(date +%s)
+step() { echo "== $(( $(date +%s) - t0 )) s: $*" >&2; }
+
+need=()
+command -v podman >/dev/null || need+=(podman)
+command -v runc >/dev/null || need+=(runc)
+command -v podman-compose >/dev/null || need+=(podman-compose)
+command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
+if [ ${#need[@]} -gt 0 ]; then
+  step "installing ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+work="$(mktemp -d /tmp/kvfabric-container.XXXXXX)"
+cat > "$work/containers.conf" <<CONF
+[containers]
+default_ulimits = ["nofile=65536:65536", "nproc=4096:4096"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+CONF
+export CONTAINERS_CONF="$work/containers.conf"
+
+base=docker.io/library/debian:bookworm-slim
+if ! podman image exists "$base"; then
+  step "making $base from Debian's packages (mmdebstrap)"
+  mmdebstrap --quiet --variant=minbase --include=ca-certificates bookworm "$work/rootfs.tar"
+  podman import --quiet "$work/rootfs.tar" "$base" >/dev/null
+  rm -f "$work/rootfs.tar"
+fi
+
+step "building the wheel (release)"
+rm -rf dist
+PROFILE=release scripts/build-wheel.sh >/dev/null
+ls -l dist/
+
+step "building the images"
+build() { podman build --quiet --network host --target "$1" -t "$2" . >/dev/null; }
+build runtime-prebuilt localhost/kvfabric:latest
+build etcd localhost/kvfabric-etcd:latest
+build nats localhost/kvfabric-nats:latest
+podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E 'kvfabric|debian'
+
+# Ports of this run's own, away from the defaults.
+export KVFABRIC_PORT=18000 ETCD_PORT=12379 ETCD_PEER_PORT=12380 NATS_PORT=14222 \
+  NATS_MONITOR_PORT=18222 WORKER_A_METRICS=19101 WORKER_B_METRICS=19102 FABRIC_METRICS=19110
+KVFABRIC_MODEL_DIR="$(dirname "$(scripts/fetch-model.sh)")"
+export KVFABRIC_MODEL_DIR
+export KVFABRIC_SECRET_PATH="$work/secret"
+head -c 32 /dev/urandom | base64 > "$KVFABRIC_SECRET_PATH"
+compose() { podman-compose --project-name kvfabric-test -f deploy/compose.yaml "$@"; }
+down() {
+  if [ -z "${KEEP:-}" ]; then
+    compose down -v >/dev/null 2>&1 || true
+    rm -rf "$work"
+  fi
+}
+trap down EXIT
+
+step "compose up"
+compose up -d --no-build >/dev/null
+fe="http://127.0.0.1:$KVFABRIC_PORT"
+for _ in $(seq 300); do
+  workers=$(curl -sf "$fe/health" 2>/dev/null | python3 -c 'import json,sys; print(len(json.load(sys.stdin).get("workers", [])))' 2>/dev/null || echo 0)
+  [ "$workers" = 2 ] && break
+  sleep 1
+done
+[ "$workers" = 2 ] || { compose logs >&2 || true; echo "the frontend never saw both workers" >&2; exit 1; }
+step "up: the frontend sees both workers"
+
+ask() {
+  curl -sf "$fe/v1/chat/completions" -H 'content-type: application/json' -d '{
+    "model": "SmolLM2-135M-Instruct.Q4_1", "temperature": 0, "max_tokens": 24,
+    "messages": [{"role": "system", "content": "You are a helpful assistant. Answer briefly and precisely, in one sentence."},
+                 {"role": "user", "content": "What is the capital of France?"}]}'
+}
+for i in 1 2; do
+  s=$(date +%s.%N)
+  out="$(ask)"
+  e=$(date +%s.%N)
+  echo "$out" | python3 -c '
+import json, sys
+r = json.load(sys.stdin)
+print("answer:", repr(r["choices"][0]["message"]["content"]))
+print("usage:", json.dumps(r["usage"]))' 
+  echo "request $i took $(python3 -c "print(f'{$e - $s:.2f}')") s"
+done
+
+step "the dashboard's view"
+curl -sf "$fe/dashboard/state" | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+print("server:", d["server"])
+r = d["requests"]
+print("requests: ok", r["ok"], "prompt tokens", r["prompt_tokens"], "from cache", r["cached_prompt_tokens"])
+for w in d["workers"]:
+    print("worker", w.get("name"), w.get("state"), "requests", w.get("requests"))
+for t in d["tiers"]:
+    print("tier", t["tier"], "used", t["used_blocks"], "of", t["capacity_blocks"], "hit tokens", t["hit_tokens"])'
+
+step "health of every container"
+podman ps --filter label=io.podman.compose.project=kvfabric-test --format '{{.Names}} {{.Status}}'
+for c in $(podman ps --filter label=io.podman.compose.project=kvfabric-test --format '{{.Names}}'); do
+  podman healthcheck run "$c" >/dev/null && echo "$c healthy" || { echo "$c unhealthy" >&2; exit 1; }
+done
+for port in "$WORKER_A_METRICS" "$WORKER_B_METRICS" "$FABRIC_METRICS"; do
+  echo "127.0.0.1:$port /health: $(curl -sf "http://127.0.0.1:$port/health" | python3 -c 'import json,sys; print(json.load(sys.stdin)["status"])')"
+done
+step "done"
