@@ -354,6 +354,26 @@ impl kvf_store {
             }
             let nodes = self.remote.as_ref().map(RemoteTier::nodes).unwrap_or_default();
             m.insert("fabric_nodes".into(), nodes.into());
+            // etcd's and NATS's state as this process sees it (embedded ones are always up
+            // and left out), as `/metrics` says it for kvfabric's own processes.
+            let control: Vec<serde_json::Value> =
+                [self.ctx.discovery.status(), self.ctx.bus.status()]
+                    .into_iter()
+                    .filter(|s| s.is_remote())
+                    .map(|s| {
+                        serde_json::json!({
+                            "component": s.backend,
+                            "up": s.connected,
+                            "error": s.error,
+                            "since_contact_s": s.since_contact_s,
+                            "reconnects": s.reconnects,
+                            "lease_renewals_failed": s.lease_renewals_failed,
+                            "events_behind": s.events_behind,
+                            "events_dropped": s.events_dropped,
+                        })
+                    })
+                    .collect();
+            m.insert("control_plane".into(), control.into());
         }
         v
     }

@@ -54,7 +54,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn discovery_remote_tier_and_events_over_etcd_and_nats() {
     let etcd = EtcdServer::start().unwrap();
-    let nats = NatsServer::start().unwrap();
+    let mut nats = NatsServer::start().unwrap();
     let (e, n) = (etcd.endpoint(), nats.url());
     let common = [
         ("secret", "ffi-cp"),
@@ -181,9 +181,25 @@ fn discovery_remote_tier_and_events_over_etcd_and_nats() {
     drop(agent_a);
     wait_until("A's blocks to leave B's view", || store_b.lookup(&alt).unwrap().is_empty());
     assert_eq!(store_b.lookup(&tokens).unwrap(), vec![kvfabric::events::TierKind::Host; 3]);
+
+    // The store's metrics say what it sees of etcd and NATS (as /metrics does for kvfabric's
+    // own processes): both up; NATS away, then back with the reconnect counted.
+    let cp = |component: &str| {
+        let m = store_b.metrics_json();
+        let all = m["control_plane"].as_array().unwrap().clone();
+        all.into_iter().find(|c| c["component"] == component).unwrap_or_else(|| panic!("{m}"))
+    };
+    assert_eq!((cp("etcd")["up"].clone(), cp("nats")["up"].clone()), (true.into(), true.into()));
+    drop(events);
+    nats.kill();
+    wait_until("the store to see NATS away", || cp("nats")["up"] == false);
+    assert!(cp("nats")["error"].is_string(), "{}", cp("nats"));
+    assert_eq!(cp("etcd")["up"], true);
+    nats.restart().unwrap();
+    wait_until("the store to see NATS back", || cp("nats")["up"] == true);
+    assert!(cp("nats")["reconnects"].as_u64() >= Some(1), "{}", cp("nats"));
     drop(store_b);
     agent_b.agent().deregister(rd).unwrap();
-    drop(events);
 }
 
 /// Without etcd, processes of one host find each other in a shared directory

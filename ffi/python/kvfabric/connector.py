@@ -208,6 +208,7 @@ class WorkerStore:
         self.rank = rank
         self.stats = Stats()
         self._once = _Once()
+        self._cp_last: dict = {}  # (component, counter) -> its last value
         self.async_save = _flag(cfg.get("async_save"), True)
         self._nodes = node_dir(cfg)
         self.key = NodeDir.key(self.instance, rank)
@@ -342,6 +343,40 @@ class WorkerStore:
         m = self.store.metrics()
         m["connector"] = dict(self.stats.total)
         return m
+
+    # Counters of the control plane reported as increases per interval.
+    _CP_COUNTERS = ("reconnects", "lease_renewals_failed", "events_dropped")
+
+    def control_plane(self) -> dict:
+        """etcd's and NATS's state as this store sees them, as interval stats: per component
+        ``cp_<c>_workers`` (1), ``cp_<c>_up`` (1 or 0), ``cp_<c>_contact_age_s`` and the
+        increases of its counters since the last call. A loss is logged once, and so is the
+        recovery. Empty without etcd or NATS (embedded ones are always there)."""
+        try:
+            entries = self.store.metrics().get("control_plane", [])
+        except KvfError as e:
+            self._once.failed("reading the store's metrics", e, "control-plane state unknown")
+            return {}
+        self._once.ok("reading the store's metrics")
+        out = {}
+        last = self._cp_last
+        for c in entries:
+            name = c["component"]
+            out[f"cp_{name}_workers"] = 1
+            out[f"cp_{name}_up"] = 1 if c["up"] else 0
+            out[f"cp_{name}_contact_age_s"] = float(c["since_contact_s"])
+            for k in self._CP_COUNTERS:
+                now = int(c.get(k, 0))
+                out[f"cp_{name}_{k}"] = max(0, now - last.get((name, k), now))
+                last[(name, k)] = now
+            what = f"reaching {name}"
+            if c["up"]:
+                self._once.ok(what)
+            else:
+                then = ("discovery is frozen" if name == "etcd"
+                        else "KV events stop; requests are still served")
+                self._once.failed(what, c.get("error") or "unreachable", then)
+        return out
 
     def close(self):
         for r in self.pending_saves():

@@ -103,22 +103,92 @@ class KvfabricStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other):
+        # Counts add up (over workers and intervals); a contact age is the longest.
         for k, v in (other.data or {}).items():
-            self.data[k] = self.data.get(k, 0) + v
+            if k.endswith("_age_s"):
+                self.data[k] = max(self.data.get(k, 0.0), v)
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict:
         # Worker counters only: the scheduler's lookups show in vLLM's own "External prefix
         # cache hit rate".
-        d = {k: v for k, v in self.data.items() if not k.startswith("lookup")}
+        d = {k: v for k, v in self.data.items() if not k.startswith(("lookup", "cp_"))}
         secs = d.pop("load_seconds", 0.0)
         n = d.get("loaded_blocks", 0)
         if n:
             d["load_ms_per_block"] = round(1000.0 * secs / n, 3)
+        # The control plane, when something went wrong with it in the interval.
+        for c in control_plane_components(self.data):
+            down = self.data[f"cp_{c}_workers"] - self.data.get(f"cp_{c}_up", 0)
+            if down:
+                d[f"{c}_unreachable_reports"] = down
+            for k in ("reconnects", "lease_renewals_failed", "events_dropped"):
+                if self.data.get(f"cp_{c}_{k}"):
+                    d[f"{c}_{k}"] = self.data[f"cp_{c}_{k}"]
         return d
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(self.reduce().values())
+
+
+def control_plane_components(data: dict) -> list:
+    """The control-plane components (etcd, nats) reported in stats data."""
+    return sorted(k[3:-8] for k in data if k.startswith("cp_") and k.endswith("_workers"))
+
+
+class KvfabricPromMetrics:
+    """The connector's metrics in vLLM's ``/metrics``: the control plane as the worker stores
+    see it, named as kvfabric's own processes name it (``kvfabric_control_plane_up`` and the
+    rest, with vLLM's model and engine labels and ``component``). ``observe`` takes each
+    step's stats, summed over the workers."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        gauge = _metric_class(metric_types, "Gauge")
+        counter = _metric_class(metric_types, "Counter")
+        names = list(labelnames) + ["component"]
+        self._labelvalues = per_engine_labelvalues
+        self._up = gauge(
+            name="kvfabric_control_plane_up",
+            documentation="1 while every worker store of the engine reaches the component.",
+            multiprocess_mode="mostrecent",
+            labelnames=names,
+        )
+        self._age = gauge(
+            name="kvfabric_control_plane_contact_age_seconds",
+            documentation="Seconds since a worker store last reached the component (longest).",
+            multiprocess_mode="mostrecent",
+            labelnames=names,
+        )
+        self._counters = {
+            k: counter(name=f"kvfabric_control_plane_{k}", documentation=doc, labelnames=names)
+            for k, doc in (
+                ("reconnects", "Times a worker store's connection to the component came back."),
+                ("lease_renewals_failed", "Discovery lease renewals that failed."),
+                ("events_dropped", "Events the bus dropped before a worker store read them."),
+            )
+        }
+
+    def observe(self, data: dict, engine_idx: int = 0):
+        labels = list(self._labelvalues.get(engine_idx, []))
+        for c in control_plane_components(data or {}):
+            up = data.get(f"cp_{c}_up", 0) == data[f"cp_{c}_workers"]
+            self._up.labels(*labels, c).set(1 if up else 0)
+            self._age.labels(*labels, c).set(data.get(f"cp_{c}_contact_age_s", 0.0))
+            for k, m in self._counters.items():
+                n = data.get(f"cp_{c}_{k}", 0)
+                if n:
+                    m.labels(*labels, c).inc(n)
+
+
+def _metric_class(metric_types: dict, name: str):
+    """vLLM's class for prometheus_client's ``name`` in ``metric_types`` (keyed by the
+    prometheus_client classes)."""
+    for base, cls in metric_types.items():
+        if getattr(base, "__name__", "") == name:
+            return cls
+    raise KeyError(name)
 
 
 @dataclass
@@ -261,7 +331,17 @@ class KvfabricConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         data = self._worker.stats.take_interval()
-        return KvfabricStats(data=data) if any(data.values()) else None
+        # With etcd or NATS, every step reports their state (the gauges follow it).
+        cp = self._worker.control_plane()
+        if not any(data.values()) and not cp:
+            return None
+        data.update(cp)
+        return KvfabricStats(data=data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """kvfabric's metrics in vLLM's ``/metrics`` (``KvfabricPromMetrics``)."""
+        return KvfabricPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---------------------------------------------------------------- worker side
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -505,3 +507,151 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends(tm
             a.free.extend(new_ids)
     finally:
         a.close()
+
+
+class _Server:
+    """A real etcd or NATS server on a free loopback port, stopped and started again on it."""
+
+    def __init__(self, argv_for_port, tmp_path):
+        self._argv_for_port, self._tmp = argv_for_port, tmp_path
+        self.port = _free_port()
+        self._proc = None
+        self.start()
+
+    def start(self):
+        self._proc = subprocess.Popen(self._argv_for_port(self.port, self._tmp),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"server on {self.port} did not start")
+
+    def kill(self):
+        self._proc.kill()
+        self._proc.wait()
+
+
+def _free_port():
+    # Below the kernel's ephemeral range, so that no outgoing connection takes it while the
+    # server is down (as kvfabric's Rust test kit does).
+    import random
+    for _ in range(512):
+        port = random.randint(10_000, 30_000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+def _etcd(port, tmp):
+    peer = _free_port()
+    return ["etcd", "--name", "py", "--data-dir", str(tmp / "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"py=http://127.0.0.1:{peer}"]
+
+
+def _nats(port, _tmp):
+    return [shutil.which("nats-server") or "/usr/sbin/nats-server", "-a", "127.0.0.1", "-p", str(port)]
+
+
+class _Metric:
+    """prometheus_client's surface that the connector's metrics use, recorded."""
+
+    def __init__(self, name, documentation, labelnames, multiprocess_mode=None, **_):
+        self.name, self.labelnames, self.values = name, list(labelnames), {}
+
+    def labels(self, *values):
+        assert len(values) == len(self.labelnames), (self.name, values)
+        metric = self
+
+        class Child:
+            def set(self, v):
+                metric.values[values] = v
+
+            def inc(self, n=1):
+                metric.values[values] = metric.values.get(values, 0) + n
+
+        return Child()
+
+
+@pytest.mark.skipif(not (shutil.which("etcd") and (shutil.which("nats-server") or os.path.exists("/usr/sbin/nats-server"))),
+                    reason="etcd-server and nats-server (scripts/setup.sh test installs them)")
+def test_the_worker_store_reports_etcd_and_nats_to_vllm(tmp_path, caplog):
+    """With real etcd and NATS servers: each step's stats carry their state, vLLM's
+    ``/metrics`` gets ``kvfabric_control_plane_*`` through ``build_prom_metrics``, NATS's loss
+    is logged once and its return once, with the reconnect counted."""
+    from kvfabric.vllm import KvfabricConnector, KvfabricStats
+
+    etcd = _Server(_etcd, tmp_path)
+    nats = _Server(_nats, tmp_path)
+    cfg = {"secret": SECRET, "host_blocks": 16, "etcd": f"http://127.0.0.1:{etcd.port}",
+           "nats": f"nats://127.0.0.1:{nats.port}", "namespace": "py-cp"}
+    a = FakeEngine("py-cp-a", cfg)
+    try:
+        class Gauge: ...
+        class Counter: ...
+        class Histogram: ...
+        prom = KvfabricConnector.build_prom_metrics(
+            a.vllm_config, {Gauge: _Metric, Counter: _Metric, Histogram: _Metric},
+            ["model_name", "engine"], {0: ["m", "0"]})
+        up = prom._up
+
+        def step():
+            s = a.worker.get_kv_connector_stats()
+            assert s is not None, "with etcd and NATS, every step reports them"
+            prom.observe(s.data, 0)
+            return s
+
+        s = step()
+        assert s.data["cp_etcd_up"] == 1 and s.data["cp_nats_up"] == 1, s.data
+        assert up.values == {("m", "0", "etcd"): 1, ("m", "0", "nats"): 1}
+        assert s.is_empty(), "nothing to log while all is well"
+
+        caplog.set_level("INFO", logger="kvfabric.connector")
+        nats.kill()
+        deadline = time.time() + 15
+        while step().data["cp_nats_up"] != 0:
+            assert time.time() < deadline, "the store never saw NATS go"
+            time.sleep(0.05)
+        s = step()
+        assert up.values[("m", "0", "nats")] == 0 and up.values[("m", "0", "etcd")] == 1
+        assert s.reduce().get("nats_unreachable_reports") == 1, s.reduce()
+        lost = [r for r in caplog.records if "reaching nats failed" in r.getMessage()]
+        assert len(lost) == 1, [r.getMessage() for r in caplog.records]
+
+        nats.start()
+        deadline = time.time() + 30
+        reconnects = 0
+        while True:
+            s = step()
+            reconnects += s.data.get("cp_nats_reconnects", 0)
+            if s.data["cp_nats_up"] == 1:
+                break
+            assert time.time() < deadline, "the store never saw NATS back"
+            time.sleep(0.1)
+        assert up.values[("m", "0", "nats")] == 1
+        assert reconnects >= 1
+        assert prom._counters["reconnects"].values[("m", "0", "nats")] >= 1
+        back = [r for r in caplog.records if "reaching nats works again" in r.getMessage()]
+        assert len(back) == 1
+        # Summed over workers (two ranks here): one unreachable is reported as such.
+        two = KvfabricStats(data={"cp_etcd_workers": 1, "cp_etcd_up": 1, "cp_etcd_contact_age_s": 0.5})
+        two.aggregate(KvfabricStats(data={"cp_etcd_workers": 1, "cp_etcd_up": 0, "cp_etcd_contact_age_s": 7.0}))
+        prom.observe(two.data, 0)
+        assert up.values[("m", "0", "etcd")] == 0
+        assert prom._age.values[("m", "0", "etcd")] == 7.0
+        assert two.reduce() == {"etcd_unreachable_reports": 1} and not two.is_empty()
+    finally:
+        a.close()
+        nats.kill()
+        etcd.kill()
