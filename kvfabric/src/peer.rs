@@ -48,6 +48,16 @@ impl Peer {
                 }
             }
         }
+        if !shm_maps.is_empty() {
+            // Page tables for the mappings, off the path of the first transfers.
+            let maps: Vec<Arc<PeerMapping>> = shm_maps.values().cloned().collect();
+            let started = std::thread::Builder::new()
+                .name("kvfabric-prefault".into())
+                .spawn(move || maps.iter().for_each(|m| m.prefault()));
+            if let Err(e) = started {
+                tracing::debug!(error = %e, "no thread to prefault a peer's mappings");
+            }
+        }
         Ok(Peer { metadata, session, shm_maps, same_host })
     }
 

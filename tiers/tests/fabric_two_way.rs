@@ -13,6 +13,7 @@ use kvfabric::hash::SequenceHash;
 use kvfabric::memory::{Region, RegionOptions};
 use kvfabric::transfer::TransportKind;
 use kvfabric_tiers::fabric::FabricNode;
+use kvfabric_tiers::remote::protocol::NodeInfo;
 use kvfabric_tiers::remote::RemoteTier;
 use kvfabric_tiers::{StoreConfig, TieredStore};
 
@@ -76,20 +77,11 @@ async fn load(me: &Node, of: u64) -> Result<Vec<bool>, String> {
 
 async fn both_load_from_each_other(shm: bool) {
     let (a, b) = (node(1, shm).await, node(2, shm).await);
-    a.remote
-        .add_node(&kvfabric_tiers::remote::protocol::NodeInfo {
-            agent: b.agent.metadata(),
-            block_bytes: BLOCK,
-        })
-        .await
-        .unwrap();
-    b.remote
-        .add_node(&kvfabric_tiers::remote::protocol::NodeInfo {
-            agent: a.agent.metadata(),
-            block_bytes: BLOCK,
-        })
-        .await
-        .unwrap();
+    // Each is the other's remote tier.
+    for (me, other) in [(&a, &b), (&b, &a)] {
+        let info = NodeInfo { agent: other.agent.metadata(), block_bytes: BLOCK };
+        me.remote.add_node(&info).await.unwrap();
+    }
     for round in 0..8 {
         // Both calls are in flight before either node's handler starts its transfer.
         let started = Instant::now();

@@ -103,6 +103,28 @@ impl PeerMapping {
         Some(unsafe { self.ptr.as_ptr().add(offset as usize) })
     }
 
+    /// Fills this process's page tables for the whole mapping, without touching its bytes
+    /// (`MADV_POPULATE_WRITE`), so that copies into it take no page fault: a first write to
+    /// each page of a fresh mapping cost 15 ms per 43 MB here, a third of a fabric GET. Safe
+    /// while copies run; a hint (an older kernel refuses it, and pages fault in as before).
+    pub fn prefault(&self) {
+        const STEP: usize = 64 << 20;
+        let mut at = 0;
+        while at < self.len {
+            let n = STEP.min(self.len - at);
+            // SAFETY: a page-aligned range (the mapping starts on a page, STEP is a multiple
+            // of every page size) within the live mapping; MADV_POPULATE_WRITE only maps
+            // pages, it reads and writes no byte.
+            let rc = unsafe {
+                libc::madvise(self.ptr.as_ptr().add(at).cast(), n, libc::MADV_POPULATE_WRITE)
+            };
+            if rc != 0 {
+                return;
+            }
+            at += n;
+        }
+    }
+
     /// XXH3-64 of a checked range.
     pub fn checksum(&self, offset: u64, len: u64) -> Option<u64> {
         let p = self.ptr_at(offset, len)?;

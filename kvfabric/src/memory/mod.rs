@@ -940,6 +940,46 @@ mod tests {
         assert!(matches!(t.deregister(id), Err(MemoryError::UnknownRegion(_))));
     }
 
+    /// The pages of this process's mapping at `addr`, in its page tables now (`Rss` of
+    /// `/proc/self/smaps`), in bytes.
+    fn resident(addr: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((a, b)) = range.split_once('-') {
+                    if let (Ok(a), Ok(b)) =
+                        (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                    {
+                        inside = (a..b).contains(&addr);
+                        continue;
+                    }
+                }
+            }
+            if let Some(kb) = line.strip_prefix("Rss:").filter(|_| inside) {
+                return kb.trim().trim_end_matches(" kB").trim().parse::<u64>().unwrap() * 1024;
+            }
+        }
+        panic!("no mapping at {addr:#x}")
+    }
+
+    #[test]
+    fn a_prefaulted_peer_mapping_is_in_the_page_tables_with_its_bytes_kept() {
+        let t = table();
+        let len = 16 << 20;
+        let r = t.alloc(len, RegionOptions { shared: true, export: true, ..Default::default() });
+        let r = r.unwrap();
+        r.fill(0, len as u64, 0x5A).unwrap();
+        let path = r.shm_path().unwrap().to_path_buf();
+        let seal = ShmSeal::new(b"deployment a");
+        let peer = PeerMapping::open(&path, len, &seal, "owner", r.id()).unwrap();
+        let addr = peer.ptr_at(0, 1).unwrap() as usize;
+        assert!(resident(addr) < len as u64 / 2, "a fresh mapping faults pages in on first use");
+        peer.prefault();
+        assert!(resident(addr) >= len as u64, "all {len} bytes mapped: {}", resident(addr));
+        assert_eq!(peer.checksum(0, len as u64), r.checksum(0, len as u64).ok(), "bytes untouched");
+    }
+
     #[test]
     fn shared_region_is_a_memfd_visible_through_a_peer_mapping() {
         let t = table();

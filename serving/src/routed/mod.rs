@@ -208,8 +208,8 @@ impl RoutedBackend {
         self.inner.members.feed_stats()
     }
 
-    /// Requests sent to each worker so far.
-    /// Workers in discovery per model, for every model seen since the frontend started.
+    /// Workers in discovery per model, for every model seen (at a metrics scrape) since the
+    /// frontend started.
     pub fn model_workers(&self) -> Vec<(String, u64)> {
         let mut now: BTreeMap<String, u64> = BTreeMap::new();
         self.inner.members.read(|m| {
