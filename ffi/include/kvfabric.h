@@ -479,7 +479,7 @@ void kvf_op_free(struct kvf_op *op);
 /**
  * Opens a block store on `agent` into `*store_out`. Reads: block_tokens, block_bytes or
  * model, host_blocks, shared_host, disk_path, disk_blocks, disk_admit_min_hits,
- * write_through, lora, salt, serve, advertise, remote, share. With `serve`, the store
+ * write_through, host_free_target, lora, salt, serve, advertise, remote, share. With `serve`, the store
  * answers peers as a fabric node (and registers in discovery unless `advertise` is false);
  * with `remote`, fabric nodes found in discovery or added with `kvf_store_add_node` are its
  * remote tier, and with `share` every block it stores is put to them too. Errors are also recorded as the

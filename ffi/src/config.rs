@@ -57,6 +57,12 @@ const KEYS: &[(&str, Kind, &str)] = &[
     ("disk_blocks", Kind::U32, "disk tier capacity in blocks (default 4096)"),
     ("disk_admit_min_hits", Kind::U32, "hits before a block is offloaded to disk (default 0)"),
     ("write_through", Kind::Bool, "write every stored block to disk too (default false)"),
+    (
+        "host_free_target",
+        Kind::U32,
+        "host slots kept free by evicting in the background, to disk or the fabric (default: \
+         an eighth of host_blocks with a disk or remote tier, else 0)",
+    ),
     ("lora", Kind::Str, "LoRA adapter name mixed into block hashes (default none)"),
     ("salt", Kind::Str, "cache salt mixed into block hashes (default none)"),
     ("serve", Kind::Bool, "serve this store to peers as a fabric node (default false)"),

@@ -210,6 +210,12 @@ impl kvf_store {
         let remote =
             cfg.bool("remote", false).then(|| RemoteTier::new(ctx.agent.clone(), ctx.deadline));
         scfg.remote = remote.clone();
+        // With somewhere to evict to, evictions run ahead in the background: a load into a
+        // full host tier then finds free slots instead of evicting (to the fabric: one PUT
+        // per block) on its own path. That cost a remote load 40 ms of its 120 in vLLM.
+        let below = scfg.disk.is_some() || remote.is_some();
+        let free_default = if below { (scfg.host_blocks / 8).max(1) } else { 0 };
+        scfg.host_free_target = cfg.num::<u32>("host_free_target", free_default);
         let name = ctx.agent.name().to_string();
         let (sink, events) = ChannelSink::new(65_536);
         let rt = ctx.rt();
@@ -561,7 +567,7 @@ async fn copy_pieces(
 
 /// Opens a block store on `agent` into `*store_out`. Reads: block_tokens, block_bytes or
 /// model, host_blocks, shared_host, disk_path, disk_blocks, disk_admit_min_hits,
-/// write_through, lora, salt, serve, advertise, remote, share. With `serve`, the store
+/// write_through, host_free_target, lora, salt, serve, advertise, remote, share. With `serve`, the store
 /// answers peers as a fabric node (and registers in discovery unless `advertise` is false);
 /// with `remote`, fabric nodes found in discovery or added with `kvf_store_add_node` are its
 /// remote tier, and with `share` every block it stores is put to them too. Errors are also recorded as the
