@@ -213,7 +213,12 @@ impl kvf_store {
         // With somewhere to evict to, evictions run ahead in the background: a load into a
         // full host tier then finds free slots instead of evicting (to the fabric: one PUT
         // per block) on its own path. That cost a remote load 40 ms of its 120 in vLLM.
-        let below = scfg.disk.is_some() || remote.is_some();
+        // The fabric takes this store's evictions only when it shares its blocks with it:
+        // a store that only reads other engines' stores drops what it evicts (those blocks
+        // came from there).
+        let share = cfg.bool("share", false);
+        scfg.evict_to_remote = share;
+        let below = scfg.disk.is_some() || (remote.is_some() && share);
         let free_default = if below { (scfg.host_blocks / 8).max(1) } else { 0 };
         scfg.host_free_target = cfg.num::<u32>("host_free_target", free_default);
         let name = ctx.agent.name().to_string();

@@ -308,6 +308,29 @@ async fn the_store_spills_to_the_fabric_and_reads_back() {
         assert_eq!(got.len(), 1, "block {h} served");
         assert!(got[0].to_vec() == synthetic::block(*h, BLOCK as usize));
     }
+
+    // A store that only reads the fabric (evict_to_remote false) drops what it evicts.
+    let on_node = node.store().metrics().stored_blocks;
+    let reader_agent =
+        Agent::start(AgentConfig::new("reader", SECRET.as_bytes().to_vec())).await.unwrap();
+    let remote = RemoteTier::new(reader_agent.clone(), Duration::from_secs(5));
+    remote.add_node(&node.info()).await.unwrap();
+    let mut cfg = StoreConfig::new(BLOCK, 4);
+    cfg.remote = Some(remote);
+    cfg.evict_to_remote = false;
+    cfg.host_free_target = 2;
+    let reader = TieredStore::open(cfg, &reader_agent, Arc::new(NullSink)).await.unwrap();
+    let others: Vec<SequenceHash> = hashes().into_iter().skip(16).take(8).collect();
+    for (i, h) in others.iter().enumerate() {
+        let parent = i.checked_sub(1).map(|p| others[p]);
+        reader.put(*h, parent, &synthetic::block(*h, BLOCK as usize)).await.unwrap();
+    }
+    let m = reader.metrics();
+    assert_eq!((m.host_used_blocks, m.host_evicted_blocks), (4, 4), "evicted on demand: {m:?}");
+    assert_eq!(node.store().metrics().stored_blocks, on_node, "the fabric took none of them");
+    assert!(reader.lookup_prefix_with_remote(&others).await.is_empty(), "the first is gone");
+    // It still reads the fabric.
+    assert_eq!(reader.get(&hs[..3]).await.unwrap().len(), 3);
 }
 
 /// A NATS restart: the node, not restarted, re-publishes a full dump of its blocks once its

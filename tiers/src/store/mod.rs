@@ -76,6 +76,11 @@ pub struct StoreConfig {
     /// fetches blocks no local tier holds straight into host slots. Its agent must be the one
     /// the store is opened with.
     pub remote: Option<crate::remote::RemoteTier>,
+    /// Host evictions go to `remote` when there is no disk tier (true, the default). False:
+    /// the fabric is only read from, and an evicted block is dropped. A worker store inside an
+    /// engine that reads other engines' stores does not push its evictions into theirs: they
+    /// came from there, and they would push out the blocks those engines are about to serve.
+    pub evict_to_remote: bool,
     /// G1: slots in GPU memory above the host tier (see [`DeviceTierConfig`]).
     pub device: Option<DeviceTierConfig>,
 }
@@ -94,6 +99,7 @@ impl StoreConfig {
             shared_host: true,
             host_free_target: 0,
             remote: None,
+            evict_to_remote: true,
             device: None,
         }
     }

@@ -155,7 +155,8 @@ impl Inner {
     /// evictable, or on an error).
     pub(super) fn keep_free(self: &Arc<Self>) {
         let target = self.cfg.host_free_target;
-        if target == 0 || (self.disk.is_none() && self.cfg.remote.is_none()) {
+        let below = self.disk.is_some() || (self.cfg.remote.is_some() && self.cfg.evict_to_remote);
+        if target == 0 || !below {
             return;
         }
         if self.host.lock().pool.free_slots() >= target {
@@ -212,7 +213,9 @@ impl Inner {
                 let _ = self.end_eviction(v.slot, false);
                 return Err(e);
             }
-        } else if let (None, Some(remote)) = (&self.disk, &self.cfg.remote) {
+        } else if let (None, Some(remote), true) =
+            (&self.disk, &self.cfg.remote, self.cfg.evict_to_remote)
+        {
             // No disk tier: the fabric (G4) takes the block, straight out of its host slot.
             // The admission filter guards the disk (its writes wear it and cost the serving
             // rate); the fabric is other machines' memory and takes every evicted block.
