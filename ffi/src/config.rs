@@ -60,8 +60,8 @@ const KEYS: &[(&str, Kind, &str)] = &[
     (
         "host_free_target",
         Kind::U32,
-        "host slots kept free by evicting in the background, to disk or the fabric (default: \
-         an eighth of host_blocks with a disk tier or with remote and share, else 0)",
+        "host slots kept free by evicting in the background, to disk or the fabric (default 0: \
+         evict when a slot is needed)",
     ),
     ("lora", Kind::Str, "LoRA adapter name mixed into block hashes (default none)"),
     ("salt", Kind::Str, "cache salt mixed into block hashes (default none)"),
