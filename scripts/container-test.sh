@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The container image and the compose deployment, end to end on this machine (not part of CI:
 # it installs podman and builds images; docs/deploy.md has its timings):
-# 1. podman, runc, podman-compose and mmdebstrap from Debian's packages, when missing;
+# 1. podman, runc and mmdebstrap from Debian's packages, when missing;
 # 2. the base image the Dockerfile names (debian:bookworm-slim), made from Debian's packages
 #    with mmdebstrap and imported under that name, when no such image is present (these
 #    machines reach no image registry);
@@ -9,12 +9,14 @@
 #    `runtime-prebuilt` target. Its `build` stage (a Rust toolchain image) is the one part not
 #    run here: no toolchain image is reachable, and Debian 12's rustc is too old;
 # 4. the etcd and NATS images (targets etcd and nats, Debian's packages);
-# 5. deploy/compose.yaml up with podman-compose, on ports of its own, a fresh secret; a chat
+# 5. deploy/compose.yaml up (one `podman run` per service, see below), on ports of its own,
+#    a fresh secret; a chat
 #    completion through the frontend, twice (the second reuses the first's KV); the
 #    dashboard's numbers; every container's health; then down.
 # podman runs here with runc, cgroupfs, explicit ulimits and host networking (../shared/ops.md),
 # set through a containers.conf of this run (CONTAINERS_CONF).
-#   KEEP=1   leave the deployment running
+#   KEEP=1      leave the deployment running
+#   WHEEL=FILE  put this wheel (scripts/build-wheel.sh's) in the image instead of building one
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
@@ -24,7 +26,6 @@ step() { echo "== $(( $(date +%s) - t0 )) s: $*" >&2; }
 need=()
 command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
-command -v podman-compose >/dev/null || need+=(podman-compose)
 command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
 if [ ${#need[@]} -gt 0 ]; then
   step "installing ${need[*]}"
@@ -33,9 +34,12 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 work="$(mktemp -d /tmp/kvfabric-container.XXXXXX)"
+# Limits within this shell's hard ones (podman's defaults exceed them here).
+limit() { local n; n=$(ulimit "-H$1"); [ "$n" = unlimited ] || [ "$n" -gt "$2" ] && n=$2; echo "$n"; }
+nofile=$(limit n 16384) nproc=$(limit u 4096)
 cat > "$work/containers.conf" <<CONF
 [containers]
-default_ulimits = ["nofile=65536:65536", "nproc=4096:4096"]
+default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
 [engine]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
@@ -51,9 +55,13 @@ if ! podman image exists "$base"; then
   rm -f "$work/rootfs.tar"
 fi
 
-step "building the wheel (release)"
 rm -rf dist
-PROFILE=release scripts/build-wheel.sh >/dev/null
+if [ -n "${WHEEL:-}" ]; then
+  mkdir -p dist && cp "$WHEEL" dist/
+else
+  step "building the wheel (release)"
+  PROFILE=release scripts/build-wheel.sh >/dev/null
+fi
 ls -l dist/
 
 step "building the images"
@@ -70,24 +78,92 @@ KVFABRIC_MODEL_DIR="$(dirname "$(scripts/fetch-model.sh)")"
 export KVFABRIC_MODEL_DIR
 export KVFABRIC_SECRET_PATH="$work/secret"
 head -c 32 /dev/urandom | base64 > "$KVFABRIC_SECRET_PATH"
-compose() { podman-compose --project-name kvfabric-test -f deploy/compose.yaml "$@"; }
+# The compose file, run with plain `podman run`: Debian 12's podman-compose (1.0.3) adds a
+# bridge network to every container, which podman refuses beside `network_mode: host`. This
+# reads the compose features deploy/compose.yaml uses (images, commands, environment with
+# ${VAR:-default}, bind and named volumes, file secrets, health checks, host networking,
+# restart, depends_on order) and prints one `podman run` per service.
+project=kvfabric-test
+runs() {
+  python3 - "$project" deploy/compose.yaml <<'PY'
+import os, re, shlex, sys, yaml
+project, path = sys.argv[1], sys.argv[2]
+here = os.path.dirname(os.path.abspath(path))
+def interp(v):
+    if isinstance(v, str):
+        v = re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: os.environ.get(m[1]) or (m[2] or ""), v)
+        return v
+    if isinstance(v, list):
+        return [interp(x) for x in v]
+    if isinstance(v, dict):
+        return {k: interp(x) for k, x in v.items()}
+    return v
+doc = interp(yaml.safe_load(open(path)))
+secrets = doc.get("secrets", {})
+services, order = doc["services"], []
+def visit(name):
+    if name in order:
+        return
+    for dep in services[name].get("depends_on", []):
+        visit(dep)
+    order.append(name)
+for name in services:
+    visit(name)
+for name in order:
+    svc = services[name]
+    cnt = f"{project}_{name}"
+    args = ["podman", "run", "-d", "--name", cnt, "--label", f"io.podman.compose.project={project}",
+            "--network", svc.get("network_mode", "host")]
+    if svc.get("restart"):
+        args += ["--restart", {"unless-stopped": "always"}.get(svc["restart"], svc["restart"])]
+    for k, v in (svc.get("environment") or {}).items():
+        args += ["-e", f"{k}={v}"]
+    for vol in svc.get("volumes", []):
+        src, dst, *mode = vol.split(":")
+        if src.startswith(("/", ".", "~")):
+            src = os.path.abspath(os.path.join(here, os.path.expanduser(src)))
+        else:
+            src = f"{project}_{src}"
+        args += ["-v", ":".join([src, dst] + mode)]
+    for sec in svc.get("secrets", []):
+        f = os.path.abspath(os.path.join(here, os.path.expanduser(secrets[sec]["file"])))
+        args += ["-v", f"{f}:/run/secrets/{sec}:ro"]
+    hc = svc.get("healthcheck")
+    if hc:
+        test = hc["test"]
+        cmd = shlex.join(test[1:]) if test[0] == "CMD" else test[1]
+        args += ["--health-cmd", cmd, "--health-interval", hc.get("interval", "30s"),
+                 "--health-timeout", hc.get("timeout", "30s"),
+                 "--health-retries", str(hc.get("retries", 3))]
+    args.append(svc["image"])
+    command = svc.get("command", [])
+    args += command if isinstance(command, list) else shlex.split(command)
+    print(shlex.join(args))
+PY
+}
+containers() { podman ps -a --filter "label=io.podman.compose.project=$project" --format '{{.Names}}'; }
 down() {
   if [ -z "${KEEP:-}" ]; then
-    compose down -v >/dev/null 2>&1 || true
+    for c in $(containers); do podman rm -f "$c" >/dev/null 2>&1 || true; done
+    podman volume ls --format '{{.Name}}' | grep "^${project}_" | xargs -r podman volume rm -f >/dev/null 2>&1 || true
     rm -rf "$work"
   fi
 }
 trap down EXIT
 
-step "compose up"
-compose up -d --no-build >/dev/null
+step "compose up (podman run per service)"
+# Without systemd, podman cannot arm its health-check timers (it says so per container); the
+# checks still run on demand, as below.
+runs | while read -r line; do eval "$line" 2>&1 >/dev/null | grep -v 'systemd connection' >&2 || true; done
 fe="http://127.0.0.1:$KVFABRIC_PORT"
 for _ in $(seq 300); do
   workers=$(curl -sf "$fe/health" 2>/dev/null | python3 -c 'import json,sys; print(len(json.load(sys.stdin).get("workers", [])))' 2>/dev/null || echo 0)
   [ "$workers" = 2 ] && break
   sleep 1
 done
-[ "$workers" = 2 ] || { compose logs >&2 || true; echo "the frontend never saw both workers" >&2; exit 1; }
+[ "$workers" = 2 ] || {
+  for c in $(containers); do echo "--- $c" >&2; podman logs --tail 20 "$c" >&2; done
+  echo "the frontend never saw both workers" >&2; exit 1; }
 step "up: the frontend sees both workers"
 
 ask() {
@@ -121,8 +197,8 @@ for t in d["tiers"]:
     print("tier", t["tier"], "used", t["used_blocks"], "of", t["capacity_blocks"], "hit tokens", t["hit_tokens"])'
 
 step "health of every container"
-podman ps --filter label=io.podman.compose.project=kvfabric-test --format '{{.Names}} {{.Status}}'
-for c in $(podman ps --filter label=io.podman.compose.project=kvfabric-test --format '{{.Names}}'); do
+podman ps --filter "label=io.podman.compose.project=$project" --format '{{.Names}} {{.Status}}'
+for c in $(containers); do
   podman healthcheck run "$c" >/dev/null && echo "$c healthy" || { echo "$c unhealthy" >&2; exit 1; }
 done
 for port in "$WORKER_A_METRICS" "$WORKER_B_METRICS" "$FABRIC_METRICS"; do
