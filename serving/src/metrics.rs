@@ -292,7 +292,7 @@ impl Default for HttpMetrics {
                 let f = Family::<Labels, Counter>::default();
                 // Every tier has a sample from the start, 0 until a hit.
                 for t in CACHE_TIERS {
-                    f.get_or_create(&vec![("tier", t.into())]);
+                    drop(f.get_or_create(&vec![("tier", t.into())]));
                 }
                 f
             },
