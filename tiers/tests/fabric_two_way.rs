@@ -22,16 +22,9 @@ const BLOCK: u64 = 64 << 10;
 const BLOCKS: u64 = 32;
 const DEADLINE: Duration = Duration::from_secs(5);
 
+/// Block `i` of node `node`'s bytes.
 fn content(node: u64, i: u64) -> Vec<u8> {
-    let mut x = (node << 32 | i).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..BLOCK)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    kvfabric_tiers::synthetic::block(hash(node, i), BLOCK as usize)
 }
 
 fn hash(node: u64, i: u64) -> SequenceHash {
