@@ -1178,15 +1178,7 @@ pub fn add_control_plane(h: &mut serde_json::Value, control: &[kvfabric::control
     if remote.is_empty() {
         return;
     }
-    h["control_plane"] = serde_json::json!(remote
-        .iter()
-        .map(|c| serde_json::json!({
-            "component": c.backend, "up": c.connected, "error": c.error,
-            "since_contact_s": c.since_contact_s, "reconnects": c.reconnects,
-            "lease_renewals_failed": c.lease_renewals_failed,
-            "events_behind": c.events_behind, "events_dropped": c.events_dropped,
-        }))
-        .collect::<Vec<_>>());
+    h["control_plane"] = remote.iter().map(|c| c.to_json()).collect();
     degrade(h, control_plane_reasons(control));
 }
 

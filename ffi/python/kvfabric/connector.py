@@ -70,6 +70,11 @@ class _Once:
         log.info("kvfabric: %s works again", what)
 
 
+# Counters of the control plane (``kvf_store_metrics``'s ``control_plane``) that the worker
+# reports as increases per interval.
+CONTROL_PLANE_COUNTERS = ("reconnects", "lease_renewals_failed", "events_dropped")
+
+
 class Stats:
     """Counters of one connector side, cumulative and per interval (vLLM asks for the
     interval's values each step)."""
@@ -344,9 +349,6 @@ class WorkerStore:
         m["connector"] = dict(self.stats.total)
         return m
 
-    # Counters of the control plane reported as increases per interval.
-    _CP_COUNTERS = ("reconnects", "lease_renewals_failed", "events_dropped")
-
     def control_plane(self) -> dict:
         """etcd's and NATS's state as this store sees them, as interval stats: per component
         ``cp_<c>_workers`` (1), ``cp_<c>_up`` (1 or 0), ``cp_<c>_contact_age_s`` and the
@@ -365,7 +367,7 @@ class WorkerStore:
             out[f"cp_{name}_workers"] = 1
             out[f"cp_{name}_up"] = 1 if c["up"] else 0
             out[f"cp_{name}_contact_age_s"] = float(c["since_contact_s"])
-            for k in self._CP_COUNTERS:
+            for k in CONTROL_PLANE_COUNTERS:
                 now = int(c.get(k, 0))
                 out[f"cp_{name}_{k}"] = max(0, now - last.get((name, k), now))
                 last[(name, k)] = now

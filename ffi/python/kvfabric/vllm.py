@@ -42,7 +42,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .connector import SchedulerLookup, Stats, WorkerStore
+from .connector import CONTROL_PLANE_COUNTERS, SchedulerLookup, Stats, WorkerStore
 
 log = logging.getLogger("kvfabric.vllm")
 
@@ -124,7 +124,7 @@ class KvfabricStats(KVConnectorStats):
             down = self.data[f"cp_{c}_workers"] - self.data.get(f"cp_{c}_up", 0)
             if down:
                 d[f"{c}_unreachable_reports"] = down
-            for k in ("reconnects", "lease_renewals_failed", "events_dropped"):
+            for k in CONTROL_PLANE_COUNTERS:
                 if self.data.get(f"cp_{c}_{k}"):
                     d[f"{c}_{k}"] = self.data[f"cp_{c}_{k}"]
         return d

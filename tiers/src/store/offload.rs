@@ -155,8 +155,7 @@ impl Inner {
     /// evictable, or on an error).
     pub(super) fn keep_free(self: &Arc<Self>) {
         let target = self.cfg.host_free_target;
-        let below = self.disk.is_some() || (self.cfg.remote.is_some() && self.cfg.evict_to_remote);
-        if target == 0 || !below {
+        if target == 0 || (self.disk.is_none() && self.evicts_to().is_none()) {
             return;
         }
         if self.host.lock().pool.free_slots() >= target {
@@ -201,6 +200,12 @@ impl Inner {
         });
     }
 
+    /// The fabric that takes host evictions when there is no disk tier: the remote tier,
+    /// unless it is only read from (`evict_to_remote`).
+    fn evicts_to(&self) -> Option<&crate::remote::RemoteTier> {
+        self.cfg.remote.as_ref().filter(|_| self.cfg.evict_to_remote)
+    }
+
     /// Completes an eviction begun under the lock: offloads when admitted, then frees.
     async fn evict_host(&self, v: Victim, admitted: bool) -> Result<(), StoreError> {
         // Only a block readable on disk counts as there: one still being written may fail.
@@ -213,9 +218,7 @@ impl Inner {
                 let _ = self.end_eviction(v.slot, false);
                 return Err(e);
             }
-        } else if let (None, Some(remote), true) =
-            (&self.disk, &self.cfg.remote, self.cfg.evict_to_remote)
-        {
+        } else if let (None, Some(remote)) = (&self.disk, self.evicts_to()) {
             // No disk tier: the fabric (G4) takes the block, straight out of its host slot.
             // The admission filter guards the disk (its writes wear it and cost the serving
             // rate); the fabric is other machines' memory and takes every evicted block.
