@@ -107,6 +107,8 @@ async fn serving(s: &Scheduler, prompt: &[u32], n: usize) -> crate::Result<Round
         stop: Vec::new(),
         ignore_eos: true,
         timeout: Duration::from_secs(600),
+        class: None,
+        cache_salt: None,
     })?;
     let mut tokens = Vec::new();
     let mut gaps = Vec::new();

@@ -76,6 +76,15 @@ impl HashSeed {
         HashSeed(seed)
     }
 
+    /// This seed with `salt` folded in (nothing for an empty salt): blocks hashed with it
+    /// have other names than those of the same tokens under this seed.
+    pub fn salted(self, salt: &str) -> Self {
+        if salt.is_empty() {
+            return self;
+        }
+        HashSeed(self.0.wrapping_add(xxh3_64_with_seed(salt.as_bytes(), 1)))
+    }
+
     /// The raw seed value.
     pub fn get(self) -> u64 {
         self.0

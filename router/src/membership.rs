@@ -51,6 +51,21 @@ const REPORTER_KEEP: Duration = Duration::from_secs(10);
 /// Fabric nodes kept at most (names come from discovery).
 const FABRIC_MAX: usize = 256;
 
+/// How one request is routed ([`Membership::route_with`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RouteOptions<'a> {
+    /// The salt of its blocks' names (its tenant's namespace, its `cache_salt`).
+    pub salt: Option<&'a str>,
+    /// The weight of cache reuse against queue delay, 0..=1 (1: as configured).
+    pub reuse: f64,
+}
+
+impl Default for RouteOptions<'_> {
+    fn default() -> Self {
+        RouteOptions { salt: None, reuse: 1.0 }
+    }
+}
+
 /// What a membership is told.
 #[derive(Debug, Clone)]
 pub struct MembershipConfig {
@@ -559,14 +574,41 @@ impl Membership {
         prompt: &[u32],
         tried: &[WorkerId],
     ) -> Option<Pick> {
+        self.route_with(model, request_id, prompt, tried, RouteOptions::default())
+    }
+
+    /// [`Membership::route`] for a request whose blocks are named with `opts.salt` (its
+    /// cache namespace), weighing reuse by `opts.reuse`.
+    pub fn route_with(
+        &self,
+        model: &str,
+        request_id: u64,
+        prompt: &[u32],
+        tried: &[WorkerId],
+        opts: RouteOptions<'_>,
+    ) -> Option<Pick> {
         let draw = self.s.rng.lock().next_f64();
         let now = self.s.epoch.elapsed().as_secs_f64();
         let mut st = self.s.members.lock();
         let st = &mut *st;
         let m = st.models.get_mut(model)?;
-        let hashes = m.hasher.sequence_hashes(prompt);
-        let d =
-            m.router.route(&self.s.index, request_id, &hashes, prompt.len() as u64, now, draw)?;
+        let hashes = match opts.salt.filter(|s| !s.is_empty()) {
+            None => m.hasher.sequence_hashes(prompt),
+            Some(salt) => kvfabric::hash::TokenBlockHasher::new(
+                m.hasher.block_tokens(),
+                m.hasher.seed().salted(salt),
+            )
+            .map_or_else(|_| m.hasher.sequence_hashes(prompt), |h| h.sequence_hashes(prompt)),
+        };
+        let d = m.router.route_weighted(
+            &self.s.index,
+            request_id,
+            &hashes,
+            prompt.len() as u64,
+            now,
+            draw,
+            opts.reuse,
+        )?;
         let mut wid = d.worker;
         let clock = Instant::now();
         let entry = |w: &WorkerId| st.by_id.get(w).and_then(|n| st.workers.get(n));

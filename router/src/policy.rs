@@ -262,6 +262,22 @@ impl Router {
         now: f64,
         draw: f64,
     ) -> Option<Decision> {
+        self.route_weighted(index, request_id, hashes, prompt_tokens, now, draw, 1.0)
+    }
+
+    /// [`Router::route`] with the prefill term of kv mode scaled by `reuse` (below 1 for a
+    /// latency class: queue delay weighs more than reuse).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_weighted(
+        &mut self,
+        index: &PrefixIndex,
+        request_id: u64,
+        hashes: &[SequenceHash],
+        prompt_tokens: u64,
+        now: f64,
+        draw: f64,
+        reuse: f64,
+    ) -> Option<Decision> {
         if self.workers.is_empty() {
             return None;
         }
@@ -271,8 +287,15 @@ impl Router {
             None => index.overlap(hashes),
         };
         let n = hashes.len();
-        let costs: Vec<(WorkerId, f64)> =
-            self.workers.iter().map(|&w| (w, self.cost(w, n, overlap.run(w)))).collect();
+        let reuse = if reuse.is_finite() { reuse.clamp(0.0, 1.0) } else { 1.0 };
+        let costs: Vec<(WorkerId, f64)> = self
+            .workers
+            .iter()
+            .map(|&w| {
+                let [prefill, decode, queued] = self.cost_terms(w, n, overlap.run(w));
+                (w, reuse * prefill + decode + queued)
+            })
+            .collect();
         let worker = match self.config.mode {
             RoutingMode::RoundRobin => {
                 let w = self.workers[self.next_rr % self.workers.len()];

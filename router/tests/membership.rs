@@ -75,7 +75,7 @@ async fn workers_join_leave_report_and_are_routed_to_only_when_they_can_be_reach
     let _old = reg("old", metadata("m", 9002, WorkerApi::Kvfabric { protocol: 1 })).await.unwrap();
     let _bad = reg("bad", serde_json::json!({"model": 7})).await.unwrap();
     let _tok = reg("no-tokenizer", metadata("m", 9003, ours())).await.unwrap();
-    let engine = WorkerApi::OpenAi { model: "served".into() };
+    let engine = WorkerApi::OpenAi { model: "served".into(), priority: false };
     let e = reg("engine", metadata("other", 9004, engine)).await.unwrap();
 
     let cfg = MembershipConfig {
@@ -107,7 +107,7 @@ async fn workers_join_leave_report_and_are_routed_to_only_when_they_can_be_reach
     }
     assert_eq!(
         members.route("other", 9, &[1], &[]).unwrap().api,
-        WorkerApi::OpenAi { model: "served".into() }
+        WorkerApi::OpenAi { model: "served".into(), priority: false }
     );
 
     // A second worker joins while followed; round-robin reaches both.

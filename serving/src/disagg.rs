@@ -584,6 +584,8 @@ async fn prefill_job(
             stop: Vec::new(),
             ignore_eos: true,
             timeout: left,
+            class: None,
+            cache_salt: None,
         })
         .map_err(|e| e.to_string())?;
     let mut early = Vec::new();

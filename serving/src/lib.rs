@@ -25,6 +25,7 @@
 pub use kvfabric_engine as engine;
 
 pub mod backend;
+pub mod classes;
 pub mod dashboard;
 pub mod disagg;
 pub mod http;

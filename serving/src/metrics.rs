@@ -102,6 +102,8 @@ pub struct HttpMetrics {
     /// Set by the first [`HttpMetrics::take_window`]: until someone reads windows, none is
     /// filled (no lock taken per token).
     window_on: Arc<std::sync::atomic::AtomicBool>,
+    /// Per service class.
+    pub class: crate::classes::metrics::ClassMetrics,
 }
 
 /// The window being filled: since when, what, and the latency samples offered to it.
@@ -300,6 +302,7 @@ impl Default for HttpMetrics {
             itl_buckets: (0..=ITL_BUCKETS.len()).map(|_| AtomicU64::new(0)).collect(),
             window: Arc::new(parking_lot::Mutex::new(Window::new())),
             window_on: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            class: Default::default(),
         }
     }
 }
@@ -416,8 +419,17 @@ impl HttpMetrics {
         self.e2e.observe(d.as_secs_f64());
     }
 
+    /// The service classes (name, TTFT and ITL targets), in their index order.
+    pub fn classes(
+        &self,
+        classes: impl IntoIterator<Item = (String, Option<Duration>, Option<Duration>)>,
+    ) {
+        self.class.set(classes);
+    }
+
     /// Registers every metric of the frontend.
     pub fn register(&self, r: &mut Registry) {
+        self.class.register(r);
         r.register("kvfabric_requests", "Requests by outcome.", self.requests.clone());
         r.register_with_unit(
             "kvfabric_time_to_first_token",

@@ -76,8 +76,9 @@ pub enum Chunk {
     },
 }
 
-/// The request body for `req` on `model`.
-pub fn completion_body(model: &str, req: &GenerateRequest) -> Value {
+/// The request body for `req` on `model`; with `priority`, the engine schedules by it and
+/// is told the request's class as vLLM's `priority` (lower first).
+pub fn completion_body(model: &str, req: &GenerateRequest, priority: bool) -> Value {
     let mut body = json!({
         "model": model,
         "prompt": req.prompt,
@@ -95,6 +96,14 @@ pub fn completion_body(model: &str, req: &GenerateRequest) -> Value {
     }
     if req.ignore_eos {
         body["ignore_eos"] = json!(true);
+    }
+    if let Some(c) = req.class.as_ref().filter(|_| priority) {
+        body["priority"] = json!(c.priority);
+    }
+    if let Some(salt) = &req.cache_salt {
+        // vLLM namespaces its own prefix cache by it (an engine that does not know the
+        // field ignores it, as OpenAI's server does).
+        body["cache_salt"] = json!(salt);
     }
     body
 }

@@ -119,6 +119,8 @@ impl Probe for LocalProbe {
             stop: Vec::new(),
             ignore_eos: true,
             timeout: self.timeout,
+            class: None,
+            cache_salt: None,
         };
         let prompt_len = req.prompt.len();
         let start = Instant::now();

@@ -565,6 +565,8 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
             stop: vec![],
             ignore_eos: false,
             timeout: Duration::from_secs(30),
+            class: None,
+            cache_salt: None,
         },
     };
     let connect = |r: WorkerRequest| {

@@ -105,6 +105,11 @@ pub enum WorkerApi {
     OpenAi {
         /// The model name the engine serves (its `--served-model-name`).
         model: String,
+        /// The engine schedules by the `priority` field (vLLM with `--scheduling-policy
+        /// priority`): a request's class is forwarded as its priority. Without it the field is
+        /// not sent (vLLM refuses a priority it does not schedule by).
+        #[serde(default)]
+        priority: bool,
     },
 }
 

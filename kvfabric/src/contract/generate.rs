@@ -26,11 +26,16 @@ pub enum EngineError {
         /// Prompt tokens.
         prompt: usize,
     },
-    /// Too many requests are waiting.
+    /// Too many requests are waiting (or, for a request of a less urgent class, a more
+    /// urgent one needed its place).
     #[error("the engine is overloaded ({waiting} requests waiting); retry later")]
     Overloaded {
         /// Requests waiting.
         waiting: usize,
+        /// When a retry may be served, as the engine estimates it (how long its queue takes
+        /// to drain), milliseconds: the HTTP answer's `Retry-After`.
+        #[serde(default)]
+        retry_after_ms: Option<u64>,
     },
     /// The request ran past its deadline.
     #[error("the request ran past its deadline of {timeout:?}")]
@@ -93,6 +98,62 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// When the request fails with [`EngineError::Deadline`].
     pub timeout: Duration,
+    /// Its service class, as the frontend resolved it (None: no classes, first come first
+    /// served).
+    #[serde(default)]
+    pub class: Option<ClassHint>,
+    /// Folded into the hashes of its blocks ([`crate::hash::HashSeed::salted`]): requests
+    /// share cached KV only with requests of the same salt (a tenant's namespace, the
+    /// client's `cache_salt`).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+}
+
+impl GenerateRequest {
+    /// A request of `prompt` for `max_tokens` tokens, greedy, within `timeout`, of no class
+    /// and no salt.
+    pub fn new(prompt: Vec<u32>, max_tokens: usize, timeout: Duration) -> Self {
+        GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            ignore_eos: false,
+            timeout,
+            class: None,
+            cache_salt: None,
+        }
+    }
+
+    /// The rank of its class (0 the most urgent); a request of no class ranks with the most
+    /// urgent.
+    pub fn rank(&self) -> u8 {
+        self.class.as_ref().map_or(0, |c| c.rank)
+    }
+}
+
+/// What an engine needs to know of a request's service class: how urgent it is against the
+/// others and the latency targets it is scheduled to meet.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ClassHint {
+    /// The class's name (in metrics and logs).
+    pub name: String,
+    /// Its urgency among the classes configured: 0 is the most urgent. A waiting request
+    /// displaces (and may preempt the prefill of) requests of a higher rank, never of its
+    /// own or a lower one.
+    pub rank: u8,
+    /// Its priority in vLLM's convention (lower is served first), forwarded to engines that
+    /// schedule by it.
+    pub priority: i32,
+    /// Time to first token it is scheduled to meet: requests are ordered by arrival plus
+    /// this (earliest deadline first).
+    pub ttft: Option<Duration>,
+    /// Gap between tokens it is scheduled to meet: prompt chunks computed while it decodes
+    /// are cut so that a step stays within it.
+    pub itl: Option<Duration>,
+    /// A request not started this long after it arrived is answered at once (expired), not
+    /// computed.
+    pub expire: Option<Duration>,
 }
 
 /// Why a generation ended.

@@ -17,8 +17,10 @@ use super::generate::GenerateRequest;
 /// The version of the request port's frames this build speaks. 1: length and JSON, no version
 /// byte (before 2026-12). 2: the version byte; the generation types of
 /// [`super::generate`]. 3: the worker numbers each request it accepts (`accepted`, first),
-/// and its load reports say how many it had accepted.
-pub const PROTOCOL: u8 = 3;
+/// and its load reports say how many it had accepted. 4: a request's service class and cache
+/// salt (a worker of version 3 would ignore the salt and share the KV of tenants that must
+/// not share it, so the version changes).
+pub const PROTOCOL: u8 = 4;
 
 /// Largest frame body (a 1M-token prompt as JSON fits).
 pub const FRAME_MAX: usize = 16 << 20;

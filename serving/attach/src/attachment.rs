@@ -39,6 +39,9 @@ pub struct AttachConfig {
     pub engine: SocketAddr,
     /// The model name the engine serves.
     pub engine_model: String,
+    /// The engine schedules by `priority` (vLLM `--scheduling-policy priority`): requests'
+    /// classes are forwarded to it as their priority.
+    pub priority: bool,
     /// The model as the frontend serves it (id, context, KV layout with the engine's block
     /// size).
     pub model: ModelInfo,
@@ -400,7 +403,10 @@ impl Run {
             codec: self.cfg.codec.clone(),
             addr: self.cfg.engine,
             role: Role::Aggregated,
-            api: WorkerApi::OpenAi { model: self.cfg.engine_model.clone() },
+            api: WorkerApi::OpenAi {
+                model: self.cfg.engine_model.clone(),
+                priority: self.cfg.priority,
+            },
         };
         let Ok(metadata) = serde_json::to_value(&md) else { return };
         let instance = Instance { kind: WORKER_KIND.into(), id: self.cfg.name.clone(), metadata };

@@ -347,6 +347,8 @@ async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
                 stop: vec![],
                 ignore_eos: false,
                 timeout: Duration::from_secs(20),
+                class: None,
+                cache_salt: None,
             };
             let mut rx = decode.submit("mock", req).unwrap();
             let (mut remote, mut tokens) = (None, Vec::new());

@@ -101,6 +101,20 @@ pub struct SchedulerStats {
     /// Per request: from the start of its first step to its first token (its prompt's
     /// steps, and any steps that ran between them).
     pub prefill_time: kvfabric_tiers::metrics::Histogram,
+    /// Requests whose prefill was stopped to give their batch slot to a request of a more
+    /// urgent class (they wait again, and resume from the blocks they had stored).
+    pub preempted: AtomicU64,
+    /// Requests refused or dropped from the queue as overloaded (429) so that a more urgent
+    /// class's request could wait instead, or because the queue was full.
+    pub shed: AtomicU64,
+    /// Requests whose class's `expire` passed before they started: answered at once.
+    pub expired: AtomicU64,
+    /// The rank of the least urgent request waiting (0 when none waits): a full queue still
+    /// takes a request more urgent than it, and drops that one.
+    pub least_urgent_waiting: AtomicU64,
+    /// How long the engine estimates its queued prompts take to compute, milliseconds (what
+    /// a shed request is told to wait before retrying).
+    pub drain_estimate_ms: AtomicU64,
 }
 
 impl SchedulerStats {
@@ -123,6 +137,32 @@ struct Submission {
     req: GenerateRequest,
     tx: EventTx,
     arrived: Instant,
+    /// Its deadline for ordering: arrival plus its class's TTFT target (plus its timeout
+    /// when it has no class). Waiting requests are served earliest first.
+    key: Instant,
+    /// It was admitted before and preempted: `Started` was sent.
+    preempted: bool,
+}
+
+impl Submission {
+    fn new(req: GenerateRequest, tx: EventTx) -> Self {
+        let arrived = Instant::now();
+        let target = req.class.as_ref().and_then(|c| c.ttft).unwrap_or(req.timeout);
+        // Bounded by `submit` (a day at most); a clock at its end is no deadline.
+        let key = arrived.checked_add(target).unwrap_or(arrived);
+        Submission { req, tx, arrived, key, preempted: false }
+    }
+
+    /// Less urgent first: its class's rank, then its deadline.
+    fn urgency(&self) -> (u8, Instant) {
+        (self.req.rank(), self.key)
+    }
+
+    /// When its class says it is too late to start.
+    fn expires(&self) -> Option<Instant> {
+        let e = self.req.class.as_ref()?.expire?;
+        self.arrived.checked_add(e)
+    }
 }
 
 /// The handle to a running engine: submit requests, read its model and counters. Cheap to
@@ -150,6 +190,11 @@ impl Scheduler {
     /// The names of `prompt`'s full blocks, as this engine stores them.
     pub fn sequence_hashes(&self, prompt: &[u32]) -> Vec<kvfabric::hash::SequenceHash> {
         self.hasher.sequence_hashes(prompt)
+    }
+
+    /// The hasher of a request with `salt` ([`GenerateRequest::cache_salt`]).
+    pub fn hasher(&self, salt: Option<&str>) -> TokenBlockHasher {
+        salted(self.hasher, salt)
     }
 
     /// Starts `engine` on its own thread. Store operations run on `runtime`, which must not
@@ -191,6 +236,7 @@ impl Scheduler {
             host_capacity: store_capacity as usize,
             decodes_deferred: false,
             taken_in: 0,
+            cost: StepCost::default(),
         };
         let (failed, failure) = tokio::sync::watch::channel(None);
         std::thread::Builder::new()
@@ -271,8 +317,18 @@ impl Scheduler {
             )));
         }
         let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
-        if waiting >= self.waiting_max {
-            return Err(EngineError::Overloaded { waiting });
+        // A full queue still takes a request more urgent than its least urgent one (the loop
+        // then drops that one), up to twice its bound.
+        let displaces =
+            u64::from(req.rank()) < self.stats.least_urgent_waiting.load(Ordering::Relaxed);
+        if waiting >= self.waiting_max
+            && !(displaces && waiting < self.waiting_max.saturating_mul(2))
+        {
+            bump(&self.stats.shed, 1);
+            return Err(EngineError::Overloaded {
+                waiting,
+                retry_after_ms: Some(self.stats.drain_estimate_ms.load(Ordering::Relaxed)),
+            });
         }
         let (tx, rx) = crate::stream::channel();
         let prompt = req.prompt.len() as u64;
@@ -280,7 +336,7 @@ impl Scheduler {
         self.stats.inbox_prompt_tokens.fetch_add(prompt, Ordering::SeqCst);
         // Numbered after its tokens are counted: a load read after the number counts them.
         let seq = self.stats.accepted.fetch_add(1, Ordering::SeqCst) + 1;
-        self.tx.send(Submission { req, tx, arrived: Instant::now() }).map_err(|_| {
+        self.tx.send(Submission::new(req, tx)).map_err(|_| {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             self.stats.inbox_prompt_tokens.fetch_sub(prompt, Ordering::SeqCst);
             EngineError::Stopped
@@ -291,6 +347,12 @@ impl Scheduler {
 
 struct Seq {
     id: u64,
+    /// How its blocks are named (the worker's seed, salted by the request's cache salt).
+    hasher: TokenBlockHasher,
+    /// Its ordering deadline ([`Submission::key`]).
+    key: Instant,
+    /// It was preempted before: `Started` was sent (it is not sent again).
+    preempted: bool,
     req: GenerateRequest,
     tx: EventTx,
     deadline: Instant,
@@ -348,6 +410,55 @@ struct Loop<E: Engine> {
     /// Prompt tokens taken in from the inbox since the last load count (they leave
     /// `inbox_prompt_tokens` once `queued_prefill_tokens` counts them).
     taken_in: u64,
+    /// Measured step costs: microseconds per prompt token, and of a decode step.
+    cost: StepCost,
+}
+
+/// What steps cost, measured (moving averages over the last steps): how many prompt tokens
+/// fit beside a latency class's decode within its ITL target.
+#[derive(Debug, Clone, Copy, Default)]
+struct StepCost {
+    prefill_us_per_token: Option<f64>,
+    decode_step_us: Option<f64>,
+}
+
+impl StepCost {
+    const ALPHA: f64 = 0.2;
+
+    fn ewma(v: &mut Option<f64>, x: f64) {
+        *v = Some(v.map_or(x, |v| v + Self::ALPHA * (x - v)));
+    }
+
+    /// A step of `prompt` prompt tokens and `decodes` decodes took `us`.
+    fn observe(&mut self, prompt: usize, decodes: usize, us: f64) {
+        match (prompt, decodes) {
+            (0, 0) => {}
+            (0, _) => Self::ewma(&mut self.decode_step_us, us),
+            (p, 0) => Self::ewma(&mut self.prefill_us_per_token, us / p as f64),
+            (p, _) => {
+                let decode = self.decode_step_us.unwrap_or(0.0);
+                Self::ewma(&mut self.prefill_us_per_token, (us - decode).max(0.0) / p as f64);
+            }
+        }
+    }
+
+    /// Prompt tokens a step may carry so that a decode waits at most `itl` for its next
+    /// token (a step of prompt chunks then a decode step, or one mixed step): None until
+    /// the costs are measured.
+    fn prompt_tokens_within(&self, itl: Duration) -> Option<usize> {
+        let per_token = self.prefill_us_per_token.filter(|c| *c > 0.0)?;
+        let left = itl.as_secs_f64() * 1e6 - self.decode_step_us.unwrap_or(0.0);
+        Some((left.max(0.0) / per_token) as usize)
+    }
+}
+
+/// `hasher` with `salt` folded into its seed.
+fn salted(hasher: TokenBlockHasher, salt: Option<&str>) -> TokenBlockHasher {
+    match salt.filter(|s| !s.is_empty()) {
+        None => hasher,
+        Some(salt) => TokenBlockHasher::new(hasher.block_tokens(), hasher.seed().salted(salt))
+            .unwrap_or(hasher),
+    }
 }
 
 enum Outcome {
@@ -385,7 +496,90 @@ impl<E: Engine> Loop<E> {
     /// to the queue's at the next [`Loop::report_load`]).
     fn take_in(&mut self, s: Submission) {
         self.taken_in += s.req.prompt.len() as u64;
-        self.waiting.push_back(s);
+        self.enqueue(s);
+        // Over the bound (a more urgent request came into a full queue): the least urgent
+        // goes, told to retry when the queue should have drained.
+        while self.waiting.len() > self.cfg.waiting_max.max(1) {
+            let Some(i) = (0..self.waiting.len()).max_by_key(|&i| self.waiting[i].urgency()) else {
+                break;
+            };
+            let Some(out) = self.waiting.remove(i) else { break };
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            bump(&self.stats.shed, 1);
+            tracing::debug!(class = ?out.req.class.as_ref().map(|c| &c.name), "a queued request shed for a more urgent one");
+            let _ = out.tx.send(GenEvent::Error(EngineError::Overloaded {
+                waiting: self.waiting.len(),
+                retry_after_ms: Some(self.stats.drain_estimate_ms.load(Ordering::Relaxed)),
+            }));
+        }
+        self.note_least_urgent();
+    }
+
+    /// Queues a submission in deadline order (after those of the same deadline).
+    fn enqueue(&mut self, s: Submission) {
+        let at = self.waiting.partition_point(|w| w.key <= s.key);
+        self.waiting.insert(at, s);
+    }
+
+    fn note_least_urgent(&self) {
+        let rank = self.waiting.iter().map(|w| w.req.rank()).max().unwrap_or(0);
+        self.stats.least_urgent_waiting.store(u64::from(rank), Ordering::Relaxed);
+    }
+
+    /// Answers at once every waiting request whose class's `expire` or whose own deadline
+    /// has passed: none is computed too late to matter.
+    fn expire_waiting(&mut self) {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let w = &self.waiting[i];
+            let past_timeout = w.arrived.checked_add(w.req.timeout).is_none_or(|d| now >= d);
+            let expired = w.expires().is_some_and(|e| now >= e);
+            if !(past_timeout || expired || w.tx.is_closed()) {
+                i += 1;
+                continue;
+            }
+            let Some(w) = self.waiting.remove(i) else { break };
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            if w.tx.is_closed() {
+                bump(&self.stats.cancelled, 1);
+                continue;
+            }
+            let timeout = if expired && !past_timeout {
+                bump(&self.stats.expired, 1);
+                w.req.class.as_ref().and_then(|c| c.expire).unwrap_or(w.req.timeout)
+            } else {
+                bump(&self.stats.deadline_exceeded, 1);
+                w.req.timeout
+            };
+            let _ = w.tx.send(GenEvent::Error(EngineError::Deadline { timeout }));
+        }
+    }
+
+    /// Stops the prefill of running request `i` (it produced no token yet) and queues it
+    /// again: its stored blocks stay in the store, so it resumes from them.
+    fn preempt(&mut self, i: usize) {
+        let s = self.running.remove(i);
+        self.engine.remove_sequence(s.id);
+        self.stats.running.fetch_sub(1, Ordering::Relaxed);
+        bump(&self.stats.preempted, 1);
+        bump(&self.stats.waiting, 1);
+        tracing::debug!(
+            seq = s.id,
+            computed = s.computed,
+            "prefill preempted for a more urgent class"
+        );
+        let sub =
+            Submission { req: s.req, tx: s.tx, arrived: s.arrived, key: s.key, preempted: true };
+        self.enqueue(sub);
+    }
+
+    /// The running request to preempt for a waiting one of rank `rank`: the least urgent of
+    /// those of a higher rank that produced no token yet.
+    fn preemptible(&self, rank: u8) -> Option<usize> {
+        (0..self.running.len())
+            .filter(|&i| self.running[i].generated == 0 && self.running[i].req.rank() > rank)
+            .max_by_key(|&i| (self.running[i].req.rank(), self.running[i].key))
     }
 
     fn report_load(&mut self) {
@@ -410,36 +604,43 @@ impl<E: Engine> Loop<E> {
             + self.waiting.iter().map(|w| w.req.prompt.len()).sum::<usize>();
         self.stats.active_tokens.store(active as u64, Ordering::Relaxed);
         self.stats.queued_prefill_tokens.store(queued as u64, Ordering::SeqCst);
+        let per_token = self.cost.prefill_us_per_token.unwrap_or(0.0);
+        let drain_ms = (queued as f64 * per_token / 1e3).min(3.6e6) as u64;
+        self.stats.drain_estimate_ms.store(drain_ms.max(1000), Ordering::Relaxed);
         let taken = std::mem::take(&mut self.taken_in);
         self.stats.inbox_prompt_tokens.fetch_sub(taken, Ordering::SeqCst);
     }
 
     fn admit(&mut self) {
-        while self.running.len() < self.cfg.batch_max {
+        self.expire_waiting();
+        loop {
+            let Some(head) = self.waiting.front() else { break };
+            if self.running.len() >= self.cfg.batch_max {
+                // A full batch: a more urgent request takes the slot of a less urgent one's
+                // prefill.
+                match self.preemptible(head.req.rank()) {
+                    Some(i) => self.preempt(i),
+                    None => break,
+                }
+                continue;
+            }
             let Some(sub) = self.waiting.pop_front() else { break };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            if sub.tx.is_closed() {
-                bump(&self.stats.cancelled, 1);
-                continue;
-            }
             // `submit` bounded the timeout; a deadline past the clock's range is not one.
             let deadline = sub.arrived.checked_add(sub.req.timeout).unwrap_or_else(Instant::now);
-            if Instant::now() >= deadline {
-                bump(&self.stats.deadline_exceeded, 1);
-                let _ = sub
-                    .tx
-                    .send(GenEvent::Error(EngineError::Deadline { timeout: sub.req.timeout }));
-                continue;
-            }
             let id = self.next_id;
             self.next_id += 1;
             self.engine.add_sequence(id);
+            let hasher = salted(self.hasher, sub.req.cache_salt.as_deref());
             let mut seq = Seq {
                 id,
+                hasher,
+                key: sub.key,
+                preempted: sub.preempted,
                 sampler: Sampler::new(sub.req.sampling),
                 text: TextStream::new(sub.req.stop.clone()),
                 tokens: sub.req.prompt.clone(),
-                hashes: self.hasher.sequence_hashes(&sub.req.prompt),
+                hashes: hasher.sequence_hashes(&sub.req.prompt),
                 computed: 0,
                 stored: 0,
                 generated: 0,
@@ -462,13 +663,16 @@ impl<E: Engine> Loop<E> {
                 max_tokens = seq.req.max_tokens,
                 "request admitted"
             );
-            bump(&self.stats.prompt_tokens, seq.req.prompt.len() as u64);
+            if !seq.preempted {
+                bump(&self.stats.prompt_tokens, seq.req.prompt.len() as u64);
+            }
             bump(&self.stats.running, 1);
             if seq.import_tiers.is_empty() {
                 self.start(&mut seq);
             }
             self.running.push(seq);
         }
+        self.note_least_urgent();
     }
 
     /// The sequence takes part in steps from now on: its cached blocks are in the engine.
@@ -477,6 +681,10 @@ impl<E: Engine> Loop<E> {
         seq.computed = seq.imported * bt;
         seq.stored = seq.imported;
         seq.started = true;
+        if seq.preempted {
+            // Resumed: the client was told where its prompt's KV came from the first time.
+            return;
+        }
         bump(&self.stats.cached_tokens[0], seq.hits.host_tokens as u64);
         bump(&self.stats.cached_tokens[1], seq.hits.disk_tokens as u64);
         bump(&self.stats.cached_tokens[2], seq.hits.remote_tokens as u64);
@@ -658,7 +866,25 @@ impl<E: Engine> Loop<E> {
                 budget = budget.saturating_sub(1);
             }
         }
-        for (i, s) in self.running.iter().enumerate() {
+        // A decode of a class with an ITL target waits for this step's prompt chunks (and,
+        // alternating, for the decode step after them): they are cut to what fits in it, a
+        // block at least so that prompts still advance.
+        let itl = self
+            .running
+            .iter()
+            .filter(|s| s.started && s.prompt_left() == 0)
+            .filter_map(|s| s.req.class.as_ref()?.itl)
+            .min();
+        if let Some(fit) = itl.and_then(|itl| self.cost.prompt_tokens_within(itl)) {
+            let floor = self.hasher.block_tokens() + plan.len();
+            budget = budget.min(fit.max(floor));
+        }
+        // Prompt chunks earliest deadline first.
+        let mut order: Vec<usize> = (0..self.running.len()).collect();
+        order.sort_by_key(|&i| self.running[i].key);
+        let decoded = plan.len();
+        for i in order {
+            let s = &self.running[i];
             let left = s.prompt_left();
             if prompts && s.started && left > 0 && budget > 0 {
                 let n = left.min(budget);
@@ -669,6 +895,7 @@ impl<E: Engine> Loop<E> {
         if plan.is_empty() {
             return;
         }
+        let prompt_tokens: usize = plan[decoded..].iter().map(|p| p.2).sum();
         self.provide_blocks(&plan);
         let inputs: Vec<StepInput<'_>> = plan
             .iter()
@@ -686,6 +913,7 @@ impl<E: Engine> Loop<E> {
         let step_start = Instant::now();
         let result = self.engine.step_next(&inputs);
         drop(inputs);
+        self.cost.observe(prompt_tokens, decoded, step_start.elapsed().as_secs_f64() * 1e6);
         bump(&self.stats.steps, 1);
         let mut outcomes: Vec<Outcome> =
             (0..self.running.len()).map(|_| Outcome::Continue).collect();
@@ -839,7 +1067,7 @@ impl<E: Engine> Loop<E> {
             let full = s.tokens.len() / bt;
             if full > s.hashes.len() {
                 let parent = s.hashes.last().copied();
-                let more = self.hasher.extend(parent, &s.tokens[s.hashes.len() * bt..full * bt]);
+                let more = s.hasher.extend(parent, &s.tokens[s.hashes.len() * bt..full * bt]);
                 s.hashes.extend(more);
             }
             let Some(table) = self.engine.table_mut(s.id) else { continue };

@@ -96,6 +96,8 @@ async fn generate(sched: &Scheduler, prompt: &[u32], n: usize) -> (Vec<u32>, usi
             stop: Vec::new(),
             ignore_eos: true,
             timeout: Duration::from_secs(30),
+            class: None,
+            cache_salt: None,
         })
         .unwrap();
     let (mut tokens, mut cached) = (Vec::new(), 0);

@@ -31,6 +31,8 @@ fn request() -> impl Strategy<Value = GenerateRequest> {
                     stop,
                     ignore_eos,
                     timeout: Duration::new(s, n),
+                    class: None,
+                    cache_salt: None,
                 }
             },
         )
@@ -89,6 +91,8 @@ fn no_request_panics_the_scheduler_and_it_serves_on() {
         stop: vec![],
         ignore_eos: true,
         timeout: Duration::from_secs(30),
+        class: None,
+        cache_salt: None,
     };
     let mut rx = sched.submit(ok).unwrap();
     let done = rt.block_on(async {

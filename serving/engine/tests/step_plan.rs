@@ -72,6 +72,8 @@ fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
         stop: Vec::new(),
         ignore_eos: true,
         timeout: Duration::from_secs(30),
+        class: None,
+        cache_salt: None,
     }
 }
 

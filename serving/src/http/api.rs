@@ -12,6 +12,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::backend::ModelEntry;
+use crate::classes::{ClassError, ClassHint, Tenant, Tenants};
 use crate::engine::{ChatMessage, EngineError, SamplingParams};
 
 use super::AppState;
@@ -24,11 +25,31 @@ pub struct ApiError {
     kind: &'static str,
     param: Option<&'static str>,
     code: Option<&'static str>,
+    /// Seconds, sent as `Retry-After` (429).
+    retry_after_s: Option<u64>,
 }
 
 impl ApiError {
     pub(super) fn new(status: StatusCode, message: impl Into<String>, kind: &'static str) -> Self {
-        ApiError { status, message: message.into(), kind, param: None, code: None }
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after_s: None,
+        }
+    }
+
+    /// The request was shed (429) to keep a more urgent class within its targets, or the
+    /// queues are full.
+    pub(super) fn is_shed(&self) -> bool {
+        self.status == StatusCode::TOO_MANY_REQUESTS
+    }
+
+    /// The request's deadline passed (504).
+    pub(super) fn is_expired(&self) -> bool {
+        self.status == StatusCode::GATEWAY_TIMEOUT
     }
 
     pub(super) fn invalid(message: impl Into<String>, param: &'static str) -> Self {
@@ -56,8 +77,10 @@ impl From<EngineError> for ApiError {
                 code: Some("context_length_exceeded"),
                 ..ApiError::new(StatusCode::BAD_REQUEST, msg, "invalid_request_error")
             },
-            EngineError::Overloaded { .. } => ApiError {
+            EngineError::Overloaded { retry_after_ms, .. } => ApiError {
                 code: Some("rate_limit_exceeded"),
+                // Whole seconds, at least 1 (a client retrying at once would be shed again).
+                retry_after_s: Some(retry_after_ms.unwrap_or(1000).div_ceil(1000).clamp(1, 3600)),
                 ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, msg, "rate_limit_error")
             },
             EngineError::Deadline { .. } => {
@@ -79,7 +102,30 @@ impl From<EngineError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after_s {
+            r.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        r
+    }
+}
+
+impl From<ClassError> for ApiError {
+    fn from(e: ClassError) -> Self {
+        let status = if matches!(e, ClassError::NotAllowed { .. }) {
+            StatusCode::FORBIDDEN
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        ApiError {
+            param: Some(e.param()),
+            code: Some(match e {
+                ClassError::Unknown { .. } => "unknown_service_class",
+                ClassError::NotAllowed { .. } => "service_class_not_allowed",
+                _ => "invalid_service_class",
+            }),
+            ..ApiError::new(status, e.to_string(), "invalid_request_error")
+        }
     }
 }
 
@@ -163,6 +209,24 @@ struct Common {
     best_of: Option<i64>,
     #[serde(default)]
     echo: bool,
+    /// vLLM's: folded into the prompt's block hashes.
+    cache_salt: Option<Value>,
+    /// The spellings of a service class (`crate::classes`).
+    service_tier: Option<Value>,
+    priority: Option<Value>,
+    nvext: Option<Value>,
+    kvfabric: Option<Value>,
+}
+
+/// Longest `cache_salt` accepted.
+const CACHE_SALT_MAX: usize = 1024;
+
+/// What the frontend knows of a request besides its body: its headers and the tenant its API
+/// key names.
+#[derive(Clone, Copy)]
+pub(super) struct Ctx<'a> {
+    pub(super) headers: &'a axum::http::HeaderMap,
+    pub(super) tenant: Option<&'a Tenant>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -223,9 +287,56 @@ pub(super) struct Checked {
     pub(super) stream: bool,
     pub(super) include_usage: bool,
     pub(super) ignore_eos: bool,
+    /// Its service class (index into the server's classes) and what the engine is told.
+    pub(super) class: Option<(usize, ClassHint)>,
+    /// The salt of its blocks: the tenant's namespace and the client's `cache_salt`.
+    pub(super) cache_salt: Option<String>,
 }
 
-fn check_common(st: &AppState, c: &Common) -> Result<Checked, ApiError> {
+/// The class and cache salt of a request.
+fn class_and_salt(
+    st: &AppState,
+    ctx: Ctx<'_>,
+    c: &Common,
+) -> Result<(Option<(usize, ClassHint)>, Option<String>), ApiError> {
+    let mut spellings = serde_json::Map::new();
+    for (k, v) in [
+        ("service_tier", &c.service_tier),
+        ("priority", &c.priority),
+        ("nvext", &c.nvext),
+        ("kvfabric", &c.kvfabric),
+    ] {
+        if let Some(v) = v {
+            spellings.insert(k.into(), v.clone());
+        }
+    }
+    let classes = &st.cfg.classes;
+    let named = classes.named(ctx.headers, &Value::Object(spellings))?;
+    let index = match ctx.tenant {
+        Some(t) => Tenants::class_for(t, classes, named)?,
+        None => named.or(classes.enabled().then_some(classes.default_index())),
+    };
+    let class = index.and_then(|i| Some((i, classes.hint(i)?)));
+    let client_salt = match &c.cache_salt {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s.len() <= CACHE_SALT_MAX => Some(s.as_str()),
+        Some(Value::String(_)) => {
+            return Err(ApiError::invalid(
+                format!("cache_salt is longer than {CACHE_SALT_MAX} bytes"),
+                "cache_salt",
+            ))
+        }
+        Some(_) => return Err(ApiError::invalid("cache_salt must be a string", "cache_salt")),
+    };
+    let salt = match (ctx.tenant.map(Tenant::cache_salt), client_salt) {
+        (Some(t), Some(c)) => Some(format!("{t}\u{0}{c}")),
+        (Some(t), None) => Some(t),
+        (None, c) => c.filter(|c| !c.is_empty()).map(str::to_string),
+    };
+    Ok((class, salt))
+}
+
+fn check_common(st: &AppState, ctx: Ctx<'_>, c: &Common) -> Result<Checked, ApiError> {
     let entry = match &c.model {
         None => return Err(ApiError::invalid("you must provide a model parameter", "model")),
         Some(m) => match st.backend.model(m) {
@@ -279,7 +390,10 @@ fn check_common(st: &AppState, c: &Common) -> Result<Checked, ApiError> {
         SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
             ^ NEXT_ID.fetch_add(1, Ordering::Relaxed).rotate_left(32)
     });
+    let (class, cache_salt) = class_and_salt(st, ctx, c)?;
     Ok(Checked {
+        class,
+        cache_salt,
         entry,
         max_tokens,
         sampling: SamplingParams { temperature, top_p, seed },
@@ -334,10 +448,14 @@ pub(super) fn read_body(body: Body) -> Result<Bytes, ApiError> {
     })
 }
 
-pub(super) fn parse_completion(st: &AppState, body: &Bytes) -> Result<Parsed, ApiError> {
+pub(super) fn parse_completion(
+    st: &AppState,
+    ctx: Ctx<'_>,
+    body: &Bytes,
+) -> Result<Parsed, ApiError> {
     {
         let req: CompletionRequest = parse(body)?;
-        let checked = check_common(st, &req.common)?;
+        let checked = check_common(st, ctx, &req.common)?;
         let codec = checked.entry.codec.clone();
         let prompt = match req.prompt {
             None => return Err(ApiError::invalid("you must provide a prompt", "prompt")),
@@ -356,10 +474,10 @@ pub(super) fn parse_completion(st: &AppState, body: &Bytes) -> Result<Parsed, Ap
     }
 }
 
-pub(super) fn parse_chat(st: &AppState, body: &Bytes) -> Result<Parsed, ApiError> {
+pub(super) fn parse_chat(st: &AppState, ctx: Ctx<'_>, body: &Bytes) -> Result<Parsed, ApiError> {
     {
         let req: ChatRequest = parse(body)?;
-        let checked = check_common(st, &req.common)?;
+        let checked = check_common(st, ctx, &req.common)?;
         let Some(messages) = req.messages.filter(|m| !m.is_empty()) else {
             return Err(ApiError::invalid("messages must be a non-empty array", "messages"));
         };

@@ -2,13 +2,14 @@
 //! (timing, usage, cancellation on drop) and answering in one piece when not streaming.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use crate::classes::metrics::ClassOutcome;
 use crate::engine::{CacheHits, EngineError, EventRx, FinishReason, GenEvent, GenerateRequest};
 use crate::metrics::Outcome;
 
@@ -36,6 +37,8 @@ pub(super) async fn start(
             stop: c.stop.clone(),
             ignore_eos: c.ignore_eos,
             timeout: st.cfg.request_timeout,
+            class: c.class.as_ref().map(|(_, h)| h.clone()),
+            cache_salt: c.cache_salt.clone(),
         };
         let rx = st.backend.submit(&c.entry.info.id, req)?;
         Ok((rx, c))
@@ -45,7 +48,15 @@ pub(super) async fn start(
         Err(e) => return Err(st.fail(e)),
     };
     st.metrics.arrival();
+    let class = c.class.as_ref().map(|(i, _)| *i);
+    if let Some(i) = class {
+        st.metrics.class.submitted(i);
+    }
     let mut gen = Generation {
+        class,
+        first_token_at: None,
+        gaps: Duration::ZERO,
+        class_outcome: None,
         st: st.clone(),
         rx,
         model: c.entry.info.id.clone(),
@@ -63,6 +74,7 @@ pub(super) async fn start(
     };
     // The status is decided by the first event: admitted, or refused (429, 400, ...).
     if let Err(e) = gen.admitted().await {
+        gen.class_outcome = Some(ClassOutcome::of(&e));
         gen.finish(false);
         return Err(st.fail(e));
     }
@@ -87,6 +99,25 @@ pub(super) struct Generation {
     completion_tokens: usize,
     deadline: tokio::time::Instant,
     finished: bool,
+    /// Its service class (index into the server's classes).
+    class: Option<usize>,
+    /// Its first token's time after arrival, and the sum of the gaps after it.
+    first_token_at: Option<Duration>,
+    gaps: Duration,
+    /// How it ended, for its class's metrics (set on a failure; Ok otherwise).
+    class_outcome: Option<ClassOutcome>,
+}
+
+impl ClassOutcome {
+    fn of(e: &ApiError) -> Self {
+        if e.is_shed() {
+            ClassOutcome::Shed
+        } else if e.is_expired() {
+            ClassOutcome::Expired
+        } else {
+            ClassOutcome::Failed
+        }
+    }
 }
 
 /// What the next engine event means for the client.
@@ -147,8 +178,21 @@ impl Generation {
                     let now = Instant::now();
                     let m = &self.st.metrics;
                     match self.last_token {
-                        None => m.first_token(now - self.started),
-                        Some(t) => m.inter_token(now - t),
+                        None => {
+                            let d = now - self.started;
+                            m.first_token(d);
+                            self.first_token_at = Some(d);
+                            if let Some(i) = self.class {
+                                m.class.first_token(i, d);
+                            }
+                        }
+                        Some(t) => {
+                            m.inter_token(now - t);
+                            self.gaps += now - t;
+                            if let Some(i) = self.class {
+                                m.class.inter_token(i, now - t);
+                            }
+                        }
                     }
                     self.last_token = Some(now);
                     self.completion_tokens += 1;
@@ -161,9 +205,22 @@ impl Generation {
                     return Next::Done(reason, text);
                 }
                 GenEvent::Cached(c) => self.cached = c,
-                GenEvent::Error(e) => return Next::Failed(e.into()),
+                GenEvent::Error(e) => {
+                    let e: ApiError = e.into();
+                    self.class_outcome = Some(ClassOutcome::of(&e));
+                    return Next::Failed(e);
+                }
             }
         }
+    }
+
+    /// Counts the request in its class: how it ended, its TTFT and its mean time per output
+    /// token.
+    fn count_class(&self, outcome: ClassOutcome) {
+        let Some(i) = self.class else { return };
+        let tpot = (self.completion_tokens > 1)
+            .then(|| self.gaps / (self.completion_tokens as u32 - 1).max(1));
+        self.st.metrics.class.finished(i, outcome, self.first_token_at, tpot);
     }
 
     pub(super) fn usage(&self) -> Value {
@@ -205,6 +262,9 @@ impl Generation {
         } else if self.last_token.is_none() {
             m.no_first_token(self.started.elapsed());
         }
+        let outcome =
+            if ok { ClassOutcome::Ok } else { self.class_outcome.unwrap_or(ClassOutcome::Failed) };
+        self.count_class(outcome);
         self.count_tokens();
     }
 
@@ -266,6 +326,7 @@ impl Drop for Generation {
             // The client went away mid-generation: the receiver drops with us, which
             // cancels the engine's work. Its tokens count as those of any other end.
             self.st.metrics.request(Outcome::Cancelled);
+            self.count_class(ClassOutcome::Cancelled);
             self.count_tokens();
             self.finished = true;
         }

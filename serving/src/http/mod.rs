@@ -63,6 +63,11 @@ pub struct ServerConfig {
     pub sources: Vec<Arc<dyn Source>>,
     /// The server's name, as `/dashboard` shows it.
     pub name: String,
+    /// Service classes (none: every request first come first served).
+    pub classes: crate::classes::Classes,
+    /// Tenants, by API key: each key is accepted as `api_key` is, pins the tenant's classes
+    /// and namespaces its cache.
+    pub tenants: crate::classes::Tenants,
 }
 
 impl Default for ServerConfig {
@@ -76,6 +81,8 @@ impl Default for ServerConfig {
             metrics: HttpMetrics::default(),
             sources: Vec::new(),
             name: "kvfabric".into(),
+            classes: Default::default(),
+            tenants: Default::default(),
         }
     }
 }
@@ -124,6 +131,7 @@ pub fn router_with(
     }
     let mut registry = metrics::registry(&metrics, components);
     cfg.listen.register(&mut registry);
+    metrics.classes(cfg.classes.list().iter().map(|c| (c.name.clone(), c.ttft, c.itl)));
     let state = AppState::new(backend, cfg, metrics, registry, created);
     let api = Router::new()
         .route("/v1/models", get(models))
@@ -182,28 +190,42 @@ fn finish(api: Router<Arc<AppState>>, state: Arc<AppState>, limit: BodyLimits) -
         .with_state(state)
 }
 
-/// Checks the API key of a `/v1/` request, if one is configured (constant-time compare).
+/// The tenant a request's API key named (a request extension).
+#[derive(Clone)]
+struct TenantOf(Option<Arc<crate::classes::Tenant>>);
+
+/// Checks the API key of a `/v1/` request, if one is configured (constant-time compare): the
+/// server's key, or a tenant's (which the request then carries).
 async fn require_api_key(
     State(st): State<Arc<AppState>>,
-    req: axum::extract::Request,
+    mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let Some(key) = &st.cfg.api_key {
+    if st.cfg.api_key.is_some() || st.cfg.tenants.enabled() {
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
-        let same = given.len() == key.len()
-            && given.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-        if !same {
+        let server = st.cfg.api_key.as_ref().is_some_and(|key| {
+            given.len() == key.len()
+                && given.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+        });
+        let tenant = st.cfg.tenants.by_key(given).cloned().map(Arc::new);
+        if !server && tenant.is_none() {
             let e = api::wrong_api_key();
             st.count_failure(&e);
             return e.into_response();
         }
+        req.extensions_mut().insert(TenantOf(tenant));
     }
     next.run(req).await
+}
+
+/// The tenant of a request (set by [`require_api_key`]).
+fn tenant_of(ext: &axum::http::Extensions) -> Option<Arc<crate::classes::Tenant>> {
+    ext.get::<TenantOf>().and_then(|t| t.0.clone())
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
@@ -270,9 +292,12 @@ async fn prometheus(State(st): State<Arc<AppState>>) -> impl IntoResponse {
 /// worker's load until `/v1/route/release`; answers where it would go and why.
 async fn route_request(
     State(st): State<Arc<AppState>>,
+    ext: axum::http::Extensions,
     headers: axum::http::HeaderMap,
     body: Body,
 ) -> Response {
+    let tenant = tenant_of(&ext);
+    let ctx = api::Ctx { headers: &headers, tenant: tenant.as_deref() };
     let r = check_content_type(&headers).and_then(|()| read_body(body)).and_then(|b| {
         let v: Value = serde_json::from_slice(&b)
             .map_err(|e| ApiError::invalid(format!("malformed JSON: {e}"), "body"))?;
@@ -282,9 +307,9 @@ async fn route_request(
             Some(_) => return Err(ApiError::invalid("track must be a boolean", "track")),
         };
         let parsed = if v.get("messages").is_some() {
-            parse_chat(&st, &b)
+            parse_chat(&st, ctx, &b)
         } else {
-            parse_completion(&st, &b)
+            parse_completion(&st, ctx, &b)
         }?;
         let (prompt, _, checked) = parsed;
         Ok(st.backend.explain(&checked.entry.info.id, &prompt, track)?)
@@ -319,30 +344,37 @@ async fn route_release(
 
 async fn completions(
     State(st): State<Arc<AppState>>,
+    ext: axum::http::Extensions,
     headers: axum::http::HeaderMap,
     body: Body,
 ) -> Response {
-    generate_from(st, &headers, body, Endpoint::Completions, parse_completion).await
+    generate_from(st, &ext, &headers, body, Endpoint::Completions, parse_completion).await
 }
 
 async fn chat_completions(
     State(st): State<Arc<AppState>>,
+    ext: axum::http::Extensions,
     headers: axum::http::HeaderMap,
     body: Body,
 ) -> Response {
-    generate_from(st, &headers, body, Endpoint::Chat, parse_chat).await
+    generate_from(st, &ext, &headers, body, Endpoint::Chat, parse_chat).await
 }
 
 /// Checks and parses a generation request of `endpoint`, then runs it.
 async fn generate_from(
     st: Arc<AppState>,
+    ext: &axum::http::Extensions,
     headers: &axum::http::HeaderMap,
     body: Body,
     endpoint: Endpoint,
-    parse: fn(&AppState, &axum::body::Bytes) -> Result<api::Parsed, ApiError>,
+    parse: fn(&AppState, api::Ctx<'_>, &axum::body::Bytes) -> Result<api::Parsed, ApiError>,
 ) -> Response {
     let started = Instant::now();
-    let r = check_content_type(headers).and_then(|()| read_body(body)).and_then(|b| parse(&st, &b));
+    let tenant = tenant_of(ext);
+    let ctx = api::Ctx { headers, tenant: tenant.as_deref() };
+    let r = check_content_type(headers)
+        .and_then(|()| read_body(body))
+        .and_then(|b| parse(&st, ctx, &b));
     run(st, endpoint, r, started).await
 }
 

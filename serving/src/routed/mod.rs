@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 use kvfabric::control::{Discovery, EventBus};
 use kvfabric_router::feed::{worker_id, FeedStats};
 use kvfabric_router::membership::{
-    Membership, MembershipConfig, Refusal, Scored, Scores, WorkerEntry, REPORTS_STOPPED,
+    Membership, MembershipConfig, Refusal, RouteOptions, Scored, Scores, WorkerEntry,
+    REPORTS_STOPPED,
 };
 use kvfabric_router::{RouterConfig, RoutingMode, WorkerId};
 use parking_lot::Mutex;
@@ -69,6 +70,10 @@ pub struct RoutedConfig {
     /// sent (as Dynamo's request migration does), and the client sees one stream. 0: such a
     /// stream ends with an error.
     pub migrations_max: u32,
+    /// The weight of cache reuse against queue delay when routing a request of a latency
+    /// class (one with an ITL target), 0..=1: below 1, such a request goes to a less loaded
+    /// worker sooner than to one that holds more of its prompt.
+    pub latency_reuse_weight: f64,
 }
 
 impl RoutedConfig {
@@ -85,6 +90,7 @@ impl RoutedConfig {
             slow_penalty: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(10),
             migrations_max: 1,
+            latency_reuse_weight: 0.5,
         }
     }
 }

@@ -15,7 +15,14 @@ impl Inner {
         let mut migrations = 0u32;
         for attempt in 0..self.cfg.attempts_max.max(1) {
             let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
-            let Some(pick) = self.members.route(&model, rid, &wreq.request.prompt, &tried) else {
+            let r = &wreq.request;
+            // A latency class (one with an ITL target) weighs queue delay over reuse.
+            let latency = r.class.as_ref().is_some_and(|c| c.itl.is_some());
+            let opts = RouteOptions {
+                salt: r.cache_salt.as_deref(),
+                reuse: if latency { self.cfg.latency_reuse_weight } else { 1.0 },
+            };
+            let Some(pick) = self.members.route_with(&model, rid, &r.prompt, &tried, opts) else {
                 break;
             };
             let (name, addr, api) = (pick.name, pick.addr, pick.api);
@@ -28,10 +35,11 @@ impl Inner {
                 WorkerApi::Kvfabric { .. } => {
                     self.relay(target, &wreq, &tx, deadline, &mut progress).await
                 }
-                WorkerApi::OpenAi { model: engine_model } => {
+                WorkerApi::OpenAi { model: engine_model, priority } => {
                     self.relay_openai(
                         target,
                         engine_model,
+                        *priority,
                         &wreq.request,
                         &tx,
                         deadline,
@@ -275,6 +283,7 @@ impl Inner {
         &self,
         t: Target<'_>,
         engine_model: &str,
+        priority: bool,
         req: &GenerateRequest,
         tx: &EventTx,
         deadline: tokio::time::Instant,
@@ -283,7 +292,7 @@ impl Inner {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let first_token_by =
             (tokio::time::Instant::now() + self.cfg.first_token_timeout).min(deadline);
-        let body = openai::completion_body(engine_model, req);
+        let body = openai::completion_body(engine_model, req, priority);
         let head_within = self.cfg.first_token_timeout.min(left);
         let started = tokio::select! {
             s = openai::start(t.addr, &body, head_within) => s,

@@ -36,6 +36,10 @@ pub struct AttachArgs {
     /// The model name the engine serves (default: --model).
     #[arg(long, env = "KVFABRIC_ENGINE_MODEL")]
     engine_model: Option<String>,
+    /// The engine schedules by request priority (vLLM `--scheduling-policy priority`): the
+    /// frontend forwards each request's service class as its `priority` (lower first).
+    #[arg(long, env = "KVFABRIC_ENGINE_PRIORITY")]
+    engine_priority: bool,
     /// The model's directory (tokenizer.json, tokenizer_config.json, config.json): the
     /// frontend tokenizes with it, so it must be readable by the frontend at this path.
     #[arg(long, env = "KVFABRIC_ENGINE_MODEL_DIR")]
@@ -112,6 +116,7 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
         name: args.name.clone(),
         engine,
         engine_model: args.engine_model.clone().unwrap_or_else(|| args.model.clone()),
+        priority: args.engine_priority,
         model: ModelInfo { id: args.model.clone(), context_len, layout },
         codec,
         flavor: args.engine,
