@@ -574,11 +574,15 @@ impl<E: Engine> Loop<E> {
         self.enqueue(sub);
     }
 
-    /// The running request to preempt for a waiting one of rank `rank`: the least urgent of
-    /// those of a higher rank that produced no token yet.
-    fn preemptible(&self, rank: u8) -> Option<usize> {
+    /// The running request to preempt for a waiting one of rank `rank` and deadline `key`:
+    /// the least urgent of those that produced no token yet, are of a higher rank and have a
+    /// later deadline (queued again, it waits behind the one it made room for).
+    fn preemptible(&self, rank: u8, key: Instant) -> Option<usize> {
         (0..self.running.len())
-            .filter(|&i| self.running[i].generated == 0 && self.running[i].req.rank() > rank)
+            .filter(|&i| {
+                let s = &self.running[i];
+                s.generated == 0 && s.req.rank() > rank && s.key > key
+            })
             .max_by_key(|&i| (self.running[i].req.rank(), self.running[i].key))
     }
 
@@ -618,7 +622,7 @@ impl<E: Engine> Loop<E> {
             if self.running.len() >= self.cfg.batch_max {
                 // A full batch: a more urgent request takes the slot of a less urgent one's
                 // prefill.
-                match self.preemptible(head.req.rank()) {
+                match self.preemptible(head.req.rank(), head.key) {
                     Some(i) => self.preempt(i),
                     None => break,
                 }

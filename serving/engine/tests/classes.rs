@@ -1,0 +1,367 @@
+//! Service classes in the engine's scheduler: waiting requests are admitted earliest
+//! deadline first, a full queue sheds its least urgent request for a more urgent one (with a
+//! Retry-After), a more urgent request preempts a less urgent prefill (which resumes from
+//! its stored blocks), prompt chunks are cut to what fits in a latency decode's ITL target,
+//! a request past its class's `expire` is answered without being computed, and a cache salt
+//! keeps requests of different namespaces from reading each other's blocks, in host memory
+//! and on disk.
+//!
+//! The mock engine's steps are recorded (which sequence, from which position, how many
+//! tokens, and the first of them), so each test checks the plan that ran. Where a test needs
+//! requests to arrive while another runs, that other runs for hundreds of milliseconds.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvfabric::agent::{Agent, AgentConfig};
+use kvfabric::contract::generate::ClassHint;
+use kvfabric::events::NullSink;
+use kvfabric::layout::{KvDtype, ModelSpec};
+use kvfabric_engine::mock::{MockConfig, MockEngine};
+use kvfabric_engine::{
+    CacheHits, Engine, EngineError, EventRx, GenEvent, GenerateRequest, KvBlock, KvTable,
+    ModelInfo, Next, Scheduler, SchedulerConfig, StepInput, TextCodec,
+};
+use kvfabric_tiers::{StoreConfig, TieredStore};
+use parking_lot::Mutex;
+
+/// One input of a step: (sequence, first position, tokens, the first token).
+type Input = (u64, usize, usize, u32);
+
+struct StepLog {
+    inner: MockEngine,
+    steps: Arc<Mutex<Vec<Vec<Input>>>>,
+}
+
+impl Engine for StepLog {
+    fn info(&self) -> &ModelInfo {
+        self.inner.info()
+    }
+    fn codec(&self) -> &TextCodec {
+        self.inner.codec()
+    }
+    fn add_sequence(&mut self, seq: u64) {
+        self.inner.add_sequence(seq)
+    }
+    fn remove_sequence(&mut self, seq: u64) {
+        self.inner.remove_sequence(seq)
+    }
+    fn push_cached(&mut self, seq: u64, block: KvBlock) -> Result<(), EngineError> {
+        self.inner.push_cached(seq, block)
+    }
+    fn table(&self, seq: u64) -> Option<&KvTable> {
+        self.inner.table(seq)
+    }
+    fn table_mut(&mut self, seq: u64) -> Option<&mut KvTable> {
+        self.inner.table_mut(seq)
+    }
+    fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.inner.step(batch)
+    }
+    fn step_next(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Next>, EngineError> {
+        self.steps
+            .lock()
+            .push(batch.iter().map(|i| (i.seq, i.start, i.tokens.len(), i.tokens[0])).collect());
+        self.inner.step_next(batch)
+    }
+    fn mixed_steps_amortize(&self) -> bool {
+        false
+    }
+}
+
+struct Setup {
+    sched: Scheduler,
+    steps: Arc<Mutex<Vec<Vec<Input>>>>,
+    store: TieredStore,
+    _agent: Agent,
+    _dir: tempfile::TempDir,
+}
+
+async fn setup(mock: MockConfig, cfg: SchedulerConfig, host_blocks: u32, disk: bool) -> Setup {
+    let layout = ModelSpec::preset("smollm2-135m")
+        .unwrap()
+        .with_dtype(KvDtype::F32)
+        .block_layout(16)
+        .unwrap();
+    let agent = Agent::start(AgentConfig::new("classes", b"s".to_vec())).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut scfg = StoreConfig::new(layout.bytes_per_block(), host_blocks);
+    if disk {
+        scfg.disk_admit_min_hits = 0;
+        scfg.disk = Some(kvfabric_tiers::disk::DiskConfig::new(dir.path().join("kv.slots"), 256));
+    }
+    let store = TieredStore::open(scfg, &agent, Arc::new(NullSink)).await.unwrap();
+    let steps = Arc::new(Mutex::new(Vec::new()));
+    let engine =
+        StepLog { inner: MockEngine::new("mock", layout, mock).unwrap(), steps: steps.clone() };
+    let sched =
+        Scheduler::start(engine, store.clone(), cfg, tokio::runtime::Handle::current()).unwrap();
+    Setup { sched, steps, store, _agent: agent, _dir: dir }
+}
+
+fn class(name: &str, rank: u8, ttft_ms: u64) -> ClassHint {
+    ClassHint {
+        name: name.into(),
+        rank,
+        priority: i32::from(rank),
+        ttft: Some(Duration::from_millis(ttft_ms)),
+        itl: None,
+        expire: None,
+    }
+}
+
+fn interactive() -> ClassHint {
+    ClassHint { itl: Some(Duration::from_millis(20)), ..class("interactive", 0, 300) }
+}
+
+fn batch() -> ClassHint {
+    class("batch", 1, 30_000)
+}
+
+/// A prompt of `n` tokens that starts with `first` (the step log tells requests apart by it).
+fn prompt(first: u32, n: usize) -> Vec<u32> {
+    std::iter::once(first).chain((1..n as u32).map(|i| 97 + (i * first) % 26)).collect()
+}
+
+fn request(first: u32, n: usize, max_tokens: usize, class: Option<ClassHint>) -> GenerateRequest {
+    GenerateRequest {
+        ignore_eos: true,
+        class,
+        ..GenerateRequest::new(prompt(first, n), max_tokens, Duration::from_secs(30))
+    }
+}
+
+/// The tokens of a generation, its cache hits, or its error.
+async fn collect(mut rx: EventRx) -> Result<(Vec<u32>, CacheHits), EngineError> {
+    let (mut tokens, mut hits) = (Vec::new(), CacheHits::default());
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Started { cached, .. } => hits = cached,
+            GenEvent::Token { id, .. } => tokens.push(id),
+            GenEvent::Done { .. } => return Ok((tokens, hits)),
+            GenEvent::Error(e) => return Err(e),
+            _ => {}
+        }
+    }
+    Err(EngineError::Stopped)
+}
+
+/// Waits for the first token of `rx` (the request decodes from now on).
+async fn first_token(rx: &mut EventRx) {
+    loop {
+        match rx.recv().await.expect("it runs") {
+            GenEvent::Token { .. } => return,
+            GenEvent::Error(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+}
+
+/// The order in which requests (by their first prompt token) had their first step.
+fn first_steps(steps: &[Vec<Input>]) -> Vec<u32> {
+    let mut order = Vec::new();
+    for s in steps {
+        for &(_, start, _, first) in s {
+            if start == 0 && !order.contains(&first) {
+                order.push(first);
+            }
+        }
+    }
+    order
+}
+
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..2000 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// A decode running for about 0.4 s (200 tokens of 2 ms), holding the only batch slot.
+fn blocker() -> GenerateRequest {
+    request(1, 20, 200, None)
+}
+
+fn slow_decode() -> MockConfig {
+    MockConfig { decode_step_us: 2_000.0, ..MockConfig::zero_delay() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_requests_are_admitted_earliest_deadline_first() {
+    let cfg = SchedulerConfig { batch_max: 1, ..SchedulerConfig::default() };
+    let s = setup(slow_decode(), cfg, 256, false).await;
+    let mut a = s.sched.submit(blocker()).unwrap();
+    first_token(&mut a).await;
+    // While the blocker decodes (it cannot be preempted: it produced a token): two batch
+    // requests, then an interactive one, then a request of no class (its deadline is its
+    // timeout, 30 s).
+    let b1 = s.sched.submit(request(2, 40, 2, Some(batch()))).unwrap();
+    let b2 = s.sched.submit(request(3, 40, 2, Some(batch()))).unwrap();
+    let i = s.sched.submit(request(4, 40, 2, Some(interactive()))).unwrap();
+    let n = s.sched.submit(request(5, 40, 2, None)).unwrap();
+    for rx in [a, b1, b2, i, n] {
+        collect(rx).await.unwrap();
+    }
+    assert_eq!(first_steps(&s.steps.lock()), [1, 4, 2, 3, 5]);
+    assert_eq!(s.sched.stats().preempted.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_sheds_its_least_urgent_request_for_a_more_urgent_one() {
+    let cfg = SchedulerConfig { batch_max: 1, waiting_max: 2, ..SchedulerConfig::default() };
+    let s = setup(slow_decode(), cfg, 256, false).await;
+    let mut a = s.sched.submit(blocker()).unwrap();
+    first_token(&mut a).await;
+    let b1 = s.sched.submit(request(2, 40, 2, Some(batch()))).unwrap();
+    let b2 = s.sched.submit(request(3, 40, 2, Some(batch()))).unwrap();
+    let stats = s.sched.stats();
+    until("the loop to queue both", || stats.least_urgent_waiting.load(Ordering::Relaxed) == 1)
+        .await;
+    // Full: another batch request is refused at once, with when to retry.
+    match s.sched.submit(request(6, 40, 2, Some(batch()))) {
+        Err(EngineError::Overloaded { waiting: 2, retry_after_ms: Some(ms) }) => {
+            assert!(ms >= 1000, "{ms}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // An interactive one is taken; the later batch request leaves the queue instead.
+    let i = s.sched.submit(request(4, 40, 2, Some(interactive()))).unwrap();
+    match collect(b2).await {
+        Err(EngineError::Overloaded { retry_after_ms: Some(_), .. }) => {}
+        other => panic!("the later batch request was kept: {other:?}"),
+    }
+    for rx in [a, b1, i] {
+        collect(rx).await.unwrap();
+    }
+    assert_eq!(first_steps(&s.steps.lock()), [1, 4, 2]);
+    assert_eq!(stats.shed.load(Ordering::Relaxed), 2);
+    assert_eq!(stats.waiting.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_urgent_request_preempts_a_batch_prefill_which_resumes_from_its_stored_blocks() {
+    // A 2,000-token batch prompt in chunks of 64 tokens at 50 µs a token: 32 steps of 3.2 ms.
+    let mock = MockConfig { prefill_us_per_token: 50.0, ..MockConfig::zero_delay() };
+    let cfg = SchedulerConfig { batch_max: 1, step_tokens: 64, ..SchedulerConfig::default() };
+    let s = setup(mock, cfg, 512, false).await;
+    let b = s.sched.submit(request(2, 2000, 4, Some(batch()))).unwrap();
+    let steps = s.steps.clone();
+    until("B's prefill to be under way", || steps.lock().len() >= 4).await;
+    let i = s.sched.submit(request(4, 40, 4, Some(interactive()))).unwrap();
+    let (b_out, i_out) = tokio::join!(collect(b), collect(i));
+    let (b_out, i_out) = (b_out.unwrap().0, i_out.unwrap().0);
+    assert_eq!((b_out.len(), i_out.len()), (4, 4));
+    let stats = s.sched.stats();
+    assert_eq!(stats.preempted.load(Ordering::Relaxed), 1);
+    // B stopped, I ran whole, B resumed: from a block it had stored (not from 0).
+    let log = s.steps.lock().clone();
+    let seqs: Vec<u64> = log.iter().map(|st| st[0].0).collect();
+    let (b_first, i_seq) = (seqs[0], log.iter().flatten().find(|x| x.3 == 4).unwrap().0);
+    let i_steps: Vec<usize> = (0..log.len()).filter(|&k| seqs[k] == i_seq).collect();
+    let before = i_steps[0];
+    assert!(before >= 4 && seqs[..before].iter().all(|&q| q == b_first), "{log:?}");
+    let resumed = &log[*i_steps.last().unwrap() + 1][0];
+    assert_ne!(resumed.0, b_first, "B resumes as a new sequence");
+    assert!(resumed.1 >= 16 * 3 && resumed.1 % 16 == 0, "B resumed from {}", resumed.1);
+    // And generates what it generates unpreempted.
+    let alone = setup(mock, SchedulerConfig::default(), 512, false).await;
+    let again = collect(alone.sched.submit(request(2, 2000, 4, Some(batch()))).unwrap()).await;
+    assert_eq!(again.unwrap().0, b_out);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_chunks_are_cut_to_fit_a_latency_decodes_itl_target() {
+    // A 512-token chunk costs 51 ms; a decode step 5 ms. The interactive class's ITL target
+    // is 20 ms: beside its decode, chunks of at most 150 tokens fit.
+    let mock = MockConfig {
+        prefill_us_per_token: 100.0,
+        decode_step_us: 5_000.0,
+        ..MockConfig::zero_delay()
+    };
+    let cfg = SchedulerConfig { step_tokens: 512, ..SchedulerConfig::default() };
+    let s = setup(mock, cfg, 512, false).await;
+    let mut i = s.sched.submit(request(4, 40, 20, Some(interactive()))).unwrap();
+    first_token(&mut i).await;
+    let b = s.sched.submit(request(2, 6000, 2, Some(batch()))).unwrap();
+    let (i_out, b_out) = tokio::join!(collect(i), collect(b));
+    assert_eq!((i_out.unwrap().0.len(), b_out.unwrap().0.len()), (19, 2));
+    let log = s.steps.lock().clone();
+    let i_seq = log[0][0].0;
+    let last_i = log.iter().rposition(|st| st.iter().any(|x| x.0 == i_seq)).unwrap();
+    let b_chunks = |range: std::ops::Range<usize>| -> Vec<usize> {
+        log[range].iter().flatten().filter(|x| x.3 != 4 && x.2 > 1).map(|x| x.2).collect()
+    };
+    let during = b_chunks(0..last_i);
+    let after = b_chunks(last_i..log.len());
+    assert!(!during.is_empty(), "B's prompt began while I decoded: {log:?}");
+    // The first chunk may run before a step was measured; every later one is cut.
+    assert!(during[1..].iter().all(|&n| (16..=160).contains(&n)), "{during:?}");
+    assert!(after.iter().any(|&n| n == 512), "whole chunks once I is done: {after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_its_class_expiry_is_answered_without_being_computed() {
+    let cfg = SchedulerConfig { batch_max: 1, ..SchedulerConfig::default() };
+    let s = setup(slow_decode(), cfg, 256, false).await;
+    let mut a = s.sched.submit(blocker()).unwrap();
+    first_token(&mut a).await;
+    let short = ClassHint { expire: Some(Duration::from_millis(50)), ..batch() };
+    let e = s.sched.submit(request(7, 40, 2, Some(short))).unwrap();
+    let (a_out, e_out) = tokio::join!(
+        async {
+            // The blocker is still decoding when the expired request is answered.
+            let r = collect(a).await;
+            (r, std::time::Instant::now())
+        },
+        async { (collect(e).await, std::time::Instant::now()) }
+    );
+    match e_out.0 {
+        Err(EngineError::Deadline { timeout }) => assert_eq!(timeout, Duration::from_millis(50)),
+        other => panic!("{other:?}"),
+    }
+    assert!(e_out.1 < a_out.1, "answered while the blocker ran");
+    assert_eq!(a_out.0.unwrap().0.len(), 199);
+    assert!(!first_steps(&s.steps.lock()).contains(&7), "never computed");
+    assert_eq!(s.sched.stats().expired.load(Ordering::Relaxed), 1);
+}
+
+async fn hits(s: &Setup, salt: Option<&str>) -> (Vec<u32>, CacheHits) {
+    let req = GenerateRequest { cache_salt: salt.map(str::to_string), ..request(9, 321, 4, None) };
+    collect(s.sched.submit(req).unwrap()).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_prompt_is_a_miss_for_another_salt_in_host_memory_and_on_disk() {
+    // Host memory: 20 full blocks, all kept.
+    let s = setup(MockConfig::zero_delay(), SchedulerConfig::default(), 256, false).await;
+    let (cold, first) = hits(&s, Some("tenant-a")).await;
+    assert_eq!(first.total(), 0);
+    let (out, other) = hits(&s, Some("tenant-b")).await;
+    assert_eq!((other.total(), &out), (0, &cold), "another salt reads nothing");
+    let (_, none) = hits(&s, None).await;
+    assert_eq!(none.total(), 0, "nor does no salt");
+    let (out, same) = hits(&s, Some("tenant-a")).await;
+    assert_eq!((same.host_tokens, &out), (320, &cold), "the same salt reads its own");
+    // The block names differ: the hasher of each salt.
+    let a = s.sched.hasher(Some("tenant-a")).sequence_hashes(&prompt(9, 321));
+    let b = s.sched.hasher(Some("tenant-b")).sequence_hashes(&prompt(9, 321));
+    assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+    assert_eq!(
+        s.sched.hasher(None).sequence_hashes(&prompt(9, 321)),
+        s.sched.sequence_hashes(&prompt(9, 321))
+    );
+
+    // Disk: 3 host slots, so the 20 blocks live on disk.
+    let d = setup(MockConfig::zero_delay(), SchedulerConfig::default(), 3, true).await;
+    hits(&d, Some("tenant-a")).await;
+    let (_, other) = hits(&d, Some("tenant-b")).await;
+    assert_eq!(other.total(), 0, "another salt reads nothing from disk");
+    let (_, same) = hits(&d, Some("tenant-a")).await;
+    assert_eq!(same.total(), 320);
+    assert!(same.disk_tokens > 0, "{same:?}");
+    assert!(d.store.metrics().disk_hits > 0);
+}
