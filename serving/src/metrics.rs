@@ -508,6 +508,12 @@ pub struct EngineSnapshot {
     pub running: u64,
     /// Engine steps.
     pub steps: u64,
+    /// Requests whose prefill yielded its batch slot to a more urgent class.
+    pub preempted: u64,
+    /// Requests refused or dropped from the queue as overloaded.
+    pub shed: u64,
+    /// Requests answered at once because their class's `expire` passed.
+    pub expired: u64,
     /// Per request: arrival at the engine to the start of its first step.
     pub queue_time: HistogramSnapshot,
     /// Per request: the start of its first step to its first token.
@@ -818,6 +824,33 @@ fn engine_and_store(
     family(e, s, "kvfabric_engine_steps", "Engine steps.", None, C, |s, o| {
         o.extend(s.engine.as_ref().map(|x| plain(x.steps)))
     })?;
+    family(
+        e,
+        s,
+        "kvfabric_engine_preempted",
+        "Requests whose prefill yielded its batch slot to a more urgent service class (they resume from their stored blocks).",
+        None,
+        C,
+        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.preempted))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_engine_shed",
+        "Requests the engine refused or dropped from its queue as overloaded (429): the queue was full, or a more urgent class needed the place.",
+        None,
+        C,
+        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.shed))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_engine_expired",
+        "Requests answered at once, not computed, because their service class's expire passed while they waited.",
+        None,
+        C,
+        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.expired))),
+    )?;
     family(
         e,
         s,

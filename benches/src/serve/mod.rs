@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 
 use crate::sse::SseParser;
 
+pub mod mix;
 pub mod replay;
 use tokio::net::TcpStream;
 
@@ -100,6 +101,15 @@ pub struct ServeArgs {
     /// Seed of the prompts and arrivals.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// A class of a mix (repeat for each): `NAME:share=0.1,prefix=300,prompt=40,output=32,
+    /// ttft=300ms,itl=50ms` (`prompt=2000-8000`: drawn uniformly). The mix is offered at
+    /// --rate for --requests requests, each naming its class in `x-kvfabric-class`; the report
+    /// is per class, with the goodput (requests that met the class's targets per second).
+    #[arg(long = "mix", value_parser = mix::parse_mix)]
+    mix: Vec<mix::MixClass>,
+    /// --mix: do not name the class (the same load, to a server without classes).
+    #[arg(long)]
+    no_class_header: bool,
     /// Per-request timeout, seconds.
     #[arg(long, default_value_t = 300)]
     timeout_s: u64,
@@ -242,6 +252,18 @@ pub async fn exchange(
     method: &str,
     path: &str,
     body: &str,
+    on_data: impl FnMut(&[u8]),
+) -> crate::Result<u16> {
+    exchange_with(t, method, path, body, &[], on_data).await
+}
+
+/// [`exchange`] with more request headers.
+pub async fn exchange_with(
+    t: &Target,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&'static str, String)],
     mut on_data: impl FnMut(&[u8]),
 ) -> crate::Result<u16> {
     use http_body_util::BodyExt;
@@ -252,13 +274,16 @@ pub async fn exchange(
     let _conn = AbortOnDrop(tokio::spawn(async move {
         let _ = conn.await;
     }));
-    let req = hyper::Request::builder()
+    let mut req = hyper::Request::builder()
         .method(method)
         .uri(format!("{}{path}", t.prefix))
         .header(hyper::header::HOST, &t.host)
         .header(hyper::header::CONTENT_TYPE, "application/json")
-        .header(hyper::header::ACCEPT, "text/event-stream, application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))?;
+        .header(hyper::header::ACCEPT, "text/event-stream, application/json");
+    for (k, v) in headers {
+        req = req.header(*k, v);
+    }
+    let req = req.body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))?;
     let resp = sender.send_request(req).await?;
     let status = resp.status().as_u16();
     let mut body = resp.into_body();
@@ -273,6 +298,16 @@ pub async fn exchange(
 /// Sends one completion request (`body`, streamed or not) and reads its answer to the end
 /// within `timeout`: its timings, usage and text, or why it failed.
 pub async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome {
+    one_request_with(t, body, &[], timeout).await
+}
+
+/// [`one_request`] with more request headers.
+pub async fn one_request_with(
+    t: &Target,
+    body: String,
+    headers: &[(&'static str, String)],
+    timeout: Duration,
+) -> Outcome {
     let start = Instant::now();
     let mut out = Outcome::default();
     let mut sse = SseParser::default();
@@ -280,7 +315,7 @@ pub async fn one_request(t: &Target, body: String, timeout: Duration) -> Outcome
     let mut body_text = Vec::new();
     let r = tokio::time::timeout(
         timeout,
-        exchange(t, "POST", "/completions", &body, |data| {
+        exchange_with(t, "POST", "/completions", &body, headers, |data| {
             body_text.extend_from_slice(data);
             for d in sse.push(data) {
                 if d == "[DONE]" {
@@ -383,6 +418,27 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
         Some(m) => m.clone(),
         None => first_model(&t).await.with_context(|| format!("GET {}/models", args.url))?,
     };
+    if !args.mix.is_empty() {
+        let cfg = mix::MixConfig {
+            classes: args.mix.clone(),
+            rate: args.rate.unwrap_or(1.0),
+            requests: args.requests.max(1),
+            class_header: !args.no_class_header,
+            vocab: args.vocab,
+            seed: args.seed,
+            timeout: Duration::from_secs(args.timeout_s.max(1)),
+            in_flight_max: args.in_flight_max,
+        };
+        let rows = mix::run_mix(t, &model, &cfg).await?;
+        if args.json {
+            for r in &rows {
+                println!("{}", serde_json::to_string(r)?);
+            }
+        } else {
+            mix::print(&args.url, &cfg, &rows);
+        }
+        return Ok(());
+    }
     if let Some(file) = &args.trace {
         use replay::{print, replay, OnlineConfig};
         let cfg = OnlineConfig {

@@ -30,7 +30,7 @@ pub use kvfabric::contract::generate::{
     CacheHits, EngineError, FinishReason, GenEvent, GenerateRequest, RemotePrefill, SamplingParams,
     REQUEST_TIMEOUT_MAX,
 };
-pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
+pub use scheduler::{QueuePolicy, Scheduler, SchedulerConfig, SchedulerStats};
 pub use stream::{EventRx, EventTx};
 pub use text::{ChatMessage, TextCodec, TextStream};
 

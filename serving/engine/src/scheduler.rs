@@ -38,6 +38,20 @@ pub struct SchedulerConfig {
     pub hash_seed: HashSeed,
     /// Store computed blocks (prompt and generated) in the block store.
     pub store_blocks: bool,
+    /// How waiting requests are ordered.
+    pub policy: QueuePolicy,
+}
+
+/// How an engine orders the requests that wait for a batch slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueuePolicy {
+    /// Earliest deadline first: arrival plus the class's TTFT target. A more urgent class
+    /// displaces a less urgent one from a full queue and preempts its prefill.
+    #[default]
+    Edf,
+    /// First come first served, whatever the class (the comparison for `Edf`): no
+    /// displacement, no preemption.
+    Fcfs,
 }
 
 impl Default for SchedulerConfig {
@@ -48,6 +62,7 @@ impl Default for SchedulerConfig {
             step_tokens: 512,
             hash_seed: HashSeed::default(),
             store_blocks: true,
+            policy: QueuePolicy::Edf,
         }
     }
 }
@@ -145,9 +160,12 @@ struct Submission {
 }
 
 impl Submission {
-    fn new(req: GenerateRequest, tx: EventTx) -> Self {
+    fn new(req: GenerateRequest, tx: EventTx, policy: QueuePolicy) -> Self {
         let arrived = Instant::now();
-        let target = req.class.as_ref().and_then(|c| c.ttft).unwrap_or(req.timeout);
+        let target = match policy {
+            QueuePolicy::Edf => req.class.as_ref().and_then(|c| c.ttft).unwrap_or(req.timeout),
+            QueuePolicy::Fcfs => Duration::ZERO,
+        };
         // Bounded by `submit` (a day at most); a clock at its end is no deadline.
         let key = arrived.checked_add(target).unwrap_or(arrived);
         Submission { req, tx, arrived, key, preempted: false }
@@ -156,6 +174,14 @@ impl Submission {
     /// Less urgent first: its class's rank, then its deadline.
     fn urgency(&self) -> (u8, Instant) {
         (self.req.rank(), self.key)
+    }
+
+    /// Its rank as the queue policy sees it (FCFS: all alike).
+    fn rank(&self, policy: QueuePolicy) -> u8 {
+        match policy {
+            QueuePolicy::Edf => self.req.rank(),
+            QueuePolicy::Fcfs => 0,
+        }
     }
 
     /// When its class says it is too late to start.
@@ -174,6 +200,7 @@ pub struct Scheduler {
     codec: Arc<TextCodec>,
     stats: Arc<SchedulerStats>,
     waiting_max: usize,
+    policy: QueuePolicy,
     /// Why the engine thread died (None while it runs).
     failure: tokio::sync::watch::Receiver<Option<String>>,
     /// How it names a prompt's blocks.
@@ -219,6 +246,7 @@ impl Scheduler {
         let stats = Arc::new(SchedulerStats::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let waiting_max = cfg.waiting_max;
+        let policy = cfg.policy;
         let store_capacity = store.metrics().host_capacity_blocks;
         let lp = Loop {
             engine,
@@ -252,7 +280,7 @@ impl Scheduler {
                 }
             })
             .map_err(|e| EngineError::model(format!("starting the engine thread: {e}")))?;
-        Ok(Scheduler { tx, info, codec, stats, waiting_max, failure, hasher })
+        Ok(Scheduler { tx, info, codec, stats, waiting_max, policy, failure, hasher })
     }
 
     /// Why the engine thread died, if it did: the engine serves nothing more.
@@ -319,8 +347,8 @@ impl Scheduler {
         let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
         // A full queue still takes a request more urgent than its least urgent one (the loop
         // then drops that one), up to twice its bound.
-        let displaces =
-            u64::from(req.rank()) < self.stats.least_urgent_waiting.load(Ordering::Relaxed);
+        let displaces = self.policy == QueuePolicy::Edf
+            && u64::from(req.rank()) < self.stats.least_urgent_waiting.load(Ordering::Relaxed);
         if waiting >= self.waiting_max
             && !(displaces && waiting < self.waiting_max.saturating_mul(2))
         {
@@ -336,7 +364,7 @@ impl Scheduler {
         self.stats.inbox_prompt_tokens.fetch_add(prompt, Ordering::SeqCst);
         // Numbered after its tokens are counted: a load read after the number counts them.
         let seq = self.stats.accepted.fetch_add(1, Ordering::SeqCst) + 1;
-        self.tx.send(Submission::new(req, tx)).map_err(|_| {
+        self.tx.send(Submission::new(req, tx, self.policy)).map_err(|_| {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             self.stats.inbox_prompt_tokens.fetch_sub(prompt, Ordering::SeqCst);
             EngineError::Stopped
@@ -522,7 +550,7 @@ impl<E: Engine> Loop<E> {
     }
 
     fn note_least_urgent(&self) {
-        let rank = self.waiting.iter().map(|w| w.req.rank()).max().unwrap_or(0);
+        let rank = self.waiting.iter().map(|w| w.rank(self.cfg.policy)).max().unwrap_or(0);
         self.stats.least_urgent_waiting.store(u64::from(rank), Ordering::Relaxed);
     }
 
@@ -622,7 +650,7 @@ impl<E: Engine> Loop<E> {
             if self.running.len() >= self.cfg.batch_max {
                 // A full batch: a more urgent request takes the slot of a less urgent one's
                 // prefill.
-                match self.preemptible(head.req.rank(), head.key) {
+                match self.preemptible(head.rank(self.cfg.policy), head.key) {
                     Some(i) => self.preempt(i),
                     None => break,
                 }
@@ -855,7 +883,15 @@ impl<E: Engine> Loop<E> {
         // decode step sooner.
         let mut budget = self.cfg.step_tokens.max(1);
         let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len)
+        // A latency class's prompt (its class has an ITL target) is not split from the
+        // decodes: it runs with them, alone among prompts (below), so that neither waits a
+        // step for the other.
+        let latency_prompt = self.cfg.policy == QueuePolicy::Edf
+            && self.running.iter().any(|s| {
+                s.started && s.prompt_left() > 0 && s.req.class.as_ref().is_some_and(|c| c.itl.is_some())
+            });
         let split = !self.engine.mixed_steps_amortize()
+            && !latency_prompt
             && self.running.iter().any(|s| s.started && s.prompt_left() > 0)
             && self.running.iter().any(|s| s.started && s.prompt_left() == 0);
         let (decodes, prompts) = match (split, self.decodes_deferred) {
@@ -883,14 +919,24 @@ impl<E: Engine> Loop<E> {
             let floor = self.hasher.block_tokens() + plan.len();
             budget = budget.min(fit.max(floor));
         }
-        // Prompt chunks earliest deadline first.
+        // Prompt chunks earliest deadline first. While a prompt of a more urgent class is
+        // computed, less urgent prompts wait: the step stays as short as that prompt needs
+        // (its first token is not held up by a batch job's chunk).
         let mut order: Vec<usize> = (0..self.running.len()).collect();
         order.sort_by_key(|&i| self.running[i].key);
+        let urgent = self
+            .running
+            .iter()
+            .filter(|s| s.started && s.prompt_left() > 0)
+            .map(|s| s.req.rank())
+            .min()
+            .filter(|_| self.cfg.policy == QueuePolicy::Edf)
+            .unwrap_or(u8::MAX);
         let decoded = plan.len();
         for i in order {
             let s = &self.running[i];
             let left = s.prompt_left();
-            if prompts && s.started && left > 0 && budget > 0 {
+            if prompts && s.started && left > 0 && budget > 0 && s.req.rank() <= urgent {
                 let n = left.min(budget);
                 plan.push((i, s.computed, n));
                 budget -= n;

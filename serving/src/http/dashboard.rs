@@ -252,6 +252,7 @@ pub(super) async fn state(State(st): State<Arc<AppState>>) -> Json<Value> {
             "itl_s": quantiles(&http.itl_buckets, metrics::ITL_BUCKETS),
         },
         "tiers": tiers,
+        "classes": st.metrics.class.totals(),
         "prefill_tokens": work.prefill_tokens,
         "transfers": {
             "bytes": work.transfer_bytes,

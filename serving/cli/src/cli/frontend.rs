@@ -118,7 +118,10 @@ pub(super) async fn serve_routed(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
     app: impl FnOnce(ServerConfig) -> axum::Router,
 ) -> anyhow::Result<()> {
+    let (classes, tenants) = args.classes()?;
     let server_cfg = ServerConfig {
+        classes,
+        tenants,
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         metrics,

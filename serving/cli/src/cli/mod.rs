@@ -398,9 +398,38 @@ pub struct HttpArgs {
     #[arg(long, env = "KVFABRIC_HEADER_TIMEOUT_S", default_value_t = 10,
         value_parser = clap::value_parser!(u64).range(1..=300))]
     header_timeout_s: u64,
+    /// A service class: `NAME:ttft=300ms,itl=50ms[,expire=60s][,share=25%][,default]`
+    /// (repeat for more). Requests name theirs with `x-kvfabric-class` or `kvfabric.class`
+    /// (or OpenAI's `service_tier`, vLLM's `priority`, Dynamo's priority); waiting work is
+    /// served earliest deadline first and a less urgent class yields to a more urgent one.
+    #[arg(long = "class", env = "KVFABRIC_CLASSES", value_delimiter = ';')]
+    pub classes: Vec<String>,
+    /// A file of service classes, one per line in --class's syntax (`#` comments).
+    #[arg(long, env = "KVFABRIC_CLASSES_FILE")]
+    pub classes_file: Option<std::path::PathBuf>,
+    /// Tenants (JSON: `{"tenants": [{"name", "key", "classes": [...], "cache_namespace"}]}`):
+    /// each key is accepted as --api-key is, pins the classes the tenant may use (the first
+    /// is its default) and gives it a cache namespace of its own (tenants that name the same
+    /// `cache_namespace` share cached prompts).
+    #[arg(long, env = "KVFABRIC_TENANTS")]
+    pub tenants: Option<std::path::PathBuf>,
 }
 
 impl HttpArgs {
+    /// The service classes and tenants of these flags.
+    pub fn classes(
+        &self,
+    ) -> anyhow::Result<(kvfabric_serving::classes::Classes, kvfabric_serving::classes::Tenants)>
+    {
+        use kvfabric_serving::classes::{Classes, Tenants};
+        let classes = Classes::from_specs_and_file(&self.classes, self.classes_file.as_deref())?;
+        let tenants = match &self.tenants {
+            Some(path) => Tenants::from_file(path, &classes).map_err(anyhow::Error::msg)?,
+            None => Tenants::default(),
+        };
+        Ok((classes, tenants))
+    }
+
     fn limits(&self) -> kvfabric_serving::http::listen::HttpLimits {
         kvfabric_serving::http::listen::HttpLimits {
             connections_max: self.max_connections.max(1),

@@ -92,6 +92,11 @@ pub struct EngineOpts {
     /// Prompt tokens computed per step at most.
     #[arg(long, env = "KVFABRIC_STEP_TOKENS", default_value_t = 256, value_parser = at_least_one)]
     pub step_tokens: usize,
+    /// How waiting requests are ordered: `edf` (earliest deadline first, by their service
+    /// class's TTFT target; a more urgent class displaces and preempts a less urgent one) or
+    /// `fcfs` (first come first served, whatever the class).
+    #[arg(long, env = "KVFABRIC_QUEUE_POLICY", value_enum, default_value = "edf")]
+    pub queue_policy: QueuePolicyArg,
     /// Shared secret of the handshakes of the transfer engine and the workers' request ports
     /// (every process of a deployment agrees on it; `up`: random when none is given).
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
@@ -134,6 +139,15 @@ pub struct EngineOpts {
     /// Mock, fault injection: the engine panics in this step (tests of supervision).
     #[arg(long, hide = true)]
     pub mock_panic_at_step: Option<u64>,
+}
+
+/// `--queue-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QueuePolicyArg {
+    /// Earliest deadline first.
+    Edf,
+    /// First come first served.
+    Fcfs,
 }
 
 /// The transport of KV writes from prefill to decode workers.
@@ -226,6 +240,10 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
             batch_max: opts.max_batch.max(1),
             waiting_max: opts.max_waiting,
             step_tokens: opts.step_tokens.max(1),
+            policy: match opts.queue_policy {
+                QueuePolicyArg::Edf => kvfabric_serving::engine::QueuePolicy::Edf,
+                QueuePolicyArg::Fcfs => kvfabric_serving::engine::QueuePolicy::Fcfs,
+            },
             ..SchedulerConfig::default()
         },
         secret: opts.secret.clone().map(String::into_bytes),

@@ -78,7 +78,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    let (classes, tenants) = args.http.classes()?;
     let mut server_cfg = ServerConfig {
+        classes,
+        tenants,
         request_timeout: Duration::from_secs(args.http.request_timeout_s.max(1)),
         api_key: args.http.api_key.clone().filter(|k| !k.is_empty()),
         name: format!("up {}", args.name),

@@ -151,6 +151,20 @@ function renderControl(c) {
   ]);
 }
 
+function renderClasses(cs) {
+  $("#classes-box").hidden = !cs || cs.length === 0;
+  if (!cs) return;
+  $("#classes tbody").replaceChildren(...cs.map((c) => {
+    const all = c.met + c.missed;
+    const att = all ? `${(100 * c.met / all).toFixed(1)}% (${num(c.met)})` : "–";
+    return el("tr", { "data-class": c.class },
+      el("td", {}, c.class), el("td", {}, ms(c.ttft_target_s)), el("td", {}, ms(c.itl_target_s)),
+      el("td", { "data-col": "attainment" }, att), el("td", {}, num(c.missed)),
+      el("td", { "data-col": "shed" }, num(c.shed)), el("td", {}, num(c.expired)),
+      el("td", {}, num(c.waiting)));
+  }));
+}
+
 function renderPlanner(p) {
   $("#planner-box").hidden = !p;
   if (!p) return;
@@ -188,6 +202,7 @@ function render(s) {
   renderFabric(s.fabric || []);
   renderControl(s.control);
   renderPlanner(s.planner);
+  renderClasses(s.classes);
 
   const pts = s.series.points;
   const line = (name, f) => ({ name, points: pts.map((p) => [p.t, f(p)]) });
