@@ -10,7 +10,8 @@
 # Prints `kvfabric bench serve --mix` per run. RATE should be about 1.5x what the deployment
 # serves: CALIBRATE=1 measures that first (batch-only at an overload rate).
 #
-#   scripts/bench-classes.sh                     # RATE=19 REQUESTS=900
+#   MODEL_DIR=... scripts/bench-classes.sh        # RATE=19 REQUESTS=900, every run
+#   RUNS="alone edf" MODEL_DIR=... scripts/bench-classes.sh
 #   KVFABRIC=target/release/kvfabric RATE=18 scripts/bench-classes.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,7 @@ MODEL_DIR=${MODEL_DIR:?a Hugging Face model directory (tokenizer.json, config.js
 RATE=${RATE:-19}
 REQUESTS=${REQUESTS:-900}
 PORT=${PORT:-8100}
+RUNS=${RUNS:-alone edf fcfs off}
 WORK=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$WORK"' EXIT
 
@@ -54,24 +56,31 @@ if [[ -n ${CALIBRATE:-} ]]; then
   down
 fi
 
-echo "== alone: the interactive requests without the batch load"
-up "${CLASSES[@]}"
-ALONE_RATE=$(python3 -c "print($RATE * 0.1)")
-bench --mix "${INTERACTIVE/share=0.1/share=1}" --rate "$ALONE_RATE" --requests $((REQUESTS / 10))
-down
-
-echo "== edf: classes on, earliest deadline first"
-up "${CLASSES[@]}"
-bench --mix "$INTERACTIVE" --mix "$BATCH" --rate "$RATE" --requests "$REQUESTS"
-curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^kvfabric_(class_slo|class_requests)_total' || true
-down
-
-echo "== fcfs: the same classes, first come first served"
-up "${CLASSES[@]}" --queue-policy fcfs
-bench --mix "$INTERACTIVE" --mix "$BATCH" --rate "$RATE" --requests "$REQUESTS"
-down
-
-echo "== off: no classes"
-up
-bench --mix "$INTERACTIVE" --mix "$BATCH" --rate "$RATE" --requests "$REQUESTS" --no-class-header
-down
+for run in $RUNS; do
+  case $run in
+  alone)
+    echo "== alone: the interactive requests without the batch load"
+    up "${CLASSES[@]}"
+    ALONE_RATE=$(python3 -c "print($RATE * 0.1)")
+    bench --mix "${INTERACTIVE/share=0.1/share=1}" --rate "$ALONE_RATE" --requests $((REQUESTS / 10))
+    ;;
+  edf)
+    echo "== edf: classes on, earliest deadline first"
+    up "${CLASSES[@]}"
+    bench --mix "$INTERACTIVE" --mix "$BATCH" --rate "$RATE" --requests "$REQUESTS"
+    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^kvfabric_engine_(preempted|shed|expired)_total' || true
+    ;;
+  fcfs)
+    echo "== fcfs: the same classes, first come first served"
+    up "${CLASSES[@]}" --queue-policy fcfs
+    bench --mix "$INTERACTIVE" --mix "$BATCH" --rate "$RATE" --requests "$REQUESTS"
+    ;;
+  off)
+    echo "== off: no classes"
+    up
+    bench --mix "$INTERACTIVE" --mix "$BATCH" --rate "$RATE" --requests "$REQUESTS" --no-class-header
+    ;;
+  *) echo "unknown run $run (alone, edf, fcfs, off)" >&2; exit 2 ;;
+  esac
+  down
+done

@@ -265,6 +265,7 @@ impl Scheduler {
             decodes_deferred: false,
             taken_in: 0,
             cost: StepCost::default(),
+            latency_jumped: false,
         };
         let (failed, failure) = tokio::sync::watch::channel(None);
         std::thread::Builder::new()
@@ -440,6 +441,8 @@ struct Loop<E: Engine> {
     taken_in: u64,
     /// Measured step costs: microseconds per prompt token, and of a decode step.
     cost: StepCost,
+    /// A latency class's prompt step ran while the decodes were due (they run next).
+    latency_jumped: bool,
 }
 
 /// What steps cost, measured (moving averages over the last steps): how many prompt tokens
@@ -883,23 +886,31 @@ impl<E: Engine> Loop<E> {
         // decode step sooner.
         let mut budget = self.cfg.step_tokens.max(1);
         let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len)
-        // A latency class's prompt (its class has an ITL target) is not split from the
-        // decodes: it runs with them, alone among prompts (below), so that neither waits a
-        // step for the other.
+        // A latency class's prompt (its class has an ITL target) runs alone among prompts
+        // (below); where steps alternate, its step comes next even when the decodes are due
+        // (once: they then wait two steps at most, the second a short one).
         let latency_prompt = self.cfg.policy == QueuePolicy::Edf
             && self.running.iter().any(|s| {
-                s.started && s.prompt_left() > 0 && s.req.class.as_ref().is_some_and(|c| c.itl.is_some())
+                s.started
+                    && s.prompt_left() > 0
+                    && s.req.class.as_ref().is_some_and(|c| c.itl.is_some())
             });
         let split = !self.engine.mixed_steps_amortize()
-            && !latency_prompt
             && self.running.iter().any(|s| s.started && s.prompt_left() > 0)
             && self.running.iter().any(|s| s.started && s.prompt_left() == 0);
         let (decodes, prompts) = match (split, self.decodes_deferred) {
             (false, _) => (true, true),
+            (true, true) if latency_prompt && !self.latency_jumped => {
+                self.latency_jumped = true;
+                (false, true)
+            }
             (true, false) => (false, true),
             (true, true) => (true, false),
         };
         self.decodes_deferred = !decodes;
+        if decodes {
+            self.latency_jumped = false;
+        }
         for (i, s) in self.running.iter().enumerate() {
             if decodes && s.started && s.prompt_left() == 0 {
                 plan.push((i, s.computed, 1));
@@ -980,7 +991,10 @@ impl<E: Engine> Loop<E> {
                     let s = &mut self.running[i];
                     if s.first_step.is_none() {
                         s.first_step = Some(step_start);
-                        self.stats.queue_time.observe(step_start - s.arrived);
+                        // A resumed request counted its queue time when it first ran.
+                        if !s.preempted {
+                            self.stats.queue_time.observe(step_start - s.arrived);
+                        }
                     }
                     if s.prompt_left() > 0 {
                         bump(&self.stats.prefill_tokens, n.min(s.prompt_left()) as u64);

@@ -331,7 +331,8 @@ fn class_and_salt(
     let salt = match (ctx.tenant.map(Tenant::cache_salt), client_salt) {
         (Some(t), Some(c)) => Some(format!("{t}\u{0}{c}")),
         (Some(t), None) => Some(t),
-        (None, c) => c.filter(|c| !c.is_empty()).map(str::to_string),
+        // Apart from every tenant's namespace: no client salt names a tenant's.
+        (None, c) => c.filter(|c| !c.is_empty()).map(|c| format!("client\u{0}{c}")),
     };
     Ok((class, salt))
 }
