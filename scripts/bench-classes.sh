@@ -6,7 +6,13 @@
 #   alone    the interactive requests alone (their share of RATE), with classes on;
 #   edf      classes on, earliest deadline first (the default);
 #   fcfs     the same classes, first come first served (same capacity, no reordering);
-#   off      no classes at all (the request names none).
+#   off      no classes at all (the request names none);
+#   attached the same mix (at ATTACHED_RATE) through `kvfabric frontend` in front of two
+#            attached vLLM-format engines, the test suite's stand-in
+#            (serving/attach/tests/engines/fake_engine.py with --scheduling-policy priority:
+#            one prompt at a time, by vLLM's `priority`), with real etcd and NATS: the class
+#            reaches each engine as its priority (`attach --engine-priority`). Not in RUNS by
+#            default.
 # Prints `kvfabric bench serve --mix` per run. RATE should be about 1.5x what the deployment
 # serves: CALIBRATE=1 measures that first (batch-only at an overload rate).
 #
@@ -21,6 +27,8 @@ RATE=${RATE:-19}
 REQUESTS=${REQUESTS:-900}
 PORT=${PORT:-8100}
 RUNS=${RUNS:-alone edf fcfs off}
+ATTACHED_RATE=${ATTACHED_RATE:-12}
+PYTHON=${KVFABRIC_TEST_PYTHON:-$HOME/.cache/kvfabric/venv/bin/python}
 WORK=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$WORK"' EXIT
 
@@ -37,6 +45,45 @@ up() {
     sleep 0.5
   done
   cat "$WORK/up.log" >&2
+  return 1
+}
+
+# Real etcd and NATS, two stand-in engines (with their scheduling policy), an attach for each
+# (forwarding the class as priority when the engine schedules by it), and a frontend.
+attached() {
+  local policy=$1
+  rm -rf "$WORK/etcd" "$WORK/nats" && mkdir -p "$WORK/nats"
+  etcd --name bench --data-dir "$WORK/etcd" --listen-client-urls http://127.0.0.1:23790 \
+    --advertise-client-urls http://127.0.0.1:23790 --listen-peer-urls http://127.0.0.1:23800 \
+    --initial-advertise-peer-urls http://127.0.0.1:23800 \
+    --initial-cluster bench=http://127.0.0.1:23800 >"$WORK/etcd.log" 2>&1 &
+  nats-server -a 127.0.0.1 -p 42220 -js -sd "$WORK/nats" >"$WORK/nats.log" 2>&1 &
+  local ctl=(--namespace bench --etcd http://127.0.0.1:23790 --nats nats://127.0.0.1:42220)
+  local prio=()
+  [[ $policy == priority ]] && prio=(--engine-priority)
+  for i in 0 1; do
+    (cd serving/attach/tests/engines && exec "$PYTHON" fake_engine.py --model fake \
+      --block-size 16 --capacity 4096 --prefill-us 40 --decode-us 8000 \
+      --scheduling-policy "$policy" >"$WORK/engine-$i.json" 2>"$WORK/engine-$i.log") &
+  done
+  for i in 0 1; do
+    for _ in $(seq 1 100); do [[ -s "$WORK/engine-$i.json" ]] && break; sleep 0.1; done
+    local e=$WORK/engine-$i.json
+    local http pub replay
+    http=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['http'])" "$e")
+    pub=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['pub'])" "$e")
+    replay=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['replay'])" "$e")
+    "$K" attach --name "engine-$i" --engine-url "$http" --engine vllm --model fake \
+      --block-size 16 --model-dir "$MODEL_DIR" --kv-events-connect "$pub" --kv-replay "$replay" \
+      --kv-topic kv "${prio[@]}" "${ctl[@]}" >"$WORK/attach-$i.log" 2>&1 &
+  done
+  "$K" frontend --port "$PORT" --secret bench-secret "${CLASSES[@]}" "${ctl[@]}" \
+    >"$WORK/frontend.log" 2>&1 &
+  for _ in $(seq 1 200); do
+    [[ $(curl -sf "http://127.0.0.1:$PORT/health" | python3 -c "import json,sys;print(len(json.load(sys.stdin).get('workers',[])))" 2>/dev/null) == 2 ]] && return 0
+    sleep 0.2
+  done
+  tail -5 "$WORK"/*.log >&2
   return 1
 }
 
@@ -79,6 +126,18 @@ for run in $RUNS; do
     echo "== off: no classes"
     up
     bench --mix "$INTERACTIVE" --mix "$BATCH" --rate "$RATE" --requests "$REQUESTS" --no-class-header
+    ;;
+  attached)
+    for policy in priority fcfs; do
+      echo "== attached: two stand-in engines (--scheduling-policy $policy) behind a frontend"
+      attached "$policy"
+      bench --mix "$INTERACTIVE" --mix "$BATCH" --rate "$ATTACHED_RATE" --requests "$REQUESTS"
+      for m in "$WORK"/engine-*.json; do
+        curl -s "$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['http'])" "$m")/metrics" \
+          | grep '^fake:requests_by_priority_total' || true
+      done
+      down
+    done
     ;;
   *) echo "unknown run $run (alone, edf, fcfs, off)" >&2; exit 2 ;;
   esac

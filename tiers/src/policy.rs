@@ -25,6 +25,10 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     fn pop_victim(&mut self) -> Option<u32>;
     /// Evictable slots.
     fn len(&self) -> usize;
+    /// `slot` holds a block that latency-sensitive requests use (`keep`), or no longer
+    /// (its block left): a policy that weighs classes evicts such blocks last. Others ignore
+    /// it.
+    fn mark(&mut self, _slot: u32, _keep: bool) {}
     /// Whether no slot is evictable.
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -43,8 +47,13 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
-    /// A policy for `slots` slots.
+    /// A policy for `slots` slots: this kind's order, with the blocks of latency-sensitive
+    /// requests kept apart and evicted last ([`Kept`]).
     pub fn build(self, slots: u32) -> Box<dyn EvictionPolicy> {
+        Box::new(Kept::new(self.plain(slots), self.plain(slots), slots))
+    }
+
+    fn plain(self, slots: u32) -> Box<dyn EvictionPolicy> {
         match self {
             PolicyKind::Lru => Box::new(Lru::new(slots)),
             PolicyKind::Fifo => Box::new(Fifo(Lru::new(slots))),
@@ -164,6 +173,81 @@ impl EvictionPolicy for Fifo {
     }
 }
 
+/// Two lists of one order: blocks that latency-sensitive requests use ([`EvictionPolicy::mark`])
+/// are victims only when no other block is evictable, so that batch prefixes never push them
+/// out while colder blocks exist. They may hold at most half the slots: past it, the oldest
+/// kept block is kept no more (it joins the others as their newest).
+#[derive(Debug)]
+pub struct Kept {
+    others: Box<dyn EvictionPolicy>,
+    kept: Box<dyn EvictionPolicy>,
+    keep: Vec<bool>,
+    kept_max: usize,
+}
+
+impl Kept {
+    /// Over `slots` slots, each list in its policy's order.
+    pub fn new(others: Box<dyn EvictionPolicy>, kept: Box<dyn EvictionPolicy>, slots: u32) -> Self {
+        Kept { others, kept, keep: vec![false; slots as usize], kept_max: (slots as usize / 2).max(1) }
+    }
+
+    fn kept(&self, slot: u32) -> bool {
+        self.keep.get(slot as usize).copied().unwrap_or(false)
+    }
+
+    fn bound(&mut self) {
+        while self.kept.len() > self.kept_max {
+            let Some(v) = self.kept.pop_victim() else { break };
+            self.keep[v as usize] = false;
+            self.others.insert(v);
+        }
+    }
+}
+
+impl EvictionPolicy for Kept {
+    fn insert(&mut self, slot: u32) {
+        if self.kept(slot) {
+            self.kept.insert(slot);
+            self.bound();
+        } else {
+            self.others.insert(slot);
+        }
+    }
+    fn touch(&mut self, slot: u32) {
+        if self.kept(slot) {
+            self.kept.touch(slot);
+        } else {
+            self.others.touch(slot);
+        }
+    }
+    fn remove(&mut self, slot: u32) {
+        self.others.remove(slot);
+        self.kept.remove(slot);
+    }
+    fn pop_victim(&mut self) -> Option<u32> {
+        let v = self.others.pop_victim().or_else(|| self.kept.pop_victim())?;
+        if let Some(k) = self.keep.get_mut(v as usize) {
+            *k = false;
+        }
+        Some(v)
+    }
+    fn len(&self) -> usize {
+        self.others.len() + self.kept.len()
+    }
+    fn mark(&mut self, slot: u32, keep: bool) {
+        if slot as usize >= self.keep.len() || self.keep[slot as usize] == keep {
+            return;
+        }
+        let before = self.len();
+        self.remove(slot);
+        let evictable = self.len() < before;
+        self.keep[slot as usize] = keep;
+        if evictable {
+            self.insert(slot);
+        }
+    }
+}
+
 /// Admits a block to a slower tier once it was hit `min_hits` times.
 #[derive(Debug, Clone)]
 pub struct FrequencyFilter {
@@ -235,6 +319,42 @@ mod tests {
         );
         l.insert(9); // out of range: ignored, never a panic
         assert!(l.is_empty());
+    }
+
+    #[test]
+    fn kept_blocks_go_last_and_hold_half_the_slots_at_most() {
+        let mut p = PolicyKind::Lru.build(8);
+        for s in 0..6 {
+            p.insert(s);
+        }
+        // Slots 0 and 1 hold an interactive prefix: the batch blocks 2..6 go first, newer or
+        // not.
+        p.mark(0, true);
+        p.mark(1, true);
+        p.touch(2);
+        let order: Vec<u32> = std::iter::from_fn(|| p.pop_victim()).collect();
+        assert_eq!(order, [3, 4, 5, 2, 0, 1]);
+        // A kept slot that was evicted is kept no more when it holds another block.
+        p.insert(0);
+        p.insert(7);
+        assert_eq!(p.pop_victim(), Some(0));
+        // Marked while pinned (not evictable): kept from when it is evictable again.
+        p.mark(6, true);
+        p.insert(6);
+        p.insert(5);
+        assert_eq!((p.pop_victim(), p.pop_victim(), p.pop_victim()), (Some(7), Some(5), Some(6)));
+        // At most half the slots: a fifth kept block makes the oldest kept an ordinary one.
+        for s in 0..5 {
+            p.mark(s, true);
+            p.insert(s);
+        }
+        p.insert(5);
+        assert_eq!(p.len(), 6);
+        assert_eq!(p.pop_victim(), Some(0), "the oldest kept block became an ordinary one");
+        assert_eq!(p.pop_victim(), Some(5));
+        p.mark(1, false);
+        assert_eq!(p.pop_victim(), Some(1));
+        assert_eq!(p.len(), 3);
     }
 
     #[test]

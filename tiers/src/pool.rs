@@ -286,6 +286,7 @@ impl SlotPool {
     fn free_slot(&mut self, slot: u32) {
         self.slots[slot as usize] = SlotState::Free;
         self.policy.remove(slot);
+        self.policy.mark(slot, false);
         self.free.push(slot);
     }
 
@@ -321,6 +322,14 @@ impl SlotPool {
                 Ok(())
             }
             _ => Err(PoolError::NotFound),
+        }
+    }
+
+    /// The block in `slot` is used by latency-sensitive requests: evicted after every
+    /// other evictable block (see [`crate::policy::Kept`]).
+    pub fn keep(&mut self, slot: u32) {
+        if matches!(self.state(slot), SlotState::Ready { .. }) {
+            self.policy.mark(slot, true);
         }
     }
 

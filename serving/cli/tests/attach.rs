@@ -28,6 +28,10 @@ struct FakeEngine {
 }
 
 fn fake_engine() -> FakeEngine {
+    fake_engine_with(&[])
+}
+
+fn fake_engine_with(extra: &[&str]) -> FakeEngine {
     let dir = std::path::PathBuf::from(
         std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
     )
@@ -37,6 +41,7 @@ fn fake_engine() -> FakeEngine {
             .arg(dir.join("fake_engine.py"))
             .args(["--model", "fake", "--block-size", "16", "--capacity", "512"])
             .args(["--prefill-us", "200", "--decode-us", "200"])
+            .args(extra)
             .current_dir(&dir),
     );
     let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
@@ -55,6 +60,16 @@ fn control(etcd: &EtcdServer, nats: &NatsServer) -> Vec<String> {
 }
 
 fn attach(name: &str, e: &FakeEngine, model_dir: &Path, ctl: &[String]) -> (Proc, SocketAddr) {
+    attach_with(name, e, model_dir, ctl, &[])
+}
+
+fn attach_with(
+    name: &str,
+    e: &FakeEngine,
+    model_dir: &Path,
+    ctl: &[String],
+    extra: &[&str],
+) -> (Proc, SocketAddr) {
     let (proc, line) = spawn_line(
         Command::new(env!("CARGO_BIN_EXE_kvfabric"))
             .args(["attach", "--name", name, "--engine-url", &e.http, "--engine", "vllm"])
@@ -64,6 +79,7 @@ fn attach(name: &str, e: &FakeEngine, model_dir: &Path, ctl: &[String]) -> (Proc
             .args(["--kv-topic", "kv", "--lease-ttl-s", "2", "--poll-ms", "200"])
             .args(["--down-after", "2", "--metrics-listen", "127.0.0.1:0"])
             .args(ctl)
+            .args(extra)
             .env_remove("KVFABRIC_CONFIG"),
     );
     let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
@@ -210,4 +226,73 @@ async fn attached_engines_are_routed_by_their_own_kv_events() {
     let resp = post_json(f, "/v1/completions", &body(100)).await;
     assert_eq!(resp.status, 200, "{}", resp.text());
     assert_eq!(resp.header("x-kvfabric-worker"), Some(other.as_str()));
+}
+
+/// A request's service class reaches an attached engine that schedules by priority (the
+/// stand-in, with `--scheduling-policy priority`, as vLLM's flag) as vLLM's `priority`: the
+/// frontend's classes are interactive (TTFT 300 ms) and batch (the default), so interactive
+/// requests arrive with priority -1 and batch ones with 0. The stand-in counts what it got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requests_class_reaches_an_attached_engine_as_its_priority() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let ctl = control(&etcd, &nats);
+    let model_dir = tempfile::tempdir().unwrap();
+    let st = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["model-dir", "--out"])
+        .arg(model_dir.path().join("m"))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let dir = model_dir.path().join("m");
+    let engines = [
+        fake_engine_with(&["--scheduling-policy", "priority"]),
+        fake_engine_with(&["--scheduling-policy", "priority"]),
+    ];
+    let _attached: Vec<(Proc, SocketAddr)> = engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| attach_with(&format!("engine-{i}"), e, &dir, &ctl, &["--engine-priority"]))
+        .collect();
+    let classes = ["--class", "interactive:ttft=300ms,itl=50ms", "--class", "batch:ttft=30s,default"];
+    let mut args = vec!["--secret", SECRET];
+    args.extend(classes);
+    let (_frontend, f) = server("frontend", &ctl, &args);
+    wait_for("both engines", Duration::from_secs(15), async || workers(f).await.len() == 2).await;
+    let body = |i: usize, extra: Value| {
+        let mut b = json!({"model": "fake", "prompt": format!("question {i}"), "max_tokens": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let sends = [
+        json!({"kvfabric": {"class": "interactive"}}),
+        json!({"service_tier": "priority"}),
+        json!({"nvext": {"agent_hints": {"priority": 3}}}),
+        json!({"kvfabric": {"class": "batch"}}),
+        json!({}),
+    ];
+    for (i, extra) in sends.iter().enumerate() {
+        let r = post_json(f, "/v1/completions", &body(i, extra.clone())).await;
+        assert_eq!(r.status, 200, "{extra}: {}", r.text());
+    }
+    let mut by_priority = std::collections::BTreeMap::new();
+    for e in &engines {
+        let addr: SocketAddr = e.http.trim_start_matches("http://").parse().unwrap();
+        let m = get(addr, "/metrics").await.text();
+        for p in ["-1", "0", "1"] {
+            let sample = format!("fake:requests_by_priority_total{{priority=\"{p}\"}}");
+            let n = m.lines().find_map(|l| l.strip_prefix(&sample)).map_or(0.0, |v| {
+                v.trim().parse::<f64>().unwrap()
+            });
+            *by_priority.entry(p).or_insert(0.0) += n;
+        }
+    }
+    assert_eq!(by_priority["-1"], 3.0, "{by_priority:?}");
+    assert_eq!(by_priority["0"], 2.0, "{by_priority:?}");
+    assert_eq!(by_priority["1"], 0.0, "{by_priority:?}");
+    // A class the frontend does not have is refused before any engine sees it.
+    let r = post_json(f, "/v1/completions", &body(9, json!({"kvfabric": {"class": "gold"}}))).await;
+    assert_eq!(r.status, 400, "{}", r.text());
 }

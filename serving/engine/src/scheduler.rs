@@ -1046,6 +1046,11 @@ impl<E: Engine> Loop<E> {
             let s = self.running.swap_remove(i);
             let _ = s.tx.send(event);
             self.engine.remove_sequence(s.id);
+            // A latency class's prompt blocks stay in host memory ahead of batch blocks.
+            if s.req.class.as_ref().is_some_and(|c| c.itl.is_some()) {
+                let full = s.req.prompt.len() / self.hasher.block_tokens();
+                self.store.keep(&s.hashes[..full.min(s.hashes.len())]);
+            }
             self.stats.running.fetch_sub(1, Ordering::Relaxed);
         }
     }

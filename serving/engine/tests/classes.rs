@@ -365,3 +365,25 @@ async fn a_salted_prompt_is_a_miss_for_another_salt_in_host_memory_and_on_disk()
     assert!(same.disk_tokens > 0, "{same:?}");
     assert!(d.store.metrics().disk_hits > 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latency_class_prefix_stays_in_host_memory_while_batch_prompts_pass_through() {
+    // 16 host slots, no disk: what is evicted is gone. Four batch prompts of 10 blocks each
+    // pass through after a 3-block prompt; kept if an interactive request used it, gone if a
+    // batch request did.
+    let s = setup(MockConfig::zero_delay(), SchedulerConfig::default(), 16, false).await;
+    let run = |first: u32, n: usize, class: ClassHint| {
+        let rx = s.sched.submit(request(first, n, 2, Some(class))).unwrap();
+        async move { collect(rx).await.unwrap().1 }
+    };
+    assert_eq!(run(4, 49, interactive()).await.total(), 0);
+    assert_eq!(run(5, 49, batch()).await.total(), 0);
+    for k in 0..4 {
+        run(10 + k, 161, batch()).await;
+    }
+    let kept = run(4, 49, interactive()).await;
+    assert_eq!(kept.host_tokens, 48, "the interactive prefix stayed: {kept:?}");
+    let gone = run(5, 49, batch()).await;
+    assert_eq!(gone.total(), 0, "the batch one of the same age was evicted: {gone:?}");
+    assert!(s.store.metrics().host_used_blocks <= 16);
+}

@@ -18,6 +18,19 @@ use super::{to_completion, BlockRef, Inner, StoreError, TieredStore};
 const ONBOARD_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl TieredStore {
+    /// The blocks of `hashes` held in host memory are used by latency-sensitive requests (a
+    /// service class with an ITL target): evicted from the host tier after every other
+    /// evictable block, so that batch prompts do not push them out while colder blocks exist
+    /// (at most half the tier is kept so).
+    pub fn keep(&self, hashes: &[SequenceHash]) {
+        let mut host = self.inner.host.lock();
+        for &h in hashes {
+            if let Some(slot) = host.pool.lookup(h) {
+                host.pool.keep(slot);
+            }
+        }
+    }
+
     /// For the leading run of `hashes` held in some tier, the fastest tier holding each.
     /// Counts hits and misses; disk hits are prefetched into host memory in the background.
     pub fn lookup_prefix(&self, hashes: &[SequenceHash]) -> Vec<TierKind> {

@@ -7,6 +7,12 @@ with LRU eviction, and KV events in vLLM's format over ZeroMQ (`kv_events.Publis
 `BlockStored` for each new chain of full blocks, `BlockRemoved` (before it, same batch) for
 what the chain evicted.
 
+With `--scheduling-policy priority` it takes vLLM's `priority` field (lower first) and
+computes one prompt at a time, the waiting ones in priority order, then arrival; without it,
+a request with a non-zero `priority` is refused with 400, as vLLM refuses one, and prompts
+are computed concurrently. `/metrics` counts the requests of each priority
+(`fake:requests_by_priority_total{priority}`).
+
 What it cannot prove: anything about vLLM's scheduler, its attention, its real block hashes
 (sha256 of the engine's own key; here sha256 of the parent hash and the tokens), its timing,
 or that the text it generates means anything (token t is the word "t<t>").
@@ -16,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import heapq
+import itertools
 import json
 import threading
 import time
@@ -83,6 +91,31 @@ class Engine:
         self.lock = threading.Lock()
         self.prompt_tokens_sum = 0
         self.requests = 0
+        self.by_priority: dict[int, int] = {}
+        # --scheduling-policy priority: one prompt computed at a time, the waiting ones by
+        # (priority, arrival).
+        self.prefill_busy = False
+        self.prefill_queue: list[tuple[int, int]] = []
+        self.prefill_cv = threading.Condition()
+        self.arrivals = itertools.count()
+
+    def prefill(self, priority: int, seconds: float):
+        if self.args.scheduling_policy != "priority":
+            time.sleep(seconds)
+            return
+        me = (priority, next(self.arrivals))
+        with self.prefill_cv:
+            heapq.heappush(self.prefill_queue, me)
+            while self.prefill_busy or self.prefill_queue[0] != me:
+                self.prefill_cv.wait()
+            heapq.heappop(self.prefill_queue)
+            self.prefill_busy = True
+        try:
+            time.sleep(seconds)
+        finally:
+            with self.prefill_cv:
+                self.prefill_busy = False
+                self.prefill_cv.notify_all()
 
 
 def make_handler(engine: Engine):
@@ -118,7 +151,11 @@ def make_handler(engine: Engine):
                         f'num_gpu_blocks="{engine.cache.capacity}"}} 1.0\n'
                         f"vllm:request_prompt_tokens_sum {engine.prompt_tokens_sum}\n"
                         f"vllm:request_prompt_tokens_count {engine.requests}\n"
-                    ).encode()
+                    ) + "".join(
+                        f'fake:requests_by_priority_total{{priority="{p}"}} {n}\n'
+                        for p, n in sorted(engine.by_priority.items())
+                    )
+                    text = text.encode()
                 self.send_response(200)
                 self.send_header("content-type", "text/plain; version=0.0.4")
                 self.send_header("content-length", str(len(text)))
@@ -140,14 +177,21 @@ def make_handler(engine: Engine):
                 return self.send_json(400, {"error": {"message": "prompt must be token ids"}})
             if body.get("model") != engine.args.model:
                 return self.send_json(404, {"error": {"message": f"model {body.get('model')!r}"}})
+            priority = body.get("priority", 0)
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                return self.send_json(400, {"error": {"message": "priority must be an integer"}})
+            if priority != 0 and engine.args.scheduling_policy != "priority":
+                return self.send_json(400, {"error": {
+                    "message": "Got priority != 0 but the scheduling policy is not priority"}})
             with engine.lock:
                 engine.running += 1
                 engine.requests += 1
                 engine.prompt_tokens_sum += len(prompt)
+                engine.by_priority[priority] = engine.by_priority.get(priority, 0) + 1
             try:
                 cached = engine.cache.serve(prompt)
                 # Prefill time for the tokens not cached.
-                time.sleep((len(prompt) - cached) * engine.args.prefill_us / 1e6)
+                engine.prefill(priority, (len(prompt) - cached) * engine.args.prefill_us / 1e6)
                 max_tokens = int(body.get("max_tokens") or 16)
                 out = [(prompt[-1] + i + 1) % 1000 for i in range(max_tokens)]
                 usage = {
@@ -199,6 +243,7 @@ def main():
     ap.add_argument("--capacity", type=int, default=256, help="blocks in the prefix cache")
     ap.add_argument("--prefill-us", type=float, default=50.0, help="per uncached prompt token")
     ap.add_argument("--decode-us", type=float, default=500.0, help="per generated token")
+    ap.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     ap.add_argument("--pub", default="tcp://127.0.0.1:*")
     ap.add_argument("--replay", default="tcp://127.0.0.1:*")
     a = ap.parse_args()
