@@ -88,7 +88,8 @@ attached() {
 }
 
 down() {
-  kill "$(jobs -p)" 2>/dev/null || true
+  # shellcheck disable=SC2046
+  kill $(jobs -p) 2>/dev/null || true
   wait 2>/dev/null || true
 }
 

@@ -119,14 +119,20 @@ async fn every_spelling_of_a_class_reaches_it_and_an_unknown_class_is_a_400() {
     let e = &r.json()["error"];
     assert_eq!(e["code"], "unknown_service_class");
     assert!(e["message"].as_str().unwrap().contains("interactive, standard, batch"), "{e}");
-    for bad in [json!({"service_tier": "turbo"}), json!({"priority": "high"}), json!({"kvfabric": {"class": 1}})]
-    {
+    for bad in [
+        json!({"service_tier": "turbo"}),
+        json!({"priority": "high"}),
+        json!({"kvfabric": {"class": 1}}),
+    ] {
         let r = complete(s.addr, &prompt("hi", bad.clone()), &[]).await;
         assert_eq!(r.status, 400, "{bad}: {}", r.text());
         assert_eq!(r.json()["error"]["code"], "invalid_service_class", "{bad}");
     }
     let text = metrics(s.addr).await;
-    assert!(text.contains("kvfabric_class_time_to_first_token_seconds_count{class=\"batch\"} 3"), "{text}");
+    assert!(
+        text.contains("kvfabric_class_time_to_first_token_seconds_count{class=\"batch\"} 3"),
+        "{text}"
+    );
     assert_eq!(metric(&text, "kvfabric_class_slo_total{class=\"batch\",result=\"met\"}"), 3.0);
 }
 
@@ -147,12 +153,15 @@ async fn a_full_queue_sheds_batch_with_retry_after_and_still_takes_interactive()
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     // The queue is full of batch: another batch request is shed at once, told when to retry.
-    let r = complete(addr, &prompt("another job", json!({})), &[("x-kvfabric-class", "batch")]).await;
+    let r =
+        complete(addr, &prompt("another job", json!({})), &[("x-kvfabric-class", "batch")]).await;
     assert_eq!(r.status, 429, "{}", r.text());
     let after: u64 = r.header("retry-after").expect("Retry-After").parse().unwrap();
     assert!(after >= 1, "{after}");
     // An interactive request takes the waiting batch request's place; that one is shed.
-    let r = complete(addr, &prompt("a chat turn", json!({})), &[("x-kvfabric-class", "interactive")]).await;
+    let r =
+        complete(addr, &prompt("a chat turn", json!({})), &[("x-kvfabric-class", "interactive")])
+            .await;
     assert_eq!(r.status, 200, "{}", r.text());
     let w = waiting.await.unwrap();
     assert_eq!(w.status, 429, "{}", w.text());
@@ -183,30 +192,48 @@ async fn a_tenant_key_pins_its_classes_and_its_cache_is_its_own() {
         tenant("beta-two", "beta-key-0002", &[], Some("beta")),
     ];
     let s = serve(MockConfig::zero_delay(), SchedulerConfig::default(), tenants).await;
-    let auth = |k: &'static str| ("authorization", Box::leak(format!("Bearer {k}").into_boxed_str()) as &str);
+    let auth = |k: &'static str| {
+        ("authorization", Box::leak(format!("Bearer {k}").into_boxed_str()) as &str)
+    };
     let text = "a long shared document ".repeat(20);
     // No key, or a wrong one: 401.
     assert_eq!(complete(s.addr, &prompt(&text, json!({})), &[]).await.status, 401);
-    assert_eq!(complete(s.addr, &prompt(&text, json!({})), &[auth("nope-nope-nope")]).await.status, 401);
+    assert_eq!(
+        complete(s.addr, &prompt(&text, json!({})), &[auth("nope-nope-nope")]).await.status,
+        401
+    );
     // acme may not ask for interactive; it names nothing and gets its first class, batch.
-    let r = complete(s.addr, &prompt(&text, json!({})), &[auth("acme-key-0001"), ("x-kvfabric-class", "interactive")]).await;
+    let r = complete(
+        s.addr,
+        &prompt(&text, json!({})),
+        &[auth("acme-key-0001"), ("x-kvfabric-class", "interactive")],
+    )
+    .await;
     assert_eq!(r.status, 403, "{}", r.text());
     assert_eq!(r.json()["error"]["code"], "service_class_not_allowed");
     let before = answered(&metrics(s.addr).await, "batch");
-    assert_eq!(cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("acme-key-0001")]).await), 0);
+    assert_eq!(
+        cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("acme-key-0001")]).await),
+        0
+    );
     assert_eq!(answered(&metrics(s.addr).await, "batch"), before + 1.0);
     // beta sends the same prompt: nothing cached for it; acme again: its own blocks.
-    assert_eq!(cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("beta-key-0001")]).await), 0);
+    assert_eq!(
+        cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("beta-key-0001")]).await),
+        0
+    );
     let hit = cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("acme-key-0001")]).await);
     assert!(hit >= 400, "acme reads its own prompt back: {hit}");
     // beta-two shares beta's namespace (opted in): beta's prompt is a hit for it.
-    let shared = cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("beta-key-0002")]).await);
+    let shared =
+        cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("beta-key-0002")]).await);
     assert_eq!(shared, hit);
     // A client's cache_salt namespaces within a tenant too.
     let salted = prompt(&text, json!({"cache_salt": "s1"}));
     assert_eq!(cached(&complete(s.addr, &salted, &[auth("acme-key-0001")]).await), 0);
     assert_eq!(cached(&complete(s.addr, &salted, &[auth("acme-key-0001")]).await), hit);
-    let r = complete(s.addr, &prompt(&text, json!({"cache_salt": 7})), &[auth("acme-key-0001")]).await;
+    let r =
+        complete(s.addr, &prompt(&text, json!({"cache_salt": 7})), &[auth("acme-key-0001")]).await;
     assert_eq!(r.status, 400);
 }
 

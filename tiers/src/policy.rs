@@ -188,7 +188,12 @@ pub struct Kept {
 impl Kept {
     /// Over `slots` slots, each list in its policy's order.
     pub fn new(others: Box<dyn EvictionPolicy>, kept: Box<dyn EvictionPolicy>, slots: u32) -> Self {
-        Kept { others, kept, keep: vec![false; slots as usize], kept_max: (slots as usize / 2).max(1) }
+        Kept {
+            others,
+            kept,
+            keep: vec![false; slots as usize],
+            kept_max: (slots as usize / 2).max(1),
+        }
     }
 
     fn kept(&self, slot: u32) -> bool {

@@ -39,7 +39,8 @@ pub struct MixClass {
 /// `NAME:share=0.1,prefix=300,prompt=40,output=32,ttft=300ms,itl=50ms`; `prompt=2000-8000`
 /// draws each prompt's length uniformly.
 pub fn parse_mix(s: &str) -> Result<MixClass, String> {
-    let (name, rest) = s.split_once(':').ok_or_else(|| format!("{s:?}: NAME:share=...,prompt=..."))?;
+    let (name, rest) =
+        s.split_once(':').ok_or_else(|| format!("{s:?}: NAME:share=...,prompt=..."))?;
     let mut c = MixClass {
         name: name.trim().to_string(),
         share: 0.0,
@@ -51,7 +52,8 @@ pub fn parse_mix(s: &str) -> Result<MixClass, String> {
     };
     let num = |k: &str, v: &str| v.trim().parse::<usize>().map_err(|_| format!("{s:?}: {k}={v:?}"));
     for part in rest.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (k, v) = part.split_once('=').ok_or_else(|| format!("{s:?}: {part:?} is not KEY=VALUE"))?;
+        let (k, v) =
+            part.split_once('=').ok_or_else(|| format!("{s:?}: {part:?} is not KEY=VALUE"))?;
         match k.trim() {
             "share" => {
                 c.share = v.trim().parse().map_err(|_| format!("{s:?}: share={v:?}"))?;
@@ -244,8 +246,18 @@ pub fn print(url: &str, cfg: &MixConfig, rows: &[MixRow]) {
     );
     println!(
         "{:>12} {:>5} {:>5} {:>5} {:>5} {:>5} {:>22} {:>12} {:>8} {:>9} {:>8} {:>7}",
-        "class", "sent", "ok", "429", "504", "err", "TTFT ms p50/p90/p99", "ITL ms p99",
-        "req/s", "out tok/s", "goodput", "met"
+        "class",
+        "sent",
+        "ok",
+        "429",
+        "504",
+        "err",
+        "TTFT ms p50/p90/p99",
+        "ITL ms p99",
+        "req/s",
+        "out tok/s",
+        "goodput",
+        "met"
     );
     let f = |x: [f64; 3]| format!("{:.0}/{:.0}/{:.0}", x[0], x[1], x[2]);
     for r in rows {
@@ -275,14 +287,20 @@ mod tests {
 
     #[test]
     fn mix_specs_parse() {
-        let c = parse_mix("interactive:share=0.1,prefix=300,prompt=40,output=32,ttft=300ms,itl=50ms")
-            .unwrap();
+        let c =
+            parse_mix("interactive:share=0.1,prefix=300,prompt=40,output=32,ttft=300ms,itl=50ms")
+                .unwrap();
         assert_eq!((c.share, c.prefix, c.prompt, c.output), (0.1, 300, (40, 40), 32));
         assert_eq!(c.itl, Some(Duration::from_millis(50)));
         let b = parse_mix("batch:share=0.9,prompt=2000-8000,output=16,ttft=30s").unwrap();
         assert_eq!(b.prompt, (2000, 8000));
-        for bad in ["x", "x:share=0", "x:share=1,prompt=9-3", "x:share=1,colour=red", "x:share=1,ttft=soon"]
-        {
+        for bad in [
+            "x",
+            "x:share=0",
+            "x:share=1,prompt=9-3",
+            "x:share=1,colour=red",
+            "x:share=1,ttft=soon",
+        ] {
             assert!(parse_mix(bad).is_err(), "{bad}");
         }
     }

@@ -254,7 +254,8 @@ async fn a_requests_class_reaches_an_attached_engine_as_its_priority() {
         .enumerate()
         .map(|(i, e)| attach_with(&format!("engine-{i}"), e, &dir, &ctl, &["--engine-priority"]))
         .collect();
-    let classes = ["--class", "interactive:ttft=300ms,itl=50ms", "--class", "batch:ttft=30s,default"];
+    let classes =
+        ["--class", "interactive:ttft=300ms,itl=50ms", "--class", "batch:ttft=30s,default"];
     let mut args = vec!["--secret", SECRET];
     args.extend(classes);
     let (_frontend, f) = server("frontend", &ctl, &args);
@@ -283,9 +284,10 @@ async fn a_requests_class_reaches_an_attached_engine_as_its_priority() {
         let m = get(addr, "/metrics").await.text();
         for p in ["-1", "0", "1"] {
             let sample = format!("fake:requests_by_priority_total{{priority=\"{p}\"}}");
-            let n = m.lines().find_map(|l| l.strip_prefix(&sample)).map_or(0.0, |v| {
-                v.trim().parse::<f64>().unwrap()
-            });
+            let n = m
+                .lines()
+                .find_map(|l| l.strip_prefix(&sample))
+                .map_or(0.0, |v| v.trim().parse::<f64>().unwrap());
             *by_priority.entry(p).or_insert(0.0) += n;
         }
     }

@@ -886,9 +886,9 @@ impl<E: Engine> Loop<E> {
         // decode step sooner.
         let mut budget = self.cfg.step_tokens.max(1);
         let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (running index, start, len)
-        // A latency class's prompt (its class has an ITL target) runs alone among prompts
-        // (below); where steps alternate, its step comes next even when the decodes are due
-        // (once: they then wait two steps at most, the second a short one).
+                                                               // A latency class's prompt (its class has an ITL target) runs alone among prompts
+                                                               // (below); where steps alternate, its step comes next even when the decodes are due
+                                                               // (once: they then wait two steps at most, the second a short one).
         let latency_prompt = self.cfg.policy == QueuePolicy::Edf
             && self.running.iter().any(|s| {
                 s.started

@@ -29,6 +29,8 @@ pub(super) async fn start(
     parsed: Result<Parsed, ApiError>,
     started: Instant,
 ) -> Result<(Generation, Answer), Response> {
+    // A request refused at submission (a full queue) still counts in its class.
+    let class = parsed.as_ref().ok().and_then(|(_, _, c)| c.class.as_ref().map(|(i, _)| *i));
     let submitted = parsed.and_then(|(prompt, max_tokens, c)| {
         let req = GenerateRequest {
             prompt,
@@ -45,10 +47,16 @@ pub(super) async fn start(
     });
     let (rx, c) = match submitted {
         Ok(x) => x,
-        Err(e) => return Err(st.fail(e)),
+        Err(e) => {
+            // The client's mistakes (400) are not the class's misses.
+            if let Some(i) = class.filter(|_| e.is_shed() || !e.status.is_client_error()) {
+                st.metrics.class.submitted(i);
+                st.metrics.class.finished(i, ClassOutcome::of(&e), None, None);
+            }
+            return Err(st.fail(e));
+        }
     };
     st.metrics.arrival();
-    let class = c.class.as_ref().map(|(i, _)| *i);
     if let Some(i) = class {
         st.metrics.class.submitted(i);
     }
