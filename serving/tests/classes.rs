@@ -96,7 +96,8 @@ fn answered(text: &str, class: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_spelling_of_a_class_reaches_it_and_an_unknown_class_is_a_400() {
     let s = serve(MockConfig::zero_delay(), SchedulerConfig::default(), Vec::new()).await;
-    let cases: Vec<(Vec<(&str, &str)>, Value, &str)> = vec![
+    type Case<'a> = (Vec<(&'a str, &'a str)>, Value, &'a str);
+    let cases: Vec<Case<'_>> = vec![
         (vec![], json!({}), "standard"),
         (vec![("x-kvfabric-class", "batch")], json!({}), "batch"),
         (vec![], json!({"kvfabric": {"class": "interactive"}}), "interactive"),

@@ -648,8 +648,7 @@ impl<E: Engine> Loop<E> {
 
     fn admit(&mut self) {
         self.expire_waiting();
-        loop {
-            let Some(head) = self.waiting.front() else { break };
+        while let Some(head) = self.waiting.front() {
             if self.running.len() >= self.cfg.batch_max {
                 // A full batch: a more urgent request takes the slot of a less urgent one's
                 // prefill.

@@ -288,17 +288,20 @@ pub(super) struct Checked {
     pub(super) include_usage: bool,
     pub(super) ignore_eos: bool,
     /// Its service class (index into the server's classes) and what the engine is told.
-    pub(super) class: Option<(usize, ClassHint)>,
+    pub(super) class: Class,
     /// The salt of its blocks: the tenant's namespace and the client's `cache_salt`.
     pub(super) cache_salt: Option<String>,
 }
+
+/// A request's class: its index in the server's classes, and what the engine is told.
+type Class = Option<(usize, ClassHint)>;
 
 /// The class and cache salt of a request.
 fn class_and_salt(
     st: &AppState,
     ctx: Ctx<'_>,
     c: &Common,
-) -> Result<(Option<(usize, ClassHint)>, Option<String>), ApiError> {
+) -> Result<(Class, Option<String>), ApiError> {
     let mut spellings = serde_json::Map::new();
     for (k, v) in [
         ("service_tier", &c.service_tier),

@@ -4,6 +4,14 @@
 
 use super::*;
 
+/// An engine behind the OpenAI API, as it registered: its model name, and whether it
+/// schedules by `priority`.
+#[derive(Clone, Copy)]
+struct OpenAiEngine<'a> {
+    model: &'a str,
+    priority: bool,
+}
+
 impl Inner {
     pub(super) async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: EventTx) {
         let deadline = tokio::time::Instant::now() + req.timeout;
@@ -38,8 +46,7 @@ impl Inner {
                 WorkerApi::OpenAi { model: engine_model, priority } => {
                     self.relay_openai(
                         target,
-                        engine_model,
-                        *priority,
+                        OpenAiEngine { model: engine_model, priority: *priority },
                         &wreq.request,
                         &tx,
                         deadline,
@@ -282,8 +289,7 @@ impl Inner {
     async fn relay_openai(
         &self,
         t: Target<'_>,
-        engine_model: &str,
-        priority: bool,
+        engine: OpenAiEngine<'_>,
         req: &GenerateRequest,
         tx: &EventTx,
         deadline: tokio::time::Instant,
@@ -292,7 +298,7 @@ impl Inner {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let first_token_by =
             (tokio::time::Instant::now() + self.cfg.first_token_timeout).min(deadline);
-        let body = openai::completion_body(engine_model, req, priority);
+        let body = openai::completion_body(engine.model, req, engine.priority);
         let head_within = self.cfg.first_token_timeout.min(left);
         let started = tokio::select! {
             s = openai::start(t.addr, &body, head_within) => s,
