@@ -9,8 +9,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use crate::classes::metrics::ClassOutcome;
 use crate::engine::{CacheHits, EngineError, EventRx, FinishReason, GenEvent, GenerateRequest};
+use crate::metrics::class::ClassOutcome;
 use crate::metrics::Outcome;
 
 use super::api::{request_id, ApiError, Endpoint, Parsed};

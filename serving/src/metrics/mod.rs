@@ -12,6 +12,8 @@
 //!
 //! Label values are escaped here ([`LabelValue`]): the encoder writes them verbatim.
 
+pub mod class;
+
 use std::fmt::Write as _;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
@@ -103,7 +105,7 @@ pub struct HttpMetrics {
     /// filled (no lock taken per token).
     window_on: Arc<std::sync::atomic::AtomicBool>,
     /// Per service class.
-    pub class: crate::classes::metrics::ClassMetrics,
+    pub class: class::ClassMetrics,
 }
 
 /// The window being filled: since when, what, and the latency samples offered to it.

@@ -20,8 +20,6 @@
 //! 400. A request that names none is of the default class: the one marked `default`, or the
 //! least urgent.
 
-pub mod metrics;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
