@@ -39,8 +39,9 @@ pub struct ServiceClass {
     pub itl: Option<Duration>,
     /// Requests not started this long after their arrival are answered at once (expired).
     pub expire: Option<Duration>,
-    /// The share of capacity (0..=1) the class may hold when others wait (the planner sizes
-    /// for it; engines do not reserve it).
+    /// The share of capacity (0..=1) the class may hold when others wait: the frontend's
+    /// pending queue holds its requests back beyond it while requests of other classes wait
+    /// (engines do not reserve it).
     pub share: Option<f64>,
     /// Marked as the default class.
     pub default: bool,
@@ -291,6 +292,7 @@ impl Classes {
             ttft: c.ttft,
             itl: c.itl,
             expire: c.expire,
+            share: c.share,
         })
     }
 

@@ -134,7 +134,7 @@ impl GenerateRequest {
 
 /// What an engine needs to know of a request's service class: how urgent it is against the
 /// others and the latency targets it is scheduled to meet.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ClassHint {
     /// The class's name (in metrics and logs).
     pub name: String,
@@ -154,6 +154,10 @@ pub struct ClassHint {
     /// A request not started this long after it arrived is answered at once (expired), not
     /// computed.
     pub expire: Option<Duration>,
+    /// The share of a frontend's capacity (0..=1) its requests may hold while requests of
+    /// other classes wait in the frontend's queue.
+    #[serde(default)]
+    pub share: Option<f64>,
 }
 
 /// Why a generation ended.

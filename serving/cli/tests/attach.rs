@@ -298,3 +298,73 @@ async fn a_requests_class_reaches_an_attached_engine_as_its_priority() {
     let r = post_json(f, "/v1/completions", &body(9, json!({"kvfabric": {"class": "gold"}}))).await;
     assert_eq!(r.status, 400, "{}", r.text());
 }
+
+/// The frontend's own queue puts classes in front of an engine that does not order by them
+/// (the stand-in in its first-come-first-served mode computes every request it gets at
+/// once): with `--frontend-queue-depth 1` the engine has one request of this frontend at a
+/// time; an interactive request that arrives after three batch ones goes to it first
+/// (earliest deadline); a fourth batch request finds its class's queue full (bound 3) and is
+/// refused with 429 and `Retry-After`, while the interactive one still queues. `/metrics`
+/// counts both per class.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_frontends_queue_sends_an_interactive_request_before_waiting_batch_ones() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let ctl = control(&etcd, &nats);
+    let model_dir = tempfile::tempdir().unwrap();
+    let st = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["model-dir", "--out"])
+        .arg(model_dir.path().join("m"))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let dir = model_dir.path().join("m");
+    // 40 ms a token: a request of 12 tokens holds the engine for about half a second.
+    let engine = fake_engine_with(&["--decode-us", "40000"]);
+    let _attached = attach_with("engine-0", &engine, &dir, &ctl, &[]);
+    let mut args = vec!["--secret", SECRET, "--frontend-queue-depth", "1"];
+    args.extend(["--frontend-queue-bound", "3"]);
+    args.extend(["--class", "interactive:ttft=300ms", "--class", "batch:ttft=30s,default"]);
+    let (_frontend, f) = server("frontend", &ctl, &args);
+    wait_for("the engine", Duration::from_secs(15), async || workers(f).await.len() == 1).await;
+    let done = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let send = |name: &'static str, class: &'static str| {
+        let done = done.clone();
+        tokio::spawn(async move {
+            let body = json!({"model": "fake", "prompt": format!("{name} asks"), "max_tokens": 12,
+                "kvfabric": {"class": class}});
+            let r = post_json(f, "/v1/completions", &body).await;
+            done.lock().push(name);
+            r
+        })
+    };
+    let first = send("first", "batch");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut batch = Vec::new();
+    for name in ["batch-1", "batch-2", "batch-3"] {
+        batch.push(send(name, "batch"));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    // The batch queue is full: refused at once, with a time to come back.
+    let body = json!({"model": "fake", "prompt": "one too many", "max_tokens": 12,
+        "kvfabric": {"class": "batch"}});
+    let r = post_json(f, "/v1/completions", &body).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    let retry = r.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("retry-after"));
+    assert!(retry.is_some_and(|(_, v)| v.parse::<u64>().is_ok_and(|s| s >= 1)), "{:?}", r.headers);
+    let interactive = send("interactive", "interactive");
+    for t in [first, interactive].into_iter().chain(batch) {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(*done.lock(), ["first", "interactive", "batch-1", "batch-2", "batch-3"]);
+    let m = get(f, "/metrics").await.text();
+    for sample in [
+        "kvfabric_frontend_pending_shed_total{class=\"batch\"} 1",
+        "kvfabric_frontend_pending_queued_total{class=\"batch\"} 3",
+        "kvfabric_frontend_pending_queued_total{class=\"interactive\"} 1",
+        "kvfabric_frontend_pending{class=\"batch\"} 0",
+    ] {
+        assert!(m.lines().any(|l| l == sample), "no {sample:?} in\n{m}");
+    }
+}

@@ -108,6 +108,7 @@ fn class(name: &str, rank: u8, ttft_ms: u64) -> ClassHint {
         ttft: Some(Duration::from_millis(ttft_ms)),
         itl: None,
         expire: None,
+        share: None,
     }
 }
 

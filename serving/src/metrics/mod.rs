@@ -557,6 +557,8 @@ pub struct RoutedSnapshot {
     pub worker_requests: Vec<(String, u64)>,
     /// Workers in discovery per model, for every model seen since the frontend started.
     pub model_workers: Vec<(String, u64)>,
+    /// The frontend's pending queue, per class.
+    pub pending: Vec<crate::routed::PendingClassStats>,
 }
 
 /// A decode worker's remote prefill counters.
@@ -1493,6 +1495,41 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
             }
         },
     )?;
+    type PendingOf = fn(&crate::routed::PendingClassStats) -> u64;
+    for (name, help, kind, get) in [
+        (
+            "kvfabric_frontend_pending",
+            "Requests per service class waiting in the frontend's queue for a worker slot.",
+            G,
+            (|p| p.waiting) as PendingOf,
+        ),
+        (
+            "kvfabric_frontend_pending_queued",
+            "Requests per service class that waited in the frontend's queue before they were sent.",
+            C,
+            |p| p.queued,
+        ),
+        (
+            "kvfabric_frontend_pending_shed",
+            "Requests per service class refused (429) because the class's queue was full.",
+            C,
+            |p| p.shed,
+        ),
+        (
+            "kvfabric_frontend_pending_expired",
+            "Requests per service class answered while they waited: their expire or timeout passed.",
+            C,
+            |p| p.expired,
+        ),
+    ] {
+        family(e, s, name, help, None, kind, |s, o| {
+            if let Some(r) = &s.routed {
+                o.extend(r.pending.iter().map(|p| {
+                    (vec![("class", LabelValue(p.class.clone()))], Value::Int(get(p)))
+                }));
+            }
+        })?;
+    }
     family(e, s, "kvfabric_frontend_workers", "Workers known.", None, G, |s, o| {
         o.extend(s.routed.as_ref().map(|r| plain(r.worker_requests.len() as u64)))
     })?;

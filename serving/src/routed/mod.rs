@@ -38,8 +38,11 @@ use crate::protocol::{
 };
 
 mod admission;
+pub mod pending;
 mod relay;
 mod view;
+
+pub use pending::{Pending, PendingClassStats, PendingConfig};
 
 /// Frontend settings.
 #[derive(Debug, Clone)]
@@ -74,6 +77,9 @@ pub struct RoutedConfig {
     /// class (one with an ITL target), 0..=1: below 1, such a request goes to a less loaded
     /// worker sooner than to one that holds more of its prompt.
     pub latency_reuse_weight: f64,
+    /// The frontend's own queue: how many requests each worker may have in flight before
+    /// the next wait here, ordered by deadline, bounded per class.
+    pub pending: PendingConfig,
 }
 
 impl RoutedConfig {
@@ -91,6 +97,7 @@ impl RoutedConfig {
             stall_timeout: Duration::from_secs(10),
             migrations_max: 1,
             latency_reuse_weight: 0.5,
+            pending: PendingConfig::default(),
         }
     }
 }
@@ -130,6 +137,8 @@ struct Inner {
     stats: RoutedStats,
     /// Authenticated connections to workers, kept between requests.
     pool: protocol::ConnectionPool,
+    /// Requests held back while the workers are busy.
+    pending: Pending,
     /// Every model a worker in discovery served since this frontend started (at most
     /// [`MODELS_REMEMBERED_MAX`]): `/metrics` says 0 workers for one whose workers all left.
     models_seen: Mutex<std::collections::BTreeSet<String>>,
@@ -171,7 +180,9 @@ impl RoutedBackend {
         )
         .await
         .map_err(ctl)?;
+        let pending = Pending::new(cfg.pending);
         let inner = Arc::new(Inner {
+            pending,
             cfg,
             discovery: discovery.clone(),
             bus,
@@ -341,6 +352,7 @@ impl Backend for RoutedBackend {
             kv_events_unknown_worker: ld(&f.unknown),
             worker_requests: self.served(),
             model_workers: self.model_workers(),
+            pending: self.inner.pending.stats(),
         });
     }
 }

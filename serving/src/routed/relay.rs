@@ -14,7 +14,39 @@ struct OpenAiEngine<'a> {
 
 impl Inner {
     pub(super) async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: EventTx) {
-        let deadline = tokio::time::Instant::now() + req.timeout;
+        let arrival = tokio::time::Instant::now();
+        let deadline = arrival + req.timeout;
+        let mut req = req;
+        // A slot of the frontend's queue, held until the request ends.
+        let _slot = if self.pending.enabled() {
+            let workers =
+                self.members.read(|m| m.workers.values().filter(|w| w.model == model).count());
+            let capacity = self.pending.capacity(workers);
+            let admitted = self
+                .pending
+                .admit(&model, req.class.as_ref(), arrival, deadline, capacity, tx.closed())
+                .await;
+            match admitted {
+                pending::Admitted::Go { permit, waited } => {
+                    // The engine orders and expires it from its arrival here, not there.
+                    if let Some(c) = req.class.as_mut() {
+                        let left =
+                            |d: Duration| d.saturating_sub(waited).max(Duration::from_millis(1));
+                        c.ttft = c.ttft.map(left);
+                        c.expire = c.expire.map(left);
+                    }
+                    req.timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    Some(permit)
+                }
+                pending::Admitted::Refused(e) => {
+                    let _ = tx.send(GenEvent::Error(e));
+                    return;
+                }
+                pending::Admitted::Gone => return,
+            }
+        } else {
+            None
+        };
         let mut tried: Vec<WorkerId> = Vec::new();
         let mut last_err: Option<String> = None;
         let (prompt, max_tokens) = (req.prompt.clone(), req.max_tokens);

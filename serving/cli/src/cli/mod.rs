@@ -384,6 +384,22 @@ pub struct HttpArgs {
     #[arg(long, env = "KVFABRIC_STREAM_MIGRATIONS", default_value_t = 1,
         value_parser = clap::value_parser!(u32).range(0..=16))]
     pub stream_migrations: u32,
+    /// The frontend's own queue: requests each worker may have in flight from this frontend;
+    /// more wait at the frontend, ordered by deadline (--frontend-queue-policy), and go to
+    /// the workers as theirs finish. 0: no queue (every request is sent at once and the
+    /// engines queue). Set it where the engines do not order by class (attached engines).
+    #[arg(long, env = "KVFABRIC_FRONTEND_QUEUE_DEPTH", default_value_t = 0,
+        value_parser = clap::value_parser!(u32).range(0..=65_536))]
+    pub frontend_queue_depth: u32,
+    /// Requests of one class that may wait in the frontend's queue; more are refused with 429
+    /// and `Retry-After`.
+    #[arg(long, env = "KVFABRIC_FRONTEND_QUEUE_BOUND", default_value_t = 256,
+        value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub frontend_queue_bound: u32,
+    /// How the frontend's queue orders waiting requests: `edf` (arrival plus the class's TTFT
+    /// target) or `fcfs`.
+    #[arg(long, env = "KVFABRIC_FRONTEND_QUEUE_POLICY", value_enum, default_value = "edf")]
+    pub frontend_queue_policy: stack::QueuePolicyArg,
     /// Require `Authorization: Bearer <key>` on every `/v1/` request (`/health` and
     /// `/metrics` stay open). Without it the API is open: bind it to loopback, or put it
     /// behind a proxy that authenticates.
@@ -416,6 +432,15 @@ pub struct HttpArgs {
 }
 
 impl HttpArgs {
+    /// The frontend's queue of these flags.
+    pub fn pending(&self) -> kvfabric_serving::routed::PendingConfig {
+        kvfabric_serving::routed::PendingConfig {
+            per_worker: self.frontend_queue_depth as usize,
+            bound: self.frontend_queue_bound as usize,
+            policy: self.frontend_queue_policy.policy(),
+        }
+    }
+
     /// The service classes and tenants of these flags.
     pub fn classes(
         &self,

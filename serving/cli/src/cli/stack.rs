@@ -150,6 +150,16 @@ pub enum QueuePolicyArg {
     Fcfs,
 }
 
+impl QueuePolicyArg {
+    /// The policy.
+    pub fn policy(self) -> kvfabric_serving::engine::QueuePolicy {
+        match self {
+            QueuePolicyArg::Edf => kvfabric_serving::engine::QueuePolicy::Edf,
+            QueuePolicyArg::Fcfs => kvfabric_serving::engine::QueuePolicy::Fcfs,
+        }
+    }
+}
+
 /// The transport of KV writes from prefill to decode workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum KvTransport {
@@ -240,10 +250,7 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
             batch_max: opts.max_batch.max(1),
             waiting_max: opts.max_waiting,
             step_tokens: opts.step_tokens.max(1),
-            policy: match opts.queue_policy {
-                QueuePolicyArg::Edf => kvfabric_serving::engine::QueuePolicy::Edf,
-                QueuePolicyArg::Fcfs => kvfabric_serving::engine::QueuePolicy::Fcfs,
-            },
+            policy: opts.queue_policy.policy(),
             ..SchedulerConfig::default()
         },
         secret: opts.secret.clone().map(String::into_bytes),

@@ -69,6 +69,7 @@ async fn routed_frontend(
         first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
         stall_timeout: Duration::from_secs(args.http.stall_timeout_s),
         migrations_max: args.http.stream_migrations,
+        pending: args.http.pending(),
         ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
     };
     Ok(RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?)
