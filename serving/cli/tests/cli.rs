@@ -629,6 +629,32 @@ fn profile_then_plan_with_an_sla() {
     assert!(one_line_error(&bad).contains("LO must be below HI"));
     let bad = kvfabric(&["plan", "--sla"]);
     assert!(!bad.status.success(), "--sla needs --profile");
+    // Service classes: each class's load and targets; with classes (served by urgency) the
+    // plan names a worker count at which every class's estimate is within its targets, and
+    // never more than first come first served needs for the same mix.
+    let profile = json.to_str().unwrap();
+    let classes = stdout_json(&kvfabric(&[
+        "plan",
+        "--sla",
+        "--profile",
+        profile,
+        "--class-load",
+        "interactive:rate=2,isl=64,osl=16,ttft=200ms,itl=60ms",
+        "--class-load",
+        "batch:rate=8,isl=64..448,osl=32,ttft=20s",
+        "--json",
+    ]));
+    let (with, fcfs) = (&classes["plan"]["with_classes"], &classes["plan"]["first_come"]);
+    let n = with[0].as_u64().unwrap_or_else(|| panic!("{classes}"));
+    assert!(fcfs[0].as_u64().is_none_or(|m| m >= n), "{classes}");
+    let est = with[1].as_array().unwrap();
+    assert_eq!(est[0]["name"], "interactive", "most urgent first: {classes}");
+    assert!(est[0]["ttft_s"].as_f64().unwrap() <= 0.2, "{classes}");
+    assert!(est[1]["ttft_s"].as_f64().unwrap() <= 20.0, "{classes}");
+    let bad = kvfabric(&["plan", "--sla", "--profile", profile, "--class-load", "x:rate=1,isl=64"]);
+    assert!(one_line_error(&bad).contains("osl is required"), "{bad:?}");
+    let bad = kvfabric(&["plan", "--sla", "--profile", profile, "--class-load", "x:speed=1"]);
+    assert!(one_line_error(&bad).contains("unknown key"), "{bad:?}");
     // The same profile sizes workers for a trace: the model's plan, then replays; the count
     // it names met the targets and one fewer did not.
     let slice = trace_slice(dir.path(), 300);

@@ -24,6 +24,10 @@
 //! plan already meets the TTFT target. Decode is sized the same way in both (the test says
 //! so). Dynamo does not choose between layouts; this does.
 
+mod classes;
+
+pub use classes::{plan_classes, ClassEstimate, ClassLoad, ClassPlan};
+
 /// A measured curve: `y` against `x`, interpolated linearly between points, extended along
 /// the last segment past the ends (and never below zero).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -741,7 +745,7 @@ mod tests {
         }
     }
 
-    fn mock_profile() -> Profile {
+    pub(super) fn mock_profile() -> Profile {
         let prefill = Curve::new(vec![(0.0, 0.0), (8192.0, 8192.0 * 40e-6)]).unwrap();
         let itl = |ctx: f64| {
             Curve::new(

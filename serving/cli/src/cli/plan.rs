@@ -78,6 +78,15 @@ pub struct PlanArgs {
     /// --sla: what the targets bound: mean, or a percentile (p50, p90, p99, p99.9).
     #[arg(long, default_value = "p99")]
     percentile: String,
+    /// --sla: plan for service classes instead of one workload: a class's load and targets,
+    /// `NAME:rate=R,isl=LEN,osl=LEN,hit=F,ttft=DUR,itl=DUR` (lengths as --isl; itl optional),
+    /// repeated per class. Prints the aggregated workers at which every class meets its own
+    /// targets when served by urgency (kvfabric's EDF scheduler), against first come first
+    /// served, and what each class sees. Example: --class-load
+    /// interactive:rate=2,isl=440,osl=32,hit=0.9,ttft=300ms,itl=50ms --class-load
+    /// batch:rate=17,isl=2000..8000,osl=16,ttft=30s
+    #[arg(long, requires = "sla")]
+    class_load: Vec<String>,
     /// Plan cache capacity from a trace (Mooncake FAST'25 JSONL) instead: reuse against
     /// capacity per worker behind kv routing and pooled, the sizes that reach 50/90/99% of the
     /// trace's limit, the restore bandwidth of the pool's hits per --link (KV bytes of
@@ -307,6 +316,82 @@ fn run_sla(args: &PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `NAME:rate=R,isl=LEN,osl=LEN,hit=F,ttft=DUR,itl=DUR`.
+fn parse_class_load(s: &str, q: Option<f64>) -> anyhow::Result<kvfabric_planner::sla::ClassLoad> {
+    use kvfabric_planner::sla::{ClassLoad, Targets, Workload};
+    use kvfabric_serving::classes::parse_duration;
+    let (name, rest) = s.split_once(':').unwrap_or((s, ""));
+    anyhow::ensure!(!name.is_empty(), "--class-load {s:?}: a class needs a name");
+    let (mut rate, mut isl, mut osl, mut hit) = (None, None, None, 0.0);
+    let (mut ttft, mut itl) = (None, f64::INFINITY);
+    for part in rest.split(',').filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("--class-load {s:?}: {part:?} is not KEY=VALUE"))?;
+        let secs = |v: &str| -> anyhow::Result<f64> {
+            let d = parse_duration(v).map_err(|e| anyhow::anyhow!("--class-load {s:?}: {e}"))?;
+            positive(&format!("--class-load {k}"), d.as_secs_f64())
+        };
+        match k {
+            "rate" => {
+                let r: f64 =
+                    v.parse().map_err(|_| anyhow::anyhow!("--class-load {s:?}: rate {v:?}"))?;
+                rate = Some(positive("--class-load rate", r)?);
+            }
+            "isl" => isl = Some(parse_lengths("--class-load isl", v)?),
+            "osl" => osl = Some(parse_lengths("--class-load osl", v)?.0),
+            "hit" => {
+                let h: f64 =
+                    v.parse().map_err(|_| anyhow::anyhow!("--class-load {s:?}: hit {v:?}"))?;
+                anyhow::ensure!(
+                    h.is_finite() && (0.0..1.0).contains(&h),
+                    "--class-load {s:?}: hit must be in 0..1"
+                );
+                hit = h;
+            }
+            "ttft" => ttft = Some(secs(v)?),
+            "itl" => itl = secs(v)?,
+            _ => anyhow::bail!(
+                "--class-load {s:?}: unknown key {k:?} (rate, isl, osl, hit, ttft, itl)"
+            ),
+        }
+    }
+    let missing = |what: &str| anyhow::anyhow!("--class-load {s:?}: {what} is required");
+    let (isl, isl_dist) = isl.ok_or_else(|| missing("isl"))?;
+    let load = Workload {
+        rate: rate.ok_or_else(|| missing("rate"))?,
+        isl,
+        osl: osl.ok_or_else(|| missing("osl"))?,
+        hit_rate: hit,
+        isl_dist,
+    };
+    let ttft = ttft.ok_or_else(|| missing("ttft"))?;
+    let targets = match q {
+        None => Targets::means(ttft, itl),
+        Some(q) => Targets::at_quantile(ttft, itl, q),
+    };
+    Ok(ClassLoad { name: name.to_string(), load, targets })
+}
+
+/// `plan --sla --class-load ...`.
+fn run_class_sla(args: &PlanArgs) -> anyhow::Result<()> {
+    let (profile, curves, _) = sla_inputs(args)?;
+    let q = parse_percentile(&args.percentile)?;
+    let classes: Vec<_> =
+        args.class_load.iter().map(|s| parse_class_load(s, q)).collect::<anyhow::Result<_>>()?;
+    let p = kvfabric_planner::sla::plan_classes(&curves, &classes);
+    if args.json {
+        let v = serde_json::json!({"model": profile.model, "classes": classes, "plan": p});
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("{} ({} targets):", profile.model, args.percentile);
+    for r in &p.reasons {
+        println!("  - {r}");
+    }
+    Ok(())
+}
+
 fn parse_count(what: &str, s: &str) -> anyhow::Result<u64> {
     let s = s.trim();
     let v: u64 = s
@@ -319,6 +404,9 @@ fn parse_count(what: &str, s: &str) -> anyhow::Result<u64> {
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     if let (true, Some(trace)) = (args.sla, &args.trace) {
         return run_trace_sla(&args, trace);
+    }
+    if args.sla && !args.class_load.is_empty() {
+        return run_class_sla(&args);
     }
     if args.sla {
         return run_sla(&args);
