@@ -109,6 +109,7 @@ async fn serving(s: &Scheduler, prompt: &[u32], n: usize) -> crate::Result<Round
         timeout: Duration::from_secs(600),
         class: None,
         cache_salt: None,
+        tenant: None,
     })?;
     let mut tokens = Vec::new();
     let mut gaps = Vec::new();

@@ -235,6 +235,7 @@ pub fn engine_snapshot(sched: &Scheduler, store: &TieredStore) -> EngineSnapshot
         preempted: ld(&s.preempted),
         shed: ld(&s.shed),
         expired: ld(&s.expired),
+        quota_removed: ld(&s.quota_removed),
         queue_time: s.queue_time.snapshot(),
         prefill_time: s.prefill_time.snapshot(),
         store: Some(store.metrics()),

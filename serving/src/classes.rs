@@ -398,9 +398,21 @@ pub struct Tenant {
     /// own name, so that no other tenant can tell what it sent.
     #[serde(default)]
     pub cache_namespace: Option<String>,
+    /// KV blocks its requests may hold in each worker's store (host and disk together):
+    /// past it, its own oldest blocks go, never another tenant's. None: no quota.
+    #[serde(default)]
+    pub store_blocks: Option<u64>,
 }
 
 impl Tenant {
+    /// What workers are told of it.
+    pub fn hint(&self) -> kvfabric::contract::generate::TenantHint {
+        kvfabric::contract::generate::TenantHint {
+            name: self.name.clone(),
+            store_blocks: self.store_blocks,
+        }
+    }
+
     /// The salt folded into the hashes of its requests' blocks.
     pub fn cache_salt(&self) -> String {
         format!("tenant\u{0}{}", self.cache_namespace.as_deref().unwrap_or(&self.name))
@@ -443,6 +455,12 @@ impl Tenants {
             }
             if !names.insert(t.name.clone()) {
                 return Err(format!("tenant {:?} is given twice", t.name));
+            }
+            if t.store_blocks == Some(0) {
+                return Err(format!(
+                    "tenant {:?}: store_blocks must be at least 1 (leave it out for no quota)",
+                    t.name
+                ));
             }
             for c in &t.classes {
                 classes.index_of(c).map_err(|e| format!("tenant {:?}: {e}", t.name))?;
@@ -630,6 +648,7 @@ mod tests {
             key: "acme-key-123".into(),
             classes: vec!["batch".into(), "standard".into()],
             cache_namespace: None,
+            store_blocks: None,
         };
         let ts = Tenants::new(vec![t.clone()], &c).unwrap();
         assert_eq!(ts.by_key("acme-key-123").map(|t| t.name.as_str()), Some("acme"));
@@ -640,6 +659,8 @@ mod tests {
         assert!(matches!(Tenants::class_for(&t, &c, Some(0)), Err(ClassError::NotAllowed { .. })));
         let bad = Tenant { classes: vec!["gold".into()], ..t.clone() };
         assert!(Tenants::new(vec![bad], &c).is_err());
+        let bad = Tenant { store_blocks: Some(0), ..t.clone() };
+        assert!(Tenants::new(vec![bad], &c).unwrap_err().contains("store_blocks"));
         assert!(Tenants::new(vec![t.clone(), t.clone()], &c).is_err());
         let shared = Tenant { cache_namespace: Some("team".into()), ..t.clone() };
         assert_ne!(t.cache_salt(), shared.cache_salt());

@@ -586,6 +586,7 @@ async fn prefill_job(
             timeout: left,
             class: None,
             cache_salt: None,
+            tenant: None,
         })
         .map_err(|e| e.to_string())?;
     let mut early = Vec::new();

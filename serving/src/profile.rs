@@ -121,6 +121,7 @@ impl Probe for LocalProbe {
             timeout: self.timeout,
             class: None,
             cache_salt: None,
+            tenant: None,
         };
         let prompt_len = req.prompt.len();
         let start = Instant::now();

@@ -186,11 +186,13 @@ async fn a_tenant_key_pins_its_classes_and_its_cache_is_its_own() {
         key: key.into(),
         classes: classes.iter().map(|c| c.to_string()).collect(),
         cache_namespace: ns.map(str::to_string),
+        store_blocks: None,
     };
     let tenants = vec![
         tenant("acme", "acme-key-0001", &["batch", "standard"], None),
         tenant("beta", "beta-key-0001", &[], None),
         tenant("beta-two", "beta-key-0002", &[], Some("beta")),
+        Tenant { store_blocks: Some(8), ..tenant("small", "small-key-001", &[], None) },
     ];
     let s = serve(MockConfig::zero_delay(), SchedulerConfig::default(), tenants).await;
     let auth = |k: &'static str| {
@@ -236,6 +238,38 @@ async fn a_tenant_key_pins_its_classes_and_its_cache_is_its_own() {
     let r =
         complete(s.addr, &prompt(&text, json!({"cache_salt": 7})), &[auth("acme-key-0001")]).await;
     assert_eq!(r.status, 400);
+    // "small" may hold 8 blocks of the store: its second long prompt pushes its first out
+    // (counted), not acme's.
+    let other = "another long document entirely ".repeat(20);
+    assert_eq!(
+        cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("small-key-001")]).await),
+        0
+    );
+    assert_eq!(
+        cached(&complete(s.addr, &prompt(&other, json!({})), &[auth("small-key-001")]).await),
+        0
+    );
+    let removed = || async {
+        let m = metrics(s.addr).await;
+        m.lines()
+            .find_map(|l| l.strip_prefix("kvfabric_engine_tenant_quota_removed_blocks_total "))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    let start = std::time::Instant::now();
+    while removed().await < 8.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no quota removals: {}",
+            removed().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("small-key-001")]).await),
+        0
+    );
+    let acme = cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("acme-key-0001")]).await);
+    assert_eq!(acme, hit, "acme's blocks stayed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

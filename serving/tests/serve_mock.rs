@@ -567,6 +567,7 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
             timeout: Duration::from_secs(30),
             class: None,
             cache_salt: None,
+            tenant: None,
         },
     };
     let connect = |r: WorkerRequest| {

@@ -107,6 +107,20 @@ pub struct GenerateRequest {
     /// client's `cache_salt`).
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// The tenant whose API key sent it, and what it may hold of the worker's store.
+    #[serde(default)]
+    pub tenant: Option<TenantHint>,
+}
+
+/// What a worker needs to know of a request's tenant.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TenantHint {
+    /// The tenant's name.
+    pub name: String,
+    /// KV blocks its requests may hold in a worker's store (host and disk tiers together);
+    /// past it, its own oldest blocks are removed, never another tenant's. None: no quota.
+    #[serde(default)]
+    pub store_blocks: Option<u64>,
 }
 
 impl GenerateRequest {
@@ -122,6 +136,7 @@ impl GenerateRequest {
             timeout,
             class: None,
             cache_salt: None,
+            tenant: None,
         }
     }
 

@@ -349,6 +349,7 @@ async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
                 timeout: Duration::from_secs(20),
                 class: None,
                 cache_salt: None,
+                tenant: None,
             };
             let mut rx = decode.submit("mock", req).unwrap();
             let (mut remote, mut tokens) = (None, Vec::new());

@@ -16,6 +16,7 @@
 pub mod kv;
 pub mod llama;
 pub mod mock;
+pub mod quota;
 pub mod sampling;
 pub mod scheduler;
 pub mod stream;

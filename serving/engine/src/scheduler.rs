@@ -124,6 +124,8 @@ pub struct SchedulerStats {
     pub shed: AtomicU64,
     /// Requests whose class's `expire` passed before they started: answered at once.
     pub expired: AtomicU64,
+    /// Blocks removed from the store because their tenant was past its quota.
+    pub quota_removed: AtomicU64,
     /// The rank of the least urgent request waiting (0 when none waits): a full queue still
     /// takes a request more urgent than it, and drops that one.
     pub least_urgent_waiting: AtomicU64,
@@ -266,6 +268,7 @@ impl Scheduler {
             taken_in: 0,
             cost: StepCost::default(),
             latency_jumped: false,
+            quotas: Default::default(),
         };
         let (failed, failure) = tokio::sync::watch::channel(None);
         std::thread::Builder::new()
@@ -443,6 +446,8 @@ struct Loop<E: Engine> {
     cost: StepCost,
     /// A latency class's prompt step ran while the decodes were due (they run next).
     latency_jumped: bool,
+    /// The blocks each tenant with a store quota used.
+    quotas: crate::quota::Ledgers,
 }
 
 /// What steps cost, measured (moving averages over the last steps): how many prompt tokens
@@ -1049,6 +1054,22 @@ impl<E: Engine> Loop<E> {
             if s.req.class.as_ref().is_some_and(|c| c.itl.is_some()) {
                 let full = s.req.prompt.len() / self.hasher.block_tokens();
                 self.store.keep(&s.hashes[..full.min(s.hashes.len())]);
+            }
+            // A tenant past its store quota gives up its own least recently used blocks.
+            if let Some(t) = s.req.tenant.as_ref().filter(|t| t.store_blocks.is_some()) {
+                let used = &s.hashes[..s.stored.min(s.hashes.len())];
+                let over = self.quotas.charge(t, used);
+                if !over.is_empty() {
+                    // In the background: a block on its way to disk is removed once there.
+                    let (store, stats) = (self.store.clone(), self.stats.clone());
+                    self.runtime.spawn(async move {
+                        for h in over {
+                            if store.remove(h).await {
+                                bump(&stats.quota_removed, 1);
+                            }
+                        }
+                    });
+                }
             }
             self.stats.running.fetch_sub(1, Ordering::Relaxed);
         }

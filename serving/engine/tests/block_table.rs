@@ -98,6 +98,7 @@ async fn generate(sched: &Scheduler, prompt: &[u32], n: usize) -> (Vec<u32>, usi
             timeout: Duration::from_secs(30),
             class: None,
             cache_salt: None,
+            tenant: None,
         })
         .unwrap();
     let (mut tokens, mut cached) = (Vec::new(), 0);

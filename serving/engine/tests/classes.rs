@@ -4,7 +4,7 @@
 //! its stored blocks), prompt chunks are cut to what fits in a latency decode's ITL target,
 //! a request past its class's `expire` is answered without being computed, and a cache salt
 //! keeps requests of different namespaces from reading each other's blocks, in host memory
-//! and on disk.
+//! and on disk; a tenant past its store quota gives up its own blocks, not another's.
 //!
 //! The mock engine's steps are recorded (which sequence, from which position, how many
 //! tokens, and the first of them), so each test checks the plan that ran. Where a test needs
@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvfabric::agent::{Agent, AgentConfig};
-use kvfabric::contract::generate::ClassHint;
+use kvfabric::contract::generate::{ClassHint, TenantHint};
 use kvfabric::events::NullSink;
 use kvfabric::layout::{KvDtype, ModelSpec};
 use kvfabric_engine::mock::{MockConfig, MockEngine};
@@ -387,4 +387,49 @@ async fn a_latency_class_prefix_stays_in_host_memory_while_batch_prompts_pass_th
     let gone = run(5, 49, batch()).await;
     assert_eq!(gone.total(), 0, "the batch one of the same age was evicted: {gone:?}");
     assert!(s.store.metrics().host_used_blocks <= 16);
+}
+
+/// A tenant with a store quota of 6 blocks sends three prompts of 4 blocks each: its least
+/// recently used blocks (6 of 12) leave the store, from host memory and from disk, while
+/// another tenant's blocks (no quota, stored before them) stay; its latest prompt is still a
+/// hit. Without the quota, the same requests find its oldest prompt too (the store had room:
+/// the quota, not eviction, removed it). Each tenant's requests carry its namespace as their
+/// salt, as the frontend sends them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_past_its_store_quota_gives_up_its_own_blocks_not_anothers() {
+    for (disk, quota) in [(false, Some(6)), (true, Some(6)), (false, None), (true, None)] {
+        // Without disk, 64 host slots; with disk, 8 (the older blocks live on disk).
+        let host = if disk { 8 } else { 64 };
+        let s = setup(MockConfig::zero_delay(), SchedulerConfig::default(), host, disk).await;
+        let run = |first: u32, tenant: &str, quota: Option<u64>| {
+            let req = GenerateRequest {
+                cache_salt: Some(format!("tenant\0{tenant}")),
+                tenant: Some(TenantHint { name: tenant.into(), store_blocks: quota }),
+                ..request(first, 65, 2, None)
+            };
+            let rx = s.sched.submit(req).unwrap();
+            async move { collect(rx).await.unwrap().1 }
+        };
+        assert_eq!(run(50, "beta", None).await.total(), 0);
+        for first in [60, 61, 62] {
+            assert_eq!(run(first, "acme", quota).await.total(), 0);
+        }
+        // The engine removes them after the request retired, in the background.
+        let removed = || s.sched.stats().quota_removed.load(Ordering::Relaxed);
+        let case = format!("disk {disk}, quota {quota:?}");
+        if quota.is_some() {
+            until("6 of 12 blocks removed", || removed() >= 6).await;
+        }
+        assert_eq!(removed(), if quota.is_some() { 6 } else { 0 }, "{case}: 12 blocks used");
+        let beta = run(50, "beta", None).await;
+        assert_eq!(beta.total(), 64, "{case}: the other tenant's prompt stayed: {beta:?}");
+        let latest = run(62, "acme", quota).await;
+        assert_eq!(latest.total(), 64, "{case}: its latest prompt stayed: {latest:?}");
+        let oldest = run(60, "acme", quota).await;
+        let want = if quota.is_some() { 0 } else { 64 };
+        assert_eq!(oldest.total(), want, "{case}: its oldest prompt: {oldest:?}");
+        if disk {
+            assert!(beta.disk_tokens > 0, "{case}: {beta:?}");
+        }
+    }
 }

@@ -33,6 +33,7 @@ fn request() -> impl Strategy<Value = GenerateRequest> {
                     timeout: Duration::new(s, n),
                     class: None,
                     cache_salt: None,
+                    tenant: None,
                 }
             },
         )
@@ -93,6 +94,7 @@ fn no_request_panics_the_scheduler_and_it_serves_on() {
         timeout: Duration::from_secs(30),
         class: None,
         cache_salt: None,
+        tenant: None,
     };
     let mut rx = sched.submit(ok).unwrap();
     let done = rt.block_on(async {

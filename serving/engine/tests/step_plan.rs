@@ -74,6 +74,7 @@ fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
         timeout: Duration::from_secs(30),
         class: None,
         cache_salt: None,
+        tenant: None,
     }
 }
 

@@ -291,6 +291,8 @@ pub(super) struct Checked {
     pub(super) class: Class,
     /// The salt of its blocks: the tenant's namespace and the client's `cache_salt`.
     pub(super) cache_salt: Option<String>,
+    /// The tenant of its API key, as workers are told.
+    pub(super) tenant: Option<kvfabric::contract::generate::TenantHint>,
 }
 
 /// A request's class: its index in the server's classes, and what the engine is told.
@@ -398,6 +400,7 @@ fn check_common(st: &AppState, ctx: Ctx<'_>, c: &Common) -> Result<Checked, ApiE
     Ok(Checked {
         class,
         cache_salt,
+        tenant: ctx.tenant.map(Tenant::hint),
         entry,
         max_tokens,
         sampling: SamplingParams { temperature, top_p, seed },

@@ -41,6 +41,7 @@ pub(super) async fn start(
             timeout: st.cfg.request_timeout,
             class: c.class.as_ref().map(|(_, h)| h.clone()),
             cache_salt: c.cache_salt.clone(),
+            tenant: c.tenant.clone(),
         };
         let rx = st.backend.submit(&c.entry.info.id, req)?;
         Ok((rx, c))

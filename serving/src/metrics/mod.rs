@@ -516,6 +516,8 @@ pub struct EngineSnapshot {
     pub shed: u64,
     /// Requests answered at once because their class's `expire` passed.
     pub expired: u64,
+    /// Blocks removed from the store because their tenant was past its quota.
+    pub quota_removed: u64,
     /// Per request: arrival at the engine to the start of its first step.
     pub queue_time: HistogramSnapshot,
     /// Per request: the start of its first step to its first token.
@@ -854,6 +856,15 @@ fn engine_and_store(
         None,
         C,
         |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.expired))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_engine_tenant_quota_removed_blocks",
+        "KV blocks removed from the store because their tenant was past its store quota (its own least recently used).",
+        None,
+        C,
+        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.quota_removed))),
     )?;
     family(
         e,

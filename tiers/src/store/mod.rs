@@ -44,6 +44,7 @@ use crate::disk::{DiskConfig, DiskError, DiskTier};
 use crate::metrics::{get, MetricsSnapshot, StoreMetrics};
 use crate::policy::{FrequencyFilter, PolicyKind};
 use crate::pool::SlotPool;
+use crate::pool::SlotState;
 
 /// Corrupt blocks found on disk keep the store degraded for this long after the last one.
 const CORRUPTION_RECENT_S: u64 = 600;
@@ -373,7 +374,8 @@ impl TieredStore {
         Ok(())
     }
 
-    /// Removes a block from every tier (pinned copies stay until unpinned).
+    /// Removes a block from every tier (pinned copies stay until unpinned). A host block on
+    /// its way to disk is removed from disk once it lands there (waiting at most a second).
     pub async fn remove(&self, hash: SequenceHash) -> bool {
         let inner = &self.inner;
         let mut any = false;
@@ -381,9 +383,27 @@ impl TieredStore {
             inner.events.removed(vec![hash], TierKind::Device);
             any = true;
         }
-        if inner.host.lock().pool.remove(hash).is_ok() {
-            inner.events.removed(vec![hash], TierKind::Host);
-            any = true;
+        let until = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+        loop {
+            let released = inner.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            let (removed, evicting) = {
+                let mut host = inner.host.lock();
+                let removed = host.pool.remove(hash).is_ok();
+                let evicting = !removed
+                    && host.pool.lookup(hash).is_some_and(|slot| {
+                        matches!(host.pool.state(slot), SlotState::Ready { evicting: true, .. })
+                    });
+                (removed, evicting)
+            };
+            if removed {
+                inner.events.removed(vec![hash], TierKind::Host);
+                any = true;
+            }
+            if !evicting || tokio::time::timeout_at(until, released).await.is_err() {
+                break;
+            }
         }
         if let Some(d) = &inner.disk {
             if d.remove(hash).await {
