@@ -28,7 +28,6 @@ use kvfabric::agent::{Agent, AgentMetadata};
 use kvfabric::contract;
 use kvfabric::contract::prefill::PrefillHead;
 use kvfabric::control::EventBus;
-use kvfabric::hash::{HashSeed, TokenBlockHasher};
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_tiers::{StoreError, TieredStore};
 use parking_lot::Mutex;
@@ -106,7 +105,6 @@ struct DecodeInner {
     stats: DisaggStats,
     waiters: Mutex<HashMap<u64, oneshot::Sender<PrefillResult>>>,
     next_id: AtomicU64,
-    hasher: TokenBlockHasher,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -133,9 +131,6 @@ impl DecodeBackend {
         prefill: RoutedBackend,
         cfg: DisaggConfig,
     ) -> Result<Self, EngineError> {
-        let bt = local.scheduler().info().layout.block_tokens as usize;
-        let hasher = TokenBlockHasher::new(bt, HashSeed::default())
-            .map_err(|e| EngineError::model(e.to_string()))?;
         let failures = bus
             .subscribe(&contract::prefill_failed(agent.name()))
             .await
@@ -179,7 +174,6 @@ impl DecodeBackend {
                 stats: DisaggStats::default(),
                 waiters: Mutex::new(HashMap::new()),
                 next_id: AtomicU64::new(1),
-                hasher,
                 tasks,
             }
         });
@@ -203,9 +197,11 @@ impl DecodeInner {
         model: &str,
         req: &GenerateRequest,
     ) -> Option<(RemotePrefill, Vec<kvfabric_tiers::BlockRef>)> {
-        let bt = self.hasher.block_tokens();
+        // The blocks' names as the local engine gives them: with the request's salt.
+        let hasher = self.local.scheduler().hasher(req.cache_salt.as_deref());
+        let bt = hasher.block_tokens();
         let prompt = &req.prompt;
-        let hashes = self.hasher.sequence_hashes(prompt);
+        let hashes = hasher.sequence_hashes(prompt);
         let reusable = hashes.len().min(prompt.len().saturating_sub(1) / bt);
         let held = self.store.held_prefix(&hashes[..reusable]);
         if prompt.len() - held * bt < self.cfg.threshold_tokens || held == reusable {
@@ -251,6 +247,7 @@ impl DecodeInner {
             blocks,
             transport: self.cfg.transport,
             deadline_unix_ms: unix_ms() + self.cfg.deadline.as_millis() as u64,
+            cache_salt: req.cache_salt.clone(),
         };
         let started = Instant::now();
         self.stats.pending.fetch_add(1, Ordering::Relaxed);
@@ -574,7 +571,7 @@ async fn prefill_job(
     // chunk, while the rest of the prompt computes; the last transfer carries the
     // notification, posted once every earlier one has landed.
     let compute = Instant::now();
-    let hasher = TokenBlockHasher::new(bt, HashSeed::default()).map_err(|e| e.to_string())?;
+    let hasher = sched.hasher(req.cache_salt.as_deref());
     let hashes = hasher.sequence_hashes(&req.tokens);
     let mut rx = sched
         .submit(GenerateRequest {
@@ -585,7 +582,7 @@ async fn prefill_job(
             ignore_eos: true,
             timeout: left,
             class: None,
-            cache_salt: None,
+            cache_salt: req.cache_salt.clone(),
             tenant: None,
         })
         .map_err(|e| e.to_string())?;

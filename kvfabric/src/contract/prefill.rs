@@ -10,8 +10,10 @@
 use crate::agent::AgentMetadata;
 use crate::transfer::{Desc, TransportKind};
 
-/// The version of the prefill messages this build writes and reads.
-pub const PREFILL_VERSION: u32 = 1;
+/// The version of the prefill messages this build writes and reads. 2: a job carries its
+/// request's cache salt (a prefill worker of version 1 would name the blocks unsalted, and a
+/// tenant's prompt would be cached where another's finds it).
+pub const PREFILL_VERSION: u32 = 2;
 
 fn v1() -> u32 {
     1
@@ -48,6 +50,10 @@ pub struct PrefillRequest {
     pub transport: Option<TransportKind>,
     /// Give up after this time (Unix milliseconds).
     pub deadline_unix_ms: u64,
+    /// The request's cache salt ([`super::generate::GenerateRequest::cache_salt`]): the
+    /// prefill worker names, finds and stores the blocks with it.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 /// The message of the transfer's notification and of a failure report.
@@ -125,7 +131,7 @@ mod tests {
         let r: PrefillResult =
             serde_json::from_str(r#"{"id": 1, "ok": true, "compute_us": 5, "error": null}"#)
                 .unwrap();
-        assert_eq!(r, PrefillResult::done(1, 5));
+        assert_eq!(r, PrefillResult { v: 1, ..PrefillResult::done(1, 5) });
     }
 
     #[test]
@@ -136,8 +142,15 @@ mod tests {
         let why = head.version_error().unwrap();
         assert!(why.contains("version 9"), "{why}");
         assert!(why.contains(&format!("speaks {PREFILL_VERSION}")), "{why}");
-        let ours: PrefillHead =
-            serde_json::from_str(r#"{"id": 4, "decode": {"name": "d1"}}"#).unwrap();
+        let ours: PrefillHead = serde_json::from_value(
+            serde_json::json!({"v": PREFILL_VERSION, "id": 4, "decode": {"name": "d1"}}),
+        )
+        .unwrap();
         assert!(ours.version_error().is_none());
+        // A job from before `v` (version 1, no cache salt) is refused: it would name its
+        // blocks unsalted.
+        let old: PrefillHead =
+            serde_json::from_str(r#"{"id": 4, "decode": {"name": "d1"}}"#).unwrap();
+        assert!(old.version_error().is_some_and(|why| why.contains("version 1")));
     }
 }

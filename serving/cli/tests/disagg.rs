@@ -443,4 +443,29 @@ async fn up_metrics_show_the_in_process_workers_remote_prefill() {
     types.dedup();
     assert_eq!(types.len(), n, "{text}");
     assert!(text.ends_with("# EOF\n"));
+
+    // A cache salt goes with the job: the prefill worker computes a salted prompt afresh
+    // (nothing of the unsalted one, nor of another salt, is a hit there), and the decode
+    // worker stores the blocks under the salted names, so the same salt hits them next time.
+    let salted = |salt: &str| json!({"model": "mock", "prompt": prompt, "max_tokens": 4, "cache_salt": salt});
+    let cached = |r: &common::Response| {
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
+    };
+    let alice = post_json(addr, "/v1/completions", &salted("alice")).await;
+    assert_eq!(cached(&alice), 0, "{}", alice.text());
+    let again = post_json(addr, "/v1/completions", &salted("alice")).await;
+    assert!(cached(&again) > 0, "alice reads her remotely prefilled blocks: {}", again.text());
+    let bob = post_json(addr, "/v1/completions", &salted("bob")).await;
+    assert_eq!(cached(&bob), 0, "{}", bob.text());
+    let text = get(addr, "/metrics").await.text();
+    assert_eq!(
+        common::metric(&text, &format!("kvfabric_prefills_total{{{decode},where=\"remote\"}}")),
+        3.0,
+        "the first, alice's and bob's: {text}"
+    );
+    assert_eq!(
+        common::metric(&text, &format!("kvfabric_kv_hit_tokens_total{{{prefill},tier=\"host\"}}")),
+        0.0,
+        "no salt read another's blocks on the prefill worker"
+    );
 }
