@@ -4,7 +4,7 @@
 //! its stored blocks), prompt chunks are cut to what fits in a latency decode's ITL target,
 //! a request past its class's `expire` is answered without being computed, and a cache salt
 //! keeps requests of different namespaces from reading each other's blocks, in host memory
-//! and on disk; a tenant past its store quota gives up its own blocks, not another's.
+//! and on disk, and in the fabric for another worker; a tenant past its store quota gives up its own blocks, not another's.
 //!
 //! The mock engine's steps are recorded (which sequence, from which position, how many
 //! tokens, and the first of them), so each test checks the plan that ran. Where a test needs
@@ -432,4 +432,59 @@ async fn a_tenant_past_its_store_quota_gives_up_its_own_blocks_not_anothers() {
             assert!(beta.disk_tokens > 0, "{case}: {beta:?}");
         }
     }
+}
+
+/// The fabric (G4): a worker with 8 host slots and no disk spills a salted prompt's blocks to
+/// a fabric node; another worker on the same fabric finds them only with the same salt (a
+/// remote hit), and nothing under another salt or none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_prompt_in_the_fabric_is_a_miss_for_another_salt_on_another_worker() {
+    use kvfabric_tiers::fabric::FabricNode;
+    use kvfabric_tiers::remote::RemoteTier;
+    let layout = ModelSpec::preset("smollm2-135m")
+        .unwrap()
+        .with_dtype(KvDtype::F32)
+        .block_layout(16)
+        .unwrap();
+    let bytes = layout.bytes_per_block();
+    let node_agent = Agent::start(AgentConfig::new("fabric-a", b"s".to_vec())).await.unwrap();
+    let node_store =
+        TieredStore::open(StoreConfig::new(bytes, 128), &node_agent, Arc::new(NullSink))
+            .await
+            .unwrap();
+    let node = FabricNode::serve(node_agent.clone(), node_store, Duration::from_secs(10));
+    let mut workers = Vec::new();
+    for name in ["worker-a", "worker-b"] {
+        let agent = Agent::start(AgentConfig::new(name, b"s".to_vec())).await.unwrap();
+        let remote = RemoteTier::new(agent.clone(), Duration::from_secs(5));
+        remote.add_node(&node.info()).await.unwrap();
+        let mut cfg = StoreConfig::new(bytes, 8);
+        cfg.remote = Some(remote);
+        let store = TieredStore::open(cfg, &agent, Arc::new(NullSink)).await.unwrap();
+        let engine = MockEngine::new("mock", layout, MockConfig::zero_delay()).unwrap();
+        let sched = Scheduler::start(
+            engine,
+            store.clone(),
+            SchedulerConfig::default(),
+            tokio::runtime::Handle::current(),
+        )
+        .unwrap();
+        workers.push((sched, store, agent));
+    }
+    let run = |w: usize, salt: Option<&str>| {
+        let req =
+            GenerateRequest { cache_salt: salt.map(str::to_string), ..request(9, 321, 4, None) };
+        let rx = workers[w].0.submit(req).unwrap();
+        async move { collect(rx).await.unwrap() }
+    };
+    let (cold, first) = run(0, Some("tenant\0a")).await;
+    assert_eq!(first.total(), 0);
+    assert!(node.store().metrics().stored_blocks >= 8, "worker-a spilled to the fabric");
+    let (out, other) = run(1, Some("tenant\0b")).await;
+    assert_eq!((other.total(), &out), (0, &cold), "another salt reads nothing from the fabric");
+    let (_, none) = run(1, None).await;
+    assert_eq!(none.total(), 0, "nor does no salt");
+    let (out, same) = run(1, Some("tenant\0a")).await;
+    assert!(same.remote_tokens > 0, "the same salt reads its blocks from the fabric: {same:?}");
+    assert_eq!(out, cold);
 }
