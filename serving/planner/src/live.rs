@@ -38,8 +38,25 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::sla::{plan, LengthDist, Profile, Targets, Workload, DIST_POINTS};
-use crate::window::{LoadSource, LoadWindow};
+use crate::sla::{
+    plan, plan_classes, ClassLoad, LengthDist, Profile, Targets, Workload, DIST_POINTS,
+};
+use crate::window::{ClassWindow, LoadSource, LoadWindow};
+
+/// A class's TTFT at quantile `q` (None: the mean).
+fn class_quantile(c: &ClassWindow, q: Option<f64>) -> Option<f64> {
+    if c.ttft_s.is_empty() {
+        return None;
+    }
+    Some(match q {
+        None => c.ttft_s.iter().sum::<f64>() / c.ttft_s.len() as f64,
+        Some(q) => {
+            let mut v = c.ttft_s.clone();
+            v.sort_by(f64::total_cmp);
+            crate::stats::quantile(&v, q)
+        }
+    })
+}
 
 /// A future of the scaler.
 pub type ScaleFuture<'a> = Pin<Box<dyn Future<Output = Result<u32, ScaleError>> + Send + 'a>>;
@@ -317,7 +334,23 @@ pub struct Brain {
     fewer_asks: Vec<u32>,
     interval: u64,
     learned: Option<Learned>,
+    /// Per service class (when the frontend has classes): its rates and averages.
+    classes: std::collections::BTreeMap<String, ClassState>,
 }
+
+/// What a [`Brain`] keeps of one service class.
+#[derive(Debug, Clone, Default)]
+struct ClassState {
+    rates: Vec<f64>,
+    isl: Option<f64>,
+    osl: Option<f64>,
+    hit: Option<f64>,
+    ttft_target_s: Option<f64>,
+    itl_target_s: Option<f64>,
+}
+
+/// Classes a [`Brain`] follows at most (a frontend has at most 16).
+const CLASSES_FOLLOWED_MAX: usize = 32;
 
 /// What a missed target taught: at this rate, this many workers were needed.
 #[derive(Debug, Clone, Copy)]
@@ -357,7 +390,65 @@ impl Brain {
             fewer_asks: Vec::new(),
             interval: 0,
             learned: None,
+            classes: Default::default(),
         }
+    }
+
+    /// Follows each class of `window` and predicts its load: one [`ClassLoad`] per class
+    /// with a TTFT target that has seen requests (empty when the window has no classes, or
+    /// for a pool of a disaggregated layout, which plans by one set of targets).
+    fn class_loads(&mut self, window: &LoadWindow) -> Vec<ClassLoad> {
+        if self.pool != Pool::Aggregated || window.classes.is_empty() {
+            return Vec::new();
+        }
+        let secs = window.duration.as_secs_f64().max(1e-3);
+        let keep = self.cfg.history.max(2);
+        let mix = |avg: Option<f64>, x: Option<f64>| match (avg, x) {
+            (Some(a), Some(x)) => Some(MIX_ALPHA * x + (1.0 - MIX_ALPHA) * a),
+            (a, x) => x.or(a),
+        };
+        for c in &window.classes {
+            if !self.classes.contains_key(&c.name) && self.classes.len() >= CLASSES_FOLLOWED_MAX {
+                continue;
+            }
+            let st = self.classes.entry(c.name.clone()).or_default();
+            st.rates.push(c.arrivals as f64 / secs);
+            if st.rates.len() > keep {
+                st.rates.remove(0);
+            }
+            let per = |x: u64| (c.counted > 0).then(|| x as f64 / c.counted as f64);
+            st.isl = mix(st.isl, per(c.prompt_tokens));
+            st.osl = mix(st.osl, per(c.generated_tokens));
+            st.hit = mix(
+                st.hit,
+                (c.prompt_tokens > 0).then(|| c.cached_tokens as f64 / c.prompt_tokens as f64),
+            );
+            st.ttft_target_s = c.ttft_target_s;
+            st.itl_target_s = c.itl_target_s;
+        }
+        let q = self.cfg.targets.quantile;
+        self.classes
+            .iter()
+            .filter_map(|(name, st)| {
+                let ttft = st.ttft_target_s?;
+                let rate = self.cfg.predictor.predict(&st.rates);
+                (rate > 0.0 && st.isl.is_some()).then(|| ClassLoad {
+                    name: name.clone(),
+                    load: Workload {
+                        rate,
+                        isl: st.isl.unwrap_or(1.0).max(1.0),
+                        osl: st.osl.unwrap_or(1.0).max(1.0),
+                        hit_rate: st.hit.unwrap_or(0.0).clamp(0.0, 0.99),
+                        isl_dist: LengthDist::Fixed,
+                    },
+                    targets: Targets {
+                        ttft_s: ttft,
+                        itl_s: st.itl_target_s.unwrap_or(f64::INFINITY),
+                        quantile: q,
+                    },
+                })
+            })
+            .collect()
     }
 
     /// Decides from one interval's window with `current` workers serving.
@@ -417,13 +508,33 @@ impl Brain {
         }
         let (lo, hi) =
             (self.cfg.min_workers.max(1), self.cfg.workers_max.max(self.cfg.min_workers.max(1)));
+        // With classes, each class's load and targets: the workers at which every class
+        // meets its own when served by urgency.
+        let class_loads = self.class_loads(window);
+        let plan_for = |scale: f64| -> (Option<u32>, Vec<String>) {
+            if class_loads.is_empty() {
+                let load = Workload { rate: predicted.rate * scale, ..predicted.clone() };
+                let p = plan(&self.cfg.profile, &load, &self.cfg.targets);
+                (self.pool.workers(&p), p.reasons.into_iter().skip(1).collect())
+            } else {
+                let scaled: Vec<ClassLoad> = class_loads
+                    .iter()
+                    .map(|c| ClassLoad {
+                        load: Workload { rate: c.load.rate * scale, ..c.load.clone() },
+                        ..c.clone()
+                    })
+                    .collect();
+                let p = plan_classes(&self.cfg.profile, &scaled);
+                (p.with_classes.map(|(n, _)| n), p.reasons)
+            }
+        };
         let planned = if predicted.rate <= 0.0 {
             reasons.push("no load predicted".into());
             Some(lo)
         } else {
-            let p = plan(&self.cfg.profile, &predicted, &self.cfg.targets);
-            reasons.extend(p.reasons.iter().skip(1).cloned());
-            self.pool.workers(&p)
+            let (n, why) = plan_for(1.0);
+            reasons.extend(why);
+            n
         };
         let mut desired = match planned {
             Some(n) => n,
@@ -439,18 +550,28 @@ impl Brain {
         let t = &self.cfg.targets;
         let ttft_label = format!("{label} TTFT");
         let pool = self.pool;
-        let governed = [
-            (true, ttft_label.as_str(), seen.ttft_s, t.ttft_s),
-            (false, "mean ITL", seen.itl_mean_s, t.itl_s),
+        let mut governed = [
+            (true, ttft_label.clone(), seen.ttft_s, t.ttft_s),
+            (false, "mean ITL".to_string(), seen.itl_mean_s, t.itl_s),
         ]
         .into_iter()
         .filter(|(ttft, ..)| pool.governs(*ttft))
         .map(|(_, what, got, target)| (what, got, target))
         .collect::<Vec<_>>();
+        if !class_loads.is_empty() {
+            // Each class against its own TTFT target instead of the one set of targets.
+            governed.retain(|(what, ..)| *what != ttft_label);
+            for c in window.classes.iter().filter(|c| !c.ttft_s.is_empty()) {
+                if let Some(target) = c.ttft_target_s {
+                    let got = class_quantile(c, q);
+                    governed.push((format!("{} {ttft_label}", c.name), got, target));
+                }
+            }
+        }
         let over = governed
             .iter()
-            .filter_map(|&(what, got, target)| {
-                got.filter(|g| *g > target).map(|g| (what, g, target))
+            .filter_map(|(what, got, target)| {
+                got.filter(|g| g > target).map(|g| (what.as_str(), g, *target))
             })
             .collect::<Vec<_>>();
         let calm = seen.requests >= 3
@@ -506,12 +627,7 @@ impl Brain {
         desired = bounded;
         // Hysteresis on the way down: plan again with headroom, then wait for the asks.
         if desired < current && predicted.rate > 0.0 && self.cfg.scale_down_headroom > 0.0 {
-            let more = Workload {
-                rate: predicted.rate * (1.0 + self.cfg.scale_down_headroom),
-                ..predicted
-            };
-            let with =
-                self.pool.workers(&plan(&self.cfg.profile, &more, &self.cfg.targets)).unwrap_or(hi);
+            let with = plan_for(1.0 + self.cfg.scale_down_headroom).0.unwrap_or(hi);
             if with > desired {
                 reasons.push(format!(
                     "with {:.0}% headroom on the rate: {with} workers",
@@ -767,7 +883,81 @@ mod tests {
             ttft_s: vec![ttft; n as usize],
             itl_s: vec![0.009; n as usize * 63],
             prompt_lens: vec![512.0; n as usize],
+            classes: Vec::new(),
         }
+    }
+
+    /// One class's part of a window: `rate` req/s of `isl`-token prompts (`hit` cached) and
+    /// 16-token answers, at TTFT `ttft`.
+    fn class_window(
+        name: &str,
+        target: f64,
+        rate: f64,
+        isl: u64,
+        hit: f64,
+        ttft: f64,
+    ) -> ClassWindow {
+        let n = (rate * 10.0) as u64;
+        ClassWindow {
+            name: name.into(),
+            ttft_target_s: Some(target),
+            itl_target_s: None,
+            arrivals: n,
+            counted: n,
+            prompt_tokens: n * isl,
+            generated_tokens: n * 16,
+            cached_tokens: (n as f64 * isl as f64 * hit) as u64,
+            ttft_s: vec![ttft; n as usize],
+        }
+    }
+
+    /// With classes in the window, an aggregated pool is planned so that each class meets
+    /// its own target served by urgency: the workers `plan_classes` names for the predicted
+    /// mix (not the one set of targets); a class over its own target adds a worker and says
+    /// which.
+    #[test]
+    fn classes_plan_each_class_to_its_own_target() {
+        let interactive = class_window("interactive", 0.3, 2.0, 440, 0.9, 0.05);
+        let batch = class_window("batch", 30.0, 8.0, 4096, 0.0, 2.0);
+        let mut w = window(10.0, 0.5);
+        w.classes = vec![interactive.clone(), batch.clone()];
+        let mut tight = cfg();
+        tight.targets = Targets::at_quantile(0.3, 0.05, 0.99);
+        tight.workers_max = 64;
+        let d = Brain::new(tight.clone()).decide(&w, 1);
+        let loads = [
+            ClassLoad {
+                name: "batch".into(),
+                load: Workload {
+                    rate: 8.0,
+                    isl: 4096.0,
+                    osl: 16.0,
+                    hit_rate: 0.0,
+                    isl_dist: LengthDist::Fixed,
+                },
+                targets: Targets::at_quantile(30.0, f64::INFINITY, 0.99),
+            },
+            ClassLoad {
+                name: "interactive".into(),
+                load: Workload {
+                    rate: 2.0,
+                    isl: 440.0,
+                    osl: 16.0,
+                    hit_rate: 0.9,
+                    isl_dist: LengthDist::Fixed,
+                },
+                targets: Targets::at_quantile(0.3, f64::INFINITY, 0.99),
+            },
+        ];
+        let want = plan_classes(&tight.profile, &loads).with_classes.unwrap().0;
+        assert_eq!(d.planned, Some(want), "{:#?}", d.reasons);
+        assert!(d.reasons.iter().any(|r| r.starts_with("with classes")), "{:#?}", d.reasons);
+        // The interactive class over its own target: one worker more, and the reason names it.
+        let mut late = w.clone();
+        late.classes[0].ttft_s = vec![0.5; 20];
+        let d = Brain::new(tight).decide(&late, want);
+        assert_eq!(d.desired, want + 1, "{:#?}", d.reasons);
+        assert!(d.reasons.iter().any(|r| r.contains("interactive p99 TTFT")), "{:#?}", d.reasons);
     }
 
     #[test]
@@ -961,6 +1151,7 @@ mod tests {
             ttft_s: vec![0.1, 0.2, 0.3, 0.4],
             itl_s: vec![],
             prompt_lens: vec![100.0; 4],
+            classes: Vec::new(),
         };
         let o = Observed::of(&w, Some(0.5));
         assert_eq!((o.rate, o.isl, o.osl, o.hit_rate), (2.0, Some(100.0), Some(10.0), Some(0.25)));

@@ -35,6 +35,31 @@ pub struct LoadWindow {
     /// Prompt tokens of each request counted (at most [`WINDOW_SAMPLES_MAX`], as for ITL):
     /// how prompt lengths spread.
     pub prompt_lens: Vec<f64>,
+    /// The same per service class, when the frontend has classes (empty otherwise).
+    pub classes: Vec<ClassWindow>,
+}
+
+/// What the frontend saw of one service class's requests over an interval.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClassWindow {
+    /// The class.
+    pub name: String,
+    /// Its TTFT target, seconds (None: it has none).
+    pub ttft_target_s: Option<f64>,
+    /// Its ITL target, seconds.
+    pub itl_target_s: Option<f64>,
+    /// Requests of it that arrived.
+    pub arrivals: u64,
+    /// Requests whose token counts are in the sums below.
+    pub counted: u64,
+    /// Their prompt tokens.
+    pub prompt_tokens: u64,
+    /// Tokens they generated.
+    pub generated_tokens: u64,
+    /// Prompt tokens found cached.
+    pub cached_tokens: u64,
+    /// Its times to first token, seconds (at most [`WINDOW_SAMPLES_MAX`]).
+    pub ttft_s: Vec<f64>,
 }
 
 /// Where the planner reads its load: each call returns what was seen since the last one.

@@ -59,6 +59,7 @@ pub(super) async fn start(
     };
     st.metrics.arrival();
     if let Some(i) = class {
+        st.metrics.class_arrival(i);
         st.metrics.class.submitted(i);
     }
     let mut gen = Generation {
@@ -192,6 +193,7 @@ impl Generation {
                             m.first_token(d);
                             self.first_token_at = Some(d);
                             if let Some(i) = self.class {
+                                m.class_ttft(i, d);
                                 m.class.first_token(i, d);
                             }
                         }
@@ -270,6 +272,9 @@ impl Generation {
             m.duration(self.started.elapsed());
         } else if self.last_token.is_none() {
             m.no_first_token(self.started.elapsed());
+            if let Some(i) = self.class {
+                m.class_ttft(i, self.started.elapsed());
+            }
         }
         let outcome =
             if ok { ClassOutcome::Ok } else { self.class_outcome.unwrap_or(ClassOutcome::Failed) };
@@ -281,7 +286,11 @@ impl Generation {
     /// that prompt tokens and tokens from cache are over the same requests.
     fn count_tokens(&self) {
         let c = self.cached_by_tier();
-        self.st.metrics.tokens(self.prompt_tokens as u64, self.completion_tokens as u64, c);
+        let (p, g) = (self.prompt_tokens as u64, self.completion_tokens as u64);
+        self.st.metrics.tokens(p, g, c);
+        if let Some(i) = self.class {
+            self.st.metrics.class_tokens(i, p, g, c.iter().sum());
+        }
     }
 
     /// [`Self::cached_tokens`] per tier (`metrics::CACHE_TIERS` order). The blocks a prefill

@@ -159,6 +159,12 @@ impl ClassMetrics {
         }
     }
 
+    /// The classes' names and targets (seconds), in index order.
+    pub fn targets(&self) -> Vec<(String, Option<f64>, Option<f64>)> {
+        let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
+        self.targets.read().iter().map(|t| (t.name.clone(), secs(t.ttft), secs(t.itl))).collect()
+    }
+
     /// A gap between two of its tokens.
     pub fn inter_token(&self, i: usize, d: Duration) {
         if let Some(n) = self.name(i) {

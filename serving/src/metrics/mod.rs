@@ -388,12 +388,54 @@ impl HttpMetrics {
         w.load.cached_tokens += cached;
     }
 
+    /// A request of class `i` submitted to the backend (besides [`Self::arrival`]).
+    pub fn class_arrival(&self, i: usize) {
+        self.class_window(i, |c| c.arrivals += 1);
+    }
+
+    /// Its time to first token, or the time it failed after without one.
+    pub fn class_ttft(&self, i: usize, d: Duration) {
+        self.class_window(i, |c| {
+            if c.ttft_s.len() < WINDOW_SAMPLES_MAX {
+                c.ttft_s.push(d.as_secs_f64());
+            }
+        });
+    }
+
+    /// Its token counts (besides [`Self::tokens`]).
+    pub fn class_tokens(&self, i: usize, prompt: u64, generated: u64, cached: u64) {
+        self.class_window(i, |c| {
+            c.counted += 1;
+            c.prompt_tokens += prompt;
+            c.generated_tokens += generated;
+            c.cached_tokens += cached;
+        });
+    }
+
+    fn class_window(&self, i: usize, f: impl FnOnce(&mut kvfabric_planner::window::ClassWindow)) {
+        if !self.windowed() || i >= crate::classes::CLASSES_MAX {
+            return;
+        }
+        let w = &mut *self.window.lock();
+        if w.load.classes.len() <= i {
+            w.load.classes.resize_with(i + 1, Default::default);
+        }
+        f(&mut w.load.classes[i]);
+    }
+
     /// What was seen since the last call, and a new window. The first call starts the
     /// windows (and returns an empty one).
     pub fn take_window(&self) -> LoadWindow {
         self.window_on.store(true, std::sync::atomic::Ordering::Relaxed);
         let old = std::mem::replace(&mut *self.window.lock(), Window::new());
-        LoadWindow { duration: old.since.elapsed(), ..old.load }
+        let mut load = LoadWindow { duration: old.since.elapsed(), ..old.load };
+        // Every class configured, named, with its targets (those that saw nothing at 0).
+        let targets = self.class.targets();
+        load.classes.resize_with(targets.len(), Default::default);
+        for (c, (name, ttft, itl)) in load.classes.iter_mut().zip(targets) {
+            (c.name, c.ttft_target_s, c.itl_target_s) = (name, ttft, itl);
+        }
+        load
     }
 
     /// The cumulative counts now (what `/metrics` shows, readable).
@@ -1840,5 +1882,29 @@ mod tests {
         let again = m.take_window();
         assert_eq!((again.requests, again.itl_s.len()), (0, 0));
         assert!(again.duration < w.duration + Duration::from_secs(1));
+        assert!(again.classes.is_empty(), "no classes configured");
+        // With classes: each configured class has its part of the window, with its targets,
+        // also when it saw nothing.
+        let ms = |n: u64| Some(Duration::from_millis(n));
+        m.class.set([
+            ("interactive".to_string(), ms(300), ms(50)),
+            ("batch".to_string(), ms(30_000), None),
+        ]);
+        m.class_arrival(0);
+        m.class_ttft(0, Duration::from_millis(20));
+        m.class_tokens(0, 400, 32, 360);
+        let w = m.take_window();
+        assert_eq!(w.classes.len(), 2);
+        let (i, b) = (&w.classes[0], &w.classes[1]);
+        assert_eq!(
+            (i.name.as_str(), i.ttft_target_s, i.itl_target_s),
+            ("interactive", Some(0.3), Some(0.05))
+        );
+        assert_eq!(
+            (i.arrivals, i.counted, i.prompt_tokens, i.generated_tokens, i.cached_tokens),
+            (1, 1, 400, 32, 360)
+        );
+        assert_eq!(i.ttft_s, vec![0.02]);
+        assert_eq!((b.name.as_str(), b.ttft_target_s, b.arrivals), ("batch", Some(30.0), 0));
     }
 }
