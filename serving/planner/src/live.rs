@@ -513,14 +513,14 @@ impl Brain {
         let class_loads = self.class_loads(window);
         let plan_for = |scale: f64| -> (Option<u32>, Vec<String>) {
             if class_loads.is_empty() {
-                let load = Workload { rate: predicted.rate * scale, ..predicted.clone() };
+                let load = Workload { rate: predicted.rate * scale, ..predicted };
                 let p = plan(&self.cfg.profile, &load, &self.cfg.targets);
                 (self.pool.workers(&p), p.reasons.into_iter().skip(1).collect())
             } else {
                 let scaled: Vec<ClassLoad> = class_loads
                     .iter()
                     .map(|c| ClassLoad {
-                        load: Workload { rate: c.load.rate * scale, ..c.load.clone() },
+                        load: Workload { rate: c.load.rate * scale, ..c.load },
                         ..c.clone()
                     })
                     .collect();
