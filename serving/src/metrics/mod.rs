@@ -568,6 +568,21 @@ pub struct EngineSnapshot {
     pub store: Option<MetricsSnapshot>,
 }
 
+/// Counters of one class's requests in the queue.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PendingClassStats {
+    /// The class (`none` for requests without one).
+    pub class: String,
+    /// Waiting now.
+    pub waiting: u64,
+    /// Requests that waited before they were sent.
+    pub queued: u64,
+    /// Refused because the class's queue was full.
+    pub shed: u64,
+    /// Answered while waiting because their class's `expire` (or their timeout) passed.
+    pub expired: u64,
+}
+
 /// A routed backend's counters.
 #[derive(Debug, Clone, Default)]
 pub struct RoutedSnapshot {
@@ -602,7 +617,7 @@ pub struct RoutedSnapshot {
     /// Workers in discovery per model, for every model seen since the frontend started.
     pub model_workers: Vec<(String, u64)>,
     /// The frontend's pending queue, per class.
-    pub pending: Vec<crate::routed::PendingClassStats>,
+    pub pending: Vec<PendingClassStats>,
 }
 
 /// A decode worker's remote prefill counters.
@@ -1548,7 +1563,7 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
             }
         },
     )?;
-    type PendingOf = fn(&crate::routed::PendingClassStats) -> u64;
+    type PendingOf = fn(&PendingClassStats) -> u64;
     for (name, help, kind, get) in [
         (
             "kvfabric_frontend_pending",

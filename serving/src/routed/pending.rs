@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use kvfabric::contract::generate::ClassHint;
 
 use crate::engine::{EngineError, QueuePolicy};
+pub use crate::metrics::PendingClassStats;
 
 /// How the frontend holds requests back while its workers are busy.
 #[derive(Debug, Clone, Copy)]
@@ -40,21 +41,6 @@ impl Default for PendingConfig {
     fn default() -> Self {
         PendingConfig { per_worker: 0, bound: 256, policy: QueuePolicy::Edf }
     }
-}
-
-/// Counters of one class's requests in the queue.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PendingClassStats {
-    /// The class ([`NO_CLASS`] for requests without one).
-    pub class: String,
-    /// Waiting now.
-    pub waiting: u64,
-    /// Requests that waited before they were sent.
-    pub queued: u64,
-    /// Refused because the class's queue was full.
-    pub shed: u64,
-    /// Answered while waiting because their class's `expire` (or their timeout) passed.
-    pub expired: u64,
 }
 
 /// The class counted for requests without one (classes are off).
