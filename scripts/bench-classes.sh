@@ -13,6 +13,11 @@
 #            one prompt at a time, by vLLM's `priority`), with real etcd and NATS: the class
 #            reaches each engine as its priority (`attach --engine-priority`). Not in RUNS by
 #            default.
+#   queued   the attached layout with the stand-ins first come first served (they compute
+#            every request they get at once) and the frontend's own queue in front of them
+#            (--frontend-queue-depth QUEUE_DEPTH, default 2, per engine), ordered edf, then
+#            fcfs: the same capacity, with and without classes in the order. Not in RUNS by
+#            default.
 # Prints `kvfabric bench serve --mix` per run. RATE should be about 1.5x what the deployment
 # serves: CALIBRATE=1 measures that first (batch-only at an overload rate).
 #
@@ -52,6 +57,7 @@ up() {
 # (forwarding the class as priority when the engine schedules by it), and a frontend.
 attached() {
   local policy=$1
+  shift
   rm -rf "$WORK/etcd" "$WORK/nats" && mkdir -p "$WORK/nats"
   etcd --name bench --data-dir "$WORK/etcd" --listen-client-urls http://127.0.0.1:23790 \
     --advertise-client-urls http://127.0.0.1:23790 --listen-peer-urls http://127.0.0.1:23800 \
@@ -77,7 +83,7 @@ attached() {
       --block-size 16 --model-dir "$MODEL_DIR" --kv-events-connect "$pub" --kv-replay "$replay" \
       --kv-topic kv "${prio[@]}" "${ctl[@]}" >"$WORK/attach-$i.log" 2>&1 &
   done
-  "$K" frontend --port "$PORT" --secret bench-secret "${CLASSES[@]}" "${ctl[@]}" \
+  "$K" frontend --port "$PORT" --secret bench-secret "${CLASSES[@]}" "${ctl[@]}" "$@" \
     >"$WORK/frontend.log" 2>&1 &
   for _ in $(seq 1 200); do
     [[ $(curl -sf "http://127.0.0.1:$PORT/health" | python3 -c "import json,sys;print(len(json.load(sys.stdin).get('workers',[])))" 2>/dev/null) == 2 ]] && return 0
@@ -140,7 +146,16 @@ for run in $RUNS; do
       down
     done
     ;;
-  *) echo "unknown run $run (alone, edf, fcfs, off)" >&2; exit 2 ;;
+  queued)
+    for order in edf fcfs; do
+      echo "== queued: the frontend's queue ($order, depth ${QUEUE_DEPTH:-2}) before two first-come-first-served stand-ins"
+      attached fcfs --frontend-queue-depth "${QUEUE_DEPTH:-2}" --frontend-queue-policy "$order"
+      bench --mix "$INTERACTIVE" --mix "$BATCH" --rate "$ATTACHED_RATE" --requests "$REQUESTS"
+      curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^kvfabric_frontend_pending_(queued|shed|expired)_total' || true
+      down
+    done
+    ;;
+  *) echo "unknown run $run (alone, edf, fcfs, off, attached, queued)" >&2; exit 2 ;;
   esac
   down
 done

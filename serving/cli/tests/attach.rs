@@ -112,19 +112,26 @@ async fn workers(addr: SocketAddr) -> Vec<String> {
     v
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn attached_engines_are_routed_by_their_own_kv_events() {
-    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
-    let ctl = control(&etcd, &nats);
-    let model_dir = tempfile::tempdir().unwrap();
+/// A model directory for the stand-in engines (`kvfabric model-dir`), in a temporary
+/// directory kept while the first value lives.
+fn model_dir() -> (tempfile::TempDir, std::path::PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
     let st = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
         .args(["model-dir", "--out"])
-        .arg(model_dir.path().join("m"))
+        .arg(&dir)
         .stdout(Stdio::null())
         .status()
         .unwrap();
     assert!(st.success());
-    let dir = model_dir.path().join("m");
+    (tmp, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attached_engines_are_routed_by_their_own_kv_events() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let ctl = control(&etcd, &nats);
+    let (_model_dir, dir) = model_dir();
     let engines = [fake_engine(), fake_engine()];
     let attached: Vec<(Proc, SocketAddr)> = engines
         .iter()
@@ -236,15 +243,7 @@ async fn attached_engines_are_routed_by_their_own_kv_events() {
 async fn a_requests_class_reaches_an_attached_engine_as_its_priority() {
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
     let ctl = control(&etcd, &nats);
-    let model_dir = tempfile::tempdir().unwrap();
-    let st = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["model-dir", "--out"])
-        .arg(model_dir.path().join("m"))
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let dir = model_dir.path().join("m");
+    let (_model_dir, dir) = model_dir();
     let engines = [
         fake_engine_with(&["--scheduling-policy", "priority"]),
         fake_engine_with(&["--scheduling-policy", "priority"]),
@@ -310,15 +309,7 @@ async fn a_requests_class_reaches_an_attached_engine_as_its_priority() {
 async fn the_frontends_queue_sends_an_interactive_request_before_waiting_batch_ones() {
     let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
     let ctl = control(&etcd, &nats);
-    let model_dir = tempfile::tempdir().unwrap();
-    let st = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["model-dir", "--out"])
-        .arg(model_dir.path().join("m"))
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let dir = model_dir.path().join("m");
+    let (_model_dir, dir) = model_dir();
     // 40 ms a token: a request of 12 tokens holds the engine for about half a second.
     let engine = fake_engine_with(&["--decode-us", "40000"]);
     let _attached = attach_with("engine-0", &engine, &dir, &ctl, &[]);

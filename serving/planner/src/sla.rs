@@ -238,6 +238,22 @@ struct Service {
 }
 
 impl Service {
+    /// The prefill times of `load`'s requests: each prompt length's uncached tokens
+    /// computed, its cached ones restored.
+    fn of(profile: &Profile, load: &Workload) -> Self {
+        let hit = load.hit_rate.clamp(0.0, 1.0);
+        Service {
+            times: load
+                .isl_dist
+                .points(load.isl)
+                .into_iter()
+                .map(|x| {
+                    profile.prefill_s.at(x * (1.0 - hit)) + profile.restore_s_per_token * x * hit
+                })
+                .collect(),
+        }
+    }
+
     fn mean(&self) -> f64 {
         self.times.iter().sum::<f64>() / self.times.len().max(1) as f64
     }
@@ -421,14 +437,7 @@ pub fn plan(profile: &Profile, load: &Workload, targets: &Targets) -> Plan {
     let mut reasons = Vec::new();
     let hit = load.hit_rate.clamp(0.0, 1.0);
     let computed = load.isl * (1.0 - hit);
-    let svc = Service {
-        times: load
-            .isl_dist
-            .points(load.isl)
-            .into_iter()
-            .map(|x| profile.prefill_s.at(x * (1.0 - hit)) + profile.restore_s_per_token * x * hit)
-            .collect(),
-    };
+    let svc = Service::of(profile, load);
     let s = svc.mean();
     let context = load.isl + load.osl / 2.0;
     reasons.push(format!(

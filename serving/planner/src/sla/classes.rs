@@ -60,19 +60,6 @@ pub struct ClassPlan {
 /// rate).
 const MIX_POINTS: usize = 2048;
 
-/// The prefill times of class `load`'s requests.
-fn service(profile: &Profile, load: &Workload) -> Service {
-    let hit = load.hit_rate.clamp(0.0, 1.0);
-    Service {
-        times: load
-            .isl_dist
-            .points(load.isl)
-            .into_iter()
-            .map(|x| profile.prefill_s.at(x * (1.0 - hit)) + profile.restore_s_per_token * x * hit)
-            .collect(),
-    }
-}
-
 /// The service times of classes arriving at `rates`: each class's points repeated in
 /// proportion to its rate.
 fn mix(parts: &[(f64, &Service)]) -> Service {
@@ -121,7 +108,7 @@ pub fn plan_classes(profile: &Profile, classes: &[ClassLoad]) -> ClassPlan {
     let mut reasons = Vec::new();
     let mut order: Vec<&ClassLoad> = classes.iter().collect();
     order.sort_by(|a, b| a.targets.ttft_s.total_cmp(&b.targets.ttft_s));
-    let services: Vec<Service> = order.iter().map(|c| service(profile, &c.load)).collect();
+    let services: Vec<Service> = order.iter().map(|c| Service::of(profile, &c.load)).collect();
     // Every class's targets bound the same quantile (the strictest asked for).
     let q = order
         .iter()
