@@ -87,8 +87,10 @@ async fn the_profile_of_the_mock_recovers_its_time_model() {
     let block_bytes = p.kv_bytes_per_token * 16;
     let (f, z) = (p.fit, zero.fit);
     let within = |got: f64, want: f64, tol: f64| (got / want - 1.0).abs() <= tol;
-    // Raw: the mock's parameters plus the serving path's own costs.
-    assert!(within(f.prefill_s_per_token, 40e-6, 0.25), "{f:?}");
+    // Raw: the mock's parameters plus the serving path's own costs (per prompt token about
+    // 10 µs here, hashing and storing 46 KB of KV; more on a loaded machine, so it is the
+    // zero-delay engine's measured cost that is added, not a fixed allowance).
+    assert!(within(f.prefill_s_per_token, 40e-6 + z.prefill_s_per_token, 0.15), "{f:?} {z:?}");
     assert!(within(f.decode_step_s, 8e-3, 0.10), "{f:?}");
     assert!(within(f.decode_s_per_kv_token, 0.2e-6, 0.15), "{f:?}");
     // Less the zero-delay engine's: the mock's parameters (1–4% off in quiet runs; the
