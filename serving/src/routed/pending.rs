@@ -5,7 +5,10 @@
 //! own bound: a request of a class whose queue is full is refused at once (429 with
 //! `Retry-After`), and one whose class's `expire` (or its own timeout) passes while it waits is
 //! answered then, never sent. A class with a share of capacity holds at most that share of
-//! the slots while requests of other classes wait.
+//! the slots while requests of other classes wait. A latency-class request (its class has an
+//! ITL target) that finds every slot taken takes a burst slot, one per worker, rather than
+//! wait for a batch request to finish: the frontend cannot preempt what an engine computes
+//! (edf only; fcfs serves in arrival order whatever the class).
 //!
 //! This is what puts classes in front of engines that do not order by them (an attached
 //! engine scheduling first come first served): the frontend decides which request an engine
@@ -68,6 +71,9 @@ struct State {
 #[derive(Debug, Default)]
 struct Lane {
     capacity: usize,
+    /// Slots past `capacity` that only latency-class requests may take (one per worker): an
+    /// urgent request does not wait for a batch request's slot to free.
+    burst: usize,
     in_flight: usize,
     /// Slots held per class.
     held: HashMap<String, usize>,
@@ -81,6 +87,8 @@ struct Lane {
 struct Waiter {
     class: String,
     share: Option<f64>,
+    /// A latency class (one with an ITL target): it may take a burst slot.
+    urgent: bool,
     tx: oneshot::Sender<Instant>,
 }
 
@@ -156,6 +164,7 @@ impl Pending {
             let key = (key_at, st.seq);
             let lane = st.lanes.entry(model.to_string()).or_default();
             lane.capacity = capacity;
+            lane.burst = capacity / self.cfg.per_worker.max(1);
             let queued = lane.waiting_by_class.get(&name).copied().unwrap_or(0);
             if queued >= self.cfg.bound {
                 let waiting = lane.waiting.len();
@@ -168,7 +177,10 @@ impl Pending {
                 });
             }
             let share = class.and_then(|c| c.share);
-            lane.waiting.insert(key, Waiter { class: name.clone(), share, tx });
+            // First come first served is that whatever the class: no burst.
+            let urgent =
+                self.cfg.policy == QueuePolicy::Edf && class.is_some_and(|c| c.itl.is_some());
+            lane.waiting.insert(key, Waiter { class: name.clone(), share, urgent, tx });
             *lane.waiting_by_class.entry(name.clone()).or_default() += 1;
             lane.dispatch();
             key
@@ -271,9 +283,14 @@ impl Lane {
     }
 
     /// Hands free slots to waiting requests: the first in order whose class is within its
-    /// share (while other classes wait), else the first.
+    /// share (while other classes wait), else the first; with every slot taken, a burst slot
+    /// to the first latency-class request.
     fn dispatch(&mut self) {
-        while self.in_flight < self.capacity && !self.waiting.is_empty() {
+        while !self.waiting.is_empty() {
+            let full = self.in_flight >= self.capacity;
+            if full && self.in_flight >= self.capacity + self.burst {
+                break;
+            }
             let total = self.waiting.len();
             let within = |l: &Lane, w: &Waiter| {
                 let others_wait = total > l.waiting_by_class.get(&w.class).copied().unwrap_or(0);
@@ -281,12 +298,15 @@ impl Lane {
                 let held = l.held.get(&w.class).copied().unwrap_or(0);
                 !others_wait || cap.is_none_or(|c| held < c)
             };
-            let key = self
-                .waiting
-                .iter()
-                .find(|(_, w)| within(self, w))
-                .or_else(|| self.waiting.iter().next())
-                .map(|(k, _)| *k);
+            let key = if full {
+                self.waiting.iter().find(|(_, w)| w.urgent).map(|(k, _)| *k)
+            } else {
+                self.waiting
+                    .iter()
+                    .find(|(_, w)| within(self, w))
+                    .or_else(|| self.waiting.iter().next())
+                    .map(|(k, _)| *k)
+            };
             let Some(w) = key.and_then(|k| self.remove(&k)) else { break };
             if w.tx.send(Instant::now()).is_ok() {
                 self.in_flight += 1;
@@ -434,6 +454,42 @@ mod tests {
         let b = s.iter().find(|s| s.class == "batch").unwrap();
         assert_eq!((b.expired, b.waiting, b.queued), (1, 0, 0));
         drop(held);
+        assert!(q.st.lock().lanes.is_empty());
+    }
+
+    /// With every slot taken, a latency-class request (one with an ITL target) takes a burst
+    /// slot at once (one per worker), and a second one waits; batch requests never burst.
+    #[tokio::test]
+    async fn a_latency_request_takes_a_burst_slot_and_batch_waits() {
+        let q = queue(1, 8, QueuePolicy::Edf);
+        let far = Instant::now() + Duration::from_secs(60);
+        let batch = class("batch", 30_000);
+        let held =
+            go(q.admit("m", Some(&batch), Instant::now(), far, 1, std::future::pending()).await)
+                .await;
+        let (q2, b2) = (q.clone(), batch.clone());
+        let waiting = tokio::spawn(async move {
+            go(q2.admit("m", Some(&b2), Instant::now(), far, 1, std::future::pending()).await).await
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let chat = ClassHint { itl: Some(Duration::from_millis(50)), ..class("interactive", 300) };
+        let t0 = Instant::now();
+        let burst =
+            go(q.admit("m", Some(&chat), Instant::now(), far, 1, std::future::pending()).await)
+                .await;
+        assert!(t0.elapsed() < Duration::from_millis(50), "admitted at once");
+        assert!(!waiting.is_finished(), "the batch request still waits");
+        let (q3, c3) = (q.clone(), chat.clone());
+        let second = tokio::spawn(async move {
+            go(q3.admit("m", Some(&c3), Instant::now(), far, 1, std::future::pending()).await).await
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(!second.is_finished(), "one burst slot per worker");
+        drop(held);
+        drop(burst);
+        // Two slots freed (one of them the burst): the interactive request first.
+        drop(second.await.unwrap());
+        drop(waiting.await.unwrap());
         assert!(q.st.lock().lanes.is_empty());
     }
 
