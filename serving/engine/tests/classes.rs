@@ -11,64 +11,25 @@
 //! requests to arrive while another runs, that other runs for hundreds of milliseconds.
 
 use std::sync::atomic::Ordering;
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::StepLog;
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::contract::generate::{ClassHint, TenantHint};
 use kvfabric::events::NullSink;
 use kvfabric::layout::{KvDtype, ModelSpec};
 use kvfabric_engine::mock::{MockConfig, MockEngine};
 use kvfabric_engine::{
-    CacheHits, Engine, EngineError, EventRx, GenEvent, GenerateRequest, KvBlock, KvTable,
-    ModelInfo, Next, Scheduler, SchedulerConfig, StepInput, TextCodec,
+    CacheHits, EngineError, EventRx, GenEvent, GenerateRequest, Scheduler, SchedulerConfig,
 };
 use kvfabric_tiers::{StoreConfig, TieredStore};
 use parking_lot::Mutex;
 
 /// One input of a step: (sequence, first position, tokens, the first token).
 type Input = (u64, usize, usize, u32);
-
-struct StepLog {
-    inner: MockEngine,
-    steps: Arc<Mutex<Vec<Vec<Input>>>>,
-}
-
-impl Engine for StepLog {
-    fn info(&self) -> &ModelInfo {
-        self.inner.info()
-    }
-    fn codec(&self) -> &TextCodec {
-        self.inner.codec()
-    }
-    fn add_sequence(&mut self, seq: u64) {
-        self.inner.add_sequence(seq)
-    }
-    fn remove_sequence(&mut self, seq: u64) {
-        self.inner.remove_sequence(seq)
-    }
-    fn push_cached(&mut self, seq: u64, block: KvBlock) -> Result<(), EngineError> {
-        self.inner.push_cached(seq, block)
-    }
-    fn table(&self, seq: u64) -> Option<&KvTable> {
-        self.inner.table(seq)
-    }
-    fn table_mut(&mut self, seq: u64) -> Option<&mut KvTable> {
-        self.inner.table_mut(seq)
-    }
-    fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
-        self.inner.step(batch)
-    }
-    fn step_next(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Next>, EngineError> {
-        self.steps
-            .lock()
-            .push(batch.iter().map(|i| (i.seq, i.start, i.tokens.len(), i.tokens[0])).collect());
-        self.inner.step_next(batch)
-    }
-    fn mixed_steps_amortize(&self) -> bool {
-        false
-    }
-}
 
 struct Setup {
     sched: Scheduler,
@@ -93,8 +54,12 @@ async fn setup(mock: MockConfig, cfg: SchedulerConfig, host_blocks: u32, disk: b
     }
     let store = TieredStore::open(scfg, &agent, Arc::new(NullSink)).await.unwrap();
     let steps = Arc::new(Mutex::new(Vec::new()));
-    let engine =
-        StepLog { inner: MockEngine::new("mock", layout, mock).unwrap(), steps: steps.clone() };
+    let engine = StepLog {
+        inner: MockEngine::new("mock", layout, mock).unwrap(),
+        amortize: false,
+        steps: steps.clone(),
+        record: |i| (i.seq, i.start, i.tokens.len(), i.tokens[0]),
+    };
     let sched =
         Scheduler::start(engine, store.clone(), cfg, tokio::runtime::Handle::current()).unwrap();
     Setup { sched, steps, store, _agent: agent, _dir: dir }

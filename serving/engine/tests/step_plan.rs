@@ -4,62 +4,22 @@
 //! steps of their own, and decodes never wait two steps in a row. Recorded through a wrapper
 //! that sees every step's inputs; no clock is read.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::StepLog;
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
 use kvfabric::layout::{KvDtype, ModelSpec};
 use kvfabric_engine::mock::{MockConfig, MockEngine};
-use kvfabric_engine::{
-    Engine, EngineError, GenEvent, GenerateRequest, KvBlock, KvTable, ModelInfo, Next,
-    SamplingParams, Scheduler, SchedulerConfig, StepInput, TextCodec,
-};
+use kvfabric_engine::{GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig};
 use kvfabric_tiers::{StoreConfig, TieredStore};
 use parking_lot::Mutex;
 
 /// One step: per input, (sequence, first position, tokens).
 type Step = Vec<(u64, usize, usize)>;
-
-struct StepLog {
-    inner: MockEngine,
-    amortize: bool,
-    steps: Arc<Mutex<Vec<Step>>>,
-}
-
-impl Engine for StepLog {
-    fn info(&self) -> &ModelInfo {
-        self.inner.info()
-    }
-    fn codec(&self) -> &TextCodec {
-        self.inner.codec()
-    }
-    fn add_sequence(&mut self, seq: u64) {
-        self.inner.add_sequence(seq)
-    }
-    fn remove_sequence(&mut self, seq: u64) {
-        self.inner.remove_sequence(seq)
-    }
-    fn push_cached(&mut self, seq: u64, block: KvBlock) -> Result<(), EngineError> {
-        self.inner.push_cached(seq, block)
-    }
-    fn table(&self, seq: u64) -> Option<&KvTable> {
-        self.inner.table(seq)
-    }
-    fn table_mut(&mut self, seq: u64) -> Option<&mut KvTable> {
-        self.inner.table_mut(seq)
-    }
-    fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
-        self.inner.step(batch)
-    }
-    fn step_next(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Next>, EngineError> {
-        self.steps.lock().push(batch.iter().map(|i| (i.seq, i.start, i.tokens.len())).collect());
-        self.inner.step_next(batch)
-    }
-    fn mixed_steps_amortize(&self) -> bool {
-        self.amortize
-    }
-}
 
 const A_PROMPT: usize = 20;
 const B_PROMPT: usize = 200;
@@ -116,6 +76,7 @@ async fn scheduler(
         inner: MockEngine::new("mock", layout, mock).unwrap(),
         amortize,
         steps: steps.clone(),
+        record: |i| (i.seq, i.start, i.tokens.len()),
     };
     let cfg = SchedulerConfig { step_tokens, ..SchedulerConfig::default() };
     let sched = Scheduler::start(engine, store, cfg, tokio::runtime::Handle::current()).unwrap();
