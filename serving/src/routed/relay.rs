@@ -13,10 +13,14 @@ struct OpenAiEngine<'a> {
 }
 
 impl Inner {
-    pub(super) async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: EventTx) {
+    pub(super) async fn drive(
+        self: Arc<Self>,
+        model: String,
+        mut req: GenerateRequest,
+        tx: EventTx,
+    ) {
         let arrival = tokio::time::Instant::now();
         let deadline = arrival + req.timeout;
-        let mut req = req;
         // A slot of the frontend's queue, held until the request ends.
         let _slot = if self.pending.enabled() {
             let workers =
