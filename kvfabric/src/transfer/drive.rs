@@ -68,7 +68,11 @@ impl Drive {
             let Some(mut work) = self.work.try_lock() else { return Poll::Pending };
             loop {
                 self.repoll.store(false, SeqCst);
-                let Some(fut) = work.as_mut() else { return Poll::Ready(()) };
+                let Some(fut) = work.as_mut() else {
+                    drop(work);
+                    self.answer_the_busy();
+                    return Poll::Ready(());
+                };
                 if fut.as_mut().poll(&mut std::task::Context::from_waker(&waker)).is_ready() {
                     let done = work.take();
                     drop(work);
@@ -114,6 +118,18 @@ impl Drive {
         if work.is_some() {
             drop(work);
             self.wake_all();
+        } else {
+            self.answer_the_busy();
+        }
+    }
+
+    /// Called after letting go of the work without polling it (it was over): a poller that
+    /// found it busy meanwhile returned pending, counting on the holder to look again, and
+    /// there is nothing left to look at. It is woken to see the end itself. (Missing this,
+    /// a waiter that found the work held by the task's final drop waited forever.)
+    fn answer_the_busy(&self) {
+        if self.repoll.load(std::sync::atomic::Ordering::SeqCst) {
+            self.wake_all();
         }
     }
 
@@ -122,6 +138,23 @@ impl Drive {
         for w in wakers {
             w.wake();
         }
+    }
+}
+
+#[cfg(test)]
+impl Drive {
+    pub(crate) fn debug_state(&self) -> String {
+        let work = match self.work.try_lock() {
+            None => "busy".to_string(),
+            Some(w) => format!("some={}", w.is_some()),
+        };
+        let w = self.wakers.lock();
+        format!(
+            "work {work}, task waker {}, waiter waker {}, repoll {}",
+            w[0].is_some(),
+            w[1].is_some(),
+            self.repoll.load(std::sync::atomic::Ordering::SeqCst)
+        )
     }
 }
 

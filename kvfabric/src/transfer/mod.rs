@@ -637,8 +637,18 @@ mod tests {
             };
             tokio::task::yield_now().await;
             tx.send(()).unwrap();
-            let both = async { (task.await.unwrap(), waiter.await.unwrap()) };
-            tokio::time::timeout(Duration::from_secs(5), both).await.expect("a poller stalled");
+            let (mut task, mut waiter) = (task, waiter);
+            let both = async { ((&mut task).await.unwrap(), (&mut waiter).await.unwrap()) };
+            if tokio::time::timeout(Duration::from_secs(5), both).await.is_err() {
+                panic!(
+                    "stalled: task finished {}, waiter finished {}, done {}, dropped {}, {}",
+                    task.is_finished(),
+                    waiter.is_finished(),
+                    done.load(std::sync::atomic::Ordering::SeqCst),
+                    dropped.load(std::sync::atomic::Ordering::SeqCst),
+                    drive.debug_state()
+                );
+            }
             assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 1);
             assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
         }
