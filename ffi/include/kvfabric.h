@@ -170,7 +170,10 @@ typedef struct kvf_config kvf_config;
 typedef struct kvf_op kvf_op;
 
 /**
- * A store. All functions taking a `const kvf_store *` are thread-safe.
+ * A handle on a store: the store, and the hash seed this handle names its blocks with.
+ * `kvf_store_new` opens a store; `kvf_store_salted` gives another handle on the same store
+ * under a salted seed (a tenant's own namespace). The store closes when its last handle is
+ * freed. All functions taking a `const kvf_store *` are thread-safe.
  */
 typedef struct kvf_store kvf_store;
 
@@ -493,7 +496,23 @@ kvf_result kvf_store_new(const struct kvf_agent *agent,
                          struct kvf_store **store_out);
 
 /**
- * Frees a store; NULL is allowed. It leaves discovery; operations still running finish.
+ * Another handle on `store` into `*store_out`, naming blocks with `salt` (NUL-terminated
+ * UTF-8) folded into `store`'s hash seed, as kvfabric's serving layer folds a request's
+ * `cache_salt`: blocks saved through it are found only through handles with the same salt,
+ * and its KV events carry the salted hashes. The handle shares the store's tiers, nodes
+ * and events; free it with `kvf_store_free` (the store closes with its last handle). An
+ * empty salt gives `store`'s own seed. An engine keeps one handle per tenant.
+ *
+ * # Safety
+ * `store` is a live store; `salt` a NUL-terminated string; `store_out` valid for one write.
+ */
+kvf_result kvf_store_salted(const struct kvf_store *store,
+                            const char *salt,
+                            struct kvf_store **store_out);
+
+/**
+ * Frees a store handle; NULL is allowed. With its last handle the store leaves discovery;
+ * operations still running finish.
  *
  * # Safety
  * `store` is NULL or a live store, not used again after this call by any thread.

@@ -73,12 +73,30 @@ pub struct kvf_segment {
     pub bytes: u64,
 }
 
-/// A store. All functions taking a `const kvf_store *` are thread-safe.
+/// A handle on a store: the store, and the hash seed this handle names its blocks with.
+/// `kvf_store_new` opens a store; `kvf_store_salted` gives another handle on the same store
+/// under a salted seed (a tenant's own namespace). The store closes when its last handle is
+/// freed. All functions taking a `const kvf_store *` are thread-safe.
 #[derive(Debug)]
 pub struct kvf_store {
+    core: Arc<StoreCore>,
+    hasher: TokenBlockHasher,
+    last_error: LastError,
+}
+
+impl std::ops::Deref for kvf_store {
+    type Target = StoreCore;
+
+    fn deref(&self) -> &StoreCore {
+        &self.core
+    }
+}
+
+/// What every handle on a store shares.
+#[derive(Debug)]
+pub struct StoreCore {
     ctx: Arc<Ctx>,
     store: TieredStore,
-    hasher: TokenBlockHasher,
     remote: Option<RemoteTier>,
     node: Option<Arc<FabricNode>>,
     sink: Arc<ChannelSink>,
@@ -91,7 +109,6 @@ pub struct kvf_store {
     /// Put every stored block to the fabric too (config key `share`).
     share: bool,
     counters: Arc<Counters>,
-    last_error: LastError,
 }
 
 /// What the store's callers cannot see in the tiers' own metrics: lookups answered by other
@@ -113,7 +130,7 @@ impl Recorded for kvf_store {
     }
 }
 
-impl Drop for kvf_store {
+impl Drop for StoreCore {
     fn drop(&mut self) {
         let _entered = self.ctx.rt().enter();
         if self.node.take().is_some() {
@@ -238,10 +255,9 @@ impl kvf_store {
             events,
         ))?;
         // From here on, a failure drops `this`, whose Drop undoes what was set up.
-        let mut this = kvf_store {
+        let mut this = StoreCore {
             ctx: ctx.clone(),
             store: store.clone(),
-            hasher,
             remote: remote.clone(),
             node: None,
             sink,
@@ -251,7 +267,6 @@ impl kvf_store {
             lookup_nodes: Mutex::new(Vec::new()),
             share,
             counters: Arc::default(),
-            last_error: LastError::default(),
         };
         if this.share && remote.is_none() {
             return Err(config_error("\"share\" needs a remote tier (config key \"remote\")"));
@@ -268,7 +283,16 @@ impl kvf_store {
             let own = this.node.is_some().then(|| name.clone());
             this.tasks.push(rt.block_on(remote.follow(&*ctx.discovery, bytes, own))?);
         }
-        Ok(this)
+        Ok(kvf_store { core: Arc::new(this), hasher, last_error: LastError::default() })
+    }
+
+    /// Another handle on this store whose block hashes have `salt` folded into this
+    /// handle's seed (`kvf_store_salted`); an empty salt gives this handle's seed.
+    pub fn salted(&self, salt: &str) -> Result<kvf_store, FfiError> {
+        let seed = self.hasher.seed().salted(salt);
+        let hasher = TokenBlockHasher::new(self.hasher.block_tokens(), seed)
+            .map_err(|e| FfiError::invalid(e.to_string()))?;
+        Ok(kvf_store { core: self.core.clone(), hasher, last_error: LastError::default() })
     }
 
     /// The store (Rust tests and benchmarks).
@@ -590,7 +614,35 @@ pub unsafe extern "C" fn kvf_store_new(
     })
 }
 
-/// Frees a store; NULL is allowed. It leaves discovery; operations still running finish.
+/// Another handle on `store` into `*store_out`, naming blocks with `salt` (NUL-terminated
+/// UTF-8) folded into `store`'s hash seed, as kvfabric's serving layer folds a request's
+/// `cache_salt`: blocks saved through it are found only through handles with the same salt,
+/// and its KV events carry the salted hashes. The handle shares the store's tiers, nodes
+/// and events; free it with `kvf_store_free` (the store closes with its last handle). An
+/// empty salt gives `store`'s own seed. An engine keeps one handle per tenant.
+///
+/// # Safety
+/// `store` is a live store; `salt` a NUL-terminated string; `store_out` valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_salted(
+    store: *const kvf_store,
+    salt: *const c_char,
+    store_out: *mut *mut kvf_store,
+) -> kvf_result {
+    // SAFETY: the caller's contract.
+    let store = unsafe { store.as_ref() };
+    recorded(store, "store", |s| {
+        // SAFETY: as above.
+        let salt = unsafe { ptr::cstr(salt, "salt") }?;
+        // SAFETY: as above.
+        let out = unsafe { Out::new(store_out, "store_out") }?;
+        out.set(ptr::into_raw(s.salted(salt)?));
+        Ok(())
+    })
+}
+
+/// Frees a store handle; NULL is allowed. With its last handle the store leaves discovery;
+/// operations still running finish.
 ///
 /// # Safety
 /// `store` is NULL or a live store, not used again after this call by any thread.

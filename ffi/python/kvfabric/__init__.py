@@ -296,6 +296,17 @@ class Store(_Handle):
     def _err(self, code):
         _check(code, lib().kvf_store_last_error, self._h)
 
+    def salted(self, salt: str) -> "Store":
+        """Another handle on this store whose blocks are named with ``salt`` folded in (a
+        tenant's own namespace, as vLLM's per-request ``cache_salt``). Close it when done;
+        the store closes with its last handle."""
+        view = Store.__new__(Store)
+        view._agent = self._agent
+        view._h = _ffi.H()
+        self._err(lib().kvf_store_salted(self._h, salt.encode(), byref(view._h)))
+        view.block_tokens, view.block_bytes = self.block_tokens, self.block_bytes
+        return view
+
     def hashes(self, tokens: Sequence[int]) -> list[int]:
         toks, n = _u32_array(tokens)
         cap = max(n // max(self.block_tokens, 1), 1)

@@ -121,6 +121,7 @@ SIGNATURES = {
          POINTER(c_size_t)],
     ),
     "kvf_store_new": (R, [H, H, HH]),
+    "kvf_store_salted": (R, [H, c_char_p, HH]),
     "kvf_store_free": (None, [H]),
     "kvf_store_last_error": (R, [H, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
     "kvf_store_block_info": (R, [H, POINTER(c_uint32), POINTER(c_uint64)]),

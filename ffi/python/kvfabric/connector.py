@@ -38,6 +38,7 @@ import os
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 from . import Agent, KvfError, Store, segments
@@ -194,6 +195,38 @@ def _open(scfg: dict) -> tuple[Agent, Store]:
         raise
 
 
+class SaltedStores:
+    """A store's handles per cache salt (vLLM's per-request ``cache_salt``: a tenant's own
+    namespace), opened on first use, the most recent ``cap`` kept. A request without a salt
+    uses the store itself. A handle dropped from here closes once no caller holds it."""
+
+    def __init__(self, store: Store, cap: int = 1024):
+        self._store = store
+        self._cap = max(int(cap), 1)
+        self._views: "OrderedDict[str, Store]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, salt: Optional[str]) -> Store:
+        if not salt:
+            return self._store
+        with self._lock:
+            view = self._views.get(salt)
+            if view is None:
+                view = self._store.salted(str(salt))
+                self._views[salt] = view
+                if len(self._views) > self._cap:
+                    self._views.popitem(last=False)
+            else:
+                self._views.move_to_end(salt)
+            return view
+
+    def close(self):
+        with self._lock:
+            views, self._views = list(self._views.values()), OrderedDict()
+        for v in views:
+            v.close()
+
+
 def _flag(v, default: bool) -> bool:
     if v is None:
         return default
@@ -231,6 +264,7 @@ class WorkerStore:
             # long as its process): the store registers there and follows the others.
             scfg["discovery_dir"] = os.path.join(self._nodes.path, f"rank{rank}")
         self.agent, self.store = _open(scfg)
+        self.salted = SaltedStores(self.store)
         self.block_tokens, self.block_bytes = self.store.block_tokens, self.store.block_bytes
         # The scheduler process finds its own instance's worker stores here.
         self._nodes.publish(self.key, self.store.node_info())
@@ -266,11 +300,14 @@ class WorkerStore:
 
     # ------------------------------------------------------------ loads
 
-    def start_load(self, tokens: Sequence[int], first_block: int, block_ids: Sequence[int]):
-        """Starts loading blocks ``first_block..`` of ``tokens`` into ``block_ids``; returns a
-        handle for :meth:`finish_load`, or None when the load could not even start."""
+    def start_load(self, tokens: Sequence[int], first_block: int, block_ids: Sequence[int],
+                   salt: Optional[str] = None):
+        """Starts loading blocks ``first_block..`` of ``tokens`` (named under the request's
+        cache ``salt``) into ``block_ids``; returns a handle for :meth:`finish_load`, or None
+        when the load could not even start."""
         try:
-            return (self.store.load(tokens, block_ids, self._segments, first_block=first_block), time.monotonic())
+            store = self.salted.get(salt)
+            return (store.load(tokens, block_ids, self._segments, first_block=first_block), time.monotonic())
         except KvfError as e:
             self._once.failed("starting a load", e)
             return None
@@ -298,11 +335,13 @@ class WorkerStore:
 
     # ------------------------------------------------------------ saves
 
-    def save(self, req_id: str, tokens: Sequence[int], first_block: int, block_ids: Sequence[int]):
-        """Starts saving blocks ``first_block..`` of ``tokens`` from ``block_ids``. With
-        ``async_save`` it returns at once (see :meth:`saves_done`), else when stored."""
+    def save(self, req_id: str, tokens: Sequence[int], first_block: int, block_ids: Sequence[int],
+             salt: Optional[str] = None):
+        """Starts saving blocks ``first_block..`` of ``tokens`` (named under the request's
+        cache ``salt``) from ``block_ids``. With ``async_save`` it returns at once (see
+        :meth:`saves_done`), else when stored."""
         try:
-            op = self.store.save(tokens, block_ids, self._segments, first_block=first_block)
+            op = self.salted.get(salt).save(tokens, block_ids, self._segments, first_block=first_block)
         except KvfError as e:
             self.stats.add(save_errors=1)
             self._once.failed("saving", e, "these blocks are not cached")
@@ -384,6 +423,7 @@ class WorkerStore:
         for r in self.pending_saves():
             self._reap(r, block=True)
         self._nodes.remove(self.key)
+        self.salted.close()
         self.store.close()
         self.agent.close()
 
@@ -413,6 +453,7 @@ class SchedulerLookup:
             shm=False,
         )
         self.agent, self.store = _open(scfg)
+        self.salted = SaltedStores(self.store)
         self._known: dict[str, bytes] = {}
         self._stamps: dict[str, object] = {}
 
@@ -441,15 +482,17 @@ class SchedulerLookup:
             self._stamps[key] = stamp
         return True
 
-    def matched_tokens(self, tokens: Sequence[int], num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` that the stores can provide: whole blocks,
-        and at least one prompt token left for the engine to compute."""
+    def matched_tokens(self, tokens: Sequence[int], num_computed_tokens: int,
+                       salt: Optional[str] = None) -> int:
+        """Tokens beyond ``num_computed_tokens`` that the stores can provide under the
+        request's cache ``salt``: whole blocks, and at least one prompt token left for the
+        engine to compute."""
         self.stats.add(lookups=1)
         if not self._ready():
             self.stats.add(lookup_errors=1)
             return 0
         try:
-            hits = len(self.store.lookup(tokens))
+            hits = len(self.salted.get(salt).lookup(tokens))
             self._once.ok("looking up")
         except KvfError as e:
             self.stats.add(lookup_errors=1)
@@ -462,5 +505,6 @@ class SchedulerLookup:
         return matched
 
     def close(self):
+        self.salted.close()
         self.store.close()
         self.agent.close()

@@ -204,6 +204,9 @@ class ReqMeta:
     # The load runs while the request waits in WAITING_FOR_REMOTE_KVS (get_finished reports
     # its end) rather than within the step.
     load_async: bool = False
+    # vLLM's per-request ``cache_salt``: the request's blocks are named in its tenant's own
+    # namespace, in the store as in vLLM's own prefix cache.
+    salt: Optional[str] = None
 
 
 @dataclass
@@ -277,6 +280,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, tuple[int, int, list[int]]] = {}
         self._reqs: dict[str, ReqMeta] = {}  # tokens and blocks of running requests
         self._saved: dict[str, int] = {}  # req_id -> prompt blocks saved so far
+        self._salts: dict[str, str] = {}  # req_id -> its cache_salt, for those with one
         # Asynchronous loads: allocated, not yet handed to the workers (req_id -> the
         # request's load), and handed to them, not yet reported finished.
         self._async_pending: dict[str, ReqMeta] = {}
@@ -382,7 +386,7 @@ class KvfabricConnector(KVConnectorBase_V1):
                 continue
             first, n = req.load
             ids = req.block_ids[first:first + n]
-            handle = self.worker_store.start_load(req.token_ids, first, ids)
+            handle = self.worker_store.start_load(req.token_ids, first, ids, salt=req.salt)
             if req.load_async:
                 self._async_loads[req.req_id] = (handle, req)
             else:
@@ -412,7 +416,8 @@ class KvfabricConnector(KVConnectorBase_V1):
             if req.save is None:
                 continue
             first, n = req.save
-            self.worker_store.save(req.req_id, req.token_ids, first, req.block_ids[first:first + n])
+            self.worker_store.save(req.req_id, req.token_ids, first, req.block_ids[first:first + n],
+                                   salt=req.salt)
             if self.worker_store.async_save:
                 self._saving.add(req.req_id)
 
@@ -450,9 +455,12 @@ class KvfabricConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            self._salts[request.request_id] = str(salt)
         if request.request_id in self._load_failed:
             return 0, False
-        matched = self._lookup.matched_tokens(list(request.prompt_token_ids), num_computed_tokens)
+        matched = self._lookup.matched_tokens(list(request.prompt_token_ids), num_computed_tokens, salt=salt)
         if matched <= 0:
             return 0, False
         self._lookups[request.request_id] = num_computed_tokens
@@ -471,7 +479,8 @@ class KvfabricConnector(KVConnectorBase_V1):
             # metadata, without the request being scheduled.
             tokens = list(request.prompt_token_ids)
             self._async_pending[request.request_id] = ReqMeta(
-                request.request_id, tokens, block_ids, load=(first, n), load_async=True
+                request.request_id, tokens, block_ids, load=(first, n), load_async=True,
+                salt=self._salts.get(request.request_id),
             )
             return
         self._pending_loads[request.request_id] = (first, n, block_ids)
@@ -490,7 +499,8 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._async_pending.clear()
         steps: list[tuple[ReqMeta, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
-            req = ReqMeta(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0]))
+            req = ReqMeta(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0]),
+                          salt=self._salts.get(new.req_id))
             self._reqs[new.req_id] = req
             self._saved.setdefault(new.req_id, 0)
             pending = self._pending_loads.pop(new.req_id, None)
@@ -528,7 +538,7 @@ class KvfabricConnector(KVConnectorBase_V1):
             # Full prompt blocks computed (or loaded) by the end of this step, not yet saved.
             full = min(done, len(req.token_ids)) // bs
             saved = self._saved.get(req.req_id, 0)
-            step = ReqMeta(req.req_id, req.token_ids, req.block_ids, load=req.load)
+            step = ReqMeta(req.req_id, req.token_ids, req.block_ids, load=req.load, salt=req.salt)
             if full > saved:
                 step.save = (saved, full - saved)
                 self._saved[req.req_id] = full
@@ -560,6 +570,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._reqs.pop(rid, None)
         saved = self._saved.pop(rid, 0)
+        self._salts.pop(rid, None)
         self._lookups.pop(rid, None)
         self._pending_loads.pop(rid, None)
         self._loading_blocks.pop(rid, None)

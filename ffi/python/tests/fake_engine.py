@@ -72,15 +72,17 @@ class FakeEngine:
         self.worker.shutdown()
         self.scheduler.shutdown()
 
-    def prefill(self, req_id, prompt, timeout=30.0):
+    def prefill(self, req_id, prompt, timeout=30.0, cache_salt=None):
         """Schedules and runs one prefill; returns (tokens loaded externally, block ids, block
         ids whose load failed). A hit the connector loads asynchronously first waits, as in
         vLLM's WAITING_FOR_REMOTE_KVS, over steps that run nothing but the connector's
-        transfers, until the worker reports the load finished."""
+        transfers, until the worker reports the load finished. ``cache_salt`` is vLLM's
+        per-request salt (the Request attribute)."""
         import time
 
         bs = self.block_size
-        request = SimpleNamespace(request_id=req_id, prompt_token_ids=list(prompt), num_tokens=len(prompt))
+        request = SimpleNamespace(request_id=req_id, prompt_token_ids=list(prompt), num_tokens=len(prompt),
+                                  cache_salt=cache_salt)
         matched, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
         n_blocks = -(-len(prompt) // bs)
         ids = [self.free.pop(0) for _ in range(n_blocks)]

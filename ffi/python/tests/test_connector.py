@@ -113,6 +113,44 @@ def test_connector_loads_what_another_engine_saved(tmp_path):
         a.close()
 
 
+def test_a_cache_salt_is_a_tenant_of_its_own_in_the_store_and_across_engines(tmp_path):
+    """vLLM's per-request ``cache_salt``: a prompt saved under one salt is a miss for another
+    salt and for no salt, on this engine's store and through the fabric from another engine;
+    a hit for the same salt on both, its KV intact."""
+    cfg = {"secret": SECRET, "host_blocks": 64, "node_dir": str(tmp_path)}
+    a = FakeEngine("py-salt-a", cfg)
+    b = FakeEngine("py-salt-b", cfg)
+    try:
+        b.worker.add_node(a.worker.node_info())
+        p = prompt(50, seed=11)
+        matched, ids, _ = a.prefill("alice-1", p, cache_salt="alice")
+        assert matched == 0
+        a.finish("alice-1", ids)
+        assert a.worker.stats.total["saved_blocks"] == 3
+        ws = a.worker.worker_store
+        assert len(ws.salted.get("alice").lookup(p)) == 3 and ws.store.lookup(p) == []
+        # Each other tenant once (a tenant that computed the prompt has it from then on).
+        for engine, rid, salt in [(b, "anon-b", None), (a, "bob-a", "bob"), (b, "carol-b", "carol")]:
+            matched, ids, _ = engine.prefill(rid, p, cache_salt=salt)
+            assert matched == 0, f"{rid}: another tenant's blocks were offered"
+            assert engine.computed_tokens == 50
+            engine.finish(rid, ids)
+        # The same tenant, on either engine: a hit, the KV its own computation gives.
+        for engine, rid in [(a, "alice-2"), (b, "alice-3")]:
+            matched, ids, errors = engine.prefill(rid, p, cache_salt="alice")
+            assert matched == 48 and not errors, rid
+            assert np.array_equal(engine.token_kv(ids, 50), engine.reference_kv(p, 50))
+            engine.finish(rid, ids)
+        # The salted names are not the unsalted ones, and a salt composes with the store's.
+        store = a.worker.worker_store.store
+        alice = a.worker.worker_store.salted.get("alice")
+        assert alice.hashes(p) != store.hashes(p)
+        assert alice.hashes(p) == store.salted("alice").hashes(p)
+    finally:
+        b.close()
+        a.close()
+
+
 def test_connector_across_processes(tmp_path):
     """Engine A in another process saves a prompt; engine B here loads it: bytes equal."""
     script = textwrap.dedent(

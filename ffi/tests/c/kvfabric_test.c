@@ -334,6 +334,57 @@ static int test_errors(void) {
   CHECK(count == 3);
   kvf_op_free(op);
 
+  /* A tenant's handle: the same store under a salted seed. The store's own blocks are a
+     miss for it; what it saves is a hit for the same salt only; it outlives the handle it
+     was opened from, and the store closes with its last handle. */
+  {
+    kvf_store *alice = NULL, *bob = NULL, *again = NULL;
+    NOTE(kvf_store_salted(store, NULL, &alice), KVF_NULL_PARAMETER);
+    NOTE(kvf_store_salted(store, "alice", NULL), KVF_NULL_PARAMETER);
+    MUST(kvf_store_salted(store, "alice", &alice));
+    MUST(kvf_store_salted(store, "bob", &bob));
+    uint64_t salted[NB], same[NB];
+    MUST(kvf_store_hashes(alice, tok, NTOK, salted, NB, &nh));
+    CHECK(nh == NB && salted[0] != hashes[0] && salted[5] != hashes[5]);
+    MUST(kvf_store_lookup(alice, tok, NTOK, tiers, NB, &hits));
+    CHECK(hits == 0); /* the store holds these tokens' first 3 blocks, unsalted */
+    MUST(kvf_store_save(alice, tok, NTOK, 0, ids, 1, seg, 2, &op)); /* the host's 4th slot */
+    MUST(wait_op(op, &count));
+    CHECK(count == 1);
+    kvf_op_free(op);
+    MUST(kvf_store_lookup(alice, tok, NTOK, tiers, NB, &hits));
+    CHECK(hits == 1);
+    MUST(kvf_store_lookup(bob, tok, NTOK, tiers, NB, &hits));
+    CHECK(hits == 0);
+    MUST(kvf_store_lookup(store, tok, NTOK, tiers, NB, &hits));
+    CHECK(hits == 3);
+    /* An empty salt keeps the seed of the handle it is opened from. */
+    MUST(kvf_store_salted(alice, "", &again));
+    kvf_store_free(alice);
+    MUST(kvf_store_hashes(again, tok, NTOK, same, NB, &nh));
+    CHECK(nh == NB && same[0] == salted[0] && same[5] == salted[5]);
+    MUST(kvf_store_lookup(again, tok, NTOK, tiers, NB, &hits));
+    CHECK(hits == 1);
+    kvf_store_free(again);
+    kvf_store_free(bob);
+  }
+  {
+    /* The store's first handle freed before the tenant's: the store stays open. */
+    kvf_config *tc = config((const char *[][2]){{"block_tokens", "4"}, {"host_blocks", "2"}, {"block_bytes", "4096"}, {NULL, NULL}});
+    kvf_store *first = NULL, *tenant = NULL;
+    MUST(kvf_store_new(agent, tc, &first));
+    kvf_config_free(tc);
+    MUST(kvf_store_salted(first, "tenant", &tenant));
+    kvf_store_free(first);
+    MUST(kvf_store_save(tenant, tok, NTOK, 0, ids, 2, seg, 2, &op));
+    MUST(wait_op(op, &count));
+    CHECK(count == 2);
+    kvf_op_free(op);
+    MUST(kvf_store_lookup(tenant, tok, NTOK, tiers, NB, &hits));
+    CHECK(hits == 2);
+    kvf_store_free(tenant);
+  }
+
   /* KV events for the engine's own blocks. */
   MUST(kvf_store_publish_stored(store, tok, NTOK, 0, 6, KVF_TIER_DEVICE));
   NOTE(kvf_store_publish_stored(store, tok, NTOK, 0, 6, 9), KVF_INVALID_ARGUMENT);

@@ -211,7 +211,8 @@ async fn up_with_the_planner_scales_its_own_workers() {
     let mut up = up;
     // SAFETY: the pid of a child this test spawned and has not reaped.
     assert_eq!(unsafe { libc::kill(up.0.id() as i32, libc::SIGTERM) }, 0);
-    assert!(up.0.wait().unwrap().success());
+    let exit = up.0.wait().unwrap();
+    assert!(exit.success(), "kvfabric up did not stop cleanly on SIGTERM: {exit}");
 }
 
 fn pool_workers(text: &str, pool: &str) -> Option<f64> {
@@ -275,5 +276,6 @@ async fn a_disaggregated_planner_scales_prefill_and_decode_pools() {
     let mut up = up;
     // SAFETY: the pid of a child this test spawned and has not reaped.
     assert_eq!(unsafe { libc::kill(up.0.id() as i32, libc::SIGTERM) }, 0);
-    assert!(up.0.wait().unwrap().success());
+    let exit = up.0.wait().unwrap();
+    assert!(exit.success(), "kvfabric up did not stop cleanly on SIGTERM: {exit}");
 }
