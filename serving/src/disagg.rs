@@ -36,8 +36,8 @@ use tokio::sync::oneshot;
 
 use crate::backend::{Backend, LocalBackend, ModelEntry};
 use crate::engine::{
-    EngineError, EventRx, EventTx, GenEvent, GenerateRequest, ModelInfo, RemotePrefill,
-    SamplingParams, Scheduler,
+    EngineError, EventRx, EventTx, GenEvent, GenerateRequest, ModelInfo, QueuePolicy,
+    RemotePrefill, SamplingParams, Scheduler,
 };
 use crate::metrics::{PrefillServiceSnapshot, RemotePrefillSnapshot, Snapshot};
 use crate::routed::RoutedBackend;
@@ -86,6 +86,40 @@ pub struct DisaggStats {
     pub pending: AtomicU64,
     /// Sum of remote prefill waits (enqueue to notification), microseconds.
     pub wait_us: AtomicU64,
+    /// Prefills of a latency class done locally because that was estimated faster than the
+    /// prefill pool.
+    pub latency_local: AtomicU64,
+}
+
+/// What the recent remote prefills cost (moving averages): what a remote prefill of a given
+/// prompt is expected to take, against computing it here.
+#[derive(Debug, Default, Clone, Copy)]
+struct RemoteCost {
+    /// Microseconds per prompt token computed on the prefill worker.
+    us_per_token: Option<f64>,
+    /// Microseconds of a remote prefill that are not its computation: the queue on the
+    /// prefill worker, the transfer and the notification.
+    overhead_us: Option<f64>,
+}
+
+impl RemoteCost {
+    const ALPHA: f64 = 0.2;
+
+    fn observe(&mut self, tokens: usize, wait_us: u64, compute_us: u64) {
+        let ewma = |v: &mut Option<f64>, x: f64| {
+            *v = Some(v.map_or(x, |v| v + Self::ALPHA * (x - v)));
+        };
+        if tokens > 0 {
+            ewma(&mut self.us_per_token, compute_us as f64 / tokens as f64);
+        }
+        ewma(&mut self.overhead_us, wait_us.saturating_sub(compute_us) as f64);
+    }
+
+    /// Expected microseconds of a remote prefill of `tokens` uncached tokens; None until
+    /// one was seen.
+    fn estimate_us(&self, tokens: usize) -> Option<f64> {
+        Some(self.overhead_us? + tokens as f64 * self.us_per_token?)
+    }
 }
 
 /// A decode worker: its engine, plus remote prefill.
@@ -103,6 +137,7 @@ struct DecodeInner {
     prefill: RoutedBackend,
     cfg: DisaggConfig,
     stats: DisaggStats,
+    remote_cost: Mutex<RemoteCost>,
     waiters: Mutex<HashMap<u64, oneshot::Sender<PrefillResult>>>,
     next_id: AtomicU64,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -172,6 +207,7 @@ impl DecodeBackend {
                 prefill,
                 cfg,
                 stats: DisaggStats::default(),
+                remote_cost: Mutex::default(),
                 waiters: Mutex::new(HashMap::new()),
                 next_id: AtomicU64::new(1),
                 tasks,
@@ -204,7 +240,12 @@ impl DecodeInner {
         let hashes = hasher.sequence_hashes(prompt);
         let reusable = hashes.len().min(prompt.len().saturating_sub(1) / bt);
         let held = self.store.held_prefix(&hashes[..reusable]);
-        if prompt.len() - held * bt < self.cfg.threshold_tokens || held == reusable {
+        let uncached = prompt.len() - held * bt;
+        if uncached < self.cfg.threshold_tokens || held == reusable {
+            return None;
+        }
+        if self.faster_here(req, uncached) {
+            self.stats.latency_local.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         if self.stats.pending.load(Ordering::Relaxed) as usize >= self.cfg.queue_max {
@@ -248,6 +289,7 @@ impl DecodeInner {
             transport: self.cfg.transport,
             deadline_unix_ms: unix_ms() + self.cfg.deadline.as_millis() as u64,
             cache_salt: req.cache_salt.clone(),
+            class: req.class.clone(),
         };
         let started = Instant::now();
         self.stats.pending.fetch_add(1, Ordering::Relaxed);
@@ -271,6 +313,7 @@ impl DecodeInner {
                 self.stats.remote.fetch_add(1, Ordering::Relaxed);
                 self.stats.bytes.fetch_add(bytes, Ordering::Relaxed);
                 self.stats.wait_us.fetch_add(wait_us, Ordering::Relaxed);
+                self.remote_cost.lock().observe(n * bt, wait_us, r.compute_us);
                 release(true);
                 let prefill = RemotePrefill {
                     worker,
@@ -299,6 +342,28 @@ impl DecodeInner {
                 None
             }
         }
+    }
+
+    /// A prompt of a latency class (its class has an ITL target) is prefilled here when that
+    /// is estimated faster than the prefill pool: here, under deadline order, it goes ahead of
+    /// batch prompts and costs its own uncached tokens (first come first served, the queued
+    /// prompt tokens too); remotely, the pool's recent overhead (its queue, the transfer) and
+    /// its tokens at the pool's measured speed. Without measurements of both: remotely.
+    fn faster_here(&self, req: &GenerateRequest, uncached: usize) -> bool {
+        if req.class.as_ref().is_none_or(|c| c.itl.is_none()) {
+            return false;
+        }
+        let sched = self.local.scheduler();
+        let ns = sched.stats().prefill_ns_per_token.load(Ordering::Relaxed) as f64;
+        if ns <= 0.0 {
+            return false;
+        }
+        let mut tokens = uncached as f64;
+        if sched.policy() == QueuePolicy::Fcfs {
+            tokens += sched.stats().prefill_load() as f64;
+        }
+        let here_us = tokens * ns / 1e3;
+        self.remote_cost.lock().estimate_us(uncached).is_some_and(|remote| here_us <= remote)
     }
 
     async fn drive(self: Arc<Self>, model: String, req: GenerateRequest, tx: EventTx) {
@@ -374,6 +439,7 @@ impl Backend for DecodeBackend {
             remote: ld(&s.remote),
             local: ld(&s.local),
             fallbacks: ld(&s.fallbacks),
+            latency_local: ld(&s.latency_local),
             bytes: ld(&s.bytes),
             wait_seconds: ld(&s.wait_us) as f64 / 1e6,
             pending: ld(&s.pending),
@@ -581,7 +647,7 @@ async fn prefill_job(
             stop: Vec::new(),
             ignore_eos: true,
             timeout: left,
-            class: None,
+            class: req.class.clone(),
             cache_salt: req.cache_salt.clone(),
             tenant: None,
         })

@@ -54,6 +54,13 @@ pub struct PrefillRequest {
     /// prefill worker names, finds and stores the blocks with it.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// The request's service class ([`super::generate::GenerateRequest::class`]), its TTFT
+    /// target counted from when the decode worker sent the job: the prefill worker's engine
+    /// orders the jobs it holds by deadline, so a latency class's prompt is not queued
+    /// behind batch prompts there either. Absent (older decode workers, or no class):
+    /// first come first served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<super::generate::ClassHint>,
 }
 
 /// The message of the transfer's notification and of a failure report.

@@ -651,6 +651,13 @@ fn profile_then_plan_with_an_sla() {
     assert_eq!(est[0]["name"], "interactive", "most urgent first: {classes}");
     assert!(est[0]["ttft_s"].as_f64().unwrap() <= 0.2, "{classes}");
     assert!(est[1]["ttft_s"].as_f64().unwrap() <= 20.0, "{classes}");
+    // And in prefill and decode pools: each class's TTFT on the prefill workers within its
+    // target, a decode pool for the mix.
+    let pools = &classes["pools"];
+    let est = pools["prefill"][1].as_array().unwrap_or_else(|| panic!("{classes}"));
+    assert!(pools["prefill"][0].as_u64().is_some_and(|n| n >= 1), "{classes}");
+    assert!(est[0]["ttft_s"].as_f64().unwrap() <= 0.2, "{classes}");
+    assert!(pools["decode"].as_u64().is_some_and(|n| n >= 1), "{classes}");
     let bad = kvfabric(&["plan", "--sla", "--profile", profile, "--class-load", "x:rate=1,isl=64"]);
     assert!(one_line_error(&bad).contains("osl is required"), "{bad:?}");
     let bad = kvfabric(&["plan", "--sla", "--profile", profile, "--class-load", "x:speed=1"]);

@@ -243,144 +243,270 @@ async fn a_prefill_worker_killed_mid_prefill_leaves_every_request_completing() {
     );
 }
 
+/// One prefill worker and one decode worker in this process on the embedded control plane,
+/// each a mock engine of its own timing.
+struct InProcess {
+    decode: kvfabric_serving::disagg::DecodeBackend,
+    prefill_stats: Arc<kvfabric_serving::disagg::PrefillStats>,
+    faults: Arc<kvfabric::transport::fault::FaultInjector>,
+    _keep: Vec<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl InProcess {
+    async fn start(
+        prefill: kvfabric_serving::engine::mock::MockConfig,
+        decode: kvfabric_serving::engine::mock::MockConfig,
+        parallel: usize,
+        disagg: kvfabric_serving::disagg::DisaggConfig,
+    ) -> Self {
+        use kvfabric::agent::{Agent, AgentConfig};
+        use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
+        use kvfabric::control::{Discovery, EventBus, Instance};
+        use kvfabric::events::NullSink;
+        use kvfabric::layout::{KvDtype, ModelSpec};
+        use kvfabric::transport::fault::FaultInjector;
+        use kvfabric_serving::backend::LocalBackend;
+        use kvfabric_serving::disagg::{run_prefill_service, DecodeBackend, PrefillStats};
+        use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
+        use kvfabric_serving::engine::{Scheduler, SchedulerConfig};
+        use kvfabric_serving::worker::{CodecSpec, Role, WorkerMetadata};
+        use kvfabric_tiers::{StoreConfig, TieredStore};
+
+        let layout = ModelSpec::preset("smollm2-135m")
+            .unwrap()
+            .with_dtype(KvDtype::F32)
+            .block_layout(16)
+            .unwrap();
+        let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+        let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+        let rt = tokio::runtime::Handle::current();
+        let node = |name: &str, faults: Option<Arc<FaultInjector>>, mock: MockConfig| {
+            let (name, rt) = (name.to_string(), rt.clone());
+            async move {
+                let mut cfg = AgentConfig::new(name, SECRET.as_bytes().to_vec());
+                cfg.faults = faults;
+                let agent = Agent::start(cfg).await.unwrap();
+                let store = TieredStore::open(
+                    StoreConfig::new(layout.bytes_per_block(), 1024),
+                    &agent,
+                    Arc::new(NullSink),
+                )
+                .await
+                .unwrap();
+                let engine = MockEngine::new("mock", layout, mock).unwrap();
+                let sched = Scheduler::start(engine, store.clone(), SchedulerConfig::default(), rt)
+                    .unwrap();
+                (agent, store, sched)
+            }
+        };
+        let faults = FaultInjector::new();
+        let (pa, ps, psched) = node("prefill-0", Some(faults.clone()), prefill).await;
+        let prefill_stats = Arc::new(PrefillStats::default());
+        let service = run_prefill_service(
+            pa.clone(),
+            psched.clone(),
+            ps,
+            bus.clone(),
+            parallel,
+            prefill_stats.clone(),
+        );
+        let md = WorkerMetadata {
+            model: psched.info().clone(),
+            codec: CodecSpec::Bytes,
+            addr: pa.listen_addr(),
+            role: Role::Prefill,
+            api: Default::default(),
+        };
+        let reg = discovery
+            .register(
+                Instance {
+                    kind: PREFILL_KIND.into(),
+                    id: "prefill-0".into(),
+                    metadata: serde_json::to_value(md).unwrap(),
+                },
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+        let (da, ds, dsched) = node("decode-0", None, decode).await;
+        let cfg = RoutedConfig { kind: PREFILL_KIND.into(), ..RoutedConfig::new(SECRET) };
+        let router = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await.unwrap();
+        let decode = DecodeBackend::start(
+            LocalBackend::new(dsched.clone(), ds.clone()),
+            ds,
+            da,
+            bus.clone(),
+            router,
+            disagg,
+        )
+        .await
+        .unwrap();
+        let keep: Vec<Box<dyn std::any::Any + Send + Sync>> = vec![
+            Box::new(AbortOnDrop(service)),
+            Box::new(reg),
+            Box::new((pa, psched, dsched, discovery, bus)),
+        ];
+        InProcess { decode, prefill_stats, faults, _keep: keep }
+    }
+
+    /// Runs `req` through the decode worker: its remote prefill (None: prefilled locally),
+    /// its tokens, and when its first token came.
+    async fn run(
+        &self,
+        req: kvfabric_serving::engine::GenerateRequest,
+    ) -> (Option<kvfabric_serving::engine::RemotePrefill>, Vec<u32>, Instant) {
+        use kvfabric_serving::backend::Backend;
+        use kvfabric_serving::engine::GenEvent;
+        let mut rx = self.decode.submit("mock", req).unwrap();
+        let (mut remote, mut tokens, mut first) = (None, Vec::new(), None);
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                GenEvent::Started { remote_prefill, .. } => remote = remote_prefill,
+                GenEvent::Token { id, .. } => {
+                    first.get_or_insert_with(Instant::now);
+                    tokens.push(id)
+                }
+                GenEvent::Done { .. } => break,
+                GenEvent::Error(e) => panic!("{e}"),
+                GenEvent::Cached(_) | GenEvent::Accepted { .. } => {}
+            }
+        }
+        (remote, tokens, first.expect("a first token"))
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A request of `prompt` (bytes as tokens), `max_tokens` out, in `class`.
+fn request(
+    prompt: &str,
+    max_tokens: usize,
+    class: Option<kvfabric::contract::generate::ClassHint>,
+) -> kvfabric_serving::engine::GenerateRequest {
+    kvfabric_serving::engine::GenerateRequest {
+        prompt: prompt.bytes().map(u32::from).collect(),
+        max_tokens,
+        sampling: Default::default(),
+        stop: vec![],
+        ignore_eos: false,
+        timeout: Duration::from_secs(20),
+        class,
+        cache_salt: None,
+        tenant: None,
+    }
+}
+
 /// In one process on the embedded control plane: a prefill worker whose transfers get a
 /// corrupted checksum is caught by the decode worker's agent; the decode worker falls back to
 /// local prefill and answers exactly as with a clean transfer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_kv_write_is_refused_and_the_request_falls_back() {
-    use kvfabric::agent::{Agent, AgentConfig};
-    use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
-    use kvfabric::control::{Discovery, EventBus, Instance};
-    use kvfabric::events::NullSink;
-    use kvfabric::layout::{KvDtype, ModelSpec};
-    use kvfabric::transport::fault::FaultInjector;
-    use kvfabric_serving::backend::{Backend, LocalBackend};
-    use kvfabric_serving::disagg::{
-        run_prefill_service, DecodeBackend, DisaggConfig, PrefillStats,
+    use kvfabric_serving::disagg::DisaggConfig;
+    use kvfabric_serving::engine::mock::MockConfig;
+    let disagg = DisaggConfig {
+        threshold_tokens: 64,
+        deadline: Duration::from_secs(5),
+        ..DisaggConfig::default()
     };
-    use kvfabric_serving::engine::mock::{MockConfig, MockEngine};
-    use kvfabric_serving::engine::{
-        GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig,
-    };
-    use kvfabric_serving::worker::{CodecSpec, Role, WorkerMetadata};
-    use kvfabric_tiers::{StoreConfig, TieredStore};
-
-    let layout = ModelSpec::preset("smollm2-135m")
-        .unwrap()
-        .with_dtype(KvDtype::F32)
-        .block_layout(16)
-        .unwrap();
-    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
-    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
-    let rt = tokio::runtime::Handle::current();
-    let node = |name: &str, faults: Option<Arc<FaultInjector>>| {
-        let (name, rt) = (name.to_string(), rt.clone());
-        async move {
-            let mut cfg = AgentConfig::new(name, SECRET.as_bytes().to_vec());
-            cfg.faults = faults;
-            let agent = Agent::start(cfg).await.unwrap();
-            let store = TieredStore::open(
-                StoreConfig::new(layout.bytes_per_block(), 128),
-                &agent,
-                Arc::new(NullSink),
-            )
-            .await
-            .unwrap();
-            let engine = MockEngine::new("mock", layout, MockConfig::zero_delay()).unwrap();
-            let sched =
-                Scheduler::start(engine, store.clone(), SchedulerConfig::default(), rt).unwrap();
-            (agent, store, sched)
-        }
-    };
-    let faults = FaultInjector::new();
-    let (pa, ps, psched) = node("prefill-0", Some(faults.clone())).await;
-    let _service = run_prefill_service(
-        pa.clone(),
-        psched.clone(),
-        ps,
-        bus.clone(),
-        2,
-        Arc::new(PrefillStats::default()),
-    );
-    let md = WorkerMetadata {
-        model: psched.info().clone(),
-        codec: CodecSpec::Bytes,
-        addr: pa.listen_addr(),
-        role: Role::Prefill,
-        api: Default::default(),
-    };
-    let _reg = discovery
-        .register(
-            Instance {
-                kind: PREFILL_KIND.into(),
-                id: "prefill-0".into(),
-                metadata: serde_json::to_value(md).unwrap(),
-            },
-            Duration::from_secs(10),
-        )
-        .await
-        .unwrap();
-    let (da, ds, dsched) = node("decode-0", None).await;
-    let cfg = RoutedConfig { kind: PREFILL_KIND.into(), ..RoutedConfig::new(SECRET) };
-    let router = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await.unwrap();
-    let decode = DecodeBackend::start(
-        LocalBackend::new(dsched.clone(), ds.clone()),
-        ds,
-        da,
-        bus.clone(),
-        router,
-        DisaggConfig {
-            threshold_tokens: 64,
-            deadline: Duration::from_secs(5),
-            ..DisaggConfig::default()
-        },
-    )
-    .await
-    .unwrap();
-    let run = |prompt: String| {
-        let decode = decode.clone();
-        async move {
-            let req = GenerateRequest {
-                prompt: prompt.bytes().map(u32::from).collect(),
-                max_tokens: 6,
-                sampling: SamplingParams::default(),
-                stop: vec![],
-                ignore_eos: false,
-                timeout: Duration::from_secs(20),
-                class: None,
-                cache_salt: None,
-                tenant: None,
-            };
-            let mut rx = decode.submit("mock", req).unwrap();
-            let (mut remote, mut tokens) = (None, Vec::new());
-            while let Some(ev) = rx.recv().await {
-                match ev {
-                    GenEvent::Started { remote_prefill, .. } => remote = remote_prefill,
-                    GenEvent::Token { id, .. } => tokens.push(id),
-                    GenEvent::Done { .. } => break,
-                    GenEvent::Error(e) => panic!("{e}"),
-                    GenEvent::Cached(_) | GenEvent::Accepted { .. } => {}
-                }
-            }
-            (remote, tokens)
-        }
-    };
+    let zero = MockConfig::zero_delay();
+    let pair = InProcess::start(zero, zero, 2, disagg).await;
     // Clean: prefilled remotely, 12 blocks of a 200-token prompt written.
-    let (remote, clean) = run(format!("A {}", "y".repeat(198))).await;
+    let (remote, clean, _) = pair.run(request(&format!("A {}", "y".repeat(198)), 6, None)).await;
     let remote = remote.expect("prefilled remotely");
     assert_eq!((remote.worker.as_str(), remote.blocks), ("prefill-0", 12));
     // Corrupted: the decode agent refuses the write; the request is prefilled locally and
     // gives what the clean one gives for the same prompt shape.
-    faults.corrupt_checksums_next(1);
-    let (remote, corrupted) = run(format!("B {}", "y".repeat(198))).await;
+    pair.faults.corrupt_checksums_next(1);
+    let b = format!("B {}", "y".repeat(198));
+    let (remote, corrupted, _) = pair.run(request(&b, 6, None)).await;
     assert!(remote.is_none(), "a corrupted transfer was accepted");
-    let (_, local) = {
-        // The same prompt once more is a plain cache hit of the locally computed blocks.
-        run(format!("B {}", "y".repeat(198))).await
-    };
+    // The same prompt once more is a plain cache hit of the locally computed blocks.
+    let (_, local, _) = pair.run(request(&b, 6, None)).await;
     assert_eq!(corrupted, local);
     assert_eq!(clean.len(), 6);
-    assert_eq!(decode.stats().fallbacks.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(pair.decode.stats().fallbacks.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
+
+/// Service classes in a disaggregated layout. The prefill job carries its request's class:
+/// an interactive prompt sent after four long batch prompts is computed first on the prefill
+/// worker (its engine orders the jobs it holds by deadline), so its first token comes before
+/// the batch ones'. And a prompt of a latency class (an ITL target) is prefilled on the
+/// decode worker once that is measured to be faster than the prefill pool (counted), while
+/// the same prompt of a class without an ITL target still goes to the prefill pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn classes_order_the_prefill_pool_and_a_latency_prompt_prefills_where_it_is_faster() {
+    use kvfabric::contract::generate::ClassHint;
+    use kvfabric_serving::disagg::DisaggConfig;
+    use kvfabric_serving::engine::mock::MockConfig;
+    use std::sync::atomic::Ordering::Relaxed;
+    let timed = MockConfig {
+        prefill_us_per_token: 40.0,
+        decode_step_us: 0.0,
+        decode_us_per_kv_token: 0.0,
+        ..MockConfig::default()
+    };
+    let disagg = DisaggConfig {
+        threshold_tokens: 64,
+        deadline: Duration::from_secs(20),
+        ..DisaggConfig::default()
+    };
+    let pair = Arc::new(InProcess::start(timed, timed, 16, disagg).await);
+    let class = |name: &str, rank: u8, ttft_ms: u64, itl_ms: Option<u64>| ClassHint {
+        name: name.into(),
+        rank,
+        priority: i32::from(rank),
+        ttft: Some(Duration::from_millis(ttft_ms)),
+        itl: itl_ms.map(Duration::from_millis),
+        expire: None,
+        share: None,
+    };
+    let batch = class("batch", 1, 30_000, None);
+    // Four batch prompts of 3000 tokens (120 ms each on the prefill worker), then an
+    // interactive one of 300 (12 ms) without an ITL target, so that it goes remote too.
+    let mut jobs = Vec::new();
+    for i in 0..4 {
+        let (pair, c) = (pair.clone(), batch.clone());
+        let prompt = format!("batch {i} {}", "b".repeat(3000));
+        jobs.push(tokio::spawn(async move { pair.run(request(&prompt, 2, Some(c))).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let interactive = class("interactive", 0, 300, None);
+    let (remote, _, first) =
+        pair.run(request(&format!("chat {}", "i".repeat(300)), 2, Some(interactive))).await;
+    assert!(remote.is_some(), "the interactive prompt went to the prefill pool");
+    let mut batch_firsts = Vec::new();
+    for j in jobs {
+        let (remote, _, t) = j.await.unwrap();
+        assert!(remote.is_some(), "a batch prompt went to the prefill pool");
+        batch_firsts.push(t);
+    }
+    let later = batch_firsts.iter().filter(|&&t| t > first).count();
+    assert!(later >= 3, "{later} of 4 batch prompts finished after the interactive one");
+    assert_eq!(pair.prefill_stats.done.load(Relaxed), 5);
+
+    // A short prompt computed here measures this engine's prompt speed; the prefill pool's
+    // is measured by the prompts above. A latency prompt is now faster here: no queue, no
+    // transfer.
+    pair.run(request("short", 2, None)).await;
+    let latency = class("chat", 0, 300, Some(50));
+    let prompt = format!("latency {}", "l".repeat(300));
+    let (remote, _, _) = pair.run(request(&prompt, 2, Some(latency))).await;
+    assert!(remote.is_none(), "a latency prompt went to the prefill pool");
+    assert_eq!(pair.decode.stats().latency_local.load(Relaxed), 1);
+    let (remote, _, _) = pair
+        .run(request(
+            &format!("other {}", "o".repeat(300)),
+            2,
+            Some(class("interactive", 0, 300, None)),
+        ))
+        .await;
+    assert!(remote.is_some(), "a prompt without an ITL target stays with the prefill pool");
 }
 
 /// `kvfabric up --prefill-workers 1 --decode-workers 1`: one `/metrics` for the process shows

@@ -132,6 +132,9 @@ pub struct SchedulerStats {
     /// How long the engine estimates its queued prompts take to compute, milliseconds (what
     /// a shed request is told to wait before retrying).
     pub drain_estimate_ms: AtomicU64,
+    /// What one prompt token costs to compute, nanoseconds, as measured over the last steps
+    /// (0 until a step computed a prompt).
+    pub prefill_ns_per_token: AtomicU64,
 }
 
 impl SchedulerStats {
@@ -316,6 +319,11 @@ impl Scheduler {
     /// The counters.
     pub fn stats(&self) -> &SchedulerStats {
         &self.stats
+    }
+
+    /// How it orders waiting requests.
+    pub fn policy(&self) -> QueuePolicy {
+        self.policy
     }
 
     /// Checks a request against the model's context, then queues it. Events arrive on the
@@ -645,6 +653,7 @@ impl<E: Engine> Loop<E> {
         self.stats.active_tokens.store(active as u64, Ordering::Relaxed);
         self.stats.queued_prefill_tokens.store(queued as u64, Ordering::SeqCst);
         let per_token = self.cost.prefill_us_per_token.unwrap_or(0.0);
+        self.stats.prefill_ns_per_token.store((per_token * 1e3) as u64, Ordering::Relaxed);
         let drain_ms = (queued as f64 * per_token / 1e3).min(3.6e6) as u64;
         self.stats.drain_estimate_ms.store(drain_ms.max(1000), Ordering::Relaxed);
         let taken = std::mem::take(&mut self.taken_in);

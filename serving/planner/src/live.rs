@@ -39,7 +39,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::sla::{
-    plan, plan_classes, ClassLoad, LengthDist, Profile, Targets, Workload, DIST_POINTS,
+    plan, plan_class_pools, plan_classes, ClassLoad, LengthDist, Profile, Targets, Workload,
+    DIST_POINTS,
 };
 use crate::window::{ClassWindow, LoadSource, LoadWindow};
 
@@ -395,10 +396,9 @@ impl Brain {
     }
 
     /// Follows each class of `window` and predicts its load: one [`ClassLoad`] per class
-    /// with a TTFT target that has seen requests (empty when the window has no classes, or
-    /// for a pool of a disaggregated layout, which plans by one set of targets).
+    /// with a TTFT target that has seen requests (empty when the window has no classes).
     fn class_loads(&mut self, window: &LoadWindow) -> Vec<ClassLoad> {
-        if self.pool != Pool::Aggregated || window.classes.is_empty() {
+        if window.classes.is_empty() {
             return Vec::new();
         }
         let secs = window.duration.as_secs_f64().max(1e-3);
@@ -524,8 +524,21 @@ impl Brain {
                         ..c.clone()
                     })
                     .collect();
-                let p = plan_classes(&self.cfg.profile, &scaled);
-                (p.with_classes.map(|(n, _)| n), p.reasons)
+                match self.pool {
+                    Pool::Aggregated => {
+                        let p = plan_classes(&self.cfg.profile, &scaled);
+                        (p.with_classes.map(|(n, _)| n), p.reasons)
+                    }
+                    Pool::Prefill | Pool::Decode => {
+                        let p =
+                            plan_class_pools(&self.cfg.profile, &scaled, self.cfg.targets.itl_s);
+                        let n = match self.pool {
+                            Pool::Prefill => p.prefill.map(|(n, _)| n),
+                            _ => p.decode,
+                        };
+                        (n, p.reasons)
+                    }
+                }
             }
         };
         let planned = if predicted.rate <= 0.0 {
@@ -550,15 +563,23 @@ impl Brain {
         let t = &self.cfg.targets;
         let ttft_label = format!("{label} TTFT");
         let pool = self.pool;
+        // With classes, a decode batch holds every class: the tightest ITL target among them
+        // (as `plan_class_pools` plans it), the one set of targets' when none has one.
+        let itl_target = class_loads
+            .iter()
+            .map(|c| c.targets.itl_s)
+            .filter(|t| t.is_finite())
+            .reduce(f64::min)
+            .unwrap_or(t.itl_s);
         let mut governed = [
             (true, ttft_label.clone(), seen.ttft_s, t.ttft_s),
-            (false, "mean ITL".to_string(), seen.itl_mean_s, t.itl_s),
+            (false, "mean ITL".to_string(), seen.itl_mean_s, itl_target),
         ]
         .into_iter()
         .filter(|(ttft, ..)| pool.governs(*ttft))
         .map(|(_, what, got, target)| (what, got, target))
         .collect::<Vec<_>>();
-        if !class_loads.is_empty() {
+        if !class_loads.is_empty() && pool.governs(true) {
             // Each class against its own TTFT target instead of the one set of targets.
             governed.retain(|(what, ..)| *what != ttft_label);
             for c in window.classes.iter().filter(|c| !c.ttft_s.is_empty()) {
@@ -958,6 +979,48 @@ mod tests {
         let d = Brain::new(tight).decide(&late, want);
         assert_eq!(d.desired, want + 1, "{:#?}", d.reasons);
         assert!(d.reasons.iter().any(|r| r.contains("interactive p99 TTFT")), "{:#?}", d.reasons);
+    }
+
+    /// With classes, the pools of a disaggregated layout plan for each class too: the
+    /// prefill pool to `plan_class_pools`' prefill workers (each class's TTFT by urgency),
+    /// the decode pool to its decode workers at the tightest class ITL; a class over its own
+    /// TTFT adds a prefill worker, never a decode one.
+    #[test]
+    fn classes_plan_the_prefill_and_decode_pools_each_to_its_part() {
+        let mut interactive = class_window("interactive", 0.3, 2.0, 440, 0.9, 0.05);
+        interactive.itl_target_s = Some(0.03);
+        let batch = class_window("batch", 30.0, 8.0, 4096, 0.0, 2.0);
+        let mut w = window(10.0, 0.5);
+        w.classes = vec![interactive, batch];
+        let mut c = cfg();
+        c.targets = Targets::at_quantile(0.3, 0.05, 0.99);
+        c.workers_max = 64;
+        let loads: Vec<ClassLoad> = {
+            let mut b = Brain::for_pool(c.clone(), Pool::Prefill);
+            b.class_loads(&w)
+        };
+        assert_eq!(loads.len(), 2);
+        let want = plan_class_pools(&c.profile, &loads, c.targets.itl_s);
+        let dp = Brain::for_pool(c.clone(), Pool::Prefill).decide(&w, 1);
+        let dd = Brain::for_pool(c.clone(), Pool::Decode).decide(&w, 1);
+        assert_eq!(dp.planned, want.prefill.as_ref().map(|p| p.0), "{:#?}", dp.reasons);
+        assert_eq!(dd.planned, want.decode, "{:#?}", dd.reasons);
+        assert!(
+            dp.reasons.iter().any(|r| r.starts_with("prefill workers by urgency")),
+            "{:#?}",
+            dp.reasons
+        );
+        assert!(dd.reasons.iter().any(|r| r.contains("ITL 30.0 ms")), "{:#?}", dd.reasons);
+        // The interactive prompts late: the prefill pool grows, the decode pool does not.
+        let mut late = w.clone();
+        late.classes[0].ttft_s = vec![0.5; 20];
+        let n = want.prefill.map_or(1, |p| p.0);
+        let dp = Brain::for_pool(c.clone(), Pool::Prefill).decide(&late, n);
+        assert_eq!(dp.desired, n + 1, "{:#?}", dp.reasons);
+        assert!(dp.reasons.iter().any(|r| r.contains("interactive p99 TTFT")), "{:#?}", dp.reasons);
+        let m = want.decode.unwrap_or(1);
+        let dd = Brain::for_pool(c, Pool::Decode).decide(&late, m);
+        assert!(dd.desired <= m, "{:#?}", dd.reasons);
     }
 
     #[test]

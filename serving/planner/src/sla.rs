@@ -26,7 +26,9 @@
 
 mod classes;
 
-pub use classes::{plan_classes, ClassEstimate, ClassLoad, ClassPlan};
+pub use classes::{
+    plan_class_pools, plan_classes, ClassEstimate, ClassLoad, ClassPlan, ClassPools,
+};
 
 /// A measured curve: `y` against `x`, interpolated linearly between points, extended along
 /// the last segment past the ends (and never below zero).
@@ -647,21 +649,40 @@ fn disaggregated(
         targets.label(),
         targets.ttft_s * 1e3
     ));
-    let Some((b, itl)) = profile.best_batch(context, targets.itl_s) else {
-        return Need::Infeasible(format!(
+    let decode = match decode_workers(profile, load.rate * load.osl, context, targets.itl_s) {
+        Ok((decode, why)) => {
+            reasons.push(why);
+            decode
+        }
+        Err(why) => return Need::Infeasible(why),
+    };
+    let kv_bytes_per_s = load.rate * load.isl * profile.kv_bytes_per_token as f64;
+    Need::Disaggregated { prefill, decode, kv_bytes_per_s }
+}
+
+/// Decode workers for `tokens_per_s` generated tokens at `context` tokens of context, each
+/// running the largest batch within the ITL target; and why, in one line.
+fn decode_workers(
+    profile: &Profile,
+    tokens_per_s: f64,
+    context: f64,
+    itl_target: f64,
+) -> Result<(u32, String), String> {
+    let Some((b, itl)) = profile.best_batch(context, itl_target) else {
+        return Err(format!(
             "no decode batch meets the ITL target ({:.1} ms) at {context:.0} tokens of context",
-            targets.itl_s * 1e3
+            itl_target * 1e3
         ));
     };
     let per_worker = f64::from(b) / itl;
-    let decode = ((load.rate * load.osl / per_worker).ceil() as u32).clamp(1, WORKERS_MAX);
-    reasons.push(format!(
-        "decode workers: batch {b} at {:.1} ms per token makes {per_worker:.0} tokens/s each; {:.0} tokens/s needed → {decode}",
-        itl * 1e3,
-        load.rate * load.osl
-    ));
-    let kv_bytes_per_s = load.rate * load.isl * profile.kv_bytes_per_token as f64;
-    Need::Disaggregated { prefill, decode, kv_bytes_per_s }
+    let decode = ((tokens_per_s / per_worker).ceil() as u32).clamp(1, WORKERS_MAX);
+    Ok((
+        decode,
+        format!(
+            "decode workers: batch {b} at {:.1} ms per token makes {per_worker:.0} tokens/s each; {tokens_per_s:.0} tokens/s needed → {decode}",
+            itl * 1e3
+        ),
+    ))
 }
 
 fn aggregated(

@@ -629,6 +629,8 @@ pub struct RemotePrefillSnapshot {
     pub local: u64,
     /// Remote prefills that failed or timed out.
     pub fallbacks: u64,
+    /// Prefills of a latency class done locally because that was estimated faster.
+    pub latency_local: u64,
     /// KV bytes received from prefill workers.
     pub bytes: u64,
     /// Time waiting for remote prefills, seconds.
@@ -1642,6 +1644,15 @@ fn remote_prefill(
         None,
         C,
         |s, o| o.extend(rp(s).map(|p| plain(p.fallbacks))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_prefill_latency_local",
+        "Prefills of a latency class done on the decode worker because that was estimated faster than the prefill pool.",
+        None,
+        C,
+        |s, o| o.extend(rp(s).map(|p| plain(p.latency_local))),
     )?;
     family(
         e,

@@ -380,13 +380,22 @@ fn run_class_sla(args: &PlanArgs) -> anyhow::Result<()> {
     let classes: Vec<_> =
         args.class_load.iter().map(|s| parse_class_load(s, q)).collect::<anyhow::Result<_>>()?;
     let p = kvfabric_planner::sla::plan_classes(&curves, &classes);
+    // The same mix in a disaggregated layout (a class without an ITL target leaves the
+    // decode batch unbounded by it).
+    let pools = kvfabric_planner::sla::plan_class_pools(&curves, &classes, f64::INFINITY);
     if args.json {
-        let v = serde_json::json!({"model": profile.model, "classes": classes, "plan": p});
+        let v = serde_json::json!({
+            "model": profile.model, "classes": classes, "plan": p, "pools": pools,
+        });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     println!("{} ({} targets):", profile.model, args.percentile);
     for r in &p.reasons {
+        println!("  - {r}");
+    }
+    println!("disaggregated:");
+    for r in &pools.reasons {
         println!("  - {r}");
     }
     Ok(())

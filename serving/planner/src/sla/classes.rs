@@ -17,7 +17,7 @@
 //! off: every class waits in one queue, so the tightest TTFT target sizes the deployment for
 //! all of it): what classes save.
 
-use super::{queue_wait, Profile, Service, Targets, Workload, WORKERS_MAX};
+use super::{decode_workers, queue_wait, Profile, Service, Targets, Workload, WORKERS_MAX};
 
 /// One class's load and targets.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -175,27 +175,8 @@ pub fn plan_classes(profile: &Profile, classes: &[ClassLoad]) -> ClassPlan {
         }
         Some(out)
     };
-    let fewest = |priority: bool| -> Option<(u32, Vec<ClassEstimate>)> {
-        let (mut lo, mut hi) = (0u32, 1u32);
-        while at(hi, priority).is_none() {
-            if hi >= WORKERS_MAX {
-                return None;
-            }
-            lo = hi;
-            hi = hi.saturating_mul(2).min(WORKERS_MAX);
-        }
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if at(mid, priority).is_some() {
-                hi = mid;
-            } else {
-                lo = mid;
-            }
-        }
-        at(hi, priority).map(|e| (hi, e))
-    };
-    let with_classes = fewest(true);
-    let first_come = fewest(false);
+    let with_classes = fewest(|n| at(n, true));
+    let first_come = fewest(|n| at(n, false));
     let describe = |what: &str, p: &Option<(u32, Vec<ClassEstimate>)>| match p {
         Some((n, est)) => {
             let each: Vec<String> =
@@ -208,6 +189,115 @@ pub fn plan_classes(profile: &Profile, classes: &[ClassLoad]) -> ClassPlan {
     reasons.push(describe("with classes (by urgency, the urgent preempting)", &with_classes));
     reasons.push(describe("first come first served (classes off)", &first_come));
     ClassPlan { with_classes, first_come, reasons }
+}
+
+/// Prefill and decode pools for a mix of classes (a disaggregated layout).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ClassPools {
+    /// Prefill workers at which every class meets its own TTFT target, its prompts served by
+    /// urgency (the prefill workers' engines order the jobs they hold by deadline), and
+    /// what each class sees there; None when no number does.
+    pub prefill: Option<(u32, Vec<ClassEstimate>)>,
+    /// Decode workers at which every class meets its ITL target: one shared batch, so the
+    /// tightest target of the mix; None when no batch does.
+    pub decode: Option<u32>,
+    /// How the numbers came about, one line each.
+    pub reasons: Vec<String>,
+}
+
+/// The fewest prefill and decode workers at which every class of the mix meets its own
+/// targets in a disaggregated layout: prefill workers as a preemptive-priority queue of the
+/// classes' prompts (as [`plan_classes`], without decode steps), decode workers for every
+/// class's tokens at the tightest ITL target among them (`itl_s` when no class has one).
+pub fn plan_class_pools(profile: &Profile, classes: &[ClassLoad], itl_s: f64) -> ClassPools {
+    let mut reasons = Vec::new();
+    let mut order: Vec<&ClassLoad> = classes.iter().collect();
+    order.sort_by(|a, b| a.targets.ttft_s.total_cmp(&b.targets.ttft_s));
+    let services: Vec<Service> = order.iter().map(|c| Service::of(profile, &c.load)).collect();
+    let q = order
+        .iter()
+        .filter_map(|c| c.targets.quantile)
+        .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+    let at = |n: u32| -> Option<Vec<ClassEstimate>> {
+        let n = f64::from(n);
+        let parts: Vec<(f64, &Service)> =
+            order.iter().map(|c| c.load.rate / n).zip(&services).collect();
+        if parts.iter().map(|(r, s)| r * s.mean()).sum::<f64>() >= 1.0 {
+            return None;
+        }
+        let t = ttfts(&parts, q, true);
+        let mut out = Vec::with_capacity(order.len());
+        for ((c, ttft), (r, s)) in order.iter().zip(t).zip(&parts) {
+            if ttft > c.targets.ttft_s {
+                return None;
+            }
+            out.push(ClassEstimate {
+                name: c.name.clone(),
+                ttft_s: ttft,
+                itl_s: 0.0,
+                prefill_share: r * s.mean(),
+            });
+        }
+        Some(out)
+    };
+    let prefill = fewest(at);
+    match &prefill {
+        Some((n, est)) => {
+            let each: Vec<String> =
+                est.iter().map(|e| format!("{} TTFT ≈ {:.1} ms", e.name, e.ttft_s * 1e3)).collect();
+            reasons.push(format!("prefill workers by urgency: {n} ({})", each.join(", ")));
+        }
+        None => reasons.push("no number of prefill workers meets every class's TTFT".into()),
+    }
+    let itl = order
+        .iter()
+        .map(|c| c.targets.itl_s)
+        .filter(|t| t.is_finite())
+        .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.min(t))))
+        .unwrap_or(itl_s);
+    let tokens: f64 = order.iter().map(|c| c.load.rate * c.load.osl).sum();
+    let context = if tokens > 0.0 {
+        order
+            .iter()
+            .map(|c| c.load.rate * c.load.osl * (c.load.isl + c.load.osl / 2.0))
+            .sum::<f64>()
+            / tokens
+    } else {
+        0.0
+    };
+    let decode = match decode_workers(profile, tokens, context, itl) {
+        Ok((n, why)) => {
+            reasons.push(format!("{why} (every class in one batch at ITL {:.1} ms)", itl * 1e3));
+            Some(n)
+        }
+        Err(why) => {
+            reasons.push(why);
+            None
+        }
+    };
+    ClassPools { prefill, decode, reasons }
+}
+
+/// The fewest workers for which `at` has an answer (it only gets easier with more), and
+/// that answer; None when even [`WORKERS_MAX`] has none.
+fn fewest<T>(at: impl Fn(u32) -> Option<T>) -> Option<(u32, T)> {
+    let (mut lo, mut hi) = (0u32, 1u32);
+    while at(hi).is_none() {
+        if hi >= WORKERS_MAX {
+            return None;
+        }
+        lo = hi;
+        hi = hi.saturating_mul(2).min(WORKERS_MAX);
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if at(mid).is_some() {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    at(hi).map(|e| (hi, e))
 }
 
 #[cfg(test)]
@@ -334,5 +424,64 @@ mod tests {
         assert!(est[0].ttft_s <= 0.3 && est[1].ttft_s <= 30.0, "{est:?}");
         assert!(fcfs[0].ttft_s <= 0.3, "{fcfs:?}");
         assert!(p.reasons.iter().any(|r| r.starts_with("with classes")), "{:#?}", p.reasons);
+    }
+
+    /// The same mix in prefill and decode pools: the prefill pool by urgency needs fewer
+    /// workers than the pool that serves every prompt first come first served within the
+    /// interactive target (the single-class plan at the tightest TTFT), the interactive
+    /// prompts' TTFT within theirs; the decode pool holds every class's tokens at the
+    /// interactive ITL target, as the single-class plan of the whole mix at that target does.
+    #[test]
+    fn class_pools_size_prefill_by_urgency_and_decode_at_the_tightest_itl() {
+        let profile = crate::sla::tests::mock_profile();
+        let interactive = ClassLoad {
+            name: "interactive".into(),
+            load: Workload {
+                rate: 2.0,
+                isl: 440.0,
+                osl: 32.0,
+                hit_rate: 0.9,
+                isl_dist: LengthDist::Fixed,
+            },
+            targets: Targets::at_quantile(0.3, 0.05, 0.99),
+        };
+        let batch = ClassLoad {
+            name: "batch".into(),
+            load: Workload {
+                rate: 17.0,
+                isl: 5000.0,
+                osl: 16.0,
+                hit_rate: 0.0,
+                isl_dist: LengthDist::Uniform { lo: 2000.0, hi: 8000.0 },
+            },
+            targets: Targets::at_quantile(30.0, f64::INFINITY, 0.99),
+        };
+        let p = plan_class_pools(&profile, &[batch.clone(), interactive.clone()], 1.0);
+        let (prefill, est) = p.prefill.clone().expect("a prefill pool meets both");
+        assert_eq!(est[0].name, "interactive");
+        assert!(est[0].ttft_s <= 0.3 && est[1].ttft_s <= 30.0, "{est:?}");
+        // Every prompt in one queue within the interactive target.
+        let (rate, tokens): (f64, f64) = (19.0, 2.0 * 32.0 + 17.0 * 16.0);
+        let whole = Workload {
+            rate,
+            isl: (2.0 * 440.0 + 17.0 * 5000.0) / rate,
+            osl: tokens / rate,
+            hit_rate: 2.0 * 440.0 * 0.9 / (2.0 * 440.0 + 17.0 * 5000.0),
+            // Every prompt of the mean length: the one queue's most favourable case.
+            isl_dist: LengthDist::Fixed,
+        };
+        let single = crate::sla::plan(&profile, &whole, &Targets::at_quantile(0.3, 0.05, 0.99));
+        let crate::sla::Need::Disaggregated { prefill: fcfs, .. } = single.disaggregated else {
+            panic!("{:#?}", single.reasons)
+        };
+        assert!(prefill < fcfs, "by urgency {prefill}, one queue {fcfs}: {:#?}", p.reasons);
+        let decode = p.decode.expect("a decode batch meets 50 ms");
+        assert!(decode >= 1, "{:#?}", p.reasons);
+        assert!(p.reasons.iter().any(|r| r.contains("ITL 50.0 ms")), "{:#?}", p.reasons);
+        // No class with an ITL target: the planner's own.
+        let loose =
+            ClassLoad { targets: Targets::at_quantile(0.3, f64::INFINITY, 0.99), ..interactive };
+        let p = plan_class_pools(&profile, &[batch, loose], 0.08);
+        assert!(p.reasons.iter().any(|r| r.contains("ITL 80.0 ms")), "{:#?}", p.reasons);
     }
 }
