@@ -236,6 +236,7 @@ pub fn engine_snapshot(sched: &Scheduler, store: &TieredStore) -> EngineSnapshot
         shed: ld(&s.shed),
         expired: ld(&s.expired),
         quota_removed: ld(&s.quota_removed),
+        quota_demoted: ld(&s.quota_demoted),
         queue_time: s.queue_time.snapshot(),
         prefill_time: s.prefill_time.snapshot(),
         store: Some(store.metrics()),

@@ -402,6 +402,14 @@ pub struct Tenant {
     /// past it, its own oldest blocks go, never another tenant's. None: no quota.
     #[serde(default)]
     pub store_blocks: Option<u64>,
+    /// Of them, blocks in each worker's host memory: past it, its own least recently used
+    /// host blocks move to disk (where the worker has none, they go). None: no quota.
+    #[serde(default)]
+    pub host_blocks: Option<u64>,
+    /// Of them, blocks on each worker's disk: past it, its own least recently used disk
+    /// blocks go. None: no quota.
+    #[serde(default)]
+    pub disk_blocks: Option<u64>,
 }
 
 impl Tenant {
@@ -410,6 +418,8 @@ impl Tenant {
         kvfabric::contract::generate::TenantHint {
             name: self.name.clone(),
             store_blocks: self.store_blocks,
+            host_blocks: self.host_blocks,
+            disk_blocks: self.disk_blocks,
         }
     }
 
@@ -456,11 +466,17 @@ impl Tenants {
             if !names.insert(t.name.clone()) {
                 return Err(format!("tenant {:?} is given twice", t.name));
             }
-            if t.store_blocks == Some(0) {
-                return Err(format!(
-                    "tenant {:?}: store_blocks must be at least 1 (leave it out for no quota)",
-                    t.name
-                ));
+            for (what, v) in [
+                ("store_blocks", t.store_blocks),
+                ("host_blocks", t.host_blocks),
+                ("disk_blocks", t.disk_blocks),
+            ] {
+                if v == Some(0) {
+                    return Err(format!(
+                        "tenant {:?}: {what} must be at least 1 (leave it out for no quota)",
+                        t.name
+                    ));
+                }
             }
             for c in &t.classes {
                 classes.index_of(c).map_err(|e| format!("tenant {:?}: {e}", t.name))?;
@@ -649,6 +665,8 @@ mod tests {
             classes: vec!["batch".into(), "standard".into()],
             cache_namespace: None,
             store_blocks: None,
+            host_blocks: None,
+            disk_blocks: None,
         };
         let ts = Tenants::new(vec![t.clone()], &c).unwrap();
         assert_eq!(ts.by_key("acme-key-123").map(|t| t.name.as_str()), Some("acme"));
@@ -661,6 +679,14 @@ mod tests {
         assert!(Tenants::new(vec![bad], &c).is_err());
         let bad = Tenant { store_blocks: Some(0), ..t.clone() };
         assert!(Tenants::new(vec![bad], &c).unwrap_err().contains("store_blocks"));
+        let bad = Tenant { host_blocks: Some(0), ..t.clone() };
+        assert!(Tenants::new(vec![bad], &c).unwrap_err().contains("host_blocks"));
+        // Workers are told every quota.
+        let quotas = Tenant { host_blocks: Some(4), disk_blocks: Some(16), ..t.clone() }.hint();
+        assert_eq!(
+            (quotas.host_blocks, quotas.disk_blocks, quotas.store_blocks),
+            (Some(4), Some(16), None)
+        );
         assert!(Tenants::new(vec![t.clone(), t.clone()], &c).is_err());
         let shared = Tenant { cache_namespace: Some("team".into()), ..t.clone() };
         assert_ne!(t.cache_salt(), shared.cache_salt());

@@ -187,6 +187,8 @@ async fn a_tenant_key_pins_its_classes_and_its_cache_is_its_own() {
         classes: classes.iter().map(|c| c.to_string()).collect(),
         cache_namespace: ns.map(str::to_string),
         store_blocks: None,
+        host_blocks: None,
+        disk_blocks: None,
     };
     let tenants = vec![
         tenant("acme", "acme-key-0001", &["batch", "standard"], None),

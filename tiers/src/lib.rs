@@ -33,4 +33,4 @@ pub mod remote;
 pub mod store;
 pub mod synthetic;
 
-pub use store::{BlockRef, ScratchSlot, StoreConfig, StoreError, TieredStore, WriteSlot};
+pub use store::{BlockRef, Demoted, ScratchSlot, StoreConfig, StoreError, TieredStore, WriteSlot};

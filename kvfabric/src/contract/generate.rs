@@ -121,6 +121,14 @@ pub struct TenantHint {
     /// past it, its own oldest blocks are removed, never another tenant's. None: no quota.
     #[serde(default)]
     pub store_blocks: Option<u64>,
+    /// Of them, blocks in host memory: past it, its least recently used host blocks move to
+    /// disk (dropped where there is none). None: no quota of its own.
+    #[serde(default)]
+    pub host_blocks: Option<u64>,
+    /// Of them, blocks on disk: past it, its least recently used disk blocks are removed.
+    /// None: no quota of its own.
+    #[serde(default)]
+    pub disk_blocks: Option<u64>,
 }
 
 impl GenerateRequest {

@@ -20,8 +20,9 @@ use super::generate::GenerateRequest;
 /// and its load reports say how many it had accepted. 4: a request's service class and cache
 /// salt (a worker of version 3 would ignore the salt and share the KV of tenants that must
 /// not share it, so the version changes). 5: a request's tenant and its store quota (a worker
-/// of version 4 would let a tenant fill the store past its quota).
-pub const PROTOCOL: u8 = 5;
+/// of version 4 would let a tenant fill the store past its quota). 6: the tenant's host and
+/// disk quotas.
+pub const PROTOCOL: u8 = 6;
 
 /// Largest frame body (a 1M-token prompt as JSON fits).
 pub const FRAME_MAX: usize = 16 << 20;

@@ -1,11 +1,14 @@
 //! Tenants' quotas of a worker's store: the blocks each tenant's requests used, least
-//! recently used first; past a tenant's quota ([`TenantHint::store_blocks`]) its own least
-//! recently used blocks are removed from the store (every tier), never another tenant's.
+//! recently used first, and where its quota lets them live ([`TenantHint`]): its most
+//! recently used `host_blocks` in host memory, the next `disk_blocks` on disk only, and
+//! `store_blocks` in all. Past its host quota a tenant's least recently used host blocks move
+//! to disk (dropped where the store has no disk); past its disk or store quota they are
+//! removed from the store. Never another tenant's.
 //!
 //! A block counts for a tenant once a request of it retires having used it (computed or
 //! read); blocks that the store evicted meanwhile still count until they leave the ledger, so
 //! a tenant holds at most its quota and sometimes less. A block that a running request
-//! still holds is not removed (it stays until the store evicts it).
+//! still holds is not moved or removed (it stays until the store evicts it).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -23,19 +26,67 @@ pub struct Ledgers {
     warned: bool,
 }
 
-/// One tenant's blocks, least recently used first.
+/// What a charge asks of the store.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Charged {
+    /// Blocks past the tenant's host quota: out of host memory, onto disk.
+    pub demote: Vec<SequenceHash>,
+    /// Blocks past its disk or store quota: out of the store.
+    pub remove: Vec<SequenceHash>,
+}
+
+/// Blocks least recently used first.
 #[derive(Debug, Default)]
-struct Ledger {
+struct Lru {
     order: BTreeMap<u64, SequenceHash>,
     at: HashMap<SequenceHash, u64>,
+}
+
+impl Lru {
+    fn len(&self) -> u64 {
+        self.order.len() as u64
+    }
+
+    fn take(&mut self, h: SequenceHash) -> bool {
+        match self.at.remove(&h) {
+            Some(k) => {
+                self.order.remove(&k);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn push(&mut self, h: SequenceHash, k: u64) {
+        self.take(h);
+        self.order.insert(k, h);
+        self.at.insert(h, k);
+    }
+
+    fn pop_oldest(&mut self) -> Option<(u64, SequenceHash)> {
+        let (k, h) = self.order.pop_first()?;
+        self.at.remove(&h);
+        Some((k, h))
+    }
+}
+
+/// One tenant's blocks: those its host quota lets stay in host memory (the most recently
+/// used), and the older ones, on disk.
+#[derive(Debug, Default)]
+struct Ledger {
+    hot: Lru,
+    cold: Lru,
     next: u64,
 }
 
 impl Ledgers {
     /// `tenant`'s request used `hashes`: they count for it, most recently used. Returns the
-    /// blocks past its quota (least recently used first), now out of its ledger, to remove.
-    pub fn charge(&mut self, tenant: &TenantHint, hashes: &[SequenceHash]) -> Vec<SequenceHash> {
-        let Some(quota) = tenant.store_blocks else { return Vec::new() };
+    /// blocks now past its quotas (least recently used first) and what to do with them.
+    pub fn charge(&mut self, tenant: &TenantHint, hashes: &[SequenceHash]) -> Charged {
+        let (host, disk, store) = (tenant.host_blocks, tenant.disk_blocks, tenant.store_blocks);
+        if host.is_none() && disk.is_none() && store.is_none() {
+            return Charged::default();
+        }
         if !self.by_tenant.contains_key(&tenant.name) && self.by_tenant.len() >= TENANTS_MAX {
             if !std::mem::replace(&mut self.warned, true) {
                 tracing::warn!(
@@ -44,28 +95,33 @@ impl Ledgers {
                     "too many tenants with a store quota: the blocks of further tenants are not counted"
                 );
             }
-            return Vec::new();
+            return Charged::default();
         }
         let l = self.by_tenant.entry(tenant.name.clone()).or_default();
         for &h in hashes {
-            if let Some(old) = l.at.insert(h, l.next) {
-                l.order.remove(&old);
-            }
-            l.order.insert(l.next, h);
+            l.cold.take(h);
+            l.hot.push(h, l.next);
             l.next += 1;
         }
-        let mut over = Vec::new();
-        while l.order.len() as u64 > quota {
-            let Some((_, h)) = l.order.pop_first() else { break };
-            l.at.remove(&h);
-            over.push(h);
+        let mut out = Charged::default();
+        while l.hot.len() > host.unwrap_or(u64::MAX) {
+            let Some((k, h)) = l.hot.pop_oldest() else { break };
+            l.cold.push(h, k);
+            out.demote.push(h);
         }
-        over
+        let total = |l: &Ledger| l.hot.len() + l.cold.len();
+        while l.cold.len() > disk.unwrap_or(u64::MAX) || total(l) > store.unwrap_or(u64::MAX) {
+            let Some((_, h)) = l.cold.pop_oldest().or_else(|| l.hot.pop_oldest()) else { break };
+            // Demoted in this charge and removed at once: only removed.
+            out.demote.retain(|&d| d != h);
+            out.remove.push(h);
+        }
+        out
     }
 
-    /// Blocks counted for `tenant`.
-    pub fn held(&self, tenant: &str) -> usize {
-        self.by_tenant.get(tenant).map_or(0, |l| l.order.len())
+    /// Blocks counted for `tenant`: in host memory, and past its host quota.
+    pub fn held(&self, tenant: &str) -> (usize, usize) {
+        self.by_tenant.get(tenant).map_or((0, 0), |l| (l.hot.order.len(), l.cold.order.len()))
     }
 }
 
@@ -73,21 +129,59 @@ impl Ledgers {
 mod tests {
     use super::*;
 
-    fn t(name: &str, quota: Option<u64>) -> TenantHint {
-        TenantHint { name: name.into(), store_blocks: quota }
+    fn t(name: &str, host: Option<u64>, disk: Option<u64>, store: Option<u64>) -> TenantHint {
+        TenantHint { name: name.into(), store_blocks: store, host_blocks: host, disk_blocks: disk }
+    }
+
+    fn h(i: u64) -> SequenceHash {
+        SequenceHash(i)
     }
 
     #[test]
-    fn a_tenant_past_its_quota_gives_up_its_own_least_recently_used_blocks() {
+    fn a_tenant_past_its_store_quota_gives_up_its_own_least_recently_used_blocks() {
         let mut l = Ledgers::default();
-        let h = |i: u64| SequenceHash(i);
-        assert!(l.charge(&t("a", Some(3)), &[h(1), h(2)]).is_empty());
-        assert!(l.charge(&t("b", Some(2)), &[h(10), h(11)]).is_empty());
+        let removed = |c: Charged| {
+            assert!(c.demote.is_empty());
+            c.remove
+        };
+        assert!(removed(l.charge(&t("a", None, None, Some(3)), &[h(1), h(2)])).is_empty());
+        assert!(removed(l.charge(&t("b", None, None, Some(2)), &[h(10), h(11)])).is_empty());
         // Used again: 1 becomes the most recent, so 2 goes first.
-        assert_eq!(l.charge(&t("a", Some(3)), &[h(1), h(3), h(4)]), vec![h(2)]);
-        assert_eq!(l.charge(&t("a", Some(3)), &[h(5)]), vec![h(1)]);
-        assert_eq!((l.held("a"), l.held("b")), (3, 2), "b keeps its blocks");
-        assert!(l.charge(&t("c", None), &[h(20); 10]).is_empty(), "no quota, no ledger");
-        assert_eq!(l.held("c"), 0);
+        let a = t("a", None, None, Some(3));
+        assert_eq!(removed(l.charge(&a, &[h(1), h(3), h(4)])), vec![h(2)]);
+        assert_eq!(removed(l.charge(&a, &[h(5)])), vec![h(1)]);
+        assert_eq!((l.held("a"), l.held("b")), ((3, 0), (2, 0)), "b keeps its blocks");
+        let c = l.charge(&t("c", None, None, None), &[h(20); 10]);
+        assert_eq!(c, Charged::default(), "no quota, no ledger");
+        assert_eq!(l.held("c"), (0, 0));
+    }
+
+    /// Host 2, disk 2: the two most recent blocks in host memory, the two before them moved
+    /// to disk, older ones removed; a block used again comes back to the host side (the store
+    /// reads it into host memory on a hit), the oldest host block moving down for it.
+    #[test]
+    fn host_and_disk_quotas_move_blocks_down_then_out() {
+        let mut l = Ledgers::default();
+        let a = t("a", Some(2), Some(2), None);
+        assert_eq!(l.charge(&a, &[h(1), h(2)]), Charged::default());
+        assert_eq!(
+            l.charge(&a, &[h(3), h(4)]),
+            Charged { demote: vec![h(1), h(2)], remove: vec![] }
+        );
+        assert_eq!(
+            l.charge(&a, &[h(5)]),
+            Charged { demote: vec![h(3)], remove: vec![h(1)] },
+            "past the disk quota the oldest goes"
+        );
+        assert_eq!(l.held("a"), (2, 2));
+        // 2 is used again: back in host memory; 4 moves down; nothing more leaves.
+        assert_eq!(l.charge(&a, &[h(2)]), Charged { demote: vec![h(4)], remove: vec![] });
+        assert_eq!(l.held("a"), (2, 2));
+        // A store quota below host + disk: the disk side shrinks first.
+        let tight = t("a", Some(2), Some(2), Some(3));
+        assert_eq!(l.charge(&tight, &[]), Charged { demote: vec![], remove: vec![h(3)] });
+        // Many at once: demoted and removed in the same charge counts as removed only.
+        let c = l.charge(&t("z", Some(1), Some(1), None), &[h(7), h(8), h(9), h(10)]);
+        assert_eq!(c, Charged { demote: vec![h(9)], remove: vec![h(7), h(8)] });
     }
 }

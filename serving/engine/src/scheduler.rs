@@ -126,6 +126,8 @@ pub struct SchedulerStats {
     pub expired: AtomicU64,
     /// Blocks removed from the store because their tenant was past its quota.
     pub quota_removed: AtomicU64,
+    /// Blocks moved from host memory to disk because their tenant was past its host quota.
+    pub quota_demoted: AtomicU64,
     /// The rank of the least urgent request waiting (0 when none waits): a full queue still
     /// takes a request more urgent than it, and drops that one.
     pub least_urgent_waiting: AtomicU64,
@@ -1064,15 +1066,30 @@ impl<E: Engine> Loop<E> {
                 let full = s.req.prompt.len() / self.hasher.block_tokens();
                 self.store.keep(&s.hashes[..full.min(s.hashes.len())]);
             }
-            // A tenant past its store quota gives up its own least recently used blocks.
-            if let Some(t) = s.req.tenant.as_ref().filter(|t| t.store_blocks.is_some()) {
+            // A tenant past its quotas moves its own least recently used blocks out of host
+            // memory, and out of the store.
+            if let Some(t) = s.req.tenant.as_ref() {
                 let used = &s.hashes[..s.stored.min(s.hashes.len())];
                 let over = self.quotas.charge(t, used);
-                if !over.is_empty() {
+                if !over.demote.is_empty() || !over.remove.is_empty() {
                     // In the background: a block on its way to disk is removed once there.
                     let (store, stats) = (self.store.clone(), self.stats.clone());
                     self.runtime.spawn(async move {
-                        for h in over {
+                        for h in over.demote {
+                            match store.demote(h).await {
+                                Ok(kvfabric_tiers::Demoted::ToDisk) => {
+                                    bump(&stats.quota_demoted, 1)
+                                }
+                                Ok(kvfabric_tiers::Demoted::Dropped) => {
+                                    bump(&stats.quota_removed, 1)
+                                }
+                                Ok(kvfabric_tiers::Demoted::NotInHost) => {}
+                                Err(e) => {
+                                    tracing::debug!(error = %e, "moving a block past its tenant's host quota to disk")
+                                }
+                            }
+                        }
+                        for h in over.remove {
                             if store.remove(h).await {
                                 bump(&stats.quota_removed, 1);
                             }

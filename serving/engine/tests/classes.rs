@@ -369,7 +369,12 @@ async fn a_tenant_past_its_store_quota_gives_up_its_own_blocks_not_anothers() {
         let run = |first: u32, tenant: &str, quota: Option<u64>| {
             let req = GenerateRequest {
                 cache_salt: Some(format!("tenant\0{tenant}")),
-                tenant: Some(TenantHint { name: tenant.into(), store_blocks: quota }),
+                tenant: Some(TenantHint {
+                    name: tenant.into(),
+                    store_blocks: quota,
+                    host_blocks: None,
+                    disk_blocks: None,
+                }),
                 ..request(first, 65, 2, None)
             };
             let rx = s.sched.submit(req).unwrap();
@@ -397,6 +402,52 @@ async fn a_tenant_past_its_store_quota_gives_up_its_own_blocks_not_anothers() {
             assert!(beta.disk_tokens > 0, "{case}: {beta:?}");
         }
     }
+}
+
+/// Quotas per tier: a tenant with 4 host blocks and 4 disk blocks sends three prompts of 4
+/// blocks each on a worker with room for all of them in host memory. Its latest prompt stays
+/// in host memory, the one before moves to disk (read back from there), the oldest leaves
+/// the store; another tenant's prompt, stored first, stays in host memory. Moves and
+/// removals are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_past_its_host_quota_moves_its_blocks_to_disk_and_past_its_disk_quota_out() {
+    let s = setup(MockConfig::zero_delay(), SchedulerConfig::default(), 64, true).await;
+    let run = |first: u32, tenant: &str, host: Option<u64>, disk: Option<u64>| {
+        let req = GenerateRequest {
+            cache_salt: Some(format!("tenant\0{tenant}")),
+            tenant: Some(TenantHint {
+                name: tenant.into(),
+                store_blocks: None,
+                host_blocks: host,
+                disk_blocks: disk,
+            }),
+            ..request(first, 65, 2, None)
+        };
+        let rx = s.sched.submit(req).unwrap();
+        async move { collect(rx).await.unwrap().1 }
+    };
+    assert_eq!(run(50, "beta", None, None).await.total(), 0);
+    for first in [60, 61, 62] {
+        assert_eq!(run(first, "acme", Some(4), Some(4)).await.total(), 0);
+    }
+    let stats = s.sched.stats();
+    let demoted = || stats.quota_demoted.load(Ordering::Relaxed);
+    let removed = || stats.quota_removed.load(Ordering::Relaxed);
+    until("8 blocks moved to disk and 4 removed", || demoted() >= 8 && removed() >= 4).await;
+    assert_eq!((demoted(), removed()), (8, 4), "12 blocks used: 4 stay, 8 go down, 4 of them out");
+    let beta = run(50, "beta", None, None).await;
+    assert_eq!(
+        (beta.host_tokens, beta.disk_tokens),
+        (64, 0),
+        "the other tenant stayed in host memory"
+    );
+    // Each read charges the tenant again (the oldest, computed afresh, last).
+    let latest = run(62, "acme", Some(4), Some(4)).await;
+    assert_eq!((latest.host_tokens, latest.disk_tokens), (64, 0), "its latest prompt: {latest:?}");
+    let middle = run(61, "acme", Some(4), Some(4)).await;
+    assert_eq!((middle.host_tokens, middle.disk_tokens), (0, 64), "the one before: {middle:?}");
+    let oldest = run(60, "acme", Some(4), Some(4)).await;
+    assert_eq!(oldest.total(), 0, "its oldest prompt left the store: {oldest:?}");
 }
 
 /// The fabric (G4): a worker with 8 host slots and no disk spills a salted prompt's blocks to

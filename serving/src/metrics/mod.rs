@@ -560,6 +560,8 @@ pub struct EngineSnapshot {
     pub expired: u64,
     /// Blocks removed from the store because their tenant was past its quota.
     pub quota_removed: u64,
+    /// Blocks moved from host memory to disk because their tenant was past its host quota.
+    pub quota_demoted: u64,
     /// Per request: arrival at the engine to the start of its first step.
     pub queue_time: HistogramSnapshot,
     /// Per request: the start of its first step to its first token.
@@ -920,10 +922,19 @@ fn engine_and_store(
         e,
         s,
         "kvfabric_engine_tenant_quota_removed_blocks",
-        "KV blocks removed from the store because their tenant was past its store quota (its own least recently used).",
+        "KV blocks removed from the store because their tenant was past its store or disk quota (its own least recently used; past its host quota where there is no disk).",
         None,
         C,
         |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.quota_removed))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_engine_tenant_quota_demoted_blocks",
+        "KV blocks moved from host memory to disk because their tenant was past its host quota (its own least recently used).",
+        None,
+        C,
+        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.quota_demoted))),
     )?;
     family(
         e,

@@ -383,6 +383,39 @@ impl TieredStore {
             inner.events.removed(vec![hash], TierKind::Device);
             any = true;
         }
+        any |= self.remove_host(hash).await;
+        if let Some(d) = &inner.disk {
+            if d.remove(hash).await {
+                inner.events.removed(vec![hash], TierKind::Disk);
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// Moves a block out of host memory onto disk, writing it there unless it is already
+    /// (a tenant past its host quota); where the store has no disk tier the block leaves the
+    /// store. A pinned block stays where it is.
+    pub async fn demote(&self, hash: SequenceHash) -> Result<Demoted, StoreError> {
+        if self.inner.host.lock().pool.lookup(hash).is_none() {
+            return Ok(Demoted::NotInHost);
+        }
+        let to_disk = self.inner.disk.is_some();
+        if to_disk {
+            self.offload(&[hash]).await?;
+        }
+        Ok(match (self.remove_host(hash).await, to_disk) {
+            (false, _) => Demoted::NotInHost,
+            (true, true) => Demoted::ToDisk,
+            (true, false) => Demoted::Dropped,
+        })
+    }
+
+    /// Removes a block from host memory (not pinned). One on its way to disk is waited for
+    /// (at most a second), then removed from host memory.
+    async fn remove_host(&self, hash: SequenceHash) -> bool {
+        let inner = &self.inner;
+        let mut any = false;
         let until = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
         loop {
             let released = inner.released.notified();
@@ -403,12 +436,6 @@ impl TieredStore {
             }
             if !evicting || tokio::time::timeout_at(until, released).await.is_err() {
                 break;
-            }
-        }
-        if let Some(d) = &inner.disk {
-            if d.remove(hash).await {
-                inner.events.removed(vec![hash], TierKind::Disk);
-                any = true;
             }
         }
         any
@@ -617,4 +644,15 @@ async fn to_completion<T: Send + 'static>(
     .await;
     guard.fut = None;
     out
+}
+
+/// Where [`TieredStore::demote`] left a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Demoted {
+    /// Out of host memory, on disk.
+    ToDisk,
+    /// Out of host memory and, the store having no disk tier, out of the store.
+    Dropped,
+    /// Not in host memory (already out, or never there), or pinned there: left as it is.
+    NotInHost,
 }
