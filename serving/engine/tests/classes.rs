@@ -354,6 +354,27 @@ async fn a_latency_class_prefix_stays_in_host_memory_while_batch_prompts_pass_th
     assert!(s.store.metrics().host_used_blocks <= 16);
 }
 
+/// A 65-token prompt (4 full blocks) from `first` of `tenant`, with its quotas (store, host,
+/// disk) and its namespace as the salt, as the frontend sends it.
+fn tenant_request(
+    first: u32,
+    tenant: &str,
+    store: Option<u64>,
+    host: Option<u64>,
+    disk: Option<u64>,
+) -> GenerateRequest {
+    GenerateRequest {
+        cache_salt: Some(format!("tenant\0{tenant}")),
+        tenant: Some(TenantHint {
+            name: tenant.into(),
+            store_blocks: store,
+            host_blocks: host,
+            disk_blocks: disk,
+        }),
+        ..request(first, 65, 2, None)
+    }
+}
+
 /// A tenant with a store quota of 6 blocks sends three prompts of 4 blocks each: its least
 /// recently used blocks (6 of 12) leave the store, from host memory and from disk, while
 /// another tenant's blocks (no quota, stored before them) stay; its latest prompt is still a
@@ -367,17 +388,7 @@ async fn a_tenant_past_its_store_quota_gives_up_its_own_blocks_not_anothers() {
         let host = if disk { 8 } else { 64 };
         let s = setup(MockConfig::zero_delay(), SchedulerConfig::default(), host, disk).await;
         let run = |first: u32, tenant: &str, quota: Option<u64>| {
-            let req = GenerateRequest {
-                cache_salt: Some(format!("tenant\0{tenant}")),
-                tenant: Some(TenantHint {
-                    name: tenant.into(),
-                    store_blocks: quota,
-                    host_blocks: None,
-                    disk_blocks: None,
-                }),
-                ..request(first, 65, 2, None)
-            };
-            let rx = s.sched.submit(req).unwrap();
+            let rx = s.sched.submit(tenant_request(first, tenant, quota, None, None)).unwrap();
             async move { collect(rx).await.unwrap().1 }
         };
         assert_eq!(run(50, "beta", None).await.total(), 0);
@@ -413,17 +424,7 @@ async fn a_tenant_past_its_store_quota_gives_up_its_own_blocks_not_anothers() {
 async fn a_tenant_past_its_host_quota_moves_its_blocks_to_disk_and_past_its_disk_quota_out() {
     let s = setup(MockConfig::zero_delay(), SchedulerConfig::default(), 64, true).await;
     let run = |first: u32, tenant: &str, host: Option<u64>, disk: Option<u64>| {
-        let req = GenerateRequest {
-            cache_salt: Some(format!("tenant\0{tenant}")),
-            tenant: Some(TenantHint {
-                name: tenant.into(),
-                store_blocks: None,
-                host_blocks: host,
-                disk_blocks: disk,
-            }),
-            ..request(first, 65, 2, None)
-        };
-        let rx = s.sched.submit(req).unwrap();
+        let rx = s.sched.submit(tenant_request(first, tenant, None, host, disk)).unwrap();
         async move { collect(rx).await.unwrap().1 }
     };
     assert_eq!(run(50, "beta", None, None).await.total(), 0);

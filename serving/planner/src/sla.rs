@@ -660,6 +660,30 @@ fn disaggregated(
     Need::Disaggregated { prefill, decode, kv_bytes_per_s }
 }
 
+/// The fewest workers for which `at` has an answer, and that answer; None when even
+/// [`WORKERS_MAX`] has none. Feasibility only grows with the count (each worker's share of
+/// the load falls), so a doubling search then a bisection find it.
+fn fewest<T>(at: impl Fn(u32) -> Option<T>) -> Option<(u32, T)> {
+    let (mut lo, mut hi) = (0u32, 1u32);
+    while at(hi).is_none() {
+        if hi >= WORKERS_MAX {
+            return None;
+        }
+        lo = hi;
+        hi = hi.saturating_mul(2).min(WORKERS_MAX);
+    }
+    // at(lo) fails (or lo = 0), at(hi) holds.
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if at(mid).is_some() {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    at(hi).map(|e| (hi, e))
+}
+
 /// Decode workers for `tokens_per_s` generated tokens at `context` tokens of context, each
 /// running the largest batch within the ITL target; and why, in one line.
 fn decode_workers(
@@ -726,24 +750,7 @@ fn aggregated(
         let ttft = own + step_wait + queue_wait(prefill_share, svc, targets.quantile);
         (ttft <= targets.ttft_s).then_some((prefill_share, batch, itl, ttft))
     };
-    let (mut lo, mut hi) = (0u32, 1u32);
-    while at(hi).is_none() {
-        if hi >= WORKERS_MAX {
-            return Need::Infeasible("no number of aggregated workers meets both targets".into());
-        }
-        lo = hi;
-        hi = hi.saturating_mul(2).min(WORKERS_MAX);
-    }
-    // at(lo) fails (or lo = 0), at(hi) holds.
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if at(mid).is_some() {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    if let Some((prefill_share, batch, itl, ttft)) = at(hi) {
+    if let Some((hi, (prefill_share, batch, itl, ttft))) = fewest(at) {
         reasons.push(format!(
             "aggregated workers: {hi}, each {:.0}% prefill, decoding {batch:.1} sequences at {:.1} ms per token, {} TTFT ≈ {:.1} ms",
             prefill_share * 100.0,

@@ -17,7 +17,7 @@
 //! off: every class waits in one queue, so the tightest TTFT target sizes the deployment for
 //! all of it): what classes save.
 
-use super::{decode_workers, queue_wait, Profile, Service, Targets, Workload, WORKERS_MAX};
+use super::{decode_workers, fewest, queue_wait, Profile, Service, Targets, Workload};
 
 /// One class's load and targets.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -278,28 +278,6 @@ pub fn plan_class_pools(profile: &Profile, classes: &[ClassLoad], itl_s: f64) ->
     ClassPools { prefill, decode, reasons }
 }
 
-/// The fewest workers for which `at` has an answer (it only gets easier with more), and
-/// that answer; None when even [`WORKERS_MAX`] has none.
-fn fewest<T>(at: impl Fn(u32) -> Option<T>) -> Option<(u32, T)> {
-    let (mut lo, mut hi) = (0u32, 1u32);
-    while at(hi).is_none() {
-        if hi >= WORKERS_MAX {
-            return None;
-        }
-        lo = hi;
-        hi = hi.saturating_mul(2).min(WORKERS_MAX);
-    }
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if at(mid).is_some() {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    at(hi).map(|e| (hi, e))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -387,13 +365,9 @@ mod tests {
         }
     }
 
-    /// An interactive class with a tight TTFT target next to a heavy batch class: with
-    /// classes, fewer workers meet both targets than first come first served, where the
-    /// batch prompts' queue sets the interactive TTFT; each class's estimate is within its
-    /// targets.
-    #[test]
-    fn classes_need_fewer_workers_than_first_come_first_served() {
-        let profile = crate::sla::tests::mock_profile();
+    /// `scripts/bench-classes.sh`'s mix: interactive chat turns (a tight TTFT, an ITL
+    /// target) and long batch prompts.
+    fn bench_mix() -> (ClassLoad, ClassLoad) {
         let interactive = ClassLoad {
             name: "interactive".into(),
             load: Workload {
@@ -416,6 +390,17 @@ mod tests {
             },
             targets: Targets::at_quantile(30.0, f64::INFINITY, 0.99),
         };
+        (interactive, batch)
+    }
+
+    /// An interactive class with a tight TTFT target next to a heavy batch class: with
+    /// classes, fewer workers meet both targets than first come first served, where the
+    /// batch prompts' queue sets the interactive TTFT; each class's estimate is within its
+    /// targets.
+    #[test]
+    fn classes_need_fewer_workers_than_first_come_first_served() {
+        let profile = crate::sla::tests::mock_profile();
+        let (interactive, batch) = bench_mix();
         let p = plan_classes(&profile, &[batch, interactive]);
         let (n, est) = p.with_classes.clone().expect("feasible with classes");
         let (m, fcfs) = p.first_come.clone().expect("feasible first come first served");
@@ -434,28 +419,7 @@ mod tests {
     #[test]
     fn class_pools_size_prefill_by_urgency_and_decode_at_the_tightest_itl() {
         let profile = crate::sla::tests::mock_profile();
-        let interactive = ClassLoad {
-            name: "interactive".into(),
-            load: Workload {
-                rate: 2.0,
-                isl: 440.0,
-                osl: 32.0,
-                hit_rate: 0.9,
-                isl_dist: LengthDist::Fixed,
-            },
-            targets: Targets::at_quantile(0.3, 0.05, 0.99),
-        };
-        let batch = ClassLoad {
-            name: "batch".into(),
-            load: Workload {
-                rate: 17.0,
-                isl: 5000.0,
-                osl: 16.0,
-                hit_rate: 0.0,
-                isl_dist: LengthDist::Uniform { lo: 2000.0, hi: 8000.0 },
-            },
-            targets: Targets::at_quantile(30.0, f64::INFINITY, 0.99),
-        };
+        let (interactive, batch) = bench_mix();
         let p = plan_class_pools(&profile, &[batch.clone(), interactive.clone()], 1.0);
         let (prefill, est) = p.prefill.clone().expect("a prefill pool meets both");
         assert_eq!(est[0].name, "interactive");
