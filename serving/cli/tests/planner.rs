@@ -255,11 +255,10 @@ async fn a_disaggregated_planner_scales_prefill_and_decode_pools() {
     let roles: Vec<&str> =
         s["workers"].as_array().unwrap().iter().filter_map(|w| w["role"].as_str()).collect();
     assert!(roles.contains(&"prefill") && roles.contains(&"decode"), "{roles:?}");
-    // A light load while the pools drain back to one worker each.
+    // A light load while the pools drain back to one worker each. Each pool's drain to one
+    // worker is read from the decisions, not from the pools after it: on a starved machine
+    // the light load's own TTFTs may be over target, and a pool may rightly grow again.
     light_load(addr, &counts, 2).await;
-    let m = get(addr, "/metrics").await.text();
-    assert_eq!(pool_workers(&m, "prefill"), Some(1.0), "{m}");
-    assert_eq!(pool_workers(&m, "decode"), Some(1.0), "{m}");
     assert_eq!(counts.failed.load(Ordering::Relaxed), 0, "requests failed across scaling");
     let decisions: Vec<serde_json::Value> = std::fs::read_to_string(&log)
         .unwrap()
@@ -270,6 +269,13 @@ async fn a_disaggregated_planner_scales_prefill_and_decode_pools() {
         assert!(decisions.iter().any(|d| d["pool"] == pool), "no {pool} decision");
         let ups = decisions.iter().filter(|d| d["pool"] == pool && d["action"] == "up").count();
         println!("{pool}: scaled up {ups} times");
+        assert!(
+            ups == 0
+                || decisions
+                    .iter()
+                    .any(|d| d["pool"] == pool && d["action"] == "down" && d["after"] == 1),
+            "the {pool} pool grew and never drained back to one worker: {decisions:#?}"
+        );
     }
     assert!(decisions.iter().any(|d| d["action"] == "up"), "no scale-up decision");
     assert!(decisions.iter().any(|d| d["action"] == "down"), "no scale-down decision");
