@@ -39,8 +39,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::sla::{
-    plan, plan_class_pools, plan_classes, ClassLoad, LengthDist, Profile, Targets, Workload,
-    DIST_POINTS,
+    plan, plan_class_pools, plan_classes, tightest_itl, ClassLoad, LengthDist, Profile, Targets,
+    Workload, DIST_POINTS,
 };
 use crate::window::{ClassWindow, LoadSource, LoadWindow};
 
@@ -565,12 +565,7 @@ impl Brain {
         let pool = self.pool;
         // With classes, a decode batch holds every class: the tightest ITL target among them
         // (as `plan_class_pools` plans it), the one set of targets' when none has one.
-        let itl_target = class_loads
-            .iter()
-            .map(|c| c.targets.itl_s)
-            .filter(|t| t.is_finite())
-            .reduce(f64::min)
-            .unwrap_or(t.itl_s);
+        let itl_target = tightest_itl(&class_loads, t.itl_s);
         let mut governed = [
             (true, ttft_label.clone(), seen.ttft_s, t.ttft_s),
             (false, "mean ITL".to_string(), seen.itl_mean_s, itl_target),

@@ -27,7 +27,7 @@
 mod classes;
 
 pub use classes::{
-    plan_class_pools, plan_classes, ClassEstimate, ClassLoad, ClassPlan, ClassPools,
+    plan_class_pools, plan_classes, tightest_itl, ClassEstimate, ClassLoad, ClassPlan, ClassPools,
 };
 
 /// A measured curve: `y` against `x`, interpolated linearly between points, extended along

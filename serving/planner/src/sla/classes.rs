@@ -102,18 +102,49 @@ fn ttfts(parts: &[(f64, &Service)], q: Option<f64>, priority: bool) -> Vec<f64> 
         .collect()
 }
 
-/// The fewest aggregated workers at which every class meets its own targets, with classes
-/// (served by urgency) and first come first served.
-pub fn plan_classes(profile: &Profile, classes: &[ClassLoad]) -> ClassPlan {
-    let mut reasons = Vec::new();
+/// A mix of classes most urgent first (by TTFT target), each class's prefill service times,
+/// and the quantile every class's targets bound (the strictest asked for).
+fn by_urgency<'a>(
+    profile: &Profile,
+    classes: &'a [ClassLoad],
+) -> (Vec<&'a ClassLoad>, Vec<Service>, Option<f64>) {
     let mut order: Vec<&ClassLoad> = classes.iter().collect();
     order.sort_by(|a, b| a.targets.ttft_s.total_cmp(&b.targets.ttft_s));
-    let services: Vec<Service> = order.iter().map(|c| Service::of(profile, &c.load)).collect();
-    // Every class's targets bound the same quantile (the strictest asked for).
+    let services = order.iter().map(|c| Service::of(profile, &c.load)).collect();
     let q = order
         .iter()
         .filter_map(|c| c.targets.quantile)
         .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+    (order, services, q)
+}
+
+/// The mean context of one decode batch of every class: each class's context weighted by
+/// its sequences decoding (rate × answer length); 0 when none decodes.
+fn batch_context(order: &[&ClassLoad]) -> f64 {
+    let tokens: f64 = order.iter().map(|c| c.load.rate * c.load.osl).sum();
+    if tokens <= 0.0 {
+        return 0.0;
+    }
+    order.iter().map(|c| c.load.rate * c.load.osl * (c.load.isl + c.load.osl / 2.0)).sum::<f64>()
+        / tokens
+}
+
+/// The ITL target of a decode batch holding every class: the tightest among them, `fallback`
+/// when no class has one.
+pub fn tightest_itl(classes: &[ClassLoad], fallback: f64) -> f64 {
+    classes
+        .iter()
+        .map(|c| c.targets.itl_s)
+        .filter(|t| t.is_finite())
+        .reduce(f64::min)
+        .unwrap_or(fallback)
+}
+
+/// The fewest aggregated workers at which every class meets its own targets, with classes
+/// (served by urgency) and first come first served.
+pub fn plan_classes(profile: &Profile, classes: &[ClassLoad]) -> ClassPlan {
+    let mut reasons = Vec::new();
+    let (order, services, q) = by_urgency(profile, classes);
     for (c, s) in order.iter().zip(&services) {
         reasons.push(format!(
             "{}: {} req/s, {:.0} prompt tokens ({:.0}% cached) → prefill {:.1} ms on average; targets TTFT {:.0} ms{}",
@@ -130,6 +161,7 @@ pub fn plan_classes(profile: &Profile, classes: &[ClassLoad]) -> ClassPlan {
             }
         ));
     }
+    let context = batch_context(&order);
     let at = |n: u32, priority: bool| -> Option<Vec<ClassEstimate>> {
         if profile.itl_s.is_empty() {
             return None;
@@ -140,15 +172,8 @@ pub fn plan_classes(profile: &Profile, classes: &[ClassLoad]) -> ClassPlan {
         if share >= 1.0 {
             return None;
         }
-        // One decode batch of every class: its mean context weighted by sequences decoding.
-        let seqs: Vec<f64> = rates.iter().zip(&order).map(|(r, c)| r * c.load.osl).collect();
-        let weight: f64 = seqs.iter().sum();
-        let context = if weight > 0.0 {
-            seqs.iter().zip(&order).map(|(w, c)| w * (c.load.isl + c.load.osl / 2.0)).sum::<f64>()
-                / weight
-        } else {
-            0.0
-        };
+        // One decode batch of every class: the sequences decoding on a worker.
+        let weight: f64 = rates.iter().zip(&order).map(|(r, c)| r * c.load.osl).sum();
         let (mut batch, mut itl) = (1.0f64, 0.0);
         for _ in 0..20 {
             itl = profile.itl(context, batch.ceil().max(1.0))? / (1.0 - share);
@@ -211,13 +236,7 @@ pub struct ClassPools {
 /// class's tokens at the tightest ITL target among them (`itl_s` when no class has one).
 pub fn plan_class_pools(profile: &Profile, classes: &[ClassLoad], itl_s: f64) -> ClassPools {
     let mut reasons = Vec::new();
-    let mut order: Vec<&ClassLoad> = classes.iter().collect();
-    order.sort_by(|a, b| a.targets.ttft_s.total_cmp(&b.targets.ttft_s));
-    let services: Vec<Service> = order.iter().map(|c| Service::of(profile, &c.load)).collect();
-    let q = order
-        .iter()
-        .filter_map(|c| c.targets.quantile)
-        .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+    let (order, services, q) = by_urgency(profile, classes);
     let at = |n: u32| -> Option<Vec<ClassEstimate>> {
         let n = f64::from(n);
         let parts: Vec<(f64, &Service)> =
@@ -249,23 +268,9 @@ pub fn plan_class_pools(profile: &Profile, classes: &[ClassLoad], itl_s: f64) ->
         }
         None => reasons.push("no number of prefill workers meets every class's TTFT".into()),
     }
-    let itl = order
-        .iter()
-        .map(|c| c.targets.itl_s)
-        .filter(|t| t.is_finite())
-        .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.min(t))))
-        .unwrap_or(itl_s);
+    let itl = tightest_itl(classes, itl_s);
     let tokens: f64 = order.iter().map(|c| c.load.rate * c.load.osl).sum();
-    let context = if tokens > 0.0 {
-        order
-            .iter()
-            .map(|c| c.load.rate * c.load.osl * (c.load.isl + c.load.osl / 2.0))
-            .sum::<f64>()
-            / tokens
-    } else {
-        0.0
-    };
-    let decode = match decode_workers(profile, tokens, context, itl) {
+    let decode = match decode_workers(profile, tokens, batch_context(&order), itl) {
         Ok((n, why)) => {
             reasons.push(format!("{why} (every class in one batch at ITL {:.1} ms)", itl * 1e3));
             Some(n)
