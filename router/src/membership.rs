@@ -531,6 +531,14 @@ impl Membership {
         }
     }
 
+    /// The engine steps worker `name` had run at its last report with statistics, and when
+    /// that report came (None before one).
+    pub fn steps(&self, name: &str) -> Option<(Instant, u64)> {
+        let st = self.s.members.lock();
+        let w = st.workers.get(name)?;
+        Some((w.reported?.0, w.stats.as_ref()?.steps))
+    }
+
     /// A worker did not answer in time (no connection, no handshake or no first token):
     /// avoided for the configured penalty, while others exist.
     pub fn penalise(&self, name: &str) {

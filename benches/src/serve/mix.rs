@@ -96,6 +96,10 @@ pub struct MixConfig {
     pub timeout: Duration,
     /// Requests in flight at most.
     pub in_flight_max: usize,
+    /// The first requests of the arrival process that are sent but not counted (the
+    /// deployment's caches and queues reach their steady state first: each worker computes
+    /// a shared prefix once, whichever request brings it first).
+    pub warmup: usize,
 }
 
 /// One class's results.
@@ -149,7 +153,8 @@ pub async fn run_mix(t: Target, model: &str, cfg: &MixConfig) -> crate::Result<V
     let start = Instant::now();
     let mut next_at = start;
     let mut tasks = Vec::with_capacity(cfg.requests);
-    for _ in 0..cfg.requests {
+    let mut counted_from = Duration::ZERO;
+    for i in 0..cfg.warmup + cfg.requests {
         let mut pick = rng.next_f64() * total;
         let k = cfg
             .classes
@@ -174,6 +179,9 @@ pub async fn run_mix(t: Target, model: &str, cfg: &MixConfig) -> crate::Result<V
         next_at += Duration::from_secs_f64(-u.ln() / cfg.rate);
         tokio::time::sleep_until(tokio::time::Instant::from_std(next_at)).await;
         let due = next_at - start;
+        if i == cfg.warmup {
+            counted_from = due;
+        }
         let permit = sem.clone().acquire_owned().await?;
         let (t, timeout) = (t.clone(), cfg.timeout);
         tasks.push(tokio::spawn(async move {
@@ -189,11 +197,14 @@ pub async fn run_mix(t: Target, model: &str, cfg: &MixConfig) -> crate::Result<V
         }));
     }
     let mut outs: Vec<Vec<Outcome>> = cfg.classes.iter().map(|_| Vec::new()).collect();
-    for task in tasks {
+    for (i, task) in tasks.into_iter().enumerate() {
         let (k, o) = task.await?;
-        outs[k].push(o);
+        if i >= cfg.warmup {
+            outs[k].push(o);
+        }
     }
-    let duration = start.elapsed().as_secs_f64();
+    // Rates over the counted requests: from the first one's arrival to the last answer.
+    let duration = start.elapsed().saturating_sub(counted_from).as_secs_f64();
     Ok(cfg.classes.iter().zip(outs).map(|(c, outs)| row(c, &outs, duration)).collect())
 }
 
@@ -239,9 +250,11 @@ fn row(c: &MixClass, outs: &[Outcome], duration: f64) -> MixRow {
 /// Prints the rows as a table.
 pub fn print(url: &str, cfg: &MixConfig, rows: &[MixRow]) {
     println!(
-        "{url}: {} requests at {:.2}/s, classes named in x-kvfabric-class: {}",
+        "{url}: {} requests at {:.2}/s (after {} not counted), classes named in \
+         x-kvfabric-class: {}",
         cfg.requests,
         cfg.rate,
+        cfg.warmup,
         if cfg.class_header { "yes" } else { "no" }
     );
     println!(

@@ -116,6 +116,15 @@ pub struct ServeArgs {
     /// Print JSON rows.
     #[arg(long)]
     json: bool,
+    /// --mix: send this many requests of the mix first (the same arrivals) without counting
+    /// them, so that the counted ones meet the deployment in its steady state (each worker
+    /// has computed the shared prefixes once).
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// --mix: also write the JSON rows to this file (the table still prints), for scripts
+    /// that compare runs.
+    #[arg(long)]
+    json_out: Option<std::path::PathBuf>,
 }
 
 fn parse_step(s: &str) -> Result<(f64, f64), String> {
@@ -428,8 +437,17 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
             seed: args.seed,
             timeout: Duration::from_secs(args.timeout_s.max(1)),
             in_flight_max: args.in_flight_max,
+            warmup: args.warmup,
         };
         let rows = mix::run_mix(t, &model, &cfg).await?;
+        if let Some(path) = &args.json_out {
+            let mut out = String::new();
+            for r in &rows {
+                out.push_str(&serde_json::to_string(r)?);
+                out.push('\n');
+            }
+            std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))?;
+        }
         if args.json {
             for r in &rows {
                 println!("{}", serde_json::to_string(r)?);

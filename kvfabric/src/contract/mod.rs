@@ -111,6 +111,9 @@ pub struct WorkerStats {
     pub local_prefills: u64,
     /// Remote prefills that failed or timed out and were done locally instead.
     pub prefill_fallbacks: u64,
+    /// Engine steps run: a worker whose steps advance is working through its queue, however
+    /// long (a frontend waits past its first-token limit for a request queued there).
+    pub steps: u64,
     /// When the report was sent, milliseconds since the Unix epoch (the bus's lag).
     pub sent_at_ms: u64,
 }

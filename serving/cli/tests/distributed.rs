@@ -461,6 +461,50 @@ async fn no_first_token_in_time_retries_elsewhere() {
     assert_eq!(skipped, 1, "the slow worker was tried once, then avoided");
 }
 
+/// A worker with a long queue is not a frozen one: a request whose first token comes after
+/// the first-token limit because requests ahead of it are computed (the worker's engine keeps
+/// stepping, its reports say so) waits on there instead of being moved to the back of another
+/// worker's queue, and the worker is not penalised.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_queue_is_waited_for_past_the_first_token_limit() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    // One sequence at a time, 2 ms per prompt token: each 400-token prompt takes 0.8 s.
+    let args = ["--engine", "mock", "--disk-blocks", "0", "--mock-prefill-us", "2000"];
+    let _busy = worker("lq-busy", &etcd, &nats, &[&args[..], &["--max-batch", "1"]].concat());
+    let cfg =
+        RoutedConfig { first_token_timeout: Duration::from_secs(1), ..RoutedConfig::new(SECRET) };
+    let f = frontend_with(&etcd, &nats, cfg).await;
+    wait_for("the worker", Duration::from_secs(10), async || workers_known(&f).await.len() == 1)
+        .await;
+    let b = f.backend.clone();
+    wait_for("its first load report", Duration::from_secs(10), async || {
+        b.worker_steps("lq-busy").is_some()
+    })
+    .await;
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..3)
+        .map(|i| {
+            let addr = f.addr;
+            tokio::spawn(async move {
+                let prompt = format!("{i} {}", "queued behind the others ".repeat(16));
+                let r = post_json(addr, "/v1/completions", &completion(&prompt, 2)).await;
+                (r.status, r.header("x-kvfabric-worker").map(str::to_string), r.text())
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (status, worker, text) = t.await.unwrap();
+        assert_eq!((status, worker.as_deref()), (200, Some("lq-busy")), "{text}");
+    }
+    let stats = f.backend.stats();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    // The last of the three had its first token after two prompts (1.6 s or more).
+    assert!(start.elapsed() > Duration::from_millis(1600), "took {:?}", start.elapsed());
+    assert!(load(&stats.long_first_token_waits) >= 1, "no request waited past the limit");
+    assert_eq!(load(&stats.slow_workers), 0, "a working worker was treated as frozen");
+    assert_eq!(load(&stats.retries), 0, "a queued request was moved");
+}
+
 /// A worker frozen (SIGSTOP) in the middle of a stream: the frontend stops waiting after the
 /// inter-token deadline and moves the stream to the other worker, which continues from the
 /// prompt and the tokens already sent. The client sees one stream, as long and with the same

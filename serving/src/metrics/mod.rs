@@ -197,6 +197,7 @@ pub fn worker_stats(snap: &Snapshot, draining: bool) -> kvfabric::contract::Work
         out.running = e.running;
         out.waiting = e.waiting;
         out.prefill_tokens = e.prefill_tokens;
+        out.steps = e.steps;
         // The engine counts hits from host, disk and remote; a device-tier hit is none of
         // these.
         out.hit_tokens = [0, e.hit_tokens[0], e.hit_tokens[1], e.hit_tokens[2]];
@@ -600,6 +601,8 @@ pub struct RoutedSnapshot {
     pub slow_workers: u64,
     /// Attempts refused by a worker's handshake on the secret.
     pub auth_failures: u64,
+    /// Attempts that waited past the first-token limit for a worker still stepping.
+    pub long_first_token_waits: u64,
     /// Streams ended because the worker sent nothing for the inter-token deadline.
     pub stalled_streams: u64,
     /// Streams moved to another worker after theirs stalled or broke mid-stream.
@@ -1525,6 +1528,12 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
             "kvfabric_frontend_unresponsive_workers",
             "Attempts abandoned: no connection, handshake or first token in time.",
             |r| r.slow_workers,
+        ),
+        (
+            "kvfabric_frontend_long_first_token_waits",
+            "Attempts that waited past the first-token limit for a worker whose engine kept \
+             stepping (a long queue there, not a frozen worker).",
+            |r| r.long_first_token_waits,
         ),
         (
             "kvfabric_frontend_worker_auth_failures",

@@ -116,6 +116,9 @@ pub struct RoutedStats {
     /// Attempts abandoned because the worker did not answer in time (connection, handshake,
     /// first token); the worker is then avoided for a while.
     pub slow_workers: AtomicU64,
+    /// Attempts that waited past the first-token limit for a worker whose engine kept
+    /// stepping (a long queue, not a frozen worker).
+    pub long_first_token_waits: AtomicU64,
     /// Attempts refused by the worker's handshake on the secret.
     pub auth_failures: AtomicU64,
     /// Streams ended because their worker sent nothing for the inter-token deadline.
@@ -218,6 +221,11 @@ impl RoutedBackend {
     /// The counters.
     pub fn stats(&self) -> &RoutedStats {
         &self.inner.stats
+    }
+
+    /// The engine steps worker `name` had run at its last report (None before one).
+    pub fn worker_steps(&self, name: &str) -> Option<u64> {
+        self.inner.members.steps(name).map(|(_, steps)| steps)
     }
 
     /// The counters of the index's feed (KV events applied, gaps, dumps).
@@ -343,6 +351,7 @@ impl Backend for RoutedBackend {
             no_worker: ld(&s.no_worker),
             slow_workers: ld(&s.slow_workers),
             auth_failures: ld(&s.auth_failures),
+            long_first_token_waits: ld(&s.long_first_token_waits),
             stalled_streams: ld(&s.stalled_streams),
             migrations: ld(&s.migrations),
             kv_events: ld(&f.applied),

@@ -188,8 +188,13 @@ impl Inner {
         // Whether any event came back on this connection yet.
         let mut answered = false;
         let mut sent_token = false;
-        let first_token_by =
+        let mut first_token_by =
             (tokio::time::Instant::now() + self.cfg.first_token_timeout).min(deadline);
+        // The worker's engine steps as of its last report: past the first-token limit, a
+        // worker that still steps (and reports) is working through a long queue, and the
+        // request waits on there; one that does not is frozen, and the request moves.
+        let mut steps_seen = self.members.steps(name).map(|(_, s)| s);
+        let mut waited_long = false;
         // `Started` is held until the first token: a request retried elsewhere reports the
         // worker that answered it.
         let mut started: Option<GenEvent> = None;
@@ -216,6 +221,15 @@ impl Inner {
             answered |= matches!(frame, Ok(Ok(Some(_))));
             let ev = match frame {
                 Err(_) if !sent_token && until < deadline => {
+                    if self.still_stepping(name, &mut steps_seen) {
+                        if !std::mem::replace(&mut waited_long, true) {
+                            self.stats.long_first_token_waits.fetch_add(1, Ordering::Relaxed);
+                        }
+                        first_token_by = (tokio::time::Instant::now()
+                            + self.cfg.first_token_timeout)
+                            .min(deadline);
+                        continue;
+                    }
                     self.penalise(name);
                     return Relay::Retry(format!(
                         "no first token within {:?}",
@@ -305,6 +319,18 @@ impl Inner {
                 }
             }
         }
+    }
+}
+
+impl Inner {
+    /// Whether worker `name` reported, within the last first-token limit, more engine steps
+    /// than `seen` (which it then becomes).
+    fn still_stepping(&self, name: &str, seen: &mut Option<u64>) -> bool {
+        let Some((at, steps)) = self.members.steps(name) else { return false };
+        let fresh = at.elapsed() < self.cfg.first_token_timeout;
+        let advanced = seen.is_some_and(|s| steps > s);
+        *seen = Some(steps);
+        fresh && advanced
     }
 }
 
