@@ -38,26 +38,47 @@ async fn mock_worker_with(
     secret: &[u8],
     remote_tier: bool,
 ) -> (WorkerStack, kvfabric_serving::worker::Served) {
-    let cfg = WorkerConfig {
+    let mock = MockConfig { decode_step_us: 100.0, ..MockConfig::default() };
+    let cfg = worker_config(name, secret, remote_tier, mock, SchedulerConfig::default());
+    start_worker(cfg, discovery, bus).await
+}
+
+fn worker_config(
+    name: &str,
+    secret: &[u8],
+    remote_tier: bool,
+    mock: MockConfig,
+    scheduler: SchedulerConfig,
+) -> WorkerConfig {
+    WorkerConfig {
         name: name.into(),
         engine: EngineSpec::Mock {
             name: "mock".into(),
             block_tokens: 16,
             model_dir: None,
-            config: MockConfig { decode_step_us: 100.0, ..MockConfig::default() },
+            config: mock,
         },
-        scheduler: SchedulerConfig::default(),
+        scheduler,
         secret: Some(secret.to_vec()),
         host_blocks: 64,
         disk: None,
         disk_admit_min_hits: 0,
         remote_tier,
         rdma: None,
-    };
+    }
+}
+
+/// Starts the worker `cfg` describes, served and registered in `discovery`.
+async fn start_worker(
+    cfg: WorkerConfig,
+    discovery: &Arc<dyn Discovery>,
+    bus: &Arc<dyn EventBus>,
+) -> (WorkerStack, kvfabric_serving::worker::Served) {
+    let name = cfg.name.clone();
     let stack = WorkerStack::start(&cfg, discovery, bus.clone(), |_, _| {}).await.unwrap();
     let served = stack
         .serve(
-            name,
+            &name,
             Role::Aggregated,
             "127.0.0.1:0".parse().unwrap(),
             discovery,
@@ -453,4 +474,47 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     });
     served.server.abort();
     stack.shutdown().await;
+}
+
+/// When every worker's queue is full, the frontend answers as one engine would: 429 with a
+/// `Retry-After` (counted), never a 503 that says no worker could serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_worker_overloaded_is_a_429_with_retry_after() {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    // One sequence running and one waiting each, 0.2 s per 100-token prompt.
+    let mock = MockConfig { prefill_us_per_token: 2000.0, ..MockConfig::default() };
+    let sched = SchedulerConfig { batch_max: 1, waiting_max: 1, ..SchedulerConfig::default() };
+    let mut workers = Vec::new();
+    for name in ["ov-0", "ov-1"] {
+        let cfg = worker_config(name, SECRET, false, mock, sched.clone());
+        workers.push(start_worker(cfg, &discovery, &bus).await);
+    }
+    let (routed, addr) = frontend(&discovery, &bus).await;
+    assert!(routed.wait_for_workers(2, Duration::from_secs(10)).await);
+    let tasks: Vec<_> = (0..12)
+        .map(|i| {
+            let body = json!({ "model": "mock", "prompt": format!("{i:03} {}", "x".repeat(96)),
+                "max_tokens": 2 });
+            tokio::spawn(async move { common::post_json(addr, "/v1/completions", &body).await })
+        })
+        .collect();
+    let mut refused = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        match r.status {
+            200 => {}
+            429 => {
+                refused += 1;
+                let after: u64 = r.header("retry-after").expect("Retry-After").parse().unwrap();
+                assert!(after >= 1, "Retry-After {after}");
+                assert!(r.text().contains("overloaded"), "{}", r.text());
+            }
+            s => panic!("status {s}: {}", r.text()),
+        }
+    }
+    // Two running and two waiting at most: most of the twelve are refused.
+    assert!(refused >= 4, "{refused} refused");
+    assert_eq!(routed.stats().overloaded.load(Ordering::Relaxed), refused);
+    assert_eq!(routed.stats().no_worker.load(Ordering::Relaxed), 0);
 }

@@ -131,6 +131,8 @@ pub struct MixRow {
     pub goodput_rps: f64,
     /// Share of the sent requests that met them.
     pub attainment: f64,
+    /// The first of the other failures, as the client saw it.
+    pub first_error: Option<String>,
 }
 
 fn p3(d: &[Duration]) -> [f64; 3] {
@@ -244,6 +246,10 @@ fn row(c: &MixClass, outs: &[Outcome], duration: f64) -> MixRow {
         output_tokens_per_s: ok.iter().map(|o| o.completion_tokens).sum::<u64>() as f64 / duration,
         goodput_rps: met as f64 / duration,
         attainment: if outs.is_empty() { 0.0 } else { met as f64 / outs.len() as f64 },
+        first_error: outs
+            .iter()
+            .filter(|o| !status(o, "429") && !status(o, "504"))
+            .find_map(|o| o.error.clone()),
     }
 }
 
@@ -292,6 +298,11 @@ pub fn print(url: &str, cfg: &MixConfig, rows: &[MixRow]) {
     }
     let goodput: f64 = rows.iter().map(|r| r.goodput_rps).sum();
     println!("goodput (requests that met their class's targets): {goodput:.2}/s");
+    for r in rows {
+        if let Some(e) = &r.first_error {
+            println!("{}: {} failed otherwise; the first: {e}", r.class, r.errors);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -597,6 +597,8 @@ pub struct RoutedSnapshot {
     pub failed_mid_stream: u64,
     /// Requests no worker could serve.
     pub no_worker: u64,
+    /// Requests refused (429) because every worker tried was overloaded.
+    pub overloaded: u64,
     /// Attempts abandoned: no connection, handshake or first token in time.
     pub slow_workers: u64,
     /// Attempts refused by a worker's handshake on the secret.
@@ -1524,6 +1526,11 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
             r.failed_mid_stream
         }),
         ("kvfabric_frontend_no_worker", "Requests no worker could serve.", |r| r.no_worker),
+        (
+            "kvfabric_frontend_overloaded",
+            "Requests refused with 429 and Retry-After: every worker tried was overloaded.",
+            |r| r.overloaded,
+        ),
         (
             "kvfabric_frontend_unresponsive_workers",
             "Attempts abandoned: no connection, handshake or first token in time.",

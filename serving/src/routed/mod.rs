@@ -113,6 +113,8 @@ pub struct RoutedStats {
     pub failed_mid_stream: AtomicU64,
     /// Requests for which no worker was available.
     pub no_worker: AtomicU64,
+    /// Requests refused (429) because every worker tried was overloaded.
+    pub overloaded: AtomicU64,
     /// Attempts abandoned because the worker did not answer in time (connection, handshake,
     /// first token); the worker is then avoided for a while.
     pub slow_workers: AtomicU64,
@@ -349,6 +351,7 @@ impl Backend for RoutedBackend {
             retries: ld(&s.retries),
             failed_mid_stream: ld(&s.failed_mid_stream),
             no_worker: ld(&s.no_worker),
+            overloaded: ld(&s.overloaded),
             slow_workers: ld(&s.slow_workers),
             auth_failures: ld(&s.auth_failures),
             long_first_token_waits: ld(&s.long_first_token_waits),

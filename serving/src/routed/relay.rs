@@ -53,6 +53,10 @@ impl Inner {
         };
         let mut tried: Vec<WorkerId> = Vec::new();
         let mut last_err: Option<String> = None;
+        // While every attempt was refused for a full queue: the refusal that expects to take
+        // a retry soonest (the client gets it, 429 with its Retry-After, if none serves).
+        let mut overloaded: Option<EngineError> = None;
+        let mut only_overloaded = true;
         let (prompt, max_tokens) = (req.prompt.clone(), req.max_tokens);
         let mut wreq = WorkerRequest { model: model.clone(), request: req };
         let mut progress = Progress { ids_known: true, ..Progress::default() };
@@ -98,8 +102,24 @@ impl Inner {
                     tracing::info!(worker = %name, reason = %why, "retrying on another worker");
                     tried.push(worker_id(&name));
                     last_err = Some(format!("worker {name}: {why}"));
+                    only_overloaded = false;
+                }
+                Relay::Overloaded(e) => {
+                    tracing::debug!(worker = %name, reason = %e, "overloaded: trying another worker");
+                    tried.push(worker_id(&name));
+                    last_err = Some(format!("worker {name}: {e}"));
+                    let after = |e: &EngineError| match e {
+                        EngineError::Overloaded { retry_after_ms, .. } => {
+                            retry_after_ms.unwrap_or(u64::MAX)
+                        }
+                        _ => u64::MAX,
+                    };
+                    if overloaded.as_ref().is_none_or(|o| after(&e) < after(o)) {
+                        overloaded = Some(e);
+                    }
                 }
                 Relay::Failed(why) => {
+                    only_overloaded = false;
                     tried.push(worker_id(&name));
                     let left = max_tokens.saturating_sub(progress.generated.len());
                     let can_move = migrations < self.cfg.migrations_max
@@ -140,6 +160,13 @@ impl Inner {
                 return;
             }
             wreq.request.timeout = deadline - now;
+        }
+        if let Some(e) = overloaded.filter(|_| only_overloaded) {
+            // Every worker tried is overloaded: the client is told to come back later (429
+            // and Retry-After), as one engine would tell it.
+            self.stats.overloaded.fetch_add(1, Ordering::Relaxed);
+            let _ = tx.send(GenEvent::Error(e));
+            return;
         }
         self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
@@ -308,9 +335,10 @@ impl Inner {
                 GenEvent::Error(e) => {
                     // The worker is done with the request; the connection is clean.
                     self.pool.give_back(conn);
-                    let retryable =
-                        matches!(e, EngineError::Overloaded { .. } | EngineError::Stopped);
-                    if retryable && !sent_token {
+                    if matches!(e, EngineError::Overloaded { .. }) && !sent_token {
+                        return Relay::Overloaded(e);
+                    }
+                    if matches!(e, EngineError::Stopped) && !sent_token {
                         return Relay::Retry(e.to_string());
                     }
                     progress.send_started(tx, started.take());
@@ -371,6 +399,10 @@ impl Inner {
             Err(e) => {
                 if matches!(e, openai::OpenAiError::Connect { .. }) {
                     self.penalise(t.name);
+                }
+                if let openai::OpenAiError::Status { status: 429, .. } = e {
+                    let e = EngineError::Overloaded { waiting: 0, retry_after_ms: None };
+                    return Relay::Overloaded(e);
                 }
                 if e.retryable() {
                     return Relay::Retry(e.to_string());
@@ -464,7 +496,11 @@ impl Inner {
 
 enum Relay {
     Finished,
+    /// Nothing was sent: another worker may serve it.
     Retry(String),
+    /// Nothing was sent: the worker's queue is full (another worker may serve it; if none
+    /// does, the client is told to retry later).
+    Overloaded(EngineError),
     Failed(String),
 }
 
