@@ -482,8 +482,9 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
 async fn every_worker_overloaded_is_a_429_with_retry_after() {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
-    // One sequence running and one waiting each, 0.2 s per 100-token prompt.
-    let mock = MockConfig { prefill_us_per_token: 2000.0, ..MockConfig::default() };
+    // One sequence running and one waiting each, 1 s per 100-token prompt: the twelve
+    // requests arrive well within one prompt's time, even on a loaded machine.
+    let mock = MockConfig { prefill_us_per_token: 10_000.0, ..MockConfig::default() };
     let sched = SchedulerConfig { batch_max: 1, waiting_max: 1, ..SchedulerConfig::default() };
     let mut workers = Vec::new();
     for name in ["ov-0", "ov-1"] {
