@@ -198,10 +198,24 @@ for t in d["tiers"]:
 
 step "health of every container"
 podman ps --filter "label=io.podman.compose.project=$project" --format '{{.Names}} {{.Status}}'
+# A container becomes healthy in its own time (the fabric node allocates its 3 GB host tier
+# first, 8 s here): each check is retried for up to 60 s, as the compose file's retries allow,
+# before the container counts as unhealthy.
 for c in $(containers); do
-  podman healthcheck run "$c" >/dev/null && echo "$c healthy" || { echo "$c unhealthy" >&2; exit 1; }
+  healthy=""
+  for _ in $(seq 30); do
+    podman healthcheck run "$c" >/dev/null 2>&1 && { healthy=1; break; }
+    sleep 2
+  done
+  [ -n "$healthy" ] && echo "$c healthy" || {
+    podman logs --tail 20 "$c" >&2; echo "$c unhealthy after 60 s of checks" >&2; exit 1; }
 done
 for port in "$WORKER_A_METRICS" "$WORKER_B_METRICS" "$FABRIC_METRICS"; do
-  echo "127.0.0.1:$port /health: $(curl -sf "http://127.0.0.1:$port/health" | python3 -c 'import json,sys; print(json.load(sys.stdin)["status"])')"
+  status=""
+  for _ in $(seq 30); do
+    status=$(curl -s "http://127.0.0.1:$port/health" | python3 -c 'import json,sys; print(json.load(sys.stdin)["status"])' 2>/dev/null) && [ "$status" = ok ] && break
+    sleep 2
+  done
+  echo "127.0.0.1:$port /health: ${status:-no answer}"
 done
 step "done"

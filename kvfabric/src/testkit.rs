@@ -146,15 +146,32 @@ pub struct NatsServer {
     child: ServerProcess,
     dir: tempfile::TempDir,
     port: u16,
+    /// Its clients' credentials (nats-server's `--user`/`--pass`, or `--auth` for a token).
+    auth: Vec<String>,
 }
 
 impl NatsServer {
     /// Starts nats-server with JetStream on a free loopback port.
     pub fn start() -> std::io::Result<Self> {
+        Self::start_with(Vec::new())
+    }
+
+    /// Starts one that accepts only clients with this user and password.
+    pub fn start_with_user(user: &str, password: &str) -> std::io::Result<Self> {
+        Self::start_with(vec!["--user".into(), user.into(), "--pass".into(), password.into()])
+    }
+
+    /// Starts one that accepts only clients with this token.
+    pub fn start_with_token(token: &str) -> std::io::Result<Self> {
+        Self::start_with(vec!["--auth".into(), token.into()])
+    }
+
+    fn start_with(auth: Vec<String>) -> std::io::Result<Self> {
         let mut s = NatsServer {
             child: ServerProcess::default(),
             dir: tempfile::tempdir()?,
             port: free_port()?,
+            auth,
         };
         s.spawn()?;
         Ok(s)
@@ -164,6 +181,7 @@ impl NatsServer {
         let mut child = Command::new(find("nats-server")?)
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
             .arg(self.dir.path())
+            .args(&self.auth)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()?;

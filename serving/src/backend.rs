@@ -233,6 +233,7 @@ pub fn engine_snapshot(sched: &Scheduler, store: &TieredStore) -> EngineSnapshot
         running: ld(&s.running),
         steps: ld(&s.steps),
         preempted: ld(&s.preempted),
+        preempted_decode: ld(&s.preempted_decode),
         shed: ld(&s.shed),
         expired: ld(&s.expired),
         quota_removed: ld(&s.quota_removed),

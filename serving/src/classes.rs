@@ -319,6 +319,14 @@ impl Classes {
         body: &Value,
     ) -> Result<Option<usize>, ClassError> {
         let field = |field: &'static str, why: String| ClassError::Field { field, why };
+        // The objects the class may be named in: anything else is a mistake to refuse, not
+        // a field to ignore (`"kvfabric": "interactive"` would run in the default class).
+        for f in ["kvfabric", "nvext"] {
+            match body.get(f) {
+                None | Some(Value::Null | Value::Object(_)) => {}
+                Some(_) => return Err(field(f, "must be an object".into())),
+            }
+        }
         if let Some(v) = headers.get("x-kvfabric-class") {
             let name = v
                 .to_str()
@@ -391,9 +399,10 @@ pub struct Tenant {
     pub name: String,
     /// Its API key (`Authorization: Bearer KEY`).
     pub key: String,
-    /// The classes it may use (empty: every class); the first is its default.
+    /// The classes it may use, the first its default; left out (None): every class. An
+    /// empty list is refused (it would read as every class while naming none).
     #[serde(default)]
-    pub classes: Vec<String>,
+    pub classes: Option<Vec<String>>,
     /// The cache namespace: tenants with the same one share cached prompts; by default its
     /// own name, so that no other tenant can tell what it sent.
     #[serde(default)]
@@ -449,6 +458,13 @@ impl Tenants {
             .map_err(|e| format!("reading the tenants file {}: {e}", path.display()))?;
         let f: TenantsFile = serde_json::from_str(&text)
             .map_err(|e| format!("the tenants file {}: {e}", path.display()))?;
+        if f.tenants.is_empty() {
+            return Err(format!(
+                "the tenants file {} configures no tenant: it would leave the API open to \
+                 anyone; add a tenant, or leave --tenants out (and set --api-key)",
+                path.display()
+            ));
+        }
         Self::new(f.tenants, classes)
     }
 
@@ -478,7 +494,14 @@ impl Tenants {
                     ));
                 }
             }
-            for c in &t.classes {
+            if t.classes.as_ref().is_some_and(Vec::is_empty) {
+                return Err(format!(
+                    "tenant {:?}: \"classes\": [] names no class; name the classes it may use, \
+                     or leave the field out to let it use every class",
+                    t.name
+                ));
+            }
+            for c in t.classes.iter().flatten() {
                 classes.index_of(c).map_err(|e| format!("tenant {:?}: {e}", t.name))?;
             }
             if by_key.insert(t.key.clone(), t).is_some() {
@@ -491,6 +514,16 @@ impl Tenants {
     /// Whether any tenant is configured.
     pub fn enabled(&self) -> bool {
         !self.by_key.is_empty()
+    }
+
+    /// Tenants configured.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
     }
 
     /// The tenant of `key` (compared in constant time against every key).
@@ -514,17 +547,16 @@ impl Tenants {
         classes: &Classes,
         named: Option<usize>,
     ) -> Result<Option<usize>, ClassError> {
-        if tenant.classes.is_empty() {
+        let Some(list) = tenant.classes.as_ref().filter(|l| !l.is_empty()) else {
             return Ok(named.or(classes.enabled().then_some(classes.default_index())));
-        }
-        let allowed: Vec<usize> =
-            tenant.classes.iter().filter_map(|c| classes.index_of(c).ok()).collect();
+        };
+        let allowed: Vec<usize> = list.iter().filter_map(|c| classes.index_of(c).ok()).collect();
         match named {
             None => Ok(allowed.first().copied()),
             Some(i) if allowed.contains(&i) => Ok(Some(i)),
             Some(i) => Err(ClassError::NotAllowed {
                 name: classes.list()[i].name.clone(),
-                allowed: tenant.classes.join(", "),
+                allowed: list.join(", "),
             }),
         }
     }
@@ -635,6 +667,8 @@ mod tests {
         assert!(e.to_string().contains("interactive, standard, batch"), "{e}");
         for (h, b, param) in [
             (None, json!({"kvfabric": {"class": 3}}), "kvfabric.class"),
+            (None, json!({"kvfabric": "interactive"}), "kvfabric"),
+            (None, json!({"nvext": 1}), "nvext"),
             (None, json!({"service_tier": "turbo"}), "service_tier"),
             (None, json!({"priority": "high"}), "priority"),
             (None, json!({"priority": 1.5}), "priority"),
@@ -662,7 +696,7 @@ mod tests {
         let t = Tenant {
             name: "acme".into(),
             key: "acme-key-123".into(),
-            classes: vec!["batch".into(), "standard".into()],
+            classes: Some(vec!["batch".into(), "standard".into()]),
             cache_namespace: None,
             store_blocks: None,
             host_blocks: None,
@@ -675,8 +709,13 @@ mod tests {
         assert_eq!(Tenants::class_for(&t, &c, None), Ok(Some(2)));
         assert_eq!(Tenants::class_for(&t, &c, Some(1)), Ok(Some(1)));
         assert!(matches!(Tenants::class_for(&t, &c, Some(0)), Err(ClassError::NotAllowed { .. })));
-        let bad = Tenant { classes: vec!["gold".into()], ..t.clone() };
+        let bad = Tenant { classes: Some(vec!["gold".into()]), ..t.clone() };
         assert!(Tenants::new(vec![bad], &c).is_err());
+        // `"classes": []` is refused, not read as every class; left out, it is every class.
+        let none = Tenant { classes: Some(vec![]), ..t.clone() };
+        assert!(Tenants::new(vec![none], &c).unwrap_err().contains("names no class"));
+        let every = Tenant { classes: None, ..t.clone() };
+        assert_eq!(Tenants::class_for(&every, &c, Some(0)), Ok(Some(0)));
         let bad = Tenant { store_blocks: Some(0), ..t.clone() };
         assert!(Tenants::new(vec![bad], &c).unwrap_err().contains("store_blocks"));
         let bad = Tenant { host_blocks: Some(0), ..t.clone() };

@@ -184,7 +184,7 @@ async fn a_tenant_key_pins_its_classes_and_its_cache_is_its_own() {
     let tenant = |name: &str, key: &str, classes: &[&str], ns: Option<&str>| Tenant {
         name: name.into(),
         key: key.into(),
-        classes: classes.iter().map(|c| c.to_string()).collect(),
+        classes: (!classes.is_empty()).then(|| classes.iter().map(|c| c.to_string()).collect()),
         cache_namespace: ns.map(str::to_string),
         store_blocks: None,
         host_blocks: None,
@@ -233,6 +233,12 @@ async fn a_tenant_key_pins_its_classes_and_its_cache_is_its_own() {
     let shared =
         cached(&complete(s.addr, &prompt(&text, json!({})), &[auth("beta-key-0002")]).await);
     assert_eq!(shared, hit);
+    // The scheme is matched without regard to case (RFC 9110), spaces around the key too.
+    for scheme in ["bearer", "BEARER  "] {
+        let h = format!("{scheme} acme-key-0001");
+        let h = ("authorization", Box::leak(h.into_boxed_str()) as &str);
+        assert_eq!(cached(&complete(s.addr, &prompt(&text, json!({})), &[h]).await), hit);
+    }
     // A client's cache_salt namespaces within a tenant too.
     let salted = prompt(&text, json!({"cache_salt": "s1"}));
     assert_eq!(cached(&complete(s.addr, &salted, &[auth("acme-key-0001")]).await), 0);

@@ -286,6 +286,28 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
         "{}",
         r.text()
     );
+    // A class field that is not an object, stream options that are not one: 400, not
+    // ignored. A token id that is not one is named with its position.
+    for (path, body, says) in [
+        ("/v1/chat/completions", chat("x", json!({"kvfabric": "interactive"})), "kvfabric"),
+        ("/v1/chat/completions", chat("x", json!({"nvext": [1]})), "nvext"),
+        ("/v1/chat/completions", chat("x", json!({"stream_options": []})), "stream_options"),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"stream": true, "stream_options": {"include_usage": "yes"}})),
+            "include_usage",
+        ),
+        ("/v1/completions", json!({"model": "mock", "prompt": [1, -5]}), "prompt[1] is -5"),
+        ("/v1/completions", json!({"model": "mock", "prompt": [7, 2.5]}), "prompt[1] is 2.5"),
+        ("/v1/completions", json!({"model": "mock", "prompt": [[1], [2, -1]]}), "prompt[1][1]"),
+        ("/v1/completions", json!({"model": "mock", "prompt": ["a", 3]}), "prompt[1] is 3"),
+        ("/v1/route", json!({"model": "mock", "prompt": [1, 4294967296u64]}), "prompt[1]"),
+    ] {
+        let r = post(s.addr, path, &body.to_string()).await;
+        let m = r.json()["error"]["message"].as_str().unwrap_or_default().to_string();
+        assert_eq!(r.status, 400, "{body}: {m}");
+        assert!(m.contains(says), "{body}: {m}");
+    }
     let lone = r#"{"model": "mock", "messages": [{"role": "user", "content": "\ud800"}]}"#;
     let r = post(s.addr, "/v1/chat/completions", lone).await;
     let m = r.json()["error"]["message"].as_str().unwrap().to_string();

@@ -462,6 +462,7 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
         let cfg = OnlineConfig {
             file: file.clone(),
             reshape: args.shape.reshape()?,
+            prompt_tokens_max: args.shape.max_prompt_tokens,
             speedup: args.speedup,
             requests_max: args.max_requests.unwrap_or(u64::MAX),
             in_flight_max: args.in_flight_max,

@@ -21,6 +21,8 @@ pub struct OnlineConfig {
     pub file: PathBuf,
     /// How its ids become prompts.
     pub reshape: Reshape,
+    /// A trace line whose prompt is longer is refused (`--max-prompt-tokens`).
+    pub prompt_tokens_max: u64,
     /// Arrivals this many times faster than the trace's timestamps.
     pub speedup: f64,
     /// Requests sent at most.
@@ -80,7 +82,10 @@ pub async fn replay(
     let mut curve = ReuseCurve::new(cfg.reshape.to);
     let mut tasks = Vec::new();
     let start = Instant::now();
-    for (i, req) in TraceReader::open(&cfg.file, cfg.reshape.from)?.enumerate() {
+    for (i, req) in TraceReader::open(&cfg.file, cfg.reshape.from)?
+        .max_prompt_tokens(cfg.prompt_tokens_max)
+        .enumerate()
+    {
         if i as u64 >= cfg.requests_max {
             break;
         }

@@ -16,9 +16,9 @@
 use std::path::Path;
 
 use kvfabric_planner::plan::Link;
-use kvfabric_planner::trace::{Limit, Reshape, ReuseCurve, TraceError, TraceReader};
+use kvfabric_planner::trace::{Limit, Reshape, ReuseCurve, TraceError};
 
-use super::sim::{simulate, SimConfig};
+use super::sim::{self, simulate, SimConfig};
 
 /// What to plan for.
 #[derive(Debug, Clone)]
@@ -99,7 +99,7 @@ pub const SHARES: [f64; 3] = [0.5, 0.9, 0.99];
 pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, TraceError> {
     let tb = u64::from(cfg.trace_block_tokens.max(1));
     let mut curve = ReuseCurve::new(cfg.trace_block_tokens);
-    for r in TraceReader::open(path, cfg.trace_block_tokens)? {
+    for r in sim::open(path, cfg.trace_block_tokens, &cfg.sim)? {
         curve.push(&r?);
     }
     let limit = curve.limit();
@@ -115,9 +115,9 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
             reshape: Reshape::none(cfg.trace_block_tokens),
             ..cfg.sim.clone()
         };
-        let local = simulate(TraceReader::open(path, cfg.trace_block_tokens)?, &sim)?;
+        let local = simulate(sim::open(path, cfg.trace_block_tokens, &cfg.sim)?, &sim)?;
         let rr = SimConfig { mode: kvfabric_router::RoutingMode::RoundRobin, ..sim };
-        let local_rr = simulate(TraceReader::open(path, cfg.trace_block_tokens)?, &rr)?;
+        let local_rr = simulate(sim::open(path, cfg.trace_block_tokens, &cfg.sim)?, &rr)?;
         let pooled = c * workers;
         points.push(CapacityPoint {
             per_worker_tokens: c,
@@ -153,7 +153,7 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
         bytes_per_token: cfg.bytes_per_token,
         ..cfg.sim.clone()
     };
-    let replay = simulate(TraceReader::open(path, cfg.trace_block_tokens)?, &sim)?;
+    let replay = simulate(sim::open(path, cfg.trace_block_tokens, &cfg.sim)?, &sim)?;
     let p99 = replay.p99_bytes_per_s.onboard_g4 as f64 / 1e9;
     let peak = replay.peak_bytes_per_s.onboard_g4 as f64 / 1e9;
     let links = cfg

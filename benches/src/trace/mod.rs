@@ -12,7 +12,7 @@ use crate::Context;
 use kvfabric::events::TierKind;
 use kvfabric::layout::ModelSpec;
 use kvfabric_planner::plan::Link;
-use kvfabric_planner::trace::{Reshape, TraceReader};
+use kvfabric_planner::trace::Reshape;
 use kvfabric_router::RoutingMode;
 
 pub mod capacity;
@@ -36,6 +36,12 @@ pub struct ShapeArgs {
     /// Cut answers at this many tokens.
     #[arg(long)]
     pub output_tokens_max: Option<u64>,
+    /// Refuse a trace line whose prompt is longer than this many tokens (with its line
+    /// number); at most 16777216. Replays hold each request in flight, so this bounds
+    /// their memory.
+    #[arg(long, default_value_t = kvfabric_planner::trace::PROMPT_TOKENS_MAX,
+        value_parser = clap::value_parser!(u64).range(1..=kvfabric_planner::trace::LENGTH_MAX))]
+    pub max_prompt_tokens: u64,
 }
 
 impl ShapeArgs {
@@ -212,6 +218,7 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         }
         None => None,
     };
+    crate::ensure!(args.batch_max != Some(0), "--batch-max must be at least 1");
     let batch_max = args.batch_max.or(profile.as_ref().map(|p| p.batch_max as usize)).unwrap_or(64);
     let cfg = SimConfig {
         workers: args.workers,
@@ -240,6 +247,7 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         load_report_s: args.load_report_ms / 1e3,
         speedup: args.speedup,
         requests_max: args.max_requests.unwrap_or(u64::MAX),
+        prompt_tokens_max: args.shape.max_prompt_tokens,
         seed: args.seed,
     };
     let mut modes = vec![mode];
@@ -253,7 +261,7 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         let trace_bt = args.shape.trace_block_tokens;
         let start = Instant::now();
         let result = tokio::task::spawn_blocking(move || {
-            let reader = TraceReader::open(&file, trace_bt)?;
+            let reader = sim::open(&file, trace_bt, &cfg)?;
             sim::simulate(reader, &cfg)
         })
         .await??;

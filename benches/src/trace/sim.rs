@@ -103,6 +103,8 @@ pub struct SimConfig {
     pub speedup: f64,
     /// Requests replayed at most.
     pub requests_max: u64,
+    /// A trace line whose prompt is longer is refused (`--max-prompt-tokens`).
+    pub prompt_tokens_max: u64,
     /// Seed of the expansion and of routing draws.
     pub seed: u64,
 }
@@ -132,6 +134,7 @@ impl Default for SimConfig {
             load_report_s: 0.2,
             speedup: 1.0,
             requests_max: u64::MAX,
+            prompt_tokens_max: kvfabric_planner::trace::PROMPT_TOKENS_MAX,
             seed: 1,
         }
     }
@@ -327,7 +330,9 @@ struct Request {
     arrival: f64,
     input: u64,
     output: u64,
-    hashes: Vec<SequenceHash>,
+    /// Its trace ids (one per trace block): its block hashes are derived from them when
+    /// needed ([`Sim::hashes`]), 32 times smaller to hold than the hashes themselves.
+    ids: Box<[u64]>,
     /// Full blocks of its answer.
     answer_blocks: u64,
     /// G1 slots it pins.
@@ -387,6 +392,74 @@ impl Rates {
     }
 }
 
+/// The requests in flight, by id: a request's state lives from its arrival to its last
+/// token, so that a replay holds what its deployment holds, whatever the trace's length.
+#[derive(Default)]
+struct InFlight {
+    by_id: HashMap<usize, Request>,
+    next: usize,
+}
+
+impl InFlight {
+    /// Adds a request; its id.
+    fn push(&mut self, r: Request) -> usize {
+        let rid = self.next;
+        self.next += 1;
+        self.by_id.insert(rid, r);
+        rid
+    }
+
+    fn remove(&mut self, rid: usize) {
+        self.by_id.remove(&rid);
+    }
+}
+
+impl std::ops::Index<usize> for InFlight {
+    type Output = Request;
+    fn index(&self, rid: usize) -> &Request {
+        self.by_id.get(&rid).unwrap_or_else(|| unreachable!("request {rid} is not in flight"))
+    }
+}
+
+impl std::ops::IndexMut<usize> for InFlight {
+    fn index_mut(&mut self, rid: usize) -> &mut Request {
+        self.by_id.get_mut(&rid).unwrap_or_else(|| unreachable!("request {rid} is not in flight"))
+    }
+}
+
+/// Hashes the memo holds in each of its two generations: 8 MiB of hashes (with a trace block
+/// of 512 tokens and kvfabric blocks of 16, 32 768 trace blocks).
+pub const HASH_MEMO_MAX: usize = 1 << 20;
+
+/// Each trace block's sequence hashes by (parent, id), computed once and reused wherever the
+/// block appears again. Bounded: two generations of at most [`HASH_MEMO_MAX`] hashes; when
+/// the newer fills, the older is dropped (a block used since moved to the newer).
+#[derive(Default)]
+struct HashMemo {
+    new: HashMap<(Option<SequenceHash>, u64), Box<[SequenceHash]>>,
+    old: HashMap<(Option<SequenceHash>, u64), Box<[SequenceHash]>>,
+    held: usize,
+}
+
+impl HashMemo {
+    fn get(
+        &mut self,
+        key: (Option<SequenceHash>, u64),
+        compute: impl FnOnce() -> Box<[SequenceHash]>,
+    ) -> &[SequenceHash] {
+        if !self.new.contains_key(&key) {
+            let v = self.old.remove(&key).unwrap_or_else(compute);
+            if self.held + v.len() > HASH_MEMO_MAX {
+                self.old = std::mem::take(&mut self.new);
+                self.held = 0;
+            }
+            self.held += v.len();
+            self.new.insert(key, v);
+        }
+        &self.new[&key]
+    }
+}
+
 /// The deployment during a replay.
 struct Sim<'a> {
     cfg: &'a SimConfig,
@@ -396,7 +469,12 @@ struct Sim<'a> {
     workers: Vec<SimWorker>,
     g4: Option<Tier>,
     g4_event_id: u64,
-    requests: Vec<Request>,
+    requests: InFlight,
+    /// Each trace block's sequence hashes.
+    memo: HashMemo,
+    /// How trace ids become tokens, and tokens block hashes.
+    expander: Expander,
+    hasher: TokenBlockHasher,
     /// Ends of the steps in flight, and handoffs arriving at decode workers.
     steps: BinaryHeap<Reverse<(Time, Ev)>>,
     /// Routes over the decode workers of a disaggregated layout (least loaded).
@@ -412,6 +490,12 @@ struct Sim<'a> {
 }
 
 impl Sim<'_> {
+    /// The sequence hashes of request `rid`'s full prompt blocks.
+    fn hashes(&mut self, rid: usize) -> Vec<SequenceHash> {
+        let q = &self.requests[rid];
+        prompt_hashes(&q.ids, q.input, &self.expander, &self.hasher, &mut self.memo)
+    }
+
     /// Runs every step that ends by `until`, and the steps they start.
     fn advance(&mut self, until: f64) {
         while let Some(&Reverse((Time(t), ev))) = self.steps.peek() {
@@ -553,16 +637,17 @@ impl Sim<'_> {
     /// hit pinned. Returns the seconds their restore takes over their links.
     fn admit(&mut self, wi: usize, rid: usize, t: f64) -> f64 {
         let bt = u64::from(self.cfg.block_tokens.max(1));
+        let hashes = self.hashes(rid);
         let q = &mut self.requests[rid];
         let w = &mut self.workers[wi];
         let mut restore_s = 0.0;
         let held = if q.decode_worker.is_some() {
             // Its KV came from a prefill worker: held here for its decode, cached after.
-            q.hashes.len()
+            hashes.len()
         } else {
             let reusable = (q.input.saturating_sub(1) / bt) as usize;
             let mut per_tier = [0u64; 4];
-            for h in q.hashes.iter().take(reusable) {
+            for h in hashes.iter().take(reusable) {
                 let tier = (0..3)
                     .find(|&k| w.tiers[k].as_ref().is_some_and(|x| x.pool.lookup(*h).is_some()))
                     .or_else(|| {
@@ -592,7 +677,7 @@ impl Sim<'_> {
         };
         let (pinned, _) = store_blocks(
             w,
-            &q.hashes[..held],
+            &hashes[..held],
             None,
             &mut self.events,
             &mut self.rates,
@@ -622,10 +707,12 @@ impl Sim<'_> {
                 self.r.timeline.ttft.push((q.arrival, t - q.arrival));
             }
             self.router.prefill_done(rid as u64);
-            let done = q.cached_blocks;
+            let hashes = self.hashes(rid);
+            let q = &mut self.requests[rid];
+            let done = q.cached_blocks as usize;
             let w = &mut self.workers[wi];
-            let parent = done.checked_sub(1).map(|i| q.hashes[i as usize]);
-            let rest = &q.hashes[done as usize..];
+            let parent = done.checked_sub(1).map(|i| hashes[i]);
+            let rest = &hashes[done.min(hashes.len())..];
             let (pinned, computed) = store_blocks(
                 w,
                 rest,
@@ -675,13 +762,13 @@ impl Sim<'_> {
     /// crosses the KV link to the least-loaded decode worker, where it waits for admission.
     fn hand_off(&mut self, wi: usize, rid: usize, t: f64) {
         self.router.free(rid as u64);
+        let hashes = self.hashes(rid);
         let q = &mut self.requests[rid];
         let w = &mut self.workers[wi];
         w.running.retain(|&x| x != rid);
         w.unpin(q.pinned.drain(..));
         let Some(router) = self.decode_router.as_mut() else { return };
-        let Some(d) = router.route(self.events.index, rid as u64, &q.hashes, q.input, t, 0.5)
-        else {
+        let Some(d) = router.route(self.events.index, rid as u64, &hashes, q.input, t, 0.5) else {
             return;
         };
         let to = (d.worker.0 - 1) as usize;
@@ -714,7 +801,6 @@ impl Sim<'_> {
         let mut mix = SplitMix64(self.cfg.seed ^ (rid as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let answer: Vec<SequenceHash> =
             (0..q.answer_blocks).map(|_| SequenceHash(mix.next_u64())).collect();
-        q.hashes = Vec::new();
         let (pinned, _) = store_blocks(
             w,
             &answer,
@@ -726,7 +812,19 @@ impl Sim<'_> {
             &mut self.r,
         );
         w.unpin(pinned);
+        self.requests.remove(rid);
     }
+}
+
+/// Opens the trace at `path` (ids of `block_tokens` tokens) as `cfg` replays it: lines
+/// whose prompt is longer than its `prompt_tokens_max` are refused.
+pub fn open(
+    path: &std::path::Path,
+    block_tokens: u32,
+    cfg: &SimConfig,
+) -> Result<kvfabric_planner::trace::TraceReader<std::io::BufReader<std::fs::File>>, TraceError> {
+    Ok(kvfabric_planner::trace::TraceReader::open(path, block_tokens)?
+        .max_prompt_tokens(cfg.prompt_tokens_max))
 }
 
 /// Replays `trace` through the simulated deployment.
@@ -792,13 +890,16 @@ pub fn simulate(
     });
     let mut sim = Sim {
         cfg,
+        memo: HashMemo::default(),
+        expander,
+        hasher,
         block_bytes: cfg.bytes_per_token * bt as u64,
         events: Events { index: &index, count: 0, ingest: std::time::Duration::ZERO },
         router,
         workers,
         g4,
         g4_event_id: 0,
-        requests: Vec::new(),
+        requests: InFlight::default(),
         steps: BinaryHeap::new(),
         decode_router,
         rates: Rates::default(),
@@ -818,9 +919,7 @@ pub fn simulate(
         }
     }
     let mut curve = ReuseCurve::new(cfg.reshape.to);
-    let mut memo: HashMap<(Option<SequenceHash>, u64), Box<[SequenceHash]>> = HashMap::new();
     let mut rng = SplitMix64(cfg.seed ^ 0x5EED);
-    let mut tokens = Vec::new();
     let speedup = if cfg.speedup > 0.0 { cfg.speedup } else { 1.0 };
     for (i, req) in trace.enumerate() {
         if i as u64 >= cfg.requests_max {
@@ -833,8 +932,9 @@ pub fn simulate(
         sim.advance(now);
         sim.router.expire(now);
         // The prompt's block hashes, as kvfabric computes them, memoized per trace block.
-        let hashes = prompt_hashes(&req, &expander, &hasher, &mut memo, &mut tokens);
-        let rid = sim.requests.len();
+        let hashes =
+            prompt_hashes(&req.hash_ids, req.input_length, &expander, &hasher, &mut sim.memo);
+        let rid = sim.requests.next;
         let d = sim
             .router
             .route(&index, rid as u64, &hashes, req.input_length, now, rng.next_f64())
@@ -849,11 +949,12 @@ pub fn simulate(
         let output = req.output_length.max(1);
         let block = bt as u64;
         let kv_tokens = req.input_length + output - 1;
-        sim.requests.push(Request {
+        drop(hashes);
+        let rid = sim.requests.push(Request {
             arrival: now,
             input: req.input_length,
             output,
-            hashes,
+            ids: req.hash_ids.into_boxed_slice(),
             answer_blocks: kv_tokens / block - req.input_length / block,
             pinned: Vec::new(),
             cached_blocks: 0,
@@ -899,34 +1000,33 @@ pub fn simulate(
     Ok(r)
 }
 
-/// The sequence hashes of `req`'s full blocks: each trace block's are computed once per
-/// (parent, id) and reused wherever that block appears.
+/// The sequence hashes of the full blocks of a prompt of `input` tokens with trace ids `ids`:
+/// each trace block's are computed once per (parent, id) while the memo holds them, and
+/// reused wherever that block appears.
 fn prompt_hashes(
-    req: &TraceRequest,
+    ids: &[u64],
+    input: u64,
     expander: &Expander,
     hasher: &TokenBlockHasher,
-    memo: &mut HashMap<(Option<SequenceHash>, u64), Box<[SequenceHash]>>,
-    tokens: &mut Vec<u32>,
+    memo: &mut HashMemo,
 ) -> Vec<SequenceHash> {
     let tb = u64::from(expander.block_tokens);
-    let mut out = Vec::with_capacity((req.input_length / hasher.block_tokens() as u64) as usize);
+    let mut out = Vec::with_capacity((input / hasher.block_tokens() as u64) as usize);
     let mut parent: Option<SequenceHash> = None;
-    for (k, &id) in req.hash_ids.iter().enumerate() {
-        let take = tb.min(req.input_length - k as u64 * tb) as usize;
-        let full = take == tb as usize;
-        let hashes: &[SequenceHash] = if full {
-            memo.entry((parent, id)).or_insert_with(|| {
-                tokens.clear();
-                expander.block(id, take, tokens);
-                hasher.extend(parent, tokens).into_boxed_slice()
-            })
-        } else {
+    let mut tokens = Vec::new();
+    for (k, &id) in ids.iter().enumerate() {
+        let take = tb.min(input.saturating_sub(k as u64 * tb)) as usize;
+        if take < tb as usize {
             tokens.clear();
-            expander.block(id, take, tokens);
-            let v = hasher.extend(parent, tokens);
-            out.extend_from_slice(&v);
+            expander.block(id, take, &mut tokens);
+            out.extend(hasher.extend(parent, &tokens));
             break;
-        };
+        }
+        let hashes = memo.get((parent, id), || {
+            tokens.clear();
+            expander.block(id, take, &mut tokens);
+            hasher.extend(parent, &tokens).into_boxed_slice()
+        });
         out.extend_from_slice(hashes);
         parent = hashes.last().copied().or(parent);
     }

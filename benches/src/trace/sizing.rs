@@ -14,9 +14,9 @@
 use std::path::Path;
 
 use kvfabric_planner::sla::{plan, LengthDist, Plan, Profile, Targets, Workload};
-use kvfabric_planner::trace::{Reshape, TraceError, TraceReader};
+use kvfabric_planner::trace::{Reshape, TraceError};
 
-use super::sim::{simulate, SimConfig, SimResult};
+use super::sim::{self, simulate, SimConfig, SimResult};
 
 /// Most workers a replay simulates (each holds its own pools; more workers than requests
 /// would sit idle anyway).
@@ -92,7 +92,7 @@ fn at(v: [f64; 3], q: Option<f64>) -> f64 {
 pub fn size(path: &Path, cfg: &SizingConfig) -> Result<SizingReport, TraceError> {
     let (mut lens, mut outs) = (Vec::new(), Vec::new());
     let (mut first, mut last) = (None, 0u64);
-    for r in TraceReader::open(path, cfg.trace_block_tokens)? {
+    for r in sim::open(path, cfg.trace_block_tokens, &cfg.sim)? {
         let r = r?;
         first.get_or_insert(r.timestamp);
         last = r.timestamp;
@@ -113,7 +113,7 @@ pub fn size(path: &Path, cfg: &SizingConfig) -> Result<SizingReport, TraceError>
         ..cfg.sim.clone()
     };
     let replay = |workers: usize| -> Result<SimResult, TraceError> {
-        simulate(TraceReader::open(path, cfg.trace_block_tokens)?, &sim_for(workers))
+        simulate(sim::open(path, cfg.trace_block_tokens, &cfg.sim)?, &sim_for(workers))
     };
     let first_replay = replay(cfg.workers)?;
     let workload = Workload {

@@ -35,10 +35,133 @@ impl std::fmt::Debug for NatsBus {
     }
 }
 
+/// How a client proves who it is to the NATS servers. Its `Debug` never shows a secret.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub enum NatsAuth {
+    /// No credentials.
+    #[default]
+    None,
+    /// A user name and password (`nats://user:password@host`, or given apart).
+    UserPassword {
+        /// The user.
+        user: String,
+        /// The password.
+        password: String,
+    },
+    /// A token (`nats://token@host`, or given apart).
+    Token(String),
+    /// A credentials file (`.creds`: a user JWT and its NKey seed, as `nsc` writes them).
+    CredsFile(std::path::PathBuf),
+}
+
+impl std::fmt::Debug for NatsAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NatsAuth::None => f.write_str("None"),
+            NatsAuth::UserPassword { user, .. } => write!(f, "UserPassword({user:?}, ***)"),
+            NatsAuth::Token(_) => f.write_str("Token(***)"),
+            NatsAuth::CredsFile(p) => write!(f, "CredsFile({})", p.display()),
+        }
+    }
+}
+
+/// The servers of a NATS URL list (comma-separated, `nats://[user[:password]@]host[:port]`)
+/// without their credentials, and the credentials they carried (percent-decoded): the URLs
+/// that the client library, logs and child processes see hold no secret. Every URL that
+/// carries credentials must carry the same.
+pub fn split_credentials(urls: &str) -> Result<(String, NatsAuth), ControlError> {
+    let bad = |why: &str| ControlError::Backend { backend: "nats", message: why.to_string() };
+    let mut servers = Vec::new();
+    let mut auth = NatsAuth::None;
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let (scheme, rest) = match url.split_once("://") {
+            Some((scheme, rest)) => (Some(scheme), rest),
+            None => (None, url),
+        };
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, path) = rest.split_at(end);
+        let (userinfo, host) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
+        };
+        if host.is_empty() {
+            return Err(bad("a NATS URL without a host"));
+        }
+        let this = match userinfo {
+            None => NatsAuth::None,
+            Some(u) => match u.split_once(':') {
+                Some((user, password)) => NatsAuth::UserPassword {
+                    user: percent_decode(user).map_err(bad)?,
+                    password: percent_decode(password).map_err(bad)?,
+                },
+                None => NatsAuth::Token(percent_decode(u).map_err(bad)?),
+            },
+        };
+        match (&auth, &this) {
+            (_, NatsAuth::None) => {}
+            (NatsAuth::None, _) => auth = this,
+            (a, b) if a == b => {}
+            _ => return Err(bad("the NATS URLs carry different credentials")),
+        }
+        servers.push(match scheme {
+            Some(scheme) => format!("{scheme}://{host}{path}"),
+            None => format!("{host}{path}"),
+        });
+    }
+    if servers.is_empty() {
+        return Err(bad("no NATS server URL"));
+    }
+    Ok((servers.join(","), auth))
+}
+
+/// `%XX` escapes decoded (URL userinfo).
+fn percent_decode(s: &str) -> Result<String, &'static str> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+            let b = hex
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or("a malformed %-escape in the NATS URL's credentials")?;
+            out.push(b);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| "the NATS URL's credentials are not UTF-8")
+}
+
 impl NatsBus {
-    /// Connects to `url` (such as `nats://127.0.0.1:4222`).
+    /// Connects to `url` (such as `nats://127.0.0.1:4222`, or with credentials,
+    /// `nats://user:password@host:4222`).
     pub async fn connect(url: &str, namespace: &str) -> Result<Self, ControlError> {
+        Self::connect_with(url, NatsAuth::None, namespace).await
+    }
+
+    /// Connects to the servers of `urls` with `auth`, or with the credentials the URLs carry
+    /// (not both). Neither the client library nor kvfabric's logs see a secret in a URL.
+    pub async fn connect_with(
+        urls: &str,
+        auth: NatsAuth,
+        namespace: &str,
+    ) -> Result<Self, ControlError> {
         check_name(namespace)?;
+        let (servers, in_url) = split_credentials(urls)?;
+        let auth = match (auth, in_url) {
+            (a, NatsAuth::None) => a,
+            (NatsAuth::None, u) => u,
+            _ => {
+                return Err(ControlError::Backend {
+                    backend: "nats",
+                    message: "credentials both in the NATS URL and given apart: give them once"
+                        .into(),
+                })
+            }
+        };
         let (tx, connections) = tokio::sync::watch::channel(0u64);
         let tx = std::sync::Arc::new(tx);
         let health = std::sync::Arc::new(super::health::BackendHealth::new("nats"));
@@ -71,12 +194,23 @@ impl NatsBus {
                 }
             }
         });
-        let client = tokio::time::timeout(CALL_TIMEOUT, options.connect(url))
+        let options = match auth {
+            NatsAuth::None => options,
+            NatsAuth::UserPassword { user, password } => options.user_and_password(user, password),
+            NatsAuth::Token(token) => options.token(token),
+            NatsAuth::CredsFile(path) => {
+                options.credentials_file(&path).await.map_err(|e| ControlError::Backend {
+                    backend: "nats",
+                    message: format!("the NATS credentials file {}: {e}", path.display()),
+                })?
+            }
+        };
+        let client = tokio::time::timeout(CALL_TIMEOUT, options.connect(servers.as_str()))
             .await
             .map_err(|_| ControlError::Timeout("nats connect"))?
             .map_err(backend)?;
         let js = jetstream::new(client.clone());
-        tracing::debug!(%url, "connected to NATS");
+        tracing::debug!(%servers, "connected to NATS");
         Ok(NatsBus { client, js, namespace: namespace.to_string(), connections, health })
     }
 
@@ -216,5 +350,33 @@ impl EventBus for NatsBus {
                 Ok(None) | Err(_) => Ok(None),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_come_out_of_the_urls() {
+        let (servers, auth) = split_credentials("nats://127.0.0.1:4222").unwrap();
+        assert_eq!((servers.as_str(), auth), ("nats://127.0.0.1:4222", NatsAuth::None));
+        let (servers, auth) =
+            split_credentials("nats://kv%40fabric:p%3Ass@a:4222, nats://kv%40fabric:p%3Ass@b")
+                .unwrap();
+        assert_eq!(servers, "nats://a:4222,nats://b");
+        let want = NatsAuth::UserPassword { user: "kv@fabric".into(), password: "p:ss".into() };
+        assert_eq!(auth, want);
+        assert!(!format!("{auth:?}").contains("p:ss"), "{auth:?}");
+        let (servers, auth) = split_credentials("tls://s3cr3t@h:4443/x").unwrap();
+        assert_eq!((servers.as_str(), auth), ("tls://h:4443/x", NatsAuth::Token("s3cr3t".into())));
+        assert_eq!(format!("{:?}", NatsAuth::Token("s3cr3t".into())), "Token(***)");
+        // Without a scheme, and one URL with credentials among others without.
+        let (servers, auth) = split_credentials("u:p@h:1,h2:2").unwrap();
+        assert_eq!(servers, "h:1,h2:2");
+        assert!(matches!(auth, NatsAuth::UserPassword { .. }));
+        for bad in ["nats://a:b@h,nats://c:d@h", "nats://u:%zz@h", "nats://u:p@", ""] {
+            assert!(split_credentials(bad).is_err(), "{bad}");
+        }
     }
 }

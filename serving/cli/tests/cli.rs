@@ -158,6 +158,73 @@ fn nonsense_serving_flags_are_refused() {
     }
 }
 
+/// The line `kvfabric up` logs at start on how API requests are authenticated.
+fn up_authentication(args: &[&str]) -> String {
+    use std::io::{BufRead, BufReader};
+    let mut up = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["up", "--engine", "mock", "--port", "0", "--disk-blocks", "0"])
+        .args(args)
+        .env_remove("KVFABRIC_CONFIG")
+        .env_remove("KVFABRIC_API_KEY")
+        .env_remove("RUST_LOG")
+        .env("KVFABRIC_MODEL_DIR", std::env::temp_dir())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = BufReader::new(up.stderr.take().unwrap()).lines().map_while(Result::ok);
+    let mut found: Vec<String> = Vec::new();
+    for line in lines {
+        if line.contains("API authentication") {
+            found.push(line);
+            break;
+        }
+    }
+    up.kill().unwrap();
+    up.wait().unwrap();
+    assert_eq!(found.len(), 1, "no authentication line: {args:?}");
+    found.remove(0)
+}
+
+/// A tenants file that configures no key would leave the API open: refused at start, as is
+/// a tenant whose `"classes": []` names none. Every start says in one line how requests are
+/// authenticated.
+#[test]
+fn tenants_that_would_open_the_api_are_refused_and_each_start_names_its_authentication() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let empty = file("empty.json", r#"{"tenants": []}"#);
+    let e = one_line_error(&kvfabric(&["up", "--engine", "mock", "--tenants", &empty]));
+    assert!(e.contains("configures no tenant") && e.contains("open"), "{e}");
+    let none = file(
+        "none.json",
+        r#"{"tenants": [{"name": "acme", "key": "acme-key-0001", "classes": []}]}"#,
+    );
+    let classes = ["--class", "interactive:ttft=300ms", "--class", "batch:ttft=30s,default"];
+    let mut args = vec!["up", "--engine", "mock", "--tenants", &none];
+    args.extend(classes);
+    let e = one_line_error(&kvfabric(&args));
+    assert!(e.contains("names no class"), "{e}");
+
+    assert!(up_authentication(&[]).contains("API authentication: open"));
+    let line = up_authentication(&["--api-key", "server-key-0001"]);
+    assert!(line.contains("API authentication: API key"), "{line}");
+    assert!(!line.contains("server-key-0001"), "the key is never logged: {line}");
+    let two = file(
+        "two.json",
+        r#"{"tenants": [{"name": "acme", "key": "acme-key-0001", "classes": ["batch"]},
+                        {"name": "beta", "key": "beta-key-0001"}]}"#,
+    );
+    let mut args = vec!["--tenants", two.as_str()];
+    args.extend(classes);
+    let line = up_authentication(&args);
+    assert!(line.contains("API authentication: 2 tenants"), "{line}");
+}
+
 #[test]
 fn wrong_input_is_one_line_and_non_zero() {
     let e = one_line_error(&kvfabric(&["plan", "--model", "gpt-17"]));

@@ -165,3 +165,75 @@ fn a_bad_log_level_is_one_line_and_non_zero() {
     assert!(err.contains("--log-level"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+/// `kvfabric frontend --nats ... --log-level trace` with extra arguments: the first stdout
+/// line (or None when it exited first), and every line it wrote on stderr.
+fn frontend_with_nats(args: &[&str]) -> (Option<String>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+        .args(["frontend", "--port", "0", "--secret", "nats-log-test-secret"])
+        .args(["--name", "natslog", "--log-level", "trace"])
+        .args(args)
+        .env_remove("KVFABRIC_CONFIG")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log = std::thread::spawn(move || {
+        let mut all = String::new();
+        std::io::Read::read_to_string(&mut BufReader::new(stderr), &mut all).unwrap();
+        all
+    });
+    let first = BufReader::new(child.stdout.take().unwrap()).lines().next().and_then(Result::ok);
+    let _ = child.kill();
+    child.wait().unwrap();
+    (first, log.join().unwrap())
+}
+
+/// NATS credentials in the URL work against a nats-server that requires them (they once
+/// failed with "authorization violation"), and so do a user with a password file and a token
+/// file; at `trace` level no password or token reaches the log, where the client library
+/// once wrote its connect options. A wrong password fails with the server's reason, and
+/// without the password.
+#[test]
+fn nats_credentials_connect_and_never_reach_the_log() {
+    use kvfabric::testkit::NatsServer;
+    let password = "pw-9f3c1e77-secret";
+    let nats = NatsServer::start_with_user("kvf", password).unwrap();
+    let port = nats.url().rsplit(':').next().unwrap().to_string();
+    let url = format!("nats://kvf:{password}@127.0.0.1:{port}");
+    let (first, log) = frontend_with_nats(&["--nats", &url]);
+    assert!(first.is_some_and(|l| l.contains("kvfabric frontend at")), "{log}");
+    assert!(log.contains("event bus: NATS") && log.contains("DEBUG"), "{log}");
+    assert!(!log.contains(password), "the password is in the log:\n{log}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("nats.password");
+    std::fs::write(&file, format!("{password}\n")).unwrap();
+    let args = ["--nats", &nats.url(), "--nats-user", "kvf", "--nats-password-file"];
+    let (first, log) = frontend_with_nats(&[&args[..], &[file.to_str().unwrap()]].concat());
+    assert!(first.is_some(), "{log}");
+    assert!(!log.contains(password), "{log}");
+
+    let wrong = format!("nats://kvf:not-{password}@127.0.0.1:{port}");
+    let (first, log) = frontend_with_nats(&["--nats", &wrong]);
+    assert!(first.is_none(), "connected with a wrong password: {log}");
+    assert!(log.contains("authorization violation"), "{log}");
+    assert!(!log.contains(password), "{log}");
+
+    let token = "tok-51d0aa93-secret";
+    let nats = NatsServer::start_with_token(token).unwrap();
+    let file = dir.path().join("nats.token");
+    std::fs::write(&file, token).unwrap();
+    let args = ["--nats", &nats.url(), "--nats-token-file", file.to_str().unwrap()];
+    let (first, log) = frontend_with_nats(&args);
+    assert!(first.is_some(), "{log}");
+    assert!(!log.contains(token), "{log}");
+    let (first, log) = frontend_with_nats(&[
+        "--nats",
+        &format!("nats://{token}@127.0.0.1:{}", nats.url().rsplit(':').next().unwrap()),
+    ]);
+    assert!(first.is_some(), "{log}");
+    assert!(!log.contains(token), "{log}");
+}

@@ -98,6 +98,15 @@ pub struct KvTable {
     pub len: usize,
 }
 
+/// A sequence's blocks go from its end: a stored block becomes evictable when its pin goes,
+/// so the children become evictable (and are evicted) before their parents, and what the
+/// store keeps of the sequence stays a prefix that a lookup finds.
+impl Drop for KvTable {
+    fn drop(&mut self) {
+        while self.blocks.pop().is_some() {}
+    }
+}
+
 impl KvTable {
     /// Appends a cached block (its KV present); it must come right after the computed ones
     /// (block `len / bt`, with `len` a multiple of `bt`) and before any fresh memory.

@@ -80,8 +80,9 @@ struct Ledger {
 }
 
 impl Ledgers {
-    /// `tenant`'s request used `hashes`: they count for it, most recently used. Returns the
-    /// blocks now past its quotas (least recently used first) and what to do with them.
+    /// `tenant`'s request used `hashes` (a sequence's blocks, parents first): they count for
+    /// it, most recently used. Returns the blocks now past its quotas (least recently used
+    /// first, a sequence's from its end) and what to do with them.
     pub fn charge(&mut self, tenant: &TenantHint, hashes: &[SequenceHash]) -> Charged {
         let (host, disk, store) = (tenant.host_blocks, tenant.disk_blocks, tenant.store_blocks);
         if host.is_none() && disk.is_none() && store.is_none() {
@@ -98,7 +99,10 @@ impl Ledgers {
             return Charged::default();
         }
         let l = self.by_tenant.entry(tenant.name.clone()).or_default();
-        for &h in hashes {
+        // A sequence's blocks from its end: a parent counts as used after its children, so
+        // the children leave first and what stays is a prefix that a lookup can use (a
+        // child without its parent is never found).
+        for &h in hashes.iter().rev() {
             l.cold.take(h);
             l.hot.push(h, l.next);
             l.next += 1;
@@ -146,19 +150,34 @@ mod tests {
         };
         assert!(removed(l.charge(&t("a", None, None, Some(3)), &[h(1), h(2)])).is_empty());
         assert!(removed(l.charge(&t("b", None, None, Some(2)), &[h(10), h(11)])).is_empty());
-        // Used again: 1 becomes the most recent, so 2 goes first.
+        // Used again: 1 becomes the most recent, so 2 goes first; of the sequence 1, 3, 4
+        // its end (4) is the least recently used.
         let a = t("a", None, None, Some(3));
         assert_eq!(removed(l.charge(&a, &[h(1), h(3), h(4)])), vec![h(2)]);
-        assert_eq!(removed(l.charge(&a, &[h(5)])), vec![h(1)]);
+        assert_eq!(removed(l.charge(&a, &[h(5)])), vec![h(4)]);
         assert_eq!((l.held("a"), l.held("b")), ((3, 0), (2, 0)), "b keeps its blocks");
         let c = l.charge(&t("c", None, None, None), &[h(20); 10]);
         assert_eq!(c, Charged::default(), "no quota, no ledger");
         assert_eq!(l.held("c"), (0, 0));
     }
 
+    /// A sequence's blocks leave from its end: what stays of it is a prefix.
+    #[test]
+    fn a_sequence_leaves_from_its_end() {
+        let mut l = Ledgers::default();
+        let a = t("a", Some(2), None, Some(3));
+        let c = l.charge(&a, &[h(1), h(2), h(3), h(4)]);
+        assert_eq!(c, Charged { demote: vec![h(3)], remove: vec![h(4)] });
+        // Another sequence: the first one's end goes before its start, which stays.
+        let c = l.charge(&a, &[h(10), h(11)]);
+        assert_eq!(c, Charged { demote: vec![h(1)], remove: vec![h(3), h(2)] });
+        assert_eq!(l.held("a"), (2, 1));
+    }
+
     /// Host 2, disk 2: the two most recent blocks in host memory, the two before them moved
-    /// to disk, older ones removed; a block used again comes back to the host side (the store
-    /// reads it into host memory on a hit), the oldest host block moving down for it.
+    /// to disk, older ones removed (a sequence's from its end); a block used again comes back
+    /// to the host side (the store reads it into host memory on a hit), the oldest host
+    /// block moving down for it.
     #[test]
     fn host_and_disk_quotas_move_blocks_down_then_out() {
         let mut l = Ledgers::default();
@@ -166,22 +185,22 @@ mod tests {
         assert_eq!(l.charge(&a, &[h(1), h(2)]), Charged::default());
         assert_eq!(
             l.charge(&a, &[h(3), h(4)]),
-            Charged { demote: vec![h(1), h(2)], remove: vec![] }
+            Charged { demote: vec![h(2), h(1)], remove: vec![] }
         );
         assert_eq!(
             l.charge(&a, &[h(5)]),
-            Charged { demote: vec![h(3)], remove: vec![h(1)] },
+            Charged { demote: vec![h(4)], remove: vec![h(2)] },
             "past the disk quota the oldest goes"
         );
         assert_eq!(l.held("a"), (2, 2));
-        // 2 is used again: back in host memory; 4 moves down; nothing more leaves.
-        assert_eq!(l.charge(&a, &[h(2)]), Charged { demote: vec![h(4)], remove: vec![] });
+        // 1 is used again: back in host memory; 3 moves down; nothing more leaves.
+        assert_eq!(l.charge(&a, &[h(1)]), Charged { demote: vec![h(3)], remove: vec![] });
         assert_eq!(l.held("a"), (2, 2));
         // A store quota below host + disk: the disk side shrinks first.
         let tight = t("a", Some(2), Some(2), Some(3));
-        assert_eq!(l.charge(&tight, &[]), Charged { demote: vec![], remove: vec![h(3)] });
+        assert_eq!(l.charge(&tight, &[]), Charged { demote: vec![], remove: vec![h(4)] });
         // Many at once: demoted and removed in the same charge counts as removed only.
         let c = l.charge(&t("z", Some(1), Some(1), None), &[h(7), h(8), h(9), h(10)]);
-        assert_eq!(c, Charged { demote: vec![h(9)], remove: vec![h(7), h(8)] });
+        assert_eq!(c, Charged { demote: vec![h(8)], remove: vec![h(10), h(9)] });
     }
 }

@@ -119,6 +119,10 @@ pub struct SchedulerStats {
     /// Requests whose prefill was stopped to give their batch slot to a request of a more
     /// urgent class (they wait again, and resume from the blocks they had stored).
     pub preempted: AtomicU64,
+    /// Requests whose decode was paused to give their batch slot to a latency class's
+    /// request that would otherwise miss its TTFT target (they wait again, and resume from
+    /// their stored blocks: only the last, partial block is computed again).
+    pub preempted_decode: AtomicU64,
     /// Requests refused or dropped from the queue as overloaded (429) so that a more urgent
     /// class's request could wait instead, or because the queue was full.
     pub shed: AtomicU64,
@@ -162,8 +166,27 @@ struct Submission {
     /// Its deadline for ordering: arrival plus its class's TTFT target (plus its timeout
     /// when it has no class). Waiting requests are served earliest first.
     key: Instant,
-    /// It was admitted before and preempted: `Started` was sent.
-    preempted: bool,
+    /// It was admitted before and preempted (`Started` was sent): what it resumes from.
+    resume: Option<Box<Resume>>,
+}
+
+/// What a preempted request keeps while it waits to run again: the tokens so far and the
+/// state of its sampling and text, so that it goes on exactly where it stopped. Its KV is
+/// not kept: the full blocks are in the store (they were stored as they filled), the last,
+/// partial one is computed again.
+struct Resume {
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    /// Sequence hashes of their full blocks.
+    hashes: Vec<SequenceHash>,
+    /// Tokens generated (sent to the client).
+    generated: usize,
+    sampler: Sampler,
+    text: TextStream,
+    /// When its first step started.
+    first_step: Option<Instant>,
+    /// Tokens it computes again if its stored blocks are all still there.
+    left: usize,
 }
 
 impl Submission {
@@ -175,7 +198,12 @@ impl Submission {
         };
         // Bounded by `submit` (a day at most); a clock at its end is no deadline.
         let key = arrived.checked_add(target).unwrap_or(arrived);
-        Submission { req, tx, arrived, key, preempted: false }
+        Submission { req, tx, arrived, key, resume: None }
+    }
+
+    /// Prompt tokens it would compute (for a resumed request, those past its stored blocks).
+    fn prefill_tokens(&self) -> usize {
+        self.resume.as_ref().map_or(self.req.prompt.len(), |r| r.left)
     }
 
     /// Less urgent first: its class's rank, then its deadline.
@@ -191,8 +219,11 @@ impl Submission {
         }
     }
 
-    /// When its class says it is too late to start.
+    /// When its class says it is too late to start (never, once it sent tokens).
     fn expires(&self) -> Option<Instant> {
+        if self.resume.as_ref().is_some_and(|r| r.generated > 0) {
+            return None;
+        }
         let e = self.req.class.as_ref()?.expire?;
         self.arrived.checked_add(e)
     }
@@ -395,6 +426,9 @@ struct Seq {
     key: Instant,
     /// It was preempted before: `Started` was sent (it is not sent again).
     preempted: bool,
+    /// Tokens whose KV is computed before it decodes: its prompt, or for a decode that
+    /// resumes, every token but the last (which the next decode step feeds).
+    prefill_to: usize,
     req: GenerateRequest,
     tx: EventTx,
     deadline: Instant,
@@ -428,7 +462,7 @@ struct Seq {
 
 impl Seq {
     fn prompt_left(&self) -> usize {
-        self.req.prompt.len().saturating_sub(self.computed)
+        self.prefill_to.saturating_sub(self.computed)
     }
 }
 
@@ -544,9 +578,14 @@ impl<E: Engine> Loop<E> {
         self.taken_in += s.req.prompt.len() as u64;
         self.enqueue(s);
         // Over the bound (a more urgent request came into a full queue): the least urgent
-        // goes, told to retry when the queue should have drained.
-        while self.waiting.len() > self.cfg.waiting_max.max(1) {
-            let Some(i) = (0..self.waiting.len()).max_by_key(|&i| self.waiting[i].urgency()) else {
+        // goes, told to retry when the queue should have drained. A preempted request is
+        // never shed: it was admitted (its stream may have begun), and it counts against no
+        // bound.
+        while self.waiting.len() > self.cfg.waiting_max.max(1) + self.resuming() {
+            let Some(i) = (0..self.waiting.len())
+                .filter(|&i| self.waiting[i].resume.is_none())
+                .max_by_key(|&i| self.waiting[i].urgency())
+            else {
                 break;
             };
             let Some(out) = self.waiting.remove(i) else { break };
@@ -565,6 +604,11 @@ impl<E: Engine> Loop<E> {
     fn enqueue(&mut self, s: Submission) {
         let at = self.waiting.partition_point(|w| w.key <= s.key);
         self.waiting.insert(at, s);
+    }
+
+    /// Preempted requests in the waiting queue.
+    fn resuming(&self) -> usize {
+        self.waiting.iter().filter(|w| w.resume.is_some()).count()
     }
 
     fn note_least_urgent(&self) {
@@ -602,21 +646,50 @@ impl<E: Engine> Loop<E> {
         }
     }
 
-    /// Stops the prefill of running request `i` (it produced no token yet) and queues it
-    /// again: its stored blocks stay in the store, so it resumes from them.
-    fn preempt(&mut self, i: usize) {
+    /// Stops running request `i` and queues it again, behind `behind` at least (the
+    /// deadline of the request it makes room for). A prefill resumes from the blocks it
+    /// stored; a decode from its stored blocks too, its last, partial block computed again,
+    /// and then goes on generating where it stopped (same tokens, same sampler state): its
+    /// client sees a pause.
+    fn preempt(&mut self, i: usize, behind: Instant) {
         let s = self.running.remove(i);
         self.engine.remove_sequence(s.id);
         self.stats.running.fetch_sub(1, Ordering::Relaxed);
-        bump(&self.stats.preempted, 1);
         bump(&self.stats.waiting, 1);
+        let decoding = s.generated > 0;
+        if decoding {
+            bump(&self.stats.preempted_decode, 1);
+        } else {
+            bump(&self.stats.preempted, 1);
+        }
         tracing::debug!(
             seq = s.id,
             computed = s.computed,
-            "prefill preempted for a more urgent class"
+            generated = s.generated,
+            "preempted for a more urgent class"
         );
-        let sub =
-            Submission { req: s.req, tx: s.tx, arrived: s.arrived, key: s.key, preempted: true };
+        let bt = self.hasher.block_tokens();
+        let stored = s.stored.min(s.hashes.len()) * bt;
+        let to = if decoding { s.tokens.len() } else { s.prefill_to };
+        let resume = Resume {
+            left: to.saturating_sub(stored),
+            tokens: s.tokens,
+            hashes: s.hashes,
+            generated: s.generated,
+            sampler: s.sampler,
+            text: s.text,
+            first_step: s.first_step,
+        };
+        // Right behind the request it made room for: a decode's deadline (its TTFT's) may
+        // be long past, and it must not take the slot straight back.
+        let key = s.key.max(behind.checked_add(Duration::from_nanos(1)).unwrap_or(behind));
+        let sub = Submission {
+            req: s.req,
+            tx: s.tx,
+            arrived: s.arrived,
+            key,
+            resume: Some(Box::new(resume)),
+        };
         self.enqueue(sub);
     }
 
@@ -630,6 +703,49 @@ impl<E: Engine> Loop<E> {
                 s.generated == 0 && s.req.rank() > rank && s.key > key
             })
             .max_by_key(|&i| (self.running[i].req.rank(), self.running[i].key))
+    }
+
+    /// The decode to pause for `head`, a waiting request of a class with a TTFT target that
+    /// a full batch would make miss it: the least urgent decode of a less urgent class
+    /// (higher rank). None when the batch frees a slot in time (by the measured step
+    /// costs), or no decode is less urgent.
+    fn decode_to_yield(&self, head: &Submission) -> Option<usize> {
+        if self.cfg.policy != QueuePolicy::Edf
+            || head.req.class.as_ref().and_then(|c| c.ttft).is_none()
+        {
+            return None;
+        }
+        let rank = head.req.rank();
+        let victim = (0..self.running.len())
+            .filter(|&i| {
+                let s = &self.running[i];
+                s.started && s.generated > 0 && s.req.rank() > rank
+            })
+            .max_by_key(|&i| (self.running[i].req.rank(), self.running[i].key))?;
+        self.would_miss(head).then_some(victim)
+    }
+
+    /// Whether `head` would miss its deadline waiting for the batch to free a slot: the
+    /// running request with the least work left finishes (its prompt, then every token it
+    /// may still generate), then `head`'s prompt is computed. Until the costs are measured,
+    /// it would.
+    fn would_miss(&self, head: &Submission) -> bool {
+        let (Some(decode_us), Some(token_us)) =
+            (self.cost.decode_step_us, self.cost.prefill_us_per_token)
+        else {
+            return true;
+        };
+        let free_in_us = self
+            .running
+            .iter()
+            .map(|s| {
+                let tokens_left = s.req.max_tokens.saturating_sub(s.generated);
+                s.prompt_left() as f64 * token_us + tokens_left as f64 * decode_us
+            })
+            .fold(f64::INFINITY, f64::min);
+        let own_us = head.prefill_tokens() as f64 * token_us + decode_us;
+        let ready = Duration::from_secs_f64(((free_in_us + own_us) / 1e6).clamp(0.0, 86_400.0));
+        Instant::now().checked_add(ready).is_none_or(|t| t > head.key)
     }
 
     fn report_load(&mut self) {
@@ -647,11 +763,11 @@ impl<E: Engine> Loop<E> {
                 if s.started {
                     s.prompt_left()
                 } else {
-                    s.req.prompt.len().saturating_sub(s.import_tiers.len() * bt)
+                    s.prefill_to.saturating_sub(s.import_tiers.len() * bt)
                 }
             })
             .sum::<usize>()
-            + self.waiting.iter().map(|w| w.req.prompt.len()).sum::<usize>();
+            + self.waiting.iter().map(Submission::prefill_tokens).sum::<usize>();
         self.stats.active_tokens.store(active as u64, Ordering::Relaxed);
         self.stats.queued_prefill_tokens.store(queued as u64, Ordering::SeqCst);
         let per_token = self.cost.prefill_us_per_token.unwrap_or(0.0);
@@ -667,9 +783,16 @@ impl<E: Engine> Loop<E> {
         while let Some(head) = self.waiting.front() {
             if self.running.len() >= self.cfg.batch_max {
                 // A full batch: a more urgent request takes the slot of a less urgent one's
-                // prefill.
-                match self.preemptible(head.rank(self.cfg.policy), head.key) {
-                    Some(i) => self.preempt(i),
+                // prefill, or, when it would miss its TTFT target waiting, of a less urgent
+                // one's decode.
+                let victim = self
+                    .preemptible(head.rank(self.cfg.policy), head.key)
+                    .or_else(|| self.decode_to_yield(head));
+                match victim {
+                    Some(i) => {
+                        let behind = head.key;
+                        self.preempt(i, behind)
+                    }
                     None => break,
                 }
                 continue;
@@ -682,18 +805,34 @@ impl<E: Engine> Loop<E> {
             self.next_id += 1;
             self.engine.add_sequence(id);
             let hasher = salted(self.hasher, sub.req.cache_salt.as_deref());
+            let preempted = sub.resume.is_some();
+            let (tokens, hashes, generated, sampler, text, first_step) = match sub.resume {
+                Some(r) => (r.tokens, r.hashes, r.generated, r.sampler, r.text, r.first_step),
+                None => (
+                    sub.req.prompt.clone(),
+                    hasher.sequence_hashes(&sub.req.prompt),
+                    0,
+                    Sampler::new(sub.req.sampling),
+                    TextStream::new(sub.req.stop.clone()),
+                    None,
+                ),
+            };
+            // A decode that resumes computes every token but the last, which its next
+            // decode step feeds.
+            let prefill_to = if generated > 0 { tokens.len() - 1 } else { tokens.len() };
             let mut seq = Seq {
                 id,
                 hasher,
                 key: sub.key,
-                preempted: sub.preempted,
-                sampler: Sampler::new(sub.req.sampling),
-                text: TextStream::new(sub.req.stop.clone()),
-                tokens: sub.req.prompt.clone(),
-                hashes: hasher.sequence_hashes(&sub.req.prompt),
+                preempted,
+                prefill_to,
+                sampler,
+                text,
+                tokens,
+                hashes,
                 computed: 0,
                 stored: 0,
-                generated: 0,
+                generated,
                 deadline,
                 tx: sub.tx,
                 req: sub.req,
@@ -703,7 +842,7 @@ impl<E: Engine> Loop<E> {
                 hits: CacheHits::default(),
                 started: false,
                 arrived: sub.arrived,
-                first_step: None,
+                first_step,
             };
             seq.import_tiers = self.cached_prefix(&seq);
             tracing::debug!(
@@ -750,7 +889,7 @@ impl<E: Engine> Loop<E> {
     /// leaving at least one prompt token to compute (for its logits).
     fn cached_prefix(&self, seq: &Seq) -> Vec<TierKind> {
         let bt = self.hasher.block_tokens();
-        let reusable = seq.hashes.len().min((seq.req.prompt.len() - 1) / bt);
+        let reusable = seq.hashes.len().min(seq.tokens.len().saturating_sub(1) / bt);
         if reusable == 0 {
             return Vec::new();
         }

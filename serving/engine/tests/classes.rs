@@ -240,6 +240,58 @@ async fn an_urgent_request_preempts_a_batch_prefill_which_resumes_from_its_store
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latency_request_pauses_a_batch_decode_which_resumes_token_for_token() {
+    // Four batch requests decode 300 tokens each at 2 ms a step (0.6 s), filling the batch.
+    let mock = MockConfig { decode_step_us: 2_000.0, ..MockConfig::zero_delay() };
+    let cfg = SchedulerConfig { batch_max: 4, ..SchedulerConfig::default() };
+    let s = setup(mock, cfg, 512, false).await;
+    let mut running = Vec::new();
+    for first in 10..14 {
+        let rx = s.sched.submit(request(first, 40, 300, Some(batch()))).unwrap();
+        running.push(tokio::spawn(collect(rx)));
+    }
+    let stats = s.sched.stats();
+    until("the four to decode", || {
+        stats.running.load(Ordering::Relaxed) == 4
+            && stats.generated_tokens.load(Ordering::Relaxed) >= 8
+    })
+    .await;
+    // An interactive request (TTFT target 300 ms) cannot wait for one of them to end: it
+    // takes the slot of a decode, which pauses.
+    let i = s.sched.submit(request(4, 40, 1, Some(interactive()))).unwrap();
+    let i_out = collect(i).await.unwrap().0;
+    assert_eq!(i_out.len(), 1);
+    let mut outs = Vec::new();
+    for b in running {
+        outs.push(b.await.unwrap());
+    }
+    assert_eq!(stats.preempted_decode.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.preempted.load(Ordering::Relaxed), 0);
+    let log = s.steps.lock().clone();
+    // The interactive request ran while every batch request still had tokens to go: each
+    // of the four ran a step after it.
+    let i_step = log.iter().position(|st| st.iter().any(|x| x.3 == 4 && x.1 == 0)).unwrap();
+    let after: std::collections::BTreeSet<u64> =
+        log[i_step + 1..].iter().flatten().map(|x| x.0).collect();
+    let before: std::collections::BTreeSet<u64> =
+        log[..i_step].iter().flatten().map(|x| x.0).collect();
+    assert_eq!(after.iter().filter(|q| before.contains(q)).count(), 3, "three kept decoding");
+    // The paused one resumed as a new sequence from its stored blocks: its first step
+    // starts past them (the last, partial block computed again), not at 0.
+    let resumed = after.iter().find(|q| !before.contains(q)).unwrap();
+    let first = log.iter().flatten().find(|x| x.0 == *resumed).unwrap();
+    assert!(first.1 >= 16 * 2 && first.1 % 16 == 0, "resumed from {first:?}");
+    // Each batch request generated, token for token, what it generates unpreempted.
+    let alone = setup(mock, SchedulerConfig::default(), 512, false).await;
+    for (first, out) in (10..14).zip(outs) {
+        let out = out.unwrap().0;
+        assert_eq!(out.len(), 300);
+        let again = collect(alone.sched.submit(request(first, 40, 300, Some(batch()))).unwrap());
+        assert_eq!(again.await.unwrap().0, out, "batch request {first}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_chunks_are_cut_to_fit_a_latency_decodes_itl_target() {
     // A 512-token chunk costs 51 ms; a decode step 5 ms. The interactive class's ITL target
     // is 20 ms: beside its decode, chunks of at most 150 tokens fit.
@@ -449,6 +501,68 @@ async fn a_tenant_past_its_host_quota_moves_its_blocks_to_disk_and_past_its_disk
     assert_eq!((middle.host_tokens, middle.disk_tokens), (0, 64), "the one before: {middle:?}");
     let oldest = run(60, "acme", Some(4), Some(4)).await;
     assert_eq!(oldest.total(), 0, "its oldest prompt left the store: {oldest:?}");
+}
+
+/// What a tenant's quotas keep is a usable prefix: host 4, disk 8, store 10 blocks, twenty
+/// distinct prompts of 6 blocks. The tenant ends holding 10 blocks, each with its parent
+/// (a sequence's blocks leave from its end, children before parents), and its last prompt
+/// is found whole (4 blocks in host memory, 2 on disk); without a disk, its 4 host blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_tenants_quota_keeps_is_a_usable_prefix() {
+    for disk in [true, false] {
+        let s = setup(MockConfig::zero_delay(), SchedulerConfig::default(), 64, disk).await;
+        let run = |first: u32| {
+            let req = GenerateRequest {
+                cache_salt: Some("tenant\0acme".into()),
+                tenant: Some(TenantHint {
+                    name: "acme".into(),
+                    store_blocks: Some(10),
+                    host_blocks: Some(4),
+                    disk_blocks: Some(8),
+                }),
+                ..request(first, 97, 2, None)
+            };
+            let rx = s.sched.submit(req).unwrap();
+            async move { collect(rx).await.unwrap().1 }
+        };
+        for first in 100..120 {
+            run(first).await;
+        }
+        let stats = s.sched.stats();
+        let gone = || stats.quota_removed.load(Ordering::Relaxed);
+        // 120 blocks used: with a disk 110 leave the store; without, every block past the
+        // host quota does (moving it down drops it).
+        let want = if disk { 110 } else { 116 };
+        until("the quota's removals", || gone() >= want).await;
+        let held = s.store.snapshot();
+        let hashes: std::collections::HashSet<_> = held.iter().map(|b| b.1).collect();
+        assert_eq!(held.len(), if disk { 10 } else { 4 }, "disk {disk}: {held:?}");
+        for (tier, hash, parent) in &held {
+            assert!(
+                parent.is_none_or(|p| hashes.contains(&p)),
+                "disk {disk}: block {hash:?} ({tier:?}) is kept without its parent"
+            );
+        }
+        let last = run(119).await;
+        let want = if disk { (64, 32) } else { (64, 0) };
+        assert_eq!((last.host_tokens, last.disk_tokens), want, "disk {disk}: {last:?}");
+    }
+}
+
+/// The store's own eviction takes a sequence from its end too: with 8 host slots and no
+/// disk, a second prompt of 6 blocks (96 tokens, one token generated: 6 slots) evicts 4 of
+/// the first's, its last 4, and the first prompt is still found by its first 2 blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_evicts_a_sequence_from_its_end() {
+    let s = setup(MockConfig::zero_delay(), SchedulerConfig::default(), 8, false).await;
+    let run = |first: u32| {
+        let rx = s.sched.submit(request(first, 96, 1, None)).unwrap();
+        async move { collect(rx).await.unwrap().1 }
+    };
+    run(30).await;
+    run(31).await;
+    let again = run(30).await;
+    assert_eq!(again.host_tokens, 32, "{again:?}");
 }
 
 /// The fabric (G4): a worker with 8 host slots and no disk spills a salted prompt's blocks to

@@ -25,6 +25,10 @@ pub const TRACE_BLOCK_TOKENS: u32 = 512;
 pub const LINE_BYTES_MAX: usize = 1 << 20;
 /// A prompt or answer longer than this many tokens is refused.
 pub const LENGTH_MAX: u64 = 16 << 20;
+/// The longest prompt a trace line may ask for unless raised (tokens, up to [`LENGTH_MAX`]):
+/// eight times the longest of the conversation trace (126k), and a bound on what one
+/// simulated request holds while it is in flight. A longer line is refused with its number.
+pub const PROMPT_TOKENS_MAX: u64 = 1 << 20;
 /// A timestamp past this (ms; a year) is refused.
 pub const TIMESTAMP_MS_MAX: u64 = 365 * 24 * 3600 * 1000;
 
@@ -104,6 +108,7 @@ pub struct TraceReader<R> {
     last_timestamp: u64,
     buf: Vec<u8>,
     ended: bool,
+    prompt_max: u64,
 }
 
 impl TraceReader<std::io::BufReader<std::fs::File>> {
@@ -125,7 +130,15 @@ impl<R: BufRead> TraceReader<R> {
             last_timestamp: 0,
             buf: Vec::new(),
             ended: false,
+            prompt_max: PROMPT_TOKENS_MAX,
         }
+    }
+
+    /// Refuses lines whose prompt is longer than `tokens` (1..=[`LENGTH_MAX`]; by default
+    /// [`PROMPT_TOKENS_MAX`]).
+    pub fn max_prompt_tokens(mut self, tokens: u64) -> Self {
+        self.prompt_max = tokens.clamp(1, LENGTH_MAX);
+        self
     }
 
     /// Lines read so far.
@@ -145,6 +158,13 @@ impl<R: BufRead> TraceReader<R> {
             return Err(bad(format!(
                 "input_length {} is not within 1..={LENGTH_MAX}",
                 r.input_length
+            )));
+        }
+        if r.input_length > self.prompt_max {
+            return Err(bad(format!(
+                "input_length {} is over the longest prompt accepted, {} tokens \
+                 (--max-prompt-tokens raises it, up to {LENGTH_MAX})",
+                r.input_length, self.prompt_max
             )));
         }
         if r.output_length > LENGTH_MAX {
@@ -318,12 +338,20 @@ impl ReuseCurve {
         let n = r.hash_ids.len();
         let needed = (self.now as usize) + n + 1;
         if needed > self.fenwick.len() {
-            // Grow by rebuilding (amortised doubling).
-            let cap = needed.next_power_of_two();
-            let times: Vec<u64> = self.last.values().copied().collect();
-            self.fenwick = vec![0; cap];
-            for t in times {
-                self.add(t as usize, 1);
+            // Renumber the live touches 0.. in their order (only their order counts), so that
+            // the tree is as long as the distinct ids, not as the touches of the whole trace;
+            // at least half of it free after (amortised constant time a touch).
+            let mut live: Vec<(u64, u64)> = self.last.iter().map(|(&id, &t)| (t, id)).collect();
+            live.sort_unstable();
+            for (t, &(_, id)) in live.iter().enumerate() {
+                self.last.insert(id, t as u64);
+            }
+            self.now = live.len() as u64;
+            let cap = (2 * (live.len() + n + 1)).next_power_of_two();
+            self.fenwick = Vec::new();
+            self.fenwick.resize(cap, 0);
+            for t in 0..live.len() {
+                self.add(t, 1);
             }
         }
         self.limit.requests += 1;

@@ -172,8 +172,10 @@ enum OneOrMany {
     Many(Vec<String>),
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// A completion's prompt: text, or token ids, one or a batch. A value of neither shape is
+/// refused with where it went wrong (the token id and its position), not with serde's
+/// untagged-enum message.
+#[derive(Debug)]
 enum Prompt {
     Text(String),
     Texts(Vec<String>),
@@ -181,10 +183,53 @@ enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
-#[derive(Debug, Deserialize)]
-struct StreamOptions {
-    #[serde(default)]
-    include_usage: bool,
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        fn token(v: &Value, at: &str) -> Result<u32, String> {
+            v.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| {
+                format!("{at} is {v}, not a token id (an integer from 0 to {})", u32::MAX)
+            })
+        }
+        fn tokens(list: &[Value], at: &str) -> Result<Vec<u32>, String> {
+            list.iter().enumerate().map(|(i, v)| token(v, &format!("{at}[{i}]"))).collect()
+        }
+        let shape = "prompt must be a string, an array of strings, an array of token ids or \
+                     an array of arrays of token ids";
+        let list = match Value::deserialize(d)? {
+            Value::String(s) => return Ok(Prompt::Text(s)),
+            Value::Array(list) => list,
+            _ => return Err(D::Error::custom(shape)),
+        };
+        let prompt = match list.first() {
+            None => Prompt::Tokens(Vec::new()),
+            Some(Value::String(_)) => Prompt::Texts(
+                list.into_iter()
+                    .enumerate()
+                    .map(|(i, v)| match v {
+                        Value::String(s) => Ok(s),
+                        other => Err(format!("prompt[{i}] is {other}, not a string")),
+                    })
+                    .collect::<Result<_, _>>()
+                    .map_err(D::Error::custom)?,
+            ),
+            Some(Value::Array(_)) => Prompt::TokenLists(
+                list.iter()
+                    .enumerate()
+                    .map(|(i, v)| match v {
+                        Value::Array(l) => tokens(l, &format!("prompt[{i}]")),
+                        other => Err(format!("prompt[{i}] is {other}, not an array of token ids")),
+                    })
+                    .collect::<Result<_, _>>()
+                    .map_err(D::Error::custom)?,
+            ),
+            Some(Value::Number(_)) => {
+                Prompt::Tokens(tokens(&list, "prompt").map_err(D::Error::custom)?)
+            }
+            Some(_) => return Err(D::Error::custom(shape)),
+        };
+        Ok(prompt)
+    }
 }
 
 /// Fields common to both endpoints. Unknown fields are ignored, as OpenAI's own server
@@ -202,7 +247,8 @@ struct Common {
     n: Option<i64>,
     #[serde(default)]
     stream: bool,
-    stream_options: Option<StreamOptions>,
+    /// `{"include_usage": bool}` (checked in [`check_common`]: serde would take `[]` for it).
+    stream_options: Option<Value>,
     #[serde(default)]
     ignore_eos: bool,
     logprobs: Option<Value>,
@@ -406,9 +452,28 @@ fn check_common(st: &AppState, ctx: Ctx<'_>, c: &Common) -> Result<Checked, ApiE
         sampling: SamplingParams { temperature, top_p, seed },
         stop,
         stream: c.stream,
-        include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        include_usage: include_usage(&c.stream_options)?,
         ignore_eos: c.ignore_eos,
     })
+}
+
+/// `stream_options.include_usage`: an object's boolean, absent or null as false.
+fn include_usage(options: &Option<Value>) -> Result<bool, ApiError> {
+    let field = "stream_options";
+    match options {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Object(o)) => match o.get("include_usage") {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(other) => Err(ApiError::invalid(
+                format!("stream_options.include_usage must be a boolean, got {other}"),
+                field,
+            )),
+        },
+        Some(other) => {
+            Err(ApiError::invalid(format!("stream_options must be an object, got {other}"), field))
+        }
+    }
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);

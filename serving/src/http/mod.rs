@@ -87,6 +87,21 @@ impl Default for ServerConfig {
     }
 }
 
+impl ServerConfig {
+    /// How `/v1/` requests are authenticated, in words: `open` (anyone who reaches the
+    /// port), `API key`, `N tenants`, or both keys. Logged once as a server starts.
+    pub fn authentication(&self) -> String {
+        match (self.api_key.is_some(), self.tenants.len()) {
+            (false, 0) => {
+                "open (no API key, no tenants: /v1/ answers anyone who reaches it)".into()
+            }
+            (true, 0) => "API key".into(),
+            (false, n) => format!("{n} tenants (each by its API key)"),
+            (true, n) => format!("API key and {n} tenants (each by its API key)"),
+        }
+    }
+}
+
 struct AppState {
     backend: Arc<dyn Backend>,
     cfg: ServerConfig,
@@ -206,7 +221,7 @@ async fn require_api_key(
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer)
             .unwrap_or("");
         let server = st.cfg.api_key.as_ref().is_some_and(|key| {
             given.len() == key.len()
@@ -221,6 +236,14 @@ async fn require_api_key(
         req.extensions_mut().insert(TenantOf(tenant));
     }
     next.run(req).await
+}
+
+/// The token of an `Authorization: Bearer TOKEN` header value. The scheme is matched
+/// without regard to case (`bearer`, `BEARER`: RFC 9110 section 11.1), with any spaces
+/// around the token.
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start_matches(' ').split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim_matches(' '))
 }
 
 /// The tenant of a request (set by [`require_api_key`]).
@@ -386,6 +409,7 @@ impl AppState {
         registry: Registry,
         created: u64,
     ) -> Arc<Self> {
+        tracing::info!(server = %cfg.name, "API authentication: {}", cfg.authentication());
         let history = dashboard::History::default();
         let started = Instant::now();
         Arc::new(AppState { backend, cfg, metrics, registry, created, started, history })

@@ -555,6 +555,8 @@ pub struct EngineSnapshot {
     pub steps: u64,
     /// Requests whose prefill yielded its batch slot to a more urgent class.
     pub preempted: u64,
+    /// Requests whose decode paused, yielding its batch slot to a latency class's request.
+    pub preempted_decode: u64,
     /// Requests refused or dropped from the queue as overloaded.
     pub shed: u64,
     /// Requests answered at once because their class's `expire` passed.
@@ -605,6 +607,8 @@ pub struct RoutedSnapshot {
     pub auth_failures: u64,
     /// Attempts that waited past the first-token limit for a worker still stepping.
     pub long_first_token_waits: u64,
+    /// Streams that waited past the inter-token deadline for a worker still stepping.
+    pub paused_streams: u64,
     /// Streams ended because the worker sent nothing for the inter-token deadline.
     pub stalled_streams: u64,
     /// Streams moved to another worker after theirs stalled or broke mid-stream.
@@ -900,10 +904,16 @@ fn engine_and_store(
         e,
         s,
         "kvfabric_engine_preempted",
-        "Requests whose prefill yielded its batch slot to a more urgent service class (they resume from their stored blocks).",
+        "Requests that yielded their batch slot to a more urgent service class, by what they were doing (phase: prefill, or decode, paused for a latency class that would miss its TTFT target); they resume from their stored blocks.",
         None,
         C,
-        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.preempted))),
+        |s, o| {
+            if let Some(x) = &s.engine {
+                for (phase, n) in [("prefill", x.preempted), ("decode", x.preempted_decode)] {
+                    o.push((vec![("phase", LabelValue::from(phase))], Value::Int(n)));
+                }
+            }
+        },
     )?;
     family(
         e,
@@ -1541,6 +1551,12 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
             "Attempts that waited past the first-token limit for a worker whose engine kept \
              stepping (a long queue there, not a frozen worker).",
             |r| r.long_first_token_waits,
+        ),
+        (
+            "kvfabric_frontend_paused_streams",
+            "Streams that sent nothing for the inter-token deadline while their worker's \
+             engine kept stepping (preempted for a more urgent class, not stalled): waited for.",
+            |r| r.paused_streams,
         ),
         (
             "kvfabric_frontend_worker_auth_failures",

@@ -121,6 +121,9 @@ pub struct RoutedStats {
     /// Attempts that waited past the first-token limit for a worker whose engine kept
     /// stepping (a long queue, not a frozen worker).
     pub long_first_token_waits: AtomicU64,
+    /// Streams that sent nothing for the inter-token deadline while their worker's engine
+    /// kept stepping (paused: preempted for a more urgent class), waited for.
+    pub paused_streams: AtomicU64,
     /// Attempts refused by the worker's handshake on the secret.
     pub auth_failures: AtomicU64,
     /// Streams ended because their worker sent nothing for the inter-token deadline.
@@ -355,6 +358,7 @@ impl Backend for RoutedBackend {
             slow_workers: ld(&s.slow_workers),
             auth_failures: ld(&s.auth_failures),
             long_first_token_waits: ld(&s.long_first_token_waits),
+            paused_streams: ld(&s.paused_streams),
             stalled_streams: ld(&s.stalled_streams),
             migrations: ld(&s.migrations),
             kv_events: ld(&f.applied),

@@ -222,6 +222,8 @@ impl Inner {
         // request waits on there; one that does not is frozen, and the request moves.
         let mut steps_seen = self.members.steps(name).map(|(_, s)| s);
         let mut waited_long = false;
+        let mut paused = false;
+        let mut steps_read = tokio::time::Instant::now();
         // `Started` is held until the first token: a request retried elsewhere reports the
         // worker that answered it.
         let mut started: Option<GenEvent> = None;
@@ -264,6 +266,15 @@ impl Inner {
                     ));
                 }
                 Err(_) if until < deadline => {
+                    // Paused, not stalled: the engine steps on without this stream (it
+                    // yielded its batch slot to a more urgent class and waits to resume).
+                    if self.still_stepping(name, &mut steps_seen) {
+                        if !std::mem::replace(&mut paused, true) {
+                            self.stats.paused_streams.fetch_add(1, Ordering::Relaxed);
+                        }
+                        stall_by = tokio::time::Instant::now() + self.cfg.stall_timeout;
+                        continue;
+                    }
                     self.penalise(name);
                     self.stats.stalled_streams.fetch_add(1, Ordering::Relaxed);
                     return Relay::Failed(format!("no token for {:?}", self.cfg.stall_timeout));
@@ -306,6 +317,13 @@ impl Inner {
                 }
                 GenEvent::Token { id, .. } => {
                     stall_by = tokio::time::Instant::now() + self.cfg.stall_timeout;
+                    // The engine's steps as of (about) this token: a pause later is told
+                    // from a stall by whether it stepped since. Read a few times per stall
+                    // limit, not per token (the members' lock).
+                    if steps_read.elapsed() >= self.cfg.stall_timeout / 4 {
+                        steps_read = tokio::time::Instant::now();
+                        steps_seen = self.members.steps(name).map(|(_, s)| s).or(steps_seen);
+                    }
                     if !sent_token {
                         sent_token = true;
                         self.members.prefill_done(model, rid);

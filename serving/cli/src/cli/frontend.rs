@@ -64,12 +64,8 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
                 !c.etcd.is_empty() && c.nats.is_some(),
                 "--planner starts worker processes that must find this frontend: it needs --etcd and --nats"
             );
-            let mut env = vec![
-                ("KVFABRIC_SECRET".to_string(), args.secret.clone()),
-                ("KVFABRIC_ETCD".to_string(), c.etcd.join(",")),
-                ("KVFABRIC_NAMESPACE".to_string(), c.namespace.clone()),
-            ];
-            env.extend(c.nats.clone().map(|n| ("KVFABRIC_NATS".to_string(), n)));
+            let mut env = vec![("KVFABRIC_SECRET".to_string(), args.secret.clone())];
+            env.extend(c.child_env());
             let running = args.planner.start(profile, &args.name, env, metrics.clone()).await?;
             // Its first workers are registered; take requests once this frontend sees them.
             let min = args.planner.planner_min_workers;

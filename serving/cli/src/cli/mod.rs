@@ -106,9 +106,13 @@ pub enum LogFormat {
 }
 
 /// Installs the process's log subscriber: every `tracing` event of the libraries, filtered by
-/// `--log-level` (or `RUST_LOG`, or `info`), to stderr.
+/// `--log-level` (or `RUST_LOG`, or `info`), to stderr. The NATS client library's events are
+/// kept at `info` and above whatever the level: at `trace` it writes its connect options,
+/// credentials included.
 fn init_logging(level: Option<&str>, format: LogFormat) -> anyhow::Result<()> {
-    use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::filter::{filter_fn, EnvFilter, FilterExt};
+    use tracing_subscriber::layer::{Layer, SubscriberExt};
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = match level {
         Some(l) => EnvFilter::try_new(l).with_context(|| format!("--log-level {l:?}"))?,
         None => match std::env::var("RUST_LOG") {
@@ -118,15 +122,21 @@ fn init_logging(level: Option<&str>, format: LogFormat) -> anyhow::Result<()> {
             _ => EnvFilter::new("info"),
         },
     };
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let installed = match format {
+    let no_secrets =
+        filter_fn(|m| !(m.target().starts_with("async_nats") && *m.level() > tracing::Level::INFO));
+    let filter = filter.and(no_secrets);
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let layer = match format {
         LogFormat::Text => {
             use std::io::IsTerminal;
-            builder.with_ansi(std::io::stderr().is_terminal()).try_init()
+            layer.with_ansi(std::io::stderr().is_terminal()).with_filter(filter).boxed()
         }
-        LogFormat::Json => builder.json().with_current_span(false).try_init(),
+        LogFormat::Json => layer.json().with_current_span(false).with_filter(filter).boxed(),
     };
-    installed.map_err(|e| anyhow::anyhow!("installing the log subscriber: {e}"))
+    tracing_subscriber::registry()
+        .with(layer)
+        .try_init()
+        .map_err(|e| anyhow::anyhow!("installing the log subscriber: {e}"))
 }
 
 /// Runs a parsed command line.

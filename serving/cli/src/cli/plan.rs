@@ -99,6 +99,12 @@ pub struct PlanArgs {
     /// --trace: tokens per hash id of the trace.
     #[arg(long, default_value_t = 512)]
     trace_block_tokens: u32,
+    /// --trace: refuse a trace line whose prompt is longer than this many tokens (with its
+    /// line number); at most 16777216. The replays hold each request in flight, so this
+    /// bounds their memory.
+    #[arg(long, default_value_t = kvfabric_planner::trace::PROMPT_TOKENS_MAX,
+        value_parser = clap::value_parser!(u64).range(1..=kvfabric_planner::trace::LENGTH_MAX))]
+    max_prompt_tokens: u64,
     /// --trace: workers (nodes) the traffic is spread over.
     #[arg(long, default_value_t = 8)]
     workers: usize,
@@ -191,7 +197,11 @@ fn run_trace_sla(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()>
         profile: curves,
         targets,
         // 64-token blocks, as the capacity plan: four times coarser than serving's, for speed.
-        sim: SimConfig { block_tokens: 64, ..SimConfig::default() },
+        sim: SimConfig {
+            block_tokens: 64,
+            prompt_tokens_max: args.max_prompt_tokens,
+            ..SimConfig::default()
+        },
         replays_max: 10,
     };
     let r = size(trace, &cfg).with_context(|| trace.display().to_string())?;
@@ -411,6 +421,8 @@ fn parse_count(what: &str, s: &str) -> anyhow::Result<u64> {
 }
 
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    // Every plan counts KV in blocks (the trace's too: its model's bytes per block).
+    anyhow::ensure!(args.block_tokens >= 1, "--block-tokens (block_tokens) must be at least 1");
     if let (true, Some(trace)) = (args.sla, &args.trace) {
         return run_trace_sla(&args, trace);
     }
@@ -480,7 +492,12 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
         bytes_per_token,
         links,
         // 64-token blocks: a planning granularity four times coarser than serving's, for speed.
-        sim: SimConfig { block_tokens: 64, bytes_per_token, ..SimConfig::default() },
+        sim: SimConfig {
+            block_tokens: 64,
+            bytes_per_token,
+            prompt_tokens_max: args.max_prompt_tokens,
+            ..SimConfig::default()
+        },
     };
     let report = capacity(trace, &cfg).with_context(|| trace.display().to_string())?;
     if let Some(path) = &args.plot {
