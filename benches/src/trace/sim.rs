@@ -34,7 +34,7 @@ use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric::rng::SplitMix64;
 use kvfabric_planner::sla::Profile;
-use kvfabric_planner::trace::{Expander, Limit, Reshape, ReuseCurve, TraceError, TraceRequest};
+use kvfabric_planner::trace::{Expander, Limit, LimitCounter, Reshape, TraceError, TraceRequest};
 use kvfabric_router::{PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
 use kvfabric_tiers::policy::{FrequencyFilter, PolicyKind};
 use kvfabric_tiers::pool::SlotPool;
@@ -918,7 +918,9 @@ pub fn simulate(
             sim.reports.push(Reverse((Time(first), wi)));
         }
     }
-    let mut curve = ReuseCurve::new(cfg.reshape.to);
+    // The trace's limit (an infinite cache): the one state that grows with the trace, by
+    // its distinct ids (8 bytes each, 1/64 of a byte a token at 512 tokens an id).
+    let mut curve = LimitCounter::new(cfg.reshape.to);
     let mut rng = SplitMix64(cfg.seed ^ 0x5EED);
     let speedup = if cfg.speedup > 0.0 { cfg.speedup } else { 1.0 };
     for (i, req) in trace.enumerate() {
@@ -1046,7 +1048,9 @@ fn store_blocks(
     block_bytes: u64,
     r: &mut SimResult,
 ) -> (Vec<u32>, Vec<SequenceHash>) {
-    let mut pinned = Vec::with_capacity(hashes.len());
+    // As long as what it pins (G1's slots at most), not as the prompt: a request in flight
+    // keeps it.
+    let mut pinned = Vec::new();
     let mut stored = Vec::new();
     let mut computed = Vec::new();
     let mut removed = Vec::new();
@@ -1100,6 +1104,7 @@ fn store_blocks(
         }
     }
     offload(w, 1, offloads, events, rates, t, block_bytes, r);
+    pinned.shrink_to_fit();
     (pinned, computed)
 }
 

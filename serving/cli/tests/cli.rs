@@ -843,10 +843,41 @@ fn bench_trace_and_plan_trace_replay_real_traffic_and_name_a_bad_line() {
     let e = one_line_error(&kvfabric(&["plan", "--trace", bad.to_str().unwrap()]));
     assert!(e.contains("trace line 2"), "{e}");
     // Settings out of range are named before any replay.
-    for (flag, value) in [("--load-report-ms", "0.5"), ("--g1-tier", "gpu")] {
+    for (flag, value) in [("--load-report-ms", "0.5"), ("--g1-tier", "gpu"), ("--batch-max", "0")] {
         let e = one_line_error(&kvfabric(&["bench", "trace", bad.to_str().unwrap(), flag, value]));
         assert!(e.contains(flag), "{flag} {value}: {e}");
     }
+    let e = one_line_error(&kvfabric(&["plan", "--trace", slice, "--block-tokens", "0"]));
+    assert!(e.contains("--block-tokens"), "{e}");
+    // A prompt longer than the longest accepted (1M tokens by default) is refused with its
+    // line, for both commands; --max-prompt-tokens raises the bound.
+    let long = dir.path().join("long.jsonl");
+    let ids: Vec<String> = (0..4096).map(|i| i.to_string()).collect();
+    std::fs::write(
+        &long,
+        format!(
+            "{{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, \"hash_ids\": [1]}}\n\
+             {{\"timestamp\": 1, \"input_length\": 2097152, \"output_length\": 1, \"hash_ids\": [{}]}}\n",
+            ids.join(",")
+        ),
+    )
+    .unwrap();
+    let long = long.to_str().unwrap();
+    for args in [&["bench", "trace", long][..], &["plan", "--trace", long]] {
+        let e = one_line_error(&kvfabric(args));
+        assert!(e.contains("trace line 2") && e.contains("--max-prompt-tokens"), "{e}");
+    }
+    let v = stdout_json(&kvfabric(&[
+        "bench",
+        "trace",
+        long,
+        "--max-prompt-tokens",
+        "2097152",
+        "--workers",
+        "1",
+        "--json",
+    ]));
+    assert_eq!(v["runs"][0]["requests"], 2);
 }
 
 #[test]

@@ -290,6 +290,43 @@ impl Limit {
     }
 }
 
+/// Counts a trace's [`Limit`] alone: the ids seen (8 bytes each and the set's overhead), where
+/// a [`ReuseCurve`] also keeps each id's last touch and a tree over them, for the curve.
+#[derive(Debug, Default)]
+pub struct LimitCounter {
+    limit: Limit,
+    block_tokens: u64,
+    seen: std::collections::HashSet<u64>,
+}
+
+impl LimitCounter {
+    /// A counter for a trace whose ids cover `block_tokens` tokens each.
+    pub fn new(block_tokens: u32) -> Self {
+        LimitCounter { block_tokens: u64::from(block_tokens.max(1)), ..Default::default() }
+    }
+
+    /// Counts one request: its blocks whose id came before are reused.
+    pub fn push(&mut self, r: &TraceRequest) {
+        self.limit.requests += 1;
+        self.limit.tokens += r.input_length;
+        // Looked up before any is counted as seen, as [`ReuseCurve::push`] does.
+        for (k, id) in r.hash_ids.iter().enumerate() {
+            self.limit.blocks += 1;
+            if self.seen.contains(id) {
+                let tokens = self.block_tokens.min(r.input_length - k as u64 * self.block_tokens);
+                self.limit.reused_blocks += 1;
+                self.limit.reused_tokens += tokens;
+            }
+        }
+        self.seen.extend(r.hash_ids.iter().copied());
+    }
+
+    /// What an infinite cache reuses.
+    pub fn limit(&self) -> Limit {
+        self.limit
+    }
+}
+
 /// Counts a trace's [`Limit`] and, in the same pass, the LRU stack distance of every block
 /// (Mattson's algorithm over a Fenwick tree): one pass gives the reuse of an LRU cache of any
 /// capacity. A request's blocks are looked up before any of them is touched, a block counts
@@ -418,5 +455,48 @@ impl ReuseCurve {
             }
         }
         (goal == 0).then_some(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The curve's tree is as long as the distinct ids (renumbered as it fills), not as the
+    /// touches of the whole trace: ten thousand requests over the same four ids keep it short,
+    /// and every request after the first reuses its whole prompt at a capacity of 4 blocks,
+    /// its first three at 3.
+    #[test]
+    fn the_reuse_curve_holds_the_distinct_ids_not_the_trace() {
+        let mut c = ReuseCurve::new(512);
+        let r = TraceRequest {
+            timestamp: 0,
+            input_length: 2048,
+            output_length: 1,
+            hash_ids: vec![1, 2, 3, 4],
+        };
+        for _ in 0..10_000 {
+            c.push(&r);
+        }
+        assert!(c.fenwick.len() <= 32, "{}", c.fenwick.len());
+        assert_eq!(c.limit().reused_tokens, 9_999 * 2048);
+        assert_eq!(c.reused_tokens(4), 9_999 * 2048);
+        assert_eq!(c.reused_tokens(3), 9_999 * 1536, "3 blocks hold the first three");
+    }
+
+    /// The limit alone counts what the curve's limit counts, a request's repeated id within
+    /// itself included (looked up before any of its ids is seen).
+    #[test]
+    fn the_limit_counter_agrees_with_the_curve() {
+        let (mut c, mut l) = (ReuseCurve::new(512), LimitCounter::new(512));
+        let reqs = [(1000, vec![1, 2]), (1500, vec![1, 2, 3]), (700, vec![3, 3]), (1, vec![9])];
+        for (input, ids) in reqs {
+            let r =
+                TraceRequest { timestamp: 0, input_length: input, output_length: 1, hash_ids: ids };
+            c.push(&r);
+            l.push(&r);
+        }
+        assert_eq!(c.limit(), l.limit());
+        assert!(l.limit().reused_blocks == 4 && l.limit().reused_tokens == 512 * 3 + 188);
     }
 }
