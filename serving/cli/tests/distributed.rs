@@ -70,6 +70,16 @@ async fn frontend(etcd: &EtcdServer, nats: &NatsServer, mode: RoutingMode) -> Fr
 }
 
 async fn frontend_with(etcd: &EtcdServer, nats: &NatsServer, cfg: RoutedConfig) -> Frontend {
+    frontend_with_classes(etcd, nats, cfg, &[]).await
+}
+
+/// A frontend with these service classes (`--class` specs).
+async fn frontend_with_classes(
+    etcd: &EtcdServer,
+    nats: &NatsServer,
+    cfg: RoutedConfig,
+    classes: &[&str],
+) -> Frontend {
     // The frontend's own log (retries, deadlines) beside the workers': a failure says why.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new("info,async_nats=warn"))
@@ -78,8 +88,12 @@ async fn frontend_with(etcd: &EtcdServer, nats: &NatsServer, cfg: RoutedConfig) 
     let discovery = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()], "dist").await.unwrap());
     let bus = Arc::new(NatsBus::connect(&nats.url(), "dist").await.unwrap());
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await.unwrap());
-    let server =
-        ServerConfig { request_timeout: Duration::from_secs(60), ..ServerConfig::default() };
+    let specs: Vec<String> = classes.iter().map(|c| c.to_string()).collect();
+    let server = ServerConfig {
+        request_timeout: Duration::from_secs(60),
+        classes: kvfabric_serving::classes::Classes::from_specs_and_file(&specs, None).unwrap(),
+        ..ServerConfig::default()
+    };
     let app = router(backend.clone(), server);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -503,6 +517,54 @@ async fn a_long_queue_is_waited_for_past_the_first_token_limit() {
     assert!(load(&stats.long_first_token_waits) >= 1, "no request waited past the limit");
     assert_eq!(load(&stats.slow_workers), 0, "a working worker was treated as frozen");
     assert_eq!(load(&stats.retries), 0, "a queued request was moved");
+}
+
+/// A stream paused by its engine is not a stalled one: a batch request's decode yields the
+/// only batch slot to an interactive request that decodes for longer than the frontend's
+/// inter-token limit; the worker's engine keeps stepping (its reports say so), so the
+/// frontend waits on (a paused stream, counted) instead of moving the stream, and the client
+/// gets the batch answer whole, as it is unpaused (the mock derives each token from all
+/// before it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_stream_is_waited_for_past_the_stall_limit() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    // One sequence at a time, 4 ms a decode step.
+    let args = ["--engine", "mock", "--disk-blocks", "0", "--max-batch", "1"];
+    let _w = worker("ps-w", &etcd, &nats, &[&args[..], &["--mock-decode-us", "4000"]].concat());
+    let cfg = RoutedConfig { stall_timeout: Duration::from_secs(1), ..RoutedConfig::new(SECRET) };
+    let classes = ["interactive:ttft=300ms,itl=50ms", "batch:ttft=30s,default"];
+    let f = frontend_with_classes(&etcd, &nats, cfg, &classes).await;
+    wait_for("the worker", Duration::from_secs(10), async || workers_known(&f).await.len() == 1)
+        .await;
+    let b = f.backend.clone();
+    wait_for("its first load report", Duration::from_secs(10), async || {
+        b.worker_steps("ps-w").is_some()
+    })
+    .await;
+    let ask = |class: &str, prompt: &str, n: u32| {
+        let mut body = completion(prompt, n);
+        body["kvfabric"] = json!({ "class": class });
+        body
+    };
+    let batch = ask("batch", "a batch job that yields", 400);
+    let alone = post_json(f.addr, "/v1/completions", &batch).await;
+    assert_eq!(alone.status, 200, "{}", alone.text());
+    let addr = f.addr;
+    let paused = tokio::spawn(async move { post_json(addr, "/v1/completions", &batch).await });
+    // 400 tokens take 1.6 s: well under way, it meets the interactive request, which decodes
+    // 400 tokens too (1.6 s, past the 1 s limit) in its slot.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let quick = post_json(f.addr, "/v1/completions", &ask("interactive", "urgent", 400)).await;
+    assert_eq!(quick.status, 200, "{}", quick.text());
+    let resumed = paused.await.unwrap();
+    assert_eq!(resumed.status, 200, "{}", resumed.text());
+    let text = |r: &common::Response| r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(text(&resumed), text(&alone), "the paused stream's answer changed");
+    let stats = f.backend.stats();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(load(&stats.paused_streams) >= 1, "no stream waited past the limit");
+    assert_eq!(load(&stats.stalled_streams), 0, "a paused stream was taken for a stalled one");
+    assert_eq!(load(&stats.migrations), 0);
 }
 
 /// A worker frozen (SIGSTOP) in the middle of a stream: the frontend stops waiting after the

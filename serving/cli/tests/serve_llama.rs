@@ -151,3 +151,47 @@ async fn a_working_set_larger_than_the_host_tier_spills_to_disk_and_comes_back()
     assert!(metric(&m, "kvfabric_kv_hit_tokens_total{tier=\"disk\"}") > 0.0, "{m}");
     assert!(metric(&m, "kvfabric_kv_onboard_bytes_total") > 0.0);
 }
+
+/// A latency class's request finds the only batch slot held by a batch request decoding: it
+/// pauses that decode (counted), runs, and the batch request resumes from its stored blocks,
+/// its last partial block computed again as a prompt chunk, and answers, token for token,
+/// what it answers alone (greedy, the real model).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_decode_of_the_real_model_answers_as_it_does_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(["up", "--port", "0", "--disk-blocks", "0", "--max-batch", "1"])
+        .args(["--class", "interactive:ttft=300ms,itl=50ms", "--class", "batch:ttft=30s,default"])
+        .arg("--model")
+        .arg(model_path())
+        .arg("--data-dir")
+        .arg(dir.path());
+    let (_proc, addr, _) = spawn_server(cmd);
+    let batch = json!({
+        "model": MODEL, "max_tokens": 96, "temperature": 0, "ignore_eos": true,
+        "messages": long_conversation("the history of Lyon"),
+    });
+    let alone = post_json(addr, "/v1/chat/completions", &batch).await.json();
+    let steps =
+        || async { metric(&get(addr, "/metrics").await.text(), "kvfabric_engine_steps_total") };
+    let before = steps().await;
+    let paused = tokio::spawn(async move { post_json(addr, "/v1/chat/completions", &batch).await });
+    // It decodes (a prompt step, then a token a step) when the interactive request comes.
+    for _ in 0..2000 {
+        if steps().await >= before + 8.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let quick = json!({
+        "model": MODEL, "max_tokens": 1, "temperature": 0, "kvfabric": {"class": "interactive"},
+        "messages": [{"role": "user", "content": "Say hi."}],
+    });
+    let r = post_json(addr, "/v1/chat/completions", &quick).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let resumed = paused.await.unwrap().json();
+    let m = get(addr, "/metrics").await.text();
+    assert_eq!(metric(&m, "kvfabric_engine_preempted_total{phase=\"decode\"}"), 1.0);
+    assert_eq!(content(&resumed), content(&alone), "the paused decode changed the answer");
+    assert_eq!(resumed["usage"]["completion_tokens"], 96);
+}

@@ -705,6 +705,25 @@ impl<E: Engine> Loop<E> {
             .max_by_key(|&i| (self.running[i].req.rank(), self.running[i].key))
     }
 
+    /// The first waiting request (in deadline order) that may take a running request's
+    /// slot, and that running request: a less urgent one's prefill, or, when the waiting one
+    /// would miss its TTFT target waiting, a less urgent one's decode. Not only the queue's
+    /// head: a paused batch request at the head waits for a free slot, and must not hold back
+    /// the interactive request behind it.
+    fn slot_to_take(&self) -> Option<(usize, usize)> {
+        // Only a request more urgent than some running one can take a slot.
+        let least_urgent = self.running.iter().map(|s| s.req.rank()).max()?;
+        self.waiting.iter().enumerate().find_map(|(w, sub)| {
+            if sub.req.rank() >= least_urgent {
+                return None;
+            }
+            let victim = self
+                .preemptible(sub.rank(self.cfg.policy), sub.key)
+                .or_else(|| self.decode_to_yield(sub))?;
+            Some((w, victim))
+        })
+    }
+
     /// The decode to pause for `head`, a waiting request of a class with a TTFT target that
     /// a full batch would make miss it: the least urgent decode of a less urgent class
     /// (higher rank). None when the batch frees a slot in time (by the measured step
@@ -727,8 +746,10 @@ impl<E: Engine> Loop<E> {
 
     /// Whether `head` would miss its deadline waiting for the batch to free a slot: the
     /// running request with the least work left finishes (its prompt, then every token it
-    /// may still generate), then `head`'s prompt is computed. Until the costs are measured,
-    /// it would.
+    /// may still generate), then `head`'s prompt is computed, and that must be done within
+    /// half of the time it has left (the estimate leaves out the steps of the others' prompt
+    /// chunks: it waits only where it surely makes it). Until the costs are measured, it
+    /// would.
     fn would_miss(&self, head: &Submission) -> bool {
         let (Some(decode_us), Some(token_us)) =
             (self.cost.decode_step_us, self.cost.prefill_us_per_token)
@@ -745,7 +766,8 @@ impl<E: Engine> Loop<E> {
             .fold(f64::INFINITY, f64::min);
         let own_us = head.prefill_tokens() as f64 * token_us + decode_us;
         let ready = Duration::from_secs_f64(((free_in_us + own_us) / 1e6).clamp(0.0, 86_400.0));
-        Instant::now().checked_add(ready).is_none_or(|t| t > head.key)
+        let now = Instant::now();
+        ready > head.key.saturating_duration_since(now) / 2
     }
 
     fn report_load(&mut self) {
@@ -780,24 +802,18 @@ impl<E: Engine> Loop<E> {
 
     fn admit(&mut self) {
         self.expire_waiting();
-        while let Some(head) = self.waiting.front() {
-            if self.running.len() >= self.cfg.batch_max {
-                // A full batch: a more urgent request takes the slot of a less urgent one's
-                // prefill, or, when it would miss its TTFT target waiting, of a less urgent
-                // one's decode.
-                let victim = self
-                    .preemptible(head.rank(self.cfg.policy), head.key)
-                    .or_else(|| self.decode_to_yield(head));
-                match victim {
-                    Some(i) => {
-                        let behind = head.key;
-                        self.preempt(i, behind)
-                    }
-                    None => break,
-                }
-                continue;
-            }
-            let Some(sub) = self.waiting.pop_front() else { break };
+        while !self.waiting.is_empty() {
+            let sub = if self.running.len() < self.cfg.batch_max {
+                let Some(sub) = self.waiting.pop_front() else { break };
+                sub
+            } else {
+                // A full batch: the first waiting request (by deadline) that may take the
+                // slot of a running one does, and is admitted in its place.
+                let Some((w, victim)) = self.slot_to_take() else { break };
+                let Some(sub) = self.waiting.remove(w) else { break };
+                self.preempt(victim, sub.key);
+                sub
+            };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             // `submit` bounded the timeout; a deadline past the clock's range is not one.
             let deadline = sub.arrived.checked_add(sub.req.timeout).unwrap_or_else(Instant::now);

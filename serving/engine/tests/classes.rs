@@ -291,6 +291,47 @@ async fn a_latency_request_pauses_a_batch_decode_which_resumes_token_for_token()
     }
 }
 
+/// A paused batch request at the head of the queue waits for a free slot; it does not hold
+/// back an interactive request behind it, which pauses the other batch decode at once
+/// (rather than waiting for the first interactive request to end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_decode_at_the_head_of_the_queue_does_not_hold_back_a_latency_request() {
+    let mock = MockConfig { decode_step_us: 2_000.0, ..MockConfig::zero_delay() };
+    let cfg = SchedulerConfig { batch_max: 2, ..SchedulerConfig::default() };
+    let s = setup(mock, cfg, 512, false).await;
+    let stats = s.sched.stats();
+    // Batch requests whose TTFT deadline is long past (as a batch request's is once it
+    // decoded a while): paused, one queues right behind the request it made room for.
+    let late = class("batch", 1, 1);
+    let b: Vec<_> = (20..22)
+        .map(|f| {
+            let rx = s.sched.submit(request(f, 40, 300, Some(late.clone()))).unwrap();
+            tokio::spawn(collect(rx))
+        })
+        .collect();
+    until("both to decode", || stats.generated_tokens.load(Ordering::Relaxed) >= 4).await;
+    // The first interactive request decodes 100 tokens (0.2 s): it pauses one batch decode.
+    let mut i1 = s.sched.submit(request(4, 40, 100, Some(interactive()))).unwrap();
+    first_token(&mut i1).await;
+    assert_eq!(stats.preempted_decode.load(Ordering::Relaxed), 1);
+    // The second finds the paused one at the head of the queue and the other batch request
+    // decoding: it pauses that one too, at once.
+    let i2 = s.sched.submit(request(5, 40, 1, Some(interactive()))).unwrap();
+    collect(i2).await.unwrap();
+    assert_eq!(stats.preempted_decode.load(Ordering::Relaxed), 2);
+    collect(i1).await.unwrap();
+    for h in b {
+        assert_eq!(h.await.unwrap().unwrap().0.len(), 300);
+    }
+    let log = s.steps.lock().clone();
+    let first_of = |t: u32| log.iter().position(|st| st.iter().any(|x| x.3 == t && x.1 == 0));
+    let last_of_i1 = {
+        let seq = log.iter().flatten().find(|x| x.3 == 4 && x.1 == 0).unwrap().0;
+        log.iter().rposition(|st| st.iter().any(|x| x.0 == seq)).unwrap()
+    };
+    assert!(first_of(5).unwrap() < last_of_i1, "the second waited for the first to end");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_chunks_are_cut_to_fit_a_latency_decodes_itl_target() {
     // A 512-token chunk costs 51 ms; a decode step 5 ms. The interactive class's ITL target
