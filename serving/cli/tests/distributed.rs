@@ -109,6 +109,17 @@ async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool)
     }
 }
 
+/// Waits until the frontend knows its one worker `name` and has its first load report (its
+/// engine steps).
+async fn the_only_worker_reports(f: &Frontend, name: &str) {
+    wait_for("the worker", Duration::from_secs(10), async || workers_known(f).await.len() == 1)
+        .await;
+    wait_for("its first load report", Duration::from_secs(10), async || {
+        f.backend.worker_steps(name).is_some()
+    })
+    .await;
+}
+
 async fn workers_known(f: &Frontend) -> Vec<String> {
     let h = get(f.addr, "/health").await.json();
     h["workers"]
@@ -488,13 +499,7 @@ async fn a_long_queue_is_waited_for_past_the_first_token_limit() {
     let cfg =
         RoutedConfig { first_token_timeout: Duration::from_secs(1), ..RoutedConfig::new(SECRET) };
     let f = frontend_with(&etcd, &nats, cfg).await;
-    wait_for("the worker", Duration::from_secs(10), async || workers_known(&f).await.len() == 1)
-        .await;
-    let b = f.backend.clone();
-    wait_for("its first load report", Duration::from_secs(10), async || {
-        b.worker_steps("lq-busy").is_some()
-    })
-    .await;
+    the_only_worker_reports(&f, "lq-busy").await;
     let start = Instant::now();
     let tasks: Vec<_> = (0..3)
         .map(|i| {
@@ -534,13 +539,7 @@ async fn a_paused_stream_is_waited_for_past_the_stall_limit() {
     let cfg = RoutedConfig { stall_timeout: Duration::from_secs(1), ..RoutedConfig::new(SECRET) };
     let classes = ["interactive:ttft=300ms,itl=50ms", "batch:ttft=30s,default"];
     let f = frontend_with_classes(&etcd, &nats, cfg, &classes).await;
-    wait_for("the worker", Duration::from_secs(10), async || workers_known(&f).await.len() == 1)
-        .await;
-    let b = f.backend.clone();
-    wait_for("its first load report", Duration::from_secs(10), async || {
-        b.worker_steps("ps-w").is_some()
-    })
-    .await;
+    the_only_worker_reports(&f, "ps-w").await;
     let ask = |class: &str, prompt: &str, n: u32| {
         let mut body = completion(prompt, n);
         body["kvfabric"] = json!({ "class": class });

@@ -13,6 +13,18 @@ use std::sync::{Arc, Mutex};
 use kvfabric_tiers::disk::format::{SlotHeader, SlotLayout, MAGIC_BYTES};
 use serde_json::{json, Value};
 
+/// `kvfabric ARGS` with stdout and stderr piped, free of the environment's configuration
+/// and log level.
+fn kvfabric_piped(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
+    cmd.args(args)
+        .env_remove("KVFABRIC_CONFIG")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
 /// A `kvfabric up` process whose stderr lines are collected.
 struct Up {
     child: Child,
@@ -22,18 +34,14 @@ struct Up {
 
 impl Up {
     fn start(data_dir: &Path, level: &str) -> Up {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-            .args(["up", "--engine", "mock", "--port", "0", "--name", "logtest"])
+        let mut child = kvfabric_piped(&["up", "--engine", "mock", "--port", "0"])
+            .args(["--name", "logtest"])
             .args(["--host-blocks", "4", "--disk-blocks", "1024", "--mock-decode-us", "100"])
             // Every evicted block goes to disk (by default only reused ones do).
             .args(["--disk-admit-min-hits", "0"])
             .arg("--data-dir")
             .arg(data_dir)
             .args(["--log-format", "json", "--log-level", level])
-            .env_remove("KVFABRIC_CONFIG")
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         let log = Arc::new(Mutex::new(Vec::new()));
@@ -169,16 +177,12 @@ fn a_bad_log_level_is_one_line_and_non_zero() {
 /// `kvfabric frontend --nats ... --log-level trace` with extra arguments: the first stdout
 /// line (or None when it exited first), and every line it wrote on stderr.
 fn frontend_with_nats(args: &[&str]) -> (Option<String>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["frontend", "--port", "0", "--secret", "nats-log-test-secret"])
-        .args(["--name", "natslog", "--log-level", "trace"])
-        .args(args)
-        .env_remove("KVFABRIC_CONFIG")
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child =
+        kvfabric_piped(&["frontend", "--port", "0", "--secret", "nats-log-test-secret"])
+            .args(["--name", "natslog", "--log-level", "trace"])
+            .args(args)
+            .spawn()
+            .unwrap();
     let stderr = child.stderr.take().unwrap();
     let log = std::thread::spawn(move || {
         let mut all = String::new();
