@@ -57,25 +57,20 @@ impl ControlArgs {
             anyhow::ensure!(!line.is_empty(), "the NATS {what} file {} is empty", path.display());
             Ok(line)
         };
-        Ok(
-            match (
-                &self.nats_user,
-                &self.nats_password_file,
-                &self.nats_token_file,
-                &self.nats_creds,
-            ) {
-                (Some(user), Some(p), None, None) => {
-                    NatsAuth::UserPassword { user: user.clone(), password: secret(p, "password")? }
-                }
-                (None, None, Some(t), None) => NatsAuth::Token(secret(t, "token")?),
-                (None, None, None, Some(c)) => NatsAuth::CredsFile(c.clone()),
-                (None, None, None, None) => NatsAuth::None,
-                _ => anyhow::bail!(
-                    "give one kind of NATS credentials: --nats-user with --nats-password-file, \
+        let given =
+            (&self.nats_user, &self.nats_password_file, &self.nats_token_file, &self.nats_creds);
+        Ok(match given {
+            (Some(user), Some(p), None, None) => {
+                NatsAuth::UserPassword { user: user.clone(), password: secret(p, "password")? }
+            }
+            (None, None, Some(t), None) => NatsAuth::Token(secret(t, "token")?),
+            (None, None, None, Some(c)) => NatsAuth::CredsFile(c.clone()),
+            (None, None, None, None) => NatsAuth::None,
+            _ => anyhow::bail!(
+                "give one kind of NATS credentials: --nats-user with --nats-password-file, \
                  --nats-token-file, or --nats-creds"
-                ),
-            },
-        )
+            ),
+        })
     }
 
     /// The environment that gives a child process this control plane (the planner's
