@@ -123,6 +123,9 @@ pub struct SchedulerStats {
     /// request that would otherwise miss its TTFT target (they wait again, and resume from
     /// their stored blocks: only the last, partial block is computed again).
     pub preempted_decode: AtomicU64,
+    /// Of the requests waiting, those preempted (admitted before, waiting to resume): they
+    /// count against no bound and are never shed.
+    pub resuming: AtomicU64,
     /// Requests refused or dropped from the queue as overloaded (429) so that a more urgent
     /// class's request could wait instead, or because the queue was full.
     pub shed: AtomicU64,
@@ -389,7 +392,12 @@ impl Scheduler {
                 super::REQUEST_TIMEOUT_MAX
             )));
         }
-        let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
+        // Preempted requests waiting to resume take no place in the queue.
+        let waiting =
+            self.stats
+                .waiting
+                .load(Ordering::Relaxed)
+                .saturating_sub(self.stats.resuming.load(Ordering::Relaxed)) as usize;
         // A full queue still takes a request more urgent than its least urgent one (the loop
         // then drops that one), up to twice its bound.
         let displaces = self.policy == QueuePolicy::Edf
@@ -631,6 +639,9 @@ impl<E: Engine> Loop<E> {
             }
             let Some(w) = self.waiting.remove(i) else { break };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            if w.resume.is_some() {
+                self.stats.resuming.fetch_sub(1, Ordering::Relaxed);
+            }
             if w.tx.is_closed() {
                 bump(&self.stats.cancelled, 1);
                 continue;
@@ -656,6 +667,7 @@ impl<E: Engine> Loop<E> {
         self.engine.remove_sequence(s.id);
         self.stats.running.fetch_sub(1, Ordering::Relaxed);
         bump(&self.stats.waiting, 1);
+        bump(&self.stats.resuming, 1);
         let decoding = s.generated > 0;
         if decoding {
             bump(&self.stats.preempted_decode, 1);
@@ -815,6 +827,9 @@ impl<E: Engine> Loop<E> {
                 sub
             };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            if sub.resume.is_some() {
+                self.stats.resuming.fetch_sub(1, Ordering::Relaxed);
+            }
             // `submit` bounded the timeout; a deadline past the clock's range is not one.
             let deadline = sub.arrived.checked_add(sub.req.timeout).unwrap_or_else(Instant::now);
             let id = self.next_id;

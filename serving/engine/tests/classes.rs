@@ -332,6 +332,27 @@ async fn a_paused_decode_at_the_head_of_the_queue_does_not_hold_back_a_latency_r
     assert!(first_of(5).unwrap() < last_of_i1, "the second waited for the first to end");
 }
 
+/// A paused decode waits to resume without taking a place in the queue: with room for one
+/// waiting request, the queue still takes a new one while a paused batch request waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_decode_takes_no_place_in_the_queue() {
+    let mock = MockConfig { decode_step_us: 2_000.0, ..MockConfig::zero_delay() };
+    let cfg = SchedulerConfig { batch_max: 1, waiting_max: 1, ..SchedulerConfig::default() };
+    let s = setup(mock, cfg, 512, false).await;
+    let stats = s.sched.stats();
+    let b = tokio::spawn(collect(s.sched.submit(request(30, 40, 300, Some(batch()))).unwrap()));
+    until("it decodes", || stats.generated_tokens.load(Ordering::Relaxed) >= 2).await;
+    let mut i = s.sched.submit(request(4, 40, 100, Some(interactive()))).unwrap();
+    first_token(&mut i).await;
+    assert_eq!(stats.resuming.load(Ordering::Relaxed), 1, "the batch request is paused");
+    let next = s.sched.submit(request(31, 40, 2, Some(batch())));
+    assert!(next.is_ok(), "refused while only a paused request waits: {next:?}");
+    collect(i).await.unwrap();
+    collect(next.unwrap()).await.unwrap();
+    assert_eq!(b.await.unwrap().unwrap().0.len(), 300);
+    assert_eq!(stats.resuming.load(Ordering::Relaxed), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_chunks_are_cut_to_fit_a_latency_decodes_itl_target() {
     // A 512-token chunk costs 51 ms; a decode step 5 ms. The interactive class's ITL target
