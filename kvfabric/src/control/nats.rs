@@ -27,11 +27,18 @@ pub struct NatsBus {
     namespace: String,
     connections: tokio::sync::watch::Receiver<u64>,
     health: std::sync::Arc<super::health::BackendHealth>,
+    /// The servers, without the credentials a URL carried (what may be logged).
+    servers: String,
+    /// Whether it connected with credentials.
+    authenticated: bool,
 }
 
 impl std::fmt::Debug for NatsBus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsBus").field("namespace", &self.namespace).finish()
+        f.debug_struct("NatsBus")
+            .field("servers", &self.servers)
+            .field("namespace", &self.namespace)
+            .finish()
     }
 }
 
@@ -194,6 +201,7 @@ impl NatsBus {
                 }
             }
         });
+        let authenticated = auth != NatsAuth::None;
         let options = match auth {
             NatsAuth::None => options,
             NatsAuth::UserPassword { user, password } => options.user_and_password(user, password),
@@ -211,7 +219,18 @@ impl NatsBus {
             .map_err(backend)?;
         let js = jetstream::new(client.clone());
         tracing::debug!(%servers, "connected to NATS");
-        Ok(NatsBus { client, js, namespace: namespace.to_string(), connections, health })
+        let namespace = namespace.to_string();
+        Ok(NatsBus { client, js, namespace, connections, health, servers, authenticated })
+    }
+
+    /// The servers it connected to, without the credentials a URL carried.
+    pub fn servers(&self) -> &str {
+        &self.servers
+    }
+
+    /// Whether it connected with credentials (a user, a token or a credentials file).
+    pub fn authenticated(&self) -> bool {
+        self.authenticated
     }
 
     fn subject(&self, topic: &str) -> String {

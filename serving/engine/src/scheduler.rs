@@ -589,7 +589,8 @@ impl<E: Engine> Loop<E> {
         // goes, told to retry when the queue should have drained. A preempted request is
         // never shed: it was admitted (its stream may have begun), and it counts against no
         // bound.
-        while self.waiting.len() > self.cfg.waiting_max.max(1) + self.resuming() {
+        let resuming = self.stats.resuming.load(Ordering::Relaxed) as usize;
+        while self.waiting.len() > self.cfg.waiting_max.max(1) + resuming {
             let Some(i) = (0..self.waiting.len())
                 .filter(|&i| self.waiting[i].resume.is_none())
                 .max_by_key(|&i| self.waiting[i].urgency())
@@ -612,11 +613,6 @@ impl<E: Engine> Loop<E> {
     fn enqueue(&mut self, s: Submission) {
         let at = self.waiting.partition_point(|w| w.key <= s.key);
         self.waiting.insert(at, s);
-    }
-
-    /// Preempted requests in the waiting queue.
-    fn resuming(&self) -> usize {
-        self.waiting.iter().filter(|w| w.resume.is_some()).count()
     }
 
     fn note_least_urgent(&self) {

@@ -10,7 +10,7 @@ use anyhow::Context;
 
 use kvfabric::control::etcd::EtcdDiscovery;
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
-use kvfabric::control::nats::{split_credentials, NatsAuth, NatsBus};
+use kvfabric::control::nats::{NatsAuth, NatsBus};
 use kvfabric::control::{Discovery, EventBus};
 
 /// Where the control plane is, as every command that joins one takes it.
@@ -112,10 +112,9 @@ pub async fn connect(
     };
     let bus: Arc<dyn EventBus> = match nats {
         Some(urls) => {
-            // Logged without the credentials a URL may carry.
-            let (servers, in_url) = split_credentials(urls)?;
-            let authenticated = auth != NatsAuth::None || in_url != NatsAuth::None;
             let b = NatsBus::connect_with(urls, auth, namespace).await?;
+            // Logged without the credentials a URL may carry.
+            let (servers, authenticated) = (b.servers(), b.authenticated());
             tracing::info!(%servers, namespace, authenticated, "event bus: NATS");
             Arc::new(b)
         }
