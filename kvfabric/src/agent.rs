@@ -92,6 +92,9 @@ pub struct AgentConfig {
     pub name: String,
     /// TCP listen address (`127.0.0.1:0` by default: loopback, any free port).
     pub listen: SocketAddr,
+    /// The address peers dial, as its metadata gives it (None: the address bound; see
+    /// [`crate::control::advertise`]).
+    pub advertise: Option<crate::control::advertise::Advertise>,
     /// The shared secret of the handshake. Required: no secret, no bytes.
     pub secret: Vec<u8>,
     /// Offer and use the shm transport with peers on this host.
@@ -120,6 +123,7 @@ impl AgentConfig {
         AgentConfig {
             name: name.into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
             secret: secret.into(),
             shm: true,
             tcp_connections_per_peer: 4,
@@ -285,6 +289,12 @@ impl Agent {
         if config.tcp_connections_per_peer == 0 || config.tcp_stripe_bytes == 0 {
             return Err(AgentError::Config("tcp stripes and stripe bytes must be >= 1".into()));
         }
+        if config.listen.ip().is_unspecified() && config.advertise.is_none() {
+            return Err(AgentError::Config(format!(
+                "listening on {} needs an address to advertise: peers cannot dial it",
+                config.listen
+            )));
+        }
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
@@ -372,6 +382,12 @@ impl Agent {
     /// The TCP address it listens on.
     pub fn listen_addr(&self) -> SocketAddr {
         self.inner.listen_addr
+    }
+
+    /// The TCP address peers dial (its metadata's): the one advertised, else the one bound.
+    pub fn advertised_addr(&self) -> SocketAddr {
+        let bound = self.inner.listen_addr;
+        self.inner.config.advertise.map_or(bound, |a| a.addr(bound))
     }
 
     /// Allocates and registers a host region (see [`RegionOptions`]).
@@ -512,7 +528,7 @@ impl Agent {
         }
         AgentMetadata {
             name: self.inner.config.name.clone(),
-            tcp_addr: self.inner.listen_addr,
+            tcp_addr: self.advertised_addr(),
             host_id: self.inner.host_id.clone(),
             pid: std::process::id(),
             regions: self

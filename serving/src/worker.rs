@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use kvfabric::agent::{Agent, AgentConfig, AgentError};
 use kvfabric::contract::{Load, Message};
+use kvfabric::control::advertise::Advertise;
 use kvfabric::control::{ControlError, Discovery, EventBus, Instance, Registration};
 use kvfabric::events::{ChannelSink, TierKind};
 use kvfabric::layout::KvDtype;
@@ -79,6 +80,11 @@ pub struct WorkerConfig {
     pub remote_tier: bool,
     /// RDMA between hosts (None: never); the binary reads it from `KVFABRIC_RDMA*`.
     pub rdma: Option<RdmaConfig>,
+    /// Where its transfer agent listens (TCP; `127.0.0.1:0`: loopback, any port).
+    pub transfer_listen: SocketAddr,
+    /// The address its agent registers for peers (None: the one bound; required when it
+    /// listens on `0.0.0.0`).
+    pub transfer_advertise: Option<Advertise>,
 }
 
 /// Why a worker could not start.
@@ -304,6 +310,8 @@ impl WorkerStack {
         };
         let mut agent_cfg = AgentConfig::new(cfg.name.clone(), secret.clone());
         agent_cfg.rdma = cfg.rdma.clone();
+        agent_cfg.listen = cfg.transfer_listen;
+        agent_cfg.advertise = cfg.transfer_advertise;
         let agent = Agent::start(agent_cfg).await?;
         let (sink, events) = ChannelSink::new(65_536);
         let mut tasks = Vec::new();
@@ -393,13 +401,15 @@ impl WorkerStack {
 
     /// Serves requests from frontends on `listen` (a prefill worker: jobs from its queue,
     /// `parallel` at once) and registers the worker in discovery as `name` under a lease of
-    /// `lease_ttl`. A decode worker prefills long prompts remotely as `disagg` says.
+    /// `lease_ttl`, at `advertise` (None: the address bound; a prefill worker registers its
+    /// agent's). A decode worker prefills long prompts remotely as `disagg` says.
     #[allow(clippy::too_many_arguments)]
     pub async fn serve(
         &self,
         name: &str,
         role: Role,
         listen: SocketAddr,
+        advertise: Option<Advertise>,
         discovery: &Arc<dyn Discovery>,
         bus: &Arc<dyn EventBus>,
         parallel: usize,
@@ -420,13 +430,22 @@ impl WorkerStack {
                     stats.clone(),
                 );
                 let metrics = MetricsSource::Prefill(Arc::new(local), stats);
-                (self.agent.listen_addr(), server, PREFILL_KIND, metrics, None)
+                (self.agent.advertised_addr(), server, PREFILL_KIND, metrics, None)
             }
             Role::Aggregated | Role::Decode => {
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .map_err(io_err(format!("listening on {listen}")))?;
-                let addr = listener.local_addr().map_err(io_err("the listener's address"))?;
+                let bound = listener.local_addr().map_err(io_err("the listener's address"))?;
+                if bound.ip().is_unspecified() && advertise.is_none() {
+                    return Err(WorkerError::Io {
+                        what: format!("listening on {bound}"),
+                        source: std::io::Error::other(
+                            "no address to register: frontends cannot dial 0.0.0.0 (give one to advertise)",
+                        ),
+                    });
+                }
+                let addr = advertise.map_or(bound, |a| a.addr(bound));
                 let backend: Arc<dyn Backend> = if role == Role::Decode {
                     let cfg = RoutedConfig {
                         kind: PREFILL_KIND.into(),
@@ -475,7 +494,8 @@ impl WorkerStack {
         })?;
         let instance = Instance { kind: kind.into(), id: name.to_string(), metadata };
         let registration = discovery.register(instance, lease_ttl).await?;
-        tracing::info!(worker = %name, %addr, ?role, kind, "worker registered in discovery");
+        tracing::info!(worker = %name, %addr, transfer = %self.agent.advertised_addr(), ?role, kind,
+            "worker registered in discovery");
         Ok(Served { addr, registration, server, metrics, stats })
     }
 

@@ -65,6 +65,8 @@ fn worker_config(
         disk_admit_min_hits: 0,
         remote_tier,
         rdma: None,
+        transfer_listen: ([127, 0, 0, 1], 0).into(),
+        transfer_advertise: None,
     }
 }
 
@@ -81,6 +83,7 @@ async fn start_worker(
             &name,
             Role::Aggregated,
             "127.0.0.1:0".parse().unwrap(),
+            None,
             discovery,
             bus,
             4,

@@ -56,7 +56,7 @@ impl FabricNode {
         })?;
         let instance = Instance { kind: FABRIC_KIND.into(), id: name.to_string(), metadata };
         let registration = discovery.register(instance, ttl).await?;
-        tracing::info!(node = %name, addr = %self.agent.listen_addr(), "fabric node registered in discovery");
+        tracing::info!(node = %name, addr = %self.agent.advertised_addr(), "fabric node registered in discovery");
         Ok(registration)
     }
 

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
+pub mod advertise;
 pub mod file;
 pub mod health;
 pub mod memory;

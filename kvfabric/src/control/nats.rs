@@ -31,7 +31,16 @@ pub struct NatsBus {
     servers: String,
     /// Whether it connected with credentials.
     authenticated: bool,
+    /// Copies of each work queue (None: as many as the cluster has servers, at most 3).
+    replicas: Option<usize>,
+    /// How many servers were named (a cluster's size before the servers gossip it).
+    named: usize,
+    /// Work queues whose stream this process made sure of (their replicas included).
+    ensured: std::sync::Arc<parking_lot::Mutex<std::collections::HashSet<String>>>,
 }
+
+/// Replicas of a work queue when not configured: one per server of the cluster, at most 3.
+pub const DEFAULT_REPLICAS_MAX: usize = 3;
 
 impl std::fmt::Debug for NatsBus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -220,7 +229,41 @@ impl NatsBus {
         let js = jetstream::new(client.clone());
         tracing::debug!(%servers, "connected to NATS");
         let namespace = namespace.to_string();
-        Ok(NatsBus { client, js, namespace, connections, health, servers, authenticated })
+        let named = servers.split(',').filter(|s| !s.trim().is_empty()).count();
+        Ok(NatsBus {
+            client,
+            js,
+            namespace,
+            connections,
+            health,
+            servers,
+            authenticated,
+            replicas: None,
+            named,
+            ensured: Default::default(),
+        })
+    }
+
+    /// Keeps `n` copies of each work queue, on as many servers (JetStream refuses more
+    /// than the cluster has).
+    pub fn with_replicas(mut self, n: usize) -> Self {
+        self.replicas = Some(n.max(1));
+        self
+    }
+
+    /// Copies of each work queue it creates: as configured, else one per server of the NATS
+    /// cluster (the servers named, or as many as the server says the cluster has), at most
+    /// [`DEFAULT_REPLICAS_MAX`]; 1 for a server that is not in a cluster.
+    pub fn replicas(&self) -> usize {
+        if let Some(n) = self.replicas {
+            return n;
+        }
+        let info = self.client.server_info();
+        if info.cluster.is_none() {
+            return 1;
+        }
+        let gossiped: std::collections::HashSet<_> = info.connect_urls.iter().collect();
+        gossiped.len().max(self.named).clamp(1, DEFAULT_REPLICAS_MAX)
     }
 
     /// The servers it connected to, without the credentials a URL carried.
@@ -238,17 +281,57 @@ impl NatsBus {
     }
 
     async fn stream(&self, queue: &str) -> Result<stream::Stream, ControlError> {
+        let replicas = self.replicas();
         let cfg = stream::Config {
             name: format!("KVFABRIC_{}_{}", self.namespace, queue),
             subjects: vec![format!("kvfabric.{}.queue.{}", self.namespace, queue)],
             retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::File,
+            num_replicas: replicas,
             ..Default::default()
         };
-        tokio::time::timeout(CALL_TIMEOUT, self.js.get_or_create_stream(cfg))
+        let name = cfg.name.clone();
+        let stream = tokio::time::timeout(CALL_TIMEOUT, self.js.get_or_create_stream(cfg.clone()))
             .await
             .map_err(|_| ControlError::Timeout("nats stream"))?
-            .map_err(backend)
+            .map_err(backend)?;
+        if self.ensured.lock().contains(&name) {
+            return Ok(stream);
+        }
+        // A queue made by an older process (or before the cluster grew) may have fewer
+        // copies than asked for: losing one server would lose it. Scale it up, once.
+        let had = stream.cached_info().config.num_replicas;
+        if had < replicas {
+            tokio::time::timeout(CALL_TIMEOUT, self.js.update_stream(cfg))
+                .await
+                .map_err(|_| ControlError::Timeout("nats stream update"))?
+                .map_err(|e| backend(format!("raising {name} to {replicas} replicas: {e}")))?;
+            tracing::info!(stream = %name, from = had, to = replicas, "work queue replicas raised");
+        }
+        self.ensured.lock().insert(name);
+        Ok(stream)
+    }
+
+    /// The replicas the stream of `queue` has now (None: no such stream).
+    pub async fn queue_replicas(&self, queue: &str) -> Result<Option<usize>, ControlError> {
+        let name = format!("KVFABRIC_{}_{}", self.namespace, queue);
+        match tokio::time::timeout(CALL_TIMEOUT, self.js.get_stream(&name)).await {
+            Err(_) => Err(ControlError::Timeout("nats stream info")),
+            Ok(Ok(mut s)) => {
+                let info = tokio::time::timeout(CALL_TIMEOUT, s.info())
+                    .await
+                    .map_err(|_| ControlError::Timeout("nats stream info"))?
+                    .map_err(backend)?;
+                Ok(Some(info.config.num_replicas))
+            }
+            Ok(Err(e))
+                if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                Ok(None)
+            }
+            Ok(Err(e)) => Err(backend(e)),
+        }
     }
 }
 

@@ -625,6 +625,9 @@ pub struct RoutedSnapshot {
     pub kv_events_unknown_worker: u64,
     /// Requests sent to each worker.
     pub worker_requests: Vec<(String, u64)>,
+    /// Each decode worker's prefills as it last reported them: on a prefill worker, on
+    /// itself, and remote ones that failed or timed out (then done on itself).
+    pub worker_prefills: Vec<(String, [u64; 3])>,
     /// Workers in discovery per model, for every model seen since the frontend started.
     pub model_workers: Vec<(String, u64)>,
     /// The frontend's pending queue, per class.
@@ -1643,6 +1646,35 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
             }
         })?;
     }
+    family(
+        e,
+        s,
+        "kvfabric_frontend_worker_prefills",
+        "Prefills of each decode worker by where they ran, as it reports them.",
+        None,
+        C,
+        |s, o| {
+            for (w, [remote, local, _]) in s.routed.iter().flat_map(|r| &r.worker_prefills) {
+                for (at, n) in [("remote", remote), ("local", local)] {
+                    let labels = vec![("to_worker", LabelValue(w.clone())), ("where", at.into())];
+                    o.push((labels, Value::Int(*n)));
+                }
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_frontend_worker_prefill_fallbacks",
+        "Remote prefills of each decode worker that failed or timed out (then prefilled on the decode worker), as it reports them.",
+        None,
+        C,
+        |s, o| {
+            for (w, [.., fallbacks]) in s.routed.iter().flat_map(|r| &r.worker_prefills) {
+                o.push((vec![("to_worker", LabelValue(w.clone()))], Value::Int(*fallbacks)));
+            }
+        },
+    )?;
     family(e, s, "kvfabric_frontend_workers", "Workers known.", None, G, |s, o| {
         o.extend(s.routed.as_ref().map(|r| plain(r.worker_requests.len() as u64)))
     })?;

@@ -266,6 +266,21 @@ impl RoutedBackend {
         v
     }
 
+    /// Each decode worker's prefills as it last reported them (remote, local, fallbacks).
+    pub fn prefills(&self) -> Vec<(String, [u64; 3])> {
+        let mut v: Vec<_> = self.inner.members.read(|m| {
+            m.workers
+                .iter()
+                .filter_map(|(n, w)| {
+                    let s = w.stats.as_ref().filter(|s| s.role == "decode")?;
+                    Some((n.clone(), [s.remote_prefills, s.local_prefills, s.prefill_fallbacks]))
+                })
+                .collect()
+        });
+        v.sort();
+        v
+    }
+
     /// Routes a request of `prompt` for `model` without sending it: the chosen worker's name,
     /// and the id to [`RoutedBackend::release`] when its work is done.
     pub fn pick(&self, model: &str, prompt: &[u32]) -> Option<(u64, String)> {
@@ -367,6 +382,7 @@ impl Backend for RoutedBackend {
             kv_events_malformed: ld(&f.malformed),
             kv_events_unknown_worker: ld(&f.unknown),
             worker_requests: self.served(),
+            worker_prefills: self.prefills(),
             model_workers: self.model_workers(),
             pending: self.inner.pending.stats(),
         });

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
+use kvfabric::control::advertise::Reach;
 use kvfabric::control::etcd::EtcdDiscovery;
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::nats::{NatsAuth, NatsBus};
@@ -36,6 +37,10 @@ pub struct ControlArgs {
     /// A NATS credentials file (`.creds`: a user JWT and its NKey seed, as `nsc` writes them).
     #[arg(long, env = "KVFABRIC_NATS_CREDS", conflicts_with = "nats_user")]
     pub nats_creds: Option<PathBuf>,
+    /// Copies of the prefill work queue that JetStream keeps, on as many servers (default:
+    /// the servers of the NATS cluster, at most 3; 1 without a cluster).
+    #[arg(long, env = "KVFABRIC_NATS_REPLICAS", value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub nats_replicas: Option<u8>,
     /// Namespace of keys and subjects.
     #[arg(long, env = "KVFABRIC_NAMESPACE", default_value = "default")]
     pub namespace: String,
@@ -45,7 +50,16 @@ impl ControlArgs {
     /// Connects as [`connect`] does.
     pub async fn connect(&self) -> anyhow::Result<(Arc<dyn Discovery>, Arc<dyn EventBus>)> {
         let auth = self.nats_auth()?;
-        connect(&self.etcd, self.nats.as_deref(), auth, &self.namespace).await
+        let replicas = self.nats_replicas.map(usize::from);
+        connect(&self.etcd, self.nats.as_deref(), auth, replicas, &self.namespace).await
+    }
+
+    /// Where the control plane is: on this host only (embedded, or every endpoint on
+    /// loopback), or on others, which must be able to dial what this process registers.
+    pub fn reach(&self) -> Reach {
+        let etcd = self.etcd.iter().map(|e| (e.as_str(), 2379));
+        let nats = self.nats.iter().flat_map(|n| n.split(',')).map(|n| (n, 4222));
+        Reach::of(etcd.chain(nats))
     }
 
     /// The NATS credentials of the flags (read from their files), if any.
@@ -82,6 +96,9 @@ impl ControlArgs {
             ("KVFABRIC_NAMESPACE".to_string(), self.namespace.clone()),
         ];
         env.extend(self.nats.clone().map(|n| ("KVFABRIC_NATS".to_string(), n)));
+        env.extend(
+            self.nats_replicas.map(|r| ("KVFABRIC_NATS_REPLICAS".to_string(), r.to_string())),
+        );
         env.extend(self.nats_user.clone().map(|u| ("KVFABRIC_NATS_USER".to_string(), u)));
         for (var, path) in [
             ("KVFABRIC_NATS_PASSWORD_FILE", &self.nats_password_file),
@@ -100,6 +117,7 @@ pub async fn connect(
     etcd: &[String],
     nats: Option<&str>,
     auth: NatsAuth,
+    replicas: Option<usize>,
     namespace: &str,
 ) -> anyhow::Result<(Arc<dyn Discovery>, Arc<dyn EventBus>)> {
     let discovery: Arc<dyn Discovery> = if etcd.is_empty() {
@@ -112,10 +130,14 @@ pub async fn connect(
     };
     let bus: Arc<dyn EventBus> = match nats {
         Some(urls) => {
-            let b = NatsBus::connect_with(urls, auth, namespace).await?;
+            let mut b = NatsBus::connect_with(urls, auth, namespace).await?;
+            if let Some(r) = replicas {
+                b = b.with_replicas(r);
+            }
             // Logged without the credentials a URL may carry.
             let (servers, authenticated) = (b.servers(), b.authenticated());
-            tracing::info!(%servers, namespace, authenticated, "event bus: NATS");
+            tracing::info!(%servers, namespace, authenticated, queue_replicas = b.replicas(),
+                "event bus: NATS");
             Arc::new(b)
         }
         None => {

@@ -25,6 +25,12 @@ pub struct FabricArgs {
     /// Transfer engine listen address.
     #[arg(long, env = "KVFABRIC_LISTEN", default_value = "127.0.0.1:0")]
     listen: SocketAddr,
+    /// The address other hosts dial, registered in discovery (`HOST` or `HOST:PORT`).
+    /// Default: the address of `--listen`, or with `0.0.0.0`/`::` that of the interface
+    /// that routes to the control plane; a loopback address with a control plane on another
+    /// host is refused at start.
+    #[arg(long, env = "KVFABRIC_ADVERTISE")]
+    advertise: Option<kvfabric::control::advertise::Advertise>,
     /// Shared secret of the transfer handshake.
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
     secret: String,
@@ -72,6 +78,14 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let block_bytes = spec.block_layout(args.block_tokens)?.bytes_per_block();
     let mut cfg = super::stack::agent_config(args.name.clone(), args.secret.into_bytes());
     cfg.listen = args.listen;
+    let reach = args.control.reach();
+    let host = args.advertise.map(|a| kvfabric::control::advertise::Advertise { port: None, ..a });
+    cfg.advertise = Some(kvfabric::control::advertise::Advertise::resolve(
+        "the fabric node",
+        args.listen,
+        args.advertise,
+        &reach,
+    )?);
     let agent = Agent::start(cfg).await?;
 
     let (discovery, bus) = args.control.connect().await?;
@@ -98,7 +112,13 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
             let health = move || serde_json::json!({ "status": "ok", "reasons": [], "node": name });
             let (addr, task) =
                 super::stack::metrics_port(at, None, &discovery, &bus, health).await?;
-            metrics_addr = Some(addr);
+            let shown = kvfabric::control::advertise::Advertise::resolve(
+                "the metrics port",
+                at,
+                host,
+                &reach,
+            )?;
+            metrics_addr = Some(shown.addr(addr));
             Some(task)
         }
         None => None,

@@ -222,9 +222,15 @@ pub async fn run(args: ProfileArgs) -> anyhow::Result<()> {
         None => {
             let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
             let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
-            let stack =
-                super::stack::start_stack(&args.engine, "profile", &discovery, bus, !args.json)
-                    .await?;
+            let stack = super::stack::start_stack(
+                &args.engine,
+                "profile",
+                &discovery,
+                bus,
+                super::stack::TransferAt::LOOPBACK,
+                !args.json,
+            )
+            .await?;
             let model = stack.sched.info().id.clone();
             let block_bytes = stack.store.block_bytes();
             let backend: Arc<dyn Backend> =

@@ -327,6 +327,7 @@ impl Kind for InProcess {
             &name,
             &self.discovery,
             self.bus.clone(),
+            super::stack::TransferAt::LOOPBACK,
             false,
         )
         .await
@@ -336,6 +337,7 @@ impl Kind for InProcess {
                 &name,
                 self.role,
                 std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                None,
                 &self.discovery,
                 &self.bus,
                 self.engine.max_batch,

@@ -3,12 +3,14 @@
 //! store and publishers), and the shutdown signal. The worker itself is
 //! `kvfabric_serving::worker::WorkerStack`.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use kvfabric::agent::AgentConfig;
+use kvfabric::control::advertise::Advertise;
 use kvfabric::control::{Discovery, EventBus};
 use kvfabric::transfer::TransportKind;
 use kvfabric::transport::rdma::RdmaConfig;
@@ -207,7 +209,28 @@ pub fn data_dir(opts: &EngineOpts) -> PathBuf {
 
 /// The worker's configuration from the command line: the engine (the model file must exist),
 /// the store under the data directory, the scheduler's settings.
-pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConfig> {
+/// Where a worker's transfer agent listens, and the address it registers for peers.
+#[derive(Debug, Clone, Copy)]
+pub struct TransferAt {
+    /// The TCP listen address.
+    pub listen: SocketAddr,
+    /// What peers dial (None: the address bound).
+    pub advertise: Option<Advertise>,
+}
+
+impl TransferAt {
+    /// Loopback, any port: for processes whose peers are on this host only.
+    pub const LOOPBACK: TransferAt = TransferAt {
+        listen: SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0),
+        advertise: None,
+    };
+}
+
+pub fn worker_config(
+    opts: &EngineOpts,
+    name: &str,
+    transfer: TransferAt,
+) -> anyhow::Result<WorkerConfig> {
     let engine = match opts.engine {
         EngineKind::Llama => {
             let path = opts.model.clone().unwrap_or_else(default_model_path);
@@ -259,6 +282,8 @@ pub fn worker_config(opts: &EngineOpts, name: &str) -> anyhow::Result<WorkerConf
         disk_admit_min_hits: opts.disk_admit_min_hits,
         remote_tier: opts.remote_tier,
         rdma: rdma(),
+        transfer_listen: transfer.listen,
+        transfer_advertise: transfer.advertise,
     })
 }
 
@@ -284,9 +309,10 @@ pub async fn start_stack(
     name: &str,
     discovery: &Arc<dyn Discovery>,
     bus: Arc<dyn EventBus>,
+    transfer: TransferAt,
     show_progress: bool,
 ) -> anyhow::Result<WorkerStack> {
-    let cfg = worker_config(opts, name)?;
+    let cfg = worker_config(opts, name, transfer)?;
     let bar = if show_progress {
         indicatif::ProgressBar::new(1)
     } else {

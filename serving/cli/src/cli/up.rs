@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 
 use super::at_least_one;
-use super::stack::{shutdown_signal, start_stack, EngineKind, EngineOpts};
+use super::stack::{shutdown_signal, start_stack, EngineKind, EngineOpts, TransferAt};
 use clap::Args;
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::{Discovery, EventBus};
@@ -152,19 +152,24 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         );
         (Arc::new(remote), describe)
     } else if n == 1 && !args.via_frontend {
-        let stack = start_stack(&engine, &args.name, &discovery, bus.clone(), true).await?;
+        let stack =
+            start_stack(&engine, &args.name, &discovery, bus.clone(), TransferAt::LOOPBACK, true)
+                .await?;
         let backend = Arc::new(LocalBackend::new(stack.sched.clone(), stack.store.clone()));
         let describe = stack.describe.clone();
         stacks.push(stack);
         (backend, describe)
     } else {
         for (i, (name, role)) in roles.iter().enumerate() {
-            let stack = start_stack(&engine, name, &discovery, bus.clone(), i == 0).await?;
+            let stack =
+                start_stack(&engine, name, &discovery, bus.clone(), TransferAt::LOOPBACK, i == 0)
+                    .await?;
             let served = stack
                 .serve(
                     name,
                     *role,
                     SocketAddr::from(([127, 0, 0, 1], 0)),
+                    None,
                     &discovery,
                     &bus,
                     engine.max_batch,

@@ -13,7 +13,9 @@ use clap::Args;
 
 use kvfabric_serving::worker::Role;
 
-use super::stack::{shutdown_signal, start_stack, EngineOpts, DRAIN_QUIET};
+use kvfabric::control::advertise::Advertise;
+
+use super::stack::{shutdown_signal, start_stack, EngineOpts, TransferAt, DRAIN_QUIET};
 use kvfabric_serving::worker::Served;
 
 fn parse_role(s: &str) -> Result<Role, String> {
@@ -36,9 +38,24 @@ pub struct WorkerArgs {
     /// Worker name (unique in the namespace).
     #[arg(long, env = "KVFABRIC_NAME", default_value = "worker-0")]
     name: String,
-    /// Request port for frontends.
+    /// Request port for frontends (a prefill worker has none: its transfer agent listens
+    /// here).
     #[arg(long, env = "KVFABRIC_LISTEN", default_value = "127.0.0.1:0")]
     listen: SocketAddr,
+    /// The address other hosts dial, registered in discovery: `HOST` (every port of this
+    /// worker, each its own port number) or `HOST:PORT` (the request port; a NAT's). Default:
+    /// the address of `--listen`, or with `0.0.0.0`/`::` that of the interface that routes
+    /// to the control plane. A loopback address with a control plane on another host is
+    /// refused at start.
+    #[arg(long, env = "KVFABRIC_ADVERTISE")]
+    advertise: Option<Advertise>,
+    /// Where the transfer agent listens (TCP; KV to and from peers). Default: the host of
+    /// `--listen`, any port.
+    #[arg(long, env = "KVFABRIC_TRANSFER_LISTEN")]
+    transfer_listen: Option<SocketAddr>,
+    /// The transfer agent's address for peers, as `--advertise` (default: its host).
+    #[arg(long, env = "KVFABRIC_TRANSFER_ADVERTISE")]
+    transfer_advertise: Option<Advertise>,
     #[command(flatten)]
     control: super::control::ControlArgs,
     /// Serve `/metrics` (Prometheus) and `/health` (JSON: `ok`, or `degraded` while etcd or
@@ -63,14 +80,37 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         "a worker needs the shared --secret (KVFABRIC_SECRET) of its frontends and peers: \
          its request port and its transfer agent authenticate with it"
     );
+    // What others dial: checked before anything is registered.
+    let reach = args.control.reach();
+    let host = args.advertise.map(|a| Advertise { port: None, ..a });
+    let request_port = match args.role {
+        Role::Prefill => None,
+        _ => Some(Advertise::resolve("the request port", args.listen, args.advertise, &reach)?),
+    };
+    let transfer_listen = args.transfer_listen.unwrap_or(match args.role {
+        Role::Prefill => args.listen,
+        _ => SocketAddr::new(args.listen.ip(), 0),
+    });
+    let transfer_advertise = args.transfer_advertise.or(host);
+    let transfer = TransferAt {
+        listen: transfer_listen,
+        advertise: Some(Advertise::resolve(
+            "the transfer agent",
+            transfer_listen,
+            transfer_advertise,
+            &reach,
+        )?),
+    };
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
     kvfabric_serving::worker::ensure_name_free(&*discovery, &args.name, ttl).await?;
-    let stack = start_stack(&args.engine, &args.name, &discovery, bus.clone(), false).await?;
+    let stack =
+        start_stack(&args.engine, &args.name, &discovery, bus.clone(), transfer, false).await?;
     let Served { addr, registration, server, metrics: source, stats } = stack
         .serve(
             &args.name,
             args.role,
             args.listen,
+            request_port,
             &discovery,
             &bus,
             args.engine.max_batch,
@@ -89,7 +129,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             let own = Arc::new(source.clone());
             let (addr, task) =
                 super::stack::metrics_port(at, Some(own), &discovery, &bus, health).await?;
-            metrics_addr = Some(addr);
+            // Printed as others reach it (nothing registers it: Prometheus is told).
+            let shown = Advertise::resolve("the metrics port", at, host, &reach)?;
+            metrics_addr = Some(shown.addr(addr));
             Some(task)
         }
         None => None,
@@ -98,7 +140,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         "{}",
         serde_json::json!({
             "worker": args.name, "addr": addr, "model": stack.sched.info().id, "role": args.role,
-            "metrics": metrics_addr,
+            "metrics": metrics_addr, "transfer": stack.agent.advertised_addr(),
         })
     );
     tracing::info!(worker = %args.name, %addr, metrics = ?metrics_addr, "worker listening");
