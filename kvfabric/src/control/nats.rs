@@ -222,7 +222,9 @@ impl NatsBus {
                 })?
             }
         };
-        let client = tokio::time::timeout(CALL_TIMEOUT, options.connect(servers.as_str()))
+        // A list, not the joined string: the client library parses a string as one URL.
+        let list: Vec<&str> = servers.split(',').collect();
+        let client = tokio::time::timeout(CALL_TIMEOUT, options.connect(list.as_slice()))
             .await
             .map_err(|_| ControlError::Timeout("nats connect"))?
             .map_err(backend)?;

@@ -189,3 +189,20 @@ async fn health_and_metrics_follow_an_etcd_and_a_nats_outage() {
     assert!(failed >= Some(1.0), "lease renewals failed: {failed:?}");
     outage("nats", &mut nats, &procs).await;
 }
+
+/// A list of NATS servers (as a cluster's clients are given) connects past one that is down,
+/// and a work queue on a server that is in no cluster has one replica (JetStream refuses more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_of_nats_servers_connects_past_a_dead_one() {
+    use kvfabric::control::nats::NatsBus;
+    use kvfabric::control::EventBus;
+    let nats = NatsServer::start().unwrap();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let urls = format!("nats://{dead},{}", nats.url());
+    let bus = NatsBus::connect(&urls, "list").await.unwrap();
+    assert_eq!(bus.servers(), urls);
+    assert_eq!(bus.replicas(), 1);
+    bus.enqueue("prefill", b"job".to_vec()).await.unwrap();
+    assert_eq!(bus.queue_replicas("prefill").await.unwrap(), Some(1));
+    assert_eq!(bus.queue_replicas("absent").await.unwrap(), None);
+}

@@ -1,0 +1,363 @@
+#!/usr/bin/env bash
+# Hosts made of Linux namespaces, on this one machine, and a kvfabric deployment across them.
+#
+#   scripts/cluster.sh up                 10 hosts: 3 etcd + 3 NATS (JetStream, R3), 2 frontends,
+#                                         4 workers, a prefill/decode pair, 2 fabric nodes
+#   scripts/cluster.sh down               every process, namespace, veth and shm segment gone
+#   scripts/cluster.sh hosts N            N bare hosts (h1..hN), nothing running
+#   scripts/cluster.sh exec HOST CMD...   run CMD on HOST (its network, hostname, pids, mounts)
+#   scripts/cluster.sh start HOST NAME CMD...   run CMD on HOST in the background as NAME
+#                                         (log: $DIR/logs/NAME.log)
+#   scripts/cluster.sh stop NAME [SIGNAL] [SECONDS]   signal NAME (TERM), wait for it to end
+#                                         (30 s), then KILL it
+#   scripts/cluster.sh cut HOST | heal HOST   take HOST's link down (a partition) / up again
+#   scripts/cluster.sh shape HOST RATE    shape HOST's link both ways (tbf: 1gbit, 10gbit,
+#                                         25gbit; `off` removes it)
+#   scripts/cluster.sh ip HOST            HOST's address
+#   scripts/cluster.sh ps                 the processes started, where, and whether alive
+#
+# Each host has its own network namespace (a veth pair into one bridge, an address of its own in
+# a private /24, the bridge as its gateway), its own UTS namespace (hostname hN), its own pid
+# namespace (kvfabric's host identity is the boot id plus the pid namespace, so KV moves over
+# TCP between hosts, never shm) and its own mount namespace with a private /dev/shm and its own
+# data directory at /var/lib/kvfabric. The bridge has the /24's .1 address: this machine's own
+# namespace reaches every host (curl, bench serve).
+#
+# What this kernel cannot emulate: it has no `netem` (no delay, jitter or loss), `fq` or `prio`
+# qdiscs, and no iptables/nft. Links here have no latency beyond the kernel's; a cut is a link
+# taken down (connection attempts time out; nothing is refused or reset). No RDMA device.
+#
+# Settings (environment):
+#   KVF_CLUSTER   name prefix of namespaces and interfaces (default kvf; at most 6 characters)
+#   KVF_SUBNET    the /24, as its first three octets (default 10.77.0): host hN is .(10+N)
+#   KVF_DIR       state and logs (default /tmp/kvfabric-cluster-$KVF_CLUSTER)
+#   KVFABRIC_BIN  the kvfabric binary (default: target/release/kvfabric, built if missing)
+#   KVF_MODEL     a GGUF for the prefill/decode pair (default: scripts/fetch-model.sh's, if
+#                 present; else that pair runs the mock engine too)
+# Needs root (namespaces, veths), iproute2, util-linux (unshare, nsenter), etcd, nats-server.
+set -euo pipefail
+
+C=${KVF_CLUSTER:-kvf}
+NET=${KVF_SUBNET:-10.77.0}
+DIR=${KVF_DIR:-/tmp/kvfabric-cluster-$C}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BR="$C-br"
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+[ "${#C}" -le 6 ] || die "KVF_CLUSTER must be at most 6 characters (interface names)"
+
+num() { local h=$1; [[ $h =~ ^h([0-9]+)$ ]] || die "no such host: $h (h1, h2, ...)"; echo "${BASH_REMATCH[1]}"; }
+ipof() { echo "$NET.$((10 + $(num "$1")))"; }
+init_pid() {
+    local f="$DIR/$1/init.pid"
+    [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null || die "host $1 is not up"
+    cat "$f"
+}
+# The first child of a process (nsenter and unshare fork into a new pid namespace).
+child_of() {
+    local p=$1 i
+    for i in $(seq 1 200); do
+        local c
+        c=$(cat "/proc/$p/task/$p/children" 2>/dev/null | awk '{print $1}')
+        [ -n "$c" ] && { echo "$c"; return 0; }
+        kill -0 "$p" 2>/dev/null || return 1
+        sleep 0.01
+    done
+    return 1
+}
+
+cmd_hosts() {
+    local n=${1:?hosts N}
+    [ "$(id -u)" = 0 ] || die "needs root (network, pid, UTS and mount namespaces)"
+    for t in ip unshare nsenter tc; do command -v $t >/dev/null || die "$t not found"; done
+    mkdir -p "$DIR/logs" "$DIR/pids"
+    if ! ip link show "$BR" >/dev/null 2>&1; then
+        ip link add "$BR" type bridge
+        ip addr add "$NET.1/24" dev "$BR"
+        ip link set "$BR" up
+    fi
+    local i
+    for i in $(seq 1 "$n"); do
+        local h="h$i" ns="$C-h$i" v="$C-v$i" addr
+        addr=$(ipof "$h")
+        [ -f "$DIR/$h/init.pid" ] && kill -0 "$(cat "$DIR/$h/init.pid")" 2>/dev/null && continue
+        ip netns add "$ns"
+        ip link add "$v" type veth peer name eth0 netns "$ns"
+        ip link set "$v" master "$BR" up
+        ip netns exec "$ns" ip link set lo up
+        ip netns exec "$ns" ip addr add "$addr/24" dev eth0
+        ip netns exec "$ns" ip link set eth0 up
+        ip netns exec "$ns" ip route add default via "$NET.1"
+        mkdir -p "$DIR/$h/data" /var/lib/kvfabric
+        # The host's init: pid 1 of its pid namespace, holding its hostname and mounts; it
+        # reaps what is left to it, and everything in the namespace dies with it.
+        setsid ip netns exec "$ns" unshare --pid --fork --uts --mount --mount-proc \
+            --propagation private bash -c "
+                hostname $h
+                mount -t tmpfs -o size=4g tmpfs /dev/shm
+                mount --bind '$DIR/$h/data' /var/lib/kvfabric
+                trap 'exit 0' TERM
+                while :; do sleep 3600 & wait; done" </dev/null >"$DIR/$h/init.log" 2>&1 &
+        local init
+        init=$(child_of $!) || die "host $h did not start: $(cat "$DIR/$h/init.log")"
+        echo "$init" >"$DIR/$h/init.pid"
+    done
+    # Ready when every host's mounts are in place.
+    for i in $(seq 1 "$n"); do
+        local k
+        for k in $(seq 1 100); do
+            cmd_exec "h$i" mountpoint -q /var/lib/kvfabric 2>/dev/null && break
+            sleep 0.05
+        done
+    done
+}
+
+cmd_exec() {
+    local h=$1; shift
+    nsenter -t "$(init_pid "$h")" --net --uts --pid --mount -- "$@"
+}
+
+cmd_start() {
+    local h=$1 name=$2; shift 2
+    [[ $name =~ ^[A-Za-z0-9._-]+$ ]] || die "bad name $name"
+    local init
+    init=$(init_pid "$h")
+    mkdir -p "$DIR/logs" "$DIR/pids"
+    # Its own session: a signal to this script's group does not reach it.
+    setsid nsenter -t "$init" --net --uts --pid --mount -- "$@" \
+        </dev/null >>"$DIR/logs/$name.log" 2>&1 &
+    local pid
+    pid=$(child_of $!) || die "$name did not start on $h: $(tail -5 "$DIR/logs/$name.log")"
+    echo "$pid $h" >"$DIR/pids/$name"
+    echo "$pid"
+}
+
+cmd_stop() {
+    local name=$1 sig=${2:-TERM} secs=${3:-30}
+    local f="$DIR/pids/$name"
+    [ -f "$f" ] || die "no process $name"
+    local pid
+    pid=$(awk '{print $1}' "$f")
+    kill -s "$sig" "$pid" 2>/dev/null || true
+    local k
+    for k in $(seq 1 $((secs * 20))); do
+        kill -0 "$pid" 2>/dev/null || { rm -f "$f"; return 0; }
+        # A zombie (its host's init reaps it) is gone.
+        [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" = Z ] && { rm -f "$f"; return 0; }
+        sleep 0.05
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    rm -f "$f"
+}
+
+cmd_cut() { ip link set "$C-v$(num "$1")" down; }
+cmd_heal() { ip link set "$C-v$(num "$1")" up; }
+
+cmd_shape() {
+    local h=$1 rate=${2:?shape HOST RATE}
+    local v="$C-v$(num "$h")" ns="$C-$h"
+    if [ "$rate" = off ]; then
+        tc qdisc del dev "$v" root 2>/dev/null || true
+        ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
+        return
+    fi
+    [[ $rate =~ ^([0-9]+)(gbit|mbit)$ ]] || die "rate like 1gbit, 10gbit, 25gbit, 500mbit"
+    local bytes_s=$((BASH_REMATCH[1] * (${BASH_REMATCH[2]} == gbit ? 125000000 : 125000)))
+    # A bucket of 4 ms at the rate (at least 128 KiB): tbf needs one timer tick's worth.
+    local burst=$((bytes_s / 250 > 131072 ? bytes_s / 250 : 131072))
+    # What the bridge sends to the host, and what the host sends.
+    tc qdisc replace dev "$v" root tbf rate "$rate" burst "$burst" latency 50ms
+    ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms
+}
+
+cmd_ps() {
+    local f
+    for f in "$DIR"/pids/*; do
+        [ -f "$f" ] || continue
+        local pid h
+        read -r pid h <"$f"
+        if kill -0 "$pid" 2>/dev/null; then s=alive; else s=gone; fi
+        printf '%-12s %-4s %-8s %s\n' "$(basename "$f")" "$h" "$pid" "$s"
+    done
+}
+
+cmd_down() {
+    local f
+    # Every host's init, and with it everything in its pid namespace.
+    for f in "$DIR"/h*/init.pid; do
+        [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true
+    done
+    for f in "$DIR"/pids/*; do
+        [ -f "$f" ] && kill -KILL "$(awk '{print $1}' "$f")" 2>/dev/null || true
+        rm -f "$f"
+    done
+    local ns
+    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$C-h" || true); do
+        ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
+        ip netns del "$ns" 2>/dev/null || true
+    done
+    local l
+    for l in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^$C-" || true); do
+        ip link del "$l" 2>/dev/null || true
+    done
+    rm -rf "$DIR"/h*/ "$DIR/pids" "$DIR/etc"
+    # Logs stay, for whoever looks at what happened.
+}
+
+# --- the deployment -------------------------------------------------------------------------
+
+binary() {
+    if [ -n "${KVFABRIC_BIN:-}" ]; then echo "$KVFABRIC_BIN"; return; fi
+    local b="${CARGO_TARGET_DIR:-$ROOT/target}/release/kvfabric"
+    [ -x "$b" ] || (cd "$ROOT" && cargo build --release -p kvfabric-cli >&2)
+    echo "$b"
+}
+
+wait_http() {
+    local url=$1 what=$2 secs=${3:-60} k
+    for k in $(seq 1 $((secs * 4))); do
+        curl -fsS -m 1 "$url" >/dev/null 2>&1 && return 0
+        sleep 0.25
+    done
+    die "$what did not answer at $url within ${secs}s (logs: $DIR/logs)"
+}
+
+# The endpoints every kvfabric process is given.
+etcd_endpoints() { echo "http://$(ipof h1):2379,http://$(ipof h2):2379,http://$(ipof h3):2379"; }
+nats_urls() { echo "nats://$(ipof h1):4222,nats://$(ipof h2):4222,nats://$(ipof h3):4222"; }
+
+start_etcd() {
+    local i=$1 state=${2:-new}
+    local ip
+    ip=$(ipof "h$i")
+    start_on "h$i" "etcd-$i" etcd --name "e$i" --data-dir /var/lib/kvfabric/etcd \
+        --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
+        --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
+        --initial-cluster "e1=http://$(ipof h1):2380,e2=http://$(ipof h2):2380,e3=http://$(ipof h3):2380" \
+        --initial-cluster-state "$state" --initial-cluster-token "$C-etcd"
+}
+
+start_nats() {
+    local i=$1 ip
+    ip=$(ipof "h$i")
+    mkdir -p "$DIR/etc"
+    cat >"$DIR/etc/nats-$i.conf" <<EOF
+server_name: n$i
+listen: $ip:4222
+http: $ip:8222
+jetstream { store_dir: /var/lib/kvfabric/nats, max_memory_store: 256MB, max_file_store: 2GB }
+cluster {
+  name: $C
+  listen: $ip:6222
+  routes: [nats://$(ipof h1):6222, nats://$(ipof h2):6222, nats://$(ipof h3):6222]
+}
+EOF
+    start_on "h$i" "nats-$i" nats-server -c "$DIR/etc/nats-$i.conf"
+}
+
+start_on() { cmd_start "$@" >/dev/null; }
+
+# Environment of every kvfabric process.
+kv_env() {
+    echo "KVFABRIC_ETCD=$(etcd_endpoints)" "KVFABRIC_NATS=$(nats_urls)" \
+        "KVFABRIC_SECRET_FILE=$DIR/etc/secret" "KVFABRIC_LOG_LEVEL=${KVF_LOG_LEVEL:-info}"
+}
+
+start_fabric() {
+    local h=$1 name=$2 bin
+    bin=$(binary)
+    # shellcheck disable=SC2046
+    start_on "$h" "$name" env $(kv_env) "$bin" fabric --name "$name" --listen "$(ipof "$h"):7200" \
+        --host-blocks 2048 --disk-blocks 4096 --data-dir /var/lib/kvfabric
+}
+
+# start_worker HOST NAME ROLE ENGINE-ARGS...
+start_worker() {
+    local h=$1 name=$2 role=$3 bin; shift 3
+    bin=$(binary)
+    # shellcheck disable=SC2046
+    start_on "$h" "$name" env $(kv_env) "$bin" worker --name "$name" --role "$role" \
+        --listen 0.0.0.0:7100 --metrics-listen 0.0.0.0:9100 --data-dir /var/lib/kvfabric \
+        --remote-tier true --drain-timeout-s 30 "$@"
+}
+
+start_frontend() {
+    local h=$1 name=$2 bin
+    bin=$(binary)
+    # shellcheck disable=SC2046
+    start_on "$h" "$name" env $(kv_env) "$bin" frontend --name "$name" --host "$(ipof "$h")" \
+        --port 8000
+}
+
+mock_args() { echo --engine mock --served-model-name mock --mock-prefill-us 20 --mock-decode-us 2000; }
+
+model_args() {
+    local model=${KVF_MODEL:-}
+    if [ -z "$model" ]; then
+        local fetched
+        fetched=$("$ROOT/scripts/fetch-model.sh" 2>/dev/null || true)
+        [ -n "$fetched" ] && [ -f "$fetched" ] && model=$fetched
+    fi
+    if [ -n "$model" ]; then
+        echo --engine llama --model "$model" --weights f32 --prefill-threshold 32
+    else
+        echo --engine mock --served-model-name mock-pd --mock-prefill-us 200 --mock-decode-us 2000 --prefill-threshold 32
+    fi
+}
+
+cmd_up() {
+    command -v etcd >/dev/null && command -v nats-server >/dev/null || \
+        die "etcd and nats-server are needed (scripts/setup.sh installs them)"
+    command -v curl >/dev/null || die "curl is needed"
+    local bin
+    bin=$(binary)
+    cmd_hosts 10
+    mkdir -p "$DIR/etc"
+    [ -f "$DIR/etc/secret" ] || (umask 077; head -c 24 /dev/urandom | base64 >"$DIR/etc/secret")
+    for i in 1 2 3; do start_etcd $i; start_nats $i; done
+    for i in 1 2 3; do wait_http "http://$(ipof h$i):2379/health" "etcd-$i"; done
+    for i in 1 2 3; do wait_http "http://$(ipof h$i):8222/healthz?js-enabled-only=true" "nats-$i"; done
+    start_fabric h3 fabric-1
+    start_fabric h4 fabric-2
+    local w
+    # shellcheck disable=SC2046
+    for w in 1 2 3 4; do start_worker "h$((4 + w))" "w$w" aggregated $(mock_args); done
+    # shellcheck disable=SC2046
+    start_worker h9 p1 prefill $(model_args)
+    # shellcheck disable=SC2046
+    start_worker h10 d1 decode $(model_args)
+    start_frontend h1 frontend-1
+    start_frontend h2 frontend-2
+    wait_http "http://$(ipof h1):8000/health" frontend-1 120
+    wait_http "http://$(ipof h2):8000/health" frontend-2 120
+    for w in 1 2 3 4; do wait_http "http://$(ipof "h$((4 + w))"):9100/health" "w$w" 60; done
+    wait_http "http://$(ipof h10):9100/health" d1 300
+    echo "kvfabric on 10 hosts (logs: $DIR/logs; scripts/cluster.sh ps):"
+    echo "  API:       http://$(ipof h1):8000/v1  (and http://$(ipof h2):8000/v1)"
+    echo "  etcd:      $(etcd_endpoints)"
+    echo "  NATS:      $(nats_urls)  (JetStream, work queue replicas 3)"
+    echo "  workers:   w1..w4 on h5..h8 (mock), p1 (prefill) on h9 -> d1 (decode) on h10"
+    echo "  fabric:    fabric-1 on h3, fabric-2 on h4"
+}
+
+verb=${1:-}
+[ $# -gt 0 ] && shift
+case "$verb" in
+    up) cmd_up "$@" ;;
+    down) cmd_down ;;
+    hosts) cmd_hosts "$@" ;;
+    exec) cmd_exec "$@" ;;
+    start) cmd_start "$@" ;;
+    stop) cmd_stop "$@" ;;
+    cut) cmd_cut "$@" ;;
+    heal) cmd_heal "$@" ;;
+    shape) cmd_shape "$@" ;;
+    ip) ipof "$@" ;;
+    ps) cmd_ps ;;
+    start-etcd) start_etcd "$@" ;;
+    start-nats) start_nats "$@" ;;
+    start-worker) start_worker "$@" ;;
+    start-fabric) start_fabric "$@" ;;
+    start-frontend) start_frontend "$@" ;;
+    *) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac
