@@ -21,7 +21,8 @@ use tokio::net::TcpStream;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Base URL of the server (`http://HOST:PORT`, with or without `/v1`).
+    /// Base URL of the server (`http://HOST:PORT`, with or without `/v1`); several,
+    /// comma-separated (frontends of one deployment), take the requests in turn.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
     /// Model id (default: the first one `/v1/models` lists).
@@ -219,13 +220,41 @@ fn words(rng: &mut SplitMix64, n: usize) -> String {
 /// An OpenAI-compatible endpoint ([`target`]).
 #[derive(Debug)]
 pub struct Target {
-    addr: SocketAddr,
-    host: String,
+    /// Each server's address and its `Host` header.
+    servers: Vec<(SocketAddr, String)>,
     prefix: String,
+    /// The next server (round robin).
+    next: std::sync::atomic::AtomicUsize,
 }
 
-/// The endpoint of `url` (`http://host:port`, optionally with a path prefix; `/v1` when none).
-pub async fn target(url: &str) -> crate::Result<Target> {
+impl Target {
+    /// The server of the next exchange.
+    fn pick(&self) -> &(SocketAddr, String) {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        &self.servers[n % self.servers.len()]
+    }
+}
+
+/// The endpoints of `urls` (comma-separated `http://host:port`, optionally with one path
+/// prefix; `/v1` when none): exchanges go to each in turn.
+pub async fn target(urls: &str) -> crate::Result<Target> {
+    let mut servers = Vec::new();
+    let mut prefix = None;
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let (addr, host, p) = endpoint(url).await?;
+        crate::ensure!(
+            prefix.as_ref().is_none_or(|q| *q == p),
+            "--url: every server needs the same path prefix"
+        );
+        prefix = Some(p);
+        servers.push((addr, host));
+    }
+    let prefix = prefix.ok_or_else(|| crate::failed!("--url names no server"))?;
+    Ok(Target { servers, prefix, next: Default::default() })
+}
+
+/// The address, `Host` and path prefix of one URL.
+async fn endpoint(url: &str) -> crate::Result<(SocketAddr, String, String)> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| {
@@ -242,7 +271,7 @@ pub async fn target(url: &str) -> crate::Result<Target> {
         .with_context(|| format!("resolving {hostport}"))?
         .next()
         .ok_or_else(|| crate::failed!("{hostport} does not resolve"))?;
-    Ok(Target { addr, host: hostport.to_string(), prefix })
+    Ok((addr, hostport.to_string(), prefix))
 }
 
 /// Aborts a task when dropped (the connection of an exchange that ended early).
@@ -276,7 +305,8 @@ pub async fn exchange_with(
     mut on_data: impl FnMut(&[u8]),
 ) -> crate::Result<u16> {
     use http_body_util::BodyExt;
-    let tcp = TcpStream::connect(t.addr).await?;
+    let (addr, host) = t.pick();
+    let tcp = TcpStream::connect(addr).await?;
     tcp.set_nodelay(true)?;
     let (mut sender, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp)).await?;
@@ -286,7 +316,7 @@ pub async fn exchange_with(
     let mut req = hyper::Request::builder()
         .method(method)
         .uri(format!("{}{path}", t.prefix))
-        .header(hyper::header::HOST, &t.host)
+        .header(hyper::header::HOST, host)
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .header(hyper::header::ACCEPT, "text/event-stream, application/json");
     for (k, v) in headers {
@@ -516,9 +546,9 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
         bar.set_message(conc.to_string());
         let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(conc));
         let t = std::sync::Arc::new(Target {
-            addr: t.addr,
-            host: t.host.clone(),
+            servers: t.servers.clone(),
             prefix: t.prefix.clone(),
+            next: Default::default(),
         });
         let timeout = Duration::from_secs(args.timeout_s.max(1));
         let (model, max_tokens) = (model.clone(), args.output_tokens);
