@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Hosts made of Linux namespaces, on this one machine, and a kvfabric deployment across them.
 #
-#   scripts/cluster.sh up                 10 hosts: 3 etcd + 3 NATS (JetStream, R3), 2 frontends,
-#                                         4 workers, a prefill/decode pair, 2 fabric nodes
+#   scripts/cluster.sh up                 16 hosts: etcd members on h1-h3, NATS servers
+#                                         (JetStream, work queue R3) on h4-h6, frontends on h7,
+#                                         h8, fabric nodes on h9, h10, workers w1-w4 on h11-h14,
+#                                         a prefill/decode pair p1, d1 on h15, h16
 #   scripts/cluster.sh down               every process, namespace, veth and shm segment gone
 #   scripts/cluster.sh hosts N            N bare hosts (h1..hN), nothing running
 #   scripts/cluster.sh exec HOST CMD...   run CMD on HOST (its network, hostname, pids, mounts)
@@ -32,8 +34,11 @@
 #   KVF_SUBNET    the /24, as its first three octets (default 10.77.0): host hN is .(10+N)
 #   KVF_DIR       state and logs (default /tmp/kvfabric-cluster-$KVF_CLUSTER)
 #   KVFABRIC_BIN  the kvfabric binary (default: target/release/kvfabric, built if missing)
-#   KVF_MODEL     a GGUF for the prefill/decode pair (default: scripts/fetch-model.sh's, if
-#                 present; else that pair runs the mock engine too)
+#   KVF_MODEL     a GGUF for the prefill/decode pair (default: scripts/fetch-model.sh's; `mock`:
+#                 that pair runs the mock engine too, as the model `mock-pd`)
+#   KVF_LEASE_TTL_S  the workers' and fabric nodes' discovery lease (default 10)
+#   KVF_ETCD_HOSTS, KVF_NATS_HOSTS  where the etcd members and NATS servers run (default
+#                 "h1 h2 h3" and "h4 h5 h6")
 # Needs root (namespaces, veths), iproute2, util-linux (unshare, nsenter), etcd, nats-server.
 set -euo pipefail
 
@@ -223,23 +228,27 @@ wait_http() {
 }
 
 # The endpoints every kvfabric process is given.
-etcd_endpoints() { echo "http://$(ipof h1):2379,http://$(ipof h2):2379,http://$(ipof h3):2379"; }
-nats_urls() { echo "nats://$(ipof h1):4222,nats://$(ipof h2):4222,nats://$(ipof h3):4222"; }
+etcd_endpoints() { echo "http://$(ipn etcd-1):2379,http://$(ipn etcd-2):2379,http://$(ipn etcd-3):2379"; }
+nats_urls() { echo "nats://$(ipn nats-1):4222,nats://$(ipn nats-2):4222,nats://$(ipn nats-3):4222"; }
+# The address of the host NAME runs on, in the layout.
+ipn() { ipof "$(host_of "$1")"; }
 
 start_etcd() {
     local i=$1 state=${2:-new}
-    local ip
-    ip=$(ipof "h$i")
-    start_on "h$i" "etcd-$i" etcd --name "e$i" --data-dir /var/lib/kvfabric/etcd \
+    local ip h
+    h=$(host_of "etcd-$i")
+    ip=$(ipof "$h")
+    start_on "$h" "etcd-$i" etcd --name "e$i" --data-dir /var/lib/kvfabric/etcd \
         --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
         --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
-        --initial-cluster "e1=http://$(ipof h1):2380,e2=http://$(ipof h2):2380,e3=http://$(ipof h3):2380" \
+        --initial-cluster "e1=http://$(ipn etcd-1):2380,e2=http://$(ipn etcd-2):2380,e3=http://$(ipn etcd-3):2380" \
         --initial-cluster-state "$state" --initial-cluster-token "$C-etcd"
 }
 
 start_nats() {
-    local i=$1 ip
-    ip=$(ipof "h$i")
+    local i=$1 ip h
+    h=$(host_of "nats-$i")
+    ip=$(ipof "$h")
     mkdir -p "$DIR/etc"
     cat >"$DIR/etc/nats-$i.conf" <<EOF
 server_name: n$i
@@ -249,10 +258,10 @@ jetstream { store_dir: /var/lib/kvfabric/nats, max_memory_store: 256MB, max_file
 cluster {
   name: $C
   listen: $ip:6222
-  routes: [nats://$(ipof h1):6222, nats://$(ipof h2):6222, nats://$(ipof h3):6222]
+  routes: [nats://$(ipn nats-1):6222, nats://$(ipn nats-2):6222, nats://$(ipn nats-3):6222]
 }
 EOF
-    start_on "h$i" "nats-$i" nats-server -c "$DIR/etc/nats-$i.conf"
+    start_on "$h" "nats-$i" nats-server -c "$DIR/etc/nats-$i.conf"
 }
 
 start_on() { cmd_start "$@" >/dev/null; }
@@ -265,10 +274,12 @@ kv_env() {
 
 start_fabric() {
     local h=$1 name=$2 bin
+    shift 2
     bin=$(binary)
     # shellcheck disable=SC2046
     start_on "$h" "$name" env $(kv_env) "$bin" fabric --name "$name" --listen "$(ipof "$h"):7200" \
-        --host-blocks 2048 --disk-blocks 4096 --data-dir /var/lib/kvfabric
+        --host-blocks 2048 --disk-blocks 4096 --data-dir /var/lib/kvfabric \
+        --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" --metrics-listen 0.0.0.0:9100 "$@"
 }
 
 # start_worker HOST NAME ROLE ENGINE-ARGS...
@@ -278,21 +289,73 @@ start_worker() {
     # shellcheck disable=SC2046
     start_on "$h" "$name" env $(kv_env) "$bin" worker --name "$name" --role "$role" \
         --listen 0.0.0.0:7100 --metrics-listen 0.0.0.0:9100 --data-dir /var/lib/kvfabric \
-        --remote-tier true --drain-timeout-s 30 "$@"
+        --remote-tier true --drain-timeout-s 30 --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" "$@"
 }
 
 start_frontend() {
     local h=$1 name=$2 bin
+    shift 2
     bin=$(binary)
     # shellcheck disable=SC2046
     start_on "$h" "$name" env $(kv_env) "$bin" frontend --name "$name" --host "$(ipof "$h")" \
-        --port 8000
+        --port 8000 "$@"
+}
+
+# What runs where in `up`: NAME HOST.
+layout() {
+    cat <<EOF
+etcd-1 h1
+etcd-2 h2
+etcd-3 h3
+nats-1 h4
+nats-2 h5
+nats-3 h6
+frontend-1 h7
+frontend-2 h8
+fabric-1 h9
+fabric-2 h10
+w1 h11
+w2 h12
+w3 h13
+w4 h14
+p1 h15
+d1 h16
+EOF
+}
+host_of() {
+    local n=$1
+    case "$n" in
+        etcd-[123]) echo "${KVF_ETCD_HOSTS:-h1 h2 h3}" | awk -v i="${n#etcd-}" '{print $i}' ;;
+        nats-[123]) echo "${KVF_NATS_HOSTS:-h4 h5 h6}" | awk -v i="${n#nats-}" '{print $i}' ;;
+        *) layout | awk -v n="$n" '$1 == n {print $2}' ;;
+    esac
+}
+
+# restart NAME: starts NAME of the layout again where it ran (after a stop or a kill).
+cmd_restart() {
+    local name=$1 h
+    h=$(host_of "$name")
+    [ -n "$h" ] || die "$name is not in the layout"
+    # shellcheck disable=SC2046
+    case "$name" in
+        etcd-*) start_etcd "${name#etcd-}" existing ;;
+        nats-*) start_nats "${name#nats-}" ;;
+        frontend-*) start_frontend "$h" "$name" ;;
+        fabric-*) start_fabric "$h" "$name" ;;
+        w*) start_worker "$h" "$name" aggregated $(mock_args) ;;
+        p*) start_worker "$h" "$name" prefill $(model_args) ;;
+        d*) start_worker "$h" "$name" decode $(model_args) ;;
+    esac
 }
 
 mock_args() { echo --engine mock --served-model-name mock --mock-prefill-us 20 --mock-decode-us 2000; }
 
 model_args() {
     local model=${KVF_MODEL:-}
+    if [ "$model" = mock ]; then
+        echo --engine mock --served-model-name mock-pd --mock-prefill-us 20 --mock-decode-us 2000 --prefill-threshold 32
+        return
+    fi
     if [ -z "$model" ]; then
         local fetched
         fetched=$("$ROOT/scripts/fetch-model.sh" 2>/dev/null || true)
@@ -301,7 +364,7 @@ model_args() {
     if [ -n "$model" ]; then
         echo --engine llama --model "$model" --weights f32 --prefill-threshold 32
     else
-        echo --engine mock --served-model-name mock-pd --mock-prefill-us 200 --mock-decode-us 2000 --prefill-threshold 32
+        die "no model for the prefill/decode pair (scripts/fetch-model.sh failed): KVF_MODEL=mock runs the mock engine"
     fi
 }
 
@@ -309,35 +372,31 @@ cmd_up() {
     command -v etcd >/dev/null && command -v nats-server >/dev/null || \
         die "etcd and nats-server are needed (scripts/setup.sh installs them)"
     command -v curl >/dev/null || die "curl is needed"
-    local bin
-    bin=$(binary)
-    cmd_hosts 10
+    binary >/dev/null
+    model_args >/dev/null
+    cmd_hosts 16
     mkdir -p "$DIR/etc"
     [ -f "$DIR/etc/secret" ] || (umask 077; head -c 24 /dev/urandom | base64 >"$DIR/etc/secret")
+    local i name
     for i in 1 2 3; do start_etcd $i; start_nats $i; done
-    for i in 1 2 3; do wait_http "http://$(ipof h$i):2379/health" "etcd-$i"; done
-    for i in 1 2 3; do wait_http "http://$(ipof h$i):8222/healthz?js-enabled-only=true" "nats-$i"; done
-    start_fabric h3 fabric-1
-    start_fabric h4 fabric-2
-    local w
-    # shellcheck disable=SC2046
-    for w in 1 2 3 4; do start_worker "h$((4 + w))" "w$w" aggregated $(mock_args); done
-    # shellcheck disable=SC2046
-    start_worker h9 p1 prefill $(model_args)
-    # shellcheck disable=SC2046
-    start_worker h10 d1 decode $(model_args)
-    start_frontend h1 frontend-1
-    start_frontend h2 frontend-2
-    wait_http "http://$(ipof h1):8000/health" frontend-1 120
-    wait_http "http://$(ipof h2):8000/health" frontend-2 120
-    for w in 1 2 3 4; do wait_http "http://$(ipof "h$((4 + w))"):9100/health" "w$w" 60; done
-    wait_http "http://$(ipof h10):9100/health" d1 300
-    echo "kvfabric on 10 hosts (logs: $DIR/logs; scripts/cluster.sh ps):"
-    echo "  API:       http://$(ipof h1):8000/v1  (and http://$(ipof h2):8000/v1)"
+    for i in 1 2 3; do
+        wait_http "http://$(ipn etcd-$i):2379/health" "etcd-$i"
+        wait_http "http://$(ipn nats-$i):8222/healthz?js-enabled-only=true" "nats-$i"
+    done
+    for name in fabric-1 fabric-2 w1 w2 w3 w4 p1 d1 frontend-1 frontend-2; do
+        cmd_restart "$name"
+    done
+    wait_http "http://$(ipn frontend-1):8000/health" frontend-1 120
+    wait_http "http://$(ipn frontend-2):8000/health" frontend-2 120
+    for name in fabric-1 fabric-2 w1 w2 w3 w4 p1 d1; do
+        wait_http "http://$(ipn $name):9100/health" "$name" 300
+    done
+    echo "kvfabric on 16 hosts (logs: $DIR/logs; scripts/cluster.sh ps):"
+    echo "  API:       http://$(ipn frontend-1):8000/v1  (and http://$(ipn frontend-2):8000/v1)"
     echo "  etcd:      $(etcd_endpoints)"
-    echo "  NATS:      $(nats_urls)  (JetStream, work queue replicas 3)"
-    echo "  workers:   w1..w4 on h5..h8 (mock), p1 (prefill) on h9 -> d1 (decode) on h10"
-    echo "  fabric:    fabric-1 on h3, fabric-2 on h4"
+    echo "  NATS:      $(nats_urls)  (JetStream; the work queue has 3 replicas)"
+    echo "  fabric:    fabric-1 on h9, fabric-2 on h10"
+    echo "  workers:   w1..w4 on h11..h14 (mock), p1 (prefill) on h15 -> d1 (decode) on h16"
 }
 
 verb=${1:-}
@@ -354,6 +413,8 @@ case "$verb" in
     shape) cmd_shape "$@" ;;
     ip) ipof "$@" ;;
     ps) cmd_ps ;;
+    restart) cmd_restart "$@" ;;
+    host-of) host_of "$@" ;;
     start-etcd) start_etcd "$@" ;;
     start-nats) start_nats "$@" ;;
     start-worker) start_worker "$@" ;;

@@ -539,6 +539,22 @@ impl Membership {
         Some((w.reported?.0, w.stats.as_ref()?.steps))
     }
 
+    /// Whether `name` left discovery and has sent no load report for `quiet`: its lease
+    /// ran out on a host that is dead or cut off (a draining worker left too, but keeps
+    /// reporting until it stops). A worker still in discovery is not lost.
+    pub fn lost(&self, name: &str, quiet: Duration) -> bool {
+        let st = self.s.members.lock();
+        if st.workers.contains_key(name) {
+            return false;
+        }
+        st.departed
+            .iter()
+            .rev()
+            .find(|d| d.name == name)
+            .and_then(|d| d.entry.reported)
+            .is_none_or(|(at, _)| at.elapsed() >= quiet)
+    }
+
     /// A worker did not answer in time (no connection, no handshake or no first token):
     /// avoided for the configured penalty, while others exist.
     pub fn penalise(&self, name: &str) {

@@ -19,6 +19,9 @@ fn backend(e: impl std::fmt::Display) -> ControlError {
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How often the client pings its server.
+const PING_INTERVAL: Duration = Duration::from_secs(3);
+
 /// The event bus backed by a NATS server with JetStream.
 #[derive(Clone)]
 pub struct NatsBus {
@@ -182,7 +185,11 @@ impl NatsBus {
         let tx = std::sync::Arc::new(tx);
         let health = std::sync::Arc::new(super::health::BackendHealth::new("nats"));
         let h = health.clone();
-        let options = async_nats::ConnectOptions::new().event_callback(move |event| {
+        // A server cut off the network sends no FIN: only unanswered pings tell. The client
+        // gives up after two, so a dead server is left within about twice this (60 s by
+        // default, minutes of lost events), for another of the cluster.
+        let options = async_nats::ConnectOptions::new().ping_interval(PING_INTERVAL);
+        let options = options.event_callback(move |event| {
             let (tx, health) = (tx.clone(), h.clone());
             async move {
                 match event {

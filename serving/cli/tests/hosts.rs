@@ -44,6 +44,10 @@ impl Cluster {
             ("KVF_SUBNET".to_string(), subnet.clone()),
             ("KVF_DIR".to_string(), dir.display().to_string()),
             ("KVFABRIC_BIN".to_string(), env!("CARGO_BIN_EXE_kvfabric").to_string()),
+            // One etcd member and one NATS server on each of the first three hosts.
+            ("KVF_NATS_HOSTS".to_string(), "h1 h2 h3".to_string()),
+            ("KVF_MODEL".to_string(), "mock".to_string()),
+            ("KVF_LEASE_TTL_S".to_string(), "3".to_string()),
         ];
         let c = Cluster { env, dir, subnet };
         c.sh(&["hosts", &hosts.to_string()]);
@@ -91,8 +95,6 @@ impl Cluster {
             "mock",
             "--mock-decode-us",
             "4000",
-            "--lease-ttl-s",
-            "3",
         ]);
     }
 }
@@ -112,6 +114,31 @@ impl Cluster {
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .output()
     }
+}
+
+/// One HTTP exchange within 2 s; never panics (the server may be down or cut off).
+async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Result<common::Response, String> {
+    let req = common::request_bytes(method, path, body);
+    let work = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        s.write_all(&req).await.map_err(|e| e.to_string())?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
+        if !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            return Err("no HTTP response".to_string());
+        }
+        Ok(common::parse_response(&buf))
+    };
+    tokio::time::timeout(Duration::from_secs(2), work).await.map_err(|_| "timed out".to_string())?
+}
+
+async fn get(addr: SocketAddr, path: &str) -> Result<common::Response, String> {
+    http(addr, "GET", path, None).await
 }
 
 /// What one request came to.
@@ -200,7 +227,8 @@ async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool)
 
 /// The frontend's count of requests sent to `worker`.
 async fn sent_to(fe: SocketAddr, worker: &str) -> f64 {
-    let m = common::get(fe, "/metrics").await.text();
+    let Ok(m) = get(fe, "/metrics").await else { return 0.0 };
+    let m = m.text();
     let sample = format!("kvfabric_frontend_worker_requests_total{{to_worker=\"{worker}\"}}");
     m.lines().find_map(|l| l.strip_prefix(&sample)).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
 }
@@ -232,11 +260,8 @@ async fn three_hosts_survive_a_cut_and_a_rolling_restart_of_their_workers() {
         let etcd = c.addr(h, 2379);
         let nats = c.addr(h, 8222);
         wait_for("etcd and NATS answer", Duration::from_secs(30), async || {
-            let e = tokio::time::timeout(Duration::from_secs(1), common::get(etcd, "/health"));
-            let n = tokio::time::timeout(
-                Duration::from_secs(1),
-                common::get(nats, "/healthz?js-enabled-only=true"),
-            );
+            let e = get(etcd, "/health");
+            let n = get(nats, "/healthz?js-enabled-only=true");
             matches!(e.await, Ok(r) if r.status == 200) && matches!(n.await, Ok(r) if r.status == 200)
         })
         .await;
@@ -246,7 +271,7 @@ async fn three_hosts_survive_a_cut_and_a_rolling_restart_of_their_workers() {
     c.start_worker(3);
     let fe = c.addr(1, 8000);
     wait_for("the frontend sees both workers", Duration::from_secs(60), async || {
-        let m = tokio::time::timeout(Duration::from_secs(2), common::get(fe, "/metrics")).await;
+        let m = get(fe, "/metrics").await;
         matches!(m, Ok(r) if r.text().contains("to_worker=\"w2\"") && r.text().contains("to_worker=\"w3\""))
     })
     .await;
@@ -334,4 +359,489 @@ async fn three_hosts_survive_a_cut_and_a_rolling_restart_of_their_workers() {
     eprintln!("rolling restart of w2, w3: {} requests, {answered} answered", outcomes.len());
     assert!(failed.is_empty(), "requests failed in a rolling restart: {failed:?}");
     assert!(answered > 20, "too little load to prove anything: {answered}");
+}
+
+// --- the full fault matrix (outside CI: scripts/cluster-check.sh) ----------------------------
+
+/// A request of the matrix: prompt `i` (one of four shared prefixes of 256 bytes, then its
+/// own words: the mock engine's tokens are bytes) through the frontends in turn; a frontend
+/// that cannot be reached is skipped as a load balancer would (counted), never one that took
+/// the request.
+#[derive(Debug, Clone)]
+struct Done {
+    /// The model (`mock`: the aggregated workers; `mock-pd`: the prefill/decode pair).
+    model: &'static str,
+    prompt: String,
+    started: Instant,
+    ended: Instant,
+    failovers: usize,
+    result: Result<Answer, String>,
+}
+
+#[derive(Debug, Clone)]
+struct Answer {
+    text: String,
+    worker: String,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+const MATRIX_PROMPTS: usize = 32;
+const MATRIX_DEADLINE: Duration = Duration::from_secs(20);
+
+fn matrix_prompt(i: usize) -> String {
+    let prefix = format!("shared prefix number {} of the fault matrix; ", i % 4).repeat(6);
+    format!("{prefix}then request {i} asks its own question, number {i}.")
+}
+
+async fn matrix_request(
+    fes: &[SocketAddr],
+    n: usize,
+    model: &str,
+    prompt: &str,
+) -> (usize, Result<Answer, String>) {
+    let body = json!({ "model": model, "prompt": prompt, "max_tokens": 16 }).to_string();
+    let req = common::request_bytes("POST", "/v1/completions", Some(&body));
+    let mut failovers = 0;
+    let mut last = String::new();
+    for k in 0..fes.len() {
+        let fe = fes[(n + k) % fes.len()];
+        let conn = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(fe)).await;
+        let mut s = match conn {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                failovers += 1;
+                last = format!("connect {fe}: {e}");
+                continue;
+            }
+            Err(_) => {
+                failovers += 1;
+                last = format!("connect {fe}: timed out");
+                continue;
+            }
+        };
+        let work = async {
+            s.write_all(&req).await.map_err(|e| format!("write: {e}"))?;
+            let mut buf = Vec::new();
+            s.read_to_end(&mut buf).await.map_err(|e| format!("read: {e}"))?;
+            if !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                return Err("connection closed without a response".to_string());
+            }
+            let r = common::parse_response(&buf);
+            if r.status != 200 {
+                let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap_or_default();
+                let why = v["error"]["type"].as_str().unwrap_or("?").to_string();
+                return Err(format!("HTTP {} {why}", r.status));
+            }
+            let v = r.json();
+            Ok(Answer {
+                text: v["choices"][0]["text"].as_str().ok_or("no text")?.to_string(),
+                worker: v["kvfabric"]["worker"].as_str().unwrap_or("?").to_string(),
+                prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+                cached_tokens: v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0),
+            })
+        };
+        let r = tokio::time::timeout(MATRIX_DEADLINE, work)
+            .await
+            .unwrap_or_else(|_| Err("client deadline".to_string()));
+        return (failovers, r);
+    }
+    (failovers, Err(last))
+}
+
+/// A number no other prompt of this run has.
+fn unique() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+fn matrix_load(
+    fes: Vec<SocketAddr>,
+    clients: usize,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<Done>> {
+    tokio::spawn(async move {
+        let fes = Arc::new(fes);
+        let mut tasks = Vec::new();
+        for c in 0..clients {
+            let (stop, fes) = (stop.clone(), fes.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut out = Vec::new();
+                let mut n = c;
+                while !stop.load(Ordering::Relaxed) {
+                    // The last client sends new prompts (nothing cached) to the prefill/decode
+                    // pair: each is prefilled remotely, across hosts.
+                    let (model, prompt) = if c == clients - 1 {
+                        ("mock-pd", format!("{} unique {}", matrix_prompt(n), unique()))
+                    } else {
+                        ("mock", matrix_prompt((n * 7) % MATRIX_PROMPTS))
+                    };
+                    let started = Instant::now();
+                    let (failovers, result) = matrix_request(&fes, n, model, &prompt).await;
+                    let ended = Instant::now();
+                    out.push(Done { model, prompt, started, ended, failovers, result });
+                    n += clients;
+                }
+                out
+            }));
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.unwrap());
+        }
+        all
+    })
+}
+
+/// The sum of a family's samples on every frontend (0 where absent or unreachable).
+async fn frontend_sum(fes: &[SocketAddr], name: &str) -> f64 {
+    let mut sum = 0.0;
+    for fe in fes {
+        let Ok(r) = get(*fe, "/metrics").await
+        else {
+            continue;
+        };
+        for l in r.text().lines() {
+            let Some(rest) = l.strip_prefix(name) else { continue };
+            if rest.starts_with(' ') || rest.starts_with('{') {
+                sum += l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+            }
+        }
+    }
+    sum
+}
+
+/// Whether any frontend routes to `worker` now (it is in discovery for them).
+async fn routable(fes: &[SocketAddr], worker: &str) -> bool {
+    let sample = format!("to_worker=\"{worker}\"");
+    for fe in fes {
+        if let Ok(r) = get(*fe, "/metrics").await {
+            if r.text().lines().any(|l| l.starts_with("kvfabric_frontend_worker_requests") && l.contains(&sample)) {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// One row of the matrix.
+#[derive(Debug, Default)]
+struct Row {
+    scenario: String,
+    sent: usize,
+    answered: usize,
+    client_failovers: usize,
+    frontend_retries: f64,
+    failed: std::collections::BTreeMap<String, usize>,
+    wrong: usize,
+    stopped: Option<Duration>,
+    back: Option<Duration>,
+    reuse_before: f64,
+    reuse_after: f64,
+}
+
+impl Row {
+    fn markdown(&self) -> String {
+        let d = |t: Option<Duration>| t.map_or("—".to_string(), |t| format!("{:.1} s", t.as_secs_f64()));
+        let failed = if self.failed.is_empty() {
+            "0".to_string()
+        } else {
+            self.failed.iter().map(|(k, v)| format!("{v} {k}")).collect::<Vec<_>>().join("; ")
+        };
+        format!(
+            "| {} | {} | {} | {} / {} | {} | {} | {} | {} | {:.2} → {:.2} |",
+            self.scenario,
+            self.sent,
+            self.answered,
+            self.frontend_retries,
+            self.client_failovers,
+            failed,
+            self.wrong,
+            d(self.stopped),
+            d(self.back),
+            self.reuse_before,
+            self.reuse_after
+        )
+    }
+}
+
+/// Reuse (cached prompt tokens over prompt tokens) of the answers of `done`.
+fn reuse<'a>(done: impl Iterator<Item = &'a Done>) -> f64 {
+    let (mut cached, mut prompt) = (0u64, 0u64);
+    for d in done {
+        if let Ok(a) = &d.result {
+            cached += a.cached_tokens;
+            prompt += a.prompt_tokens;
+        }
+    }
+    if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 }
+}
+
+/// Runs `fault` under load: 4 s of load before, the fault (it returns when it is healed, or
+/// at once for a fault that is not healed), `after` of load after. `lost`: the worker the
+/// fault takes away, whose leaving and return are timed.
+async fn scenario(
+    name: &str,
+    fes: &[SocketAddr],
+    quiet: &mut HashMap<String, String>,
+    lost: Option<&str>,
+    after: Duration,
+    fault: impl AsyncFnOnce() -> (),
+) -> Row {
+    let retries0 = frontend_sum(fes, "kvfabric_frontend_retries_total").await
+        + frontend_sum(fes, "kvfabric_frontend_stream_migrations_total").await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = matrix_load(fes.to_vec(), 6, stop.clone());
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let at = Instant::now();
+    // Watch the lost worker's place in routing while the fault runs.
+    let watch_stop = Arc::new(AtomicBool::new(false));
+    let watcher = lost.map(|w| {
+        let (w, fes, stop) = (w.to_string(), fes.to_vec(), watch_stop.clone());
+        tokio::spawn(async move {
+            let mut gone = None;
+            while !stop.load(Ordering::Relaxed) {
+                if gone.is_none() && !routable(&fes, &w).await {
+                    gone = Some(at.elapsed());
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            gone
+        })
+    });
+    fault().await;
+    let healed = Instant::now();
+    let mut back = None;
+    if let Some(w) = lost {
+        let limit = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < limit {
+            if routable(fes, w).await {
+                back = Some(healed.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    tokio::time::sleep(after).await;
+    watch_stop.store(true, Ordering::Relaxed);
+    let stopped = match watcher {
+        Some(w) => w.await.unwrap(),
+        None => None,
+    };
+    stop.store(true, Ordering::Relaxed);
+    let done = running.await.unwrap();
+    let retries = frontend_sum(fes, "kvfabric_frontend_retries_total").await
+        + frontend_sum(fes, "kvfabric_frontend_stream_migrations_total").await
+        - retries0;
+    let mut row = Row {
+        scenario: name.to_string(),
+        sent: done.len(),
+        client_failovers: done.iter().map(|d| d.failovers).sum(),
+        frontend_retries: retries,
+        stopped,
+        back,
+        reuse_before: reuse(done.iter().filter(|d| d.ended < at)),
+        reuse_after: reuse(done.iter().filter(|d| d.started > healed + Duration::from_secs(3))),
+        ..Row::default()
+    };
+    for d in &done {
+        assert!(d.ended - d.started <= MATRIX_DEADLINE + Duration::from_secs(5), "{name}: a request hung");
+        if !quiet.contains_key(&d.prompt) {
+            // What an aggregated worker answers, quietly, after the fault.
+            let (_, r) = matrix_request(fes, 0, "mock", &d.prompt).await;
+            quiet.insert(d.prompt.clone(), r.expect("a quiet request").text);
+        }
+        match &d.result {
+            Ok(a) if a.text == quiet[&d.prompt] => row.answered += 1,
+            Ok(a) => {
+                row.wrong += 1;
+                eprintln!("{name}: WRONG answer of {} to {:?} from {}", d.model, d.prompt, a.worker);
+            }
+            Err(e) => *row.failed.entry(e.clone()).or_default() += 1,
+        }
+    }
+    eprintln!("{}", row.markdown());
+    row
+}
+
+/// The member id of etcd's leader, and which of `members` (client addresses) it is.
+async fn etcd_leader(members: &[SocketAddr]) -> Option<usize> {
+    for (k, m) in members.iter().enumerate() {
+        let r = http(*m, "POST", "/v3/maintenance/status", Some("{}"))
+        .await
+        .ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
+        if v["leader"].is_string() && v["leader"] == v["header"]["member_id"] {
+            return Some(k);
+        }
+    }
+    None
+}
+
+/// Purges a JetStream stream over the NATS protocol (as a crash with a partition may lose
+/// acknowledged messages): returns the server's answer.
+async fn nats_purge(server: SocketAddr, stream: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(server).await.unwrap();
+    let cmd = format!(
+        "CONNECT {{\"verbose\":false}}\r\nSUB _INBOX.purge 1\r\nPUB $JS.API.STREAM.PURGE.{stream} _INBOX.purge 2\r\n{{}}\r\nPING\r\n"
+    );
+    s.write_all(cmd.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = String::new();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline && !got.contains("purged") && !got.contains("\"error\"") {
+        match tokio::time::timeout(Duration::from_millis(500), s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => got.push_str(&String::from_utf8_lossy(&buf[..n])),
+            _ => {}
+        }
+    }
+    got
+}
+
+/// The whole deployment of `cluster.sh up` (16 hosts, the mock engine everywhere) through
+/// every fault of the issue, each under load through both frontends. Prints the table that
+/// `docs/deploy.md` shows. Outside CI (minutes): `scripts/cluster-check.sh`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the full fault matrix: scripts/cluster-check.sh"]
+async fn fault_matrix_of_the_whole_deployment() {
+    let mut c = Cluster::new(0);
+    c.env.retain(|(k, _)| k != "KVF_NATS_HOSTS");
+    c.sh(&["up"]);
+    let ip = |name: &str, port: u16| -> SocketAddr {
+        let h = c.sh(&["host-of", name]);
+        let n: usize = h.trim().trim_start_matches('h').parse().unwrap();
+        c.addr(n, port)
+    };
+    let fes = vec![ip("frontend-1", 8000), ip("frontend-2", 8000)];
+    let etcd: Vec<SocketAddr> = (1..=3).map(|i| ip(&format!("etcd-{i}"), 2379)).collect();
+    let nats: Vec<SocketAddr> = (1..=3).map(|i| ip(&format!("nats-{i}"), 4222)).collect();
+    for w in ["w1", "w2", "w3", "w4", "d1"] {
+        wait_for("every worker routable", Duration::from_secs(60), async || routable(&fes, w).await).await;
+    }
+    let mut quiet = HashMap::new();
+    for i in 0..MATRIX_PROMPTS {
+        let (_, r) = matrix_request(&fes, i, "mock", &matrix_prompt(i)).await;
+        quiet.insert(matrix_prompt(i), r.expect("a quiet request").text);
+    }
+    // Every answer again, for the cache to hold each prefix; and the prefill/decode pair
+    // answers as an aggregated worker does.
+    for i in 0..MATRIX_PROMPTS {
+        let (_, r) = matrix_request(&fes, i + 1, "mock", &matrix_prompt(i)).await;
+        assert_eq!(r.expect("a quiet request").text, quiet[&matrix_prompt(i)], "the mock engine answers the same everywhere");
+        let (_, r) = matrix_request(&fes, i + 1, "mock-pd", &matrix_prompt(i)).await;
+        let a = r.expect("a quiet request of the pair");
+        assert_eq!((a.text.as_str(), a.worker.as_str()), (quiet[&matrix_prompt(i)].as_str(), "d1"));
+    }
+    let host = |name: &str| c.sh(&["host-of", name]).trim().to_string();
+    let mut rows = Vec::new();
+    let secs = Duration::from_secs;
+
+    let leader = etcd_leader(&etcd).await.expect("an etcd leader");
+    let leader_name = format!("etcd-{}", leader + 1);
+    rows.push(scenario("etcd leader killed (-9), restarted 10 s later", &fes, &mut quiet, None, secs(6), async || {
+        c.sh(&["stop", &leader_name, "KILL"]);
+        tokio::time::sleep(secs(10)).await;
+        c.sh(&["restart", &leader_name]);
+    }).await);
+    let member = format!("etcd-{}", (leader + 1) % 3 + 1);
+    rows.push(scenario(&format!("etcd member ({member}) cut off 20 s, healed"), &fes, &mut quiet, None, secs(6), async || {
+        c.sh(&["cut", &host(&member)]);
+        tokio::time::sleep(secs(20)).await;
+        c.sh(&["heal", &host(&member)]);
+    }).await);
+    rows.push(scenario("NATS server killed (-9), restarted 10 s later", &fes, &mut quiet, None, secs(6), async || {
+        c.sh(&["stop", "nats-1", "KILL"]);
+        tokio::time::sleep(secs(10)).await;
+        c.sh(&["restart", "nats-1"]);
+    }).await);
+    rows.push(scenario("NATS server cut off 30 s, healed", &fes, &mut quiet, None, secs(8), async || {
+        c.sh(&["cut", &host("nats-2")]);
+        tokio::time::sleep(secs(30)).await;
+        c.sh(&["heal", &host("nats-2")]);
+    }).await);
+    rows.push(scenario("worker host (w1) cut off 20 s, healed", &fes, &mut quiet, Some("w1"), secs(6), async || {
+        c.sh(&["cut", &host("w1")]);
+        tokio::time::sleep(secs(20)).await;
+        c.sh(&["heal", &host("w1")]);
+    }).await);
+    let purge = std::cell::RefCell::new(String::new());
+    rows.push(scenario("prefill worker frozen 6 s, its queued jobs purged (lost)", &fes, &mut quiet, None, secs(6), async || {
+        signal_process(&c, "p1", "STOP");
+        tokio::time::sleep(secs(3)).await;
+        for n in &nats {
+            let r = nats_purge(*n, "KVFABRIC_default_prefill-p1").await;
+            if r.contains("purged") {
+                *purge.borrow_mut() = r;
+                break;
+            }
+        }
+        tokio::time::sleep(secs(3)).await;
+        signal_process(&c, "p1", "CONT");
+    }).await);
+    eprintln!("purge: {}", purge.borrow().lines().find(|l| l.contains("purged")).unwrap_or("none"));
+    rows.push(scenario("frontend host (frontend-1) cut off 20 s, healed", &fes, &mut quiet, None, secs(6), async || {
+        c.sh(&["cut", &host("frontend-1")]);
+        tokio::time::sleep(secs(20)).await;
+        c.sh(&["heal", &host("frontend-1")]);
+    }).await);
+    rows.push(scenario("fabric node (fabric-1) cut off 20 s, healed", &fes, &mut quiet, None, secs(6), async || {
+        c.sh(&["cut", &host("fabric-1")]);
+        tokio::time::sleep(secs(20)).await;
+        c.sh(&["heal", &host("fabric-1")]);
+    }).await);
+    rows.push(scenario("rolling restart of every process, one at a time", &fes, &mut quiet, None, secs(6), async || {
+        for name in [
+            "etcd-1", "etcd-2", "etcd-3", "nats-1", "nats-2", "nats-3", "fabric-1", "fabric-2",
+            "w1", "w2", "w3", "w4", "p1", "d1", "frontend-1", "frontend-2",
+        ] {
+            c.sh(&["stop", name, "TERM", "40"]);
+            c.sh(&["restart", name]);
+            ready(&c, name, &fes).await;
+        }
+    }).await);
+
+    let mut table = String::from(
+        "| fault (under load, both frontends) | sent | answered | retried (frontends / client failovers) | failed | wrong | out of routing after | routed again after | KV reuse before → after |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in &rows {
+        table.push_str(&r.markdown());
+        table.push('\n');
+    }
+    eprintln!("\n{table}");
+    if let Some(out) = std::env::var_os("KVF_MATRIX_OUT") {
+        std::fs::write(out, &table).unwrap();
+    }
+    for r in &rows {
+        assert_eq!(r.wrong, 0, "{}: wrong answers", r.scenario);
+    }
+    let rolling = rows.last().unwrap();
+    assert!(rolling.failed.is_empty(), "rolling restart: {:?}", rolling.failed);
+}
+
+/// Sends `sig` to the process `name` of the cluster (no wait).
+fn signal_process(c: &Cluster, name: &str, sig: &str) {
+    let pid = std::fs::read_to_string(c.dir.join("pids").join(name)).unwrap();
+    let pid = pid.split_whitespace().next().unwrap();
+    let ok = std::process::Command::new("kill").args(["-s", sig, pid]).status().unwrap().success();
+    assert!(ok, "kill -s {sig} {name}");
+}
+
+/// Waits until the restarted `name` serves again.
+async fn ready(c: &Cluster, name: &str, fes: &[SocketAddr]) {
+    let h: usize = c.sh(&["host-of", name]).trim().trim_start_matches('h').parse().unwrap();
+    let (addr, path) = match name {
+        n if n.starts_with("etcd") => (c.addr(h, 2379), "/health"),
+        n if n.starts_with("nats") => (c.addr(h, 8222), "/healthz?js-enabled-only=true"),
+        n if n.starts_with("frontend") => (c.addr(h, 8000), "/health"),
+        _ => (c.addr(h, 9100), "/health"),
+    };
+    wait_for(&format!("{name} answers again"), Duration::from_secs(90), async || {
+        matches!(get(addr, path).await, Ok(r) if r.status == 200)
+    })
+    .await;
+    if name.starts_with('w') || name == "d1" {
+        wait_for(&format!("{name} routable again"), Duration::from_secs(30), async || routable(fes, name).await).await;
+    }
 }

@@ -611,6 +611,8 @@ pub struct RoutedSnapshot {
     pub paused_streams: u64,
     /// Streams ended because the worker sent nothing for the inter-token deadline.
     pub stalled_streams: u64,
+    /// Attempts abandoned because their worker left discovery and went silent.
+    pub lost_workers: u64,
     /// Streams moved to another worker after theirs stalled or broke mid-stream.
     pub migrations: u64,
     /// KV events applied to the prefix index.
@@ -1535,6 +1537,11 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
             (|r: &RoutedSnapshot| r.routed) as fn(&RoutedSnapshot) -> u64,
         ),
         ("kvfabric_frontend_retries", "Attempts retried on another worker.", |r| r.retries),
+        (
+            "kvfabric_frontend_lost_worker_attempts",
+            "Attempts abandoned because their worker left discovery and went silent (a dead or cut-off host): retried, or the stream moved.",
+            |r| r.lost_workers,
+        ),
         ("kvfabric_frontend_failed_mid_stream", "Requests failed after tokens were sent.", |r| {
             r.failed_mid_stream
         }),

@@ -128,6 +128,9 @@ pub struct RoutedStats {
     pub auth_failures: AtomicU64,
     /// Streams ended because their worker sent nothing for the inter-token deadline.
     pub stalled_streams: AtomicU64,
+    /// Attempts abandoned because their worker left discovery and went silent (its host
+    /// died or was cut off): retried, or the stream moved.
+    pub lost_workers: AtomicU64,
     /// Streams moved to another worker after their first worker stalled or broke.
     pub migrations: AtomicU64,
 }
@@ -375,6 +378,7 @@ impl Backend for RoutedBackend {
             long_first_token_waits: ld(&s.long_first_token_waits),
             paused_streams: ld(&s.paused_streams),
             stalled_streams: ld(&s.stalled_streams),
+            lost_workers: ld(&s.lost_workers),
             migrations: ld(&s.migrations),
             kv_events: ld(&f.applied),
             kv_event_gaps: ld(&f.gaps),

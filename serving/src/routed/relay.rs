@@ -230,11 +230,23 @@ impl Inner {
         let mut stall_by = deadline;
         loop {
             let until = if sent_token { stall_by.min(deadline) } else { first_token_by };
+            // Looked at every second: a worker whose lease ran out while it went silent (its
+            // host is dead or cut off) sends nothing more; its request moves now rather than
+            // at the first-token or stall limit.
+            let look = tokio::time::Instant::now() + LOST_CHECK;
             let frame = tokio::select! {
-                f = tokio::time::timeout_at(until, conn.next()) => f,
+                f = tokio::time::timeout_at(until.min(look), conn.next()) => f,
                 // The client went away: closing the connection cancels the worker's work.
                 _ = tx.closed() => return Relay::Finished,
             };
+            if frame.is_err() && look < until {
+                if !self.members.lost(name, LOST_QUIET) {
+                    continue;
+                }
+                self.stats.lost_workers.fetch_add(1, Ordering::Relaxed);
+                let why = format!("worker {name} left discovery and went silent");
+                return if sent_token { Relay::Failed(why) } else { Relay::Retry(why) };
+            }
             // A kept connection that the worker closed before it read the request (it
             // restarted, or closed it idle just then): the same request on a new one.
             if conn.reused && !answered && matches!(frame, Ok(Ok(None) | Err(_))) {
@@ -379,6 +391,13 @@ impl Inner {
         fresh && advanced
     }
 }
+
+/// How often an attempt waiting on a worker looks whether the worker is lost.
+const LOST_CHECK: Duration = Duration::from_secs(1);
+
+/// A worker out of discovery that sent no load report for this long is lost (a draining one
+/// reports several times a second until it stops).
+const LOST_QUIET: Duration = Duration::from_secs(2);
 
 /// The worker a request attempt goes to.
 struct Target<'a> {

@@ -175,6 +175,9 @@ struct ErrorBody {
     error: String,
 }
 
+/// How long a connection to one endpoint may take before the next is tried.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Client endpoints (`host:port` authorities), tried in turn from the last that answered.
 #[derive(Debug, Clone)]
 pub(crate) struct Gateway {
@@ -232,8 +235,12 @@ impl Gateway {
         path: &str,
         body: Bytes,
     ) -> Result<(hyper::Response<Incoming>, tokio::task::JoinHandle<()>), ControlError> {
-        let tcp = tokio::net::TcpStream::connect(authority)
+        // A member on a host that is cut off answers no SYN: without a bound, the kernel
+        // retries for about two minutes before the next endpoint is tried (and a lease of a
+        // few seconds runs out meanwhile).
+        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(authority))
             .await
+            .map_err(|_| backend(format!("{authority}: no connection within {CONNECT_TIMEOUT:?}")))?
             .map_err(|e| backend(format!("{authority}: {e}")))?;
         let _ = tcp.set_nodelay(true);
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))

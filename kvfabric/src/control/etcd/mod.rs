@@ -28,7 +28,7 @@ use gateway::{
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A watch that saw nothing for this long is re-established.
-const WATCH_REFRESH: Duration = Duration::from_secs(30);
+const WATCH_REFRESH: Duration = Duration::from_secs(10);
 
 /// Discovery backed by an etcd cluster (v3 API, through etcd's HTTP/JSON gateway).
 #[derive(Debug, Clone)]
