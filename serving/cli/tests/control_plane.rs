@@ -206,3 +206,43 @@ async fn a_list_of_nats_servers_connects_past_a_dead_one() {
     assert_eq!(bus.queue_replicas("prefill").await.unwrap(), Some(1));
     assert_eq!(bus.queue_replicas("absent").await.unwrap(), None);
 }
+
+/// An etcd endpoint that takes no connection (a member on a host cut off the network: SYNs
+/// go unanswered) costs about a second before the next endpoint answers, not the kernel's two
+/// minutes of SYN retries: long enough for a worker's lease to run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_member_that_takes_no_connection_is_passed_over_within_a_second() {
+    use kvfabric::control::etcd::EtcdDiscovery;
+    use kvfabric::control::Discovery;
+    let etcd = EtcdServer::start().unwrap();
+    // A listener that never accepts, its backlog filled: further connections hang in SYN.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let silent = socket.listen(1).unwrap();
+    let at = silent.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        if let Ok(Ok(c)) =
+            tokio::time::timeout(Duration::from_millis(300), s.connect(at)).await
+        {
+            held.push(c);
+        }
+    }
+    let probe = tokio::time::timeout(Duration::from_millis(500), tokio::net::TcpStream::connect(at)).await;
+    assert!(probe.is_err(), "the silent listener still completes connections");
+    let endpoints = vec![format!("http://{at}"), etcd.endpoint()];
+    let start = std::time::Instant::now();
+    let d = tokio::time::timeout(Duration::from_secs(20), EtcdDiscovery::connect(&endpoints, "silent"))
+        .await
+        .expect("connecting past a silent member hung")
+        .unwrap();
+    let inst = kvfabric::control::Instance {
+        kind: "worker".into(),
+        id: "w".into(),
+        metadata: serde_json::json!({}),
+    };
+    let _reg = d.register(inst, Duration::from_secs(3)).await.unwrap();
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    drop((held, silent));
+}
