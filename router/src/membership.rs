@@ -196,8 +196,18 @@ pub struct Members {
     pub departed: VecDeque<Departed>,
     /// Models served, by id.
     pub models: HashMap<String, ModelState>,
+    /// Models whose last worker left lately (a restart of a one-worker pool): their
+    /// description and when, for [`VACATED_KEEP`]. Requests for them wait for a worker.
+    pub vacated: HashMap<String, (ModelInfo, CodecSpec, Instant)>,
     by_id: HashMap<WorkerId, String>,
 }
+
+/// How long a model whose last worker left is still accepted: its requests wait (within
+/// their deadline) for a worker to join, as in a rolling restart of a one-worker pool.
+pub const VACATED_KEEP: Duration = Duration::from_secs(60);
+
+/// Models remembered as vacated, at most.
+const VACATED_MAX: usize = 64;
 
 /// The worker chosen for a request.
 #[derive(Debug, Clone)]
@@ -368,6 +378,7 @@ impl Membership {
             let gone = st.departed.remove(i).map(|d| d.entry);
             before = before.or(gone);
         }
+        st.vacated.remove(&md.model.id);
         let model = st.models.entry(md.model.id.clone()).or_insert_with(|| ModelState {
             info: md.model.clone(),
             codec: md.codec.clone(),
@@ -485,7 +496,13 @@ impl Membership {
             None => false,
         };
         if gone {
-            st.models.remove(&model);
+            if let Some(m) = st.models.remove(&model) {
+                let now = Instant::now();
+                st.vacated.retain(|_, (_, _, at)| now.saturating_duration_since(*at) < VACATED_KEEP);
+                if st.vacated.len() < VACATED_MAX {
+                    st.vacated.insert(model, (m.info, m.codec, now));
+                }
+            }
         }
         Some(addr)
     }
@@ -718,7 +735,23 @@ impl Membership {
 
     /// A model served now, and how its prompts are tokenized.
     pub fn model(&self, id: &str) -> Option<(ModelInfo, CodecSpec)> {
-        self.s.members.lock().models.get(id).map(|m| (m.info.clone(), m.codec.clone()))
+        let st = self.s.members.lock();
+        match st.models.get(id) {
+            Some(m) => Some((m.info.clone(), m.codec.clone())),
+            None => st
+                .vacated
+                .get(id)
+                .filter(|(_, _, at)| at.elapsed() < VACATED_KEEP)
+                .map(|(info, codec, _)| (info.clone(), codec.clone())),
+        }
+    }
+
+    /// Whether `id` has no worker now but had one within [`VACATED_KEEP`]: its requests
+    /// wait for one to join.
+    pub fn vacated(&self, id: &str) -> bool {
+        let st = self.s.members.lock();
+        !st.models.contains_key(id)
+            && st.vacated.get(id).is_some_and(|(_, _, at)| at.elapsed() < VACATED_KEEP)
     }
 
     /// The prefix index its feed keeps.

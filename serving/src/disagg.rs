@@ -102,6 +102,13 @@ struct RemoteCost {
     overhead_us: Option<f64>,
 }
 
+/// A remote prefill is given up (and done locally) after this many times the time the ones
+/// before it took (their queue, computation and transfer), plus [`LOST_JOB_FLOOR`].
+const LOST_JOB_FACTOR: f64 = 8.0;
+
+/// The least a remote prefill is waited for, once others were seen.
+const LOST_JOB_FLOOR: Duration = Duration::from_secs(2);
+
 impl RemoteCost {
     const ALPHA: f64 = 0.2;
 
@@ -276,6 +283,14 @@ impl DecodeInner {
                 at: Desc::new(s.region().id(), s.offset(), s.len()),
             })
             .collect();
+        // How long to wait: the configured deadline, or less once remote prefills were
+        // seen, [`LOST_JOB_FACTOR`] times what this one should take: a job that the queue
+        // lost (a server crash, a partition) or a prefill worker that died with it costs
+        // about that, then a local prefill, not the whole deadline.
+        let wait = self.remote_cost.lock().estimate_us(uncached).map_or(self.cfg.deadline, |us| {
+            let expected = Duration::from_secs_f64(us.max(0.0) * LOST_JOB_FACTOR / 1e6);
+            (expected + LOST_JOB_FLOOR).min(self.cfg.deadline)
+        });
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.waiters.lock().insert(id, tx);
@@ -287,7 +302,7 @@ impl DecodeInner {
             tokens: prompt[..reusable * bt].to_vec(),
             blocks,
             transport: self.cfg.transport,
-            deadline_unix_ms: unix_ms() + self.cfg.deadline.as_millis() as u64,
+            deadline_unix_ms: unix_ms() + wait.as_millis() as u64,
             cache_salt: req.cache_salt.clone(),
             class: req.class.clone(),
         };
@@ -296,7 +311,7 @@ impl DecodeInner {
         let payload = serde_json::to_vec(&item).unwrap_or_default();
         let queued = self.bus.enqueue(&contract::prefill_queue(&worker), payload).await;
         let result = match queued {
-            Ok(()) => tokio::time::timeout(self.cfg.deadline, rx).await.ok().and_then(Result::ok),
+            Ok(()) => tokio::time::timeout(wait, rx).await.ok().and_then(Result::ok),
             Err(e) => {
                 tracing::warn!(error = %e, "enqueueing a remote prefill failed");
                 None
@@ -329,7 +344,7 @@ impl DecodeInner {
                 if let Some(r) = other {
                     tracing::warn!(worker = %worker, error = ?r.error, "remote prefill failed; prefilling locally");
                 } else {
-                    tracing::warn!(worker = %worker, "remote prefill timed out; prefilling locally");
+                    tracing::warn!(worker = %worker, ?wait, "remote prefill timed out (lost, or far slower than the ones before); prefilling locally");
                 }
                 self.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
                 release(false);

@@ -474,7 +474,8 @@ fn matrix_load(
                     // The last client sends new prompts (nothing cached) to the prefill/decode
                     // pair: each is prefilled remotely, across hosts.
                     let (model, prompt) = if c == clients - 1 {
-                        ("mock-pd", format!("{} unique {}", matrix_prompt(n), unique()))
+                        // New from its first token: nothing of it is cached anywhere.
+                        ("mock-pd", format!("unique {} {}", unique(), matrix_prompt(n)))
                     } else {
                         ("mock", matrix_prompt((n * 7) % MATRIX_PROMPTS))
                     };
@@ -648,7 +649,7 @@ async fn scenario(
     };
     for d in &done {
         assert!(d.ended - d.started <= MATRIX_DEADLINE + Duration::from_secs(5), "{name}: a request hung");
-        if !quiet.contains_key(&d.prompt) {
+        if d.result.is_ok() && !quiet.contains_key(&d.prompt) {
             // What an aggregated worker answers, quietly, after the fault.
             let (_, r) = matrix_request(fes, 0, "mock", &d.prompt).await;
             quiet.insert(d.prompt.clone(), r.expect("a quiet request").text);
@@ -659,7 +660,16 @@ async fn scenario(
                 row.wrong += 1;
                 eprintln!("{name}: WRONG answer of {} to {:?} from {}", d.model, d.prompt, a.worker);
             }
-            Err(e) => *row.failed.entry(e.clone()).or_default() += 1,
+            Err(e) => {
+                eprintln!(
+                    "{name}: {} request failed after {:?}, started {:+.1} s from the fault: {e}",
+                    d.model,
+                    d.ended - d.started,
+                    d.started.saturating_duration_since(at).as_secs_f64()
+                        - at.saturating_duration_since(d.started).as_secs_f64()
+                );
+                *row.failed.entry(e.clone()).or_default() += 1
+            }
         }
     }
     eprintln!("{}", row.markdown());
@@ -781,9 +791,9 @@ async fn fault_matrix_of_the_whole_deployment() {
         signal_process(&c, "p1", "CONT");
     }).await);
     eprintln!("purge: {}", purge.borrow().lines().find(|l| l.contains("purged")).unwrap_or("none"));
-    rows.push(scenario("frontend host (frontend-1) cut off 20 s, healed", &fes, &mut quiet, None, secs(6), async || {
+    rows.push(scenario("frontend host (frontend-1) cut off 30 s, healed", &fes, &mut quiet, None, secs(6), async || {
         c.sh(&["cut", &host("frontend-1")]);
-        tokio::time::sleep(secs(20)).await;
+        tokio::time::sleep(secs(30)).await;
         c.sh(&["heal", &host("frontend-1")]);
     }).await);
     rows.push(scenario("fabric node (fabric-1) cut off 20 s, healed", &fes, &mut quiet, None, secs(6), async || {

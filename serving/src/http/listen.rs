@@ -173,6 +173,10 @@ pub async fn serve(
             stats.open.dec();
         });
     }
+    // Closed before the drain: a connection made now is refused (the client, or its load
+    // balancer, goes to another server) rather than left in the backlog and reset when the
+    // process exits.
+    drop(listener);
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(limits.shutdown_grace, async {
         while tasks.join_next().await.is_some() {}

@@ -613,6 +613,8 @@ pub struct RoutedSnapshot {
     pub stalled_streams: u64,
     /// Attempts abandoned because their worker left discovery and went silent.
     pub lost_workers: u64,
+    /// Requests that waited for a worker of their model to join.
+    pub held_for_worker: u64,
     /// Streams moved to another worker after theirs stalled or broke mid-stream.
     pub migrations: u64,
     /// KV events applied to the prefix index.
@@ -1541,6 +1543,11 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
             "kvfabric_frontend_lost_worker_attempts",
             "Attempts abandoned because their worker left discovery and went silent (a dead or cut-off host): retried, or the stream moved.",
             |r| r.lost_workers,
+        ),
+        (
+            "kvfabric_frontend_held_for_worker",
+            "Requests that waited for a worker of their model to join (every worker of it had left lately: a restart).",
+            |r| r.held_for_worker,
         ),
         ("kvfabric_frontend_failed_mid_stream", "Requests failed after tokens were sent.", |r| {
             r.failed_mid_stream

@@ -131,6 +131,9 @@ pub struct RoutedStats {
     /// Attempts abandoned because their worker left discovery and went silent (its host
     /// died or was cut off): retried, or the stream moved.
     pub lost_workers: AtomicU64,
+    /// Requests that waited for a worker of their model to join (every worker of it had
+    /// left lately: a restart).
+    pub held_for_worker: AtomicU64,
     /// Streams moved to another worker after their first worker stalled or broke.
     pub migrations: AtomicU64,
 }
@@ -379,6 +382,7 @@ impl Backend for RoutedBackend {
             paused_streams: ld(&s.paused_streams),
             stalled_streams: ld(&s.stalled_streams),
             lost_workers: ld(&s.lost_workers),
+            held_for_worker: ld(&s.held_for_worker),
             migrations: ld(&s.migrations),
             kv_events: ld(&f.applied),
             kv_event_gaps: ld(&f.gaps),

@@ -61,6 +61,7 @@ impl Inner {
         let mut wreq = WorkerRequest { model: model.clone(), request: req };
         let mut progress = Progress { ids_known: true, ..Progress::default() };
         let mut migrations = 0u32;
+        let mut held = false;
         for attempt in 0..self.cfg.attempts_max.max(1) {
             let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
             let r = &wreq.request;
@@ -70,9 +71,26 @@ impl Inner {
                 salt: r.cache_salt.as_deref(),
                 reuse: if latency { self.cfg.latency_reuse_weight } else { 1.0 },
             };
-            let Some(pick) = self.members.route_with(&model, rid, &r.prompt, &tried, opts) else {
-                break;
+            // A model whose every worker left lately (a one-worker pool restarting): wait,
+            // within the deadline, for one to join rather than fail.
+            let pick = loop {
+                match self.members.route_with(&model, rid, &r.prompt, &tried, opts) {
+                    Some(p) => break Some(p),
+                    None if self.members.vacated(&model)
+                        && tokio::time::Instant::now() + VACATED_POLL < deadline =>
+                    {
+                        if !std::mem::replace(&mut held, true) {
+                            self.stats.held_for_worker.fetch_add(1, Ordering::Relaxed);
+                        }
+                        tokio::select! {
+                            _ = tokio::time::sleep(VACATED_POLL) => {}
+                            _ = tx.closed() => return,
+                        }
+                    }
+                    None => break None,
+                }
             };
+            let Some(pick) = pick else { break };
             let (name, addr, api) = (pick.name, pick.addr, pick.api);
             self.stats.routed.fetch_add(1, Ordering::Relaxed);
             if attempt > 0 {
@@ -391,6 +409,9 @@ impl Inner {
         fresh && advanced
     }
 }
+
+/// How often a request for a model without workers looks for one that joined.
+const VACATED_POLL: Duration = Duration::from_millis(100);
 
 /// How often an attempt waiting on a worker looks whether the worker is lost.
 const LOST_CHECK: Duration = Duration::from_secs(1);
