@@ -39,6 +39,9 @@
 #   KVF_LEASE_TTL_S  the workers' and fabric nodes' discovery lease (default 10)
 #   KVF_ETCD_HOSTS, KVF_NATS_HOSTS  where the etcd members and NATS servers run (default
 #                 "h1 h2 h3" and "h4 h5 h6")
+#   KVF_ONE_HOST  set: `up` puts the same deployment on one host (h1), each process on ports
+#                 of its own (the base port plus ten times its place in the layout), for the
+#                 cost of crossing hosts to be a number
 # Needs root (namespaces, veths), iproute2, util-linux (unshare, nsenter), etcd, nats-server.
 set -euo pipefail
 
@@ -228,20 +231,36 @@ wait_http() {
 }
 
 # The endpoints every kvfabric process is given.
-etcd_endpoints() { echo "http://$(ipn etcd-1):2379,http://$(ipn etcd-2):2379,http://$(ipn etcd-3):2379"; }
-nats_urls() { echo "nats://$(ipn nats-1):4222,nats://$(ipn nats-2):4222,nats://$(ipn nats-3):4222"; }
+etcd_endpoints() {
+    echo "http://$(ipn etcd-1):$(port etcd-1 2379),http://$(ipn etcd-2):$(port etcd-2 2379),http://$(ipn etcd-3):$(port etcd-3 2379)"
+}
+nats_urls() {
+    echo "nats://$(ipn nats-1):$(port nats-1 4222),nats://$(ipn nats-2):$(port nats-2 4222),nats://$(ipn nats-3):$(port nats-3 4222)"
+}
 # The address of the host NAME runs on, in the layout.
 ipn() { ipof "$(host_of "$1")"; }
+# The port BASE of NAME: BASE itself, or with KVF_ONE_HOST (every process on h1) BASE plus
+# ten times NAME's place in the layout.
+port() {
+    local name=$1 base=$2
+    if [ -z "${KVF_ONE_HOST:-}" ]; then echo "$base"; return; fi
+    local k
+    k=$(layout | awk -v n="$name" '$1 == n {print NR - 1}')
+    echo $((base + 10 * k))
+}
 
 start_etcd() {
     local i=$1 state=${2:-new}
     local ip h
     h=$(host_of "etcd-$i")
     ip=$(ipof "$h")
-    start_on "$h" "etcd-$i" etcd --name "e$i" --data-dir /var/lib/kvfabric/etcd \
-        --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
-        --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
-        --initial-cluster "e1=http://$(ipn etcd-1):2380,e2=http://$(ipn etcd-2):2380,e3=http://$(ipn etcd-3):2380" \
+    local c p
+    c=$(port "etcd-$i" 2379)
+    p=$(port "etcd-$i" 2380)
+    start_on "$h" "etcd-$i" etcd --name "e$i" --data-dir "/var/lib/kvfabric/etcd-$i" \
+        --listen-client-urls "http://$ip:$c" --advertise-client-urls "http://$ip:$c" \
+        --listen-peer-urls "http://$ip:$p" --initial-advertise-peer-urls "http://$ip:$p" \
+        --initial-cluster "e1=http://$(ipn etcd-1):$(port etcd-1 2380),e2=http://$(ipn etcd-2):$(port etcd-2 2380),e3=http://$(ipn etcd-3):$(port etcd-3 2380)" \
         --initial-cluster-state "$state" --initial-cluster-token "$C-etcd"
 }
 
@@ -252,13 +271,13 @@ start_nats() {
     mkdir -p "$DIR/etc"
     cat >"$DIR/etc/nats-$i.conf" <<EOF
 server_name: n$i
-listen: $ip:4222
-http: $ip:8222
-jetstream { store_dir: /var/lib/kvfabric/nats, max_memory_store: 256MB, max_file_store: 2GB }
+listen: $ip:$(port "nats-$i" 4222)
+http: $ip:$(port "nats-$i" 8222)
+jetstream { store_dir: /var/lib/kvfabric/nats-$i, max_memory_store: 256MB, max_file_store: 2GB }
 cluster {
   name: $C
-  listen: $ip:6222
-  routes: [nats://$(ipn nats-1):6222, nats://$(ipn nats-2):6222, nats://$(ipn nats-3):6222]
+  listen: $ip:$(port "nats-$i" 6222)
+  routes: [nats://$(ipn nats-1):$(port nats-1 6222), nats://$(ipn nats-2):$(port nats-2 6222), nats://$(ipn nats-3):$(port nats-3 6222)]
 }
 EOF
     start_on "$h" "nats-$i" nats-server -c "$DIR/etc/nats-$i.conf"
@@ -277,9 +296,10 @@ start_fabric() {
     shift 2
     bin=$(binary)
     # shellcheck disable=SC2046
-    start_on "$h" "$name" env $(kv_env) "$bin" fabric --name "$name" --listen "$(ipof "$h"):7200" \
+    start_on "$h" "$name" env $(kv_env) "$bin" fabric --name "$name" \
+        --listen "$(ipof "$h"):$(port "$name" 7200)" \
         --host-blocks 2048 --disk-blocks 4096 --data-dir /var/lib/kvfabric \
-        --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" --metrics-listen 0.0.0.0:9100 "$@"
+        --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" --metrics-listen "0.0.0.0:$(port "$name" 9100)" "$@"
 }
 
 # start_worker HOST NAME ROLE ENGINE-ARGS...
@@ -288,7 +308,8 @@ start_worker() {
     bin=$(binary)
     # shellcheck disable=SC2046
     start_on "$h" "$name" env $(kv_env) "$bin" worker --name "$name" --role "$role" \
-        --listen 0.0.0.0:7100 --metrics-listen 0.0.0.0:9100 --data-dir /var/lib/kvfabric \
+        --listen "0.0.0.0:$(port "$name" 7100)" --metrics-listen "0.0.0.0:$(port "$name" 9100)" \
+        --data-dir /var/lib/kvfabric \
         --remote-tier true --drain-timeout-s 30 --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" "$@"
 }
 
@@ -298,7 +319,7 @@ start_frontend() {
     bin=$(binary)
     # shellcheck disable=SC2046
     start_on "$h" "$name" env $(kv_env) "$bin" frontend --name "$name" --host "$(ipof "$h")" \
-        --port 8000 "$@"
+        --port "$(port "$name" 8000)" "$@"
 }
 
 # What runs where in `up`: NAME HOST.
@@ -324,6 +345,7 @@ EOF
 }
 host_of() {
     local n=$1
+    if [ -n "${KVF_ONE_HOST:-}" ]; then echo h1; return; fi
     case "$n" in
         etcd-[123]) echo "${KVF_ETCD_HOSTS:-h1 h2 h3}" | awk -v i="${n#etcd-}" '{print $i}' ;;
         nats-[123]) echo "${KVF_NATS_HOSTS:-h4 h5 h6}" | awk -v i="${n#nats-}" '{print $i}' ;;
@@ -374,29 +396,31 @@ cmd_up() {
     command -v curl >/dev/null || die "curl is needed"
     binary >/dev/null
     model_args >/dev/null
-    cmd_hosts 16
+    local n=16
+    [ -n "${KVF_ONE_HOST:-}" ] && n=1
+    cmd_hosts "$n"
     mkdir -p "$DIR/etc"
     [ -f "$DIR/etc/secret" ] || (umask 077; head -c 24 /dev/urandom | base64 >"$DIR/etc/secret")
     local i name
     for i in 1 2 3; do start_etcd $i; start_nats $i; done
     for i in 1 2 3; do
-        wait_http "http://$(ipn etcd-$i):2379/health" "etcd-$i"
-        wait_http "http://$(ipn nats-$i):8222/healthz?js-enabled-only=true" "nats-$i"
+        wait_http "http://$(ipn etcd-$i):$(port etcd-$i 2379)/health" "etcd-$i"
+        wait_http "http://$(ipn nats-$i):$(port nats-$i 8222)/healthz?js-enabled-only=true" "nats-$i"
     done
     for name in fabric-1 fabric-2 w1 w2 w3 w4 p1 d1 frontend-1 frontend-2; do
         cmd_restart "$name"
     done
-    wait_http "http://$(ipn frontend-1):8000/health" frontend-1 120
-    wait_http "http://$(ipn frontend-2):8000/health" frontend-2 120
+    wait_http "http://$(ipn frontend-1):$(port frontend-1 8000)/health" frontend-1 120
+    wait_http "http://$(ipn frontend-2):$(port frontend-2 8000)/health" frontend-2 120
     for name in fabric-1 fabric-2 w1 w2 w3 w4 p1 d1; do
-        wait_http "http://$(ipn $name):9100/health" "$name" 300
+        wait_http "http://$(ipn $name):$(port $name 9100)/health" "$name" 300
     done
-    echo "kvfabric on 16 hosts (logs: $DIR/logs; scripts/cluster.sh ps):"
-    echo "  API:       http://$(ipn frontend-1):8000/v1  (and http://$(ipn frontend-2):8000/v1)"
+    echo "kvfabric on $n hosts (logs: $DIR/logs; scripts/cluster.sh ps):"
+    echo "  API:       http://$(ipn frontend-1):$(port frontend-1 8000)/v1  (and http://$(ipn frontend-2):$(port frontend-2 8000)/v1)"
     echo "  etcd:      $(etcd_endpoints)"
     echo "  NATS:      $(nats_urls)  (JetStream; the work queue has 3 replicas)"
-    echo "  fabric:    fabric-1 on h9, fabric-2 on h10"
-    echo "  workers:   w1..w4 on h11..h14 (mock), p1 (prefill) on h15 -> d1 (decode) on h16"
+    echo "  fabric:    fabric-1 on $(host_of fabric-1), fabric-2 on $(host_of fabric-2)"
+    echo "  workers:   w1..w4 on $(host_of w1)..$(host_of w4) (mock), p1 (prefill) on $(host_of p1) -> d1 (decode) on $(host_of d1)"
 }
 
 verb=${1:-}

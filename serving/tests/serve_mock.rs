@@ -885,3 +885,38 @@ async fn request_bodies_that_never_finish_are_timed_out_and_huge_ones_refused_up
     let r = post_json(s.addr, chat_path, &chat("hi", json!({"max_tokens": 2}))).await;
     assert_eq!(r.status, 200, "{}", r.text());
 }
+
+/// A server told to stop closes its listener at once (a new connection is refused, so the
+/// client or its load balancer goes to another server: before, it sat in the backlog and was
+/// reset when the process exited) and finishes the requests it has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_server_refuses_new_connections_and_finishes_the_ones_it_has() {
+    let app = axum::Router::new().route(
+        "/slow",
+        axum::routing::get(|| async {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            "done"
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(kvfabric_serving::http::listen::serve(
+        listener,
+        app,
+        kvfabric_serving::http::listen::HttpLimits::default(),
+        ServerConfig::default().listen,
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
+    let slow = tokio::spawn(get(addr, "/slow"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop_tx.send(()).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let late = tokio::net::TcpStream::connect(addr).await;
+    assert!(late.is_err(), "a connection was taken while the server drained");
+    let r = slow.await.unwrap();
+    assert_eq!((r.status, r.text().as_str()), (200, "done"));
+    server.await.unwrap().unwrap();
+}

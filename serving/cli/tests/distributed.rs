@@ -627,3 +627,64 @@ async fn a_stream_on_a_frozen_worker_moves_to_another_and_completes() {
     assert_eq!(s.migrations.load(std::sync::atomic::Ordering::Relaxed), 1);
     assert_eq!(s.stalled_streams.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
+
+/// A stream whose worker is cut off (here: frozen, so its lease runs out and its reports
+/// stop) moves to another worker once the worker has left discovery and gone silent, long
+/// before the stall limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_on_a_worker_that_left_discovery_and_went_silent_moves_before_the_stall_limit() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let a = mock_worker("lost-a", &etcd, &nats, "100000");
+    let cfg = RoutedConfig {
+        first_token_timeout: Duration::from_secs(60),
+        stall_timeout: Duration::from_secs(60),
+        ..RoutedConfig::new(SECRET)
+    };
+    let f = frontend_with(&etcd, &nats, cfg).await;
+    the_only_worker_reports(&f, "lost-a").await;
+    let addr = f.addr;
+    let start = Instant::now();
+    // 0.1 s a token: the stream is in flight on lost-a when it freezes.
+    let req = tokio::spawn(async move {
+        post_json(addr, "/v1/completions", &completion("a stream that must move", 40)).await
+    });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let _b = mock_worker("lost-b", &etcd, &nats, "1000");
+    let pid = a._proc.0.id();
+    common::freeze(pid);
+    let r = req.await.unwrap();
+    let _ = std::process::Command::new("kill").args(["-CONT", &pid.to_string()]).status();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 40);
+    let lost = f.backend.stats().lost_workers.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(lost >= 1, "not moved for a lost worker");
+    // Its lease (2 s), its silence (2 s), the next look (1 s), the rest on lost-b.
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
+}
+
+/// A model whose only worker restarts (it drains and leaves discovery, then a new one joins):
+/// a request in the gap waits for the new worker instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_for_a_model_whose_only_worker_restarts_waits_for_it() {
+    let (etcd, nats) = (EtcdServer::start().unwrap(), NatsServer::start().unwrap());
+    let a = mock_worker("restart-a", &etcd, &nats, "1000");
+    let f = frontend(&etcd, &nats, RoutingMode::Kv).await;
+    the_only_worker_reports(&f, "restart-a").await;
+    let r = post_json(f.addr, "/v1/completions", &completion("before", 4)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let pid = a._proc.0.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    wait_for("the worker left", Duration::from_secs(10), async || workers_known(&f).await.is_empty())
+        .await;
+    let addr = f.addr;
+    let req =
+        tokio::spawn(async move { post_json(addr, "/v1/completions", &completion("in the gap", 4)).await });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let _b = mock_worker("restart-b", &etcd, &nats, "1000");
+    let r = req.await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvfabric-worker"), Some("restart-b"));
+    let held = f.backend.stats().held_for_worker.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(held, 1);
+    drop(a);
+}
