@@ -36,6 +36,7 @@
 #   KVFABRIC_BIN  the kvfabric binary (default: target/release/kvfabric, built if missing)
 #   KVF_MODEL     a GGUF for the prefill/decode pair (default: scripts/fetch-model.sh's; `mock`:
 #                 that pair runs the mock engine too, as the model `mock-pd`)
+#   KVF_PD_ARGS   more flags for the mock prefill/decode pair (`--mock-kv full`: every KV byte)
 #   KVF_LEASE_TTL_S  the workers' and fabric nodes' discovery lease (default 10)
 #   KVF_ETCD_HOSTS, KVF_NATS_HOSTS  where the etcd members and NATS servers run (default
 #                 "h1 h2 h3" and "h4 h5 h6")
@@ -170,7 +171,9 @@ cmd_shape() {
         return
     fi
     [[ $rate =~ ^([0-9]+)(gbit|mbit)$ ]] || die "rate like 1gbit, 10gbit, 25gbit, 500mbit"
-    local bytes_s=$((BASH_REMATCH[1] * (${BASH_REMATCH[2]} == gbit ? 125000000 : 125000)))
+    local unit=125000
+    [ "${BASH_REMATCH[2]}" = gbit ] && unit=125000000
+    local bytes_s=$((BASH_REMATCH[1] * unit))
     # A bucket of 4 ms at the rate (at least 128 KiB): tbf needs one timer tick's worth.
     local burst=$((bytes_s / 250 > 131072 ? bytes_s / 250 : 131072))
     # What the bridge sends to the host, and what the host sends.
@@ -375,7 +378,7 @@ mock_args() { echo --engine mock --served-model-name mock --mock-prefill-us 20 -
 model_args() {
     local model=${KVF_MODEL:-}
     if [ "$model" = mock ]; then
-        echo --engine mock --served-model-name mock-pd --mock-prefill-us 20 --mock-decode-us 2000 --prefill-threshold 32
+        echo --engine mock --served-model-name mock-pd --mock-prefill-us 20 --mock-decode-us 2000 --prefill-threshold 32 ${KVF_PD_ARGS:-}
         return
     fi
     if [ -z "$model" ]; then
@@ -439,6 +442,7 @@ case "$verb" in
     ps) cmd_ps ;;
     restart) cmd_restart "$@" ;;
     host-of) host_of "$@" ;;
+    port) port "$@" ;;
     start-etcd) start_etcd "$@" ;;
     start-nats) start_nats "$@" ;;
     start-worker) start_worker "$@" ;;

@@ -498,7 +498,8 @@ impl Membership {
         if gone {
             if let Some(m) = st.models.remove(&model) {
                 let now = Instant::now();
-                st.vacated.retain(|_, (_, _, at)| now.saturating_duration_since(*at) < VACATED_KEEP);
+                st.vacated
+                    .retain(|_, (_, _, at)| now.saturating_duration_since(*at) < VACATED_KEEP);
                 if st.vacated.len() < VACATED_MAX {
                     st.vacated.insert(model, (m.info, m.codec, now));
                 }

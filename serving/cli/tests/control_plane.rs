@@ -223,20 +223,20 @@ async fn an_etcd_member_that_takes_no_connection_is_passed_over_within_a_second(
     let mut held = Vec::new();
     for _ in 0..4 {
         let s = tokio::net::TcpSocket::new_v4().unwrap();
-        if let Ok(Ok(c)) =
-            tokio::time::timeout(Duration::from_millis(300), s.connect(at)).await
-        {
+        if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_millis(300), s.connect(at)).await {
             held.push(c);
         }
     }
-    let probe = tokio::time::timeout(Duration::from_millis(500), tokio::net::TcpStream::connect(at)).await;
+    let probe =
+        tokio::time::timeout(Duration::from_millis(500), tokio::net::TcpStream::connect(at)).await;
     assert!(probe.is_err(), "the silent listener still completes connections");
     let endpoints = vec![format!("http://{at}"), etcd.endpoint()];
     let start = std::time::Instant::now();
-    let d = tokio::time::timeout(Duration::from_secs(20), EtcdDiscovery::connect(&endpoints, "silent"))
-        .await
-        .expect("connecting past a silent member hung")
-        .unwrap();
+    let d =
+        tokio::time::timeout(Duration::from_secs(20), EtcdDiscovery::connect(&endpoints, "silent"))
+            .await
+            .expect("connecting past a silent member hung")
+            .unwrap();
     let inst = kvfabric::control::Instance {
         kind: "worker".into(),
         id: "w".into(),

@@ -674,11 +674,14 @@ async fn a_request_for_a_model_whose_only_worker_restarts_waits_for_it() {
     assert_eq!(r.status, 200, "{}", r.text());
     let pid = a._proc.0.id().to_string();
     assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-    wait_for("the worker left", Duration::from_secs(10), async || workers_known(&f).await.is_empty())
-        .await;
+    wait_for("the worker left", Duration::from_secs(10), async || {
+        workers_known(&f).await.is_empty()
+    })
+    .await;
     let addr = f.addr;
-    let req =
-        tokio::spawn(async move { post_json(addr, "/v1/completions", &completion("in the gap", 4)).await });
+    let req = tokio::spawn(async move {
+        post_json(addr, "/v1/completions", &completion("in the gap", 4)).await
+    });
     tokio::time::sleep(Duration::from_millis(700)).await;
     let _b = mock_worker("restart-b", &etcd, &nats, "1000");
     let r = req.await.unwrap();

@@ -33,7 +33,8 @@ struct Cluster {
 impl Cluster {
     fn new(hosts: usize) -> Cluster {
         // /proc/self belongs to the effective user.
-        let root = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap()) == 0;
+        let root =
+            std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap()) == 0;
         assert!(root, "this test makes network, pid, UTS and mount namespaces: it needs root (CI runs as root)");
         let id = std::process::id();
         let name = format!("kt{}", id % 10_000);
@@ -164,7 +165,8 @@ async fn complete(fe: SocketAddr, i: usize) -> Result<(String, String), String> 
     .to_string();
     let req = common::request_bytes("POST", "/v1/completions", Some(&body));
     let work = async {
-        let mut s = tokio::net::TcpStream::connect(fe).await.map_err(|e| format!("connect: {e}"))?;
+        let mut s =
+            tokio::net::TcpStream::connect(fe).await.map_err(|e| format!("connect: {e}"))?;
         s.write_all(&req).await.map_err(|e| format!("write: {e}"))?;
         let mut buf = Vec::new();
         s.read_to_end(&mut buf).await.map_err(|e| format!("read: {e}"))?;
@@ -230,18 +232,26 @@ async fn sent_to(fe: SocketAddr, worker: &str) -> f64 {
     let Ok(m) = get(fe, "/metrics").await else { return 0.0 };
     let m = m.text();
     let sample = format!("kvfabric_frontend_worker_requests_total{{to_worker=\"{worker}\"}}");
-    m.lines().find_map(|l| l.strip_prefix(&sample)).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
+    m.lines()
+        .find_map(|l| l.strip_prefix(&sample))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
 }
 
 /// Checks every outcome against the quiet run's answers; returns (answered, failed).
-fn check(phase: &str, outcomes: &[Outcome], quiet: &HashMap<usize, String>) -> (usize, Vec<String>) {
+fn check(
+    phase: &str,
+    outcomes: &[Outcome],
+    quiet: &HashMap<usize, String>,
+) -> (usize, Vec<String>) {
     let mut failed = Vec::new();
     for o in outcomes {
         assert!(o.took <= CLIENT_DEADLINE, "{phase}: a request took {:?}", o.took);
         match &o.result {
             Ok((text, worker)) => assert_eq!(
                 text, &quiet[&o.prompt],
-                "{phase}: prompt {} answered differently by {worker}", o.prompt
+                "{phase}: prompt {} answered differently by {worker}",
+                o.prompt
             ),
             Err(e) => failed.push(e.clone()),
         }
@@ -262,7 +272,8 @@ async fn three_hosts_survive_a_cut_and_a_rolling_restart_of_their_workers() {
         wait_for("etcd and NATS answer", Duration::from_secs(30), async || {
             let e = get(etcd, "/health");
             let n = get(nats, "/healthz?js-enabled-only=true");
-            matches!(e.await, Ok(r) if r.status == 200) && matches!(n.await, Ok(r) if r.status == 200)
+            matches!(e.await, Ok(r) if r.status == 200)
+                && matches!(n.await, Ok(r) if r.status == 200)
         })
         .await;
     }
@@ -278,7 +289,11 @@ async fn three_hosts_survive_a_cut_and_a_rolling_restart_of_their_workers() {
     // Each registered the address of its own host, never 0.0.0.0 or loopback.
     for h in [2, 3] {
         let line = format!("\"addr\":\"{}\"", c.addr(h, 7100));
-        assert!(c.log(&format!("w{h}")).contains(&line), "w{h} registered: {}", c.log(&format!("w{h}")));
+        assert!(
+            c.log(&format!("w{h}")).contains(&line),
+            "w{h} registered: {}",
+            c.log(&format!("w{h}"))
+        );
     }
 
     // The quiet run: each prompt's answer.
@@ -406,7 +421,8 @@ async fn matrix_request(
     let mut last = String::new();
     for k in 0..fes.len() {
         let fe = fes[(n + k) % fes.len()];
-        let conn = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(fe)).await;
+        let conn =
+            tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(fe)).await;
         let mut s = match conn {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
@@ -500,8 +516,7 @@ fn matrix_load(
 async fn frontend_sum(fes: &[SocketAddr], name: &str) -> f64 {
     let mut sum = 0.0;
     for fe in fes {
-        let Ok(r) = get(*fe, "/metrics").await
-        else {
+        let Ok(r) = get(*fe, "/metrics").await else {
             continue;
         };
         for l in r.text().lines() {
@@ -519,7 +534,10 @@ async fn routable(fes: &[SocketAddr], worker: &str) -> bool {
     let sample = format!("to_worker=\"{worker}\"");
     for fe in fes {
         if let Ok(r) = get(*fe, "/metrics").await {
-            if r.text().lines().any(|l| l.starts_with("kvfabric_frontend_worker_requests") && l.contains(&sample)) {
+            if r.text()
+                .lines()
+                .any(|l| l.starts_with("kvfabric_frontend_worker_requests") && l.contains(&sample))
+            {
                 return true;
             }
         }
@@ -545,7 +563,9 @@ struct Row {
 
 impl Row {
     fn markdown(&self) -> String {
-        let d = |t: Option<Duration>| t.map_or("—".to_string(), |t| format!("{:.1} s", t.as_secs_f64()));
+        let d = |t: Option<Duration>| {
+            t.map_or("—".to_string(), |t| format!("{:.1} s", t.as_secs_f64()))
+        };
         let failed = if self.failed.is_empty() {
             "0".to_string()
         } else {
@@ -577,7 +597,11 @@ fn reuse<'a>(done: impl Iterator<Item = &'a Done>) -> f64 {
             prompt += a.prompt_tokens;
         }
     }
-    if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 }
+    if prompt == 0 {
+        0.0
+    } else {
+        cached as f64 / prompt as f64
+    }
 }
 
 /// Runs `fault` under load: 4 s of load before, the fault (it returns when it is healed, or
@@ -648,7 +672,10 @@ async fn scenario(
         ..Row::default()
     };
     for d in &done {
-        assert!(d.ended - d.started <= MATRIX_DEADLINE + Duration::from_secs(5), "{name}: a request hung");
+        assert!(
+            d.ended - d.started <= MATRIX_DEADLINE + Duration::from_secs(5),
+            "{name}: a request hung"
+        );
         if d.result.is_ok() && !quiet.contains_key(&d.prompt) {
             // What an aggregated worker answers, quietly, after the fault.
             let (_, r) = matrix_request(fes, 0, "mock", &d.prompt).await;
@@ -658,7 +685,10 @@ async fn scenario(
             Ok(a) if a.text == quiet[&d.prompt] => row.answered += 1,
             Ok(a) => {
                 row.wrong += 1;
-                eprintln!("{name}: WRONG answer of {} to {:?} from {}", d.model, d.prompt, a.worker);
+                eprintln!(
+                    "{name}: WRONG answer of {} to {:?} from {}",
+                    d.model, d.prompt, a.worker
+                );
             }
             Err(e) => {
                 eprintln!(
@@ -679,9 +709,7 @@ async fn scenario(
 /// The member id of etcd's leader, and which of `members` (client addresses) it is.
 async fn etcd_leader(members: &[SocketAddr]) -> Option<usize> {
     for (k, m) in members.iter().enumerate() {
-        let r = http(*m, "POST", "/v3/maintenance/status", Some("{}"))
-        .await
-        .ok()?;
+        let r = http(*m, "POST", "/v3/maintenance/status", Some("{}")).await.ok()?;
         let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
         if v["leader"].is_string() && v["leader"] == v["header"]["member_id"] {
             return Some(k);
@@ -728,7 +756,10 @@ async fn fault_matrix_of_the_whole_deployment() {
     let etcd: Vec<SocketAddr> = (1..=3).map(|i| ip(&format!("etcd-{i}"), 2379)).collect();
     let nats: Vec<SocketAddr> = (1..=3).map(|i| ip(&format!("nats-{i}"), 4222)).collect();
     for w in ["w1", "w2", "w3", "w4", "d1"] {
-        wait_for("every worker routable", Duration::from_secs(60), async || routable(&fes, w).await).await;
+        wait_for("every worker routable", Duration::from_secs(60), async || {
+            routable(&fes, w).await
+        })
+        .await;
     }
     let mut quiet = HashMap::new();
     for i in 0..MATRIX_PROMPTS {
@@ -739,7 +770,11 @@ async fn fault_matrix_of_the_whole_deployment() {
     // answers as an aggregated worker does.
     for i in 0..MATRIX_PROMPTS {
         let (_, r) = matrix_request(&fes, i + 1, "mock", &matrix_prompt(i)).await;
-        assert_eq!(r.expect("a quiet request").text, quiet[&matrix_prompt(i)], "the mock engine answers the same everywhere");
+        assert_eq!(
+            r.expect("a quiet request").text,
+            quiet[&matrix_prompt(i)],
+            "the mock engine answers the same everywhere"
+        );
         let (_, r) = matrix_request(&fes, i + 1, "mock-pd", &matrix_prompt(i)).await;
         let a = r.expect("a quiet request of the pair");
         assert_eq!((a.text.as_str(), a.worker.as_str()), (quiet[&matrix_prompt(i)].as_str(), "d1"));
@@ -750,67 +785,164 @@ async fn fault_matrix_of_the_whole_deployment() {
 
     let leader = etcd_leader(&etcd).await.expect("an etcd leader");
     let leader_name = format!("etcd-{}", leader + 1);
-    rows.push(scenario("etcd leader killed (-9), restarted 10 s later", &fes, &mut quiet, None, secs(6), async || {
-        c.sh(&["stop", &leader_name, "KILL"]);
-        tokio::time::sleep(secs(10)).await;
-        c.sh(&["restart", &leader_name]);
-    }).await);
+    rows.push(
+        scenario(
+            "etcd leader killed (-9), restarted 10 s later",
+            &fes,
+            &mut quiet,
+            None,
+            secs(6),
+            async || {
+                c.sh(&["stop", &leader_name, "KILL"]);
+                tokio::time::sleep(secs(10)).await;
+                c.sh(&["restart", &leader_name]);
+            },
+        )
+        .await,
+    );
     let member = format!("etcd-{}", (leader + 1) % 3 + 1);
-    rows.push(scenario(&format!("etcd member ({member}) cut off 20 s, healed"), &fes, &mut quiet, None, secs(6), async || {
-        c.sh(&["cut", &host(&member)]);
-        tokio::time::sleep(secs(20)).await;
-        c.sh(&["heal", &host(&member)]);
-    }).await);
-    rows.push(scenario("NATS server killed (-9), restarted 10 s later", &fes, &mut quiet, None, secs(6), async || {
-        c.sh(&["stop", "nats-1", "KILL"]);
-        tokio::time::sleep(secs(10)).await;
-        c.sh(&["restart", "nats-1"]);
-    }).await);
-    rows.push(scenario("NATS server cut off 30 s, healed", &fes, &mut quiet, None, secs(8), async || {
-        c.sh(&["cut", &host("nats-2")]);
-        tokio::time::sleep(secs(30)).await;
-        c.sh(&["heal", &host("nats-2")]);
-    }).await);
-    rows.push(scenario("worker host (w1) cut off 20 s, healed", &fes, &mut quiet, Some("w1"), secs(6), async || {
-        c.sh(&["cut", &host("w1")]);
-        tokio::time::sleep(secs(20)).await;
-        c.sh(&["heal", &host("w1")]);
-    }).await);
+    rows.push(
+        scenario(
+            &format!("etcd member ({member}) cut off 20 s, healed"),
+            &fes,
+            &mut quiet,
+            None,
+            secs(6),
+            async || {
+                c.sh(&["cut", &host(&member)]);
+                tokio::time::sleep(secs(20)).await;
+                c.sh(&["heal", &host(&member)]);
+            },
+        )
+        .await,
+    );
+    rows.push(
+        scenario(
+            "NATS server killed (-9), restarted 10 s later",
+            &fes,
+            &mut quiet,
+            None,
+            secs(6),
+            async || {
+                c.sh(&["stop", "nats-1", "KILL"]);
+                tokio::time::sleep(secs(10)).await;
+                c.sh(&["restart", "nats-1"]);
+            },
+        )
+        .await,
+    );
+    rows.push(
+        scenario("NATS server cut off 30 s, healed", &fes, &mut quiet, None, secs(8), async || {
+            c.sh(&["cut", &host("nats-2")]);
+            tokio::time::sleep(secs(30)).await;
+            c.sh(&["heal", &host("nats-2")]);
+        })
+        .await,
+    );
+    rows.push(
+        scenario(
+            "worker host (w1) cut off 20 s, healed",
+            &fes,
+            &mut quiet,
+            Some("w1"),
+            secs(6),
+            async || {
+                c.sh(&["cut", &host("w1")]);
+                tokio::time::sleep(secs(20)).await;
+                c.sh(&["heal", &host("w1")]);
+            },
+        )
+        .await,
+    );
     let purge = std::cell::RefCell::new(String::new());
-    rows.push(scenario("prefill worker frozen 6 s, its queued jobs purged (lost)", &fes, &mut quiet, None, secs(6), async || {
-        signal_process(&c, "p1", "STOP");
-        tokio::time::sleep(secs(3)).await;
-        for n in &nats {
-            let r = nats_purge(*n, "KVFABRIC_default_prefill-p1").await;
-            if r.contains("purged") {
-                *purge.borrow_mut() = r;
-                break;
-            }
-        }
-        tokio::time::sleep(secs(3)).await;
-        signal_process(&c, "p1", "CONT");
-    }).await);
+    rows.push(
+        scenario(
+            "prefill worker frozen 6 s, its queued jobs purged (lost)",
+            &fes,
+            &mut quiet,
+            None,
+            secs(6),
+            async || {
+                signal_process(&c, "p1", "STOP");
+                tokio::time::sleep(secs(3)).await;
+                for n in &nats {
+                    let r = nats_purge(*n, "KVFABRIC_default_prefill-p1").await;
+                    if r.contains("purged") {
+                        *purge.borrow_mut() = r;
+                        break;
+                    }
+                }
+                tokio::time::sleep(secs(3)).await;
+                signal_process(&c, "p1", "CONT");
+            },
+        )
+        .await,
+    );
     eprintln!("purge: {}", purge.borrow().lines().find(|l| l.contains("purged")).unwrap_or("none"));
-    rows.push(scenario("frontend host (frontend-1) cut off 30 s, healed", &fes, &mut quiet, None, secs(6), async || {
-        c.sh(&["cut", &host("frontend-1")]);
-        tokio::time::sleep(secs(30)).await;
-        c.sh(&["heal", &host("frontend-1")]);
-    }).await);
-    rows.push(scenario("fabric node (fabric-1) cut off 20 s, healed", &fes, &mut quiet, None, secs(6), async || {
-        c.sh(&["cut", &host("fabric-1")]);
-        tokio::time::sleep(secs(20)).await;
-        c.sh(&["heal", &host("fabric-1")]);
-    }).await);
-    rows.push(scenario("rolling restart of every process, one at a time", &fes, &mut quiet, None, secs(6), async || {
-        for name in [
-            "etcd-1", "etcd-2", "etcd-3", "nats-1", "nats-2", "nats-3", "fabric-1", "fabric-2",
-            "w1", "w2", "w3", "w4", "p1", "d1", "frontend-1", "frontend-2",
-        ] {
-            c.sh(&["stop", name, "TERM", "40"]);
-            c.sh(&["restart", name]);
-            ready(&c, name, &fes).await;
-        }
-    }).await);
+    rows.push(
+        scenario(
+            "frontend host (frontend-1) cut off 30 s, healed",
+            &fes,
+            &mut quiet,
+            None,
+            secs(6),
+            async || {
+                c.sh(&["cut", &host("frontend-1")]);
+                tokio::time::sleep(secs(30)).await;
+                c.sh(&["heal", &host("frontend-1")]);
+            },
+        )
+        .await,
+    );
+    rows.push(
+        scenario(
+            "fabric node (fabric-1) cut off 20 s, healed",
+            &fes,
+            &mut quiet,
+            None,
+            secs(6),
+            async || {
+                c.sh(&["cut", &host("fabric-1")]);
+                tokio::time::sleep(secs(20)).await;
+                c.sh(&["heal", &host("fabric-1")]);
+            },
+        )
+        .await,
+    );
+    rows.push(
+        scenario(
+            "rolling restart of every process, one at a time",
+            &fes,
+            &mut quiet,
+            None,
+            secs(6),
+            async || {
+                for name in [
+                    "etcd-1",
+                    "etcd-2",
+                    "etcd-3",
+                    "nats-1",
+                    "nats-2",
+                    "nats-3",
+                    "fabric-1",
+                    "fabric-2",
+                    "w1",
+                    "w2",
+                    "w3",
+                    "w4",
+                    "p1",
+                    "d1",
+                    "frontend-1",
+                    "frontend-2",
+                ] {
+                    c.sh(&["stop", name, "TERM", "40"]);
+                    c.sh(&["restart", name]);
+                    ready(&c, name, &fes).await;
+                }
+            },
+        )
+        .await,
+    );
 
     let mut table = String::from(
         "| fault (under load, both frontends) | sent | answered | retried (frontends / client failovers) | failed | wrong | out of routing after | routed again after | KV reuse before → after |\n|---|---|---|---|---|---|---|---|---|\n",
@@ -847,11 +979,16 @@ async fn ready(c: &Cluster, name: &str, fes: &[SocketAddr]) {
         n if n.starts_with("frontend") => (c.addr(h, 8000), "/health"),
         _ => (c.addr(h, 9100), "/health"),
     };
-    wait_for(&format!("{name} answers again"), Duration::from_secs(90), async || {
-        matches!(get(addr, path).await, Ok(r) if r.status == 200)
-    })
+    wait_for(
+        &format!("{name} answers again"),
+        Duration::from_secs(90),
+        async || matches!(get(addr, path).await, Ok(r) if r.status == 200),
+    )
     .await;
     if name.starts_with('w') || name == "d1" {
-        wait_for(&format!("{name} routable again"), Duration::from_secs(30), async || routable(fes, name).await).await;
+        wait_for(&format!("{name} routable again"), Duration::from_secs(30), async || {
+            routable(fes, name).await
+        })
+        .await;
     }
 }
