@@ -750,9 +750,17 @@ impl Membership {
     /// Whether `id` has no worker now but had one within [`VACATED_KEEP`]: its requests
     /// wait for one to join.
     pub fn vacated(&self, id: &str) -> bool {
+        self.vacated_for(id).is_some()
+    }
+
+    /// How long ago the last worker of `id` left, when it has none now (within
+    /// [`VACATED_KEEP`]).
+    pub fn vacated_for(&self, id: &str) -> Option<Duration> {
         let st = self.s.members.lock();
-        !st.models.contains_key(id)
-            && st.vacated.get(id).is_some_and(|(_, _, at)| at.elapsed() < VACATED_KEEP)
+        if st.models.contains_key(id) {
+            return None;
+        }
+        st.vacated.get(id).map(|(_, _, at)| at.elapsed()).filter(|e| *e < VACATED_KEEP)
     }
 
     /// The prefix index its feed keeps.

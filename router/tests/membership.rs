@@ -147,6 +147,10 @@ async fn workers_join_leave_report_and_are_routed_to_only_when_they_can_be_reach
         ["b"]
     );
     e.revoke().await;
-    wait_for("the engine's model to go", || members.model("other").is_none()).await;
+    // Its last worker gone, the model is vacated: no longer served, still known for a while
+    // (requests for it wait for a worker to join: a restart).
+    wait_for("the engine's model to go", || members.vacated("other")).await;
+    assert!(members.read(|m| !m.models.contains_key("other")));
+    assert!(members.model("other").is_some());
     task.abort();
 }

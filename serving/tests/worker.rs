@@ -101,9 +101,14 @@ async fn frontend(
     bus: &Arc<dyn EventBus>,
 ) -> (Arc<RoutedBackend>, std::net::SocketAddr) {
     let routed = Arc::new(
-        RoutedBackend::start(discovery.clone(), bus.clone(), RoutedConfig::new(SECRET))
-            .await
-            .unwrap(),
+        RoutedBackend::start(
+            discovery.clone(),
+            bus.clone(),
+            // A model without workers is an outage at once here (no restart to wait for).
+            RoutedConfig { restart_wait: Duration::ZERO, ..RoutedConfig::new(SECRET) },
+        )
+        .await
+        .unwrap(),
     );
     let app = router(routed.clone(), ServerConfig::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

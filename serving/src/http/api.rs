@@ -90,9 +90,10 @@ impl From<EngineError> for ApiError {
             EngineError::SlowReader { .. } => {
                 ApiError::new(StatusCode::REQUEST_TIMEOUT, msg, "timeout")
             }
-            EngineError::Stopped | EngineError::Unavailable { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg, "server_error")
-            }
+            EngineError::Stopped | EngineError::Unavailable { .. } => ApiError {
+                code: Some("service_unavailable"),
+                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg, "server_error")
+            },
             EngineError::Model { .. } => {
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg, "server_error")
             }

@@ -73,6 +73,10 @@ pub struct RoutedConfig {
     /// sent (as Dynamo's request migration does), and the client sees one stream. 0: such a
     /// stream ends with an error.
     pub migrations_max: u32,
+    /// A request for a model whose every worker left within this long (a restart of a
+    /// one-worker pool) waits, within its deadline, for one to join instead of failing with
+    /// 503 (at most [`kvfabric_router::membership::VACATED_KEEP`]; zero: it fails at once).
+    pub restart_wait: Duration,
     /// The weight of cache reuse against queue delay when routing a request of a latency
     /// class (one with an ITL target), 0..=1: below 1, such a request goes to a less loaded
     /// worker sooner than to one that holds more of its prompt.
@@ -96,6 +100,7 @@ impl RoutedConfig {
             slow_penalty: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(10),
             migrations_max: 1,
+            restart_wait: Duration::from_secs(30),
             latency_reuse_weight: 0.5,
             pending: PendingConfig::default(),
         }

@@ -76,7 +76,10 @@ impl Inner {
             let pick = loop {
                 match self.members.route_with(&model, rid, &r.prompt, &tried, opts) {
                     Some(p) => break Some(p),
-                    None if self.members.vacated(&model)
+                    None if self
+                        .members
+                        .vacated_for(&model)
+                        .is_some_and(|ago| ago < self.cfg.restart_wait)
                         && tokio::time::Instant::now() + VACATED_POLL < deadline =>
                     {
                         if !std::mem::replace(&mut held, true) {

@@ -51,6 +51,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
         stall_timeout: Duration::from_secs(args.http.stall_timeout_s),
         migrations_max: args.http.stream_migrations,
+        restart_wait: Duration::from_secs(args.http.restart_wait_s),
         pending: args.http.pending(),
         ..RoutedConfig::new(args.secret.clone().into_bytes())
     };

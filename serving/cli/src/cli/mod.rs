@@ -390,6 +390,12 @@ pub struct HttpArgs {
     #[arg(long, env = "KVFABRIC_STALL_TIMEOUT_S", default_value_t = 10,
         value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub stall_timeout_s: u64,
+    /// A request for a model whose every worker left within this many seconds (a restart of
+    /// a one-worker pool) waits, within its deadline, for one to join instead of getting
+    /// 503 (0: 503 at once; at most 60).
+    #[arg(long, env = "KVFABRIC_RESTART_WAIT_S", default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(0..=60))]
+    pub restart_wait_s: u64,
     /// Times a stream that stalls or breaks mid-way may move to another worker (0: never).
     #[arg(long, env = "KVFABRIC_STREAM_MIGRATIONS", default_value_t = 1,
         value_parser = clap::value_parser!(u32).range(0..=16))]

@@ -69,6 +69,7 @@ async fn routed_frontend(
         first_token_timeout: Duration::from_secs(args.http.first_token_timeout_s),
         stall_timeout: Duration::from_secs(args.http.stall_timeout_s),
         migrations_max: args.http.stream_migrations,
+        restart_wait: Duration::from_secs(args.http.restart_wait_s),
         pending: args.http.pending(),
         ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
     };
