@@ -40,6 +40,10 @@ if [ "$profile" = test ]; then
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
   [ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)
   [ -x /usr/bin/chromium ] || need_apt+=(chromium) # the dashboard's browser test
+  # Hosts made of namespaces (scripts/cluster.sh; the CI test of many hosts).
+  command -v tc >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+  command -v nsenter >/dev/null 2>&1 && command -v unshare >/dev/null 2>&1 || need_apt+=(util-linux)
+  command -v curl >/dev/null 2>&1 || need_apt+=(curl)
   # The alert rules' promtool tests and the real-Prometheus test (deploy/prometheus).
   command -v promtool >/dev/null 2>&1 && [ -x /usr/bin/prometheus ] || need_apt+=(prometheus)
 fi
