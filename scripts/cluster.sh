@@ -37,6 +37,8 @@
 #   KVF_MODEL     a GGUF for the prefill/decode pair (default: scripts/fetch-model.sh's; `mock`:
 #                 that pair runs the mock engine too, as the model `mock-pd`)
 #   KVF_PD_ARGS   more flags for the mock prefill/decode pair (`--mock-kv full`: every KV byte)
+#   KVF_WORKER_ARGS  more flags for w1-w4 (`--host-blocks 48 --disk-blocks 0`: their
+#                 evictions go to the fabric nodes, and hits come back from them)
 #   KVF_LEASE_TTL_S  the workers' and fabric nodes' discovery lease (default 10)
 #   KVF_ETCD_HOSTS, KVF_NATS_HOSTS  where the etcd members and NATS servers run (default
 #                 "h1 h2 h3" and "h4 h5 h6")
@@ -373,7 +375,7 @@ cmd_restart() {
     esac
 }
 
-mock_args() { echo --engine mock --served-model-name mock --mock-prefill-us 20 --mock-decode-us 2000; }
+mock_args() { echo --engine mock --served-model-name mock --mock-prefill-us 20 --mock-decode-us 2000 ${KVF_WORKER_ARGS:-}; }
 
 model_args() {
     local model=${KVF_MODEL:-}

@@ -399,6 +399,8 @@ struct Answer {
     worker: String,
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// Of them, found on a fabric node (G4).
+    remote_tokens: u64,
 }
 
 const MATRIX_PROMPTS: usize = 32;
@@ -455,6 +457,9 @@ async fn matrix_request(
                 worker: v["kvfabric"]["worker"].as_str().unwrap_or("?").to_string(),
                 prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
                 cached_tokens: v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0),
+                remote_tokens: v["kvfabric"]["cached_tokens"]["remote_tokens"]
                     .as_u64()
                     .unwrap_or(0),
             })
@@ -559,6 +564,8 @@ struct Row {
     back: Option<Duration>,
     reuse_before: f64,
     reuse_after: f64,
+    /// Prompt tokens found on the fabric nodes: before, during and after the fault.
+    g4: [u64; 3],
 }
 
 impl Row {
@@ -572,7 +579,7 @@ impl Row {
             self.failed.iter().map(|(k, v)| format!("{v} {k}")).collect::<Vec<_>>().join("; ")
         };
         format!(
-            "| {} | {} | {} | {} / {} | {} | {} | {} | {} | {:.2} → {:.2} |",
+            "| {} | {} | {} | {} / {} | {} | {} | {} | {} | {:.2} → {:.2} | {} / {} / {} |",
             self.scenario,
             self.sent,
             self.answered,
@@ -583,7 +590,10 @@ impl Row {
             d(self.stopped),
             d(self.back),
             self.reuse_before,
-            self.reuse_after
+            self.reuse_after,
+            self.g4[0],
+            self.g4[1],
+            self.g4[2]
         )
     }
 }
@@ -602,6 +612,11 @@ fn reuse<'a>(done: impl Iterator<Item = &'a Done>) -> f64 {
     } else {
         cached as f64 / prompt as f64
     }
+}
+
+/// Prompt tokens of the answers of `done` found on the fabric nodes.
+fn g4<'a>(done: impl Iterator<Item = &'a Done>) -> u64 {
+    done.filter_map(|d| d.result.as_ref().ok()).map(|a| a.remote_tokens).sum()
 }
 
 /// Runs `fault` under load: 4 s of load before, the fault (it returns when it is healed, or
@@ -669,6 +684,11 @@ async fn scenario(
         back,
         reuse_before: reuse(done.iter().filter(|d| d.ended < at)),
         reuse_after: reuse(done.iter().filter(|d| d.started > healed + Duration::from_secs(3))),
+        g4: [
+            g4(done.iter().filter(|d| d.ended < at)),
+            g4(done.iter().filter(|d| d.started >= at && d.started < healed)),
+            g4(done.iter().filter(|d| d.started >= healed)),
+        ],
         ..Row::default()
     };
     for d in &done {
@@ -746,6 +766,9 @@ async fn nats_purge(server: SocketAddr, stream: &str) -> String {
 async fn fault_matrix_of_the_whole_deployment() {
     let mut c = Cluster::new(0);
     c.env.retain(|(k, _)| k != "KVF_NATS_HOSTS");
+    // Small host tiers and no disk: the workers' evictions go to the fabric nodes, and hits
+    // come back from them (the fabric rows have something to lose).
+    c.env.push(("KVF_WORKER_ARGS".into(), "--host-blocks 48 --disk-blocks 0".into()));
     c.sh(&["up"]);
     let ip = |name: &str, port: u16| -> SocketAddr {
         let h = c.sh(&["host-of", name]);
@@ -945,7 +968,7 @@ async fn fault_matrix_of_the_whole_deployment() {
     );
 
     let mut table = String::from(
-        "| fault (under load, both frontends) | sent | answered | retried (frontends / client failovers) | failed | wrong | out of routing after | routed again after | KV reuse before → after |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| fault (under load, both frontends) | sent | answered | retried (frontends / client failovers) | failed | wrong | out of routing after | routed again after | KV reuse before → after | tokens from fabric nodes before / during / after |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in &rows {
         table.push_str(&r.markdown());
