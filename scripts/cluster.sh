@@ -37,7 +37,7 @@
 #   KVF_MODEL     a GGUF for the prefill/decode pair (default: scripts/fetch-model.sh's; `mock`:
 #                 that pair runs the mock engine too, as the model `mock-pd`)
 #   KVF_PD_ARGS   more flags for the mock prefill/decode pair (`--mock-kv full`: every KV byte)
-#   KVF_WORKER_ARGS  more flags for w1-w4 (`--host-blocks 48 --disk-blocks 0`: their
+#   KVF_WORKER_ARGS  more flags for w1-w4 (`--host-blocks 32 --disk-blocks 0`: their
 #                 evictions go to the fabric nodes, and hits come back from them)
 #   KVF_LEASE_TTL_S  the workers' and fabric nodes' discovery lease (default 10)
 #   KVF_ETCD_HOSTS, KVF_NATS_HOSTS  where the etcd members and NATS servers run (default
@@ -303,7 +303,7 @@ start_fabric() {
     # shellcheck disable=SC2046
     start_on "$h" "$name" env $(kv_env) "$bin" fabric --name "$name" \
         --listen "$(ipof "$h"):$(port "$name" 7200)" \
-        --host-blocks 2048 --disk-blocks 4096 --data-dir /var/lib/kvfabric \
+        --dtype f32 --host-blocks 2048 --disk-blocks 4096 --data-dir /var/lib/kvfabric \
         --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" --metrics-listen "0.0.0.0:$(port "$name" 9100)" "$@"
 }
 

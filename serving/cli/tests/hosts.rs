@@ -768,7 +768,7 @@ async fn fault_matrix_of_the_whole_deployment() {
     c.env.retain(|(k, _)| k != "KVF_NATS_HOSTS");
     // Small host tiers and no disk: the workers' evictions go to the fabric nodes, and hits
     // come back from them (the fabric rows have something to lose).
-    c.env.push(("KVF_WORKER_ARGS".into(), "--host-blocks 48 --disk-blocks 0".into()));
+    c.env.push(("KVF_WORKER_ARGS".into(), "--host-blocks 32 --disk-blocks 0".into()));
     c.sh(&["up"]);
     let ip = |name: &str, port: u16| -> SocketAddr {
         let h = c.sh(&["host-of", name]);
