@@ -260,7 +260,7 @@ kvf_result kvf_discovery_get(const char *dir,
 
 /**
  * Starts an agent (its own threads; no process-wide state) from `config` into
- * `*agent_out`. Reads: name, secret (required), listen, advertise, shm, worker_threads, cpus, etcd,
+ * `*agent_out`. Reads: name, secret (required), listen, listen_advertise, shm, worker_threads, cpus, etcd,
  * nats, namespace, deadline_ms, lease_ttl_ms, discovery_dir. Discovery is etcd's with `etcd`;
  * else, with `discovery_dir`, a directory that the processes of one host share (an instance
  * is there while its process lives; names are create-only); else in this agent alone.
@@ -269,7 +269,8 @@ kvf_result kvf_discovery_get(const char *dir,
  * # Safety
  * `config` is a live config; `agent_out` is valid for one write.
  */
-kvf_result kvf_agent_new(const struct kvf_config *config, struct kvf_agent **agent_out);
+kvf_result kvf_agent_new(const struct kvf_config *config,
+                         struct kvf_agent **agent_out);
 
 /**
  * Stops and frees an agent; NULL is allowed. Stores created on it keep its runtime alive

@@ -153,7 +153,7 @@ impl kvf_agent {
             .map_err(io)?;
         let mut acfg = AgentConfig::new(name, secret.as_bytes().to_vec());
         acfg.listen = cfg.addr("listen", SocketAddr::from(([127, 0, 0, 1], 0)));
-        // What peers on other hosts dial: `advertise`, else the listen address, else (on
+        // What peers on other hosts dial: `listen_advertise`, else the listen address, else (on
         // 0.0.0.0) the interface that routes to the control plane; loopback with a remote
         // control plane is refused (kvfabric::control::advertise).
         let reach = {
@@ -167,7 +167,7 @@ impl kvf_agent {
         let invalid = |e: kvfabric::control::advertise::AdvertiseError| {
             FfiError::new(kvf_result::KVF_INVALID_CONFIG, e.to_string())
         };
-        let given = cfg.str("advertise").map(str::parse).transpose().map_err(invalid)?;
+        let given = cfg.str("listen_advertise").map(str::parse).transpose().map_err(invalid)?;
         acfg.advertise = Some(
             kvfabric::control::advertise::Advertise::resolve(
                 "the transfer agent",
@@ -256,7 +256,7 @@ pub(crate) fn copy_bytes(
 }
 
 /// Starts an agent (its own threads; no process-wide state) from `config` into
-/// `*agent_out`. Reads: name, secret (required), listen, advertise, shm, worker_threads, cpus, etcd,
+/// `*agent_out`. Reads: name, secret (required), listen, listen_advertise, shm, worker_threads, cpus, etcd,
 /// nats, namespace, deadline_ms, lease_ttl_ms, discovery_dir. Discovery is etcd's with `etcd`;
 /// else, with `discovery_dir`, a directory that the processes of one host share (an instance
 /// is there while its process lives; names are create-only); else in this agent alone.

@@ -25,6 +25,12 @@ const KEYS: &[(&str, Kind, &str)] = &[
     ("name", Kind::Str, "agent name, unique among peers (default: kvf-<pid>-<random>)"),
     ("secret", Kind::Str, "shared secret of the transfer handshake (required)"),
     ("listen", Kind::Addr, "transfer listen address (default 127.0.0.1:0)"),
+    (
+        "listen_advertise",
+        Kind::Str,
+        "the transfer address peers on other hosts dial, HOST or HOST:PORT (default: the listen \
+         address, or on 0.0.0.0 the interface that routes to etcd/NATS)",
+    ),
     ("shm", Kind::Bool, "offer the shared-memory transport to same-host peers (default true)"),
     ("worker_threads", Kind::U32, "threads of the agent's runtime (default 2)"),
     (

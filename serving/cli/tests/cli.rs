@@ -927,3 +927,30 @@ fn bench_serve_replays_a_trace_online_and_the_server_finds_its_shared_prefixes()
         v["cached_per_tier"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).sum();
     assert!(tiers > 0, "kvfabric says where its hits came from: {v}");
 }
+
+/// A worker on loopback while the control plane is on another host would register an address
+/// that no other host can dial: refused at start, before the control plane is contacted (the
+/// endpoints are documentation addresses; nothing is sent to them).
+#[test]
+fn a_worker_on_loopback_with_a_remote_control_plane_is_refused_at_start() {
+    let out = kvfabric(&[
+        "worker",
+        "--engine",
+        "mock",
+        "--secret",
+        "a-secret",
+        "--listen",
+        "127.0.0.1:0",
+        "--etcd",
+        "http://192.0.2.10:2379",
+        "--nats",
+        "nats://192.0.2.10:4222",
+    ]);
+    assert!(!out.status.success(), "a worker on loopback started");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the request port listens on 127.0.0.1:0, which no other host can dial")
+            && err.contains("--advertise"),
+        "{err}"
+    );
+}

@@ -74,13 +74,12 @@ pub struct WorkerArgs {
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();
-    let (discovery, bus) = args.control.connect().await?;
     anyhow::ensure!(
         args.engine.secret.as_ref().is_some_and(|s| !s.is_empty()),
         "a worker needs the shared --secret (KVFABRIC_SECRET) of its frontends and peers: \
          its request port and its transfer agent authenticate with it"
     );
-    // What others dial: checked before anything is registered.
+    // What others dial: checked before the control plane is even contacted.
     let reach = args.control.reach();
     let host = args.advertise.map(|a| Advertise { port: None, ..a });
     let request_port = match args.role {
@@ -101,6 +100,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             &reach,
         )?),
     };
+    let (discovery, bus) = args.control.connect().await?;
     let ttl = Duration::from_secs(args.lease_ttl_s.max(1));
     kvfabric_serving::worker::ensure_name_free(&*discovery, &args.name, ttl).await?;
     let stack =
@@ -129,9 +129,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             let own = Arc::new(source.clone());
             let (addr, task) =
                 super::stack::metrics_port(at, Some(own), &discovery, &bus, health).await?;
-            // Printed as others reach it (nothing registers it: Prometheus is told).
-            let shown = Advertise::resolve("the metrics port", at, host, &reach)?;
-            metrics_addr = Some(shown.addr(addr));
+            // Printed as others reach it; nothing registers it (Prometheus is told), so a
+            // port on loopback is fine: shown as it is bound.
+            let shown = Advertise::resolve("the metrics port", at, host, &reach);
+            metrics_addr = Some(shown.map_or(addr, |a| a.addr(addr)));
             Some(task)
         }
         None => None,
