@@ -569,7 +569,9 @@ class _Server:
         raise RuntimeError(f"server on {self.port} did not start")
 
     def kill(self):
-        self._proc.kill()
+        """Stops it (a server already stopped stays so)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
         self._proc.wait()
 
 
@@ -624,14 +626,17 @@ class _Metric:
 
 @pytest.mark.skipif(not (shutil.which("etcd") and (shutil.which("nats-server") or os.path.exists("/usr/sbin/nats-server"))),
                     reason="etcd-server and nats-server (scripts/setup.sh test installs them)")
-def test_the_worker_store_reports_etcd_and_nats_to_vllm(tmp_path, caplog):
+def test_the_worker_store_reports_etcd_and_nats_to_vllm(tmp_path, caplog, request):
     """With real etcd and NATS servers: each step's stats carry their state, vLLM's
     ``/metrics`` gets ``kvfabric_control_plane_*`` through ``build_prom_metrics``, NATS's loss
     is logged once and its return once, with the reconnect counted."""
     from kvfabric.vllm import KvfabricConnector, KvfabricStats
 
+    # Stopped however the test ends, a failure before its `try` included.
     etcd = _Server(_etcd, tmp_path)
+    request.addfinalizer(etcd.kill)
     nats = _Server(_nats, tmp_path)
+    request.addfinalizer(nats.kill)
     cfg = {"secret": SECRET, "host_blocks": 16, "etcd": f"http://127.0.0.1:{etcd.port}",
            "nats": f"nats://127.0.0.1:{nats.port}", "namespace": "py-cp"}
     a = FakeEngine("py-cp-a", cfg)
