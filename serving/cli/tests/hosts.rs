@@ -100,6 +100,23 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Cuts the host that `name` runs on off the network for `secs` seconds, then heals it.
+    async fn cut_for(&self, name: &str, secs: u64) {
+        let host = self.sh(&["host-of", name]).trim().to_string();
+        self.sh(&["cut", &host]);
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        self.sh(&["heal", &host]);
+    }
+
+    /// Kills `name` (-9) and starts it again `secs` seconds later.
+    async fn kill_for(&self, name: &str, secs: u64) {
+        self.sh(&["stop", name, "KILL"]);
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        self.sh(&["restart", name]);
+    }
+}
+
 impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = self.sh_quiet(&["down"]);
@@ -802,7 +819,6 @@ async fn fault_matrix_of_the_whole_deployment() {
         let a = r.expect("a quiet request of the pair");
         assert_eq!((a.text.as_str(), a.worker.as_str()), (quiet[&matrix_prompt(i)].as_str(), "d1"));
     }
-    let host = |name: &str| c.sh(&["host-of", name]).trim().to_string();
     let mut rows = Vec::new();
     let secs = Duration::from_secs;
 
@@ -815,11 +831,7 @@ async fn fault_matrix_of_the_whole_deployment() {
             &mut quiet,
             None,
             secs(6),
-            async || {
-                c.sh(&["stop", &leader_name, "KILL"]);
-                tokio::time::sleep(secs(10)).await;
-                c.sh(&["restart", &leader_name]);
-            },
+            async || c.kill_for(&leader_name, 10).await,
         )
         .await,
     );
@@ -831,11 +843,7 @@ async fn fault_matrix_of_the_whole_deployment() {
             &mut quiet,
             None,
             secs(6),
-            async || {
-                c.sh(&["cut", &host(&member)]);
-                tokio::time::sleep(secs(20)).await;
-                c.sh(&["heal", &host(&member)]);
-            },
+            async || c.cut_for(&member, 20).await,
         )
         .await,
     );
@@ -846,19 +854,13 @@ async fn fault_matrix_of_the_whole_deployment() {
             &mut quiet,
             None,
             secs(6),
-            async || {
-                c.sh(&["stop", "nats-1", "KILL"]);
-                tokio::time::sleep(secs(10)).await;
-                c.sh(&["restart", "nats-1"]);
-            },
+            async || c.kill_for("nats-1", 10).await,
         )
         .await,
     );
     rows.push(
         scenario("NATS server cut off 30 s, healed", &fes, &mut quiet, None, secs(8), async || {
-            c.sh(&["cut", &host("nats-2")]);
-            tokio::time::sleep(secs(30)).await;
-            c.sh(&["heal", &host("nats-2")]);
+            c.cut_for("nats-2", 30).await
         })
         .await,
     );
@@ -869,11 +871,7 @@ async fn fault_matrix_of_the_whole_deployment() {
             &mut quiet,
             Some("w1"),
             secs(6),
-            async || {
-                c.sh(&["cut", &host("w1")]);
-                tokio::time::sleep(secs(20)).await;
-                c.sh(&["heal", &host("w1")]);
-            },
+            async || c.cut_for("w1", 20).await,
         )
         .await,
     );
@@ -909,11 +907,7 @@ async fn fault_matrix_of_the_whole_deployment() {
             &mut quiet,
             None,
             secs(6),
-            async || {
-                c.sh(&["cut", &host("frontend-1")]);
-                tokio::time::sleep(secs(30)).await;
-                c.sh(&["heal", &host("frontend-1")]);
-            },
+            async || c.cut_for("frontend-1", 30).await,
         )
         .await,
     );
@@ -924,11 +918,7 @@ async fn fault_matrix_of_the_whole_deployment() {
             &mut quiet,
             None,
             secs(6),
-            async || {
-                c.sh(&["cut", &host("fabric-1")]);
-                tokio::time::sleep(secs(20)).await;
-                c.sh(&["heal", &host("fabric-1")]);
-            },
+            async || c.cut_for("fabric-1", 20).await,
         )
         .await,
     );
