@@ -110,6 +110,7 @@ async fn serving(s: &Scheduler, prompt: &[u32], n: usize) -> crate::Result<Round
         class: None,
         cache_salt: None,
         tenant: None,
+        pull: None,
     })?;
     let mut tokens = Vec::new();
     let mut gaps = Vec::new();

@@ -596,6 +596,11 @@ impl Agent {
         self.inner.peers.write().remove(name).is_some()
     }
 
+    /// The metadata a loaded peer was loaded with.
+    pub fn peer_metadata(&self, name: &str) -> Option<AgentMetadata> {
+        self.inner.peers.read().get(name).map(|p| p.metadata().clone())
+    }
+
     /// Names of the loaded peers.
     pub fn peers(&self) -> Vec<String> {
         self.inner.peers.read().keys().cloned().collect()

@@ -37,4 +37,4 @@ pub mod sim;
 mod table;
 
 pub use index::{Ingest, Overlap, PrefixIndex, Run, WorkerId};
-pub use policy::{Decision, Load, Router, RouterConfig, RoutingMode};
+pub use policy::{Decision, Load, Path, PullPlan, PullPricing, Router, RouterConfig, RoutingMode};

@@ -212,6 +212,10 @@ const VACATED_MAX: usize = 64;
 /// The worker chosen for a request.
 #[derive(Debug, Clone)]
 pub struct Pick {
+    /// Where its prefix comes from.
+    pub path: crate::policy::Path,
+    /// The peer to pull the prefix from, when pulling beats computing.
+    pub pull: Option<kvfabric::contract::generate::PullHint>,
     /// Its instance name.
     pub name: String,
     /// Its request port.
@@ -383,10 +387,20 @@ impl Membership {
             info: md.model.clone(),
             codec: md.codec.clone(),
             workers: 0,
-            router: Router::new(RouterConfig { block_tokens: bt, ..self.s.cfg.router.clone() }),
+            router: Router::new(RouterConfig {
+                block_tokens: bt,
+                pull: self.s.cfg.router.pull.map(|p| crate::policy::PullPricing {
+                    block_bytes: md.model.layout.bytes_per_block(),
+                    ..p
+                }),
+                ..self.s.cfg.router.clone()
+            }),
             hasher,
         });
         model.router.add_worker(wid);
+        if md.store.as_ref().is_some_and(|s| s.block_bytes == md.model.layout.bytes_per_block()) {
+            model.router.pool(wid);
+        }
         model.workers += 1;
         tracing::info!(worker = %name, addr = %md.addr, model = %md.model.id, role = ?md.role, "worker joined");
         // A worker of another protocol version could not read our frames: known at join,
@@ -546,6 +560,14 @@ impl Membership {
         w.reported = Some((Instant::now(), lag_ms));
         if let Some(m) = st.models.get_mut(&w.model).filter(|_| st.by_id.contains_key(&w.wid)) {
             m.router.report_load(w.wid, load);
+            if let Some(s) = &w.stats {
+                for l in &s.links {
+                    m.router.report_link(w.wid, worker_id(&l.peer), l.bytes_per_s as f64);
+                }
+                if s.prefill_tokens_per_s > 0 {
+                    m.router.report_prefill_rate(w.wid, s.prefill_tokens_per_s as f64);
+                }
+            }
         }
     }
 
@@ -670,10 +692,18 @@ impl Membership {
                 *workers.iter().find(|w| usable(w))?
             };
         }
+        let pull = d.pull.filter(|_| wid == d.worker).and_then(|p| {
+            let from = st.by_id.get(&p.from)?.clone();
+            Some(kvfabric::contract::generate::PullHint { from, blocks: p.blocks })
+        });
+        let path = match (&pull, d.path) {
+            (None, crate::policy::Path::Pull) => crate::policy::Path::Compute,
+            (_, p) => p,
+        };
         let name = st.by_id.get(&wid)?.clone();
         let w = st.workers.get_mut(&name)?;
         w.served += 1;
-        Some(Pick { name, addr: w.addr, api: w.api.clone() })
+        Some(Pick { path, pull, name, addr: w.addr, api: w.api.clone() })
     }
 
     /// The worker accepted the request as its `seq`-th (its load reports count it from the
@@ -780,6 +810,9 @@ impl Membership {
 }
 
 /// A report off the bus, cut to what a dashboard shows: a transport per kind, short names.
+/// Links a load report may name (the rest are dropped).
+const LINKS_PER_REPORT_MAX: usize = 256;
+
 fn bounded(mut s: Box<WorkerStats>) -> Box<WorkerStats> {
     let short = |x: &mut String| {
         if x.len() > 32 {
@@ -787,6 +820,8 @@ fn bounded(mut s: Box<WorkerStats>) -> Box<WorkerStats> {
         }
     };
     s.transfers.truncate(kvfabric::transfer::TransportKind::ALL.len());
+    s.links.truncate(LINKS_PER_REPORT_MAX);
+    s.links.retain(|l| l.peer.len() <= NAME_MAX);
     for t in &mut s.transfers {
         short(&mut t.transport);
     }

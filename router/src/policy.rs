@@ -76,6 +76,73 @@ pub struct RouterConfig {
     /// that would replace it stopped coming) stops counting as load after this long, seconds.
     #[serde(default = "default_tracked_ttl_s")]
     pub tracked_ttl_s: f64,
+    /// Price pulls from other workers' stores against computing (None: a worker's own cache
+    /// only, as before one pool across workers).
+    #[serde(default)]
+    pub pull: Option<PullPricing>,
+}
+
+/// What the router prices a pull from a peer's store at, against computing the blocks.
+///
+/// For worker `w` whose cached run is `r_w` blocks, and peer `h` holding `r_h > r_w`: pulling
+/// the `k = r_h − r_w` blocks takes `overhead_s + k × block_bytes / rate(h→w)` (the rate `w`
+/// measured pulling from `h`, else `link_bytes_per_s`); computing them takes
+/// `k × block_tokens / prefill_tokens_per_s(w)` (the rate `w` reports, else this default).
+/// When the pull is faster, `w`'s prefill term is credited with the blocks' worth of time it
+/// saves, `k − pull_s / block_compute_s`, and the cheapest worker is told to pull from `h`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PullPricing {
+    /// Bytes of one KV block.
+    pub block_bytes: u64,
+    /// The rate of a link no pull has measured yet, bytes per second (the planner's link
+    /// table).
+    pub link_bytes_per_s: f64,
+    /// The fixed cost of a pull, seconds (round trips, the holder pinning its blocks).
+    pub overhead_s: f64,
+    /// Prompt tokens a worker computes per second, until it reports its own rate.
+    pub prefill_tokens_per_s: f64,
+}
+
+/// The path a request's prefix took, as the router chose it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// Nothing cached anywhere the router priced: computed.
+    Compute,
+    /// The chosen worker's own cache (host, disk, device).
+    Local,
+    /// Part of the chosen worker's run is on the fabric's nodes (G4).
+    Fabric,
+    /// Pulled from another worker's store.
+    Pull,
+}
+
+impl Path {
+    /// Every path, in metrics order.
+    pub const ALL: [Path; 4] = [Path::Compute, Path::Local, Path::Fabric, Path::Pull];
+
+    /// Its label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Compute => "compute",
+            Path::Local => "local",
+            Path::Fabric => "fabric",
+            Path::Pull => "pull",
+        }
+    }
+}
+
+/// A pull the router chose: the chosen worker reads `blocks` leading blocks (counted from the
+/// prompt's start; those past its own run) from `from`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PullPlan {
+    /// The holder.
+    pub from: WorkerId,
+    /// The holder's leading run.
+    pub blocks: u32,
+    /// Blocks pulled (past the chosen worker's own run).
+    pub pulled: u32,
+    /// The pull's price, seconds.
+    pub seconds: f64,
 }
 
 fn default_tracked_ttl_s() -> f64 {
@@ -93,9 +160,13 @@ impl Default for RouterConfig {
             block_load_scale: 8.0,
             approx_ttl_s: None,
             tracked_ttl_s: default_tracked_ttl_s(),
+            pull: None,
         }
     }
 }
+
+/// Links remembered at most (a pair of workers each).
+const LINKS_MAX: usize = 65_536;
 
 /// A worker's load (its report on the control plane).
 pub use kvfabric::contract::Load;
@@ -121,6 +192,10 @@ pub struct Decision {
     pub cached: Run,
     /// Its cost.
     pub cost: f64,
+    /// The pull it is told to do, if pulling beats computing.
+    pub pull: Option<PullPlan>,
+    /// The path the prefix takes.
+    pub path: Path,
 }
 
 /// The routing policy over an index.
@@ -134,6 +209,14 @@ pub struct Router {
     next_expiry: f64,
     next_rr: usize,
     approx: HashMap<(WorkerId, SequenceHash), f64>,
+    /// Rates measured pulling, bytes per second, by (puller, holder).
+    links: HashMap<(WorkerId, WorkerId), f64>,
+    /// Prompt tokens per second each worker reported computing.
+    prefill_rates: HashMap<WorkerId, f64>,
+    /// Requests routed per [`Path::ALL`].
+    paths: [u64; 4],
+    /// Workers whose stores take part in the pool (they pull and serve pulls).
+    pooled: std::collections::HashSet<WorkerId>,
 }
 
 impl Router {
@@ -147,7 +230,70 @@ impl Router {
             next_expiry: f64::INFINITY,
             next_rr: 0,
             approx: HashMap::new(),
+            links: HashMap::new(),
+            prefill_rates: HashMap::new(),
+            paths: [0; 4],
+            pooled: Default::default(),
         }
+    }
+
+    /// Worker `w`'s store pulls from and serves its peers (it registered its store).
+    pub fn pool(&mut self, w: WorkerId) {
+        if self.workers.contains(&w) {
+            self.pooled.insert(w);
+        }
+    }
+
+    /// Worker `to` measured `bytes_per_s` pulling from `from`.
+    pub fn report_link(&mut self, to: WorkerId, from: WorkerId, bytes_per_s: f64) {
+        let known = self.links.contains_key(&(to, from));
+        if bytes_per_s.is_finite() && bytes_per_s > 0.0 && (known || self.links.len() < LINKS_MAX) {
+            self.links.insert((to, from), bytes_per_s);
+        }
+    }
+
+    /// Worker `w` computes `tokens_per_s` prompt tokens per second.
+    pub fn report_prefill_rate(&mut self, w: WorkerId, tokens_per_s: f64) {
+        if tokens_per_s.is_finite() && tokens_per_s > 0.0 && self.workers.contains(&w) {
+            self.prefill_rates.insert(w, tokens_per_s);
+        }
+    }
+
+    /// The rate the router prices a pull from `from` to `to` at, bytes per second.
+    pub fn link_rate(&self, to: WorkerId, from: WorkerId) -> Option<f64> {
+        let p = self.config.pull.as_ref()?;
+        Some(self.links.get(&(to, from)).copied().unwrap_or(p.link_bytes_per_s))
+    }
+
+    /// Requests routed per path, in [`Path::ALL`] order.
+    pub fn paths(&self) -> [u64; 4] {
+        self.paths
+    }
+
+    /// The best pull for worker `w` whose own run is `own` blocks: from the peer whose run
+    /// saves the most time over computing, and the blocks' worth of time it saves.
+    fn best_pull(&self, w: WorkerId, own: u32, overlap: &Overlap) -> Option<(PullPlan, f64)> {
+        let p = self.config.pull.as_ref()?;
+        let bt = f64::from(self.config.block_tokens.max(1));
+        let rate = self.prefill_rates.get(&w).copied().unwrap_or(p.prefill_tokens_per_s);
+        let block_s = bt / rate.max(1e-9);
+        if !self.pooled.contains(&w) {
+            return None;
+        }
+        let mut best: Option<(PullPlan, f64)> = None;
+        for &(h, run) in &overlap.workers {
+            if h == w || run.blocks <= own || !self.pooled.contains(&h) {
+                continue;
+            }
+            let k = run.blocks - own;
+            let link = self.link_rate(w, h).unwrap_or(p.link_bytes_per_s).max(1.0);
+            let seconds = p.overhead_s + f64::from(k) * p.block_bytes as f64 / link;
+            let saved = f64::from(k) - seconds / block_s;
+            if saved > 0.0 && best.as_ref().is_none_or(|b| saved > b.1) {
+                best = Some((PullPlan { from: h, blocks: run.blocks, pulled: k, seconds }, saved));
+            }
+        }
+        best
     }
 
     /// Its config.
@@ -165,6 +311,9 @@ impl Router {
     /// A worker left: it is never chosen again, and its tracked requests are forgotten.
     pub fn remove_worker(&mut self, w: WorkerId) {
         self.workers.retain(|&x| x != w);
+        self.links.retain(|(to, from), _| *to != w && *from != w);
+        self.pooled.remove(&w);
+        self.prefill_rates.remove(&w);
         self.reported.remove(&w);
         self.tracked.retain(|_, t| t.worker != w);
         self.approx.retain(|(x, _), _| *x != w);
@@ -288,11 +437,19 @@ impl Router {
         };
         let n = hashes.len();
         let reuse = if reuse.is_finite() { reuse.clamp(0.0, 1.0) } else { 1.0 };
+        let pricing = self.config.mode == RoutingMode::Kv && self.config.pull.is_some();
+        let mut pulls: Vec<Option<PullPlan>> = Vec::with_capacity(self.workers.len());
         let costs: Vec<(WorkerId, f64)> = self
             .workers
             .iter()
             .map(|&w| {
-                let [prefill, decode, queued] = self.cost_terms(w, n, overlap.run(w));
+                let run = overlap.run(w);
+                let [mut prefill, decode, queued] = self.cost_terms(w, n, run);
+                let pull = pricing.then(|| self.best_pull(w, run.blocks, &overlap)).flatten();
+                if let Some((_, saved)) = &pull {
+                    prefill = (prefill - self.config.overlap_weight * saved).max(0.0);
+                }
+                pulls.push(pull.map(|p| p.0));
                 (w, reuse * prefill + decode + queued)
             })
             .collect();
@@ -323,10 +480,26 @@ impl Router {
                 select(&costs, self.config.temperature, draw).unwrap_or(self.workers[0])
             }
         };
-        let cost = costs.iter().find(|(w, _)| *w == worker).map_or(0.0, |c| c.1);
+        let at = costs.iter().position(|(w, _)| *w == worker);
+        let cost = at.map_or(0.0, |i| costs[i].1);
         let cached = overlap.run(worker);
-        let uncached_tokens = prompt_tokens
-            .saturating_sub(u64::from(cached.blocks) * u64::from(self.config.block_tokens));
+        let pull = match self.config.mode {
+            RoutingMode::Kv => at.and_then(|i| pulls.get(i).copied().flatten()),
+            _ => None,
+        };
+        let path = if pull.is_some() {
+            Path::Pull
+        } else if cached.blocks == 0 {
+            Path::Compute
+        } else if cached.per_tier[TierKind::Remote as usize] > 0 {
+            Path::Fabric
+        } else {
+            Path::Local
+        };
+        self.paths[Path::ALL.iter().position(|&p| p == path).unwrap_or(0)] += 1;
+        let held = pull.map_or(cached.blocks, |p| p.blocks);
+        let uncached_tokens =
+            prompt_tokens.saturating_sub(u64::from(held) * u64::from(self.config.block_tokens));
         self.tracked.insert(
             request_id,
             Tracked {
@@ -344,7 +517,7 @@ impl Router {
                 self.approx.insert((worker, h), now + ttl);
             }
         }
-        Some(Decision { worker, cached, cost })
+        Some(Decision { worker, cached, cost, pull, path })
     }
 
     /// Each worker's leading cached run and its cost for a request of `hashes`, as

@@ -142,6 +142,7 @@ impl Backend for LocalBackend {
         out.rdma = Some(rdma_state(self.store.agent()));
         out.ports.push(self.store.agent().connection_stats());
         out.foreign_memory = Some(self.store.agent().foreign_memory_refusals());
+        out.peers = self.store.peers().map(|p| p.snapshot());
     }
 
     /// One engine: where the prompt's leading blocks are held in its store.

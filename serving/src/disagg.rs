@@ -665,6 +665,7 @@ async fn prefill_job(
             class: req.class.clone(),
             cache_salt: req.cache_salt.clone(),
             tenant: None,
+            pull: None,
         })
         .map_err(|e| e.to_string())?;
     let mut early = Vec::new();

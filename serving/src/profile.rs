@@ -122,6 +122,7 @@ impl Probe for LocalProbe {
             class: None,
             cache_salt: None,
             tenant: None,
+            pull: None,
         };
         let prompt_len = req.prompt.len();
         let start = Instant::now();

@@ -17,7 +17,9 @@ use kvfabric::control::{ControlError, Discovery, EventBus, Instance, Registratio
 use kvfabric::events::{ChannelSink, TierKind};
 use kvfabric::layout::KvDtype;
 use kvfabric_tiers::disk::DiskConfig;
+use kvfabric_tiers::fabric::{FabricNode, PeerLimits};
 use kvfabric_tiers::publish::StorePublisher;
+use kvfabric_tiers::remote::peers::Peers;
 use kvfabric_tiers::remote::RemoteTier;
 use kvfabric_tiers::{StoreConfig, StoreError, TieredStore};
 
@@ -85,6 +87,28 @@ pub struct WorkerConfig {
     /// The address its agent registers for peers (None: the one bound; required when it
     /// listens on `0.0.0.0`).
     pub transfer_advertise: Option<Advertise>,
+    /// One KV pool across workers: it pulls prefix blocks from other workers' stores where
+    /// a router says so, and serves theirs (None: neither).
+    pub peers: Option<PeerConfig>,
+}
+
+/// How a worker takes part in the pool of workers' stores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PeerConfig {
+    /// The share (0..=1) of its host tier that peers' pulls may pin at once, and of its link
+    /// (`link_bytes_per_s`) they may take.
+    pub share: f64,
+    /// Its link's rate, bytes per second, that the share paces peers' pulls to (None: not
+    /// paced; only the pins bound them).
+    pub link_bytes_per_s: Option<f64>,
+    /// The longest a pull may take (and its request's deadline, if sooner).
+    pub deadline: Duration,
+}
+
+impl Default for PeerConfig {
+    fn default() -> Self {
+        PeerConfig { share: 0.25, link_bytes_per_s: None, deadline: Duration::from_secs(5) }
+    }
 }
 
 /// Why a worker could not start.
@@ -136,6 +160,8 @@ pub struct WorkerStack {
     report: Arc<parking_lot::Mutex<Option<(MetricsSource, &'static str)>>>,
     /// The shared secret of its agent and its request port.
     secret: Vec<u8>,
+    /// Its store as peers pull from it (None: it serves no pulls).
+    serving_peers: Option<kvfabric::contract::discovery::NodeInfo>,
 }
 
 /// A worker serving requests (or prefill jobs) and registered in discovery.
@@ -333,10 +359,31 @@ impl WorkerStack {
         let remote =
             cfg.remote_tier.then(|| RemoteTier::new(agent.clone(), Duration::from_secs(10)));
         store_cfg.remote = remote.clone();
+        // One pool across workers: only with a shared secret (a random one reaches no peer).
+        let peer_cfg = cfg.peers.filter(|_| cfg.secret.is_some());
+        let peers = peer_cfg.map(|p| Peers::new(agent.clone(), block_bytes, p.deadline));
+        store_cfg.peers = peers.clone();
+        let host_blocks = store_cfg.host_blocks;
         let store = TieredStore::open(store_cfg, &agent, sink).await?;
         let sched = start(store.clone())?;
         if let Some(remote) = remote {
             tasks.push(remote.follow(&**discovery, block_bytes, None).await?);
+        }
+        let mut serving_peers = None;
+        if let (Some(p), Some(peers)) = (peer_cfg, &peers) {
+            let limits = PeerLimits::share(p.share, host_blocks, p.link_bytes_per_s);
+            FabricNode::serve_peers(
+                agent.clone(),
+                store.clone(),
+                p.deadline,
+                limits,
+                peers.stats().clone(),
+            );
+            tasks.push(peers.follow(&**discovery, WORKER_KIND, cfg.name.clone()).await?);
+            serving_peers = Some(kvfabric::contract::discovery::NodeInfo {
+                agent: agent.metadata(),
+                block_bytes,
+            });
         }
 
         // Load reports for the routers, a few times a second, with what dashboards show.
@@ -377,6 +424,7 @@ impl WorkerStack {
                         }
                     };
                     let mut stats = worker_stats(&snap, s.draining.load(Ordering::Relaxed));
+                    stats.prefill_tokens_per_s = s.prefill_tokens_per_s.load(Ordering::Relaxed);
                     stats.role = role.to_string();
                     let msg =
                         Message::Load { source: name.clone(), load, stats: Some(Box::new(stats)) };
@@ -385,7 +433,18 @@ impl WorkerStack {
             }));
         }
         let publisher = StorePublisher::start(bus, cfg.name.clone(), store.clone(), events).await?;
-        Ok(WorkerStack { sched, store, agent, describe, codec, tasks, publisher, report, secret })
+        Ok(WorkerStack {
+            sched,
+            store,
+            agent,
+            describe,
+            codec,
+            tasks,
+            publisher,
+            report,
+            secret,
+            serving_peers,
+        })
     }
 
     /// The metadata a worker registers, with its request port.
@@ -396,6 +455,7 @@ impl WorkerStack {
             addr,
             role: Default::default(),
             api: Default::default(),
+            store: self.serving_peers.clone(),
         }
     }
 
@@ -517,6 +577,8 @@ impl WorkerStack {
             let _ =
                 tokio::time::timeout(Duration::from_secs(10), self.store.offload(&hosted)).await;
         }
+        // The peers' service holds the agent (and the store).
+        self.agent.clear_rpc_handler();
         self.agent.shutdown();
     }
 }

@@ -590,6 +590,7 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
             class: None,
             cache_salt: None,
             tenant: None,
+            pull: None,
         },
     };
     let connect = |r: WorkerRequest| {

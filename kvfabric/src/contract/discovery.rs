@@ -88,6 +88,10 @@ pub struct WorkerMetadata {
     /// OpenAI-compatible HTTP API (an engine behind `kvfabric attach`).
     #[serde(default = "WorkerApi::registered_before_versions")]
     pub api: WorkerApi,
+    /// Its store as other workers pull from it: its transfer agent and block size (None: it
+    /// serves no pulls).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<NodeInfo>,
 }
 
 /// How a frontend sends a worker its requests.

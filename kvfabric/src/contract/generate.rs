@@ -110,6 +110,21 @@ pub struct GenerateRequest {
     /// The tenant whose API key sent it, and what it may hold of the worker's store.
     #[serde(default)]
     pub tenant: Option<TenantHint>,
+    /// Where a router found the prefix that follows the worker's own cached run: the worker
+    /// pulls those blocks from that peer's store instead of computing them (None: compute
+    /// what it lacks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull: Option<PullHint>,
+}
+
+/// A router's advice to pull part of a prompt's prefix from another worker's store.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PullHint {
+    /// The worker holding the blocks (its name in discovery, which is its agent's).
+    pub from: String,
+    /// Blocks of the prompt's leading run it holds (counted from the prompt's start): the
+    /// worker pulls those past its own cached run.
+    pub blocks: u32,
 }
 
 /// What a worker needs to know of a request's tenant.
@@ -145,6 +160,7 @@ impl GenerateRequest {
             class: None,
             cache_salt: None,
             tenant: None,
+            pull: None,
         }
     }
 
@@ -206,12 +222,19 @@ pub struct CacheHits {
     pub disk_tokens: usize,
     /// From a remote fabric node.
     pub remote_tokens: usize,
+    /// Pulled from another worker's store.
+    #[serde(default)]
+    pub peer_tokens: usize,
 }
 
 impl CacheHits {
     /// All cached tokens.
     pub fn total(&self) -> usize {
-        self.device_tokens + self.host_tokens + self.disk_tokens + self.remote_tokens
+        self.device_tokens
+            + self.host_tokens
+            + self.disk_tokens
+            + self.remote_tokens
+            + self.peer_tokens
     }
 }
 

@@ -116,6 +116,26 @@ pub struct WorkerStats {
     pub steps: u64,
     /// When the report was sent, milliseconds since the Unix epoch (the bus's lag).
     pub sent_at_ms: u64,
+    /// The links it pulled blocks over from other workers' stores, with the rate measured:
+    /// routers price pulls from those peers at it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<LinkRate>,
+    /// Bytes it pulled from other workers' stores.
+    #[serde(default)]
+    pub pulled_bytes: u64,
+    /// Prompt tokens it computes per second, as measured (0: not measured yet): routers
+    /// price computing a prefix against pulling it at this rate.
+    #[serde(default)]
+    pub prefill_tokens_per_s: u64,
+}
+
+/// A link a worker pulled over, as it measured it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LinkRate {
+    /// The peer pulled from.
+    pub peer: String,
+    /// Bytes per second.
+    pub bytes_per_s: u64,
 }
 
 /// One block of a dump.

@@ -407,6 +407,7 @@ impl Run {
                 model: self.cfg.engine_model.clone(),
                 priority: self.cfg.priority,
             },
+            store: None,
         };
         let Ok(metadata) = serde_json::to_value(&md) else { return };
         let instance = Instance { kind: WORKER_KIND.into(), id: self.cfg.name.clone(), metadata };

@@ -399,6 +399,7 @@ fn request(
         class,
         cache_salt: None,
         tenant: None,
+        pull: None,
     }
 }
 

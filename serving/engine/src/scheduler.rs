@@ -103,6 +103,9 @@ pub struct SchedulerStats {
     pub engine_memory_blocks: AtomicU64,
     /// Steps run.
     pub steps: AtomicU64,
+    /// Prompt tokens computed per second, as measured over steps that ran prompts only (0:
+    /// not measured yet): what routers price computing a prefix at.
+    pub prefill_tokens_per_s: AtomicU64,
     /// Requests cancelled by their client.
     pub cancelled: AtomicU64,
     /// Requests failed by their deadline.
@@ -466,6 +469,16 @@ struct Seq {
     arrived: Instant,
     /// When its first step started.
     first_step: Option<Instant>,
+    /// Blocks being pulled from a peer's store, which follow its cached run: it starts
+    /// once they are in (or the pull failed, and it computes them).
+    pull: Option<PendingPull>,
+}
+
+/// A pull from a peer ([`kvfabric::contract::generate::PullHint`]) under way.
+struct PendingPull {
+    /// The block index the pulled blocks start at (the end of the cached run).
+    at: usize,
+    task: tokio::task::JoinHandle<Vec<kvfabric_tiers::BlockRef>>,
 }
 
 impl Seq {
@@ -570,6 +583,13 @@ impl<E: Engine> Loop<E> {
             }
             self.admit();
             self.import_some();
+            if self.waiting_for_pulls() {
+                self.report_load();
+                if let Ok(s) = self.rx.recv_timeout(Duration::from_millis(1)) {
+                    self.take_in(s);
+                }
+                continue;
+            }
             // Counted before the step too: the KV of what it admitted counts as held while the
             // step runs (the inbox's count already covers their prompts).
             self.report_load();
@@ -870,8 +890,10 @@ impl<E: Engine> Loop<E> {
                 started: false,
                 arrived: sub.arrived,
                 first_step,
+                pull: None,
             };
             seq.import_tiers = self.cached_prefix(&seq);
+            seq.pull = self.start_pull(&seq);
             tracing::debug!(
                 seq = id,
                 prompt_tokens = seq.req.prompt.len(),
@@ -883,7 +905,7 @@ impl<E: Engine> Loop<E> {
                 bump(&self.stats.prompt_tokens, seq.req.prompt.len() as u64);
             }
             bump(&self.stats.running, 1);
-            if seq.import_tiers.is_empty() {
+            if seq.import_tiers.is_empty() && seq.pull.is_none() {
                 self.start(&mut seq);
             }
             self.running.push(seq);
@@ -903,7 +925,7 @@ impl<E: Engine> Loop<E> {
         }
         bump(&self.stats.cached_tokens[0], seq.hits.host_tokens as u64);
         bump(&self.stats.cached_tokens[1], seq.hits.disk_tokens as u64);
-        bump(&self.stats.cached_tokens[2], seq.hits.remote_tokens as u64);
+        bump(&self.stats.cached_tokens[2], (seq.hits.remote_tokens + seq.hits.peer_tokens) as u64);
         let _ = seq.tx.send(GenEvent::Started {
             prompt_tokens: seq.req.prompt.len(),
             cached: seq.hits,
@@ -939,6 +961,70 @@ impl<E: Engine> Loop<E> {
         }
     }
 
+    /// Starts pulling, from the peer a router named, the blocks of the prompt it holds past
+    /// the cached run found here (in the background: the batch goes on meanwhile).
+    fn start_pull(&self, seq: &Seq) -> Option<PendingPull> {
+        let hint = seq.req.pull.as_ref()?;
+        let peers = self.store.peers()?;
+        let bt = self.hasher.block_tokens();
+        let reusable = seq.hashes.len().min(seq.tokens.len().saturating_sub(1) / bt);
+        let at = seq.import_tiers.len();
+        // Pinned until the sequence starts: at most half the host tier, one call's worth.
+        let cap =
+            (self.host_capacity / 2).min(kvfabric_tiers::remote::protocol::BLOCKS_PER_CALL_MAX);
+        let end = reusable.min(hint.blocks as usize).min(at + cap);
+        if end <= at || hint.from.is_empty() {
+            return None;
+        }
+        let left = seq.deadline.saturating_duration_since(Instant::now());
+        let deadline = peers.deadline().min(left);
+        let (store, from) = (self.store.clone(), hint.from.clone());
+        let parent = at.checked_sub(1).map(|i| seq.hashes[i]);
+        let hashes = seq.hashes[at..end].to_vec();
+        tracing::debug!(seq = seq.id, from = %from, blocks = hashes.len(), at, "pulling from a peer");
+        let task = self.runtime.spawn(async move {
+            let (refs, why) = store.pull(&from, parent, &hashes, deadline).await;
+            if let Some(why) = why {
+                tracing::debug!(from = %from, asked = hashes.len(), got = refs.len(),
+                    why = why.name(), "a pull from a peer came back short; computing the rest");
+            }
+            refs
+        });
+        Some(PendingPull { at, task })
+    }
+
+    /// A finished pull's blocks join the sequence's imported run (when they still follow it).
+    fn finish_pull(&mut self, seq: &mut Seq) {
+        let Some(p) = seq.pull.take() else { return };
+        let refs = self.runtime.block_on(p.task).unwrap_or_default();
+        if seq.imported != p.at || seq.import_tiers.len() != p.at {
+            // The cached run came back shorter than looked up: the pulled blocks do not
+            // follow it (they stay in the store, unpinned).
+            return;
+        }
+        for r in refs {
+            if let Err(e) = self.engine.push_cached(seq.id, KvBlock::Cached(r)) {
+                tracing::warn!(error = %e, "a pulled block was refused; computing the prompt");
+                self.engine.remove_sequence(seq.id);
+                self.engine.add_sequence(seq.id);
+                seq.imported = 0;
+                seq.hits = CacheHits::default();
+                seq.import_tiers.clear();
+                return;
+            }
+            seq.import_tiers.push(TierKind::Remote);
+            seq.hits.peer_tokens += self.hasher.block_tokens();
+            seq.imported += 1;
+        }
+    }
+
+    /// Whether some admitted sequence waits only for a pull (the loop then waits a moment
+    /// for it, or for a submission, instead of spinning).
+    fn waiting_for_pulls(&self) -> bool {
+        !self.running.iter().any(|s| s.started)
+            && self.running.iter().any(|s| s.pull.as_ref().is_some_and(|p| !p.task.is_finished()))
+    }
+
     /// Imports cached blocks of admitted sequences. Blocks in host memory are only pinned
     /// (the engine reads them in place), so they cost nothing and are all taken at once;
     /// blocks that must be read (disk, the fabric) count against a prompt chunk's worth
@@ -962,7 +1048,14 @@ impl<E: Engine> Loop<E> {
                 }
             }
             if seq.imported >= seq.import_tiers.len() {
-                self.start(&mut seq);
+                match &seq.pull {
+                    Some(p) if !p.task.is_finished() => {}
+                    Some(_) => {
+                        self.finish_pull(&mut seq);
+                        self.start(&mut seq);
+                    }
+                    None => self.start(&mut seq),
+                }
             }
             self.running.insert(i, seq);
         }
@@ -1156,6 +1249,9 @@ impl<E: Engine> Loop<E> {
         let result = self.engine.step_next(&inputs);
         drop(inputs);
         self.cost.observe(prompt_tokens, decoded, step_start.elapsed().as_secs_f64() * 1e6);
+        if let Some(us) = self.cost.prefill_us_per_token.filter(|us| *us > 0.0) {
+            self.stats.prefill_tokens_per_s.store((1e6 / us) as u64, Ordering::Relaxed);
+        }
         bump(&self.stats.steps, 1);
         let mut outcomes: Vec<Outcome> =
             (0..self.running.len()).map(|_| Outcome::Continue).collect();

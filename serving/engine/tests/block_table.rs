@@ -99,6 +99,7 @@ async fn generate(sched: &Scheduler, prompt: &[u32], n: usize) -> (Vec<u32>, usi
             class: None,
             cache_salt: None,
             tenant: None,
+            pull: None,
         })
         .unwrap();
     let (mut tokens, mut cached) = (Vec::new(), 0);

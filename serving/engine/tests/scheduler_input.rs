@@ -34,6 +34,7 @@ fn request() -> impl Strategy<Value = GenerateRequest> {
                     class: None,
                     cache_salt: None,
                     tenant: None,
+                    pull: None,
                 }
             },
         )
@@ -95,6 +96,7 @@ fn no_request_panics_the_scheduler_and_it_serves_on() {
         class: None,
         cache_salt: None,
         tenant: None,
+        pull: None,
     };
     let mut rx = sched.submit(ok).unwrap();
     let done = rt.block_on(async {

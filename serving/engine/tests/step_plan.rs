@@ -35,6 +35,7 @@ fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
         class: None,
         cache_salt: None,
         tenant: None,
+        pull: None,
     }
 }
 

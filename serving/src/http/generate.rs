@@ -42,6 +42,7 @@ pub(super) async fn start(
             class: c.class.as_ref().map(|(_, h)| h.clone()),
             cache_salt: c.cache_salt.clone(),
             tenant: c.tenant.clone(),
+            pull: None,
         };
         let rx = st.backend.submit(&c.entry.info.id, req)?;
         Ok((rx, c))

@@ -206,6 +206,18 @@ pub fn worker_stats(snap: &Snapshot, draining: bool) -> kvfabric::contract::Work
         }
     }
     out.transfers = transport_totals(&snap.transfers);
+    if let Some(p) = &snap.peers {
+        out.links = p
+            .links
+            .iter()
+            .filter(|(_, _, r)| *r > 0.0)
+            .map(|(n, _, r)| kvfabric::contract::LinkRate {
+                peer: n.clone(),
+                bytes_per_s: *r as u64,
+            })
+            .collect();
+        out.pulled_bytes = p.pulled_bytes;
+    }
     if let Some(r) = &snap.remote_prefill {
         out.remote_prefills = r.remote;
         out.local_prefills = r.local;
@@ -629,6 +641,8 @@ pub struct RoutedSnapshot {
     pub kv_events_unknown_worker: u64,
     /// Requests sent to each worker.
     pub worker_requests: Vec<(String, u64)>,
+    /// Requests routed per path their prefix took (compute, local, fabric, pull).
+    pub paths: Vec<(&'static str, u64)>,
     /// Each decode worker's prefills as it last reported them: on a prefill worker, on
     /// itself, and remote ones that failed or timed out (then done on itself).
     pub worker_prefills: Vec<(String, [u64; 3])>,
@@ -705,6 +719,8 @@ pub struct Snapshot {
     pub planner: Option<PlannerSnapshot>,
     /// The control-plane backends (etcd, NATS) this process uses.
     pub control: Vec<kvfabric::control::ControlStatus>,
+    /// Pulls from other workers' stores, and those it served them.
+    pub peers: Option<kvfabric_tiers::remote::peers::PeerSnapshot>,
 }
 
 /// The live planner reads the frontend's load from its metrics.
@@ -859,6 +875,7 @@ impl Collector for Components {
         routed(e, s)?;
         remote_prefill(e, s)?;
         prefill_service(e, s)?;
+        peer_pulls(e, s)?;
         Ok(())
     }
 }
@@ -1611,6 +1628,19 @@ fn routed(e: &mut DescriptorEncoder<'_>, s: &[(Option<LabelValue>, Snapshot)]) -
     family(
         e,
         s,
+        "kvfabric_router_path",
+        "Requests routed, by the path the router chose for their prefix: computed, the worker's own cache, the fabric, or pulled from another worker's store.",
+        None,
+        C,
+        |s, o| {
+            if let Some(r) = &s.routed {
+                o.extend(r.paths.iter().map(|(p, n)| (vec![("path", (*p).into())], Value::Int(*n))));
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
         "kvfabric_frontend_worker_requests",
         "Requests sent to each worker.",
         None,
@@ -1764,6 +1794,110 @@ fn remote_prefill(
     family(e, s, "kvfabric_prefill_queue_depth", "Remote prefills pending.", None, G, |s, o| {
         o.extend(rp(s).map(|p| plain(p.pending)))
     })?;
+    Ok(())
+}
+
+/// Pulls from peers' stores (one KV pool across workers), and the pulls served to them.
+fn peer_pulls(
+    e: &mut DescriptorEncoder<'_>,
+    s: &[(Option<LabelValue>, Snapshot)],
+) -> std::fmt::Result {
+    use MetricType::{Counter as C, Gauge as G};
+    let ps = |s: &Snapshot| s.peers.clone();
+    family(
+        e,
+        s,
+        "kvfabric_peer_pulls",
+        "Pulls of prefix blocks from another worker's store.",
+        None,
+        C,
+        |s, o| o.extend(ps(s).map(|p| plain(p.pulls))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_peer_pulled_blocks",
+        "Blocks pulled from other workers' stores.",
+        None,
+        C,
+        |s, o| o.extend(ps(s).map(|p| plain(p.pulled_blocks))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_peer_pulled",
+        "Bytes pulled from other workers' stores, per peer.",
+        Some(Unit::Bytes),
+        C,
+        |s, o| {
+            if let Some(p) = ps(s) {
+                o.extend(
+                    p.links
+                        .iter()
+                        .map(|(n, b, _)| (vec![("peer", LabelValue(n.clone()))], Value::Int(*b))),
+                );
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_peer_link_rate",
+        "The rate measured pulling from a peer, bytes per second (what routers price pulls at).",
+        None,
+        G,
+        |s, o| {
+            if let Some(p) = ps(s) {
+                o.extend(
+                    p.links
+                        .iter()
+                        .map(|(n, _, r)| (vec![("peer", LabelValue(n.clone()))], Value::Float(*r))),
+                );
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_peer_pull_failures",
+        "Pulls that brought fewer blocks than asked (the rest was computed), by reason.",
+        None,
+        C,
+        |s, o| {
+            if let Some(p) = ps(s) {
+                o.extend(
+                    p.failures.iter().map(|(r, n)| (vec![("reason", (*r).into())], Value::Int(*n))),
+                );
+            }
+        },
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_peer_served_blocks",
+        "Blocks this worker's store served to peers' pulls.",
+        None,
+        C,
+        |s, o| o.extend(ps(s).map(|p| plain(p.served_blocks))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_peer_served",
+        "Bytes this worker's store served to peers' pulls.",
+        Some(Unit::Bytes),
+        C,
+        |s, o| o.extend(ps(s).map(|p| plain(p.served_bytes))),
+    )?;
+    family(
+        e,
+        s,
+        "kvfabric_peer_served_busy",
+        "Peers' pulls served in part or refused: over this worker's serving share.",
+        None,
+        C,
+        |s, o| o.extend(ps(s).map(|p| plain(p.served_busy))),
+    )?;
     Ok(())
 }
 

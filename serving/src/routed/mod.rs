@@ -141,6 +141,8 @@ pub struct RoutedStats {
     pub held_for_worker: AtomicU64,
     /// Streams moved to another worker after their first worker stalled or broke.
     pub migrations: AtomicU64,
+    /// Requests routed per path their prefix took ([`kvfabric_router::Path::ALL`]).
+    pub paths: [AtomicU64; 4],
 }
 
 #[derive(Debug)]
@@ -389,6 +391,11 @@ impl Backend for RoutedBackend {
             lost_workers: ld(&s.lost_workers),
             held_for_worker: ld(&s.held_for_worker),
             migrations: ld(&s.migrations),
+            paths: kvfabric_router::Path::ALL
+                .iter()
+                .zip(&s.paths)
+                .map(|(p, n)| (p.name(), ld(n)))
+                .collect(),
             kv_events: ld(&f.applied),
             kv_event_gaps: ld(&f.gaps),
             kv_dumps: ld(&f.dumps),

@@ -96,6 +96,11 @@ impl Inner {
             let Some(pick) = pick else { break };
             let (name, addr, api) = (pick.name, pick.addr, pick.api);
             self.stats.routed.fetch_add(1, Ordering::Relaxed);
+            let path = kvfabric_router::Path::ALL.iter().position(|&p| p == pick.path);
+            self.stats.paths[path.unwrap_or(0)].fetch_add(1, Ordering::Relaxed);
+            // Told where its prefix is, when pulling it beats computing it (a stream moved to
+            // another worker is told afresh).
+            wreq.request.pull = pick.pull;
             if attempt > 0 {
                 self.stats.retries.fetch_add(1, Ordering::Relaxed);
             }

@@ -16,6 +16,7 @@ use kvfabric::memory::RegionId;
 use parking_lot::RwLock;
 use xxhash_rust::xxh3::xxh3_64;
 
+pub mod peers;
 pub mod protocol;
 
 use protocol::{
@@ -325,6 +326,80 @@ impl RemoteTier {
                 }
             }
         }))
+    }
+
+    /// Forgets that this agent introduced itself to `node` (a new process under its name).
+    pub(crate) fn forget(&self, node: &str) {
+        self.announced.write().remove(node);
+    }
+
+    /// Loads a peer's metadata into the agent unless it holds exactly that already.
+    pub(crate) fn ensure_peer(
+        &self,
+        md: &kvfabric::agent::AgentMetadata,
+    ) -> Result<(), RemoteError> {
+        if self.agent.peer_metadata(&md.name).as_ref() == Some(md) {
+            return Ok(());
+        }
+        self.forget(&md.name);
+        self.agent
+            .load_peer(md.clone())
+            .map_err(|e| RemoteError::Node { node: md.name.clone(), message: e.to_string() })
+    }
+
+    /// Fetches blocks from one named node (a peer worker's store, not the ring's choice) into
+    /// `dst`, within `deadline` in all: which were served, and whether the node said it was
+    /// too busy to serve (some of) them.
+    pub(crate) async fn get_from(
+        &self,
+        node: &str,
+        hashes: &[SequenceHash],
+        dst: &[(RegionId, u64)],
+        deadline: Duration,
+    ) -> Result<(Vec<bool>, bool), RemoteError> {
+        if dst.len() != hashes.len() {
+            return Err(RemoteError::Malformed("caller: lengths differ".into()));
+        }
+        let timed_out =
+            || RemoteError::Node { node: node.to_string(), message: "timed out".into() };
+        let until = tokio::time::Instant::now() + deadline;
+        tokio::time::timeout_at(until, self.hello(node)).await.map_err(|_| timed_out())??;
+        let mut out = vec![false; hashes.len()];
+        let mut busy = false;
+        for (c, chunk) in hashes.chunks(BLOCKS_PER_CALL_MAX).enumerate() {
+            let base = c * BLOCKS_PER_CALL_MAX;
+            let blocks: Vec<BlockLoc> = chunk
+                .iter()
+                .enumerate()
+                .map(|(k, &hash)| BlockLoc {
+                    hash,
+                    parent: None,
+                    region: dst[base + k].0,
+                    offset: dst[base + k].1,
+                })
+                .collect();
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            let reply = self
+                .agent
+                .call(node, method::GET, encode(&Blocks { blocks }), left)
+                .await
+                .map_err(|e| match e {
+                    kvfabric::transfer::TransferError::TimedOut(_) => timed_out(),
+                    e => RemoteError::Node { node: node.to_string(), message: e.to_string() },
+                })?;
+            let p: Present = serde_json::from_slice(&reply)
+                .map_err(|_| RemoteError::Malformed(node.to_string()))?;
+            if p.present.len() != chunk.len() {
+                return Err(RemoteError::Malformed(node.to_string()));
+            }
+            busy |= p.busy;
+            let whole = p.present.iter().all(|&s| s);
+            out[base..base + chunk.len()].copy_from_slice(&p.present);
+            if !whole {
+                break;
+            }
+        }
+        Ok((out, busy))
     }
 
     /// The deadline of each call.

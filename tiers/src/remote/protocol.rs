@@ -54,6 +54,10 @@ pub struct Lookup {
 pub struct Present {
     /// Per block asked for.
     pub present: Vec<bool>,
+    /// `GET` from a worker's store: it served fewer blocks than it holds, or none, because
+    /// serving them would exceed its share of its link or its reads.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub busy: bool,
 }
 
 /// The answer to `PREFIX`: the tier of each block of the leading run the node can provide

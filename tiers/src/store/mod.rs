@@ -84,6 +84,9 @@ pub struct StoreConfig {
     pub evict_to_remote: bool,
     /// G1: slots in GPU memory above the host tier (see [`DeviceTierConfig`]).
     pub device: Option<DeviceTierConfig>,
+    /// Other workers' stores, which [`TieredStore::pull`] reads from. Its agent must be the
+    /// one the store is opened with.
+    pub peers: Option<crate::remote::peers::Peers>,
 }
 
 impl StoreConfig {
@@ -102,6 +105,7 @@ impl StoreConfig {
             remote: None,
             evict_to_remote: true,
             device: None,
+            peers: None,
         }
     }
 
@@ -477,6 +481,11 @@ impl TieredStore {
     /// Whether the store has a remote tier (G4) that knows at least one fabric node.
     pub fn has_remote(&self) -> bool {
         self.inner.cfg.remote.as_ref().is_some_and(|r| !r.is_empty())
+    }
+
+    /// The peers it pulls from, if any ([`StoreConfig::peers`]).
+    pub fn peers(&self) -> Option<&crate::remote::peers::Peers> {
+        self.inner.cfg.peers.as_ref()
     }
 
     /// The id of the last KV event emitted (a dump taken now is current as of this id).

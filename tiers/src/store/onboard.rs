@@ -10,6 +10,7 @@ use kvfabric::memory::RegionLease;
 
 use crate::disk::ReadOutcome;
 use crate::metrics::add;
+use crate::remote::peers::PullFailure;
 
 use super::{to_completion, BlockRef, Inner, StoreError, TieredStore};
 
@@ -138,6 +139,27 @@ impl TieredStore {
             (true, Some(e)) => Err(e),
             _ => Ok(refs),
         }
+    }
+
+    /// Pulls `hashes` (a chain after `first_parent`, none of them held here) from peer `from`
+    /// into host memory, pinned, within `deadline` (through the peers the store was opened
+    /// with, [`StoreConfig::peers`]): the leading run it brought, and why it brought fewer
+    /// than asked. A holder that died, was cut off or evicted the blocks makes it shorter;
+    /// never a wrong block (each is checksummed) and never past the deadline.
+    pub async fn pull(
+        &self,
+        from: &str,
+        first_parent: Option<SequenceHash>,
+        hashes: &[SequenceHash],
+        deadline: std::time::Duration,
+    ) -> (Vec<BlockRef>, Option<PullFailure>) {
+        let inner = self.inner.clone();
+        let (from, hashes) = (from.to_string(), hashes.to_vec());
+        // Reservations and the commit run to completion even if the caller goes away.
+        to_completion(&self.inner.runtime, async move {
+            inner.pull_from_peer(&from, first_parent, &hashes, deadline).await
+        })
+        .await
     }
 
     /// Like [`TieredStore::lookup_prefix`], then asks the fabric (G4) about the blocks that
@@ -282,6 +304,71 @@ impl Inner {
         if remote.is_empty() {
             return Ok(Vec::new());
         }
+        let quarantine = remote.deadline() * 4;
+        let fetched = self
+            .fetch_into_host(first_parent, hashes, quarantine, |hashes, locs| async move {
+                remote.get(&hashes, &locs).await.map_err(|_| ())
+            })
+            .await;
+        Ok(fetched.map(|(refs, _)| refs).unwrap_or_default())
+    }
+
+    /// Pulls the leading run of `hashes` that peer `from` holds into new host slots, pinned,
+    /// within `deadline`: the blocks it brought, and why it brought fewer than asked.
+    pub(super) async fn pull_from_peer(
+        self: &Arc<Self>,
+        from: &str,
+        first_parent: Option<SequenceHash>,
+        hashes: &[SequenceHash],
+        deadline: std::time::Duration,
+    ) -> (Vec<BlockRef>, Option<PullFailure>) {
+        let Some(peers) = &self.cfg.peers else {
+            return (Vec::new(), Some(PullFailure::Unknown));
+        };
+        // A holder cut off mid-pull may still write into the slots once it is back: they stay
+        // reserved well past its transfer deadline.
+        let quarantine = peers.deadline() * 4;
+        let mut why = None;
+        let fetched = self
+            .fetch_into_host(first_parent, hashes, quarantine, |hashes, locs| {
+                let why = &mut why;
+                async move {
+                    let (served, failure) = peers.pull(from, &hashes, &locs, deadline).await;
+                    *why = failure;
+                    match failure {
+                        Some(PullFailure::Timeout | PullFailure::Unreachable) => Err(()),
+                        _ => Ok(served),
+                    }
+                }
+            })
+            .await;
+        match fetched {
+            Some((refs, reserved)) => {
+                if reserved < hashes.len() && why.is_none() && refs.len() == reserved {
+                    peers.stats().failed(PullFailure::NoRoom);
+                    why = Some(PullFailure::NoRoom);
+                }
+                (refs, why)
+            }
+            None => (Vec::new(), why),
+        }
+    }
+
+    /// Reserves host slots for the leading `hashes` (a chain after `first_parent`), has
+    /// `fetch` fill them (it says which it filled), and commits the leading run filled. The
+    /// refs (pinned) and how many slots were reserved; None when `fetch` failed, whose slots
+    /// stay reserved for `quarantine` (a peer may still be writing into them).
+    async fn fetch_into_host<F, Fut>(
+        self: &Arc<Self>,
+        first_parent: Option<SequenceHash>,
+        hashes: &[SequenceHash],
+        quarantine: std::time::Duration,
+        fetch: F,
+    ) -> Option<(Vec<BlockRef>, usize)>
+    where
+        F: FnOnce(Vec<SequenceHash>, Vec<(kvfabric::memory::RegionId, u64)>) -> Fut,
+        Fut: std::future::Future<Output = Result<Vec<bool>, ()>>,
+    {
         let mut slots = Vec::new();
         let parent_of = |i: usize| if i == 0 { first_parent } else { Some(hashes[i - 1]) };
         let wait = tokio::time::Instant::now() + super::offload::RESERVE_WAIT;
@@ -293,13 +380,14 @@ impl Inner {
             }
         }
         let n = slots.len();
+        if n == 0 {
+            return Some((Vec::new(), 0));
+        }
         let locs: Vec<_> = slots.iter().map(|&s| (self.region.id(), self.slot_offset(s))).collect();
-        let served = match remote.get(&hashes[..n], &locs).await {
+        let served = match fetch(hashes[..n].to_vec(), locs).await {
             Ok(served) => served,
-            Err(_) => {
-                // The node may still be writing into these slots (a timed-out call): keep
-                // them reserved well past its transfer deadline before reusing them.
-                let (inner, quarantine) = (self.clone(), remote.deadline() * 4);
+            Err(()) => {
+                let inner = self.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(quarantine).await;
                     let mut host = inner.host.lock();
@@ -309,7 +397,7 @@ impl Inner {
                     inner.written.notify_waiters();
                     inner.released.notify_waiters();
                 });
-                return Ok(Vec::new());
+                return None;
             }
         };
         let run = served.iter().take_while(|&&s| s).count();
@@ -322,6 +410,6 @@ impl Inner {
                 self.abort_host(&mut self.host.lock(), slot);
             }
         }
-        Ok(refs)
+        Some((refs, n))
     }
 }

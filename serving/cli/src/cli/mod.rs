@@ -317,6 +317,22 @@ pub struct RoutingArgs {
         default_value_t = kvfabric_router::RouterConfig::default().block_load_scale,
         value_parser = finite_positive)]
     pub router_load_scale: f64,
+    /// Kv routing prices pulling a prefix from another worker's store against computing it,
+    /// and tells the chosen worker where to pull from (one KV pool across workers).
+    #[arg(long, env = "KVFABRIC_ROUTER_PULLS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub router_pulls: bool,
+    /// The link rate pulls are priced at until workers have measured their own (a name of
+    /// the planner's link table: `1g`, `10g`, `25g`, `100g`…, or NAME=GB/s).
+    #[arg(long, env = "KVFABRIC_ROUTER_PULL_LINK", default_value = "10g", value_parser = link_bytes_per_s)]
+    pub router_pull_link: f64,
+    /// The fixed cost of a pull, milliseconds (round trips, the holder pinning its blocks).
+    #[arg(long, env = "KVFABRIC_ROUTER_PULL_OVERHEAD_MS", default_value_t = 2.0,
+        value_parser = finite_non_negative)]
+    pub router_pull_overhead_ms: f64,
+    /// Prompt tokens a worker computes per second, until it reports its measured rate.
+    #[arg(long, env = "KVFABRIC_ROUTER_PREFILL_TOKENS_PER_S", default_value_t = 25_000.0,
+        value_parser = finite_positive)]
+    pub router_prefill_tokens_per_s: f64,
 }
 
 impl RoutingArgs {
@@ -327,9 +343,20 @@ impl RoutingArgs {
             temperature: self.router_temperature,
             overlap_weight: self.router_overlap_weight,
             block_load_scale: self.router_load_scale,
+            pull: self.router_pulls.then_some(kvfabric_router::PullPricing {
+                // Each model's own, set when its first worker joins.
+                block_bytes: 0,
+                link_bytes_per_s: self.router_pull_link,
+                overhead_s: self.router_pull_overhead_ms / 1e3,
+                prefill_tokens_per_s: self.router_prefill_tokens_per_s,
+            }),
             ..Default::default()
         }
     }
+}
+
+fn link_bytes_per_s(s: &str) -> Result<f64, String> {
+    kvfabric_planner::plan::Link::parse(s).map(|l| l.gbps * 1e9).map_err(|e| e.to_string())
 }
 
 fn finite_non_negative(s: &str) -> Result<f64, String> {

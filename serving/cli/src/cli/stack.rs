@@ -18,7 +18,7 @@ use kvfabric_serving::disagg::DisaggConfig;
 use kvfabric_serving::engine::llama::{LlamaOptions, Weights};
 use kvfabric_serving::engine::mock::{MockConfig, MockKv};
 use kvfabric_serving::engine::SchedulerConfig;
-use kvfabric_serving::worker::{EngineSpec, WorkerConfig, WorkerStack};
+use kvfabric_serving::worker::{EngineSpec, PeerConfig, WorkerConfig, WorkerStack};
 
 use super::at_least_one;
 
@@ -120,6 +120,19 @@ pub struct EngineOpts {
     /// (G4): cached blocks no local tier holds are fetched from them.
     #[arg(long, env = "KVFABRIC_REMOTE_TIER", default_value_t = true, action = clap::ArgAction::Set)]
     pub remote_tier: bool,
+    /// One KV pool across workers: pull prefix blocks from another worker's store where a
+    /// router says that beats computing them, and serve this worker's to its peers (needs a
+    /// shared secret).
+    #[arg(long, env = "KVFABRIC_PEER_PULLS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub peer_pulls: bool,
+    /// The share (0..1) of this worker's host tier that peers' pulls may pin at once, and of
+    /// its link (`--peer-link`) they may take.
+    #[arg(long, env = "KVFABRIC_PEER_SHARE", default_value_t = 0.25)]
+    pub peer_share: f64,
+    /// This worker's link, that `--peer-share` paces the pulls it serves to (a name of the
+    /// planner's link table, `1g`, `10g`, `25g`, `100g`…, or NAME=GB/s; none: unpaced).
+    #[arg(long, env = "KVFABRIC_PEER_LINK")]
+    pub peer_link: Option<String>,
     /// Mock: mirror the model of this Hugging Face directory (its tokenizer.json, chat
     /// template and config.json's KV layout), as Dynamo's mocker does; without it, one token
     /// per byte over SmolLM2-135M's KV in f32.
@@ -284,6 +297,17 @@ pub fn worker_config(
         rdma: rdma(),
         transfer_listen: transfer.listen,
         transfer_advertise: transfer.advertise,
+        peers: match opts.peer_pulls {
+            false => None,
+            true => Some(PeerConfig {
+                share: opts.peer_share,
+                link_bytes_per_s: match &opts.peer_link {
+                    Some(l) => Some(kvfabric_planner::plan::Link::parse(l)?.gbps * 1e9),
+                    None => None,
+                },
+                ..PeerConfig::default()
+            }),
+        },
     })
 }
 
