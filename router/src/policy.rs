@@ -782,4 +782,94 @@ mod tests {
         let later = r.route(&ix, 3, &hs(8), 128, 20.0, 0.0).unwrap();
         assert_eq!(later.cached.blocks, 0, "predictions expire");
     }
+
+    /// A router pricing pulls of SmolLM2-135M f32 blocks (737,280 B per 16 tokens) at a
+    /// default `link` (bytes per second), a 2 ms fixed cost, and a compute rate of `rate`
+    /// tokens per second; worker 1 holds the whole of `hs(64)` in host memory and is busy
+    /// (a deep prefill queue); worker 2 holds nothing and is idle.
+    fn pricing(link: f64, rate: f64) -> (PrefixIndex, Router) {
+        let all: Vec<u64> = (1..=64).collect();
+        let ix = ix_with(&[(WorkerId(1), &all, TierKind::Host)]);
+        let mut r = Router::new(RouterConfig {
+            pull: Some(PullPricing {
+                block_bytes: 737_280,
+                link_bytes_per_s: link,
+                overhead_s: 2e-3,
+                prefill_tokens_per_s: rate,
+            }),
+            ..RouterConfig::default()
+        });
+        for w in [1, 2].map(WorkerId) {
+            r.add_worker(w);
+            r.pool(w);
+        }
+        r.report_load(
+            WorkerId(1),
+            Load { active_blocks: 0, queued_prefill_tokens: 100_000, accepted: None },
+        );
+        (ix, r)
+    }
+
+    #[test]
+    fn a_fast_link_pulls_long_prefixes_from_a_busy_holder_and_computes_short_ones() {
+        // 25 Gbit/s: a block moves in 0.24 ms, and computes in 0.64 ms at 25k tokens/s.
+        let (ix, mut r) = pricing(3.125e9, 25_000.0);
+        let d = r.route(&ix, 1, &hs(40), 40 * 16 + 1, 0.0, 0.0).unwrap();
+        assert_eq!(d.worker, WorkerId(2), "the busy holder is passed over");
+        let pull = d.pull.expect("40 blocks: pulling saves more than the fixed cost");
+        assert_eq!((pull.from, pull.blocks, pull.pulled), (WorkerId(1), 40, 40));
+        assert_eq!(d.path, Path::Pull);
+        assert!((pull.seconds - (2e-3 + 40.0 * 737_280.0 / 3.125e9)).abs() < 1e-9);
+        // Two blocks save less than the pull's fixed cost: computed.
+        let d = r.route(&ix, 2, &hs(2), 2 * 16 + 1, 0.0, 0.0).unwrap();
+        assert_eq!((d.worker, d.pull, d.path), (WorkerId(2), None, Path::Compute));
+        assert_eq!(r.paths(), [1, 0, 0, 1]);
+    }
+
+    #[test]
+    fn the_choice_follows_the_link_rate_measured_between_the_two_workers() {
+        // 1 Gbit/s: 5.9 ms a block against 0.64 ms to compute it: never pulled...
+        let (ix, mut r) = pricing(0.125e9, 25_000.0);
+        let d = r.route(&ix, 1, &hs(40), 641, 0.0, 0.0).unwrap();
+        assert_eq!((d.worker, d.pull), (WorkerId(2), None));
+        r.free(1);
+        // ...until worker 2 measures 10 GB/s pulling from worker 1.
+        r.report_link(WorkerId(2), WorkerId(1), 10e9);
+        let d = r.route(&ix, 2, &hs(40), 641, 0.0, 0.0).unwrap();
+        assert_eq!(d.pull.map(|p| p.from), Some(WorkerId(1)));
+        r.free(2);
+        // A slower engine (2,300 tokens per second: 7 ms a block) pulls over 1 Gbit/s, but
+        // only prefixes long enough to repay the pull's fixed cost.
+        let (ix, mut r) = pricing(0.125e9, 2_300.0);
+        let long = r.route(&ix, 3, &hs(40), 641, 0.0, 0.0).unwrap();
+        assert!(long.pull.is_some(), "{long:?}");
+        let short = r.route(&ix, 4, &hs(1), 17, 0.0, 0.0).unwrap();
+        assert_eq!(short.pull, None, "{short:?}");
+        // A worker that reports its own rate is priced at it: 100k tokens per second makes
+        // computing the cheaper path again.
+        r.report_prefill_rate(WorkerId(2), 100_000.0);
+        let d = r.route(&ix, 5, &hs(40), 641, 0.0, 0.0).unwrap();
+        assert_eq!(d.pull, None, "{d:?}");
+    }
+
+    #[test]
+    fn pulls_are_priced_only_between_workers_that_pool_their_stores() {
+        let (ix, mut r) = pricing(3.125e9, 25_000.0);
+        r.add_worker(WorkerId(3)); // not pooled: an attached engine, or pulls turned off
+        r.remove_worker(WorkerId(2));
+        let d = r.route(&ix, 1, &hs(40), 641, 0.0, 0.0).unwrap();
+        assert_eq!((d.worker, d.pull), (WorkerId(3), None));
+        // Without pricing, the busy holder's idle peer computes.
+        let mut plain = Router::new(RouterConfig::default());
+        for w in [1, 2].map(WorkerId) {
+            plain.add_worker(w);
+            plain.pool(w);
+        }
+        plain.report_load(
+            WorkerId(1),
+            Load { active_blocks: 0, queued_prefill_tokens: 100_000, accepted: None },
+        );
+        let d = plain.route(&ix, 1, &hs(40), 641, 0.0, 0.0).unwrap();
+        assert_eq!((d.worker, d.pull, d.path), (WorkerId(2), None, Path::Compute));
+    }
 }

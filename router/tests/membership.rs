@@ -46,6 +46,7 @@ fn metadata(model: &str, port: u16, api: WorkerApi) -> serde_json::Value {
         addr: SocketAddr::from(([127, 0, 0, 1], port)),
         role: Role::Aggregated,
         api,
+        store: None,
     })
     .unwrap()
 }
@@ -152,5 +153,107 @@ async fn workers_join_leave_report_and_are_routed_to_only_when_they_can_be_reach
     wait_for("the engine's model to go", || members.vacated("other")).await;
     assert!(members.read(|m| !m.models.contains_key("other")));
     assert!(members.model("other").is_some());
+    task.abort();
+}
+
+#[tokio::test]
+async fn a_pick_names_the_peer_to_pull_from_priced_at_the_link_its_worker_measured() {
+    let discovery = Arc::new(MemoryDiscovery::new());
+    let bus = Arc::new(MemoryBus::new());
+    let ttl = Duration::from_secs(30);
+    // Both register their stores (as workers that pool them do).
+    let pooled = |port: u16| {
+        let mut md = metadata("m", port, ours());
+        let layout = ModelSpec::preset("smollm2-135m").unwrap().block_layout(16).unwrap();
+        let agent = kvfabric::agent::AgentMetadata {
+            name: format!("w{port}"),
+            tcp_addr: SocketAddr::from(([127, 0, 0, 1], port + 100)),
+            host_id: "host".into(),
+            pid: 1,
+            regions: Vec::new(),
+            transports: Vec::new(),
+            rdma: Default::default(),
+        };
+        let store = kvfabric::contract::discovery::NodeInfo {
+            agent,
+            block_bytes: layout.bytes_per_block(),
+        };
+        md["store"] = serde_json::to_value(store).unwrap();
+        md
+    };
+    let reg = |id: &str, metadata: serde_json::Value| {
+        discovery.register(Instance { kind: WORKER_KIND.into(), id: id.into(), metadata }, ttl)
+    };
+    let _h = reg("holder", pooled(9101)).await.unwrap();
+    let _i = reg("idle", pooled(9102)).await.unwrap();
+    let cfg = MembershipConfig {
+        router: RouterConfig {
+            pull: Some(kvfabric_router::PullPricing {
+                block_bytes: 0,
+                // 1 Gbit/s until measured.
+                link_bytes_per_s: 0.125e9,
+                overhead_s: 2e-3,
+                prefill_tokens_per_s: 25_000.0,
+            }),
+            ..RouterConfig::default()
+        },
+        name: "frontend".into(),
+        kind: WORKER_KIND.into(),
+        slow_penalty: Duration::from_secs(60),
+    };
+    let members = Membership::new(bus.clone(), cfg).await.unwrap();
+    let task = members.follow(discovery.clone(), Recorder::default()).await.unwrap();
+    // The holder holds a 40-block prompt and has a deep prefill queue.
+    let prompt: Vec<u32> = (0..641).map(|i| i % 250).collect();
+    let hashes = kvfabric::hash::TokenBlockHasher::new(16, Default::default())
+        .unwrap()
+        .sequence_hashes(&prompt);
+    members.index().ingest(
+        worker_id("holder"),
+        &kvfabric::events::KvEvent {
+            event_id: 1,
+            data: kvfabric::events::KvEventData::Stored {
+                sequence_hashes: hashes.clone(),
+                parent: None,
+                tier: kvfabric::events::TierKind::Host,
+            },
+        },
+    );
+    let busy = Load { active_blocks: 0, queued_prefill_tokens: 100_000, accepted: None };
+    let msg = Message::Load { source: "holder".into(), load: busy, stats: None };
+    bus.publish(msg.topic(), msg.encode()).await.unwrap();
+    wait_for("the holder's load", || members.read(|m| m.workers["holder"].load == busy)).await;
+
+    // At 1 Gbit/s a block moves slower than it computes: the idle worker computes.
+    let pick = members.route("m", 1, &prompt, &[]).unwrap();
+    assert_eq!((pick.name.as_str(), &pick.pull), ("idle", &None));
+    assert_eq!(pick.path, kvfabric_router::Path::Compute);
+    members.free("m", 1);
+
+    // The idle worker measured 3 GB/s pulling from the holder: it is told to pull.
+    let stats = kvfabric::contract::WorkerStats {
+        links: vec![kvfabric::contract::LinkRate {
+            peer: "holder".into(),
+            bytes_per_s: 3_000_000_000,
+        }],
+        ..Default::default()
+    };
+    let msg = Message::Load {
+        source: "idle".into(),
+        load: Load::default(),
+        stats: Some(Box::new(stats)),
+    };
+    bus.publish(msg.topic(), msg.encode()).await.unwrap();
+    wait_for("the idle worker's links", || {
+        members.read(|m| m.workers["idle"].stats.as_ref().is_some_and(|s| !s.links.is_empty()))
+    })
+    .await;
+    let pick = members.route("m", 2, &prompt, &[]).unwrap();
+    assert_eq!(pick.name, "idle");
+    assert_eq!(
+        pick.pull,
+        Some(kvfabric::contract::generate::PullHint { from: "holder".into(), blocks: 40 })
+    );
+    assert_eq!(pick.path, kvfabric_router::Path::Pull);
     task.abort();
 }
