@@ -39,6 +39,12 @@
 #   KVF_PD_ARGS   more flags for the mock prefill/decode pair (`--mock-kv full`: every KV byte)
 #   KVF_WORKER_ARGS  more flags for w1-w4 (`--host-blocks 32 --disk-blocks 0`: their
 #                 evictions go to the fabric nodes, and hits come back from them)
+#   KVF_MOCK_ARGS  the mock engine's timing on w1-w4 (default `--mock-prefill-us 20
+#                 --mock-decode-us 2000`)
+#   KVF_REMOTE_TIER  `false`: workers do not use the fabric nodes as their G4 tier
+#   KVF_FABRIC_ARGS  the fabric nodes' sizes (default `--host-blocks 2048 --disk-blocks 4096`)
+#   KVF_FRONTEND_ARGS  more flags for the frontends (`--router round-robin`,
+#                 `--router-pull-link 1g`)
 #   KVF_LEASE_TTL_S  the workers' and fabric nodes' discovery lease (default 10)
 #   KVF_ETCD_HOSTS, KVF_NATS_HOSTS  where the etcd members and NATS servers run (default
 #                 "h1 h2 h3" and "h4 h5 h6")
@@ -303,7 +309,7 @@ start_fabric() {
     # shellcheck disable=SC2046
     start_on "$h" "$name" env $(kv_env) "$bin" fabric --name "$name" \
         --listen "$(ipof "$h"):$(port "$name" 7200)" \
-        --dtype f32 --host-blocks 2048 --disk-blocks 4096 --data-dir /var/lib/kvfabric \
+        --dtype f32 ${KVF_FABRIC_ARGS:---host-blocks 2048 --disk-blocks 4096} --data-dir /var/lib/kvfabric \
         --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" --metrics-listen "0.0.0.0:$(port "$name" 9100)" "$@"
 }
 
@@ -315,7 +321,7 @@ start_worker() {
     start_on "$h" "$name" env $(kv_env) "$bin" worker --name "$name" --role "$role" \
         --listen "0.0.0.0:$(port "$name" 7100)" --metrics-listen "0.0.0.0:$(port "$name" 9100)" \
         --data-dir /var/lib/kvfabric \
-        --remote-tier true --drain-timeout-s 30 --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" "$@"
+        --remote-tier "${KVF_REMOTE_TIER:-true}" --drain-timeout-s 30 --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" "$@"
 }
 
 start_frontend() {
@@ -324,7 +330,7 @@ start_frontend() {
     bin=$(binary)
     # shellcheck disable=SC2046
     start_on "$h" "$name" env $(kv_env) "$bin" frontend --name "$name" --host "$(ipof "$h")" \
-        --port "$(port "$name" 8000)" "$@"
+        --port "$(port "$name" 8000)" ${KVF_FRONTEND_ARGS:-} "$@"
 }
 
 # What runs where in `up`: NAME HOST.
@@ -375,7 +381,7 @@ cmd_restart() {
     esac
 }
 
-mock_args() { echo --engine mock --served-model-name mock --mock-prefill-us 20 --mock-decode-us 2000 ${KVF_WORKER_ARGS:-}; }
+mock_args() { echo --engine mock --served-model-name mock ${KVF_MOCK_ARGS:---mock-prefill-us 20 --mock-decode-us 2000} ${KVF_WORKER_ARGS:-}; }
 
 model_args() {
     local model=${KVF_MODEL:-}

@@ -358,6 +358,12 @@ impl WorkerStack {
         // G4: the fabric nodes in discovery, followed for as long as the worker runs.
         let remote =
             cfg.remote_tier.then(|| RemoteTier::new(agent.clone(), Duration::from_secs(10)));
+        if remote.is_some() && store_cfg.disk.is_none() {
+            // Evictions go to the fabric in the background, at the link's pace, keeping a
+            // quarter of the host tier free: an allocation that finds none drops its victim
+            // rather than wait on the network.
+            store_cfg.host_free_target = store_cfg.host_blocks / 4;
+        }
         store_cfg.remote = remote.clone();
         // One pool across workers: only with a shared secret (a random one reaches no peer).
         let peer_cfg = cfg.peers.filter(|_| cfg.secret.is_some());

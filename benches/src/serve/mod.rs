@@ -193,6 +193,8 @@ pub struct Outcome {
     pub cached_tokens: u64,
     /// ... per tier (device, host, disk, remote), where the server is kvfabric.
     pub cached_per_tier: [u64; 4],
+    /// ... of them, pulled from another worker's store (counted in remote too).
+    pub cached_peer: u64,
     /// The answer's text.
     pub text: String,
     /// Why it failed, if it did.
@@ -376,6 +378,8 @@ pub async fn one_request_with(
                     out.cached_per_tier =
                         ["device_tokens", "host_tokens", "disk_tokens", "remote_tokens"]
                             .map(|k| c[k].as_u64().unwrap_or(0));
+                    out.cached_peer = c["peer_tokens"].as_u64().unwrap_or(0);
+                    out.cached_per_tier[3] += out.cached_peer;
                 }
                 let text = v["choices"].get(0).and_then(|c| c["text"].as_str()).unwrap_or("");
                 out.text.push_str(text);

@@ -50,6 +50,8 @@ pub struct OnlineResult {
     pub cached_tokens: u64,
     /// Found cached per tier (device, host, disk, remote), where the server is kvfabric.
     pub cached_per_tier: [u64; 4],
+    /// Of the remote ones, pulled from another worker's store.
+    pub cached_peer: u64,
     /// `cached_tokens / prompt_tokens`.
     pub reuse: f64,
     /// What an infinite cache would reuse of the requests sent.
@@ -140,6 +142,7 @@ pub async fn replay(
         prompt_tokens: prompt,
         cached_tokens: cached,
         cached_per_tier: per_tier,
+        cached_peer: ok.iter().map(|o| o.cached_peer).sum(),
         reuse: cached as f64 / prompt.max(1) as f64,
         limit: curve.limit(),
         ttft_ms: sum.ttft_ms,
@@ -160,14 +163,15 @@ pub fn print(model: &str, url: &str, cfg: &OnlineConfig, r: &OnlineResult) {
         cfg.in_flight_max
     );
     println!(
-        "errors {}; reuse {:.3} of prompt tokens (device {}, host {}, disk {}, remote {} tokens); \
-         limit {:.3}; {:.1} s",
+        "errors {}; reuse {:.3} of prompt tokens (device {}, host {}, disk {}, remote {} tokens, \
+         {} of them pulled from peers); limit {:.3}; {:.1} s",
         r.errors,
         r.reuse,
         r.cached_per_tier[0],
         r.cached_per_tier[1],
         r.cached_per_tier[2],
         r.cached_per_tier[3],
+        r.cached_peer,
         r.limit.token_ratio(),
         r.duration_s
     );

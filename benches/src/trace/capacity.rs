@@ -27,6 +27,10 @@ pub struct CapacityConfig {
     pub workers: usize,
     /// Tokens per id of the trace.
     pub trace_block_tokens: u32,
+    /// The restore replay replays each id as this many tokens (as `bench serve --trace
+    /// --replay-block-tokens` does; the trace's own size when equal): its capacities and
+    /// bandwidths are at that scale.
+    pub replay_block_tokens: u32,
     /// Per-worker cache capacities to evaluate, tokens.
     pub per_worker_tokens: Vec<u64>,
     /// KV bytes per token of the model.
@@ -145,11 +149,21 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
     // The restore replay: the smallest local caches, and a pool reaching 99% of the limit.
     let pool = pooled_for[2].unwrap_or(limit.tokens);
     let first = cfg.per_worker_tokens.first().copied().unwrap_or(1 << 20);
+    // At the replayed scale: the same ids, each `replay_block_tokens` long.
+    let rb = u64::from(cfg.replay_block_tokens.max(1));
+    let scaled = |tokens: u64| (tokens as u128 * u128::from(rb) / u128::from(tb)) as u64;
+    // Blocks no longer than an id (a block spanning ids would share less than the ids do).
+    let bt = bt.min(rb);
     let sim = SimConfig {
         workers: workers as usize,
-        tier_blocks: [first / bt, 0, 0],
-        g4_blocks: pool / bt,
-        reshape: Reshape::none(cfg.trace_block_tokens),
+        block_tokens: bt as u32,
+        tier_blocks: [scaled(first) / bt, 0, 0],
+        g4_blocks: scaled(pool) / bt,
+        reshape: Reshape {
+            from: cfg.trace_block_tokens,
+            to: cfg.replay_block_tokens.max(1),
+            output_max: cfg.sim.reshape.output_max,
+        },
         bytes_per_token: cfg.bytes_per_token,
         ..cfg.sim.clone()
     };

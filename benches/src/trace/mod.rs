@@ -83,6 +83,18 @@ pub struct TraceArgs {
     /// Routing: kv, round-robin, random, least-loaded (round-robin runs beside it).
     #[arg(long, default_value = "kv")]
     routing: String,
+    /// One pool across workers: kv routing prices pulling a prefix from another worker's
+    /// tiers against computing it, and the chosen worker pulls it over --peer-link.
+    #[arg(long)]
+    peer_pulls: bool,
+    /// The link a pull between workers crosses (a name or GB/s).
+    #[arg(long, default_value = "25g")]
+    peer_link: String,
+    /// G4 takes what falls off each worker's lowest tier, as kvfabric's workers without a
+    /// disk tier send their host evictions to the fabric nodes (default: every prefill's
+    /// blocks are written through to G4, as Mooncake's store puts them).
+    #[arg(long)]
+    g4_on_evict: bool,
     /// kvfabric's tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_tokens: u32,
@@ -111,6 +123,10 @@ pub struct TraceArgs {
     /// GGUF).
     #[arg(long, default_value = "llama-3.1-70b")]
     model: String,
+    /// KV dtype, overriding the model's (f32, f16, bf16, fp8, int8): the mock engine's KV is
+    /// SmolLM2-135M's in f32.
+    #[arg(long)]
+    dtype: Option<String>,
     /// The link a G2 hit crosses to G1 (a name or GB/s).
     #[arg(long, default_value = "pcie5")]
     g2_link: String,
@@ -206,7 +222,12 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
                 && args.load_report_ms <= 3_600_000.0),
         "--load-report-ms must be 0 (no reports) or within 1..=3600000"
     );
-    let spec = kvfabric_planner::plan::resolve_model(&args.model)?;
+    let mut spec = kvfabric_planner::plan::resolve_model(&args.model)?;
+    if let Some(d) = &args.dtype {
+        let dtype =
+            kvfabric::layout::KvDtype::parse(d).map_err(|e| crate::failed!("--dtype: {e}"))?;
+        spec = spec.with_dtype(dtype);
+    }
     let bytes_per_token = spec.block_layout(1)?.bytes_per_block();
     let link = |s: &str| Link::parse(s).map(|l| l.gbps);
     let bt = u64::from(args.block_tokens);
@@ -249,6 +270,10 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         requests_max: args.max_requests.unwrap_or(u64::MAX),
         prompt_tokens_max: args.shape.max_prompt_tokens,
         seed: args.seed,
+        peer_pulls: args.peer_pulls,
+        peer_link_gbps: link(&args.peer_link)?,
+        pull_overhead_s: 2e-3,
+        g4_on_evict: args.g4_on_evict,
     };
     let mut modes = vec![mode];
     if mode != RoutingMode::RoundRobin {
@@ -325,7 +350,7 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
         cfg.batch_max
     );
     println!(
-        "{:>12} {:>7} {:>7} {:>6} {:>6} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>11} {:>7}",
+        "{:>12} {:>7} {:>7} {:>6} {:>6} {:>6} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>11} {:>7}",
         "routing",
         "reuse",
         "of lim",
@@ -333,6 +358,7 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
         "G2",
         "G3",
         "G4",
+        "pulled",
         "prefill",
         "TTFT p50",
         "TTFT p99",
@@ -349,7 +375,7 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
             r.per_worker.iter().max().copied().unwrap_or(0),
         );
         println!(
-            "{:>12} {:>7.3} {:>7.3} {:>6.3} {:>6.3} {:>6.3} {:>6.3} {:>10} {:>8.2}s {:>8.2}s {:>7.1}ms {:>7.1}ms {:>11} {:>7.1}",
+            "{:>12} {:>7.3} {:>7.3} {:>6.3} {:>6.3} {:>6.3} {:>6.3} {:>6.3} {:>10} {:>8.2}s {:>8.2}s {:>7.1}ms {:>7.1}ms {:>11} {:>7.1}",
             run.routing,
             run.reuse,
             run.reuse_of_limit,
@@ -357,6 +383,7 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
             share(1),
             share(2),
             share(3),
+            r.pulled_tokens as f64 / r.prompt_tokens.max(1) as f64,
             r.prefill_tokens,
             r.ttft_s[0],
             r.ttft_s[2],
@@ -372,7 +399,7 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
         println!(
             "{:>12} KV moved, GB (peak GB/s over 1 s): onboard G2 {:.1} ({:.2}), G3 {:.1} ({:.2}), \
              G4 {:.1} ({:.2}); offload G1→G2 {:.1} ({:.2}), G2→G3 {:.1} ({:.2}); written to G4 {:.1} ({:.2}); \
-             handed off {:.1} ({:.2}); \
+             handed off {:.1} ({:.2}); pulled between workers {:.1} ({:.2}) in {} pulls; \
              index: {} block events ingested at {:.2} M/s (ingestion alone), {} blocks held at the end",
             run.routing,
             gb(m.onboard_g2),
@@ -389,6 +416,9 @@ fn print_runs(args: &TraceArgs, spec: &ModelSpec, cfg: &SimConfig, runs: &[Run])
             gb(p.write_g4),
             gb(m.handoff),
             gb(p.handoff),
+            gb(m.pull),
+            gb(p.pull),
+            run.result.pulls,
             run.result.events,
             run.result.events as f64 / run.result.ingest_s.max(1e-9) / 1e6,
             run.result.index_blocks

@@ -35,7 +35,7 @@ use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric::rng::SplitMix64;
 use kvfabric_planner::sla::Profile;
 use kvfabric_planner::trace::{Expander, Limit, LimitCounter, Reshape, TraceError, TraceRequest};
-use kvfabric_router::{PrefixIndex, Router, RouterConfig, RoutingMode, WorkerId};
+use kvfabric_router::{PrefixIndex, PullPricing, Router, RouterConfig, RoutingMode, WorkerId};
 use kvfabric_tiers::policy::{FrequencyFilter, PolicyKind};
 use kvfabric_tiers::pool::SlotPool;
 
@@ -107,6 +107,18 @@ pub struct SimConfig {
     pub prompt_tokens_max: u64,
     /// Seed of the expansion and of routing draws.
     pub seed: u64,
+    /// One pool across workers: the router prices pulling a prefix from another worker's
+    /// G1–G3 against computing it, and the chosen worker pulls it over `peer_link_gbps` (as
+    /// kvfabric's workers do from each other's stores). Aggregated layouts only.
+    pub peer_pulls: bool,
+    /// GB/s of the link a pull crosses.
+    pub peer_link_gbps: f64,
+    /// The fixed cost of a pull, seconds.
+    pub pull_overhead_s: f64,
+    /// G4 takes the blocks that fall off a worker's lowest tier (as kvfabric's workers
+    /// without a disk tier send their host evictions to the fabric nodes) instead of every
+    /// prefill's blocks written through (as Mooncake's store puts them).
+    pub g4_on_evict: bool,
 }
 
 impl Default for SimConfig {
@@ -136,6 +148,10 @@ impl Default for SimConfig {
             requests_max: u64::MAX,
             prompt_tokens_max: kvfabric_planner::trace::PROMPT_TOKENS_MAX,
             seed: 1,
+            peer_pulls: false,
+            peer_link_gbps: 3.125,
+            pull_overhead_s: 2e-3,
+            g4_on_evict: false,
         }
     }
 }
@@ -149,6 +165,10 @@ pub struct SimResult {
     pub prompt_tokens: u64,
     /// Prompt tokens found cached, per tier (G1..G4).
     pub reused_tokens: [u64; 4],
+    /// Prompt tokens pulled from another worker's tiers (counted in [`SimResult::reuse`]).
+    pub pulled_tokens: u64,
+    /// Requests whose prefix was pulled.
+    pub pulls: u64,
     /// Prompt tokens prefilled.
     pub prefill_tokens: u64,
     /// What an infinite cache would reuse (counted exactly over the ids).
@@ -225,6 +245,8 @@ pub struct Moved {
     pub write_g4: u64,
     /// Prefill workers → decode workers (a disaggregated layout's handoffs).
     pub handoff: u64,
+    /// A worker's tiers → another worker's G1 (pulls).
+    pub pull: u64,
 }
 
 impl Moved {
@@ -237,6 +259,7 @@ impl Moved {
             &mut self.offload_g3,
             &mut self.write_g4,
             &mut self.handoff,
+            &mut self.pull,
         ]
     }
 }
@@ -244,7 +267,8 @@ impl Moved {
 impl SimResult {
     /// Reused prompt tokens over prompt tokens.
     pub fn reuse(&self) -> f64 {
-        self.reused_tokens.iter().sum::<u64>() as f64 / self.prompt_tokens.max(1) as f64
+        (self.reused_tokens.iter().sum::<u64>() + self.pulled_tokens) as f64
+            / self.prompt_tokens.max(1) as f64
     }
 }
 
@@ -253,8 +277,9 @@ const OFFLOAD_G2: usize = 3;
 const OFFLOAD_G3: usize = 4;
 const WRITE_G4: usize = 5;
 const HANDOFF: usize = 6;
+const PULL: usize = 7;
 /// Kinds of KV movement counted.
-pub const MOVES: usize = 7;
+pub const MOVES: usize = 8;
 
 /// One tier of one worker (or the shared G4).
 #[derive(Debug)]
@@ -283,6 +308,10 @@ struct SimWorker {
     served: u64,
     /// Requests routed here, ever (each one's number, as a worker's `accepted`).
     accepted: u64,
+    /// Collect what falls off its lowest tier (for G4, [`SimConfig::g4_on_evict`]).
+    keep_fallen: bool,
+    /// Blocks fallen off its lowest tier, not yet written to G4.
+    fallen: Vec<SequenceHash>,
 }
 
 impl SimWorker {
@@ -347,6 +376,8 @@ struct Request {
     generated: u64,
     /// Disaggregated: the decode worker it goes to after its prefill.
     decode_worker: Option<usize>,
+    /// The worker the router said to pull its prefix from, and that worker's run (blocks).
+    pull: Option<(usize, u32)>,
 }
 
 /// Emits events to the index on behalf of one source.
@@ -464,6 +495,9 @@ impl HashMemo {
 struct Sim<'a> {
     cfg: &'a SimConfig,
     block_bytes: u64,
+    /// G4 hits are fetched only when their link moves a block faster than a worker computes
+    /// it (as kvfabric's workers price their fabric fetches); else they are computed.
+    g4_worth_it: bool,
     events: Events<'a>,
     router: Router,
     workers: Vec<SimWorker>,
@@ -639,7 +673,6 @@ impl Sim<'_> {
         let bt = u64::from(self.cfg.block_tokens.max(1));
         let hashes = self.hashes(rid);
         let q = &mut self.requests[rid];
-        let w = &mut self.workers[wi];
         let mut restore_s = 0.0;
         let held = if q.decode_worker.is_some() {
             // Its KV came from a prefill worker: held here for its decode, cached after.
@@ -647,15 +680,44 @@ impl Sim<'_> {
         } else {
             let reusable = (q.input.saturating_sub(1) / bt) as usize;
             let mut per_tier = [0u64; 4];
+            let w = &mut self.workers[wi];
             for h in hashes.iter().take(reusable) {
                 let tier = (0..3)
                     .find(|&k| w.tiers[k].as_ref().is_some_and(|x| x.pool.lookup(*h).is_some()))
                     .or_else(|| {
-                        self.g4.as_ref().filter(|g| g.pool.lookup(*h).is_some()).map(|_| 3)
+                        self.g4
+                            .as_ref()
+                            .filter(|g| self.g4_worth_it && g.pool.lookup(*h).is_some())
+                            .map(|_| 3)
                     });
                 let Some(k) = tier else { break };
                 per_tier[k] += 1;
                 w.filter.hit(*h);
+            }
+            // What the router said a peer holds past this run, pulled from wherever the peer
+            // still holds it (it may have evicted some since).
+            let own = per_tier.iter().sum::<u64>() as usize;
+            let mut pulled = 0u64;
+            if let Some((hi, n)) = q.pull.filter(|&(hi, _)| hi != wi) {
+                let holder = &self.workers[hi];
+                for h in hashes.iter().take(reusable.min(n as usize)).skip(own) {
+                    let held = (0..3).any(|k| {
+                        holder.tiers[k].as_ref().is_some_and(|x| x.pool.lookup(*h).is_some())
+                    });
+                    if !held {
+                        break;
+                    }
+                    pulled += 1;
+                }
+                if pulled > 0 {
+                    let bytes = pulled * self.block_bytes;
+                    restore_s += self.cfg.pull_overhead_s
+                        + bytes as f64 / (self.cfg.peer_link_gbps.max(1e-9) * 1e9);
+                    self.r.bytes.pull += bytes;
+                    self.rates.add(t, PULL, bytes);
+                    self.r.pulled_tokens += pulled * bt;
+                    self.r.pulls += 1;
+                }
             }
             for k in 1..4 {
                 let bytes = per_tier[k] * self.block_bytes;
@@ -663,9 +725,10 @@ impl Sim<'_> {
                 *self.r.bytes.fields()[ONBOARD[k - 1]] += bytes;
                 self.rates.add(t, ONBOARD[k - 1], bytes);
             }
-            self.restores
-                .push((per_tier[1] + per_tier[2] + per_tier[3]) as f64 * self.block_bytes as f64);
-            let hit_blocks = per_tier.iter().sum::<u64>();
+            self.restores.push(
+                (per_tier[1] + per_tier[2] + per_tier[3] + pulled) as f64 * self.block_bytes as f64,
+            );
+            let hit_blocks = per_tier.iter().sum::<u64>() + pulled;
             Timeline::add(&mut self.r.timeline.reused_tokens, q.arrival, hit_blocks * bt);
             for (k, n) in per_tier.iter().enumerate() {
                 self.r.reused_tokens[k] += n * bt;
@@ -676,7 +739,7 @@ impl Sim<'_> {
             hit_blocks as usize
         };
         let (pinned, _) = store_blocks(
-            w,
+            &mut self.workers[wi],
             &hashes[..held],
             None,
             &mut self.events,
@@ -686,7 +749,24 @@ impl Sim<'_> {
             &mut self.r,
         );
         q.pinned = pinned;
+        self.spill(wi, t);
         restore_s
+    }
+
+    /// Writes what fell off worker `wi`'s lowest tier to G4 ([`SimConfig::g4_on_evict`]).
+    fn spill(&mut self, wi: usize, t: f64) {
+        let fallen = std::mem::take(&mut self.workers[wi].fallen);
+        if let Some(g4) = self.g4.as_mut().filter(|_| !fallen.is_empty()) {
+            self.r.bytes.write_g4 += write_g4(
+                g4,
+                &fallen,
+                &mut self.events,
+                &mut self.g4_event_id,
+                &mut self.rates,
+                t,
+                self.block_bytes,
+            );
+        }
     }
 
     /// The end of worker `wi`'s step at `t`: chunks computed (a prompt done is a first
@@ -724,7 +804,9 @@ impl Sim<'_> {
                 &mut self.r,
             );
             q.pinned.extend(pinned);
-            if let Some(g4) = self.g4.as_mut() {
+            let done = q.generated >= q.output;
+            self.spill(wi, t);
+            if let Some(g4) = self.g4.as_mut().filter(|_| !self.cfg.g4_on_evict) {
                 self.r.bytes.write_g4 += write_g4(
                     g4,
                     &computed,
@@ -737,7 +819,7 @@ impl Sim<'_> {
             }
             if prefill_only {
                 self.hand_off(wi, rid, t);
-            } else if q.generated >= q.output {
+            } else if done {
                 self.finish(wi, rid, t);
             }
         }
@@ -813,6 +895,7 @@ impl Sim<'_> {
         );
         w.unpin(pinned);
         self.requests.remove(rid);
+        self.spill(wi, t);
     }
 }
 
@@ -837,13 +920,31 @@ pub fn simulate(
         .unwrap_or_else(|_| unreachable!("block_tokens is at least 1"));
     let expander = Expander { block_tokens: cfg.reshape.to.max(1), ..Expander::new(cfg.seed) };
     let index = PrefixIndex::new();
+    let prefill = cfg.prefill_workers;
+    let pulls = cfg.peer_pulls && prefill == 0;
+    let prefill_rate = match &cfg.profile {
+        // The profile's rate at a step's worth of prompt.
+        Some(p) => {
+            let n = cfg.step_tokens.clamp(1, 8192) as f64;
+            n / p.prefill_s.at(n).max(1e-9)
+        }
+        None => cfg.prefill_tokens_per_s,
+    };
+    let block_bytes = cfg.bytes_per_token * bt as u64;
+    let g4_worth_it = block_bytes as f64 / (cfg.link_gbps[2].max(1e-9) * 1e9)
+        <= bt as f64 / prefill_rate.max(1e-9);
     let mut router = Router::new(RouterConfig {
         mode: cfg.mode,
         block_tokens: cfg.block_tokens,
+        pull: pulls.then(|| PullPricing {
+            block_bytes: cfg.bytes_per_token * u64::from(cfg.block_tokens.max(1)),
+            link_bytes_per_s: cfg.peer_link_gbps * 1e9,
+            overhead_s: cfg.pull_overhead_s,
+            prefill_tokens_per_s: prefill_rate,
+        }),
         ..RouterConfig::default()
     });
     let kinds = [cfg.g1_tier, TierKind::Host, TierKind::Disk];
-    let prefill = cfg.prefill_workers;
     let mut decode_router = (prefill > 0).then(|| {
         Router::new(RouterConfig {
             mode: RoutingMode::LeastLoaded,
@@ -858,7 +959,12 @@ pub fn simulate(
             index.add_worker(id);
             match decode_router.as_mut() {
                 Some(d) if i >= prefill => d.add_worker(id),
-                _ => router.add_worker(id),
+                _ => {
+                    router.add_worker(id);
+                    if pulls {
+                        router.pool(id);
+                    }
+                }
             }
             SimWorker {
                 id,
@@ -878,6 +984,8 @@ pub fn simulate(
                 decodes_deferred: false,
                 served: 0,
                 accepted: 0,
+                keep_fallen: cfg.g4_on_evict && cfg.g4_blocks > 0,
+                fallen: Vec::new(),
             }
         })
         .collect();
@@ -893,7 +1001,8 @@ pub fn simulate(
         memo: HashMemo::default(),
         expander,
         hasher,
-        block_bytes: cfg.bytes_per_token * bt as u64,
+        block_bytes,
+        g4_worth_it,
         events: Events { index: &index, count: 0, ingest: std::time::Duration::ZERO },
         router,
         workers,
@@ -964,6 +1073,7 @@ pub fn simulate(
             first_token: None,
             generated: 0,
             decode_worker: None,
+            pull: d.pull.map(|p| ((p.from.0 - 1) as usize, p.blocks)),
         });
         sim.arrive(wi, rid, now);
     }
@@ -1121,7 +1231,13 @@ fn offload(
     block_bytes: u64,
     r: &mut SimResult,
 ) {
-    if blocks.is_empty() || to > 2 {
+    if blocks.is_empty() {
+        return;
+    }
+    if to > 2 {
+        if w.keep_fallen {
+            w.fallen.extend(blocks.into_iter().map(|b| b.0));
+        }
         return;
     }
     let filter = &w.filter;

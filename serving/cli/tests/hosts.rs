@@ -393,6 +393,158 @@ async fn three_hosts_survive_a_cut_and_a_rolling_restart_of_their_workers() {
     assert!(answered > 20, "too little load to prove anything: {answered}");
 }
 
+/// Sends `prompt` straight to worker `w` on `host` (its request port, the cluster's secret),
+/// told to pull it from `pull`: the tokens, the tokens that came from a peer, and how long it
+/// took. Never waits past [`CLIENT_DEADLINE`].
+async fn ask_worker(
+    addr: SocketAddr,
+    w: &str,
+    prompt: &[u32],
+    pull: Option<kvfabric::contract::generate::PullHint>,
+) -> Result<(Vec<u32>, usize, Duration), String> {
+    use kvfabric_serving::engine::{GenEvent, GenerateRequest};
+    use kvfabric_serving::protocol::{self, Auth, WorkerRequest};
+    let started = Instant::now();
+    let mut request = GenerateRequest::new(prompt.to_vec(), 8, CLIENT_DEADLINE);
+    request.ignore_eos = true;
+    request.pull = pull;
+    let req = WorkerRequest { model: "mock".into(), request };
+    let auth =
+        Auth { name: "hosts-test".into(), secret: b"hosts-test-secret-of-the-cluster".to_vec() };
+    let work = async {
+        let mut s = protocol::connect(addr, w, &auth, &req, Duration::from_secs(5))
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let (mut tokens, mut peer) = (Vec::new(), 0);
+        loop {
+            let ev: Option<GenEvent> =
+                protocol::read_frame(&mut s).await.map_err(|e| format!("read: {e}"))?;
+            match ev {
+                Some(GenEvent::Started { cached, .. }) => peer = cached.peer_tokens,
+                Some(GenEvent::Cached(c)) => peer = c.peer_tokens,
+                Some(GenEvent::Token { id, .. }) => tokens.push(id),
+                Some(GenEvent::Done { .. }) => return Ok((tokens, peer, started.elapsed())),
+                Some(GenEvent::Error(e)) => return Err(e.to_string()),
+                Some(_) => {}
+                None => return Err("the stream ended".into()),
+            }
+        }
+    };
+    tokio::time::timeout(CLIENT_DEADLINE, work).await.map_err(|_| "client deadline".to_string())?
+}
+
+/// A worker's `/metrics` sample, 0 when absent or unreachable.
+async fn worker_metric(c: &Cluster, host: usize, sample: &str) -> f64 {
+    let Ok(m) = get(c.addr(host, 9100), "/metrics").await else { return 0.0 };
+    common::metric(&m.text(), sample)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_pulled_across_hosts_survives_its_holder_dying_or_cut_off_mid_pull() {
+    // One KV pool across hosts: w3 pulls a prompt's prefix from w2's store, over TCP between
+    // their hosts, where told to; the answer is token for token w2's. Then the holder is
+    // killed (-9), and cut off the network, while a pull of 100 blocks (74 MB over its link
+    // shaped to 200 Mbit/s: 3 s) is under way: each request still answers, the same, computed
+    // (the kill within a second or so, the cut within the pull's 5 s deadline).
+    let c = Cluster::new(3);
+    for i in ["1", "2", "3"] {
+        c.sh(&["start-etcd", i]);
+        c.sh(&["start-nats", i]);
+    }
+    for h in 1..=3 {
+        let (etcd, nats) = (c.addr(h, 2379), c.addr(h, 8222));
+        wait_for("etcd and NATS answer", Duration::from_secs(30), async || {
+            let e = get(etcd, "/health");
+            let n = get(nats, "/healthz?js-enabled-only=true");
+            matches!(e.await, Ok(r) if r.status == 200)
+                && matches!(n.await, Ok(r) if r.status == 200)
+        })
+        .await;
+    }
+    c.start_worker(2);
+    c.start_worker(3);
+    for h in [2, 3] {
+        wait_for(
+            "the workers serve",
+            Duration::from_secs(60),
+            async || matches!(get(c.addr(h, 9100), "/health").await, Ok(r) if r.status == 200),
+        )
+        .await;
+    }
+    // 1,601 byte tokens: 100 full blocks and one token to compute.
+    fn prompt(salt: u32) -> Vec<u32> {
+        (0..1601u32).map(|i| 32 + (i * 7 + salt * 13) % 200).collect()
+    }
+    fn hint(blocks: u32) -> Option<kvfabric::contract::generate::PullHint> {
+        Some(kvfabric::contract::generate::PullHint { from: "w2".into(), blocks })
+    }
+    let failures = |reason: &'static str| {
+        let sample = format!("kvfabric_peer_pull_failures_total{{reason=\"{reason}\"}}");
+        async move { worker_metric(&c, 3, &sample).await }
+    };
+
+    let (w2, w3) = (c.addr(2, 7100), c.addr(3, 7100));
+    // w3 learns w2's store from discovery.
+    wait_for("w3 knows w2's store", Duration::from_secs(30), async || {
+        worker_metric(&c, 3, "kvfabric_peers_known").await >= 1.0
+    })
+    .await;
+
+    // Pulled whole, the same answer.
+    let p1 = prompt(1);
+    let (held, _, _) = ask_worker(w2, "w2", &p1, None).await.expect("w2 computes");
+    let (tokens, peer, _) = ask_worker(w3, "w3", &p1, hint(100)).await.expect("w3 answers");
+    assert_eq!(peer, 100 * 16, "the whole prefix came from w2");
+    assert_eq!(tokens, held, "pulled across hosts, the same tokens");
+    assert!(worker_metric(&c, 3, "kvfabric_peer_pulled_blocks_total").await >= 100.0);
+    assert!(worker_metric(&c, 2, "kvfabric_peer_served_blocks_total").await >= 100.0);
+
+    // The holder killed mid-pull: computed, the same, soon.
+    c.sh(&["shape", "h2", "200mbit"]);
+    let p2 = prompt(2);
+    let (held, _, _) = ask_worker(w2, "w2", &p2, None).await.expect("w2 computes");
+    let asked = tokio::spawn(async move { ask_worker(w3, "w3", &prompt(2), hint(100)).await });
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    c.sh(&["stop", "w2", "KILL"]);
+    let (tokens, peer, took) = asked.await.unwrap().expect("w3 answers with its holder killed");
+    assert_eq!(tokens, held, "computed after the holder died, the same tokens");
+    assert_eq!(peer, 0, "nothing came from the killed holder");
+    assert!(took < Duration::from_secs(5), "a dead holder is noticed at once: {took:?}");
+    assert!(failures("unreachable").await >= 1.0);
+
+    // The holder cut off mid-pull: computed within the pull's deadline, the same.
+    c.start_worker(2);
+    wait_for(
+        "w2 serves again",
+        Duration::from_secs(60),
+        async || matches!(get(c.addr(2, 9100), "/health").await, Ok(r) if r.status == 200),
+    )
+    .await;
+    let p3 = prompt(3);
+    let (held, _, _) = ask_worker(w2, "w2", &p3, None).await.expect("w2 computes");
+    // w3 knows the new w2 once a pull of one block w2 holds succeeds (a fresh block each try:
+    // one that failed is w3's own after).
+    let mut probe = 1000;
+    wait_for("w3 knows the restarted w2", Duration::from_secs(30), async || {
+        probe += 1;
+        let one = prompt(probe)[..17].to_vec();
+        ask_worker(w2, "w2", &one, None).await.is_ok()
+            && matches!(ask_worker(w3, "w3", &one, hint(1)).await, Ok((_, 16, _)))
+    })
+    .await;
+    let timeouts = failures("timeout").await;
+    let asked = tokio::spawn(async move { ask_worker(w3, "w3", &prompt(3), hint(100)).await });
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    c.sh(&["cut", "h2"]);
+    let (tokens, peer, took) = asked.await.unwrap().expect("w3 answers with its holder cut off");
+    c.sh(&["heal", "h2"]);
+    assert_eq!(tokens, held, "computed after the holder was cut off, the same tokens");
+    assert_eq!(peer, 0, "nothing came from the cut-off holder");
+    assert!(took < Duration::from_secs(12), "the pull's deadline bounds the wait: {took:?}");
+    assert_eq!(failures("timeout").await, timeouts + 1.0);
+    eprintln!("pool across hosts: pulled 100 blocks whole; holder killed and cut off mid-pull, answered the same; the cut cost {took:?}");
+}
+
 // --- the full fault matrix (outside CI: scripts/cluster-check.sh) ----------------------------
 
 /// A request of the matrix: prompt `i` (one of four shared prefixes of 256 bytes, then its

@@ -25,6 +25,10 @@ use super::{
 /// The longest a request waits for the fabric to say which of its blocks it holds.
 const REMOTE_LOOKUP_MAX: Duration = Duration::from_secs(1);
 
+/// One run of fabric blocks in this many that computing would beat is fetched anyway, to
+/// measure the link again.
+const REMOTE_PROBE_EVERY: u64 = 16;
+
 /// Scheduler limits.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -106,6 +110,9 @@ pub struct SchedulerStats {
     /// Prompt tokens computed per second, as measured over steps that ran prompts only (0:
     /// not measured yet): what routers price computing a prefix at.
     pub prefill_tokens_per_s: AtomicU64,
+    /// Prompts whose blocks on the fabric (G4) were computed instead: fetching them over the
+    /// link, at the rate measured, would have taken longer.
+    pub remote_declined: AtomicU64,
     /// Requests cancelled by their client.
     pub cancelled: AtomicU64,
     /// Requests failed by their deadline.
@@ -950,15 +957,41 @@ impl<E: Engine> Loop<E> {
         // The fabric (G4) may hold what follows: one lookup round, bounded in time.
         let limit = seq.deadline.saturating_duration_since(Instant::now()).min(REMOTE_LOOKUP_MAX);
         let store = self.store.clone();
-        match self.runtime.block_on(async {
+        let tiers = match self.runtime.block_on(async {
             tokio::time::timeout(limit, store.extend_with_remote(hashes, local.clone())).await
         }) {
             Ok(tiers) => tiers,
             Err(_) => {
                 tracing::debug!(seq = seq.id, "remote tier lookup timed out; local blocks only");
-                local
+                return local;
+            }
+        };
+        self.price_remote(tiers, local.len())
+    }
+
+    /// Keeps the fabric's (G4) blocks of a cached run only if fetching them, at the rate the
+    /// store measured over its link (queueing included), beats computing them at the rate
+    /// the engine's steps measured: on a slow or saturated link they are computed. One
+    /// declined run in [`REMOTE_PROBE_EVERY`] is fetched anyway, so that the rate is
+    /// measured again when the link frees up.
+    fn price_remote(&self, mut tiers: Vec<TierKind>, local: usize) -> Vec<TierKind> {
+        let remote = tiers[local.min(tiers.len())..].len();
+        let (Some(rate), Some(us)) = (self.store.remote_rate(), self.cost.prefill_us_per_token)
+        else {
+            return tiers;
+        };
+        if remote == 0 || rate <= 0.0 {
+            return tiers;
+        }
+        let fetch_s = (remote as u64 * self.store.block_bytes()) as f64 / rate;
+        let compute_s = (remote * self.hasher.block_tokens()) as f64 * us / 1e6;
+        if fetch_s > compute_s {
+            let n = self.stats.remote_declined.fetch_add(1, Ordering::Relaxed);
+            if n % REMOTE_PROBE_EVERY != REMOTE_PROBE_EVERY - 1 {
+                tiers.truncate(local);
             }
         }
+        tiers
     }
 
     /// Starts pulling, from the peer a router named, the blocks of the prompt it holds past

@@ -299,7 +299,9 @@ impl Generation {
     /// host tier (then off the others, should there be fewer there).
     fn cached_by_tier(&self) -> [u64; 4] {
         let c = &self.cached;
-        let mut tiers = [c.device_tokens, c.host_tokens, c.disk_tokens, c.remote_tokens];
+        // Pulled from a peer's store: from another machine, as the fabric's hits are.
+        let mut tiers =
+            [c.device_tokens, c.host_tokens, c.disk_tokens, c.remote_tokens + c.peer_tokens];
         let mut computed = self.remote_prefill.as_ref().map_or(0, |r| r.tokens);
         for i in [1, 3, 2, 0] {
             let take = computed.min(tiers[i]);

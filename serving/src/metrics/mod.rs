@@ -1874,6 +1874,15 @@ fn peer_pulls(
     family(
         e,
         s,
+        "kvfabric_peers_known",
+        "Other workers' stores this worker can pull from.",
+        None,
+        G,
+        |s, o| o.extend(ps(s).map(|p| plain(p.known))),
+    )?;
+    family(
+        e,
+        s,
         "kvfabric_peer_served_blocks",
         "Blocks this worker's store served to peers' pulls.",
         None,

@@ -107,6 +107,8 @@ pub struct PeerSnapshot {
     pub served_busy: u64,
     /// Per peer pulled from: bytes pulled from it, and the rate measured, bytes per second.
     pub links: Vec<(String, u64, f64)>,
+    /// Peers whose stores it knows (from discovery).
+    pub known: u64,
 }
 
 impl PeerStats {
@@ -298,6 +300,7 @@ impl Peers {
             served_bytes: get(&s.served_bytes),
             served_busy: get(&s.served_busy),
             links,
+            known: self.inner.known.read().len() as u64,
         }
     }
 

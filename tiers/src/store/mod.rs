@@ -199,6 +199,9 @@ struct Inner {
     /// Notified whenever an eviction or a write-through ends: a reservation that found every
     /// host slot held by them waits for it.
     released: tokio::sync::Notify,
+    /// The rate measured fetching blocks from the fabric (G4), bytes per second: an EWMA over
+    /// fetches of at least a MiB (None before one).
+    remote_rate: Mutex<Option<f64>>,
 }
 
 /// The host tier's region, registered with the agent for as long as the store lives.
@@ -318,6 +321,7 @@ impl TieredStore {
             freeing: std::sync::atomic::AtomicBool::new(false),
             written: tokio::sync::Notify::new(),
             released: tokio::sync::Notify::new(),
+            remote_rate: Mutex::new(None),
             cfg,
         };
         Ok(TieredStore { inner: Arc::new(inner) })
@@ -481,6 +485,12 @@ impl TieredStore {
     /// Whether the store has a remote tier (G4) that knows at least one fabric node.
     pub fn has_remote(&self) -> bool {
         self.inner.cfg.remote.as_ref().is_some_and(|r| !r.is_empty())
+    }
+
+    /// The rate measured fetching blocks from the fabric (G4), bytes per second, including
+    /// any queueing on the way (a saturated link reads slow): None before a fetch of a MiB.
+    pub fn remote_rate(&self) -> Option<f64> {
+        *self.inner.remote_rate.lock()
     }
 
     /// The peers it pulls from, if any ([`StoreConfig::peers`]).

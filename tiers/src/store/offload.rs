@@ -125,8 +125,13 @@ impl Inner {
                     // The eviction (an offload, then freeing the slot) completes even if this
                     // future is dropped, so no slot stays marked evicting.
                     let inner = self.clone();
+                    // With a free reserve kept in the background, an allocation never waits
+                    // on the network: what it evicts is dropped, not written to the fabric
+                    // (the background eviction toward `host_free_target` writes there, at the
+                    // link's pace). Without one, every eviction goes there.
+                    let to_fabric = self.cfg.host_free_target == 0;
                     to_completion(&self.runtime, async move {
-                        inner.evict_host(victim, admitted).await
+                        inner.evict_host(victim, admitted, to_fabric).await
                     })
                     .await?;
                 }
@@ -190,7 +195,7 @@ impl Inner {
                     break;
                 }
                 let evictions =
-                    victims.into_iter().map(|(v, admitted)| inner.evict_host(v, admitted));
+                    victims.into_iter().map(|(v, admitted)| inner.evict_host(v, admitted, true));
                 let results = futures_util::future::join_all(evictions).await;
                 if results.iter().any(Result::is_err) {
                     break;
@@ -206,8 +211,14 @@ impl Inner {
         self.cfg.remote.as_ref().filter(|_| self.cfg.evict_to_remote)
     }
 
-    /// Completes an eviction begun under the lock: offloads when admitted, then frees.
-    async fn evict_host(&self, v: Victim, admitted: bool) -> Result<(), StoreError> {
+    /// Completes an eviction begun under the lock: offloads when admitted (to the fabric only
+    /// when `to_fabric`: a background eviction, not an allocation's), then frees.
+    async fn evict_host(
+        &self,
+        v: Victim,
+        admitted: bool,
+        to_fabric: bool,
+    ) -> Result<(), StoreError> {
         // Only a block readable on disk counts as there: one still being written may fail.
         let offload = match &self.disk {
             Some(d) => admitted && !d.has(v.hash),
@@ -218,7 +229,7 @@ impl Inner {
                 let _ = self.end_eviction(v.slot, false);
                 return Err(e);
             }
-        } else if let (None, Some(remote)) = (&self.disk, self.evicts_to()) {
+        } else if let (None, Some(remote), true) = (&self.disk, self.evicts_to(), to_fabric) {
             // No disk tier: the fabric (G4) takes the block, straight out of its host slot.
             // The admission filter guards the disk (its writes wear it and cost the serving
             // rate); the fabric is other machines' memory and takes every evicted block.

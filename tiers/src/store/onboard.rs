@@ -305,12 +305,20 @@ impl Inner {
             return Ok(Vec::new());
         }
         let quarantine = remote.deadline() * 4;
+        let started = Instant::now();
         let fetched = self
             .fetch_into_host(first_parent, hashes, quarantine, |hashes, locs| async move {
                 remote.get(&hashes, &locs).await.map_err(|_| ())
             })
             .await;
-        Ok(fetched.map(|(refs, _)| refs).unwrap_or_default())
+        let refs = fetched.map(|(refs, _)| refs).unwrap_or_default();
+        let bytes = refs.len() as u64 * self.cfg.block_bytes;
+        if bytes >= 1 << 20 {
+            let r = bytes as f64 / started.elapsed().as_secs_f64().max(1e-6);
+            let mut rate = self.remote_rate.lock();
+            *rate = Some(rate.map_or(r, |old| 0.3 * r + 0.7 * old));
+        }
+        Ok(refs)
     }
 
     /// Pulls the leading run of `hashes` that peer `from` holds into new host slots, pinned,

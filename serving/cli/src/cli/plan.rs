@@ -119,6 +119,23 @@ pub struct PlanArgs {
     /// pooled, the limit) to this SVG file.
     #[arg(long, requires = "trace")]
     plot: Option<std::path::PathBuf>,
+    /// --trace: the restore replay replays each id as this many tokens (prompts shorter by
+    /// the ratio, as `bench serve --trace --replay-block-tokens` sends them; its capacities and
+    /// bandwidths at that scale).
+    #[arg(long, requires = "trace")]
+    replay_block_tokens: Option<u32>,
+    /// --trace: the restore replay cuts answers to this many tokens.
+    #[arg(long, requires = "trace")]
+    output_tokens_max: Option<u64>,
+    /// --trace: arrivals this many times faster than the trace's timestamps (the restore
+    /// bandwidth scales with it), as `bench serve --trace --speedup` replays them.
+    #[arg(long, default_value_t = 1.0, requires = "trace")]
+    speedup: f64,
+    /// --trace: the pool takes what falls off each worker's cache, as kvfabric's workers
+    /// without a disk tier send their host evictions to the fabric nodes (default: every
+    /// prefill's blocks are written through to it, as Mooncake's store puts them).
+    #[arg(long, requires = "trace")]
+    g4_on_evict: bool,
 }
 
 /// `mean` or `pNN`: None for the mean, else the quantile.
@@ -488,6 +505,7 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
     let cfg = CapacityConfig {
         workers: args.workers,
         trace_block_tokens: args.trace_block_tokens,
+        replay_block_tokens: args.replay_block_tokens.unwrap_or(args.trace_block_tokens).max(1),
         per_worker_tokens: sizes,
         bytes_per_token,
         links,
@@ -496,9 +514,16 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
             block_tokens: 64,
             bytes_per_token,
             prompt_tokens_max: args.max_prompt_tokens,
+            speedup: args.speedup,
+            g4_on_evict: args.g4_on_evict,
+            reshape: kvfabric_planner::trace::Reshape {
+                output_max: args.output_tokens_max.unwrap_or(u64::MAX),
+                ..kvfabric_planner::trace::Reshape::none(args.trace_block_tokens)
+            },
             ..SimConfig::default()
         },
     };
+    anyhow::ensure!(args.speedup > 0.0 && args.speedup.is_finite(), "--speedup must be above 0");
     let report = capacity(trace, &cfg).with_context(|| trace.display().to_string())?;
     if let Some(path) = &args.plot {
         std::fs::write(path, capacity_plot(&report, cfg.workers))
@@ -552,7 +577,7 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
         println!("{:.0}% of the limit: pooled {pooled}; local {local}", s * 100.0);
     }
     println!(
-        "the pool's hits (pool of {} tokens, local caches of {} tokens; reuse {:.3}) onboard {:.1} GB/s at p99 over seconds, {:.1} GB/s at peak:",
+        "the pool's hits (pool of {} tokens, local caches of {} tokens; reuse {:.3}) onboard {:.3} GB/s at p99 over seconds, {:.3} GB/s at peak:",
         report.restore_pool_tokens,
         cfg.per_worker_tokens[0],
         report.restore_pool_reuse,
