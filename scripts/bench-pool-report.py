@@ -56,4 +56,10 @@ for r, (m99, mpeak) in measured.items():
     if r == "per-worker":
         continue
     err = lambda pred, real: (pred - real) / real * 100 if real > 0 else float("nan")
-    print(f"- {r}: measured fabric → workers {m99 / 1e6:.0f} MB/s p99, {mpeak / 1e6:.0f} MB/s peak: the planner's error {err(p99 * 1e9, m99):+.0f}% at p99, {err(peak * 1e9, mpeak):+.0f}% at peak")
+    sims = [json.load(open(p))["runs"][0] for p in sorted(glob.glob(f"{out}/{r}.sim*.json"))]
+    s99 = sum(s["p99_bytes_per_s"]["onboard_g4"] for s in sims) / len(sims)
+    speak = sum(s["peak_bytes_per_s"]["onboard_g4"] for s in sims) / len(sims)
+    print(f"- {r}: measured fabric → workers {m99 / 1e6:.0f} MB/s p99, {mpeak / 1e6:.0f} MB/s peak; "
+          f"the planner's error {err(p99 * 1e9, m99):+.0f}% at p99, {err(peak * 1e9, mpeak):+.0f}% at peak; "
+          f"the simulator of this very configuration (bench trace) {s99 / 1e6:.0f}/{speak / 1e6:.0f} MB/s: "
+          f"{err(s99, m99):+.0f}%, {err(speak, mpeak):+.0f}%")

@@ -491,7 +491,12 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
     use kvfabric_benches::trace::capacity::{capacity, CapacityConfig, SHARES};
     use kvfabric_benches::trace::sim::SimConfig;
 
-    let model = resolve_model(&args.model).with_context(|| format!("model {:?}", args.model))?;
+    let mut model =
+        resolve_model(&args.model).with_context(|| format!("model {:?}", args.model))?;
+    // The KV dtype asked for, as the plan without --trace takes it (it was ignored here).
+    if let Some(d) = args.dtype.as_deref().map(KvDtype::parse).transpose()? {
+        model = model.with_dtype(d);
+    }
     let bytes_per_token = model.block_layout(1)?.bytes_per_block();
     let links = args.link.iter().map(|l| Link::parse(l)).collect::<Result<Vec<_>, _>>()?;
     let most = kvfabric_benches::trace::sizing::REPLAY_WORKERS_MAX;
@@ -502,7 +507,7 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
     );
     let mut sizes = args.cache_tokens.clone();
     sizes.sort_unstable();
-    let cfg = CapacityConfig {
+    let mut cfg = CapacityConfig {
         workers: args.workers,
         trace_block_tokens: args.trace_block_tokens,
         replay_block_tokens: args.replay_block_tokens.unwrap_or(args.trace_block_tokens).max(1),
@@ -516,6 +521,16 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
             prompt_tokens_max: args.max_prompt_tokens,
             speedup: args.speedup,
             g4_on_evict: args.g4_on_evict,
+            // Timed by the engine measured, where given (as `bench trace --profile`): the
+            // queueing it shows moves kv routing, and with it what the pool serves.
+            profile: match &args.profile {
+                Some(path) => Some(
+                    kvfabric_serving::profile::EngineProfile::read(path)
+                        .and_then(|p| p.planning())
+                        .with_context(|| path.display().to_string())?,
+                ),
+                None => None,
+            },
             reshape: kvfabric_planner::trace::Reshape {
                 output_max: args.output_tokens_max.unwrap_or(u64::MAX),
                 ..kvfabric_planner::trace::Reshape::none(args.trace_block_tokens)
@@ -524,6 +539,10 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
         },
     };
     anyhow::ensure!(args.speedup > 0.0 && args.speedup.is_finite(), "--speedup must be above 0");
+    // The measured engine's batch too, as `bench trace --profile` takes it.
+    if let Some(p) = &cfg.sim.profile {
+        cfg.sim.batch_max = (p.batch_max as usize).max(1);
+    }
     let report = capacity(trace, &cfg).with_context(|| trace.display().to_string())?;
     if let Some(path) = &args.plot {
         std::fs::write(path, capacity_plot(&report, cfg.workers))
