@@ -316,6 +316,7 @@ impl InProcess {
             addr: pa.listen_addr(),
             role: Role::Prefill,
             api: Default::default(),
+            store: None,
         };
         let reg = discovery
             .register(

@@ -478,9 +478,13 @@ async fn a_prefix_pulled_across_hosts_survives_its_holder_dying_or_cut_off_mid_p
     fn hint(blocks: u32) -> Option<kvfabric::contract::generate::PullHint> {
         Some(kvfabric::contract::generate::PullHint { from: "w2".into(), blocks })
     }
-    let failures = |reason: &'static str| {
+    let w3_metrics = c.addr(3, 9100);
+    let failures = |reason: &'static str| async move {
         let sample = format!("kvfabric_peer_pull_failures_total{{reason=\"{reason}\"}}");
-        async move { worker_metric(&c, 3, &sample).await }
+        match get(w3_metrics, "/metrics").await {
+            Ok(m) => common::metric(&m.text(), &sample),
+            Err(_) => 0.0,
+        }
     };
 
     let (w2, w3) = (c.addr(2, 7100), c.addr(3, 7100));
