@@ -90,6 +90,11 @@ pub struct WorkerConfig {
     /// One KV pool across workers: it pulls prefix blocks from other workers' stores where
     /// a router says so, and serves theirs (None: neither).
     pub peers: Option<PeerConfig>,
+    /// With the fabric as its lowest tier: an allocation that must evict waits on writing its
+    /// victim there only while those writes measure at least this many bytes per second
+    /// (0: always; `kvfabric worker` gives 800 Mbit/s): over a slower link, waiting would
+    /// hold the engine to the link's rate.
+    pub remote_write_min_bytes_per_s: f64,
 }
 
 /// How a worker takes part in the pool of workers' stores.
@@ -360,9 +365,11 @@ impl WorkerStack {
             cfg.remote_tier.then(|| RemoteTier::new(agent.clone(), Duration::from_secs(10)));
         if remote.is_some() && store_cfg.disk.is_none() {
             // Evictions go to the fabric in the background, at the link's pace, keeping a
-            // quarter of the host tier free: an allocation that finds none drops its victim
-            // rather than wait on the network.
+            // quarter of the host tier free; an allocation that finds none waits on the
+            // fabric only over a link of 800 Mbit/s or more, and drops its victim over a
+            // slower one rather than stall the engine at the link's rate.
             store_cfg.host_free_target = store_cfg.host_blocks / 4;
+            store_cfg.remote_write_min_bytes_per_s = cfg.remote_write_min_bytes_per_s;
         }
         store_cfg.remote = remote.clone();
         // One pool across workers: only with a shared secret (a random one reaches no peer).

@@ -39,6 +39,7 @@ fn config(name: &str, engine: EngineSpec, peer_deadline: Duration) -> WorkerConf
         rdma: None,
         transfer_listen: ([127, 0, 0, 1], 0).into(),
         transfer_advertise: None,
+        remote_write_min_bytes_per_s: 0.0,
         peers: Some(PeerConfig { deadline: peer_deadline, ..PeerConfig::default() }),
     }
 }

@@ -67,6 +67,7 @@ fn worker_config(
         rdma: None,
         transfer_listen: ([127, 0, 0, 1], 0).into(),
         transfer_advertise: None,
+        remote_write_min_bytes_per_s: 0.0,
         peers: None,
     }
 }

@@ -84,6 +84,11 @@ pub struct StoreConfig {
     pub evict_to_remote: bool,
     /// G1: slots in GPU memory above the host tier (see [`DeviceTierConfig`]).
     pub device: Option<DeviceTierConfig>,
+    /// An allocation that must evict waits on writing its victim to the fabric only while
+    /// such writes measure at least this many bytes per second; below it the victim is
+    /// dropped (the background eviction toward `host_free_target` still writes to the fabric).
+    /// 0: always waits, as a store without a free reserve must.
+    pub remote_write_min_bytes_per_s: f64,
     /// Other workers' stores, which [`TieredStore::pull`] reads from. Its agent must be the
     /// one the store is opened with.
     pub peers: Option<crate::remote::peers::Peers>,
@@ -106,6 +111,7 @@ impl StoreConfig {
             evict_to_remote: true,
             device: None,
             peers: None,
+            remote_write_min_bytes_per_s: 0.0,
         }
     }
 
@@ -202,6 +208,8 @@ struct Inner {
     /// The rate measured fetching blocks from the fabric (G4), bytes per second: an EWMA over
     /// fetches of at least a MiB (None before one).
     remote_rate: Mutex<Option<f64>>,
+    /// The rate measured writing evicted blocks to the fabric, bytes per second (an EWMA).
+    remote_put_rate: Mutex<Option<f64>>,
 }
 
 /// The host tier's region, registered with the agent for as long as the store lives.
@@ -322,6 +330,7 @@ impl TieredStore {
             written: tokio::sync::Notify::new(),
             released: tokio::sync::Notify::new(),
             remote_rate: Mutex::new(None),
+            remote_put_rate: Mutex::new(None),
             cfg,
         };
         Ok(TieredStore { inner: Arc::new(inner) })

@@ -125,11 +125,15 @@ impl Inner {
                     // The eviction (an offload, then freeing the slot) completes even if this
                     // future is dropped, so no slot stays marked evicting.
                     let inner = self.clone();
-                    // With a free reserve kept in the background, an allocation never waits
-                    // on the network: what it evicts is dropped, not written to the fabric
-                    // (the background eviction toward `host_free_target` writes there, at the
-                    // link's pace). Without one, every eviction goes there.
-                    let to_fabric = self.cfg.host_free_target == 0;
+                    // An allocation waits on a write to the fabric only over a link that
+                    // measured at least `remote_write_min_bytes_per_s` (or has not been
+                    // measured yet); over a slower one what it evicts is dropped, and the
+                    // background eviction toward `host_free_target` writes to the fabric at
+                    // the link's pace.
+                    let to_fabric = self
+                        .remote_put_rate
+                        .lock()
+                        .is_none_or(|r| r >= self.cfg.remote_write_min_bytes_per_s);
                     to_completion(&self.runtime, async move {
                         inner.evict_host(victim, admitted, to_fabric).await
                     })
@@ -238,7 +242,13 @@ impl Inner {
             // any new block).
             if !remote.is_empty() {
                 let loc = [(self.region.id(), self.slot_offset(v.slot))];
+                let started = Instant::now();
                 let stored = remote.put(&[v.hash], &[v.parent], &loc).await;
+                if matches!(stored.as_deref(), Ok([true])) {
+                    let r = self.cfg.block_bytes as f64 / started.elapsed().as_secs_f64().max(1e-6);
+                    let mut rate = self.remote_put_rate.lock();
+                    *rate = Some(rate.map_or(r, |old| 0.3 * r + 0.7 * old));
+                }
                 if !matches!(stored.as_deref(), Ok([true])) {
                     let _ = self.end_eviction(v.slot, false);
                     return Err(StoreError::Remote(match stored {

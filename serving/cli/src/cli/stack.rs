@@ -133,6 +133,12 @@ pub struct EngineOpts {
     /// planner's link table, `1g`, `10g`, `25g`, `100g`…, or NAME=GB/s; none: unpaced).
     #[arg(long, env = "KVFABRIC_PEER_LINK")]
     pub peer_link: Option<String>,
+    /// With the fabric as the lowest tier (no disk): an allocation that must evict waits on
+    /// writing its victim to the fabric only while those writes measure at least this many
+    /// megabits per second; below it the victim is dropped (evictions still go to the fabric
+    /// in the background, at the link's pace). 0: always wait.
+    #[arg(long, env = "KVFABRIC_FABRIC_WRITE_MIN_MBPS", default_value_t = 800.0)]
+    pub fabric_write_min_mbps: f64,
     /// Mock: mirror the model of this Hugging Face directory (its tokenizer.json, chat
     /// template and config.json's KV layout), as Dynamo's mocker does; without it, one token
     /// per byte over SmolLM2-135M's KV in f32.
@@ -297,6 +303,7 @@ pub fn worker_config(
         rdma: rdma(),
         transfer_listen: transfer.listen,
         transfer_advertise: transfer.advertise,
+        remote_write_min_bytes_per_s: opts.fabric_write_min_mbps.max(0.0) * 1e6 / 8.0,
         peers: match opts.peer_pulls {
             false => None,
             true => Some(PeerConfig {
