@@ -233,6 +233,7 @@ pub fn engine_snapshot(sched: &Scheduler, store: &TieredStore) -> EngineSnapshot
         waiting: ld(&s.waiting),
         running: ld(&s.running),
         steps: ld(&s.steps),
+        remote_declined: ld(&s.remote_declined),
         preempted: ld(&s.preempted),
         preempted_decode: ld(&s.preempted_decode),
         shed: ld(&s.shed),

@@ -365,10 +365,12 @@ impl WorkerStack {
             cfg.remote_tier.then(|| RemoteTier::new(agent.clone(), Duration::from_secs(10)));
         if remote.is_some() && store_cfg.disk.is_none() {
             // Evictions go to the fabric in the background, at the link's pace, keeping a
-            // quarter of the host tier free; an allocation that finds none waits on the
+            // sixteenth of the host tier free (a quarter, as with a disk, cost a slow link's
+            // workers 5 points of reuse: what they keep free they do not cache, and there
+            // the fabric is not read); an allocation that finds none waits on the
             // fabric only over a link of 800 Mbit/s or more, and drops its victim over a
             // slower one rather than stall the engine at the link's rate.
-            store_cfg.host_free_target = store_cfg.host_blocks / 4;
+            store_cfg.host_free_target = store_cfg.host_blocks / 16;
             store_cfg.remote_write_min_bytes_per_s = cfg.remote_write_min_bytes_per_s;
         }
         store_cfg.remote = remote.clone();

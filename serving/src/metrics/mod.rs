@@ -565,6 +565,8 @@ pub struct EngineSnapshot {
     pub running: u64,
     /// Engine steps.
     pub steps: u64,
+    /// Prompts whose fabric (G4) blocks were computed instead: the link measured too slow.
+    pub remote_declined: u64,
     /// Requests whose prefill yielded its batch slot to a more urgent class.
     pub preempted: u64,
     /// Requests whose decode paused, yielding its batch slot to a latency class's request.
@@ -924,6 +926,15 @@ fn engine_and_store(
     family(e, s, "kvfabric_engine_steps", "Engine steps.", None, C, |s, o| {
         o.extend(s.engine.as_ref().map(|x| plain(x.steps)))
     })?;
+    family(
+        e,
+        s,
+        "kvfabric_remote_tier_declined",
+        "Prompts whose blocks on the fabric (G4) were computed instead of fetched: over the link, at the rate measured, they would have come later.",
+        None,
+        C,
+        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.remote_declined))),
+    )?;
     family(
         e,
         s,
