@@ -59,6 +59,33 @@ impl Histogram {
     }
 }
 
+/// A transfer rate measured over transfers, bytes per second: an exponentially weighted
+/// mean, the newest weighing 0.3.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Rate(Option<f64>);
+
+impl Rate {
+    const WEIGHT: f64 = 0.3;
+
+    /// Transfers of many blocks smaller than this say more of their round trip than of the
+    /// link's rate: their callers leave them out.
+    pub const BATCH_BYTES_MIN: u64 = 1 << 20;
+
+    /// `bytes` moved in `took`.
+    pub fn observe(&mut self, bytes: u64, took: Duration) {
+        if took.is_zero() {
+            return;
+        }
+        let r = bytes as f64 / took.as_secs_f64();
+        self.0 = Some(self.0.map_or(r, |old| Self::WEIGHT * r + (1.0 - Self::WEIGHT) * old));
+    }
+
+    /// The rate, None before a transfer large enough to measure it.
+    pub fn get(self) -> Option<f64> {
+        self.0
+    }
+}
+
 /// Counters of one tier.
 #[derive(Debug, Default)]
 pub struct TierCounters {

@@ -83,6 +83,27 @@ impl Cluster {
             .unwrap_or_default()
     }
 
+    /// Three hosts, an etcd member and a NATS server (one cluster each) on every one,
+    /// answering.
+    async fn with_control_plane() -> Cluster {
+        let c = Cluster::new(3);
+        for i in ["1", "2", "3"] {
+            c.sh(&["start-etcd", i]);
+            c.sh(&["start-nats", i]);
+        }
+        for h in 1..=3 {
+            let (etcd, nats) = (c.addr(h, 2379), c.addr(h, 8222));
+            wait_for("etcd and NATS answer", Duration::from_secs(30), async || {
+                let e = get(etcd, "/health");
+                let n = get(nats, "/healthz?js-enabled-only=true");
+                matches!(e.await, Ok(r) if r.status == 200)
+                    && matches!(n.await, Ok(r) if r.status == 200)
+            })
+            .await;
+        }
+        c
+    }
+
     fn start_worker(&self, host: usize) {
         let (h, w) = (format!("h{host}"), format!("w{host}"));
         self.sh(&[
@@ -278,22 +299,7 @@ fn check(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hosts_survive_a_cut_and_a_rolling_restart_of_their_workers() {
-    let c = Cluster::new(3);
-    for i in ["1", "2", "3"] {
-        c.sh(&["start-etcd", i]);
-        c.sh(&["start-nats", i]);
-    }
-    for h in 1..=3 {
-        let etcd = c.addr(h, 2379);
-        let nats = c.addr(h, 8222);
-        wait_for("etcd and NATS answer", Duration::from_secs(30), async || {
-            let e = get(etcd, "/health");
-            let n = get(nats, "/healthz?js-enabled-only=true");
-            matches!(e.await, Ok(r) if r.status == 200)
-                && matches!(n.await, Ok(r) if r.status == 200)
-        })
-        .await;
-    }
+    let c = Cluster::with_control_plane().await;
     c.sh(&["start-frontend", "h1", "frontend-1"]);
     c.start_worker(2);
     c.start_worker(3);
@@ -446,21 +452,7 @@ async fn a_prefix_pulled_across_hosts_survives_its_holder_dying_or_cut_off_mid_p
     // killed (-9), and cut off the network, while a pull of 100 blocks (74 MB over its link
     // shaped to 200 Mbit/s: 3 s) is under way: each request still answers, the same, computed
     // (the kill within a second or so, the cut within the pull's 5 s deadline).
-    let c = Cluster::new(3);
-    for i in ["1", "2", "3"] {
-        c.sh(&["start-etcd", i]);
-        c.sh(&["start-nats", i]);
-    }
-    for h in 1..=3 {
-        let (etcd, nats) = (c.addr(h, 2379), c.addr(h, 8222));
-        wait_for("etcd and NATS answer", Duration::from_secs(30), async || {
-            let e = get(etcd, "/health");
-            let n = get(nats, "/healthz?js-enabled-only=true");
-            matches!(e.await, Ok(r) if r.status == 200)
-                && matches!(n.await, Ok(r) if r.status == 200)
-        })
-        .await;
-    }
+    let c = Cluster::with_control_plane().await;
     c.start_worker(2);
     c.start_worker(3);
     for h in [2, 3] {

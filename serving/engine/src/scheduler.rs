@@ -1026,6 +1026,16 @@ impl<E: Engine> Loop<E> {
         Some(PendingPull { at, task })
     }
 
+    /// The engine refused a cached block (it may hold part of it): the sequence starts over,
+    /// computing its whole prompt.
+    fn compute_from_scratch(&mut self, seq: &mut Seq) {
+        self.engine.remove_sequence(seq.id);
+        self.engine.add_sequence(seq.id);
+        seq.imported = 0;
+        seq.hits = CacheHits::default();
+        seq.import_tiers.clear();
+    }
+
     /// A finished pull's blocks join the sequence's imported run (when they still follow it).
     fn finish_pull(&mut self, seq: &mut Seq) {
         let Some(p) = seq.pull.take() else { return };
@@ -1038,11 +1048,7 @@ impl<E: Engine> Loop<E> {
         for r in refs {
             if let Err(e) = self.engine.push_cached(seq.id, KvBlock::Cached(r)) {
                 tracing::warn!(error = %e, "a pulled block was refused; computing the prompt");
-                self.engine.remove_sequence(seq.id);
-                self.engine.add_sequence(seq.id);
-                seq.imported = 0;
-                seq.hits = CacheHits::default();
-                seq.import_tiers.clear();
+                self.compute_from_scratch(seq);
                 return;
             }
             seq.import_tiers.push(TierKind::Remote);
@@ -1165,11 +1171,7 @@ impl<E: Engine> Loop<E> {
             if let Err(e) = self.engine.push_cached(seq.id, KvBlock::Cached(r)) {
                 // The engine may hold part of the block: recompute from the start.
                 tracing::warn!(error = %e, "a cached block was refused; computing the prompt");
-                self.engine.remove_sequence(seq.id);
-                self.engine.add_sequence(seq.id);
-                seq.imported = 0;
-                seq.hits = CacheHits::default();
-                seq.import_tiers.clear();
+                self.compute_from_scratch(seq);
                 return (n, cost);
             }
             match seq.import_tiers[seq.imported] {

@@ -22,6 +22,7 @@ use kvfabric::memory::RegionId;
 use parking_lot::{Mutex, RwLock};
 
 use super::{RemoteError, RemoteTier};
+use crate::metrics::Rate;
 
 /// Why a pull brought fewer blocks than asked for, as metrics name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,18 +119,12 @@ impl PeerStats {
     }
 }
 
-/// A link's measured rate: an exponentially weighted mean over pulls, bytes per second.
+/// A link pulled over: the bytes pulled, and its measured rate.
 #[derive(Debug, Clone, Copy, Default)]
 struct LinkRate {
     bytes: u64,
-    rate: f64,
+    rate: Rate,
 }
-
-/// Weight of the newest pull in a link's rate.
-const RATE_WEIGHT: f64 = 0.3;
-
-/// Pulls smaller than this say more of the round trip than of the link's rate: not measured.
-const RATE_BYTES_MIN: u64 = 1 << 20;
 
 /// The peers a worker may pull from, and its pulls.
 #[derive(Debug, Clone)]
@@ -263,28 +258,22 @@ impl Peers {
         let mut links = self.inner.links.lock();
         let link = links.entry(from.to_string()).or_default();
         link.bytes += bytes;
-        if bytes >= RATE_BYTES_MIN && took > Duration::ZERO {
-            let r = bytes as f64 / took.as_secs_f64();
-            link.rate =
-                if link.rate > 0.0 { RATE_WEIGHT * r + (1.0 - RATE_WEIGHT) * link.rate } else { r };
+        if bytes >= Rate::BATCH_BYTES_MIN {
+            link.rate.observe(bytes, took);
         }
-    }
-
-    /// Per peer pulled from: the rate measured (bytes per second; 0 before a pull large
-    /// enough to measure it).
-    pub fn link_rates(&self) -> Vec<(String, f64)> {
-        let mut v: Vec<(String, f64)> =
-            self.inner.links.lock().iter().map(|(n, l)| (n.clone(), l.rate)).collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
-        v
     }
 
     /// Reads the counters and the links.
     pub fn snapshot(&self) -> PeerSnapshot {
         let s = &self.inner.stats;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut links: Vec<(String, u64, f64)> =
-            self.inner.links.lock().iter().map(|(n, l)| (n.clone(), l.bytes, l.rate)).collect();
+        let mut links: Vec<(String, u64, f64)> = self
+            .inner
+            .links
+            .lock()
+            .iter()
+            .map(|(n, l)| (n.clone(), l.bytes, l.rate.get().unwrap_or(0.0)))
+            .collect();
         links.sort_by(|a, b| a.0.cmp(&b.0));
         PeerSnapshot {
             pulls: get(&s.pulls),

@@ -207,9 +207,9 @@ struct Inner {
     released: tokio::sync::Notify,
     /// The rate measured fetching blocks from the fabric (G4), bytes per second: an EWMA over
     /// fetches of at least a MiB (None before one).
-    remote_rate: Mutex<Option<f64>>,
+    remote_rate: Mutex<crate::metrics::Rate>,
     /// The rate measured writing evicted blocks to the fabric, bytes per second (an EWMA).
-    remote_put_rate: Mutex<Option<f64>>,
+    remote_put_rate: Mutex<crate::metrics::Rate>,
 }
 
 /// The host tier's region, registered with the agent for as long as the store lives.
@@ -329,8 +329,8 @@ impl TieredStore {
             freeing: std::sync::atomic::AtomicBool::new(false),
             written: tokio::sync::Notify::new(),
             released: tokio::sync::Notify::new(),
-            remote_rate: Mutex::new(None),
-            remote_put_rate: Mutex::new(None),
+            remote_rate: Mutex::default(),
+            remote_put_rate: Mutex::default(),
             cfg,
         };
         Ok(TieredStore { inner: Arc::new(inner) })
@@ -499,7 +499,7 @@ impl TieredStore {
     /// The rate measured fetching blocks from the fabric (G4), bytes per second, including
     /// any queueing on the way (a saturated link reads slow): None before a fetch of a MiB.
     pub fn remote_rate(&self) -> Option<f64> {
-        *self.inner.remote_rate.lock()
+        self.inner.remote_rate.lock().get()
     }
 
     /// The peers it pulls from, if any ([`StoreConfig::peers`]).

@@ -133,6 +133,7 @@ impl Inner {
                     let to_fabric = self
                         .remote_put_rate
                         .lock()
+                        .get()
                         .is_none_or(|r| r >= self.cfg.remote_write_min_bytes_per_s);
                     to_completion(&self.runtime, async move {
                         inner.evict_host(victim, admitted, to_fabric).await
@@ -245,9 +246,7 @@ impl Inner {
                 let started = Instant::now();
                 let stored = remote.put(&[v.hash], &[v.parent], &loc).await;
                 if matches!(stored.as_deref(), Ok([true])) {
-                    let r = self.cfg.block_bytes as f64 / started.elapsed().as_secs_f64().max(1e-6);
-                    let mut rate = self.remote_put_rate.lock();
-                    *rate = Some(rate.map_or(r, |old| 0.3 * r + 0.7 * old));
+                    self.remote_put_rate.lock().observe(self.cfg.block_bytes, started.elapsed());
                 }
                 if !matches!(stored.as_deref(), Ok([true])) {
                     let _ = self.end_eviction(v.slot, false);

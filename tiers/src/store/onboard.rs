@@ -313,10 +313,8 @@ impl Inner {
             .await;
         let refs = fetched.map(|(refs, _)| refs).unwrap_or_default();
         let bytes = refs.len() as u64 * self.cfg.block_bytes;
-        if bytes >= 1 << 20 {
-            let r = bytes as f64 / started.elapsed().as_secs_f64().max(1e-6);
-            let mut rate = self.remote_rate.lock();
-            *rate = Some(rate.map_or(r, |old| 0.3 * r + 0.7 * old));
+        if bytes >= crate::metrics::Rate::BATCH_BYTES_MIN {
+            self.remote_rate.lock().observe(bytes, started.elapsed());
         }
         Ok(refs)
     }
