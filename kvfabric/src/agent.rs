@@ -96,7 +96,11 @@ pub struct AgentConfig {
     /// [`crate::control::advertise`]).
     pub advertise: Option<crate::control::advertise::Advertise>,
     /// The shared secret of the handshake. Required: no secret, no bytes.
-    pub secret: Vec<u8>,
+    pub secret: crate::secret::Secret,
+    /// Mutual TLS with peers (their connections to this agent and this agent's to them),
+    /// when the process has certificates and a deployment CA ([`crate::tls`]). Shared memory,
+    /// CUDA IPC and RDMA are not wrapped: same host, or a fabric the operator trusts.
+    pub tls: Option<Arc<crate::tls::Tls>>,
     /// Offer and use the shm transport with peers on this host.
     pub shm: bool,
     /// Striped TCP connections per peer.
@@ -119,12 +123,13 @@ pub struct AgentConfig {
 
 impl AgentConfig {
     /// A config with defaults for `name` and `secret`.
-    pub fn new(name: impl Into<String>, secret: impl Into<Vec<u8>>) -> Self {
+    pub fn new(name: impl Into<String>, secret: impl Into<crate::secret::Secret>) -> Self {
         AgentConfig {
             name: name.into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
             secret: secret.into(),
+            tls: None,
             shm: true,
             tcp_connections_per_peer: 4,
             tcp_stripe_bytes: 256 << 10,
@@ -314,7 +319,7 @@ impl Agent {
             RegionTable::new(
                 shm_prefix,
                 config.limits.regions_max,
-                ShmSeal::new(&config.secret),
+                ShmSeal::new(config.secret.expose()),
                 config.name.clone(),
             ),
             notify_tx,
@@ -329,6 +334,7 @@ impl Agent {
         let session = SessionConfig {
             name: config.name.clone(),
             secret: config.secret.clone(),
+            tls: config.tls.clone(),
             limits: config.limits.wire,
             handshake_timeout: config.limits.handshake_timeout,
             frame_timeout: config.limits.frame_timeout,
@@ -344,8 +350,12 @@ impl Agent {
                 secret: config.secret.clone(),
                 limits: config.limits.wire,
             },
-            ServerTimeouts { frame: config.limits.frame_timeout },
+            ServerTimeouts {
+                frame: config.limits.frame_timeout,
+                handshake: config.limits.connections.handshake_timeout,
+            },
             Admission::new(config.limits.connections.clone(), port.clone()),
+            config.tls.clone(),
         );
         let inner = Arc::new(AgentInner {
             services,
@@ -365,7 +375,7 @@ impl Agent {
             rdma,
             runtime,
             server: Mutex::new(Some(server)),
-            seal: ShmSeal::new(&config.secret),
+            seal: ShmSeal::new(config.secret.expose()),
             port,
             foreign_memory: AtomicU64::new(0),
             config,

@@ -91,6 +91,8 @@ pub struct EtcdServer {
     dir: tempfile::TempDir,
     client_port: u16,
     peer_port: u16,
+    /// Its certificate, and the CA of the client certificates it requires (https).
+    tls: Option<(TestCert, Option<PathBuf>)>,
 }
 
 impl EtcdServer {
@@ -101,20 +103,43 @@ impl EtcdServer {
             dir: tempfile::tempdir()?,
             client_port: free_port()?,
             peer_port: free_port()?,
+            tls: None,
+        };
+        s.spawn()?;
+        Ok(s)
+    }
+
+    /// Starts etcd serving its clients over TLS with `cert`; with `client_ca`, it requires
+    /// client certificates signed by that CA (`--client-cert-auth`).
+    pub fn start_tls(cert: TestCert, client_ca: Option<PathBuf>) -> std::io::Result<Self> {
+        let mut s = EtcdServer {
+            child: ServerProcess::default(),
+            dir: tempfile::tempdir()?,
+            client_port: free_port()?,
+            peer_port: free_port()?,
+            tls: Some((cert, client_ca)),
         };
         s.spawn()?;
         Ok(s)
     }
 
     fn spawn(&mut self) -> std::io::Result<()> {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let mut child = Command::new(find("etcd")?)
-            .args(["--name", "kvfabric-test", "--data-dir"])
+        let mut cmd = Command::new(find("etcd")?);
+        cmd.args(["--name", "kvfabric-test", "--data-dir"])
             .arg(self.dir.path().join("data"))
             .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
             .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
-            .args(["--initial-cluster", &format!("kvfabric-test={peer}")])
+            .args(["--initial-cluster", &format!("kvfabric-test={peer}")]);
+        if let Some((cert, client_ca)) = &self.tls {
+            cmd.arg("--cert-file").arg(&cert.cert).arg("--key-file").arg(&cert.key);
+            if let Some(ca) = client_ca {
+                cmd.arg("--client-cert-auth").arg("--trusted-ca-file").arg(ca);
+            }
+        }
+        let mut child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()?;
@@ -123,9 +148,21 @@ impl EtcdServer {
         Ok(())
     }
 
-    /// The client endpoint (`http://127.0.0.1:PORT`).
+    /// The client endpoint (`http://127.0.0.1:PORT`, or https).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Turns on etcd's authentication with a `root` user of `password` (as `etcdctl user
+    /// add root` and `etcdctl auth enable` do), reaching it with `security`'s TLS.
+    #[cfg(feature = "etcd")]
+    pub async fn enable_auth(
+        &self,
+        security: crate::control::etcd::EtcdSecurity,
+        password: &str,
+    ) -> Result<(), crate::control::ControlError> {
+        crate::control::etcd::enable_root_auth(&[self.endpoint()], security, password).await
     }
 
     /// Kills the server (SIGKILL).
@@ -148,6 +185,8 @@ pub struct NatsServer {
     port: u16,
     /// Its clients' credentials (nats-server's `--user`/`--pass`, or `--auth` for a token).
     auth: Vec<String>,
+    /// A configuration file (TLS), when it has one.
+    config: Option<PathBuf>,
 }
 
 impl NatsServer {
@@ -172,13 +211,47 @@ impl NatsServer {
             dir: tempfile::tempdir()?,
             port: free_port()?,
             auth,
+            config: None,
+        };
+        s.spawn()?;
+        Ok(s)
+    }
+
+    /// Starts one that requires TLS with `cert`, client certificates signed by `client_ca`
+    /// (`verify: true`), and the user `user` with `password`.
+    pub fn start_tls(
+        cert: &TestCert,
+        client_ca: &std::path::Path,
+        user: &str,
+        password: &str,
+    ) -> std::io::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let config = dir.path().join("nats.conf");
+        let text = format!(
+            "tls {{\n  cert_file: {:?}\n  key_file: {:?}\n  ca_file: {:?}\n  verify: true\n  timeout: 2\n}}\n\
+             authorization {{\n  user: {user:?}\n  password: {password:?}\n}}\n",
+            cert.cert.display().to_string(),
+            cert.key.display().to_string(),
+            client_ca.display().to_string(),
+        );
+        std::fs::write(&config, text)?;
+        let mut s = NatsServer {
+            child: ServerProcess::default(),
+            dir,
+            port: free_port()?,
+            auth: Vec::new(),
+            config: Some(config),
         };
         s.spawn()?;
         Ok(s)
     }
 
     fn spawn(&mut self) -> std::io::Result<()> {
-        let mut child = Command::new(find("nats-server")?)
+        let mut cmd = Command::new(find("nats-server")?);
+        if let Some(config) = &self.config {
+            cmd.arg("-c").arg(config);
+        }
+        let mut child = cmd
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
             .arg(self.dir.path())
             .args(&self.auth)
@@ -233,4 +306,99 @@ pub fn test_python(modules: &str) -> PathBuf {
         p.display()
     );
     p
+}
+
+/// A certificate and its key, as PEM files.
+#[derive(Debug, Clone)]
+pub struct TestCert {
+    /// The certificate (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM, PKCS#8).
+    pub key: PathBuf,
+}
+
+/// A small certificate authority for tests (rcgen): its certificate in a temporary
+/// directory, and leaf certificates it issues there, valid or not.
+pub struct TestCa {
+    dir: tempfile::TempDir,
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    ca: PathBuf,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl std::fmt::Debug for TestCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestCa").field("ca", &self.ca).finish()
+    }
+}
+
+fn rcgen_error(e: rcgen::Error) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+impl TestCa {
+    /// A new CA named `name`.
+    pub fn new(name: &str) -> std::io::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let key = rcgen::KeyPair::generate().map_err(rcgen_error)?;
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(rcgen_error)?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::CrlSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let cert = params.self_signed(&key).map_err(rcgen_error)?;
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, cert.pem())?;
+        let issuer = rcgen::Issuer::new(params, key);
+        Ok(TestCa { dir, issuer, ca, next: Default::default() })
+    }
+
+    /// The CA's certificate (PEM).
+    pub fn ca(&self) -> PathBuf {
+        self.ca.clone()
+    }
+
+    /// A certificate for `names` (DNS names or IP addresses), for servers and clients alike,
+    /// valid from yesterday for a year.
+    pub fn issue(&self, names: &[&str]) -> std::io::Result<TestCert> {
+        let now = std::time::SystemTime::now();
+        self.issue_valid(names, now - Duration::from_secs(86_400), now + Duration::from_secs(365 * 86_400))
+    }
+
+    /// A certificate for `names` that expired yesterday.
+    pub fn issue_expired(&self, names: &[&str]) -> std::io::Result<TestCert> {
+        let now = std::time::SystemTime::now();
+        self.issue_valid(names, now - Duration::from_secs(30 * 86_400), now - Duration::from_secs(86_400))
+    }
+
+    /// A certificate for `names` valid from `from` to `to`.
+    pub fn issue_valid(
+        &self,
+        names: &[&str],
+        from: std::time::SystemTime,
+        to: std::time::SystemTime,
+    ) -> std::io::Result<TestCert> {
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let mut params = rcgen::CertificateParams::new(names.clone()).map_err(rcgen_error)?;
+        params.distinguished_name.push(rcgen::DnType::CommonName, names.first().cloned().unwrap_or_default());
+        params.not_before = from.into();
+        params.not_after = to.into();
+        params.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = rcgen::KeyPair::generate().map_err(rcgen_error)?;
+        let cert = params.signed_by(&key, &self.issuer).map_err(rcgen_error)?;
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let out = TestCert {
+            cert: self.dir.path().join(format!("cert-{n}.pem")),
+            key: self.dir.path().join(format!("key-{n}.pem")),
+        };
+        std::fs::write(&out.cert, cert.pem())?;
+        std::fs::write(&out.key, key.serialize_pem())?;
+        Ok(out)
+    }
 }

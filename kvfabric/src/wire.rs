@@ -89,6 +89,9 @@ pub enum WireError {
     /// A field with an impossible value.
     #[error("invalid field: {0}")]
     Invalid(&'static str),
+    /// The bytes are a TLS ClientHello: the peer uses TLS and this side does not.
+    #[error("the peer speaks TLS, and this side runs without it (give both sides --tls-ca, --tls-cert and --tls-key)")]
+    Tls,
 }
 
 /// Error codes carried in `Error` frames.
@@ -273,6 +276,10 @@ impl FrameHeader {
     pub fn decode(b: &[u8; HEADER_BYTES], limits: &WireLimits) -> Result<Self, WireError> {
         let body_len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         if b[4] != WIRE_VERSION {
+            // A TLS record carrying a handshake: 0x16, then version 3.x.
+            if b[0] == 0x16 && b[1] == 0x03 && b[2] <= 0x04 {
+                return Err(WireError::Tls);
+            }
             return Err(WireError::Version(b[4]));
         }
         let kind = b[5];

@@ -31,7 +31,7 @@ fn config(name: &str, engine: EngineSpec, peer_deadline: Duration) -> WorkerConf
         name: name.into(),
         engine,
         scheduler: SchedulerConfig::default(),
-        secret: Some(SECRET.to_vec()),
+        secret: Some(SECRET.into()),
         host_blocks: 256,
         disk: None,
         disk_admit_min_hits: 0,

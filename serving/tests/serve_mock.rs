@@ -514,7 +514,7 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
     let backend = std::sync::Arc::new(LocalBackend::new(s.sched.clone(), store.1.clone()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let auth = Auth { name: "w".into(), secret: b"worker-secret".to_vec() };
+    let auth = Auth { name: "w".into(), secret: b"worker-secret".into() };
     let mut limits = ServeLimits::default();
     limits.connections.per_peer_max = 4;
     let stats = std::sync::Arc::new(ServeStats::default());
@@ -526,7 +526,7 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
         let params = ClientParams {
             me: me.into(),
             peer: "w".into(),
-            secret: b"worker-secret".to_vec(),
+            secret: b"worker-secret".into(),
             limits: WireLimits::default(),
         };
         handshake::client(&mut c, params, handshake::nonce(), Duration::from_secs(5))
@@ -619,7 +619,7 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
     let mut rest = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.unwrap();
     assert!(read_frame::<_, GenEvent>(&mut &rest[..]).await.is_err(), "no event frame");
-    let wrong = Auth { name: "f".into(), secret: b"guess".to_vec() };
+    let wrong = Auth { name: "f".into(), secret: b"guess".into() };
     let err = protocol::connect(addr, "w", &wrong, &req("mock", 4), Duration::from_secs(5))
         .await
         .unwrap_err();

@@ -59,7 +59,7 @@ fn worker_config(
             config: mock,
         },
         scheduler,
-        secret: Some(secret.to_vec()),
+        secret: Some(secret.into()),
         host_blocks: 64,
         disk: None,
         disk_admit_min_hits: 0,

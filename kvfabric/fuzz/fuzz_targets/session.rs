@@ -15,8 +15,8 @@ const SECRET: &[u8] = b"fuzz";
 fn params() -> (ClientParams, ServerParams) {
     let limits = WireLimits::default();
     (
-        ClientParams { me: "c".into(), peer: "s".into(), secret: SECRET.to_vec(), limits },
-        ServerParams { name: "s".into(), secret: SECRET.to_vec(), limits },
+        ClientParams { me: "c".into(), peer: "s".into(), secret: SECRET.into(), limits },
+        ServerParams { name: "s".into(), secret: SECRET.into(), limits },
     )
 }
 

@@ -65,12 +65,25 @@ pub enum NatsAuth {
         /// The user.
         user: String,
         /// The password.
-        password: String,
+        password: crate::secret::Secret,
     },
     /// A token (`nats://token@host`, or given apart).
-    Token(String),
+    Token(crate::secret::Secret),
     /// A credentials file (`.creds`: a user JWT and its NKey seed, as `nsc` writes them).
     CredsFile(std::path::PathBuf),
+    /// An NKey seed (`SU...`): the client signs the server's nonce with it.
+    NKey(crate::secret::Secret),
+}
+
+/// TLS to the NATS servers: the CA that signed their certificates, and this client's
+/// certificate when the servers verify clients (`verify: true`). With a CA, TLS is required:
+/// a server that does not offer it is refused, never used in the clear.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NatsTls {
+    /// The CA (PEM).
+    pub ca: Option<std::path::PathBuf>,
+    /// The client certificate and its key (PEM).
+    pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
 }
 
 impl std::fmt::Debug for NatsAuth {
@@ -80,6 +93,7 @@ impl std::fmt::Debug for NatsAuth {
             NatsAuth::UserPassword { user, .. } => write!(f, "UserPassword({user:?}, ***)"),
             NatsAuth::Token(_) => f.write_str("Token(***)"),
             NatsAuth::CredsFile(p) => write!(f, "CredsFile({})", p.display()),
+            NatsAuth::NKey(_) => f.write_str("NKey(***)"),
         }
     }
 }
@@ -111,9 +125,9 @@ pub fn split_credentials(urls: &str) -> Result<(String, NatsAuth), ControlError>
             Some(u) => match u.split_once(':') {
                 Some((user, password)) => NatsAuth::UserPassword {
                     user: percent_decode(user).map_err(bad)?,
-                    password: percent_decode(password).map_err(bad)?,
+                    password: percent_decode(password).map_err(bad)?.into(),
                 },
-                None => NatsAuth::Token(percent_decode(u).map_err(bad)?),
+                None => NatsAuth::Token(percent_decode(u).map_err(bad)?.into()),
             },
         };
         match (&auth, &this) {
@@ -161,11 +175,21 @@ impl NatsBus {
         Self::connect_with(url, NatsAuth::None, namespace).await
     }
 
-    /// Connects to the servers of `urls` with `auth`, or with the credentials the URLs carry
-    /// (not both). Neither the client library nor kvfabric's logs see a secret in a URL.
+    /// [`Self::connect_secure`] without TLS.
     pub async fn connect_with(
         urls: &str,
         auth: NatsAuth,
+        namespace: &str,
+    ) -> Result<Self, ControlError> {
+        Self::connect_secure(urls, auth, NatsTls::default(), namespace).await
+    }
+
+    /// Connects to the servers of `urls` with `auth`, or with the credentials the URLs carry
+    /// (not both). Neither the client library nor kvfabric's logs see a secret in a URL.
+    pub async fn connect_secure(
+        urls: &str,
+        auth: NatsAuth,
+        tls: NatsTls,
         namespace: &str,
     ) -> Result<Self, ControlError> {
         check_name(namespace)?;
@@ -218,15 +242,51 @@ impl NatsBus {
             }
         });
         let authenticated = auth != NatsAuth::None;
+        let text = |s: &crate::secret::Secret, what: &str| {
+            s.expose_str().map(str::to_string).ok_or_else(|| ControlError::Backend {
+                backend: "nats",
+                message: format!("the NATS {what} is not UTF-8"),
+            })
+        };
         let options = match auth {
             NatsAuth::None => options,
-            NatsAuth::UserPassword { user, password } => options.user_and_password(user, password),
-            NatsAuth::Token(token) => options.token(token),
+            NatsAuth::UserPassword { user, password } => {
+                options.user_and_password(user, text(&password, "password")?)
+            }
+            NatsAuth::Token(token) => options.token(text(&token, "token")?),
+            NatsAuth::NKey(seed) => options.nkey(text(&seed, "NKey seed")?),
             NatsAuth::CredsFile(path) => {
                 options.credentials_file(&path).await.map_err(|e| ControlError::Backend {
                     backend: "nats",
                     message: format!("the NATS credentials file {}: {e}", path.display()),
                 })?
+            }
+        };
+        let options = match &tls.ca {
+            None => {
+                if tls.identity.is_some() {
+                    return Err(ControlError::Backend {
+                        backend: "nats",
+                        message: "a NATS client certificate needs the CA of the servers too \
+                                  (--nats-ca)"
+                            .into(),
+                    });
+                }
+                options
+            }
+            Some(ca) => {
+                // Checked here, so that a missing file or an expired certificate is a clear
+                // error at start rather than the client library's retries.
+                crate::tls::client_config(
+                    ca,
+                    tls.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+                )
+                .map_err(|e| ControlError::Backend { backend: "nats", message: e.to_string() })?;
+                let options = options.require_tls(true).add_root_certificates(ca.clone());
+                match &tls.identity {
+                    Some((cert, key)) => options.add_client_certificate(cert.clone(), key.clone()),
+                    None => options,
+                }
             }
         };
         // A list, not the joined string: the client library parses a string as one URL.

@@ -336,17 +336,27 @@ impl PreAuth {
     /// unless a newer connection evicts this one first; then admits the name within its
     /// per-peer limit. `None`: refused, and counted; close the connection.
     pub async fn authenticate<E: std::fmt::Display>(
-        mut self,
+        self,
         handshake: impl Future<Output = Result<String, E>>,
     ) -> Option<Admitted> {
+        let handshake = async { handshake.await.map(|peer| (peer, ())) };
+        self.authenticate_with(handshake).await.map(|(a, ())| a)
+    }
+
+    /// [`Self::authenticate`] for a handshake that also yields what it made (the connection,
+    /// once TLS wraps it).
+    pub async fn authenticate_with<T, E: std::fmt::Display>(
+        mut self,
+        handshake: impl Future<Output = Result<(String, T), E>>,
+    ) -> Option<(Admitted, T)> {
         let timeout = self.inner.limits.handshake_timeout;
         let outcome = tokio::select! {
             // Evicted (its sender fired), or its admission was dropped.
             _ = &mut self.evicted => return None,
             r = tokio::time::timeout(timeout, handshake) => r,
         };
-        let peer = match outcome {
-            Ok(Ok(peer)) => peer,
+        let (peer, made) = match outcome {
+            Ok(Ok(done)) => done,
             Ok(Err(e)) => {
                 self.inner.stats.count(Cause::Handshake, e);
                 return None;
@@ -377,7 +387,7 @@ impl PreAuth {
         self.admitted = true;
         inner.stats.pending.fetch_sub(1, Ordering::Relaxed);
         inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
-        Some(Admitted { inner, peer })
+        Some((Admitted { inner, peer }, made))
     }
 }
 

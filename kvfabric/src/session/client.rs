@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use tokio::net::TcpStream;
 
+use crate::tls::{Stream, Tls};
 use crate::transfer::TransferError;
 use crate::wire::{ErrorCode, Message, WireDesc, WireLimits};
 
@@ -52,7 +53,7 @@ pub(crate) const RPC_CONNECTIONS_MAX: usize = 16;
 /// One authenticated connection.
 #[derive(Debug)]
 struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     proto: ClientProto,
     last_used: std::time::Instant,
 }
@@ -65,8 +66,7 @@ impl Conn {
         if !self.proto.is_ready() || self.last_used.elapsed() > IDLE_REUSE_MAX {
             return false;
         }
-        let mut probe = [0u8; 1];
-        matches!(self.stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        !self.stream.closed_or_unasked()
     }
 }
 
@@ -78,6 +78,7 @@ pub(crate) struct Session {
     handshake_timeout: Duration,
     frame_timeout: Duration,
     stripe_bytes: u64,
+    tls: Option<std::sync::Arc<Tls>>,
     stripes: Vec<tokio::sync::Mutex<Option<Conn>>>,
     next_stripe: AtomicUsize,
     /// RPC connections not in use (see the module's notes).
@@ -100,6 +101,7 @@ impl Session {
             handshake_timeout: cfg.handshake_timeout,
             frame_timeout: cfg.frame_timeout,
             stripe_bytes: cfg.stripe_bytes,
+            tls: cfg.tls.clone(),
             stripes: (0..cfg.connections.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect(),
             next_stripe: AtomicUsize::new(0),
             rpc_idle: parking_lot::Mutex::new(Vec::new()),
@@ -135,9 +137,12 @@ impl Session {
     async fn connect(&self) -> Result<Conn, TransferError> {
         let peer = self.peer();
         let fut = async {
+            let tcp = TcpStream::connect(self.addr).await.map_err(|e| disconnected(peer, e))?;
+            tcp.set_nodelay(true).map_err(|e| disconnected(peer, e))?;
             let mut stream =
-                TcpStream::connect(self.addr).await.map_err(|e| disconnected(peer, e))?;
-            stream.set_nodelay(true).map_err(|e| disconnected(peer, e))?;
+                crate::tls::connect_peer(self.tls.as_deref(), tcp, self.addr, self.handshake_timeout)
+                    .await
+                    .map_err(|e| TransferError::Tls { peer: peer.to_string(), reason: e.to_string() })?;
             let mut proto = ClientProto::new(self.params.clone(), io::random_nonce());
             loop {
                 let event =
@@ -265,7 +270,7 @@ impl Session {
 /// may be bytes to send). The header of a reply may take as long as the request's deadline;
 /// the rest of a frame must follow within `frame_timeout`.
 async fn read_event(
-    stream: &mut TcpStream,
+    stream: &mut Stream,
     proto: &mut ClientProto,
     peer: &str,
     frame_timeout: Duration,
@@ -336,7 +341,7 @@ impl StripeConn<'_> {
         bufs.push(RawSrc(frame.as_ptr(), frame.len()));
         bufs.extend_from_slice(payload);
         // SAFETY: the frame lives in this function; the payload is the caller's contract.
-        Ok(unsafe { io::send_all(&self.conn.stream, &bufs, self.session.frame_timeout) }.await)
+        Ok(unsafe { io::send_all(&mut self.conn.stream, &bufs, self.session.frame_timeout) }.await)
     }
 
     /// Reads the reply to the request; an `Error` frame becomes [`TransferError::Remote`].
@@ -371,7 +376,7 @@ impl StripeConn<'_> {
             return Err(TransferError::Protocol("more payload asked than the reply has".into()));
         }
         // SAFETY: the caller's contract.
-        unsafe { io::recv_into(&self.conn.stream, dst, len as usize, self.session.frame_timeout) }
+        unsafe { io::recv_into(&mut self.conn.stream, dst, len as usize, self.session.frame_timeout) }
             .await
             .map_err(|e| disconnected(self.session.peer(), e))?;
         self.conn.proto.payload_received(len).map_err(|e| session_error(self.session.peer(), e))

@@ -43,6 +43,7 @@ pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
             let out = proto.take_transmit();
             if !out.is_empty() {
                 stream.write_all(&out).await?;
+                stream.flush().await?;
             }
             if event == Some(ClientEvent::Authenticated) {
                 return Ok(());
@@ -63,6 +64,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     let run = async {
         let mut proto = ServerProto::new(params, nonce);
         stream.write_all(&proto.take_transmit()).await?;
+        stream.flush().await?;
         loop {
             let mut buf = vec![0u8; proto.need()];
             stream.read_exact(&mut buf).await?;
@@ -70,6 +72,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
             let out = proto.take_transmit();
             if !out.is_empty() {
                 stream.write_all(&out).await?;
+                stream.flush().await?;
             }
             match result? {
                 (_, Some(ServerEvent::Authenticated { peer })) => return Ok(peer),
@@ -81,6 +84,33 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
         }
     };
     tokio::time::timeout(timeout, run).await.map_err(|_| HandshakeError::TimedOut(timeout))?
+}
+
+/// Accepts a peer of a server-speaks-first port (an agent's, a worker's request port): mutual
+/// TLS when `tls` requires it, else the connection as it is. A plaintext client that waits
+/// for our challenge is told, in this protocol's error frame, that the port requires TLS, so
+/// that its error says so too.
+pub async fn accept_tls(
+    tls: Option<&crate::tls::Tls>,
+    tcp: tokio::net::TcpStream,
+    from: std::net::SocketAddr,
+    timeout: Duration,
+) -> Result<crate::tls::Stream, crate::tls::TlsError> {
+    match crate::tls::accept_peer(tls, tcp, from, timeout).await {
+        Ok(s) => Ok(s),
+        Err((e, Some(mut tcp))) => {
+            let refusal = crate::wire::Message::Error {
+                code: crate::wire::ErrorCode::Unavailable,
+                message: "this port requires mutual TLS: this peer connected without it \
+                          (give it --tls-ca, --tls-cert and --tls-key)"
+                    .into(),
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(1), tcp.write_all(&refusal.encode(0)))
+                .await;
+            Err(e)
+        }
+        Err((e, None)) => Err(e),
+    }
 }
 
 /// A fresh nonce for [`client`] and [`server`].
@@ -99,10 +129,10 @@ mod tests {
             ClientParams {
                 me: "frontend".into(),
                 peer: "w".into(),
-                secret: secret.to_vec(),
+                secret: secret.into(),
                 limits,
             },
-            ServerParams { name: "w".into(), secret: b"right".to_vec(), limits },
+            ServerParams { name: "w".into(), secret: b"right".into(), limits },
         )
     }
 

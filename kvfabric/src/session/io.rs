@@ -8,7 +8,12 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::tls::Stream;
 use crate::wire::NONCE_BYTES;
+
+/// Bytes copied through TLS at a time (the plaintext side of a TLS connection needs a buffer:
+/// bulk bytes cannot go from registered memory straight to the socket).
+const TLS_CHUNK: usize = 256 << 10;
 
 /// Most iovecs handed to one `writev` (the kernel's IOV_MAX is 1024).
 const IOV_BATCH: usize = 512;
@@ -48,6 +53,66 @@ unsafe impl Sync for RawSrc {}
 /// # Safety
 /// Every buffer must stay valid for reads until the future completes or is dropped.
 pub(crate) async unsafe fn send_all(
+    stream: &mut Stream,
+    bufs: &[RawSrc],
+    stall: Duration,
+) -> std::io::Result<()> {
+    match stream {
+        // SAFETY: the caller's contract.
+        Stream::Plain(tcp) => unsafe { send_plain(tcp, bufs, stall) }.await,
+        // SAFETY: the caller's contract.
+        tls => unsafe { send_copied(tls, bufs, stall) }.await,
+    }
+}
+
+/// [`send_all`] through TLS: the bytes are copied (raw, no reference to region memory) into a
+/// buffer that the TLS session encrypts, a chunk at a time.
+///
+/// # Safety
+/// As [`send_all`].
+async unsafe fn send_copied(
+    stream: &mut Stream,
+    bufs: &[RawSrc],
+    stall: Duration,
+) -> std::io::Result<()> {
+    let mut chunk: Vec<u8> = Vec::with_capacity(TLS_CHUNK);
+    for b in bufs {
+        let mut off = 0usize;
+        while off < b.1 {
+            let n = (b.1 - off).min(TLS_CHUNK - chunk.len());
+            // SAFETY: `b.0 + off .. + n` lies in the buffer (off + n <= b.1), valid for reads
+            // (the caller's contract); the destination is spare capacity of `chunk`
+            // (len + n <= TLS_CHUNK = its capacity), and the two do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(b.0.add(off), chunk.as_mut_ptr().add(chunk.len()), n);
+                chunk.set_len(chunk.len() + n);
+            }
+            off += n;
+            if chunk.len() == TLS_CHUNK {
+                write_chunk(stream, &chunk, stall).await?;
+                chunk.clear();
+            }
+        }
+    }
+    if !chunk.is_empty() {
+        write_chunk(stream, &chunk, stall).await?;
+    }
+    tokio::time::timeout(stall, stream.flush())
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "peer stopped reading"))?
+}
+
+async fn write_chunk(stream: &mut Stream, bytes: &[u8], stall: Duration) -> std::io::Result<()> {
+    tokio::time::timeout(stall, stream.write_all(bytes))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "peer stopped reading"))?
+}
+
+/// [`send_all`] on plain TCP: `writev(2)` straight from the buffers.
+///
+/// # Safety
+/// As [`send_all`].
+async unsafe fn send_plain(
     stream: &TcpStream,
     bufs: &[RawSrc],
     stall: Duration,
@@ -119,6 +184,36 @@ unsafe impl Send for RawDst {}
 /// # Safety
 /// `dst..dst+len` must stay valid for writes until the future completes or is dropped.
 pub(crate) async unsafe fn recv_into(
+    stream: &mut Stream,
+    dst: RawDst,
+    len: usize,
+    stall: Duration,
+) -> std::io::Result<()> {
+    match stream {
+        // SAFETY: the caller's contract.
+        Stream::Plain(tcp) => unsafe { recv_plain(tcp, dst, len, stall) }.await,
+        tls => {
+            let mut chunk = vec![0u8; TLS_CHUNK.min(len)];
+            let mut done = 0usize;
+            while done < len {
+                let n = (len - done).min(chunk.len());
+                read_exact(tls, &mut chunk[..n], Some(stall)).await?;
+                // SAFETY: `dst + done .. + n` lies in memory valid for writes (done + n <=
+                // len, the caller's contract); the source is our own buffer; no reference to
+                // the destination is formed.
+                unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst.0.add(done), n) };
+                done += n;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// [`recv_into`] on plain TCP: `recv(2)` straight into the destination.
+///
+/// # Safety
+/// As [`recv_into`].
+async unsafe fn recv_plain(
     stream: &TcpStream,
     dst: RawDst,
     len: usize,
@@ -153,7 +248,7 @@ pub(crate) async unsafe fn recv_into(
 
 /// Reads exactly `buf.len()` bytes, each wait bounded by `timeout` when one is given.
 pub(crate) async fn read_exact(
-    stream: &mut TcpStream,
+    stream: &mut Stream,
     buf: &mut [u8],
     timeout: Option<Duration>,
 ) -> std::io::Result<()> {
@@ -167,13 +262,17 @@ pub(crate) async fn read_exact(
     }
 }
 
-/// Writes all of `bytes` within `timeout`: a peer that stops reading cannot pin the task.
+/// Writes (and flushes, through TLS) all of `bytes` within `timeout`: a peer that stops
+/// reading cannot pin the task.
 pub(crate) async fn write_all(
-    stream: &mut TcpStream,
+    stream: &mut Stream,
     bytes: &[u8],
     timeout: Duration,
 ) -> std::io::Result<()> {
-    tokio::time::timeout(timeout, stream.write_all(bytes))
-        .await
+    tokio::time::timeout(timeout, async {
+        stream.write_all(bytes).await?;
+        stream.flush().await
+    })
+    .await
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "peer stopped reading"))?
 }

@@ -60,7 +60,9 @@ pub(crate) struct SessionConfig {
     /// Our name.
     pub(crate) name: String,
     /// The shared secret.
-    pub(crate) secret: Vec<u8>,
+    pub(crate) secret: crate::secret::Secret,
+    /// Mutual TLS with peers, when configured.
+    pub(crate) tls: Option<std::sync::Arc<crate::tls::Tls>>,
     /// Wire limits.
     pub(crate) limits: WireLimits,
     /// Connect-to-authenticated bound.

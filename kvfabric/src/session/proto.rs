@@ -175,7 +175,7 @@ pub struct ClientParams {
     /// The agent we dial: the server must say this name.
     pub peer: String,
     /// The shared secret.
-    pub secret: Vec<u8>,
+    pub secret: crate::secret::Secret,
     /// Limits of every frame we read.
     pub limits: WireLimits,
 }
@@ -363,7 +363,7 @@ impl ClientProto {
                 }
                 let p = &self.params;
                 let mac =
-                    handshake_mac(&p.secret, HandshakeRole::Client, &nonce, &self.nonce_c, &p.me);
+                    handshake_mac(p.secret.expose(), HandshakeRole::Client, &nonce, &self.nonce_c, &p.me);
                 let hello = Message::Hello { client_name: p.me.clone(), nonce: self.nonce_c, mac };
                 self.transmit.extend_from_slice(&hello.encode(0));
                 self.state = ClientState::AwaitWelcome { nonce_s: nonce };
@@ -372,7 +372,7 @@ impl ClientProto {
             (ClientState::AwaitWelcome { nonce_s }, Message::Welcome { mac }) => {
                 let p = &self.params;
                 if !verify_handshake_mac(
-                    &p.secret,
+                    p.secret.expose(),
                     HandshakeRole::Server,
                     &self.nonce_c,
                     nonce_s,
@@ -432,7 +432,7 @@ pub struct ServerParams {
     /// Our name, sent in the challenge.
     pub name: String,
     /// The shared secret.
-    pub secret: Vec<u8>,
+    pub secret: crate::secret::Secret,
     /// Limits of every frame we read after authentication.
     pub limits: WireLimits,
 }
@@ -564,7 +564,7 @@ impl ServerProto {
             (ServerState::AwaitHello, Message::Hello { client_name, nonce, mac }) => {
                 let p = &self.params;
                 if !verify_handshake_mac(
-                    &p.secret,
+                    p.secret.expose(),
                     HandshakeRole::Client,
                     &self.nonce_s,
                     &nonce,
@@ -574,7 +574,7 @@ impl ServerProto {
                     return Err(self.close_with(ErrorCode::Auth, h.request_id, SessionError::Auth));
                 }
                 let mac =
-                    handshake_mac(&p.secret, HandshakeRole::Server, &nonce, &self.nonce_s, "");
+                    handshake_mac(p.secret.expose(), HandshakeRole::Server, &nonce, &self.nonce_s, "");
                 self.transmit.extend_from_slice(&Message::Welcome { mac }.encode(h.request_id));
                 self.reader = FrameReader::new(self.params.limits);
                 self.peer = Some(client_name.clone());
@@ -684,7 +684,7 @@ mod tests {
         let params = ClientParams {
             me: "client".into(),
             peer: peer.into(),
-            secret: secret.to_vec(),
+            secret: secret.into(),
             limits: WireLimits::default(),
         };
         ClientProto::new(params, [7; NONCE_BYTES])
@@ -693,7 +693,7 @@ mod tests {
     fn server() -> ServerProto {
         let params = ServerParams {
             name: "server".into(),
-            secret: SECRET.to_vec(),
+            secret: SECRET.into(),
             limits: WireLimits::default(),
         };
         ServerProto::new(params, [9; NONCE_BYTES])

@@ -11,15 +11,16 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 use tokio::io::AsyncReadExt;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 use crate::endpoint::{verify, Endpoint, Notification, Refusal};
 use crate::wire::{ErrorCode, Message};
 
-use super::admission::{Admission, PreAuth};
+use super::admission::Admission;
 use super::io::{self, RawDst, RawSrc};
 use super::proto::{ServerEvent, ServerParams, ServerProto, SessionError};
 use super::RpcHandler;
+use crate::tls::{Stream, Tls};
 
 /// A refused WRITE's payload is drained (so the client reads a typed error) up to this size;
 /// past it the connection is closed.
@@ -53,6 +54,8 @@ pub(crate) struct SessionServer {
 pub(crate) struct ServerTimeouts {
     /// Time for the rest of a frame, or a payload's next bytes, once it started.
     pub(crate) frame: Duration,
+    /// The bound on TLS's handshake and ours together.
+    pub(crate) handshake: Duration,
 }
 
 impl SessionServer {
@@ -63,10 +66,11 @@ impl SessionServer {
         params: ServerParams,
         timeouts: ServerTimeouts,
         admission: Admission,
+        tls: Option<Arc<Tls>>,
     ) -> Self {
         let task = tokio::spawn(async move {
             loop {
-                let Ok((stream, from)) = listener.accept().await else {
+                let Ok((tcp, from)) = listener.accept().await else {
                     // Out of file descriptors or similar: back off instead of spinning.
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
@@ -75,14 +79,31 @@ impl SessionServer {
                     return;
                 }
                 let Some(pending) = admission.admit(from.ip()) else { continue };
-                let conn = Connection {
-                    stream,
-                    proto: ServerProto::new(params.clone(), io::random_nonce()),
-                    services: services.clone(),
-                    timeouts: timeouts.clone(),
-                };
+                let (params, services, timeouts, tls) =
+                    (params.clone(), services.clone(), timeouts.clone(), tls.clone());
                 tokio::spawn(async move {
-                    let _ = conn.serve(pending).await;
+                    let _ = tcp.set_nodelay(true);
+                    let handshake = async {
+                        let stream = super::handshake::accept_tls(
+                            tls.as_deref(),
+                            tcp,
+                            from,
+                            timeouts.handshake,
+                        )
+                        .await
+                        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+                        let mut conn = Connection {
+                            stream,
+                            proto: ServerProto::new(params, io::random_nonce()),
+                            services,
+                            timeouts,
+                        };
+                        conn.handshake().await.map(|peer| (peer, conn))
+                    };
+                    let Some((admitted, conn)) = pending.authenticate_with(handshake).await else {
+                        return;
+                    };
+                    let _ = conn.serve(admitted).await;
                 });
             }
         });
@@ -95,7 +116,7 @@ impl SessionServer {
 }
 
 struct Connection {
-    stream: TcpStream,
+    stream: Stream,
     proto: ServerProto,
     services: Weak<Services>,
     timeouts: ServerTimeouts,
@@ -155,16 +176,16 @@ impl Connection {
         self.reply(Message::Error { code: r.code, message: r.message }).await
     }
 
-    async fn serve(mut self, pending: PreAuth) -> Result<(), End> {
-        self.stream.set_nodelay(true)?;
-        let handshake = async {
-            self.flush().await?; // the challenge
-            match self.next_event(None).await? {
-                ServerEvent::Authenticated { peer } => Ok(peer),
-                _ => Err(ended(SessionError::Misuse("a request before the hello"))),
-            }
-        };
-        let Some(admitted) = pending.authenticate(handshake).await else { return Ok(()) };
+    /// The challenge, and the client's proof: its authenticated name.
+    async fn handshake(&mut self) -> Result<String, End> {
+        self.flush().await?; // the challenge
+        match self.next_event(None).await? {
+            ServerEvent::Authenticated { peer } => Ok(peer),
+            _ => Err(ended(SessionError::Misuse("a request before the hello"))),
+        }
+    }
+
+    async fn serve(mut self, admitted: super::admission::Admitted) -> Result<(), End> {
         let peer = admitted.peer().to_string();
         loop {
             let event = match self.next_event(Some(admitted.idle_timeout())).await {
@@ -295,7 +316,7 @@ impl Connection {
             // keeps registered and mapped for the whole read; bytes go in through raw
             // pointers, no reference to region memory is formed.
             unsafe {
-                io::recv_into(&self.stream, RawDst(dst), t.len as usize, self.timeouts.frame)
+                io::recv_into(&mut self.stream, RawDst(dst), t.len as usize, self.timeouts.frame)
             }
             .await?;
             self.proto.payload_received(t.len).map_err(ended)?;
@@ -336,7 +357,7 @@ impl Connection {
         }
         // SAFETY: the frame lives in this scope; the ranges were checked against exported
         // regions that `targets` keeps leased past this call.
-        unsafe { io::send_all(&self.stream, &bufs, self.timeouts.frame) }.await?;
+        unsafe { io::send_all(&mut self.stream, &bufs, self.timeouts.frame) }.await?;
         drop(bufs);
         drop(targets);
         Ok(())

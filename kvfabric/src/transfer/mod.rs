@@ -208,6 +208,15 @@ pub enum TransferError {
     /// Authentication with the peer failed.
     #[error("authentication with {0} failed")]
     Auth(String),
+    /// TLS with the peer failed: a certificate not trusted, expired, or naming another
+    /// address, or one side running without TLS.
+    #[error("TLS with {peer} failed: {reason}")]
+    Tls {
+        /// The peer.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
     /// The connection broke or the peer died.
     #[error("peer {peer} disconnected: {reason}")]
     Disconnected {

@@ -83,7 +83,7 @@ async fn session(
     let params = ClientParams {
         me: me.into(),
         peer: peer.into(),
-        secret: SECRET.as_bytes().to_vec(),
+        secret: SECRET.as_bytes().into(),
         limits: WireLimits::default(),
     };
     handshake::client(&mut c, params, handshake::nonce(), Duration::from_secs(2)).await.ok()?;

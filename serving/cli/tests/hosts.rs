@@ -416,7 +416,7 @@ async fn ask_worker(
     request.pull = pull;
     let req = WorkerRequest { model: "mock".into(), request };
     let auth =
-        Auth { name: "hosts-test".into(), secret: b"hosts-test-secret-of-the-cluster".to_vec() };
+        Auth { name: "hosts-test".into(), secret: b"hosts-test-secret-of-the-cluster".into() };
     let work = async {
         let mut s = protocol::connect(addr, w, &auth, &req, Duration::from_secs(5))
             .await

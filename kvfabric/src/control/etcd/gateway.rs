@@ -178,6 +178,17 @@ struct ErrorBody {
 /// How long a connection to one endpoint may take before the next is tried.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How a client reaches etcd securely: TLS (a CA, and a client certificate when etcd asks
+/// for one) for `https://` endpoints, and etcd's user/password authentication.
+#[derive(Debug, Clone, Default)]
+pub struct EtcdSecurity {
+    /// The client configuration of `https://` endpoints (trusting the CA that signed etcd's
+    /// certificates; presenting a client certificate if given one).
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// A user and password of etcd's authentication (`etcdctl auth enable`).
+    pub user: Option<(String, crate::secret::Secret)>,
+}
+
 /// Client endpoints (`host:port` authorities), tried in turn from the last that answered.
 #[derive(Debug, Clone)]
 pub(crate) struct Gateway {
@@ -186,35 +197,99 @@ pub(crate) struct Gateway {
     timeout: Duration,
     /// Whether etcd answers, shared by every clone (the process's view of it).
     health: Arc<crate::control::health::BackendHealth>,
+    /// TLS to every endpoint (all `https://`), or none (all `http://`).
+    tls: Option<Arc<rustls::ClientConfig>>,
+    user: Option<Arc<(String, crate::secret::Secret)>>,
+    /// The authentication token in use (etcd's simple tokens expire when unused for five
+    /// minutes by default: a call refused for its token authenticates again once).
+    token: Arc<parking_lot::RwLock<Option<crate::secret::Secret>>>,
 }
 
 impl Gateway {
-    /// `endpoints` as `http://host:port` or `host:port`; https needs a TLS client that this
-    /// build does not have, so it is refused rather than tried in the clear.
-    pub fn new(endpoints: &[String], timeout: Duration) -> Result<Self, ControlError> {
+    /// `endpoints` as `http://host:port`, `https://host:port` or `host:port` (http); https
+    /// needs `security.tls`, and every endpoint must use the same scheme.
+    pub fn new(
+        endpoints: &[String],
+        timeout: Duration,
+        security: EtcdSecurity,
+    ) -> Result<Self, ControlError> {
         let mut out = Vec::new();
+        let mut schemes = std::collections::HashSet::new();
         for e in endpoints {
             let e = e.trim();
-            if e.starts_with("https://") {
-                return Err(backend(format!(
-                    "{e}: https endpoints are not supported; reach etcd over http (a local TLS proxy)"
-                )));
+            let (https, authority) = match e.strip_prefix("https://") {
+                Some(rest) => (true, rest),
+                None => (false, e.strip_prefix("http://").unwrap_or(e)),
+            };
+            let authority = authority.trim_end_matches('/');
+            if authority.is_empty() || authority.contains('/') || authority.contains('@') {
+                return Err(backend(format!("{e:?} is not an etcd endpoint (http[s]://host:port)")));
             }
-            let authority = e.strip_prefix("http://").unwrap_or(e).trim_end_matches('/');
-            if authority.is_empty() || authority.contains('/') {
-                return Err(backend(format!("{e:?} is not an etcd endpoint (http://host:port)")));
-            }
+            schemes.insert(https);
             out.push(authority.to_string());
         }
         if out.is_empty() {
             return Err(backend("no etcd endpoint given"));
         }
+        if schemes.len() > 1 {
+            return Err(backend("etcd endpoints mix http:// and https://: give one scheme"));
+        }
+        let https = schemes.contains(&true);
+        let tls = match (https, security.tls) {
+            (true, None) => {
+                return Err(backend(
+                    "https etcd endpoints need the CA that signed etcd's certificate (--etcd-ca)",
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(backend(
+                    "etcd TLS options given, but the endpoints are http://: use https:// to \
+                     reach etcd over TLS (never in the clear by mistake)",
+                ))
+            }
+            (_, t) => t,
+        };
         Ok(Gateway {
             endpoints: out.into(),
             current: Arc::new(AtomicUsize::new(0)),
             timeout,
             health: Arc::new(crate::control::health::BackendHealth::new("etcd")),
+            tls,
+            user: security.user.map(Arc::new),
+            token: Arc::default(),
         })
+    }
+
+    /// Authenticates with etcd's user/password (when configured), keeping the token for the
+    /// calls that follow. A wrong password is a clear error.
+    pub async fn authenticate(&self) -> Result<(), ControlError> {
+        let Some(user) = self.user.clone() else { return Ok(()) };
+        let password = user.1.expose_str().ok_or_else(|| backend("the etcd password is not UTF-8"))?;
+        let req = serde_json::json!({ "name": user.0, "password": password });
+        #[derive(Deserialize)]
+        struct Auth {
+            #[serde(default)]
+            token: String,
+        }
+        *self.token.write() = None;
+        let auth: Auth = tokio::time::timeout(self.timeout, async {
+            let (resp, conn) = self.open("/v3/auth/authenticate", &req).await.map_err(|e| {
+                backend(format!("authenticating to etcd as {:?}: {}", user.0, e.to_string()))
+            })?;
+            let bytes = read_limited(resp.into_body()).await;
+            conn.abort();
+            serde_json::from_slice::<Auth>(&bytes?).map_err(malformed)
+        })
+        .await
+        .map_err(|_| self.timed_out("etcd authenticate"))??;
+        if auth.token.is_empty() {
+            return Err(backend(format!(
+                "etcd gave no token to {:?}: is authentication enabled (etcdctl auth enable)?",
+                user.0
+            )));
+        }
+        *self.token.write() = Some(crate::secret::Secret::from(auth.token));
+        Ok(())
     }
 
     /// This process's view of etcd's health.
@@ -243,17 +318,44 @@ impl Gateway {
             .map_err(|_| backend(format!("{authority}: no connection within {CONNECT_TIMEOUT:?}")))?
             .map_err(|e| backend(format!("{authority}: {e}")))?;
         let _ = tcp.set_nodelay(true);
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        let stream = match &self.tls {
+            None => crate::tls::Stream::Plain(tcp),
+            Some(config) => {
+                let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                let name = rustls::pki_types::ServerName::try_from(host.to_string())
+                    .map_err(|e| backend(format!("{authority}: {e}")))?;
+                let connect = tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp);
+                match tokio::time::timeout(CONNECT_TIMEOUT.max(self.timeout / 2), connect).await {
+                    Ok(Ok(s)) => crate::tls::Stream::Client(Box::new(s)),
+                    Ok(Err(e)) => {
+                        return Err(backend(format!(
+                            "TLS with etcd at {authority}: {}",
+                            crate::tls::explain(&e)
+                        )))
+                    }
+                    Err(_) => {
+                        return Err(backend(format!("TLS with etcd at {authority}: timed out")))
+                    }
+                }
+            }
+        };
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| backend(format!("{authority}: {e}")))?;
         let conn = tokio::spawn(async move {
             let _ = conn.await;
         });
-        let req = hyper::Request::post(path)
+        let mut req = hyper::Request::post(path)
             .header(hyper::header::HOST, authority)
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body))
-            .map_err(|e| backend(e.to_string()))?;
+            .header(hyper::header::CONTENT_TYPE, "application/json");
+        if let Some(token) = self.token.read().as_ref().and_then(|t| t.expose_str()) {
+            let mut value = hyper::header::HeaderValue::from_str(token)
+                .map_err(|_| backend("etcd gave a token that is not a header value"))?;
+            value.set_sensitive(true);
+            req = req.header(hyper::header::AUTHORIZATION, value);
+        }
+        let req = req.body(Full::new(body)).map_err(|e| backend(e.to_string()))?;
         match sender.send_request(req).await {
             Ok(resp) => Ok((resp, conn)),
             Err(e) => {
@@ -300,6 +402,29 @@ impl Gateway {
         Err(last)
     }
 
+    /// [`Self::open`] with the authentication token; a call refused for its token (expired,
+    /// or etcd restarted) authenticates again and is sent once more.
+    async fn open_authenticated(
+        &self,
+        path: &str,
+        req: &impl Serialize,
+    ) -> Result<(hyper::Response<Incoming>, tokio::task::JoinHandle<()>), ControlError> {
+        if self.user.is_some() && self.token.read().is_none() {
+            self.authenticate().await?;
+        }
+        match self.open(path, req).await {
+            Err(ControlError::Backend { message, .. })
+                if self.user.is_some()
+                    && (message.contains("invalid auth token")
+                        || message.contains("user name is empty")) =>
+            {
+                self.authenticate().await?;
+                self.open(path, req).await
+            }
+            other => other,
+        }
+    }
+
     /// A unary call, bounded by the gateway's timeout.
     pub async fn call<T: DeserializeOwned>(
         &self,
@@ -308,7 +433,7 @@ impl Gateway {
         req: &impl Serialize,
     ) -> Result<T, ControlError> {
         tokio::time::timeout(self.timeout, async {
-            let (resp, conn) = self.open(path, req).await?;
+            let (resp, conn) = self.open_authenticated(path, req).await?;
             let bytes = read_limited(resp.into_body()).await;
             conn.abort();
             serde_json::from_slice(&bytes?).map_err(malformed)
@@ -330,7 +455,7 @@ impl Gateway {
         path: &str,
         req: &impl Serialize,
     ) -> Result<JsonStream, ControlError> {
-        let (resp, conn) = tokio::time::timeout(self.timeout, self.open(path, req))
+        let (resp, conn) = tokio::time::timeout(self.timeout, self.open_authenticated(path, req))
             .await
             .map_err(|_| self.timed_out(what))??;
         Ok(JsonStream { body: resp.into_body(), buf: Vec::new(), conn })
@@ -459,10 +584,10 @@ mod tests {
 
     #[test]
     fn endpoints_are_checked() {
-        assert!(Gateway::new(&["http://127.0.0.1:2379".into()], Duration::from_secs(1)).is_ok());
-        assert!(Gateway::new(&["127.0.0.1:2379".into()], Duration::from_secs(1)).is_ok());
-        assert!(Gateway::new(&["https://etcd:2379".into()], Duration::from_secs(1)).is_err());
-        assert!(Gateway::new(&["http://etcd:2379/v3".into()], Duration::from_secs(1)).is_err());
-        assert!(Gateway::new(&[], Duration::from_secs(1)).is_err());
+        assert!(Gateway::new(&["http://127.0.0.1:2379".into()], Duration::from_secs(1), Default::default()).is_ok());
+        assert!(Gateway::new(&["127.0.0.1:2379".into()], Duration::from_secs(1), Default::default()).is_ok());
+        assert!(Gateway::new(&["https://etcd:2379".into()], Duration::from_secs(1), Default::default()).is_err());
+        assert!(Gateway::new(&["http://etcd:2379/v3".into()], Duration::from_secs(1), Default::default()).is_err());
+        assert!(Gateway::new(&[], Duration::from_secs(1), Default::default()).is_err());
     }
 }

@@ -18,6 +18,7 @@ use super::{
 };
 
 mod gateway;
+pub use gateway::EtcdSecurity;
 
 use gateway::{
     b64, prefix_end, Gateway, LeaseResponse, RangeResponse, StatusResponse, TxnResponse,
@@ -30,6 +31,24 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// A watch that saw nothing for this long is re-established.
 const WATCH_REFRESH: Duration = Duration::from_secs(10);
 
+/// Turns on etcd's authentication with a `root` user of `password` (what `etcdctl user add
+/// root` and `etcdctl auth enable` do), over the gateway: for tests and deployment scripts.
+pub async fn enable_root_auth(
+    endpoints: &[String],
+    security: EtcdSecurity,
+    password: &str,
+) -> Result<(), ControlError> {
+    let etcd = Gateway::new(endpoints, CALL_TIMEOUT, EtcdSecurity { user: None, ..security })?;
+    let _: serde_json::Value = etcd
+        .call("etcd user add", "/v3/auth/user/add", &json!({ "name": "root", "password": password }))
+        .await?;
+    let _: serde_json::Value = etcd
+        .call("etcd user grant", "/v3/auth/user/grant", &json!({ "user": "root", "role": "root" }))
+        .await?;
+    let _: serde_json::Value = etcd.call("etcd auth enable", "/v3/auth/enable", &json!({})).await?;
+    Ok(())
+}
+
 /// Discovery backed by an etcd cluster (v3 API, through etcd's HTTP/JSON gateway).
 #[derive(Debug, Clone)]
 pub struct EtcdDiscovery {
@@ -40,8 +59,19 @@ pub struct EtcdDiscovery {
 impl EtcdDiscovery {
     /// Connects to `endpoints` (such as `http://127.0.0.1:2379`): checks that one answers.
     pub async fn connect(endpoints: &[String], namespace: &str) -> Result<Self, ControlError> {
+        Self::connect_with(endpoints, namespace, EtcdSecurity::default()).await
+    }
+
+    /// Connects with TLS and etcd's user authentication as `security` says; a wrong CA, an
+    /// expired certificate or a wrong password is an error here, within the call timeout.
+    pub async fn connect_with(
+        endpoints: &[String],
+        namespace: &str,
+        security: EtcdSecurity,
+    ) -> Result<Self, ControlError> {
         check_name(namespace)?;
-        let etcd = Gateway::new(endpoints, CALL_TIMEOUT)?;
+        let etcd = Gateway::new(endpoints, CALL_TIMEOUT, security)?;
+        etcd.authenticate().await?;
         let status: StatusResponse =
             etcd.call("etcd connect", "/v3/maintenance/status", &json!({})).await?;
         tracing::debug!(version = %status.version, ?endpoints, "connected to etcd");
