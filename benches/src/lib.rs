@@ -54,7 +54,11 @@ pub struct Host {
 
 impl Host {
     /// The configuration of an agent this run starts.
-    pub fn agent_config(&self, name: impl Into<String>, secret: impl Into<Vec<u8>>) -> AgentConfig {
+    pub fn agent_config(
+        &self,
+        name: impl Into<String>,
+        secret: impl Into<kvfabric::secret::Secret>,
+    ) -> AgentConfig {
         let mut cfg = AgentConfig::new(name, secret);
         cfg.rdma = self.rdma.clone();
         cfg

@@ -139,10 +139,7 @@ impl EtcdServer {
                 cmd.arg("--client-cert-auth").arg("--trusted-ca-file").arg(ca);
             }
         }
-        let mut child = cmd
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
+        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
         wait_ready(SocketAddr::from(([127, 0, 0, 1], self.client_port)), &mut child, "etcd")?;
         self.child = ServerProcess(Some(child));
         Ok(())
@@ -341,7 +338,8 @@ impl TestCa {
     pub fn new(name: &str) -> std::io::Result<Self> {
         let dir = tempfile::tempdir()?;
         let key = rcgen::KeyPair::generate().map_err(rcgen_error)?;
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(rcgen_error)?;
+        let mut params =
+            rcgen::CertificateParams::new(Vec::<String>::new()).map_err(rcgen_error)?;
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         params.distinguished_name.push(rcgen::DnType::CommonName, name);
         params.key_usages = vec![
@@ -365,13 +363,21 @@ impl TestCa {
     /// valid from yesterday for a year.
     pub fn issue(&self, names: &[&str]) -> std::io::Result<TestCert> {
         let now = std::time::SystemTime::now();
-        self.issue_valid(names, now - Duration::from_secs(86_400), now + Duration::from_secs(365 * 86_400))
+        self.issue_valid(
+            names,
+            now - Duration::from_secs(86_400),
+            now + Duration::from_secs(365 * 86_400),
+        )
     }
 
     /// A certificate for `names` that expired yesterday.
     pub fn issue_expired(&self, names: &[&str]) -> std::io::Result<TestCert> {
         let now = std::time::SystemTime::now();
-        self.issue_valid(names, now - Duration::from_secs(30 * 86_400), now - Duration::from_secs(86_400))
+        self.issue_valid(
+            names,
+            now - Duration::from_secs(30 * 86_400),
+            now - Duration::from_secs(86_400),
+        )
     }
 
     /// A certificate for `names` valid from `from` to `to`.
@@ -383,7 +389,9 @@ impl TestCa {
     ) -> std::io::Result<TestCert> {
         let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
         let mut params = rcgen::CertificateParams::new(names.clone()).map_err(rcgen_error)?;
-        params.distinguished_name.push(rcgen::DnType::CommonName, names.first().cloned().unwrap_or_default());
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, names.first().cloned().unwrap_or_default());
         params.not_before = from.into();
         params.not_after = to.into();
         params.extended_key_usages = vec![

@@ -492,12 +492,19 @@ impl AsyncWrite for Stream {
 }
 
 /// The certificates of a PEM file (at least one).
-pub fn read_certs(path: &Path, what: &'static str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let bytes = std::fs::read(path)
-        .map_err(|source| TlsError::Read { what, path: path.to_path_buf(), source })?;
-    let certs = CertificateDer::pem_slice_iter(&bytes)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| TlsError::Invalid { what, path: path.to_path_buf(), message: e.to_string() })?;
+pub fn read_certs(
+    path: &Path,
+    what: &'static str,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let certs =
+        CertificateDer::pem_slice_iter(&bytes).collect::<Result<Vec<_>, _>>().map_err(|e| {
+            TlsError::Invalid { what, path: path.to_path_buf(), message: e.to_string() }
+        })?;
     if certs.is_empty() {
         let message = "no CERTIFICATE in it (PEM expected)".to_string();
         return Err(TlsError::Invalid { what, path: path.to_path_buf(), message });
@@ -520,8 +527,11 @@ pub fn read_roots(path: &Path, what: &'static str) -> Result<RootCertStore, TlsE
 
 fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let what = "TLS private key";
-    let bytes = std::fs::read(path)
-        .map_err(|source| TlsError::Read { what, path: path.to_path_buf(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })?;
     PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| TlsError::Invalid {
         what,
         path: path.to_path_buf(),
@@ -564,7 +574,10 @@ fn build(files: &TlsFiles) -> Result<Built, TlsError> {
         return Err(TlsError::Invalid {
             what: "TLS certificate",
             path: files.cert.clone(),
-            message: format!("not valid before {} (is this machine's clock right?)", utc(validity.0)),
+            message: format!(
+                "not valid before {} (is this machine's clock right?)",
+                utc(validity.0)
+            ),
         });
     }
     let versions = rustls::DEFAULT_VERSIONS;

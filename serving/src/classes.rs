@@ -20,7 +20,6 @@
 //! 400. A request that names none is of the default class: the one marked `default`, or the
 //! least urgent.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -398,7 +397,7 @@ pub struct Tenant {
     /// Its name (in metrics and logs).
     pub name: String,
     /// Its API key (`Authorization: Bearer KEY`).
-    pub key: String,
+    pub key: kvfabric::secret::Secret,
     /// The classes it may use, the first its default; left out (None): every class. An
     /// empty list is refused (it would read as every class while naming none).
     #[serde(default)]
@@ -441,7 +440,7 @@ impl Tenant {
 /// The tenants of a frontend, by API key.
 #[derive(Debug, Clone, Default)]
 pub struct Tenants {
-    by_key: BTreeMap<String, Tenant>,
+    by_key: Vec<Tenant>,
 }
 
 #[derive(serde::Deserialize)]
@@ -470,7 +469,7 @@ impl Tenants {
 
     /// These tenants, checked: names and keys unique and not empty, classes configured.
     pub fn new(list: Vec<Tenant>, classes: &Classes) -> Result<Self, String> {
-        let mut by_key = BTreeMap::new();
+        let mut by_key: Vec<Tenant> = Vec::new();
         let mut names = std::collections::BTreeSet::new();
         for t in list {
             if t.name.is_empty() || t.key.len() < 8 {
@@ -504,9 +503,10 @@ impl Tenants {
             for c in t.classes.iter().flatten() {
                 classes.index_of(c).map_err(|e| format!("tenant {:?}: {e}", t.name))?;
             }
-            if by_key.insert(t.key.clone(), t).is_some() {
+            if by_key.iter().any(|o| o.key == t.key) {
                 return Err("two tenants have the same key".into());
             }
+            by_key.push(t);
         }
         Ok(Tenants { by_key })
     }
@@ -529,10 +529,8 @@ impl Tenants {
     /// The tenant of `key` (compared in constant time against every key).
     pub fn by_key(&self, key: &str) -> Option<&Tenant> {
         let mut found = None;
-        for (k, t) in &self.by_key {
-            let same = k.len() == key.len()
-                && k.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-            if same {
+        for t in &self.by_key {
+            if t.key.matches(key.as_bytes()) {
                 found = Some(t);
             }
         }

@@ -24,9 +24,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvfabric::secret::Secret;
 use kvfabric::session::admission::{Admission, AdmissionLimits, Admitted, PortStats};
 use kvfabric::session::handshake::{self, HandshakeError};
 use kvfabric::session::proto::{ClientParams, ServerParams};
+use kvfabric::tls::{Stream, Tls};
 use kvfabric::wire::WireLimits;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -58,6 +60,9 @@ pub enum FrameError {
     /// The handshake failed (wrong secret, wrong worker, timeout).
     #[error("handshake: {0}")]
     Handshake(#[from] HandshakeError),
+    /// TLS failed (a certificate not trusted or expired, or one side without TLS).
+    #[error("{0}")]
+    Tls(#[from] kvfabric::tls::TlsError),
 }
 
 impl FrameError {
@@ -65,7 +70,12 @@ impl FrameError {
     /// can succeed until an operator fixes it.
     pub fn is_auth(&self) -> bool {
         use kvfabric::session::proto::SessionError;
-        matches!(self, FrameError::Handshake(HandshakeError::Session(SessionError::Auth)))
+        use kvfabric::tls::TlsError;
+        matches!(
+            self,
+            FrameError::Handshake(HandshakeError::Session(SessionError::Auth))
+                | FrameError::Tls(TlsError::Handshake { .. } | TlsError::PlaintextPeer { .. })
+        )
     }
 
     /// Whether the peer speaks another version of the protocol: no retry can succeed until
@@ -75,19 +85,17 @@ impl FrameError {
     }
 }
 
-/// Who may speak the protocol: this side's name and the shared secret.
-#[derive(Clone)]
+/// Who may speak the protocol: this side's name and the shared secret, and the process's
+/// certificates when connections between processes use mutual TLS.
+#[derive(Debug, Clone)]
 pub struct Auth {
     /// This side's name: a worker's is the name it registers; a frontend's any name.
     pub name: String,
     /// The shared secret (non-empty).
-    pub secret: Vec<u8>,
-}
-
-impl std::fmt::Debug for Auth {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Auth").field("name", &self.name).finish_non_exhaustive()
-    }
+    pub secret: Secret,
+    /// Mutual TLS (when its CA is configured): a worker's port then refuses plaintext
+    /// frontends, and a frontend dials workers over TLS only.
+    pub tls: Option<Arc<Tls>>,
 }
 
 impl Auth {
@@ -183,6 +191,8 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin, T: serde::Serialize>(
     buf.extend_from_slice(&header);
     buf.extend_from_slice(&body);
     w.write_all(&buf).await?;
+    // Through TLS, the bytes may wait in the session until flushed.
+    w.flush().await?;
     Ok(())
 }
 
@@ -286,15 +296,20 @@ pub fn serve(
             let (backend, auth, limits, stats) =
                 (backend.clone(), auth.clone(), limits.clone(), stats.clone());
             tokio::spawn(async move {
-                let mut conn = conn;
                 let _ = conn.set_nodelay(true);
-                let handshake = handshake::server(
-                    &mut conn,
-                    auth.server(),
-                    handshake::nonce(),
-                    limits.connections.handshake_timeout,
-                );
-                let Some(admitted) = pending.authenticate(handshake).await else { return };
+                let timeout = limits.connections.handshake_timeout;
+                let handshake = async {
+                    let mut conn = handshake::accept_tls(auth.tls.as_deref(), conn, from, timeout)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    handshake::server(&mut conn, auth.server(), handshake::nonce(), timeout)
+                        .await
+                        .map(|peer| (peer, conn))
+                        .map_err(|e| e.to_string())
+                };
+                let Some((admitted, conn)) = pending.authenticate_with(handshake).await else {
+                    return;
+                };
                 if let Err(e) = handle(conn, backend, &limits, &stats, &admitted).await {
                     stats.bad_requests.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(peer = %admitted.peer(), error = %e, "frontend connection ended");
@@ -306,13 +321,13 @@ pub fn serve(
 
 /// Answers the requests of one authenticated connection, one after the other.
 async fn handle(
-    conn: TcpStream,
+    conn: Stream,
     backend: Arc<dyn Backend>,
     limits: &ServeLimits,
     stats: &ServeStats,
     admitted: &Admitted,
 ) -> Result<(), FrameError> {
-    let (mut rd, mut wr) = conn.into_split();
+    let (mut rd, mut wr) = tokio::io::split(conn);
     // The first request must arrive promptly; a kept connection may wait longer for its next.
     let mut wait = limits.request_timeout;
     loop {
@@ -346,8 +361,8 @@ async fn handle(
 async fn answer(
     req: WorkerRequest,
     backend: &Arc<dyn Backend>,
-    rd: &mut tokio::net::tcp::OwnedReadHalf,
-    wr: &mut tokio::net::tcp::OwnedWriteHalf,
+    rd: &mut tokio::io::ReadHalf<Stream>,
+    wr: &mut tokio::io::WriteHalf<Stream>,
 ) -> Result<bool, FrameError> {
     if backend.model(&req.model).is_none() {
         let e = EngineError::invalid(format!("this worker does not serve {:?}", req.model));
@@ -407,12 +422,12 @@ pub struct ConnectionPool {
 }
 
 /// A kept connection and since when it is idle.
-type Kept = (TcpStream, std::time::Instant);
+type Kept = (Stream, std::time::Instant);
 
 /// A connection to a worker with a request sent on it.
 #[derive(Debug)]
 pub struct PooledConn {
-    stream: TcpStream,
+    stream: Stream,
     key: (SocketAddr, String),
     /// Whether it was kept from an earlier request (it may have been closed meanwhile).
     pub reused: bool,
@@ -459,15 +474,13 @@ impl ConnectionPool {
     }
 
     /// A kept connection that is still open, newest first.
-    fn take(&self, key: &(SocketAddr, String)) -> Option<TcpStream> {
+    fn take(&self, key: &(SocketAddr, String)) -> Option<Stream> {
         let mut idle = self.idle.lock();
         let conns = idle.get_mut(key)?;
         while let Some((stream, since)) = conns.pop() {
-            let mut probe = [0u8; 1];
             // A worker sends nothing unasked: anything readable (its end of stream above
             // all) means the connection is over.
-            let open = matches!(stream.try_read(&mut probe),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+            let open = !stream.closed_or_unasked();
             if open && since.elapsed() < POOL_IDLE_MAX {
                 return Some(stream);
             }
@@ -502,11 +515,18 @@ pub async fn probe(
     auth: &Auth,
     timeout: Duration,
 ) -> Result<(), FrameError> {
-    let mut s = tokio::time::timeout(timeout, TcpStream::connect(addr))
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+    let mut s = dial(addr, auth, timeout).await?;
     handshake::client(&mut s, auth.client(worker), handshake::nonce(), timeout).await?;
     Ok(())
+}
+
+/// A connection to `addr` within `timeout`, over TLS when `auth` has it.
+async fn dial(addr: SocketAddr, auth: &Auth, timeout: Duration) -> Result<Stream, FrameError> {
+    let tcp = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+    tcp.set_nodelay(true)?;
+    Ok(kvfabric::tls::connect_peer(auth.tls.as_deref(), tcp, addr, timeout).await?)
 }
 
 /// Connects to the worker `worker`, authenticates, and sends a request; events are read
@@ -517,11 +537,8 @@ pub async fn connect(
     auth: &Auth,
     req: &WorkerRequest,
     timeout: Duration,
-) -> Result<TcpStream, FrameError> {
-    let mut s = tokio::time::timeout(timeout, TcpStream::connect(addr))
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
-    s.set_nodelay(true)?;
+) -> Result<Stream, FrameError> {
+    let mut s = dial(addr, auth, timeout).await?;
     handshake::client(&mut s, auth.client(worker), handshake::nonce(), timeout).await?;
     write_frame(&mut s, req).await?;
     Ok(s)

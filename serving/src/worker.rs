@@ -70,7 +70,10 @@ pub struct WorkerConfig {
     /// The shared secret of the transfer engine and the request port (None: random, for a
     /// worker that only this process talks to — then nothing else can reach it; moves no KV to
     /// others).
-    pub secret: Option<Vec<u8>>,
+    pub secret: Option<kvfabric::secret::Secret>,
+    /// Mutual TLS on its request port and its agent's connections (when the process has
+    /// certificates and a deployment CA).
+    pub tls: Option<Arc<kvfabric::tls::Tls>>,
     /// Host tier capacity, blocks.
     pub host_blocks: u32,
     /// The disk tier: a directory and a capacity in blocks (None: no disk tier).
@@ -164,7 +167,9 @@ pub struct WorkerStack {
     /// then, its engine's and store's.
     report: Arc<parking_lot::Mutex<Option<(MetricsSource, &'static str)>>>,
     /// The shared secret of its agent and its request port.
-    secret: Vec<u8>,
+    secret: kvfabric::secret::Secret,
+    /// Its TLS between processes, if any.
+    tls: Option<Arc<kvfabric::tls::Tls>>,
     /// Its store as peers pull from it (None: it serves no pulls).
     serving_peers: Option<kvfabric::contract::discovery::NodeInfo>,
 }
@@ -336,10 +341,11 @@ impl WorkerStack {
                     what: "drawing a random secret".into(),
                     source: std::io::Error::other(e.to_string()),
                 })?;
-                b.to_vec()
+                kvfabric::secret::Secret::new(b.to_vec())
             }
         };
         let mut agent_cfg = AgentConfig::new(cfg.name.clone(), secret.clone());
+        agent_cfg.tls = cfg.tls.clone();
         agent_cfg.rdma = cfg.rdma.clone();
         agent_cfg.listen = cfg.transfer_listen;
         agent_cfg.advertise = cfg.transfer_advertise;
@@ -458,6 +464,7 @@ impl WorkerStack {
             publisher,
             report,
             secret,
+            tls: cfg.tls.clone(),
             serving_peers,
         })
     }
@@ -525,6 +532,7 @@ impl WorkerStack {
                     let cfg = RoutedConfig {
                         kind: PREFILL_KIND.into(),
                         name: format!("{name}-prefill-router"),
+                        tls: self.tls.clone(),
                         ..RoutedConfig::new(self.secret.clone())
                     };
                     let prefill = RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?;
@@ -542,7 +550,11 @@ impl WorkerStack {
                 } else {
                     Arc::new(local)
                 };
-                let auth = Auth { name: name.to_string(), secret: self.secret.clone() };
+                let auth = Auth {
+                    name: name.to_string(),
+                    secret: self.secret.clone(),
+                    tls: self.tls.clone(),
+                };
                 let stats = Arc::new(ServeStats::default());
                 let server = crate::protocol::serve(
                     listener,

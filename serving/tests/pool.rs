@@ -32,6 +32,7 @@ fn config(name: &str, engine: EngineSpec, peer_deadline: Duration) -> WorkerConf
         engine,
         scheduler: SchedulerConfig::default(),
         secret: Some(SECRET.into()),
+        tls: None,
         host_blocks: 256,
         disk: None,
         disk_admit_min_hits: 0,

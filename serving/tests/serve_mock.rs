@@ -90,6 +90,7 @@ async fn serve(o: Opts) -> Server {
                 app,
                 limits,
                 stats.clone(),
+                None,
                 forever,
             );
             tokio::spawn(serving);
@@ -514,7 +515,7 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
     let backend = std::sync::Arc::new(LocalBackend::new(s.sched.clone(), store.1.clone()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let auth = Auth { name: "w".into(), secret: b"worker-secret".into() };
+    let auth = Auth { name: "w".into(), secret: b"worker-secret".into(), tls: None };
     let mut limits = ServeLimits::default();
     limits.connections.per_peer_max = 4;
     let stats = std::sync::Arc::new(ServeStats::default());
@@ -619,7 +620,7 @@ async fn the_worker_transport_authenticates_refuses_hostile_frames_and_cancels_o
     let mut rest = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.unwrap();
     assert!(read_frame::<_, GenEvent>(&mut &rest[..]).await.is_err(), "no event frame");
-    let wrong = Auth { name: "f".into(), secret: b"guess".into() };
+    let wrong = Auth { name: "f".into(), secret: b"guess".into(), tls: None };
     let err = protocol::connect(addr, "w", &wrong, &req("mock", 4), Duration::from_secs(5))
         .await
         .unwrap_err();
@@ -907,6 +908,7 @@ async fn a_stopping_server_refuses_new_connections_and_finishes_the_ones_it_has(
         app,
         kvfabric_serving::http::listen::HttpLimits::default(),
         ServerConfig::default().listen,
+        None,
         async {
             let _ = stop_rx.await;
         },

@@ -52,6 +52,7 @@ fn worker_config(
 ) -> WorkerConfig {
     WorkerConfig {
         name: name.into(),
+        tls: None,
         engine: EngineSpec::Mock {
             name: "mock".into(),
             block_tokens: 16,

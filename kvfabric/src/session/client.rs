@@ -139,10 +139,14 @@ impl Session {
         let fut = async {
             let tcp = TcpStream::connect(self.addr).await.map_err(|e| disconnected(peer, e))?;
             tcp.set_nodelay(true).map_err(|e| disconnected(peer, e))?;
-            let mut stream =
-                crate::tls::connect_peer(self.tls.as_deref(), tcp, self.addr, self.handshake_timeout)
-                    .await
-                    .map_err(|e| TransferError::Tls { peer: peer.to_string(), reason: e.to_string() })?;
+            let mut stream = crate::tls::connect_peer(
+                self.tls.as_deref(),
+                tcp,
+                self.addr,
+                self.handshake_timeout,
+            )
+            .await
+            .map_err(|e| TransferError::Tls { peer: peer.to_string(), reason: e.to_string() })?;
             let mut proto = ClientProto::new(self.params.clone(), io::random_nonce());
             loop {
                 let event =
@@ -376,9 +380,11 @@ impl StripeConn<'_> {
             return Err(TransferError::Protocol("more payload asked than the reply has".into()));
         }
         // SAFETY: the caller's contract.
-        unsafe { io::recv_into(&mut self.conn.stream, dst, len as usize, self.session.frame_timeout) }
-            .await
-            .map_err(|e| disconnected(self.session.peer(), e))?;
+        unsafe {
+            io::recv_into(&mut self.conn.stream, dst, len as usize, self.session.frame_timeout)
+        }
+        .await
+        .map_err(|e| disconnected(self.session.peer(), e))?;
         self.conn.proto.payload_received(len).map_err(|e| session_error(self.session.peer(), e))
     }
 }

@@ -126,12 +126,7 @@ mod tests {
     fn params(secret: &[u8]) -> (ClientParams, ServerParams) {
         let limits = WireLimits::default();
         (
-            ClientParams {
-                me: "frontend".into(),
-                peer: "w".into(),
-                secret: secret.into(),
-                limits,
-            },
+            ClientParams { me: "frontend".into(), peer: "w".into(), secret: secret.into(), limits },
             ServerParams { name: "w".into(), secret: b"right".into(), limits },
         )
     }

@@ -274,5 +274,5 @@ pub(crate) async fn write_all(
         stream.flush().await
     })
     .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "peer stopped reading"))?
+    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "peer stopped reading"))?
 }

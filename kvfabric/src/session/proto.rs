@@ -362,8 +362,13 @@ impl ClientProto {
                     });
                 }
                 let p = &self.params;
-                let mac =
-                    handshake_mac(p.secret.expose(), HandshakeRole::Client, &nonce, &self.nonce_c, &p.me);
+                let mac = handshake_mac(
+                    p.secret.expose(),
+                    HandshakeRole::Client,
+                    &nonce,
+                    &self.nonce_c,
+                    &p.me,
+                );
                 let hello = Message::Hello { client_name: p.me.clone(), nonce: self.nonce_c, mac };
                 self.transmit.extend_from_slice(&hello.encode(0));
                 self.state = ClientState::AwaitWelcome { nonce_s: nonce };
@@ -573,8 +578,13 @@ impl ServerProto {
                 ) {
                     return Err(self.close_with(ErrorCode::Auth, h.request_id, SessionError::Auth));
                 }
-                let mac =
-                    handshake_mac(p.secret.expose(), HandshakeRole::Server, &nonce, &self.nonce_s, "");
+                let mac = handshake_mac(
+                    p.secret.expose(),
+                    HandshakeRole::Server,
+                    &nonce,
+                    &self.nonce_s,
+                    "",
+                );
                 self.transmit.extend_from_slice(&Message::Welcome { mac }.encode(h.request_id));
                 self.reader = FrameReader::new(self.params.limits);
                 self.peer = Some(client_name.clone());

@@ -7,7 +7,7 @@ use clap::Parser;
 mod cli;
 
 fn main() -> ExitCode {
-    if let Err(e) = cli::apply_config_file().and_then(|()| cli::apply_secret_file()) {
+    if let Err(e) = cli::apply_config_file().and_then(|()| cli::tls::apply_secret_files()) {
         eprintln!("error: {}", cli::one_line(&e));
         return ExitCode::from(2);
     }

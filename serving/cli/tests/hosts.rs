@@ -415,8 +415,11 @@ async fn ask_worker(
     request.ignore_eos = true;
     request.pull = pull;
     let req = WorkerRequest { model: "mock".into(), request };
-    let auth =
-        Auth { name: "hosts-test".into(), secret: b"hosts-test-secret-of-the-cluster".into() };
+    let auth = Auth {
+        name: "hosts-test".into(),
+        secret: b"hosts-test-secret-of-the-cluster".into(),
+        tls: None,
+    };
     let work = async {
         let mut s = protocol::connect(addr, w, &auth, &req, Duration::from_secs(5))
             .await

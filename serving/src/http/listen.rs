@@ -15,13 +15,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper::server::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use kvfabric::tls::{Stream, Tls};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 pub use crate::metrics::ListenStats;
+
+/// Streams one HTTP/2 connection may have open at once.
+const H2_STREAMS_MAX: u32 = 256;
 
 /// Bounds of an HTTP listener.
 #[derive(Debug, Clone)]
@@ -84,11 +88,17 @@ pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
 
 /// Serves `app` on `listener` within `limits` until `shutdown` completes; then stops
 /// accepting, asks open connections to finish, and waits for them up to the grace period.
+///
+/// With `tls`, every connection is HTTPS (the TLS handshake bounded by the header timeout,
+/// its failure counted in `kvfabric_tls_handshake_failures_total`), and HTTP/2 is served to
+/// clients that ask for it by ALPN; HTTP/1.1 otherwise. The certificates in use are the
+/// latest loaded ([`Tls::reload`]): open connections keep theirs.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: HttpLimits,
     stats: ListenStats,
+    tls: Option<Arc<Tls>>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     let main = Arc::new(Semaphore::new(limits.connections_max.max(1)));
@@ -140,32 +150,69 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let (app, stats, mut stop) = (app.clone(), stats.clone(), stop_rx.clone());
         let reserve_paths = limits.reserve_paths;
+        let tls = tls.clone();
         tasks.spawn(async move {
             stats.open.inc();
-            let mut builder = http1::Builder::new();
-            builder.timer(TokioTimer::new()).header_read_timeout(timeout).keep_alive(keep_alive);
-            // A reserve connection answers only what an operator needs while the pool is
-            // full (health checks, scrapes); anything else gets 503 without its body read.
-            let app = TowerToHyperService::new(app);
-            let service = hyper::service::service_fn(move |req: hyper::Request<_>| {
-                let refused = !keep_alive && !reserve_paths.contains(&req.uri().path());
-                let app = app.clone();
-                async move {
-                    if refused {
-                        return Ok(busy());
+            let stream = match &tls {
+                None => Some(Stream::Plain(stream)),
+                Some(tls) => match tls.accept_api(stream, from, timeout).await {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::debug!(%from, error = %e, "HTTPS handshake failed");
+                        None
                     }
-                    hyper::service::Service::call(&app, req).await
-                }
-            });
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            let stopping = tokio::select! {
-                _ = conn.as_mut() => false,
-                r = stop.wait_for(|s| *s) => r.is_ok(),
+                },
             };
-            if stopping {
-                conn.as_mut().graceful_shutdown();
-                let _ = conn.as_mut().await;
+            if let Some(stream) = stream {
+                // A reserve connection answers only what an operator needs while the pool
+                // is full (health checks, scrapes); anything else gets 503 without its body
+                // read.
+                let app = TowerToHyperService::new(app);
+                let service = hyper::service::service_fn(move |req: hyper::Request<_>| {
+                    let refused = !keep_alive && !reserve_paths.contains(&req.uri().path());
+                    let app = app.clone();
+                    async move {
+                        if refused {
+                            return Ok(busy());
+                        }
+                        hyper::service::Service::call(&app, req).await
+                    }
+                });
+                if stream.alpn() == Some(b"h2") {
+                    let mut builder = http2::Builder::new(TokioExecutor::new());
+                    // Pings bound a silent peer; streams per connection are bounded.
+                    builder
+                        .timer(TokioTimer::new())
+                        .keep_alive_interval(Some(timeout))
+                        .keep_alive_timeout(timeout)
+                        .max_concurrent_streams(H2_STREAMS_MAX);
+                    let conn = builder.serve_connection(TokioIo::new(stream), service);
+                    tokio::pin!(conn);
+                    let stopping = tokio::select! {
+                        _ = conn.as_mut() => false,
+                        r = stop.wait_for(|s| *s) => r.is_ok(),
+                    };
+                    if stopping {
+                        conn.as_mut().graceful_shutdown();
+                        let _ = conn.as_mut().await;
+                    }
+                } else {
+                    let mut builder = http1::Builder::new();
+                    builder
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(timeout)
+                        .keep_alive(keep_alive);
+                    let conn = builder.serve_connection(TokioIo::new(stream), service);
+                    tokio::pin!(conn);
+                    let stopping = tokio::select! {
+                        _ = conn.as_mut() => false,
+                        r = stop.wait_for(|s| *s) => r.is_ok(),
+                    };
+                    if stopping {
+                        conn.as_mut().graceful_shutdown();
+                        let _ = conn.as_mut().await;
+                    }
+                }
             }
             // The permit goes back before the gauge drops, so that a caller who sees no open
             // connection finds the whole pool free.

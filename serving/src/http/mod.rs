@@ -56,7 +56,7 @@ pub struct ServerConfig {
     pub listen: metrics::ListenStats,
     /// When set, every `/v1/` request must carry `Authorization: Bearer <key>` (401
     /// otherwise, before its body is read); `/health` and `/metrics` stay open.
-    pub api_key: Option<String>,
+    pub api_key: Option<kvfabric::secret::Secret>,
     /// The frontend's live metrics (a clone shares them: the planner reads its load here).
     pub metrics: HttpMetrics,
     /// More components shown in `/metrics`, unlabelled (the planner's).
@@ -223,10 +223,7 @@ async fn require_api_key(
             .and_then(|v| v.to_str().ok())
             .and_then(bearer)
             .unwrap_or("");
-        let server = st.cfg.api_key.as_ref().is_some_and(|key| {
-            given.len() == key.len()
-                && given.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-        });
+        let server = st.cfg.api_key.as_ref().is_some_and(|key| key.matches(given.as_bytes()));
         let tenant = st.cfg.tenants.by_key(given).cloned().map(Arc::new);
         if !server && tenant.is_none() {
             let e = api::wrong_api_key();

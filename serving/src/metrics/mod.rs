@@ -13,6 +13,7 @@
 //! Label values are escaped here ([`LabelValue`]): the encoder writes them verbatim.
 
 pub mod class;
+pub mod tls;
 
 use std::fmt::Write as _;
 use std::sync::atomic::AtomicU64;
@@ -723,6 +724,8 @@ pub struct Snapshot {
     pub control: Vec<kvfabric::control::ControlStatus>,
     /// Pulls from other workers' stores, and those it served them.
     pub peers: Option<kvfabric_tiers::remote::peers::PeerSnapshot>,
+    /// The process's TLS (None: no certificates).
+    pub tls: Option<tls::TlsSnapshot>,
 }
 
 /// The live planner reads the frontend's load from its metrics.
@@ -878,6 +881,7 @@ impl Collector for Components {
         remote_prefill(e, s)?;
         prefill_service(e, s)?;
         peer_pulls(e, s)?;
+        tls::encode(e, s)?;
         Ok(())
     }
 }

@@ -49,7 +49,11 @@ impl Inner {
     /// Checks in the background that a worker that joined accepts this frontend's secret.
     pub(super) fn probe(self: &Arc<Self>, name: String, addr: SocketAddr) {
         let this = Arc::downgrade(self);
-        let auth = Auth { name: self.cfg.name.clone(), secret: self.cfg.secret.clone() };
+        let auth = Auth {
+            name: self.cfg.name.clone(),
+            secret: self.cfg.secret.clone(),
+            tls: self.cfg.tls.clone(),
+        };
         let timeout = self.cfg.connect_timeout;
         tokio::spawn(async move {
             if let Err(e) = protocol::probe(addr, &name, &auth, timeout).await {

@@ -58,7 +58,9 @@ pub struct RoutedConfig {
     /// The discovery kind of the workers it routes to.
     pub kind: String,
     /// The workers' shared secret: every request connection authenticates with it.
-    pub secret: Vec<u8>,
+    pub secret: kvfabric::secret::Secret,
+    /// Mutual TLS to the workers' request ports (when the process has a deployment CA).
+    pub tls: Option<Arc<kvfabric::tls::Tls>>,
     /// A worker that sends no first token within this is skipped: the request is retried on
     /// another worker (if its deadline allows), and the slow worker is avoided for
     /// `slow_penalty`, or until it answers in time again.
@@ -88,7 +90,7 @@ pub struct RoutedConfig {
 
 impl RoutedConfig {
     /// Defaults, with the workers' shared secret.
-    pub fn new(secret: impl Into<Vec<u8>>) -> Self {
+    pub fn new(secret: impl Into<kvfabric::secret::Secret>) -> Self {
         RoutedConfig {
             router: RouterConfig::default(),
             connect_timeout: Duration::from_secs(2),
@@ -96,6 +98,7 @@ impl RoutedConfig {
             name: "frontend".into(),
             kind: WORKER_KIND.into(),
             secret: secret.into(),
+            tls: None,
             first_token_timeout: Duration::from_secs(30),
             slow_penalty: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(10),

@@ -224,7 +224,11 @@ impl Inner {
     ) -> Relay {
         let Target { model, rid, name, addr } = t;
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let auth = Auth { name: self.cfg.name.clone(), secret: self.cfg.secret.clone() };
+        let auth = Auth {
+            name: self.cfg.name.clone(),
+            secret: self.cfg.secret.clone(),
+            tls: self.cfg.tls.clone(),
+        };
         let timeout = self.cfg.connect_timeout.min(left);
         let mut conn = match self.pool.request(addr, name, &auth, wreq, timeout).await {
             Ok(c) => c,

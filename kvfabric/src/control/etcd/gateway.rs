@@ -223,7 +223,9 @@ impl Gateway {
             };
             let authority = authority.trim_end_matches('/');
             if authority.is_empty() || authority.contains('/') || authority.contains('@') {
-                return Err(backend(format!("{e:?} is not an etcd endpoint (http[s]://host:port)")));
+                return Err(backend(format!(
+                    "{e:?} is not an etcd endpoint (http[s]://host:port)"
+                )));
             }
             schemes.insert(https);
             out.push(authority.to_string());
@@ -235,20 +237,19 @@ impl Gateway {
             return Err(backend("etcd endpoints mix http:// and https://: give one scheme"));
         }
         let https = schemes.contains(&true);
-        let tls = match (https, security.tls) {
-            (true, None) => {
-                return Err(backend(
+        let tls =
+            match (https, security.tls) {
+                (true, None) => return Err(backend(
                     "https etcd endpoints need the CA that signed etcd's certificate (--etcd-ca)",
-                ))
-            }
-            (false, Some(_)) => {
-                return Err(backend(
-                    "etcd TLS options given, but the endpoints are http://: use https:// to \
+                )),
+                (false, Some(_)) => {
+                    return Err(backend(
+                        "etcd TLS options given, but the endpoints are http://: use https:// to \
                      reach etcd over TLS (never in the clear by mistake)",
-                ))
-            }
-            (_, t) => t,
-        };
+                    ))
+                }
+                (_, t) => t,
+            };
         Ok(Gateway {
             endpoints: out.into(),
             current: Arc::new(AtomicUsize::new(0)),
@@ -264,7 +265,8 @@ impl Gateway {
     /// calls that follow. A wrong password is a clear error.
     pub async fn authenticate(&self) -> Result<(), ControlError> {
         let Some(user) = self.user.clone() else { return Ok(()) };
-        let password = user.1.expose_str().ok_or_else(|| backend("the etcd password is not UTF-8"))?;
+        let password =
+            user.1.expose_str().ok_or_else(|| backend("the etcd password is not UTF-8"))?;
         let req = serde_json::json!({ "name": user.0, "password": password });
         #[derive(Deserialize)]
         struct Auth {
@@ -584,10 +586,30 @@ mod tests {
 
     #[test]
     fn endpoints_are_checked() {
-        assert!(Gateway::new(&["http://127.0.0.1:2379".into()], Duration::from_secs(1), Default::default()).is_ok());
-        assert!(Gateway::new(&["127.0.0.1:2379".into()], Duration::from_secs(1), Default::default()).is_ok());
-        assert!(Gateway::new(&["https://etcd:2379".into()], Duration::from_secs(1), Default::default()).is_err());
-        assert!(Gateway::new(&["http://etcd:2379/v3".into()], Duration::from_secs(1), Default::default()).is_err());
+        assert!(Gateway::new(
+            &["http://127.0.0.1:2379".into()],
+            Duration::from_secs(1),
+            Default::default()
+        )
+        .is_ok());
+        assert!(Gateway::new(
+            &["127.0.0.1:2379".into()],
+            Duration::from_secs(1),
+            Default::default()
+        )
+        .is_ok());
+        assert!(Gateway::new(
+            &["https://etcd:2379".into()],
+            Duration::from_secs(1),
+            Default::default()
+        )
+        .is_err());
+        assert!(Gateway::new(
+            &["http://etcd:2379/v3".into()],
+            Duration::from_secs(1),
+            Default::default()
+        )
+        .is_err());
         assert!(Gateway::new(&[], Duration::from_secs(1), Default::default()).is_err());
     }
 }

@@ -40,7 +40,11 @@ pub async fn enable_root_auth(
 ) -> Result<(), ControlError> {
     let etcd = Gateway::new(endpoints, CALL_TIMEOUT, EtcdSecurity { user: None, ..security })?;
     let _: serde_json::Value = etcd
-        .call("etcd user add", "/v3/auth/user/add", &json!({ "name": "root", "password": password }))
+        .call(
+            "etcd user add",
+            "/v3/auth/user/add",
+            &json!({ "name": "root", "password": password }),
+        )
         .await?;
     let _: serde_json::Value = etcd
         .call("etcd user grant", "/v3/auth/user/grant", &json!({ "user": "root", "role": "root" }))

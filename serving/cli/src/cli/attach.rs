@@ -134,7 +134,7 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
         let own = stats.clone();
         let health = move || stats.health();
         let (addr, task) =
-            super::stack::metrics_port(at, Some(own), &discovery, &bus, health).await?;
+            super::stack::metrics_port(at, None, Some(own), &discovery, &bus, health).await?;
         tracing::info!(%addr, "attach metrics and health listening");
         metrics_addr = Some(addr.to_string());
         metrics_task = Some(task);

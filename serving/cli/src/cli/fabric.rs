@@ -31,11 +31,13 @@ pub struct FabricArgs {
     /// host is refused at start.
     #[arg(long, env = "KVFABRIC_ADVERTISE")]
     advertise: Option<kvfabric::control::advertise::Advertise>,
-    /// Shared secret of the transfer handshake.
+    /// Shared secret of the transfer handshake (or from a file: KVFABRIC_SECRET_FILE).
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
-    secret: String,
+    secret: kvfabric::secret::Secret,
     #[command(flatten)]
     control: super::control::ControlArgs,
+    #[command(flatten)]
+    tls: super::tls::TlsArgs,
     /// Model whose block size to store (preset, config.json or GGUF).
     #[arg(long, env = "KVFABRIC_MODEL", default_value = "smollm2-135m")]
     model: String,
@@ -76,7 +78,9 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
         spec = spec.with_dtype(kvfabric::layout::KvDtype::parse(d)?);
     }
     let block_bytes = spec.block_layout(args.block_tokens)?.bytes_per_block();
-    let mut cfg = super::stack::agent_config(args.name.clone(), args.secret.into_bytes());
+    let tls = args.tls.load()?;
+    let mut cfg = super::stack::agent_config(args.name.clone(), args.secret.clone());
+    cfg.tls = tls.clone();
     cfg.listen = args.listen;
     let reach = args.control.reach();
     let host = args.advertise.map(|a| kvfabric::control::advertise::Advertise { port: None, ..a });
@@ -111,7 +115,7 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
             let name = args.name.clone();
             let health = move || serde_json::json!({ "status": "ok", "reasons": [], "node": name });
             let (addr, task) =
-                super::stack::metrics_port(at, None, &discovery, &bus, health).await?;
+                super::stack::metrics_port(at, tls.clone(), None, &discovery, &bus, health).await?;
             // Shown as others reach it; nothing registers it, so loopback is fine.
             let shown = kvfabric::control::advertise::Advertise::resolve(
                 "the metrics port",

@@ -26,11 +26,13 @@ pub struct FrontendArgs {
     #[command(flatten)]
     control: super::control::ControlArgs,
     /// The workers' shared secret: every request connection to a worker authenticates with
-    /// it (`kvfabric worker --secret`).
+    /// it (`kvfabric worker --secret`; or from a file: KVFABRIC_SECRET_FILE).
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
-    secret: String,
+    secret: kvfabric::secret::Secret,
     #[command(flatten)]
     http: super::HttpArgs,
+    #[command(flatten)]
+    tls: super::tls::TlsArgs,
     /// Workers tried per request at most (a failed one before any token is retried).
     #[arg(long, env = "KVFABRIC_MAX_ATTEMPTS", default_value_t = 3)]
     max_attempts: usize,
@@ -43,8 +45,10 @@ pub struct FrontendArgs {
 
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();
+    let tls = args.tls.load()?;
     let (discovery, bus) = args.control.connect().await?;
     let cfg = RoutedConfig {
+        tls: tls.clone(),
         router: args.routing.config(),
         attempts_max: args.max_attempts.max(1),
         name: args.name.clone(),
@@ -53,7 +57,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         migrations_max: args.http.stream_migrations,
         restart_wait: Duration::from_secs(args.http.restart_wait_s),
         pending: args.http.pending(),
-        ..RoutedConfig::new(args.secret.clone().into_bytes())
+        ..RoutedConfig::new(args.secret.clone())
     };
     let control = kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
@@ -65,8 +69,10 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
                 !c.etcd.is_empty() && c.nats.is_some(),
                 "--planner starts worker processes that must find this frontend: it needs --etcd and --nats"
             );
-            let mut env = vec![("KVFABRIC_SECRET".to_string(), args.secret.clone())];
+            let secret = args.secret.expose_str().context("the shared secret is not UTF-8")?;
+            let mut env = vec![("KVFABRIC_SECRET".to_string(), secret.to_string())];
             env.extend(c.child_env());
+            env.extend(args.tls.child_env());
             let running = args.planner.start(profile, &args.name, env, metrics.clone()).await?;
             // Its first workers are registered; take requests once this frontend sees them.
             let min = args.planner.planner_min_workers;
@@ -90,6 +96,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         &args.name,
         addr,
         &args.http,
+        tls,
         metrics,
         sources,
         stop_signal,
@@ -111,12 +118,16 @@ pub(super) async fn serve_routed(
     name: &str,
     addr: SocketAddr,
     args: &super::HttpArgs,
+    tls: Option<Arc<kvfabric::tls::Tls>>,
     metrics: kvfabric_serving::metrics::HttpMetrics,
-    sources: Vec<Arc<dyn kvfabric_serving::metrics::Source>>,
+    mut sources: Vec<Arc<dyn kvfabric_serving::metrics::Source>>,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
     app: impl FnOnce(ServerConfig) -> axum::Router,
 ) -> anyhow::Result<()> {
     let (classes, tenants) = args.classes()?;
+    if let Some(t) = &tls {
+        sources.push(Arc::new(kvfabric_serving::metrics::tls::TlsSource(t.clone())));
+    }
     let server_cfg = ServerConfig {
         classes,
         tenants,
@@ -132,8 +143,8 @@ pub(super) async fn serve_routed(
     let listener = http::listen::bind(addr).with_context(|| format!("listening on {addr}"))?;
     let addr = listener.local_addr()?;
     tracing::info!(%what, %name, %addr, "listening");
-    super::say!("kvfabric {what} at http://{addr}/v1");
-    http::listen::serve(listener, app, args.limits(), listen_stats, stop).await?;
+    super::say!("kvfabric {what} at {}://{addr}/v1", super::tls::scheme(&tls));
+    http::listen::serve(listener, app, args.limits(), listen_stats, tls, stop).await?;
     tracing::info!(%what, %name, "stopped");
     Ok(())
 }

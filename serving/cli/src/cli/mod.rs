@@ -30,6 +30,7 @@ mod route;
 mod scaler;
 mod soak;
 mod stack;
+pub mod tls;
 mod up;
 mod worker;
 
@@ -142,6 +143,7 @@ fn init_logging(level: Option<&str>, format: LogFormat) -> anyhow::Result<()> {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     init_logging(cli.log_level.as_deref(), cli.log_format)?;
+    tls::warn_secrets_on_command_line();
     // A panic on any thread is logged once with its cause and place, in the log's format,
     // before the default report.
     let default_hook = std::panic::take_hook();
@@ -223,27 +225,6 @@ pub fn apply_config_file() -> anyhow::Result<()> {
         // concurrently.
         std::env::set_var(&env, value);
     }
-    Ok(())
-}
-
-/// `KVFABRIC_SECRET_FILE`: the shared secret read from a file (a container secret such as
-/// `/run/secrets/kvfabric`, so that it is in no process listing or environment dump of the
-/// orchestrator), unless `--secret` or `KVFABRIC_SECRET` gives it. Trailing whitespace (the
-/// file's newline) is not part of it; an empty or unreadable file is an error.
-pub fn apply_secret_file() -> anyhow::Result<()> {
-    let Some(path) = std::env::var_os("KVFABRIC_SECRET_FILE") else { return Ok(()) };
-    let on_command_line = std::env::args().any(|a| a == "--secret" || a.starts_with("--secret="));
-    if on_command_line || std::env::var_os("KVFABRIC_SECRET").is_some() {
-        return Ok(());
-    }
-    let path = std::path::PathBuf::from(path);
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("reading KVFABRIC_SECRET_FILE {}", path.display()))?;
-    let secret = text.trim_end();
-    anyhow::ensure!(!secret.is_empty(), "KVFABRIC_SECRET_FILE {} is empty", path.display());
-    // Single-threaded here (before the runtime starts): nothing reads the environment
-    // concurrently.
-    std::env::set_var("KVFABRIC_SECRET", secret);
     Ok(())
 }
 
@@ -390,13 +371,13 @@ pub(crate) fn at_least_one(s: &str) -> Result<usize, String> {
 
 /// An API key: never empty (an empty key would leave the API open while seeming to guard
 /// it; leave the option out to run without one).
-fn api_key(s: &str) -> Result<String, String> {
+fn api_key(s: &str) -> Result<kvfabric::secret::Secret, String> {
     if s.trim().is_empty() {
         return Err("an empty API key would leave the API open; leave --api-key (and \
                     KVFABRIC_API_KEY) out to run without one"
             .into());
     }
-    Ok(s.to_string())
+    Ok(s.into())
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -446,8 +427,9 @@ pub struct HttpArgs {
     /// Require `Authorization: Bearer <key>` on every `/v1/` request (`/health` and
     /// `/metrics` stay open). Without it the API is open: bind it to loopback, or put it
     /// behind a proxy that authenticates.
+    /// (Or from a file: KVFABRIC_API_KEY_FILE.)
     #[arg(long, env = "KVFABRIC_API_KEY", hide_env_values = true, value_parser = api_key)]
-    pub api_key: Option<String>,
+    pub api_key: Option<kvfabric::secret::Secret>,
     /// HTTP connections served at once; past it a small reserve answers one request each
     /// (so `/health` keeps answering), then connections are refused.
     #[arg(long, env = "KVFABRIC_MAX_CONNECTIONS", default_value_t = 1024,

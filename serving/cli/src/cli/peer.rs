@@ -29,7 +29,9 @@ pub struct PeerArgs {
     listen: SocketAddr,
     /// Shared secret of the transfer handshake.
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
-    secret: String,
+    secret: kvfabric::secret::Secret,
+    #[command(flatten)]
+    tls: super::tls::TlsArgs,
     /// Bytes of the exported region.
     #[arg(long, default_value_t = 64 << 20)]
     region_bytes: usize,
@@ -79,7 +81,8 @@ fn emit(v: serde_json::Value) {
 }
 
 pub async fn run(args: PeerArgs) -> anyhow::Result<()> {
-    let mut cfg = super::stack::agent_config(args.name, args.secret.into_bytes());
+    let mut cfg = super::stack::agent_config(args.name, args.secret);
+    cfg.tls = args.tls.load()?;
     cfg.listen = args.listen;
     let agent = Agent::start(cfg).await?;
     let region = agent

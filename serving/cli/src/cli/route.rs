@@ -26,6 +26,10 @@ pub struct RouterArgs {
     control: super::control::ControlArgs,
     #[command(flatten)]
     http: super::HttpArgs,
+    /// HTTPS for `/v1/route` and `/metrics` (give --tls-client-ca, the deployment CA, to
+    /// accept only gateways with a certificate).
+    #[command(flatten)]
+    tls: super::tls::TlsArgs,
     /// Router name (in dump requests).
     #[arg(long, env = "KVFABRIC_NAME", default_value = "router-0")]
     name: String,
@@ -33,12 +37,13 @@ pub struct RouterArgs {
 
 pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     let stop_signal = shutdown_signal();
+    let tls = args.tls.load()?;
     let (discovery, bus) = args.control.connect().await?;
     // The router sends no requests: the secret only satisfies the routed backend's check.
     let cfg = RoutedConfig {
         router: args.routing.config(),
         name: args.name.clone(),
-        ..RoutedConfig::new(b"kvfabric-router-sends-no-requests".to_vec())
+        ..RoutedConfig::new(b"kvfabric-router-sends-no-requests")
     };
     let control = kvfabric_serving::metrics::ControlSource::new(discovery.clone(), bus.clone());
     let backend = Arc::new(RoutedBackend::start(discovery, bus, cfg).await?);
@@ -49,6 +54,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         &args.name,
         addr,
         &args.http,
+        tls,
         Default::default(),
         vec![Arc::new(control)],
         stop_signal,

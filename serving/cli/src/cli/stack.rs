@@ -101,8 +101,9 @@ pub struct EngineOpts {
     pub queue_policy: QueuePolicyArg,
     /// Shared secret of the handshakes of the transfer engine and the workers' request ports
     /// (every process of a deployment agrees on it; `up`: random when none is given).
+    /// (Or from a file: KVFABRIC_SECRET_FILE.)
     #[arg(long, env = "KVFABRIC_SECRET", hide_env_values = true)]
-    pub secret: Option<String>,
+    pub secret: Option<kvfabric::secret::Secret>,
     /// Decode workers: prefill remotely when at least this many prompt tokens are uncached.
     #[arg(long, env = "KVFABRIC_PREFILL_THRESHOLD", default_value_t = 256)]
     pub prefill_threshold: usize,
@@ -229,12 +230,14 @@ pub fn data_dir(opts: &EngineOpts) -> PathBuf {
 /// The worker's configuration from the command line: the engine (the model file must exist),
 /// the store under the data directory, the scheduler's settings.
 /// Where a worker's transfer agent listens, and the address it registers for peers.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct TransferAt {
     /// The TCP listen address.
     pub listen: SocketAddr,
     /// What peers dial (None: the address bound).
     pub advertise: Option<Advertise>,
+    /// Mutual TLS with peers, on the agent and the request port (None: plaintext).
+    pub tls: Option<Arc<kvfabric::tls::Tls>>,
 }
 
 impl TransferAt {
@@ -242,6 +245,7 @@ impl TransferAt {
     pub const LOOPBACK: TransferAt = TransferAt {
         listen: SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0),
         advertise: None,
+        tls: None,
     };
 }
 
@@ -295,7 +299,8 @@ pub fn worker_config(
             policy: opts.queue_policy.policy(),
             ..SchedulerConfig::default()
         },
-        secret: opts.secret.clone().map(String::into_bytes),
+        secret: opts.secret.clone(),
+        tls: transfer.tls.clone(),
         host_blocks: opts.host_blocks,
         disk: (opts.disk_blocks > 0).then_some((data_dir, opts.disk_blocks)),
         disk_admit_min_hits: opts.disk_admit_min_hits,
@@ -327,7 +332,10 @@ pub fn rdma() -> Option<RdmaConfig> {
 }
 
 /// An agent's settings for `name`, with the process's RDMA settings.
-pub fn agent_config(name: impl Into<String>, secret: impl Into<Vec<u8>>) -> AgentConfig {
+pub fn agent_config(
+    name: impl Into<String>,
+    secret: impl Into<kvfabric::secret::Secret>,
+) -> AgentConfig {
     let mut cfg = AgentConfig::new(name, secret);
     cfg.rdma = rdma();
     cfg
@@ -398,6 +406,7 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
 /// and task.
 pub(super) async fn metrics_port(
     at: std::net::SocketAddr,
+    tls: Option<Arc<kvfabric::tls::Tls>>,
     own: Option<Arc<dyn kvfabric_serving::metrics::Source>>,
     discovery: &Arc<dyn Discovery>,
     bus: &Arc<dyn EventBus>,
@@ -412,6 +421,12 @@ pub(super) async fn metrics_port(
         components = components.with(None, own);
     }
     let components = components.with(None, Arc::new(control.clone()));
+    let components = match &tls {
+        Some(t) => {
+            components.with(None, Arc::new(kvfabric_serving::metrics::tls::TlsSource(t.clone())))
+        }
+        None => components,
+    };
     let listener = kvfabric_serving::http::listen::bind(at)
         .map_err(|e| anyhow::anyhow!("--metrics-listen {at}: {e}"))?;
     let addr = listener.local_addr()?;
@@ -447,6 +462,7 @@ pub(super) async fn metrics_port(
             app,
             limits,
             ListenStats::default(),
+            tls,
             forever,
         )
         .await;

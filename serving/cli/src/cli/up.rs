@@ -49,6 +49,10 @@ pub struct UpArgs {
     routing: super::RoutingArgs,
     #[command(flatten)]
     http: super::HttpArgs,
+    /// HTTPS on the API (with /metrics and /health). The in-process workers talk over
+    /// loopback in the clear, so --tls-ca does not apply here.
+    #[command(flatten)]
+    tls: super::tls::TlsArgs,
     /// Worker name in discovery (with several workers, the prefix of their names).
     #[arg(long, env = "KVFABRIC_NAME", default_value = "worker")]
     name: String,
@@ -71,7 +75,7 @@ async fn routed_frontend(
         migrations_max: args.http.stream_migrations,
         restart_wait: Duration::from_secs(args.http.restart_wait_s),
         pending: args.http.pending(),
-        ..RoutedConfig::new(engine.secret.clone().unwrap_or_default().into_bytes())
+        ..RoutedConfig::new(engine.secret.clone().unwrap_or_default())
     };
     Ok(RoutedBackend::start(discovery.clone(), bus.clone(), cfg).await?)
 }
@@ -105,7 +109,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     if engine.secret.is_none() {
         let mut b = [0u8; 16];
         getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("random secret: {e}"))?;
-        engine.secret = Some(b.iter().map(|x| format!("{x:02x}")).collect());
+        engine.secret = Some(b.iter().map(|x| format!("{x:02x}")).collect::<String>().into());
     }
     let roles: Vec<(String, Role)> = if disagg {
         (0..args.prefill_workers)
@@ -194,6 +198,15 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         };
         (Arc::new(remote), describe)
     };
+    anyhow::ensure!(
+        args.tls.tls_ca.is_none(),
+        "--tls-ca is for connections between kvfabric processes; `up` has none (its workers \
+         are in this process): give --tls-cert and --tls-key for HTTPS"
+    );
+    let tls = args.tls.load()?;
+    if let Some(t) = &tls {
+        server_cfg.sources.push(Arc::new(kvfabric_serving::metrics::tls::TlsSource(t.clone())));
+    }
     let id = backend.models().first().map(|m| m.id.clone()).unwrap_or_default();
     // One /metrics for the whole process: the frontend's, and each worker's labelled.
     let app = http::router_with(backend, server_cfg, worker_metrics);
@@ -202,9 +215,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!("control plane: embedded discovery and event bus (this process only)");
     tracing::info!(%addr, "listening: kvfabric is serving {describe}");
-    super::say!("kvfabric is serving {describe} at http://{addr}/v1");
+    let scheme = super::tls::scheme(&tls);
+    super::say!("kvfabric is serving {describe} at {scheme}://{addr}/v1");
     super::say!(
-        "try:\n  curl http://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 64}}'"
+        "try:\n  curl {scheme}://{addr}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 64}}'"
     );
     // A dead engine takes the process down (non-zero, for a supervisor to restart it): its
     // frontend would otherwise keep answering with nothing behind it.
@@ -234,7 +248,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             }
         }
     };
-    let served = http::listen::serve(listener, app, args.http.limits(), listen_stats, stop).await;
+    let served =
+        http::listen::serve(listener, app, args.http.limits(), listen_stats, tls, stop).await;
     watchdog.abort();
     if let Some(p) = planner {
         p.stop().await;

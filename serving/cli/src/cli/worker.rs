@@ -58,6 +58,8 @@ pub struct WorkerArgs {
     transfer_advertise: Option<Advertise>,
     #[command(flatten)]
     control: super::control::ControlArgs,
+    #[command(flatten)]
+    tls: super::tls::TlsArgs,
     /// Serve `/metrics` (Prometheus) and `/health` (JSON: `ok`, or `degraded` while etcd or
     /// NATS does not answer) on this address.
     #[arg(long, env = "KVFABRIC_METRICS_LISTEN")]
@@ -91,7 +93,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         _ => SocketAddr::new(args.listen.ip(), 0),
     });
     let transfer_advertise = args.transfer_advertise.or(host);
+    let tls = args.tls.load()?;
     let transfer = TransferAt {
+        tls: tls.clone(),
         listen: transfer_listen,
         advertise: Some(Advertise::resolve(
             "the transfer agent",
@@ -128,7 +132,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                 move || serde_json::json!({ "status": "ok", "reasons": [], "worker": name });
             let own = Arc::new(source.clone());
             let (addr, task) =
-                super::stack::metrics_port(at, Some(own), &discovery, &bus, health).await?;
+                super::stack::metrics_port(at, tls.clone(), Some(own), &discovery, &bus, health)
+                    .await?;
             // Printed as others reach it; nothing registers it (Prometheus is told), so a
             // port on loopback is fine: shown as it is bound.
             let shown = Advertise::resolve("the metrics port", at, host, &reach);
