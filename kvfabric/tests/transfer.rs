@@ -585,3 +585,134 @@ async fn idle_sessions_are_closed_and_their_peers_reconnect_unnoticed() {
     let s = b.connection_stats();
     assert!(s.admitted <= 4 && s.count(Cause::Peer) == 0, "{s:?}");
 }
+
+mod tls {
+    //! Mutual TLS between agents: certificates from one in-test CA, naming 127.0.0.1.
+
+    use super::*;
+    use kvfabric::testkit::{TestCa, TestCert};
+    use kvfabric::tls::{Tls, TlsFiles};
+
+    fn tls(ca: &TestCa, cert: &TestCert) -> Arc<Tls> {
+        let files = TlsFiles {
+            cert: cert.cert.clone(),
+            key: cert.key.clone(),
+            ca: Some(ca.ca()),
+            client_ca: None,
+        };
+        Tls::load(files).unwrap()
+    }
+
+    /// An agent with TCP as its only transport between the test's agents.
+    async fn agent_with(name: &str, tls: Option<Arc<Tls>>) -> Agent {
+        let mut cfg = AgentConfig::new(name, SECRET);
+        cfg.shm = false;
+        cfg.rdma = None;
+        cfg.tls = tls;
+        Agent::start(cfg).await.unwrap()
+    }
+
+    async fn write(a: &Agent, peer: &str, src: &Region, dst: &Region, len: u64) -> Result<(), TransferError> {
+        let mut req = TransferRequest::new(
+            TransferOp::Write,
+            peer,
+            vec![Desc::new(src.id(), 0, len)],
+            vec![Desc::new(dst.id(), 0, len)],
+        )
+        .with_transport(TransportKind::Tcp);
+        req.checksum = true;
+        req.deadline = Some(Duration::from_secs(10));
+        a.post(req)?.wait().await.map(|_| ())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mutual_tls_carries_transfers_and_refuses_plaintext_and_strangers_clearly() {
+        let ca = TestCa::new("deployment").unwrap();
+        let cert = || ca.issue(&["127.0.0.1"]).unwrap();
+        let a = agent_with("a", Some(tls(&ca, &cert()))).await;
+        let b = agent_with("b", Some(tls(&ca, &cert()))).await;
+        let len = 5u64 << 20;
+        let src = a.alloc_region(len as usize, shared()).unwrap();
+        let dst = b.alloc_region(len as usize, shared()).unwrap();
+        link(&a, &b);
+        pattern(&src, 3);
+        write(&a, "b", &src, &dst, len).await.unwrap();
+        assert_eq!(bytes(&src, 0, len as usize), bytes(&dst, 0, len as usize));
+        // And a READ back, through TLS the other way.
+        dst.fill(0, 1 << 20, 9).unwrap();
+        let req = TransferRequest::new(
+            TransferOp::Read,
+            "b",
+            vec![Desc::new(src.id(), 0, 1 << 20)],
+            vec![Desc::new(dst.id(), 0, 1 << 20)],
+        )
+        .with_transport(TransportKind::Tcp);
+        a.post(req).unwrap().wait().await.unwrap();
+        assert!(bytes(&src, 0, 1 << 20).iter().all(|&x| x == 9));
+
+        // A plaintext peer of b is told that b requires TLS, and counted.
+        let refused = kvfabric::tls::counters().plaintext_refused.load(std::sync::atomic::Ordering::Relaxed);
+        let plain = agent_with("plain", None).await;
+        let psrc = plain.alloc_region(4096, shared()).unwrap();
+        link(&plain, &b);
+        let err = write(&plain, "b", &psrc, &dst, 4096).await.unwrap_err();
+        assert!(err.to_string().contains("requires mutual TLS"), "{err}");
+        let now = kvfabric::tls::counters().plaintext_refused.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(now > refused, "the refusal is counted");
+
+        // b dialling the plaintext peer: its TLS handshake fails, saying why.
+        link(&b, &plain);
+        let bsrc = b.alloc_region(4096, shared()).unwrap();
+        let err = write(&b, "plain", &bsrc, &psrc, 4096).await.unwrap_err();
+        assert!(matches!(err, TransferError::Tls { .. }), "{err}");
+        assert!(err.to_string().contains("does not speak TLS"), "{err}");
+
+        // A peer with a certificate of another CA gets nothing from b, and b none from it.
+        let other = TestCa::new("another deployment").unwrap();
+        let stranger = agent_with("stranger", Some(tls(&other, &other.issue(&["127.0.0.1"]).unwrap()))).await;
+        let ssrc = stranger.alloc_region(4096, shared()).unwrap();
+        link(&stranger, &b);
+        let err = write(&stranger, "b", &ssrc, &dst, 4096).await.unwrap_err();
+        assert!(err.to_string().contains("not signed by the CA"), "{err}");
+        // A certificate that does not name the address dialled is refused too.
+        let misnamed = agent_with("misnamed", Some(tls(&ca, &ca.issue(&["10.9.9.9"]).unwrap()))).await;
+        let msrc = misnamed.alloc_region(4096, shared()).unwrap();
+        link(&a, &misnamed);
+        let err = write(&a, "misnamed", &src, &msrc, 4096).await.unwrap_err();
+        assert!(err.to_string().contains("does not name the address"), "{err}");
+    }
+
+    #[test]
+    fn expired_or_mismatched_certificates_are_refused_at_load_and_reload_keeps_the_old_on_error() {
+        let ca = TestCa::new("deployment").unwrap();
+        let expired = ca.issue_expired(&["127.0.0.1"]).unwrap();
+        let files = |c: &TestCert| TlsFiles { cert: c.cert.clone(), key: c.key.clone(), ca: Some(ca.ca()), client_ca: None };
+        let e = Tls::load(files(&expired)).unwrap_err();
+        assert!(e.to_string().contains("expired on"), "{e}");
+        let (one, two) = (ca.issue(&["127.0.0.1"]).unwrap(), ca.issue(&["127.0.0.1"]).unwrap());
+        let e = Tls::load(TlsFiles { key: two.key.clone(), ..files(&one) }).unwrap_err();
+        assert!(e.to_string().contains("TLS configuration"), "a key that is not the certificate's: {e}");
+        let e = Tls::load(TlsFiles { cert: "/nonexistent/cert.pem".into(), ..files(&one) }).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/cert.pem"), "{e}");
+
+        // Reload: new files in place are picked up; a broken file keeps the old ones.
+        let dir = tempfile::tempdir().unwrap();
+        let live = TestCert { cert: dir.path().join("c.pem"), key: dir.path().join("k.pem") };
+        std::fs::copy(&one.cert, &live.cert).unwrap();
+        std::fs::copy(&one.key, &live.key).unwrap();
+        let tls = Tls::load(files(&live)).unwrap();
+        let before = tls.not_after();
+        let now = std::time::SystemTime::now();
+        let later = ca
+            .issue_valid(&["127.0.0.1"], now - Duration::from_secs(60), now + Duration::from_secs(1000 * 86_400))
+            .unwrap();
+        std::fs::copy(&later.cert, &live.cert).unwrap();
+        std::fs::copy(&later.key, &live.key).unwrap();
+        tls.reload().unwrap();
+        assert!(tls.not_after() > before + 86_400, "the reloaded certificate is in use");
+        std::fs::write(&live.cert, "not a certificate").unwrap();
+        assert!(tls.reload().is_err());
+        assert!(tls.not_after() > before + 86_400, "a failed reload keeps the certificate in use");
+        assert!(tls.mutual());
+    }
+}

@@ -209,3 +209,132 @@ async fn nats_restart_is_survived_and_the_queue_is_durable() {
     assert_eq!(item.payload, b"kept");
     item.ack().await.unwrap();
 }
+
+mod secured {
+    //! etcd and NATS as operators secure them: TLS with client certificates from an in-test
+    //! CA, and passwords. The right credentials work through the same scenarios; a wrong CA,
+    //! an expired certificate or a wrong password is a clear error at connect, in bounded
+    //! time.
+
+    use super::*;
+    use kvfabric::control::etcd::EtcdSecurity;
+    use kvfabric::control::nats::{NatsAuth, NatsTls};
+    use kvfabric::testkit::TestCa;
+    use kvfabric::tls::client_config;
+
+    /// A connect attempt that must fail: its error, within 15 s.
+    async fn fails<T: std::fmt::Debug, E: std::fmt::Display>(
+        what: &str,
+        f: impl std::future::Future<Output = Result<T, E>>,
+    ) -> String {
+        let start = Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(15), f).await.unwrap_or_else(|_| {
+            panic!("{what}: no answer within 15 s");
+        });
+        let e = r.expect_err(what).to_string();
+        assert!(start.elapsed() < Duration::from_secs(15), "{what}");
+        e
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_over_tls_with_client_certificates_and_a_password() {
+        let ca = TestCa::new("etcd CA").unwrap();
+        let etcd =
+            EtcdServer::start_tls(ca.issue(&["127.0.0.1", "localhost"]).unwrap(), Some(ca.ca()))
+                .unwrap();
+        let client = ca.issue(&["kvfabric"]).unwrap();
+        let tls = || Some(client_config(&ca.ca(), Some((&client.cert, &client.key))).unwrap());
+        let password = "etcd-root-password-7f3a";
+        etcd.enable_auth(EtcdSecurity { tls: tls(), user: None }, password).await.unwrap();
+        let right = EtcdSecurity { tls: tls(), user: Some(("root".into(), password.into())) };
+        let endpoints = [etcd.endpoint()];
+        let d = EtcdDiscovery::connect_with(&endpoints, "secured", right.clone()).await.unwrap();
+        discovery_scenario(Arc::new(d), Duration::from_secs(2)).await;
+
+        let e = fails(
+            "a wrong password",
+            EtcdDiscovery::connect_with(
+                &endpoints,
+                "secured",
+                EtcdSecurity { user: Some(("root".into(), "guess".into())), ..right.clone() },
+            ),
+        )
+        .await;
+        assert!(e.contains("authenticating to etcd as \"root\""), "{e}");
+        let e = fails(
+            "no user while authentication is on",
+            EtcdDiscovery::connect_with(&endpoints, "secured", EtcdSecurity { tls: tls(), user: None }),
+        )
+        .await;
+        assert!(e.contains("etcd"), "{e}");
+        let other = TestCa::new("another CA").unwrap();
+        let e = fails(
+            "a wrong CA",
+            EtcdDiscovery::connect_with(
+                &endpoints,
+                "secured",
+                EtcdSecurity {
+                    tls: Some(client_config(&other.ca(), Some((&client.cert, &client.key))).unwrap()),
+                    ..right.clone()
+                },
+            ),
+        )
+        .await;
+        assert!(e.contains("not signed by the CA"), "{e}");
+        let e = fails(
+            "no client certificate",
+            EtcdDiscovery::connect_with(
+                &endpoints,
+                "secured",
+                EtcdSecurity { tls: Some(client_config(&ca.ca(), None).unwrap()), ..right.clone() },
+            ),
+        )
+        .await;
+        assert!(e.contains("TLS with etcd"), "{e}");
+        let expired = ca.issue_expired(&["kvfabric"]).unwrap();
+        let e = client_config(&ca.ca(), Some((&expired.cert, &expired.key))).unwrap_err().to_string();
+        assert!(e.contains("valid only from"), "an expired client certificate: {e}");
+        let plain = [etcd.endpoint().replace("https://", "http://")];
+        let e = fails(
+            "TLS options with an http:// endpoint",
+            EtcdDiscovery::connect_with(&plain, "secured", right.clone()),
+        )
+        .await;
+        assert!(e.contains("use https://"), "{e}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nats_over_tls_with_client_certificates_and_a_password() {
+        let ca = TestCa::new("NATS CA").unwrap();
+        let password = "nats-password-91c2";
+        let nats = NatsServer::start_tls(
+            &ca.issue(&["127.0.0.1", "localhost"]).unwrap(),
+            &ca.ca(),
+            "kvfabric",
+            password,
+        )
+        .unwrap();
+        let client = ca.issue(&["kvfabric"]).unwrap();
+        let tls = NatsTls { ca: Some(ca.ca()), identity: Some((client.cert.clone(), client.key.clone())) };
+        let user = |p: &str| NatsAuth::UserPassword { user: "kvfabric".into(), password: p.into() };
+        let bus = NatsBus::connect_secure(&nats.url(), user(password), tls.clone(), "secured")
+            .await
+            .unwrap();
+        bus_scenario(Arc::new(bus)).await;
+
+        fails("a wrong password", NatsBus::connect_secure(&nats.url(), user("guess"), tls.clone(), "s"))
+            .await;
+        let other = TestCa::new("another CA").unwrap();
+        let wrong_ca = NatsTls { ca: Some(other.ca()), ..tls.clone() };
+        fails("a wrong CA", NatsBus::connect_secure(&nats.url(), user(password), wrong_ca, "s")).await;
+        let no_cert = NatsTls { identity: None, ..tls.clone() };
+        fails("no client certificate", NatsBus::connect_secure(&nats.url(), user(password), no_cert, "s"))
+            .await;
+        let expired = ca.issue_expired(&["kvfabric"]).unwrap();
+        let old = NatsTls { identity: Some((expired.cert, expired.key)), ..tls.clone() };
+        let e = fails("an expired certificate", NatsBus::connect_secure(&nats.url(), user(password), old, "s"))
+            .await;
+        assert!(e.contains("valid only from"), "{e}");
+        fails("no TLS", NatsBus::connect_with(&nats.url(), user(password), "s")).await;
+    }
+}

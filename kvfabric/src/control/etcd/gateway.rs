@@ -362,7 +362,11 @@ impl Gateway {
             Ok(resp) => Ok((resp, conn)),
             Err(e) => {
                 conn.abort();
-                Err(backend(format!("{authority}{path}: {e}")))
+                Err(backend(match tls_cause(&e) {
+                    // TLS 1.3 servers refuse a client's certificate after the handshake.
+                    Some(why) => format!("TLS with etcd at {authority}: {why}"),
+                    None => format!("{authority}{path}: {e}"),
+                }))
             }
         }
     }
@@ -388,12 +392,26 @@ impl Gateway {
                         let status = resp.status();
                         let bytes = read_limited(resp.into_body()).await;
                         conn.abort();
-                        let text = bytes
-                            .ok()
-                            .and_then(|b| serde_json::from_slice::<ErrorBody>(&b).ok())
-                            .map(|e| if e.message.is_empty() { e.error } else { e.message })
-                            .unwrap_or_default();
-                        return Err(backend(format!("{path}: {status} {text}")));
+                        let text = match bytes {
+                            Ok(b) => match serde_json::from_slice::<ErrorBody>(&b) {
+                                Ok(e) if e.message.is_empty() => e.error,
+                                Ok(e) => e.message,
+                                // Some refusals are plain text (bounded here).
+                                Err(_) => String::from_utf8_lossy(&b[..b.len().min(300)]).trim().to_string(),
+                            },
+                            Err(_) => String::new(),
+                        };
+                        let hint = if text.contains("user name is empty") {
+                            " (etcd's authentication is on: give a user and its password, \
+                             --etcd-user and --etcd-password-file)"
+                        } else if text.contains("CommonName") {
+                            " (with authentication on, etcd's HTTP gateway refuses client \
+                             certificates that carry a Common Name: issue kvfabric's without one, \
+                             names in the subject alternative names only)"
+                        } else {
+                            ""
+                        };
+                        return Err(backend(format!("{path}: {status} {text}{hint}")));
                     }
                     return Ok((resp, conn));
                 }
@@ -462,6 +480,20 @@ impl Gateway {
             .map_err(|_| self.timed_out(what))??;
         Ok(JsonStream { body: resp.into_body(), buf: Vec::new(), conn })
     }
+}
+
+/// The TLS failure beneath an HTTP error, in words, if there is one.
+fn tls_cause(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            if io.get_ref().is_some_and(|i| i.is::<rustls::Error>()) {
+                return Some(crate::tls::explain(io));
+            }
+        }
+        cause = c.source();
+    }
+    None
 }
 
 async fn read_limited(body: Incoming) -> Result<Bytes, ControlError> {

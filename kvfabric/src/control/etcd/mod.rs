@@ -79,7 +79,18 @@ impl EtcdDiscovery {
         let status: StatusResponse =
             etcd.call("etcd connect", "/v3/maintenance/status", &json!({})).await?;
         tracing::debug!(version = %status.version, ?endpoints, "connected to etcd");
-        Ok(EtcdDiscovery { etcd, namespace: namespace.to_string() })
+        let d = EtcdDiscovery { etcd, namespace: namespace.to_string() };
+        // The status answers anyone; a read of the namespace tells, at start, whether this
+        // client may use the keys (etcd's authentication and its roles).
+        let prefix = format!("/kvfabric/v1/{}/", d.namespace);
+        let check = json!({
+            "key": b64(prefix.as_bytes()),
+            "range_end": b64(&prefix_end(prefix.as_bytes())),
+            "limit": "1",
+            "keys_only": true,
+        });
+        let _: RangeResponse = d.etcd.call("etcd access check", "/v3/kv/range", &check).await?;
+        Ok(d)
     }
 
     fn prefix(&self, kind: &str) -> String {
