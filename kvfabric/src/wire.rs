@@ -116,6 +116,8 @@ pub enum ErrorCode {
     Unavailable = 8,
     /// Anything else.
     Internal = 9,
+    /// The port requires mutual TLS and the peer connected without it.
+    TlsRequired = 10,
 }
 
 impl ErrorCode {
@@ -129,6 +131,7 @@ impl ErrorCode {
             6 => ErrorCode::TooLarge,
             7 => ErrorCode::Malformed,
             8 => ErrorCode::Unavailable,
+            10 => ErrorCode::TlsRequired,
             _ => ErrorCode::Internal,
         }
     }

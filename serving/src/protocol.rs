@@ -71,10 +71,14 @@ impl FrameError {
     pub fn is_auth(&self) -> bool {
         use kvfabric::session::proto::SessionError;
         use kvfabric::tls::TlsError;
+        use kvfabric::wire::ErrorCode;
         matches!(
             self,
-            FrameError::Handshake(HandshakeError::Session(SessionError::Auth))
-                | FrameError::Tls(TlsError::Handshake { .. } | TlsError::PlaintextPeer { .. })
+            FrameError::Handshake(HandshakeError::Session(
+                SessionError::Auth
+                    | SessionError::Refused { code: ErrorCode::TlsRequired, .. }
+                    | SessionError::Wire(kvfabric::wire::WireError::Tls)
+            )) | FrameError::Tls(TlsError::Handshake { .. } | TlsError::PlaintextPeer { .. })
         )
     }
 

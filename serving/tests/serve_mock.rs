@@ -923,3 +923,213 @@ async fn a_stopping_server_refuses_new_connections_and_finishes_the_ones_it_has(
     assert_eq!((r.status, r.text().as_str()), (200, "done"));
     server.await.unwrap().unwrap();
 }
+
+mod tls {
+    //! HTTPS on the API (HTTP/1.1 and HTTP/2 by ALPN, client certificates, reload) and mutual
+    //! TLS on a worker's request port, with certificates of an in-test CA.
+
+    use super::*;
+    use kvfabric::testkit::{TestCa, TestCert};
+    use kvfabric::tls::{Tls, TlsFiles};
+    use std::sync::Arc;
+
+    /// A client configuration trusting `ca`, presenting `cert` if given, offering `alpn`.
+    fn client(ca: &TestCa, cert: Option<&TestCert>, alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
+        let mut c = (*kvfabric::tls::client_config(
+            &ca.ca(),
+            cert.map(|c| (c.cert.as_path(), c.key.as_path())),
+        )
+        .unwrap())
+        .clone();
+        c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Arc::new(c)
+    }
+
+    async fn connect(
+        addr: SocketAddr,
+        config: Arc<rustls::ClientConfig>,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap().to_owned();
+        tokio_rustls::TlsConnector::from(config).connect(name, tcp).await
+    }
+
+    /// GET `path` over HTTP/1.1 on TLS; the response, or the error on the way.
+    async fn get_https(
+        addr: SocketAddr,
+        config: Arc<rustls::ClientConfig>,
+        path: &str,
+    ) -> std::io::Result<common::Response> {
+        let mut s = connect(addr, config).await?;
+        s.write_all(&common::request_bytes("GET", path, None)).await?;
+        s.flush().await?;
+        let mut buf = Vec::new();
+        tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut buf)).await??;
+        Ok(common::parse_response(&buf))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn https_serves_http1_and_http2_requires_client_certificates_and_reloads() {
+        let ca = TestCa::new("api").unwrap();
+        let clients = TestCa::new("api clients").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let live = TestCert { cert: dir.path().join("cert.pem"), key: dir.path().join("key.pem") };
+        let first = ca.issue(&["127.0.0.1"]).unwrap();
+        std::fs::copy(&first.cert, &live.cert).unwrap();
+        std::fs::copy(&first.key, &live.key).unwrap();
+        let tls = Tls::load(TlsFiles {
+            cert: live.cert.clone(),
+            key: live.key.clone(),
+            ca: None,
+            client_ca: Some(clients.ca()),
+        })
+        .unwrap();
+        let s = serve(Opts { listen: Some(Default::default()), ..Opts::default() }).await;
+        // The same app behind a TLS listener.
+        let layout = s.sched.info().layout;
+        let agent = Agent::start(AgentConfig::new("https", b"s".to_vec())).await.unwrap();
+        let store = TieredStore::open(
+            StoreConfig::new(layout.bytes_per_block(), 8),
+            &agent,
+            std::sync::Arc::new(NullSink),
+        )
+        .await
+        .unwrap();
+        let server = ServerConfig::default();
+        let stats = server.listen.clone();
+        let app = router(Arc::new(LocalBackend::new(s.sched.clone(), store)), server);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(kvfabric_serving::http::listen::serve(
+            listener,
+            app,
+            Default::default(),
+            stats,
+            Some(tls.clone()),
+            std::future::pending::<()>(),
+        ));
+        let me = clients.issue(&["client"]).unwrap();
+
+        // HTTP/1.1 with a client certificate.
+        let r = get_https(addr, client(&ca, Some(&me), &[b"http/1.1"]), "/v1/models").await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(r.text().contains("mock"));
+        // HTTP/2, chosen by ALPN: a streamed completion arrives whole.
+        let s2 = connect(addr, client(&ca, Some(&me), &[b"h2"])).await.unwrap();
+        assert_eq!(s2.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+        let (mut sender, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(s2),
+        )
+        .await
+        .unwrap();
+        tokio::spawn(conn);
+        let body = json!({"model": "mock", "prompt": "hello over h2", "max_tokens": 4, "stream": true});
+        let req = hyper::Request::post("https://127.0.0.1/v1/completions")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
+            .unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        assert_eq!(resp.version(), hyper::Version::HTTP_2);
+        assert_eq!(resp.status(), 200);
+        use http_body_util::BodyExt;
+        let text = resp.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8_lossy(&text);
+        assert!(text.contains("[DONE]"), "{text}");
+
+        // Without a client certificate, or with one of another CA: no answer.
+        let r = get_https(addr, client(&ca, None, &[]), "/health").await;
+        assert!(r.is_err(), "no client certificate: {r:?}");
+        let stranger = ca.issue(&["client"]).unwrap();
+        let r = get_https(addr, client(&ca, Some(&stranger), &[]), "/health").await;
+        assert!(r.is_err(), "a client certificate of another CA: {r:?}");
+        // Plaintext HTTP gets nothing that parses as a response.
+        let mut plain = tokio::net::TcpStream::connect(addr).await.unwrap();
+        plain.write_all(&common::request_bytes("GET", "/health", None)).await.unwrap();
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(15), plain.read_to_end(&mut buf)).await;
+        assert!(!String::from_utf8_lossy(&buf).contains("HTTP/1.1 200"));
+
+        // Reload: an open connection keeps its certificate, new ones get the new.
+        let mut open = connect(addr, client(&ca, Some(&me), &[b"http/1.1"])).await.unwrap();
+        let now = std::time::SystemTime::now();
+        let second = ca
+            .issue_valid(&["127.0.0.1"], now - Duration::from_secs(60), now + Duration::from_secs(900 * 86_400))
+            .unwrap();
+        std::fs::copy(&second.cert, &live.cert).unwrap();
+        std::fs::copy(&second.key, &live.key).unwrap();
+        tls.reload().unwrap();
+        let fresh = connect(addr, client(&ca, Some(&me), &[b"http/1.1"])).await.unwrap();
+        let served = |s: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>| {
+            let chain = s.get_ref().1.peer_certificates().unwrap();
+            kvfabric::tls::validity(&chain[0]).unwrap().1
+        };
+        assert_eq!(served(&fresh), tls.not_after(), "a new connection gets the reloaded certificate");
+        assert!(served(&open) < served(&fresh), "the open one kept its own");
+        let mut keep = common::request_bytes("GET", "/health", None);
+        keep = String::from_utf8(keep).unwrap().replace("Connection: close", "Connection: close").into_bytes();
+        open.write_all(&keep).await.unwrap();
+        open.flush().await.unwrap();
+        let mut buf = Vec::new();
+        open.read_to_end(&mut buf).await.unwrap();
+        assert_eq!(common::parse_response(&buf).status, 200, "the open connection still serves");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_port_with_mutual_tls_serves_tls_frontends_and_refuses_plaintext() {
+        use kvfabric_serving::engine::{GenEvent, GenerateRequest, SamplingParams};
+        use kvfabric_serving::protocol::{self, Auth, ServeLimits, ServeStats, WorkerRequest};
+        let s = serve(Opts { mock: MockConfig::zero_delay(), ..Opts::default() }).await;
+        let agent = Agent::start(AgentConfig::new("wt", b"s".to_vec())).await.unwrap();
+        let store = TieredStore::open(
+            StoreConfig::new(s.sched.info().layout.bytes_per_block(), 8),
+            &agent,
+            std::sync::Arc::new(NullSink),
+        )
+        .await
+        .unwrap();
+        let ca = TestCa::new("deployment").unwrap();
+        let tls = || {
+            let c = ca.issue(&["127.0.0.1"]).unwrap();
+            Tls::load(TlsFiles { cert: c.cert, key: c.key, ca: Some(ca.ca()), client_ca: None }).unwrap()
+        };
+        let backend = Arc::new(LocalBackend::new(s.sched.clone(), store));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let worker = Auth { name: "w".into(), secret: b"worker-secret".into(), tls: Some(tls()) };
+        let stats = Arc::new(ServeStats::default());
+        let _server = protocol::serve(listener, backend, worker, ServeLimits::default(), stats);
+        let req = WorkerRequest {
+            model: "mock".into(),
+            request: GenerateRequest {
+                prompt: vec![104, 105, 106],
+                max_tokens: 3,
+                sampling: SamplingParams::default(),
+                stop: vec![],
+                ignore_eos: true,
+                timeout: Duration::from_secs(30),
+                class: None,
+                cache_salt: None,
+                tenant: None,
+                pull: None,
+            },
+        };
+        let frontend = Auth { name: "f".into(), secret: b"worker-secret".into(), tls: Some(tls()) };
+        let mut conn = protocol::connect(addr, "w", &frontend, &req, Duration::from_secs(5)).await.unwrap();
+        let mut tokens = 0;
+        loop {
+            match protocol::read_frame::<_, GenEvent>(&mut conn).await.unwrap() {
+                Some(GenEvent::Token { .. }) => tokens += 1,
+                Some(GenEvent::Done { .. }) | None => break,
+                Some(GenEvent::Error(e)) => panic!("{e}"),
+                Some(_) => {}
+            }
+        }
+        assert_eq!(tokens, 3);
+        // A plaintext frontend is told the port requires TLS.
+        let plain = Auth { tls: None, ..frontend.clone() };
+        let err = protocol::connect(addr, "w", &plain, &req, Duration::from_secs(5)).await.unwrap_err();
+        assert!(err.to_string().contains("requires mutual TLS"), "{err}");
+        assert!(err.is_auth(), "a configuration error, not worth a retry: {err}");
+    }
+}

@@ -100,7 +100,7 @@ pub async fn accept_tls(
         Ok(s) => Ok(s),
         Err((e, Some(mut tcp))) => {
             let refusal = crate::wire::Message::Error {
-                code: crate::wire::ErrorCode::Unavailable,
+                code: crate::wire::ErrorCode::TlsRequired,
                 message: "this port requires mutual TLS: this peer connected without it \
                           (give it --tls-ca, --tls-cert and --tls-key)"
                     .into(),
