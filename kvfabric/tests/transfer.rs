@@ -612,7 +612,13 @@ mod tls {
         Agent::start(cfg).await.unwrap()
     }
 
-    async fn write(a: &Agent, peer: &str, src: &Region, dst: &Region, len: u64) -> Result<(), TransferError> {
+    async fn write(
+        a: &Agent,
+        peer: &str,
+        src: &Region,
+        dst: &Region,
+        len: u64,
+    ) -> Result<(), TransferError> {
         let mut req = TransferRequest::new(
             TransferOp::Write,
             peer,
@@ -651,13 +657,15 @@ mod tls {
         assert!(bytes(&src, 0, 1 << 20).iter().all(|&x| x == 9));
 
         // A plaintext peer of b is told that b requires TLS, and counted.
-        let refused = kvfabric::tls::counters().plaintext_refused.load(std::sync::atomic::Ordering::Relaxed);
+        let refused =
+            kvfabric::tls::counters().plaintext_refused.load(std::sync::atomic::Ordering::Relaxed);
         let plain = agent_with("plain", None).await;
         let psrc = plain.alloc_region(4096, shared()).unwrap();
         link(&plain, &b);
         let err = write(&plain, "b", &psrc, &dst, 4096).await.unwrap_err();
         assert!(err.to_string().contains("requires mutual TLS"), "{err}");
-        let now = kvfabric::tls::counters().plaintext_refused.load(std::sync::atomic::Ordering::Relaxed);
+        let now =
+            kvfabric::tls::counters().plaintext_refused.load(std::sync::atomic::Ordering::Relaxed);
         assert!(now > refused, "the refusal is counted");
 
         // b dialling the plaintext peer: its TLS handshake fails, saying why.
@@ -669,13 +677,15 @@ mod tls {
 
         // A peer with a certificate of another CA gets nothing from b, and b none from it.
         let other = TestCa::new("another deployment").unwrap();
-        let stranger = agent_with("stranger", Some(tls(&other, &other.issue(&["127.0.0.1"]).unwrap()))).await;
+        let stranger =
+            agent_with("stranger", Some(tls(&other, &other.issue(&["127.0.0.1"]).unwrap()))).await;
         let ssrc = stranger.alloc_region(4096, shared()).unwrap();
         link(&stranger, &b);
         let err = write(&stranger, "b", &ssrc, &dst, 4096).await.unwrap_err();
         assert!(err.to_string().contains("not signed by the CA"), "{err}");
         // A certificate that does not name the address dialled is refused too.
-        let misnamed = agent_with("misnamed", Some(tls(&ca, &ca.issue(&["10.9.9.9"]).unwrap()))).await;
+        let misnamed =
+            agent_with("misnamed", Some(tls(&ca, &ca.issue(&["10.9.9.9"]).unwrap()))).await;
         let msrc = misnamed.alloc_region(4096, shared()).unwrap();
         link(&a, &misnamed);
         let err = write(&a, "misnamed", &src, &msrc, 4096).await.unwrap_err();
@@ -686,13 +696,22 @@ mod tls {
     fn expired_or_mismatched_certificates_are_refused_at_load_and_reload_keeps_the_old_on_error() {
         let ca = TestCa::new("deployment").unwrap();
         let expired = ca.issue_expired(&["127.0.0.1"]).unwrap();
-        let files = |c: &TestCert| TlsFiles { cert: c.cert.clone(), key: c.key.clone(), ca: Some(ca.ca()), client_ca: None };
+        let files = |c: &TestCert| TlsFiles {
+            cert: c.cert.clone(),
+            key: c.key.clone(),
+            ca: Some(ca.ca()),
+            client_ca: None,
+        };
         let e = Tls::load(files(&expired)).unwrap_err();
         assert!(e.to_string().contains("expired on"), "{e}");
         let (one, two) = (ca.issue(&["127.0.0.1"]).unwrap(), ca.issue(&["127.0.0.1"]).unwrap());
         let e = Tls::load(TlsFiles { key: two.key.clone(), ..files(&one) }).unwrap_err();
-        assert!(e.to_string().contains("TLS configuration"), "a key that is not the certificate's: {e}");
-        let e = Tls::load(TlsFiles { cert: "/nonexistent/cert.pem".into(), ..files(&one) }).unwrap_err();
+        assert!(
+            e.to_string().contains("TLS configuration"),
+            "a key that is not the certificate's: {e}"
+        );
+        let e = Tls::load(TlsFiles { cert: "/nonexistent/cert.pem".into(), ..files(&one) })
+            .unwrap_err();
         assert!(e.to_string().contains("/nonexistent/cert.pem"), "{e}");
 
         // Reload: new files in place are picked up; a broken file keeps the old ones.
@@ -704,7 +723,11 @@ mod tls {
         let before = tls.not_after();
         let now = std::time::SystemTime::now();
         let later = ca
-            .issue_valid(&["127.0.0.1"], now - Duration::from_secs(60), now + Duration::from_secs(1000 * 86_400))
+            .issue_valid(
+                &["127.0.0.1"],
+                now - Duration::from_secs(60),
+                now + Duration::from_secs(1000 * 86_400),
+            )
             .unwrap();
         std::fs::copy(&later.cert, &live.cert).unwrap();
         std::fs::copy(&later.key, &live.key).unwrap();

@@ -263,7 +263,11 @@ mod secured {
         assert!(e.contains("authenticating to etcd as \"root\""), "{e}");
         let e = fails(
             "no user while authentication is on",
-            EtcdDiscovery::connect_with(&endpoints, "secured", EtcdSecurity { tls: tls(), user: None }),
+            EtcdDiscovery::connect_with(
+                &endpoints,
+                "secured",
+                EtcdSecurity { tls: tls(), user: None },
+            ),
         )
         .await;
         assert!(e.contains("etcd"), "{e}");
@@ -274,7 +278,9 @@ mod secured {
                 &endpoints,
                 "secured",
                 EtcdSecurity {
-                    tls: Some(client_config(&other.ca(), Some((&client.cert, &client.key))).unwrap()),
+                    tls: Some(
+                        client_config(&other.ca(), Some((&client.cert, &client.key))).unwrap(),
+                    ),
                     ..right.clone()
                 },
             ),
@@ -292,7 +298,8 @@ mod secured {
         .await;
         assert!(e.contains("TLS with etcd"), "{e}");
         let expired = ca.issue_expired(&["kvfabric"]).unwrap();
-        let e = client_config(&ca.ca(), Some((&expired.cert, &expired.key))).unwrap_err().to_string();
+        let e =
+            client_config(&ca.ca(), Some((&expired.cert, &expired.key))).unwrap_err().to_string();
         assert!(e.contains("valid only from"), "an expired client certificate: {e}");
         let plain = [etcd.endpoint().replace("https://", "http://")];
         let e = fails(
@@ -315,25 +322,38 @@ mod secured {
         )
         .unwrap();
         let client = ca.issue(&["kvfabric"]).unwrap();
-        let tls = NatsTls { ca: Some(ca.ca()), identity: Some((client.cert.clone(), client.key.clone())) };
+        let tls = NatsTls {
+            ca: Some(ca.ca()),
+            identity: Some((client.cert.clone(), client.key.clone())),
+        };
         let user = |p: &str| NatsAuth::UserPassword { user: "kvfabric".into(), password: p.into() };
         let bus = NatsBus::connect_secure(&nats.url(), user(password), tls.clone(), "secured")
             .await
             .unwrap();
         bus_scenario(Arc::new(bus)).await;
 
-        fails("a wrong password", NatsBus::connect_secure(&nats.url(), user("guess"), tls.clone(), "s"))
-            .await;
+        fails(
+            "a wrong password",
+            NatsBus::connect_secure(&nats.url(), user("guess"), tls.clone(), "s"),
+        )
+        .await;
         let other = TestCa::new("another CA").unwrap();
         let wrong_ca = NatsTls { ca: Some(other.ca()), ..tls.clone() };
-        fails("a wrong CA", NatsBus::connect_secure(&nats.url(), user(password), wrong_ca, "s")).await;
-        let no_cert = NatsTls { identity: None, ..tls.clone() };
-        fails("no client certificate", NatsBus::connect_secure(&nats.url(), user(password), no_cert, "s"))
+        fails("a wrong CA", NatsBus::connect_secure(&nats.url(), user(password), wrong_ca, "s"))
             .await;
+        let no_cert = NatsTls { identity: None, ..tls.clone() };
+        fails(
+            "no client certificate",
+            NatsBus::connect_secure(&nats.url(), user(password), no_cert, "s"),
+        )
+        .await;
         let expired = ca.issue_expired(&["kvfabric"]).unwrap();
         let old = NatsTls { identity: Some((expired.cert, expired.key)), ..tls.clone() };
-        let e = fails("an expired certificate", NatsBus::connect_secure(&nats.url(), user(password), old, "s"))
-            .await;
+        let e = fails(
+            "an expired certificate",
+            NatsBus::connect_secure(&nats.url(), user(password), old, "s"),
+        )
+        .await;
         assert!(e.contains("valid only from"), "{e}");
         fails("no TLS", NatsBus::connect_with(&nats.url(), user(password), "s")).await;
     }

@@ -1011,7 +1011,8 @@ mod tls {
         let me = clients.issue(&["client"]).unwrap();
 
         // HTTP/1.1 with a client certificate.
-        let r = get_https(addr, client(&ca, Some(&me), &[b"http/1.1"]), "/v1/models").await.unwrap();
+        let r =
+            get_https(addr, client(&ca, Some(&me), &[b"http/1.1"]), "/v1/models").await.unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
         assert!(r.text().contains("mock"));
         // HTTP/2, chosen by ALPN: a streamed completion arrives whole.
@@ -1024,7 +1025,8 @@ mod tls {
         .await
         .unwrap();
         tokio::spawn(conn);
-        let body = json!({"model": "mock", "prompt": "hello over h2", "max_tokens": 4, "stream": true});
+        let body =
+            json!({"model": "mock", "prompt": "hello over h2", "max_tokens": 4, "stream": true});
         let req = hyper::Request::post("https://127.0.0.1/v1/completions")
             .header("content-type", "application/json")
             .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
@@ -1054,7 +1056,11 @@ mod tls {
         let mut open = connect(addr, client(&ca, Some(&me), &[b"http/1.1"])).await.unwrap();
         let now = std::time::SystemTime::now();
         let second = ca
-            .issue_valid(&["127.0.0.1"], now - Duration::from_secs(60), now + Duration::from_secs(900 * 86_400))
+            .issue_valid(
+                &["127.0.0.1"],
+                now - Duration::from_secs(60),
+                now + Duration::from_secs(900 * 86_400),
+            )
             .unwrap();
         std::fs::copy(&second.cert, &live.cert).unwrap();
         std::fs::copy(&second.key, &live.key).unwrap();
@@ -1064,10 +1070,17 @@ mod tls {
             let chain = s.get_ref().1.peer_certificates().unwrap();
             kvfabric::tls::validity(&chain[0]).unwrap().1
         };
-        assert_eq!(served(&fresh), tls.not_after(), "a new connection gets the reloaded certificate");
+        assert_eq!(
+            served(&fresh),
+            tls.not_after(),
+            "a new connection gets the reloaded certificate"
+        );
         assert!(served(&open) < served(&fresh), "the open one kept its own");
         let mut keep = common::request_bytes("GET", "/health", None);
-        keep = String::from_utf8(keep).unwrap().replace("Connection: close", "Connection: close").into_bytes();
+        keep = String::from_utf8(keep)
+            .unwrap()
+            .replace("Connection: close", "Connection: close")
+            .into_bytes();
         open.write_all(&keep).await.unwrap();
         open.flush().await.unwrap();
         let mut buf = Vec::new();
@@ -1091,7 +1104,8 @@ mod tls {
         let ca = TestCa::new("deployment").unwrap();
         let tls = || {
             let c = ca.issue(&["127.0.0.1"]).unwrap();
-            Tls::load(TlsFiles { cert: c.cert, key: c.key, ca: Some(ca.ca()), client_ca: None }).unwrap()
+            Tls::load(TlsFiles { cert: c.cert, key: c.key, ca: Some(ca.ca()), client_ca: None })
+                .unwrap()
         };
         let backend = Arc::new(LocalBackend::new(s.sched.clone(), store));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1115,7 +1129,8 @@ mod tls {
             },
         };
         let frontend = Auth { name: "f".into(), secret: b"worker-secret".into(), tls: Some(tls()) };
-        let mut conn = protocol::connect(addr, "w", &frontend, &req, Duration::from_secs(5)).await.unwrap();
+        let mut conn =
+            protocol::connect(addr, "w", &frontend, &req, Duration::from_secs(5)).await.unwrap();
         let mut tokens = 0;
         loop {
             match protocol::read_frame::<_, GenEvent>(&mut conn).await.unwrap() {
@@ -1128,7 +1143,8 @@ mod tls {
         assert_eq!(tokens, 3);
         // A plaintext frontend is told the port requires TLS.
         let plain = Auth { tls: None, ..frontend.clone() };
-        let err = protocol::connect(addr, "w", &plain, &req, Duration::from_secs(5)).await.unwrap_err();
+        let err =
+            protocol::connect(addr, "w", &plain, &req, Duration::from_secs(5)).await.unwrap_err();
         assert!(err.to_string().contains("requires mutual TLS"), "{err}");
         assert!(err.is_auth(), "a configuration error, not worth a retry: {err}");
     }

@@ -693,3 +693,214 @@ async fn a_request_for_a_model_whose_only_worker_restarts_waits_for_it() {
     assert_eq!(held, 1);
     drop(a);
 }
+
+/// The whole deployment with TLS on every port: etcd over HTTPS with client certificates and
+/// a password, NATS over TLS with client certificates and a password, mutual TLS between the
+/// frontend and the worker, HTTPS on the API and the metrics port; every secret from a file.
+/// The bytes between the frontend and the worker (recorded by a relay the worker advertises)
+/// are TLS records carrying no prompt or answer, and the logs of both processes at `trace`
+/// show no secret.
+#[test]
+fn a_deployment_with_tls_on_every_port_shows_no_prompt_on_the_wire_and_no_secret_in_its_logs() {
+    use kvfabric::control::etcd::EtcdSecurity;
+    use kvfabric::testkit::TestCa;
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::{Command, Stdio};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("deployment").unwrap();
+    let cert = ca.issue(&["127.0.0.1", "localhost"]).unwrap();
+    let (secret, api_key) = ("shared-secret-5e1f0c9a", "api-key-77d2b0e4");
+    let (etcd_pw, nats_pw) = ("etcd-password-3a9c41", "nats-password-b6e2d8");
+    let file = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, format!("{text}\n")).unwrap();
+        p.display().to_string()
+    };
+    let (secret_file, key_file) = (file("secret", secret), file("api-key", api_key));
+    let (etcd_pw_file, nats_pw_file) = (file("etcd-pw", etcd_pw), file("nats-pw", nats_pw));
+
+    let etcd = EtcdServer::start_tls(ca.issue(&["127.0.0.1"]).unwrap(), Some(ca.ca())).unwrap();
+    let tls = kvfabric::tls::client_config(&ca.ca(), Some((&cert.cert, &cert.key))).unwrap();
+    rt.block_on(etcd.enable_auth(EtcdSecurity { tls: Some(tls), user: None }, etcd_pw)).unwrap();
+    let nats =
+        NatsServer::start_tls(&ca.issue(&["127.0.0.1"]).unwrap(), &ca.ca(), "kvfabric", nats_pw)
+            .unwrap();
+    let (ca_path, cert_path, key_path) = (
+        ca.ca().display().to_string(),
+        cert.cert.display().to_string(),
+        cert.key.display().to_string(),
+    );
+    let control = [
+        "--namespace",
+        "secured",
+        "--etcd",
+        &etcd.endpoint(),
+        "--etcd-ca",
+        &ca_path,
+        "--etcd-cert",
+        &cert_path,
+        "--etcd-key",
+        &key_path,
+        "--etcd-user",
+        "root",
+        "--etcd-password-file",
+        &etcd_pw_file,
+        "--nats",
+        &nats.url(),
+        "--nats-ca",
+        &ca_path,
+        "--nats-cert",
+        &cert_path,
+        "--nats-key",
+        &key_path,
+        "--nats-user",
+        "kvfabric",
+        "--nats-password-file",
+        &nats_pw_file,
+        "--tls-cert",
+        &cert_path,
+        "--tls-key",
+        &key_path,
+        "--tls-ca",
+        &ca_path,
+        "--log-level",
+        "trace",
+    ];
+    let spawn = |args: &[&str], log: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
+            .args(args)
+            .args(control)
+            .env_remove("KVFABRIC_CONFIG")
+            .env_remove("RUST_LOG")
+            .env("KVFABRIC_SECRET_FILE", &secret_file)
+            .env("KVFABRIC_API_KEY_FILE", &key_file)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(dir.path().join(log)).unwrap())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let first = lines.next().expect("printed nothing").unwrap();
+        std::thread::spawn(move || for _ in lines {});
+        (Proc(child), first)
+    };
+
+    // A relay the worker advertises as its request port: it records what crosses it.
+    let relay = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_addr = relay.local_addr().unwrap();
+    let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let seen: Arc<std::sync::Mutex<Vec<Vec<u8>>>> = Arc::default();
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for client in relay.incoming().flatten() {
+            let Ok(server) = std::net::TcpStream::connect(listen) else { continue };
+            for (mut from, mut to) in
+                [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)]
+            {
+                let log = log.clone();
+                std::thread::spawn(move || {
+                    let mut got = Vec::new();
+                    let mut buf = [0u8; 16 << 10];
+                    while let Ok(n) = from.read(&mut buf) {
+                        if n == 0 || to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                        got.extend_from_slice(&buf[..n]);
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                    log.lock().unwrap().push(got);
+                });
+            }
+        }
+    });
+    let (listen_s, advertise) = (listen.to_string(), relay_addr.to_string());
+    let (worker, line) = spawn(
+        &[
+            "worker",
+            "--name",
+            "w-tls",
+            "--engine",
+            "mock",
+            "--disk-blocks",
+            "0",
+            "--listen",
+            &listen_s,
+            "--advertise",
+            &advertise,
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+        "worker.log",
+    );
+    let info: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let metrics: SocketAddr = info["metrics"].as_str().unwrap().parse().unwrap();
+    let (frontend, line) = spawn(&["frontend", "--port", "0", "--name", "f-tls"], "frontend.log");
+    let api: SocketAddr =
+        line.rsplit_once("at https://").unwrap().1.trim().trim_end_matches("/v1").parse().unwrap();
+    let ca_file = ca.ca();
+    let https = |req: Vec<u8>| rt.block_on(common::raw_tls(api, &ca_file, None, &req));
+    let auth = |method: &str, path: &str, body: Option<&str>| {
+        let req = String::from_utf8(common::request_bytes(method, path, body)).unwrap();
+        req.replacen("\r\n", &format!("\r\nAuthorization: Bearer {api_key}\r\n"), 1).into_bytes()
+    };
+    let start = Instant::now();
+    let model = loop {
+        let r = https(auth("GET", "/v1/models", None)).unwrap();
+        if let Some(id) = r.json()["data"][0]["id"].as_str() {
+            break id.to_string();
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "the frontend never saw the worker");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let marker = "Zanzibar marmalade recipe";
+    let body = json!({"model": model, "prompt": format!("{marker}: {marker}."), "max_tokens": 8});
+    let r = https(auth("POST", "/v1/completions", Some(&body.to_string()))).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let answer = r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(!answer.trim().is_empty());
+    // Without the API key: refused, over TLS still.
+    let r = https(common::request_bytes("GET", "/v1/models", None)).unwrap();
+    assert_eq!(r.status, 401);
+    // The worker's metrics port speaks HTTPS, with the certificate's end of validity.
+    let m = rt
+        .block_on(common::raw_tls(
+            metrics,
+            &ca_file,
+            None,
+            &common::request_bytes("GET", "/metrics", None),
+        ))
+        .unwrap();
+    let not_after = common::metric(&m.text(), "kvfabric_tls_cert_not_after_timestamp_seconds");
+    let expected = kvfabric::tls::Tls::load(kvfabric::tls::TlsFiles {
+        cert: cert.cert.clone(),
+        key: cert.key.clone(),
+        ca: None,
+        client_ca: None,
+    })
+    .unwrap()
+    .not_after();
+    assert_eq!(not_after as i64, expected);
+    drop(frontend);
+    drop(worker);
+
+    // The wire: TLS records both ways, and nothing of the prompt or the answer.
+    std::thread::sleep(Duration::from_millis(300));
+    let flows = seen.lock().unwrap().clone();
+    let bytes: usize = flows.iter().map(Vec::len).sum();
+    assert!(bytes > 1000, "the request crossed the relay ({bytes} bytes)");
+    for flow in flows.iter().filter(|f| !f.is_empty()) {
+        assert_eq!(&flow[..2], &[0x16, 0x03], "a flow that does not start with TLS");
+        let text = String::from_utf8_lossy(flow);
+        for plain in ["Zanzibar", "marmalade", "\"prompt\"", "\"token\"", answer.trim()] {
+            assert!(!text.contains(plain), "{plain:?} crossed the wire in the clear");
+        }
+    }
+    // The logs, at trace: no secret, however it was configured.
+    for log in ["worker.log", "frontend.log"] {
+        let text = std::fs::read_to_string(dir.path().join(log)).unwrap();
+        assert!(text.lines().count() > 20, "{log} holds the run's trace");
+        for s in [secret, api_key, etcd_pw, nats_pw] {
+            assert!(!text.contains(s), "{log} shows a secret");
+        }
+    }
+}

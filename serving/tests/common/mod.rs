@@ -55,6 +55,28 @@ pub async fn raw(addr: SocketAddr, request: &[u8]) -> Response {
     parse_response(&buf)
 }
 
+/// Sends raw request bytes over TLS (trusting `ca`, presenting `identity` — a certificate
+/// and its key — when given) and reads the whole response; the TLS error if the handshake or
+/// the exchange fails.
+pub async fn raw_tls(
+    addr: SocketAddr,
+    ca: &std::path::Path,
+    identity: Option<(&std::path::Path, &std::path::Path)>,
+    request: &[u8],
+) -> std::io::Result<Response> {
+    let config = kvfabric::tls::client_config(ca, identity).map_err(std::io::Error::other)?;
+    let tcp = TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+    let mut s = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
+    s.write_all(request).await?;
+    s.flush().await?;
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(300), s.read_to_end(&mut buf))
+        .await
+        .map_err(|_| std::io::Error::other("no response within 300 s"))??;
+    Ok(parse_response(&buf))
+}
+
 pub fn request_bytes(method: &str, path: &str, body: Option<&str>) -> Vec<u8> {
     let body = body.unwrap_or("");
     format!(

@@ -397,7 +397,9 @@ impl Gateway {
                                 Ok(e) if e.message.is_empty() => e.error,
                                 Ok(e) => e.message,
                                 // Some refusals are plain text (bounded here).
-                                Err(_) => String::from_utf8_lossy(&b[..b.len().min(300)]).trim().to_string(),
+                                Err(_) => String::from_utf8_lossy(&b[..b.len().min(300)])
+                                    .trim()
+                                    .to_string(),
                             },
                             Err(_) => String::new(),
                         };

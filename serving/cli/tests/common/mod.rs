@@ -121,12 +121,13 @@ pub fn spawn_frontend(
     (proc, addr)
 }
 
-/// Starts `cmd`, a server that prints `kvfabric WHAT at http://ADDR/v1` first, and returns it
-/// with its address and that line.
+/// Starts `cmd`, a server that prints `kvfabric WHAT at http[s]://ADDR/v1` first, and returns
+/// it with its address and that line.
 pub fn spawn_server(mut cmd: std::process::Command) -> (Proc, std::net::SocketAddr, String) {
     let (proc, line) = spawn_line(cmd.env_remove("KVFABRIC_CONFIG"));
     let addr = line
         .rsplit_once("at http://")
+        .or_else(|| line.rsplit_once("at https://"))
         .and_then(|(_, r)| r.trim().strip_suffix("/v1"))
         .unwrap_or_else(|| panic!("{line}"))
         .parse()
