@@ -66,6 +66,11 @@ pub struct TransferArgs {
     /// TCP transfers are cut into pieces of this size, spread over the connections.
     #[arg(long, default_value = "256K")]
     tcp_stripe_bytes: String,
+    /// Also measure TCP with mutual TLS (certificates of a throwaway CA, made for this run):
+    /// `tcp-tls` rows, against one core's AES-256-GCM rate measured on the same bytes, with
+    /// the plain socket's rate beside it.
+    #[arg(long)]
+    tls: bool,
     /// RDMA rows between GPU memory on both sides (GPUDirect RDMA: GPU 0 here and in the
     /// peer), against the plain verbs loop between two GPU buffers; only `--transports rdma`.
     #[arg(long)]
@@ -231,6 +236,39 @@ pub async fn run(args: TransferArgs, host: &Host) -> crate::Result<()> {
     let src = vec![0x5au8; region_bytes];
     let mut dst = vec![0u8; region_bytes];
     let mut plain = PlainSocket::start(region_bytes)?;
+    // With --tls: a second peer and agent, both with mutual TLS, for `tcp-tls` rows.
+    let mut tls_pair = None;
+    if args.tls && transports.contains(&TransportKind::Tcp) {
+        let ca = kvfabric::testkit::TestCa::new("bench transfer").context("a throwaway CA")?;
+        let cert = ca.issue(&["127.0.0.1"]).context("a certificate")?;
+        let (c, k, a) = (
+            cert.cert.display().to_string(),
+            cert.key.display().to_string(),
+            ca.ca().display().to_string(),
+        );
+        let tls_args = ["--tls-cert", &c, "--tls-key", &k, "--tls-ca", &a];
+        let (child, md) = spawn_peer(host, &secret, region_bytes, &tls_args).await?;
+        let mut cfg = host.agent_config("bench-tls", secret.clone());
+        cfg.tcp_connections_per_peer = args.tcp_stripes;
+        cfg.tcp_stripe_bytes = parse_size(&args.tcp_stripe_bytes)?;
+        cfg.shm = false;
+        cfg.tls = Some(
+            kvfabric::tls::Tls::load(kvfabric::tls::TlsFiles {
+                cert: cert.cert.clone(),
+                key: cert.key.clone(),
+                ca: Some(ca.ca()),
+                client_ca: None,
+            })
+            .map_err(|e| crate::failed!("{e}"))?,
+        );
+        let tls_agent = Agent::start(cfg).await?;
+        tls_agent.load_peer(md.clone())?;
+        let local = tls_agent.alloc_region(region_bytes, RegionOptions::default())?;
+        local.fill(0, region_bytes as u64, 0x5a)?;
+        let remote = md.regions.first().context("the TLS peer exported no region")?.id;
+        tls_pair = Some((child, md, tls_agent, local, remote, ca));
+    }
+    let mut aes = AesGcm::new();
 
     let combos = combos(&sizes, &args.batches, region_bytes as u64);
     let total_rows = combos.len() * transports.len() * ops.len();
@@ -244,6 +282,16 @@ pub async fn run(args: TransferArgs, host: &Host) -> crate::Result<()> {
             Ok(())
         })?;
         let memcpy_gbps = gbps(bytes * memcpy_lat.len() as u64, memcpy_lat.iter().sum());
+        let aes_gcm_gbps = if tls_pair.is_some() {
+            let mut buf = src[..n].to_vec();
+            let lat = measure_sync(min_time, || {
+                aes.seal(&mut buf);
+                Ok(())
+            })?;
+            gbps(bytes * lat.len() as u64, lat.iter().sum())
+        } else {
+            f64::NAN
+        };
         let sock_lat = measure_sync(min_time, || plain.send(&src[..n]))?;
         let tcp_socket_gbps = gbps(bytes * sock_lat.len() as u64, sock_lat.iter().sum());
         // The plain verbs loop of the same bytes, per op (RDMA rows only).
@@ -294,8 +342,35 @@ pub async fn run(args: TransferArgs, host: &Host) -> crate::Result<()> {
                         limit,
                     )
                 });
+                if let (TransportKind::Tcp, Some((_, md, tls_agent, local, remote, _))) =
+                    (transport, &tls_pair)
+                {
+                    let descs: Vec<Desc> =
+                        (0..batch as u64).map(|i| Desc::new(local.id(), i * desc, desc)).collect();
+                    let rdescs: Vec<Desc> =
+                        (0..batch as u64).map(|i| Desc::new(*remote, i * desc, desc)).collect();
+                    let mut req = TransferRequest::new(op, &md.name, descs, rdescs)
+                        .with_transport(TransportKind::Tcp)
+                        .with_deadline(Duration::from_secs(60));
+                    req.checksum = args.checksum;
+                    let lat = measure_posts(tls_agent, &req, min_time).await?;
+                    rows.push(Row {
+                        memcpy_gbps,
+                        tcp_socket_gbps,
+                        checksum: args.checksum,
+                        ..Row::measured(
+                            ("tcp-tls", kvfabric::agent::op_name(op)),
+                            (desc, batch),
+                            &lat,
+                            ("aes_gcm_1core", aes_gcm_gbps),
+                        )
+                    });
+                }
             }
         }
+    }
+    if let Some((mut child, ..)) = tls_pair {
+        let _ = child.start_kill();
     }
     let _ = child.start_kill();
     if let Some(path) = &args.plot {
@@ -379,6 +454,56 @@ fn print_rows(rows: &[Row], json: bool) -> crate::Result<()> {
             r.ratio_to_limit
         );
     }
+    if rows.iter().any(|r| r.transport == "tcp-tls") {
+        println!("tcp-tls: mutual TLS (TLS 1.3, AES-256-GCM) against one core's AES-256-GCM sealing of the same bytes in 16 KiB records; the plain socket's GB/s for the same bytes:");
+        for r in rows.iter().filter(|r| r.transport == "tcp-tls") {
+            let plain = rows.iter().find(|p| {
+                p.transport == "tcp"
+                    && p.op == r.op
+                    && p.desc_bytes == r.desc_bytes
+                    && p.batch == r.batch
+            });
+            println!(
+                "  {} {}×{}: tcp-tls {:.2} GB/s = {:.2}× tcp ({:.2}), {:.2}× the plain socket ({:.2}), {:.2}× AES-GCM ({:.2})",
+                r.op,
+                short_size(r.desc_bytes),
+                r.batch,
+                r.gbps,
+                plain.map_or(f64::NAN, |p| r.gbps / p.gbps),
+                plain.map_or(f64::NAN, |p| p.gbps),
+                r.gbps / r.tcp_socket_gbps,
+                r.tcp_socket_gbps,
+                r.ratio_to_limit,
+                r.limit_gbps
+            );
+        }
+    }
     println!("limits: shm against single-thread memcpy, tcp against a plain blocking loopback socket, rdma against a plain verbs loop (the same WRITEs or READs posted as one chain between two queue pairs of the device), cuda against one raw cuMemcpy*Async of the same bytes, same run");
     Ok(())
+}
+
+/// One core sealing bytes with AES-256-GCM in TLS-sized records (16 KiB, a tag each): the
+/// cipher's rate bounds what TLS moves per core.
+struct AesGcm {
+    key: ring::aead::LessSafeKey,
+    counter: u64,
+}
+
+impl AesGcm {
+    fn new() -> Self {
+        let key = ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, &[7u8; 32])
+            .unwrap_or_else(|_| unreachable!("a 32-byte key is valid for AES-256-GCM"));
+        AesGcm { key: ring::aead::LessSafeKey::new(key), counter: 0 }
+    }
+
+    fn seal(&mut self, buf: &mut [u8]) {
+        for record in buf.chunks_mut(16 << 10) {
+            self.counter += 1;
+            let mut nonce = [0u8; 12];
+            nonce[4..].copy_from_slice(&self.counter.to_be_bytes());
+            let nonce = ring::aead::Nonce::assume_unique_for_key(nonce);
+            let tag = self.key.seal_in_place_separate_tag(nonce, ring::aead::Aad::empty(), record);
+            std::hint::black_box(&tag);
+        }
+    }
 }

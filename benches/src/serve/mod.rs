@@ -21,10 +21,14 @@ use tokio::net::TcpStream;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Base URL of the server (`http://HOST:PORT`, with or without `/v1`); several,
-    /// comma-separated (frontends of one deployment), take the requests in turn.
+    /// Base URL of the server (`http://HOST:PORT` or `https://`, with or without `/v1`);
+    /// several, comma-separated (frontends of one deployment), take the requests in turn.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
+    /// The CA of an `https://` server's certificate (PEM). Each request opens its own
+    /// connection, so each pays a TLS handshake.
+    #[arg(long)]
+    ca: Option<std::path::PathBuf>,
     /// Model id (default: the first one `/v1/models` lists).
     #[arg(long)]
     model: Option<String>,
@@ -225,6 +229,8 @@ pub struct Target {
     /// Each server's address and its `Host` header.
     servers: Vec<(SocketAddr, String)>,
     prefix: String,
+    /// TLS to `https://` servers (trusting the CA given).
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     /// The next server (round robin).
     next: std::sync::atomic::AtomicUsize,
 }
@@ -240,10 +246,23 @@ impl Target {
 /// The endpoints of `urls` (comma-separated `http://host:port`, optionally with one path
 /// prefix; `/v1` when none): exchanges go to each in turn.
 pub async fn target(urls: &str) -> crate::Result<Target> {
+    target_with_ca(urls, None).await
+}
+
+/// [`target`] for `https://` URLs too: their certificates must chain to `ca`.
+pub async fn target_with_ca(urls: &str, ca: Option<&std::path::Path>) -> crate::Result<Target> {
     let mut servers = Vec::new();
     let mut prefix = None;
+    let mut schemes = std::collections::HashSet::new();
     for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-        let (addr, host, p) = endpoint(url).await?;
+        let https = url.starts_with("https://");
+        schemes.insert(https);
+        let (addr, host, p) = endpoint(
+            url.strip_prefix("https://")
+                .map_or(url.to_string(), |r| format!("http://{r}"))
+                .as_str(),
+        )
+        .await?;
         crate::ensure!(
             prefix.as_ref().is_none_or(|q| *q == p),
             "--url: every server needs the same path prefix"
@@ -252,18 +271,27 @@ pub async fn target(urls: &str) -> crate::Result<Target> {
         servers.push((addr, host));
     }
     let prefix = prefix.ok_or_else(|| crate::failed!("--url names no server"))?;
-    Ok(Target { servers, prefix, next: Default::default() })
+    crate::ensure!(schemes.len() == 1, "--url: give every server with the same scheme");
+    let tls = if schemes.contains(&true) {
+        let ca = ca.ok_or_else(|| {
+            crate::failed!("https URLs need --ca (the CA of the server's certificate)")
+        })?;
+        let mut config = (*kvfabric::tls::client_config(ca, None)
+            .map_err(|e| crate::failed!("--ca: {e}"))?)
+        .clone();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Some(std::sync::Arc::new(config))
+    } else {
+        None
+    };
+    Ok(Target { servers, prefix, tls, next: Default::default() })
 }
 
 /// The address, `Host` and path prefix of one URL.
 async fn endpoint(url: &str) -> crate::Result<(SocketAddr, String, String)> {
     let rest = url
         .strip_prefix("http://")
-        .ok_or_else(|| {
-            crate::failed!(
-                "--url must start with http:// (got {url:?}; https needs a TLS client this build does not have: put a local TLS proxy in front)"
-            )
-        })?;
+        .ok_or_else(|| crate::failed!("--url must start with http:// or https:// (got {url:?})"))?;
     let (hostport, path) = rest.split_once('/').map_or((rest, ""), |(h, p)| (h, p));
     let path = path.trim_end_matches('/');
     let prefix =
@@ -310,8 +338,18 @@ pub async fn exchange_with(
     let (addr, host) = t.pick();
     let tcp = TcpStream::connect(addr).await?;
     tcp.set_nodelay(true)?;
+    let stream = match &t.tls {
+        None => kvfabric::tls::Stream::Plain(tcp),
+        Some(config) => {
+            let name = host.rsplit_once(':').map_or(host.as_str(), |(h, _)| h);
+            let name = rustls::pki_types::ServerName::try_from(name.to_string())
+                .map_err(|e| crate::failed!("{host}: {e}"))?;
+            let s = tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp).await?;
+            kvfabric::tls::Stream::Client(Box::new(s))
+        }
+    };
     let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp)).await?;
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
     let _conn = AbortOnDrop(tokio::spawn(async move {
         let _ = conn.await;
     }));
@@ -456,7 +494,7 @@ pub async fn first_model(t: &Target) -> crate::Result<String> {
 }
 
 pub async fn run(args: ServeArgs) -> crate::Result<()> {
-    let t = target(&args.url).await?;
+    let t = target_with_ca(&args.url, args.ca.as_deref()).await?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => first_model(&t).await.with_context(|| format!("GET {}/models", args.url))?,
@@ -552,6 +590,7 @@ pub async fn run(args: ServeArgs) -> crate::Result<()> {
         let t = std::sync::Arc::new(Target {
             servers: t.servers.clone(),
             prefix: t.prefix.clone(),
+            tls: t.tls.clone(),
             next: Default::default(),
         });
         let timeout = Duration::from_secs(args.timeout_s.max(1));
