@@ -16,6 +16,8 @@
 #   scripts/cluster.sh shape HOST RATE    shape HOST's link both ways (tbf: 1gbit, 10gbit,
 #                                         25gbit; `off` removes it)
 #   scripts/cluster.sh ip HOST            HOST's address
+#   scripts/cluster.sh curl ARGS...       curl as this machine reaches the deployment (with
+#                                         KVF_TLS: its CA, and the bridge's client certificate)
 #   scripts/cluster.sh ps                 the processes started, where, and whether alive
 #
 # Each host has its own network namespace (a veth pair into one bridge, an address of its own in
@@ -51,6 +53,14 @@
 #   KVF_ONE_HOST  set: `up` puts the same deployment on one host (h1), each process on ports
 #                 of its own (the base port plus ten times its place in the layout), for the
 #                 cost of crossing hosts to be a number
+#   KVF_TLS       set: TLS on every port. A deployment CA (openssl, in $DIR/etc/tls) signs a
+#                 certificate per host (its address and name, no Common Name); etcd serves
+#                 clients and peers over TLS with client certificates required, and its
+#                 authentication on (user root, password in $DIR/etc/etcd-password); NATS
+#                 clients, routes and monitoring over TLS with client certificates verified,
+#                 and a user and password ($DIR/etc/nats-password); every kvfabric process
+#                 serves HTTPS (API, metrics) and mutual TLS between processes. Clients
+#                 outside: scripts/cluster.sh curl ARGS (the CA and the bridge's certificate)
 # Needs root (namespaces, veths), iproute2, util-linux (unshare, nsenter), etcd, nats-server.
 set -euo pipefail
 
@@ -232,10 +242,23 @@ binary() {
     echo "$b"
 }
 
+# curl as this machine's clients reach the deployment (with KVF_TLS: trusting its CA and
+# presenting the client certificate of the bridge's address).
+curl_() {
+    if [ -n "${KVF_TLS:-}" ]; then
+        curl --cacert "$DIR/etc/tls/ca.pem" --cert "$DIR/etc/tls/bridge.pem" \
+            --key "$DIR/etc/tls/bridge.key" "$@"
+    else
+        curl "$@"
+    fi
+}
+# http, or https with KVF_TLS.
+scheme() { if [ -n "${KVF_TLS:-}" ]; then echo https; else echo http; fi; }
+
 wait_http() {
     local url=$1 what=$2 secs=${3:-60} k
     for k in $(seq 1 $((secs * 4))); do
-        curl -fsS -m 1 "$url" >/dev/null 2>&1 && return 0
+        curl_ -fsS -m 1 "$url" >/dev/null 2>&1 && return 0
         sleep 0.25
     done
     die "$what did not answer at $url within ${secs}s (logs: $DIR/logs)"
@@ -243,7 +266,9 @@ wait_http() {
 
 # The endpoints every kvfabric process is given.
 etcd_endpoints() {
-    echo "http://$(ipn etcd-1):$(port etcd-1 2379),http://$(ipn etcd-2):$(port etcd-2 2379),http://$(ipn etcd-3):$(port etcd-3 2379)"
+    local s
+    s=$(scheme)
+    echo "$s://$(ipn etcd-1):$(port etcd-1 2379),$s://$(ipn etcd-2):$(port etcd-2 2379),$s://$(ipn etcd-3):$(port etcd-3 2379)"
 }
 nats_urls() {
     echo "nats://$(ipn nats-1):$(port nats-1 4222),nats://$(ipn nats-2):$(port nats-2 4222),nats://$(ipn nats-3):$(port nats-3 4222)"
@@ -265,14 +290,21 @@ start_etcd() {
     local ip h
     h=$(host_of "etcd-$i")
     ip=$(ipof "$h")
-    local c p
+    local c p s tls=()
     c=$(port "etcd-$i" 2379)
     p=$(port "etcd-$i" 2380)
+    s=$(scheme)
+    if [ -n "${KVF_TLS:-}" ]; then
+        local t="$DIR/etc/tls"
+        tls=(--cert-file "$t/$h.pem" --key-file "$t/$h.key" --client-cert-auth
+            --trusted-ca-file "$t/ca.pem" --peer-cert-file "$t/$h.pem" --peer-key-file "$t/$h.key"
+            --peer-client-cert-auth --peer-trusted-ca-file "$t/ca.pem")
+    fi
     start_on "$h" "etcd-$i" etcd --name "e$i" --data-dir "/var/lib/kvfabric/etcd-$i" \
-        --listen-client-urls "http://$ip:$c" --advertise-client-urls "http://$ip:$c" \
-        --listen-peer-urls "http://$ip:$p" --initial-advertise-peer-urls "http://$ip:$p" \
-        --initial-cluster "e1=http://$(ipn etcd-1):$(port etcd-1 2380),e2=http://$(ipn etcd-2):$(port etcd-2 2380),e3=http://$(ipn etcd-3):$(port etcd-3 2380)" \
-        --initial-cluster-state "$state" --initial-cluster-token "$C-etcd"
+        --listen-client-urls "$s://$ip:$c" --advertise-client-urls "$s://$ip:$c" \
+        --listen-peer-urls "$s://$ip:$p" --initial-advertise-peer-urls "$s://$ip:$p" \
+        --initial-cluster "e1=$s://$(ipn etcd-1):$(port etcd-1 2380),e2=$s://$(ipn etcd-2):$(port etcd-2 2380),e3=$s://$(ipn etcd-3):$(port etcd-3 2380)" \
+        --initial-cluster-state "$state" --initial-cluster-token "$C-etcd" "${tls[@]}"
 }
 
 start_nats() {
@@ -280,26 +312,86 @@ start_nats() {
     h=$(host_of "nats-$i")
     ip=$(ipof "$h")
     mkdir -p "$DIR/etc"
-    cat >"$DIR/etc/nats-$i.conf" <<EOF
+    local monitor="http: $ip:$(port "nats-$i" 8222)" tls="" auth=""
+    if [ -n "${KVF_TLS:-}" ]; then
+        local t="$DIR/etc/tls"
+        monitor="https: $ip:$(port "nats-$i" 8222)"
+        tls="tls { cert_file: \"$t/$h.pem\", key_file: \"$t/$h.key\", ca_file: \"$t/ca.pem\", verify: true, timeout: 2 }"
+        auth="authorization { user: kvfabric, password: \"$(cat "$DIR/etc/nats-password")\" }"
+    fi
+    (umask 077; cat >"$DIR/etc/nats-$i.conf" <<EOF
 server_name: n$i
 listen: $ip:$(port "nats-$i" 4222)
-http: $ip:$(port "nats-$i" 8222)
+$monitor
+$tls
+$auth
 jetstream { store_dir: /var/lib/kvfabric/nats-$i, max_memory_store: 256MB, max_file_store: 2GB }
 cluster {
   name: $C
   listen: $ip:$(port "nats-$i" 6222)
   routes: [nats://$(ipn nats-1):$(port nats-1 6222), nats://$(ipn nats-2):$(port nats-2 6222), nats://$(ipn nats-3):$(port nats-3 6222)]
+  $tls
 }
 EOF
+    )
     start_on "$h" "nats-$i" nats-server -c "$DIR/etc/nats-$i.conf"
 }
 
 start_on() { cmd_start "$@" >/dev/null; }
 
-# Environment of every kvfabric process.
+# Environment of every kvfabric process on host $1.
 kv_env() {
+    local h=$1
     echo "KVFABRIC_ETCD=$(etcd_endpoints)" "KVFABRIC_NATS=$(nats_urls)" \
         "KVFABRIC_SECRET_FILE=$DIR/etc/secret" "KVFABRIC_LOG_LEVEL=${KVF_LOG_LEVEL:-info}"
+    if [ -n "${KVF_TLS:-}" ]; then
+        local t="$DIR/etc/tls"
+        echo "KVFABRIC_TLS_CERT=$t/$h.pem" "KVFABRIC_TLS_KEY=$t/$h.key" "KVFABRIC_TLS_CA=$t/ca.pem" \
+            "KVFABRIC_ETCD_CA=$t/ca.pem" "KVFABRIC_ETCD_CERT=$t/$h.pem" "KVFABRIC_ETCD_KEY=$t/$h.key" \
+            "KVFABRIC_ETCD_USER=root" "KVFABRIC_ETCD_PASSWORD_FILE=$DIR/etc/etcd-password" \
+            "KVFABRIC_NATS_CA=$t/ca.pem" "KVFABRIC_NATS_CERT=$t/$h.pem" "KVFABRIC_NATS_KEY=$t/$h.key" \
+            "KVFABRIC_NATS_USER=kvfabric" "KVFABRIC_NATS_PASSWORD_FILE=$DIR/etc/nats-password"
+    fi
+}
+
+# KVF_TLS: the deployment CA, a certificate per host (its address and hostname as subject
+# alternative names, no Common Name: etcd's gateway refuses client certificates with one
+# while its authentication is on) and one for the bridge (this machine's own clients); the
+# passwords of etcd and NATS. Kept across `up`s (`down` removes $DIR/etc).
+tls_init() {
+    local t="$DIR/etc/tls" n=$1 i
+    command -v openssl >/dev/null || die "openssl is needed for KVF_TLS"
+    mkdir -p "$t"
+    (
+        umask 077
+        [ -f "$DIR/etc/etcd-password" ] || head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$DIR/etc/etcd-password"
+        [ -f "$DIR/etc/nats-password" ] || head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$DIR/etc/nats-password"
+        [ -f "$t/ca.pem" ] || openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
+            -nodes -days 30 -subj "/CN=kvfabric $C deployment CA" -keyout "$t/ca.key" \
+            -out "$t/ca.pem" 2>/dev/null
+        issue() { # NAME SAN
+            [ -f "$t/$1.pem" ] && return 0
+            openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj "/" \
+                -keyout "$t/$1.key" -out "$t/$1.csr" 2>/dev/null
+            printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth,clientAuth\n' "$2" >"$t/$1.ext"
+            openssl x509 -req -in "$t/$1.csr" -CA "$t/ca.pem" -CAkey "$t/ca.key" \
+                -CAcreateserial -days 30 -extfile "$t/$1.ext" -out "$t/$1.pem" 2>/dev/null
+        }
+        for i in $(seq 1 "$n"); do issue "h$i" "IP:$(ipof "h$i"),DNS:h$i"; done
+        issue bridge "IP:$NET.1"
+    )
+}
+
+# KVF_TLS: etcd's authentication on, with the user root (what `etcdctl user add root` and
+# `etcdctl auth enable` do, over the gateway).
+etcd_auth() {
+    local e="https://$(ipn etcd-1):$(port etcd-1 2379)" pw status
+    pw=$(cat "$DIR/etc/etcd-password")
+    status=$(curl_ -sS -m 5 -X POST "$e/v3/auth/status" -d '{}' || true)
+    case "$status" in *'"enabled":true'*) return 0 ;; esac
+    curl_ -fsS -m 5 -X POST "$e/v3/auth/user/add" -d "{\"name\":\"root\",\"password\":\"$pw\"}" >/dev/null
+    curl_ -fsS -m 5 -X POST "$e/v3/auth/user/grant" -d '{"user":"root","role":"root"}' >/dev/null
+    curl_ -fsS -m 5 -X POST "$e/v3/auth/enable" -d '{}' >/dev/null
 }
 
 start_fabric() {
@@ -307,7 +399,7 @@ start_fabric() {
     shift 2
     bin=$(binary)
     # shellcheck disable=SC2046
-    start_on "$h" "$name" env $(kv_env) "$bin" fabric --name "$name" \
+    start_on "$h" "$name" env $(kv_env "$h") "$bin" fabric --name "$name" \
         --listen "$(ipof "$h"):$(port "$name" 7200)" \
         --dtype f32 ${KVF_FABRIC_ARGS:---host-blocks 2048 --disk-blocks 4096} --data-dir /var/lib/kvfabric \
         --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" --metrics-listen "0.0.0.0:$(port "$name" 9100)" "$@"
@@ -318,7 +410,7 @@ start_worker() {
     local h=$1 name=$2 role=$3 bin; shift 3
     bin=$(binary)
     # shellcheck disable=SC2046
-    start_on "$h" "$name" env $(kv_env) "$bin" worker --name "$name" --role "$role" \
+    start_on "$h" "$name" env $(kv_env "$h") "$bin" worker --name "$name" --role "$role" \
         --listen "0.0.0.0:$(port "$name" 7100)" --metrics-listen "0.0.0.0:$(port "$name" 9100)" \
         --data-dir /var/lib/kvfabric \
         --remote-tier "${KVF_REMOTE_TIER:-true}" --drain-timeout-s 30 --lease-ttl-s "${KVF_LEASE_TTL_S:-10}" "$@"
@@ -329,7 +421,7 @@ start_frontend() {
     shift 2
     bin=$(binary)
     # shellcheck disable=SC2046
-    start_on "$h" "$name" env $(kv_env) "$bin" frontend --name "$name" --host "$(ipof "$h")" \
+    start_on "$h" "$name" env $(kv_env "$h") "$bin" frontend --name "$name" --host "$(ipof "$h")" \
         --port "$(port "$name" 8000)" ${KVF_FRONTEND_ARGS:-} "$@"
 }
 
@@ -412,22 +504,28 @@ cmd_up() {
     cmd_hosts "$n"
     mkdir -p "$DIR/etc"
     [ -f "$DIR/etc/secret" ] || (umask 077; head -c 24 /dev/urandom | base64 >"$DIR/etc/secret")
-    local i name
+    if [ -n "${KVF_TLS:-}" ]; then tls_init "$n"; fi
+    local i name s
+    s=$(scheme)
     for i in 1 2 3; do start_etcd $i; start_nats $i; done
     for i in 1 2 3; do
-        wait_http "http://$(ipn etcd-$i):$(port etcd-$i 2379)/health" "etcd-$i"
-        wait_http "http://$(ipn nats-$i):$(port nats-$i 8222)/healthz?js-enabled-only=true" "nats-$i"
+        wait_http "$s://$(ipn etcd-$i):$(port etcd-$i 2379)/health" "etcd-$i"
+        wait_http "$s://$(ipn nats-$i):$(port nats-$i 8222)/healthz?js-enabled-only=true" "nats-$i"
     done
+    if [ -n "${KVF_TLS:-}" ]; then etcd_auth; fi
     for name in fabric-1 fabric-2 w1 w2 w3 w4 p1 d1 frontend-1 frontend-2; do
         cmd_restart "$name"
     done
-    wait_http "http://$(ipn frontend-1):$(port frontend-1 8000)/health" frontend-1 120
-    wait_http "http://$(ipn frontend-2):$(port frontend-2 8000)/health" frontend-2 120
+    wait_http "$s://$(ipn frontend-1):$(port frontend-1 8000)/health" frontend-1 120
+    wait_http "$s://$(ipn frontend-2):$(port frontend-2 8000)/health" frontend-2 120
     for name in fabric-1 fabric-2 w1 w2 w3 w4 p1 d1; do
-        wait_http "http://$(ipn $name):$(port $name 9100)/health" "$name" 300
+        wait_http "$s://$(ipn $name):$(port $name 9100)/health" "$name" 300
     done
     echo "kvfabric on $n hosts (logs: $DIR/logs; scripts/cluster.sh ps):"
-    echo "  API:       http://$(ipn frontend-1):$(port frontend-1 8000)/v1  (and http://$(ipn frontend-2):$(port frontend-2 8000)/v1)"
+    echo "  API:       $s://$(ipn frontend-1):$(port frontend-1 8000)/v1  (and $s://$(ipn frontend-2):$(port frontend-2 8000)/v1)"
+    if [ -n "${KVF_TLS:-}" ]; then
+        echo "  TLS:       every port (CA: $DIR/etc/tls/ca.pem; scripts/cluster.sh curl reaches it)"
+    fi
     echo "  etcd:      $(etcd_endpoints)"
     echo "  NATS:      $(nats_urls)  (JetStream; the work queue has 3 replicas)"
     echo "  fabric:    fabric-1 on $(host_of fabric-1), fabric-2 on $(host_of fabric-2)"
@@ -447,6 +545,7 @@ case "$verb" in
     heal) cmd_heal "$@" ;;
     shape) cmd_shape "$@" ;;
     ip) ipof "$@" ;;
+    curl) curl_ "$@" ;;
     ps) cmd_ps ;;
     restart) cmd_restart "$@" ;;
     host-of) host_of "$@" ;;
