@@ -360,26 +360,15 @@ kv_env() {
 # passwords of etcd and NATS. Kept across `up`s (`down` removes $DIR/etc).
 tls_init() {
     local t="$DIR/etc/tls" n=$1 i
-    command -v openssl >/dev/null || die "openssl is needed for KVF_TLS"
     mkdir -p "$t"
     (
         umask 077
         [ -f "$DIR/etc/etcd-password" ] || head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$DIR/etc/etcd-password"
         [ -f "$DIR/etc/nats-password" ] || head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$DIR/etc/nats-password"
-        [ -f "$t/ca.pem" ] || openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
-            -nodes -days 30 -subj "/CN=kvfabric $C deployment CA" -keyout "$t/ca.key" \
-            -out "$t/ca.pem" 2>/dev/null
-        issue() { # NAME SAN
-            [ -f "$t/$1.pem" ] && return 0
-            openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj "/" \
-                -keyout "$t/$1.key" -out "$t/$1.csr" 2>/dev/null
-            printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth,clientAuth\n' "$2" >"$t/$1.ext"
-            openssl x509 -req -in "$t/$1.csr" -CA "$t/ca.pem" -CAkey "$t/ca.key" \
-                -CAcreateserial -days 30 -extfile "$t/$1.ext" -out "$t/$1.pem" 2>/dev/null
-        }
-        for i in $(seq 1 "$n"); do issue "h$i" "IP:$(ipof "h$i"),DNS:h$i"; done
-        issue bridge "IP:$NET.1"
     )
+    local specs=("bridge=IP:$NET.1")
+    for i in $(seq 1 "$n"); do specs+=("h$i=IP:$(ipof "h$i"),DNS:h$i"); done
+    DAYS=30 "$ROOT/scripts/tls-certs.sh" "$t" "${specs[@]}"
 }
 
 # KVF_TLS: etcd's authentication on, with the user root (what `etcdctl user add root` and

@@ -9,7 +9,7 @@
 #
 #   scripts/bench/tls.sh [path/to/kvfabric]     (default: target/release/kvfabric)
 #
-# Certificates come from openssl (a throwaway CA). Ports 8110-8113 and 23890-23893 on
+# Certificates come from scripts/tls-certs.sh (a throwaway CA). Ports 8110-8113 and 23890-23893 on
 # 127.0.0.1 must be free. Takes about four minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,14 +24,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# A CA and one certificate for 127.0.0.1 (names in the subject alternative names only).
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
-    -subj "/CN=kvfabric bench CA" -keyout "$WORK/ca.key" -out "$WORK/ca.pem" 2>/dev/null
-openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj "/" \
-    -keyout "$WORK/key.pem" -out "$WORK/cert.csr" 2>/dev/null
-printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n' >"$WORK/ext"
-openssl x509 -req -in "$WORK/cert.csr" -CA "$WORK/ca.pem" -CAkey "$WORK/ca.key" \
-    -CAcreateserial -days 2 -extfile "$WORK/ext" -out "$WORK/cert.pem" 2>/dev/null
+# A CA and one certificate for 127.0.0.1.
+scripts/tls-certs.sh "$WORK/tls" local=IP:127.0.0.1
+cp "$WORK/tls/ca.pem" "$WORK/ca.pem"
+cp "$WORK/tls/local.pem" "$WORK/cert.pem"
+cp "$WORK/tls/local.key" "$WORK/key.pem"
 TLS=(--tls-cert "$WORK/cert.pem" --tls-key "$WORK/key.pem")
 
 echo "== 1. TCP transfers, with and without mutual TLS"
