@@ -28,6 +28,9 @@
 //!   dumps, loads, dump requests) that every publisher and consumer uses.
 //! - [`wire`]: the authenticated, length-prefixed binary protocol between agents.
 //! - [`rng`]: the reproducible generator of every seeded draw.
+//! - [`tls`]: TLS on every TCP port (rustls with *ring*): a process's certificates, reloaded
+//!   on SIGHUP; mutual TLS between processes, HTTPS for the HTTP ports, TLS to etcd.
+//! - [`secret`]: the one type of every secret (redacted, zeroed on drop).
 //!
 //! What it guarantees:
 //! - Decoders of untrusted input (GGUF files, `config.json`) return typed errors and never
