@@ -112,17 +112,35 @@ fn parse_bool(v: &str) -> Option<bool> {
     }
 }
 
+/// Keys whose values are secrets: held as [`kvfabric::secret::Secret`] (never printed,
+/// zeroed when the config is freed).
+const SECRET_KEYS: [&str; 1] = ["secret"];
+
 /// A configuration under construction. Not thread-safe: build it on one thread.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct kvf_config {
     values: BTreeMap<String, String>,
+    secrets: BTreeMap<String, kvfabric::secret::Secret>,
     last_error: LastError,
+}
+
+/// The keys set, and the values that are not secrets.
+impl std::fmt::Debug for kvf_config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("kvf_config")
+            .field("values", &self.values)
+            .field("secrets", &self.secrets)
+            .finish_non_exhaustive()
+    }
 }
 
 impl kvf_config {
     /// A value as set (checked at set time).
     pub(crate) fn str(&self, key: &str) -> Option<&str> {
-        self.values.get(key).map(String::as_str)
+        match self.secrets.get(key) {
+            Some(s) => s.expose_str(),
+            None => self.values.get(key).map(String::as_str),
+        }
     }
 
     pub(crate) fn bool(&self, key: &str, default: bool) -> bool {
@@ -152,7 +170,11 @@ impl kvf_config {
     /// Sets a key from Rust (tests and benchmarks).
     pub fn set(&mut self, key: &str, value: &str) -> Result<(), FfiError> {
         check(key, value)?;
-        self.values.insert(key.to_string(), value.to_string());
+        if SECRET_KEYS.contains(&key) {
+            self.secrets.insert(key.to_string(), value.into());
+        } else {
+            self.values.insert(key.to_string(), value.to_string());
+        }
         Ok(())
     }
 }
@@ -192,10 +214,14 @@ pub unsafe extern "C" fn kvf_config_set(
         // SAFETY: as above.
         let value = unsafe { ptr::cstr(value, "value") }?;
         check(key, value)?;
-        Ok((key.to_string(), value.to_string()))
+        Ok((key, value))
     });
     let r = checked.map(|(k, v)| {
-        cfg.values.insert(k, v);
+        if SECRET_KEYS.contains(&k) {
+            cfg.secrets.insert(k.to_string(), v.into());
+        } else {
+            cfg.values.insert(k.to_string(), v.to_string());
+        }
     });
     crate::error::code(r, Some(&cfg.last_error))
 }

@@ -400,10 +400,9 @@ impl Stream {
     pub fn closed_or_unasked(&self) -> bool {
         let mut probe = [0u8; 1];
         let tcp = self.tcp();
-        match tcp.try_io(tokio::io::Interest::READABLE, || peek_nonblocking(tcp, &mut probe)) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
-            _ => true,
-        }
+        let peeked =
+            tcp.try_io(tokio::io::Interest::READABLE, || peek_nonblocking(tcp, &mut probe));
+        !matches!(peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 }
 

@@ -34,6 +34,12 @@ pub struct ShmSeal {
     key: [u8; 32],
 }
 
+impl Drop for ShmSeal {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.key);
+    }
+}
+
 impl std::fmt::Debug for ShmSeal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShmSeal").finish_non_exhaustive()

@@ -60,7 +60,8 @@ pub(super) fn encode(
         G,
         |s, o| o.extend(s.tls.as_ref().map(|t| (Vec::new(), Value::Float(t.not_after as f64)))),
     )?;
-    let counters: [(&str, &str, fn(&TlsSnapshot) -> u64); 5] = [
+    type Counter = (&'static str, &'static str, fn(&TlsSnapshot) -> u64);
+    let counters: [Counter; 5] = [
         ("kvfabric_tls_handshakes", "TLS handshakes completed (as server and client).", |t| {
             t.handshakes
         }),

@@ -275,9 +275,10 @@ impl Gateway {
         }
         *self.token.write() = None;
         let auth: Auth = tokio::time::timeout(self.timeout, async {
-            let (resp, conn) = self.open("/v3/auth/authenticate", &req).await.map_err(|e| {
-                backend(format!("authenticating to etcd as {:?}: {}", user.0, e.to_string()))
-            })?;
+            let (resp, conn) = self
+                .open("/v3/auth/authenticate", &req)
+                .await
+                .map_err(|e| backend(format!("authenticating to etcd as {:?}: {e}", user.0)))?;
             let bytes = read_limited(resp.into_body()).await;
             conn.abort();
             serde_json::from_slice::<Auth>(&bytes?).map_err(malformed)
