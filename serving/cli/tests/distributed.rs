@@ -880,6 +880,20 @@ fn a_deployment_with_tls_on_every_port_shows_no_prompt_on_the_wire_and_no_secret
     .unwrap()
     .not_after();
     assert_eq!(not_after as i64, expected);
+    // Every TLS metric the alert rules name is exported.
+    let rules = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/prometheus/alerts.yml"
+    ))
+    .unwrap();
+    let named: std::collections::BTreeSet<&str> = rules
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("kvfabric_tls_"))
+        .collect();
+    assert!(named.len() >= 2, "{named:?}");
+    for name in named {
+        assert!(m.text().contains(&format!("\n{name}")), "{name} is not exported");
+    }
     drop(frontend);
     drop(worker);
 
