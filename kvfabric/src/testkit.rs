@@ -214,6 +214,26 @@ impl NatsServer {
         Ok(s)
     }
 
+    /// Starts one that accepts only clients that sign its nonce with the NKey whose public
+    /// key is `public` (`U…`).
+    pub fn start_with_nkey(public: &str) -> std::io::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let config = dir.path().join("nats.conf");
+        std::fs::write(
+            &config,
+            format!("authorization {{\n  users: [ {{ nkey: {public:?} }} ]\n}}\n"),
+        )?;
+        let mut s = NatsServer {
+            child: ServerProcess::default(),
+            dir,
+            port: free_port()?,
+            auth: Vec::new(),
+            config: Some(config),
+        };
+        s.spawn()?;
+        Ok(s)
+    }
+
     /// Starts one that requires TLS with `cert`, client certificates signed by `client_ca`
     /// (`verify: true`), and the user `user` with `password`.
     pub fn start_tls(

@@ -538,6 +538,11 @@ fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     })
 }
 
+/// The *ring* provider. rustls 0.23.48 deprecates it for lacking post-quantum key exchange
+/// (X25519MLKEM768 comes with aws-lc-rs, whose C library takes minutes to build here and
+/// cmake or NASM on some targets); kvfabric keeps *ring* for now: one TLS stack with the NATS
+/// client's, nothing to install. The key exchange is X25519 (or P-256/P-384).
+#[allow(deprecated)]
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }

@@ -357,4 +357,21 @@ mod secured {
         assert!(e.contains("valid only from"), "{e}");
         fails("no TLS", NatsBus::connect_with(&nats.url(), user(password), "s")).await;
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nats_with_an_nkey() {
+        let key = nkeys::KeyPair::new_user();
+        let nats = NatsServer::start_with_nkey(&key.public_key()).unwrap();
+        let seed = key.seed().unwrap();
+        let bus =
+            NatsBus::connect_with(&nats.url(), NatsAuth::NKey(seed.into()), "nkey").await.unwrap();
+        bus_scenario(Arc::new(bus)).await;
+        let other = nkeys::KeyPair::new_user().seed().unwrap();
+        fails(
+            "another NKey",
+            NatsBus::connect_with(&nats.url(), NatsAuth::NKey(other.into()), "s"),
+        )
+        .await;
+        fails("no credentials", NatsBus::connect(&nats.url(), "s")).await;
+    }
 }
