@@ -17,7 +17,8 @@
 //! - [`trace`]: a public production trace replayed offline through a simulated deployment
 //!   that runs the real router and tier policies, against the trace's limit.
 //! - [`serve`]: load on any OpenAI-compatible endpoint (TTFT, ITL, latency, throughput per
-//!   concurrency or arrival rate), its SSE reading in [`sse`].
+//!   concurrency or arrival rate); it reads streams with [`kvfabric_serving::sse`], the
+//!   reader the client of engines' APIs uses too.
 //!
 //! [`plot`] draws every `--plot` as SVG. The command line (`kvfabric bench`) parses arguments
 //! and says where the binary is and how agents reach RDMA ([`Host`]); nothing here reads the
@@ -35,7 +36,6 @@ mod measure;
 pub mod plot;
 pub mod router;
 pub mod serve;
-pub mod sse;
 pub mod tier;
 pub mod trace;
 pub mod transfer;

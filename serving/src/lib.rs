@@ -34,4 +34,5 @@ pub mod openai;
 pub mod profile;
 pub mod protocol;
 pub mod routed;
+pub mod sse;
 pub mod worker;

@@ -15,8 +15,8 @@ use tokio::net::TcpStream;
 
 use crate::engine::{CacheHits, FinishReason, GenerateRequest};
 
-/// Longest server-sent event line accepted from an engine.
-const MAX_LINE: usize = 1 << 20;
+/// Longest server-sent event (and line) accepted from an engine.
+const MAX_EVENT: usize = crate::sse::MAX_EVENT_BYTES;
 /// Longest error body read from an engine.
 const MAX_ERROR_BODY: usize = 64 << 10;
 
@@ -112,7 +112,7 @@ pub fn completion_body(model: &str, req: &GenerateRequest, priority: bool) -> Va
 #[derive(Debug)]
 pub struct CompletionStream {
     body: Incoming,
-    line: Vec<u8>,
+    sse: crate::sse::SseParser,
     pending: std::collections::VecDeque<Chunk>,
     done: bool,
     conn: tokio::task::JoinHandle<()>,
@@ -174,7 +174,7 @@ pub async fn start(
     let status = resp.status().as_u16();
     let mut stream = CompletionStream {
         body: resp.into_body(),
-        line: Vec::new(),
+        sse: crate::sse::SseParser::new(MAX_EVENT),
         pending: Default::default(),
         done: false,
         conn,
@@ -223,31 +223,23 @@ impl CompletionStream {
                 Some(Ok(f)) => f,
             };
             let Ok(data) = frame.into_data() else { continue };
-            for &b in data.iter() {
-                if b != b'\n' {
-                    if self.line.len() >= MAX_LINE {
-                        return Err(OpenAiError::Stream(format!(
-                            "an event line over {MAX_LINE} bytes"
-                        )));
-                    }
-                    self.line.push(b);
-                    continue;
+            let events =
+                self.sse.push_data(&data).map_err(|e| OpenAiError::Stream(e.to_string()))?;
+            for data in events {
+                if !self.done {
+                    self.event(&data)?;
                 }
-                let line = std::mem::take(&mut self.line);
-                self.event_line(&line)?;
             }
         }
     }
 
-    fn event_line(&mut self, line: &[u8]) -> Result<(), OpenAiError> {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let Some(data) = line.strip_prefix(b"data:") else { return Ok(()) };
-        let data = data.strip_prefix(b" ").unwrap_or(data);
-        if data == b"[DONE]" {
+    /// One event's data: a chunk, an error, or the end (`[DONE]`).
+    fn event(&mut self, data: &str) -> Result<(), OpenAiError> {
+        if data == "[DONE]" {
             self.done = true;
             return Ok(());
         }
-        let v: Value = serde_json::from_slice(data)
+        let v: Value = serde_json::from_str(data)
             .map_err(|e| OpenAiError::Stream(format!("an event that is not JSON: {e}")))?;
         if let Some(e) = v.get("error") {
             let message = e.get("message").and_then(Value::as_str).unwrap_or("error").to_string();

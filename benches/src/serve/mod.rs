@@ -13,7 +13,7 @@ use kvfabric_planner::stats::Percentiles;
 use kvfabric_serving::engine::sampling::SplitMix64;
 use serde_json::{json, Value};
 
-use crate::sse::SseParser;
+use kvfabric_serving::sse::SseParser;
 
 pub mod mix;
 pub mod replay;
@@ -396,7 +396,14 @@ pub async fn one_request_with(
         timeout,
         exchange_with(t, "POST", "/completions", &body, headers, |data| {
             body_text.extend_from_slice(data);
-            for d in sse.push(data) {
+            let events = match sse.push_data(data) {
+                Ok(events) => events,
+                Err(e) => {
+                    out.error = Some(e.to_string());
+                    Vec::new()
+                }
+            };
+            for d in events {
                 if d == "[DONE]" {
                     continue;
                 }
