@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use kvfabric::contract::{self, Message};
 use kvfabric::control::{ControlError, EventBus};
-use tokio::sync::mpsc;
 
 use crate::index::{Ingest, PrefixIndex, WorkerId};
 
@@ -48,14 +47,23 @@ pub struct FeedStats {
 pub struct IndexFeed {
     stats: Arc<FeedStats>,
     task: tokio::task::JoinHandle<()>,
-    follow: mpsc::UnboundedSender<Follow>,
+    follows: Arc<Follows>,
 }
 
-/// A change of the sources a feed follows.
-#[derive(Debug)]
-enum Follow {
-    Add(String),
-    Remove(String),
+/// Changes of the sources a feed follows, not yet applied: the latest per source (followed
+/// or not), so that what waits is bounded by the sources discovery knows, whatever the rate
+/// of joins and leaves.
+#[derive(Debug, Default)]
+struct Follows {
+    pending: parking_lot::Mutex<HashMap<String, bool>>,
+    changed: tokio::sync::Notify,
+}
+
+impl Follows {
+    fn set(&self, source: &str, follow: bool) {
+        self.pending.lock().insert(source.to_string(), follow);
+        self.changed.notify_one();
+    }
 }
 
 impl Drop for IndexFeed {
@@ -79,11 +87,11 @@ impl IndexFeed {
         }
         let stats = Arc::new(FeedStats::default());
         let st = stats.clone();
-        let (follow, mut follows) = mpsc::unbounded_channel();
+        let follows = Arc::new(Follows::default());
+        let changes = follows.clone();
         let task = tokio::spawn(async move {
             let mut asked: HashMap<WorkerId, Instant> = HashMap::new();
             let mut followed: HashSet<String> = HashSet::new();
-            let mut follows_open = true;
             let mut warned_malformed = false;
             let count = |c: &AtomicU64| {
                 c.fetch_add(1, Ordering::Relaxed);
@@ -102,19 +110,18 @@ impl IndexFeed {
                 // followed by then; then reconnections; then the stream.
                 let bytes = tokio::select! {
                     biased;
-                    f = follows.recv(), if follows_open => {
-                        match f {
-                            // What it stored before we listened comes in its dump.
-                            Some(Follow::Add(source)) => {
+                    () = changes.changed.notified() => {
+                        let pending = std::mem::take(&mut *changes.pending.lock());
+                        for (source, follow) in pending {
+                            if follow {
+                                // What it stored before we listened comes in its dump.
                                 asked.insert(worker_id(&source), Instant::now());
                                 followed.insert(source.clone());
                                 ask(source).await;
-                            }
-                            Some(Follow::Remove(source)) => {
+                            } else {
                                 asked.remove(&worker_id(&source));
                                 followed.remove(&source);
                             }
-                            None => follows_open = false,
                         }
                         continue;
                     }
@@ -177,19 +184,19 @@ impl IndexFeed {
                 }
             }
         });
-        Ok(IndexFeed { stats, task, follow })
+        Ok(IndexFeed { stats, task, follows })
     }
 
     /// Follows `source` (a worker or fabric node the caller added to the index): asks it for
     /// a dump now — what it stored before this feed listened — and again whenever the bus
     /// reconnects (what it published meanwhile was lost).
     pub fn follow(&self, source: &str) {
-        let _ = self.follow.send(Follow::Add(source.to_string()));
+        self.follows.set(source, true);
     }
 
     /// Stops following `source` (it left).
     pub fn unfollow(&self, source: &str) {
-        let _ = self.follow.send(Follow::Remove(source.to_string()));
+        self.follows.set(source, false);
     }
 
     /// The counters.
@@ -355,13 +362,27 @@ mod tests {
         // The bus reconnects: whatever was published meanwhile is lost, so it asks again.
         index.add_worker(worker_id("w-b"));
         feed.follow("w-b");
-        feed.unfollow("w-b");
         until(|| feed.stats().dump_requests.load(Ordering::Relaxed) == 2).await;
         assert_eq!(next(&mut requests), Some(asked("w-b")));
+        feed.unfollow("w-b");
         bus.connections.send_replace(2);
         until(|| feed.stats().dump_requests.load(Ordering::Relaxed) == 3).await;
         assert_eq!(next(&mut requests), Some(asked("w-a")), "followed sources only");
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(next(&mut requests), None);
+    }
+
+    #[test]
+    fn changes_waiting_for_the_feed_are_one_per_source_whatever_the_churn() {
+        let f = Follows::default();
+        for i in 0..10_000 {
+            f.set("w-a", i % 2 == 0);
+            f.set("w-b", true);
+        }
+        f.set("w-c", false);
+        let pending = f.pending.lock().clone();
+        assert_eq!(pending.len(), 3, "bounded by the sources");
+        assert!(!pending["w-a"], "the latest change wins");
+        assert!(pending["w-b"] && !pending["w-c"]);
     }
 }

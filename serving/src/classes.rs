@@ -300,9 +300,9 @@ impl Classes {
     pub fn resolve(
         &self,
         headers: &axum::http::HeaderMap,
-        body: &Value,
+        fields: ClassFields<'_>,
     ) -> Result<Option<usize>, ClassError> {
-        let named = self.named(headers, body)?;
+        let named = self.named(headers, fields)?;
         Ok(named.or(self.enabled().then_some(self.default)))
     }
 
@@ -315,13 +315,13 @@ impl Classes {
     pub fn named(
         &self,
         headers: &axum::http::HeaderMap,
-        body: &Value,
+        fields: ClassFields<'_>,
     ) -> Result<Option<usize>, ClassError> {
         let field = |field: &'static str, why: String| ClassError::Field { field, why };
         // The objects the class may be named in: anything else is a mistake to refuse, not
         // a field to ignore (`"kvfabric": "interactive"` would run in the default class).
-        for f in ["kvfabric", "nvext"] {
-            match body.get(f) {
+        for (f, v) in [("kvfabric", fields.kvfabric), ("nvext", fields.nvext)] {
+            match v {
                 None | Some(Value::Null | Value::Object(_)) => {}
                 Some(_) => return Err(field(f, "must be an object".into())),
             }
@@ -332,7 +332,7 @@ impl Classes {
                 .map_err(|_| field("x-kvfabric-class", "not a visible ASCII string".into()))?;
             return self.index_of(name.trim()).map(Some);
         }
-        match body.pointer("/kvfabric/class") {
+        match fields.kvfabric.and_then(|k| k.get("class")) {
             None | Some(Value::Null) => {}
             Some(Value::String(name)) => return self.index_of(name).map(Some),
             Some(_) => return Err(field("kvfabric.class", "must be a string".into())),
@@ -350,11 +350,12 @@ impl Classes {
                 field("x-dynamo-request-priority", format!("{s:?} is not an integer"))
             })?;
             dynamo = Some(p);
-        } else if let Some(v) = body.pointer("/nvext/agent_hints/priority").filter(|v| !v.is_null())
+        } else if let Some(v) =
+            fields.nvext.and_then(|n| n.pointer("/agent_hints/priority")).filter(|v| !v.is_null())
         {
             dynamo = Some(int("nvext.agent_hints.priority", v)?);
         }
-        let tier = match body.get("service_tier") {
+        let tier = match fields.service_tier {
             None | Some(Value::Null) => None,
             Some(Value::String(t)) => match t.as_str() {
                 "auto" | "default" | "priority" | "scale" | "flex" => Some(t.as_str()),
@@ -367,7 +368,7 @@ impl Classes {
             },
             Some(_) => return Err(field("service_tier", "must be a string".into())),
         };
-        let vllm = match body.get("priority").filter(|v| !v.is_null()) {
+        let vllm = match fields.priority.filter(|v| !v.is_null()) {
             Some(v) => Some(int("priority", v)?),
             None => None,
         };
@@ -386,6 +387,33 @@ impl Classes {
             }));
         }
         Ok(vllm.map(|p| self.of_vllm_priority(p)))
+    }
+}
+
+/// The request fields a class may be named in, as the request's parser read them (each the
+/// JSON value given, if any): `kvfabric` (`{"class": ...}`), `nvext` (Dynamo's
+/// `agent_hints.priority`), OpenAI's `service_tier`, vLLM's `priority`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClassFields<'a> {
+    /// `kvfabric`.
+    pub kvfabric: Option<&'a Value>,
+    /// `nvext`.
+    pub nvext: Option<&'a Value>,
+    /// `service_tier`.
+    pub service_tier: Option<&'a Value>,
+    /// `priority`.
+    pub priority: Option<&'a Value>,
+}
+
+impl<'a> ClassFields<'a> {
+    /// The fields of a whole JSON body (tests, and callers without a typed request).
+    pub fn of(body: &'a Value) -> Self {
+        ClassFields {
+            kvfabric: body.get("kvfabric"),
+            nvext: body.get("nvext"),
+            service_tier: body.get("service_tier"),
+            priority: body.get("priority"),
+        }
     }
 }
 
@@ -586,7 +614,7 @@ mod tests {
                 v.parse().unwrap(),
             );
         }
-        Ok(c.resolve(&headers, &body)?.map(|i| c.list()[i].name.clone()))
+        Ok(c.resolve(&headers, ClassFields::of(&body))?.map(|i| c.list()[i].name.clone()))
     }
 
     #[test]
@@ -683,9 +711,14 @@ mod tests {
         // Classes off: a priority spelling is served as any request, a class name is unknown.
         let off = Classes::none();
         let h = HeaderMap::new();
-        assert_eq!(off.resolve(&h, &json!({"priority": 3, "service_tier": "flex"})), Ok(None));
-        assert!(off.resolve(&h, &json!({"priority": "x"})).is_err());
-        assert!(off.resolve(&h, &json!({"kvfabric": {"class": "batch"}})).is_err());
+        assert_eq!(
+            off.resolve(&h, ClassFields::of(&json!({"priority": 3, "service_tier": "flex"}))),
+            Ok(None)
+        );
+        assert!(off.resolve(&h, ClassFields::of(&json!({"priority": "x"}))).is_err());
+        assert!(off
+            .resolve(&h, ClassFields::of(&json!({"kvfabric": {"class": "batch"}})))
+            .is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! so ([`PrefillHead::version_error`]), so the decode worker falls back to prefilling itself
 //! and its log names the cause.
 
-use crate::agent::AgentMetadata;
+use crate::endpoint::AgentMetadata;
 use crate::transfer::{Desc, TransportKind};
 
 /// The version of the prefill messages this build writes and reads. 2: a job carries its

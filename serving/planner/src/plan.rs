@@ -71,9 +71,18 @@ impl Link {
     }
 }
 
-/// Resolves a model argument: a path to a GGUF file, a `config.json` (or a directory holding
-/// one), else a preset name.
+/// Resolves a model argument: a preset name, else a path to a GGUF file or a `config.json`
+/// (or a directory holding one). A preset's name wins over a file of that name in the
+/// working directory (which would change what a command means with where it runs); name such
+/// a file as a path (`./smollm2-135m`).
 pub fn resolve_model(arg: &str) -> Result<ModelSpec, PlanError> {
+    let path_like =
+        arg.contains(std::path::MAIN_SEPARATOR) || arg.contains('/') || arg.starts_with('.');
+    if !path_like {
+        if let Ok(spec) = ModelSpec::preset(arg) {
+            return Ok(spec);
+        }
+    }
     let path = Path::new(arg);
     if path.is_dir() {
         return Ok(ModelSpec::from_hf_config_path(path.join("config.json"))?);
@@ -419,5 +428,23 @@ mod tests {
         let text = plan(&input("deepseek-r1")).unwrap().render();
         assert!(text.contains("move pcie5") && text.contains("move x"));
         assert!(text.contains("4096") && text.contains("mla"));
+    }
+
+    #[test]
+    fn a_preset_name_is_the_preset_and_a_path_is_a_file() {
+        // The preset is looked up first: a file of that name in the working directory
+        // cannot shadow it (by construction; nothing here touches the working directory).
+        let preset = ModelSpec::preset("smollm2-135m").unwrap();
+        assert_eq!(
+            resolve_model("smollm2-135m").unwrap().block_layout(16).unwrap(),
+            preset.block_layout(16).unwrap()
+        );
+        let dir = std::env::temp_dir().join(format!("kvf-plan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("smollm2-135m");
+        std::fs::write(&file, "not a model").unwrap();
+        let by_path = resolve_model(file.to_str().unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(by_path.is_err(), "a path is read as a file: this one is no model");
     }
 }

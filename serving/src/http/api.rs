@@ -351,19 +351,14 @@ fn class_and_salt(
     ctx: Ctx<'_>,
     c: &Common,
 ) -> Result<(Class, Option<String>), ApiError> {
-    let mut spellings = serde_json::Map::new();
-    for (k, v) in [
-        ("service_tier", &c.service_tier),
-        ("priority", &c.priority),
-        ("nvext", &c.nvext),
-        ("kvfabric", &c.kvfabric),
-    ] {
-        if let Some(v) = v {
-            spellings.insert(k.into(), v.clone());
-        }
-    }
+    let fields = crate::classes::ClassFields {
+        kvfabric: c.kvfabric.as_ref(),
+        nvext: c.nvext.as_ref(),
+        service_tier: c.service_tier.as_ref(),
+        priority: c.priority.as_ref(),
+    };
     let classes = &st.cfg.classes;
-    let named = classes.named(ctx.headers, &Value::Object(spellings))?;
+    let named = classes.named(ctx.headers, fields)?;
     let index = match ctx.tenant {
         Some(t) => Tenants::class_for(t, classes, named)?,
         None => named.or(classes.enabled().then_some(classes.default_index())),
