@@ -22,7 +22,7 @@ export KVFABRIC_TEST_PYTHON
 
 status=0
 # The alert rules load, and each fires where it should (promtool's unit tests); the
-# real-Prometheus test is serving/cli/tests/prometheus.rs.
+# real-Prometheus test is cli/tests/prometheus.rs.
 promtool check rules deploy/prometheus/alerts.yml >/dev/null || status=$?
 promtool test rules deploy/prometheus/alerts.test.yml || status=$?
 if cargo nextest --version >/dev/null 2>&1; then

@@ -1,4 +1,4 @@
-//! kvfabric-serving — the serving layer (the `kvfabric` binary is `serving/cli`). The engines
+//! kvfabric-serving — the serving layer (the `kvfabric` binary is `cli/`). The engines
 //! live in `kvfabric-engine` (re-exported as [`engine`]) and capacity planning in
 //! `kvfabric-planner`.
 //!

@@ -5,7 +5,7 @@
 //! token or a hang.
 //!
 //! Workers here are assembled in process by the library, on loopback (the namespace-host test
-//! in `serving/cli/tests/hosts.rs` kills and cuts off a holder that is another process on
+//! in `cli/tests/hosts.rs` kills and cuts off a holder that is another process on
 //! another host).
 
 use std::path::PathBuf;

@@ -1,6 +1,6 @@
 //! Helpers of the serving tests: a minimal HTTP/1.1 client over real sockets (no client
 //! library: the tests also send what a library would refuse to, and hang up mid-stream), and
-//! waiting on a condition. The binary's tests (`serving/cli/tests`) include this file too.
+//! waiting on a condition. The binary's tests (`cli/tests`) include this file too.
 
 #![allow(dead_code)]
 

@@ -35,7 +35,7 @@ fn fake_engine_with(extra: &[&str]) -> FakeEngine {
     let dir = std::path::PathBuf::from(
         std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
     )
-    .join("../attach/tests/engines");
+    .join("../serving/attach/tests/engines");
     let (proc, line) = spawn_line(
         Command::new(kvfabric::testkit::engine_python())
             .arg(dir.join("fake_engine.py"))

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-#[path = "../../../tests/common/mod.rs"]
+#[path = "../../../serving/tests/common/mod.rs"]
 mod serving;
 
 #[allow(unused_imports)]

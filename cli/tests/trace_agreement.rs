@@ -52,7 +52,7 @@ fn json(out: &Output) -> Value {
 /// The busiest conversations' first `n` requests, timestamps from the first.
 fn busy_slice(dir: &std::path::Path, groups: usize, n: usize) -> std::path::PathBuf {
     let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../benches/traces/conversation_trace.jsonl");
+        .join("../benches/traces/conversation_trace.jsonl");
     let text = std::fs::read_to_string(shipped).unwrap();
     let reqs: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let key = |r: &Value| -> Option<(u64, u64)> {

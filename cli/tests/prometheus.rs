@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 const SECRET: &str = "prometheus-test-secret";
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 /// A mock worker with its metrics port; its address. With `secret_file`, it reads the

@@ -59,7 +59,7 @@ impl Cluster {
 
     /// Runs `cluster.sh ARGS`; panics with its output if it fails.
     fn sh(&self, args: &[&str]) -> String {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/cluster.sh");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/cluster.sh");
         let out = std::process::Command::new(script)
             .args(args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
@@ -147,7 +147,7 @@ impl Drop for Cluster {
 
 impl Cluster {
     fn sh_quiet(&self, args: &[&str]) -> std::io::Result<std::process::Output> {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/cluster.sh");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/cluster.sh");
         std::process::Command::new(script)
             .args(args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))

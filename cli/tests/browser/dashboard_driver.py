@@ -1,5 +1,5 @@
 """Drives kvfabric's /dashboard in Debian's Chromium (headless, through Playwright) for
-serving/cli/tests/dashboard.rs: reads one JSON command per line on stdin and answers one JSON
+cli/tests/dashboard.rs: reads one JSON command per line on stdin and answers one JSON
 line on stdout. It asserts nothing itself; the Rust test compares what the page shows with
 /metrics and with what it did.
 

@@ -66,7 +66,7 @@ fn plan_reads_config_json_and_gguf() {
     let cfg = &std::path::PathBuf::from(
         std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()),
     )
-    .join("../../kvfabric/tests/data/deepseek-r1.config.json")
+    .join("../kvfabric/tests/data/deepseek-r1.config.json")
     .to_string_lossy()
     .into_owned();
     let v = stdout_json(&kvfabric(&["plan", "--model", cfg, "--json", "--block-tokens", "64"]));
@@ -768,7 +768,7 @@ fn profile_then_plan_with_an_sla() {
 /// The first `n` lines of the shipped conversation trace, in a file of their own.
 fn trace_slice(dir: &std::path::Path, n: usize) -> std::path::PathBuf {
     let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../benches/traces/conversation_trace.jsonl");
+        .join("../benches/traces/conversation_trace.jsonl");
     let text = std::fs::read_to_string(shipped).unwrap();
     let path = dir.join("slice.jsonl");
     let lines: Vec<&str> = text.lines().take(n).collect();

@@ -883,7 +883,7 @@ fn a_deployment_with_tls_on_every_port_shows_no_prompt_on_the_wire_and_no_secret
     // Every TLS metric the alert rules name is exported.
     let rules = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../deploy/prometheus/alerts.yml"
+        "/../deploy/prometheus/alerts.yml"
     ))
     .unwrap();
     let named: std::collections::BTreeSet<&str> = rules
