@@ -217,21 +217,9 @@ impl NatsServer {
     /// Starts one that accepts only clients that sign its nonce with the NKey whose public
     /// key is `public` (`U…`).
     pub fn start_with_nkey(public: &str) -> std::io::Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let config = dir.path().join("nats.conf");
-        std::fs::write(
-            &config,
-            format!("authorization {{\n  users: [ {{ nkey: {public:?} }} ]\n}}\n"),
-        )?;
-        let mut s = NatsServer {
-            child: ServerProcess::default(),
-            dir,
-            port: free_port()?,
-            auth: Vec::new(),
-            config: Some(config),
-        };
-        s.spawn()?;
-        Ok(s)
+        Self::start_configured(format!(
+            "authorization {{\n  users: [ {{ nkey: {public:?} }} ]\n}}\n"
+        ))
     }
 
     /// Starts one that requires TLS with `cert`, client certificates signed by `client_ca`
@@ -242,15 +230,20 @@ impl NatsServer {
         user: &str,
         password: &str,
     ) -> std::io::Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let config = dir.path().join("nats.conf");
-        let text = format!(
+        Self::start_configured(format!(
             "tls {{\n  cert_file: {:?}\n  key_file: {:?}\n  ca_file: {:?}\n  verify: true\n  timeout: 2\n}}\n\
              authorization {{\n  user: {user:?}\n  password: {password:?}\n}}\n",
             cert.cert.display().to_string(),
             cert.key.display().to_string(),
             client_ca.display().to_string(),
-        );
+        ))
+    }
+
+    /// Starts one with this configuration file's text (beside the command line's address,
+    /// port and JetStream directory).
+    fn start_configured(text: String) -> std::io::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let config = dir.path().join("nats.conf");
         std::fs::write(&config, text)?;
         let mut s = NatsServer {
             child: ServerProcess::default(),
