@@ -346,8 +346,12 @@ impl Gateway {
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| backend(format!("{authority}: {e}")))?;
+        // The connection's own error says why a request was cancelled (a TLS alert).
+        let (failed_tx, failed_rx) = tokio::sync::oneshot::channel();
         let conn = tokio::spawn(async move {
-            let _ = conn.await;
+            if let Err(e) = conn.await {
+                let _ = failed_tx.send(e);
+            }
         });
         let mut req = hyper::Request::post(path)
             .header(hyper::header::HOST, authority)
@@ -362,10 +366,24 @@ impl Gateway {
         match sender.send_request(req).await {
             Ok(resp) => Ok((resp, conn)),
             Err(e) => {
+                let failed = tokio::time::timeout(Duration::from_millis(200), failed_rx)
+                    .await
+                    .ok()
+                    .and_then(Result::ok);
                 conn.abort();
-                Err(backend(match tls_cause(&e) {
+                let cause = tls_cause(&e).or_else(|| failed.as_ref().and_then(|f| tls_cause(f)));
+                Err(backend(match cause {
                     // TLS 1.3 servers refuse a client's certificate after the handshake.
                     Some(why) => format!("TLS with etcd at {authority}: {why}"),
+                    // Closed with no cause to read: over TLS, most likely a refusal too.
+                    None if self.tls.is_some()
+                        && (e.is_canceled() || e.is_closed() || e.is_incomplete_message()) =>
+                    {
+                        format!(
+                            "TLS with etcd at {authority}: the connection closed before an \
+                             answer ({e}): etcd may have refused this client's certificate"
+                        )
+                    }
                     None => format!("{authority}{path}: {e}"),
                 }))
             }
