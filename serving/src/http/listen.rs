@@ -24,6 +24,23 @@ use tokio::sync::{watch, Semaphore};
 
 pub use crate::metrics::ListenStats;
 
+/// Serves a hyper connection (HTTP/1 or HTTP/2: the two types share no trait) until it ends,
+/// or until `stop` turns true: then asks it to finish its requests and waits for it.
+macro_rules! serve_until_stopped {
+    ($conn:expr, $stop:expr) => {{
+        let conn = $conn;
+        tokio::pin!(conn);
+        let stopping = tokio::select! {
+            _ = conn.as_mut() => false,
+            r = $stop.wait_for(|s| *s) => r.is_ok(),
+        };
+        if stopping {
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.as_mut().await;
+        }
+    }};
+}
+
 /// Streams one HTTP/2 connection may have open at once.
 const H2_STREAMS_MAX: u32 = 256;
 
@@ -186,32 +203,20 @@ pub async fn serve(
                         .keep_alive_interval(Some(timeout))
                         .keep_alive_timeout(timeout)
                         .max_concurrent_streams(H2_STREAMS_MAX);
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
-                    tokio::pin!(conn);
-                    let stopping = tokio::select! {
-                        _ = conn.as_mut() => false,
-                        r = stop.wait_for(|s| *s) => r.is_ok(),
-                    };
-                    if stopping {
-                        conn.as_mut().graceful_shutdown();
-                        let _ = conn.as_mut().await;
-                    }
+                    serve_until_stopped!(
+                        builder.serve_connection(TokioIo::new(stream), service),
+                        stop
+                    );
                 } else {
                     let mut builder = http1::Builder::new();
                     builder
                         .timer(TokioTimer::new())
                         .header_read_timeout(timeout)
                         .keep_alive(keep_alive);
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
-                    tokio::pin!(conn);
-                    let stopping = tokio::select! {
-                        _ = conn.as_mut() => false,
-                        r = stop.wait_for(|s| *s) => r.is_ok(),
-                    };
-                    if stopping {
-                        conn.as_mut().graceful_shutdown();
-                        let _ = conn.as_mut().await;
-                    }
+                    serve_until_stopped!(
+                        builder.serve_connection(TokioIo::new(stream), service),
+                        stop
+                    );
                 }
             }
             // The permit goes back before the gauge drops, so that a caller who sees no open
