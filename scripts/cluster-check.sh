@@ -8,6 +8,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVF_MATRIX_OUT="${KVF_MATRIX_OUT:-$PWD/target/cluster-matrix.md}"
 mkdir -p "$(dirname "$KVF_MATRIX_OUT")"
-cargo nextest run -p kvfabric-cli --test hosts --run-ignored ignored-only --no-capture \
-    fault_matrix_of_the_whole_deployment
+cargo nextest run -p kvfabric-cli --test it --run-ignored ignored-only --no-capture \
+    hosts::fault_matrix_of_the_whole_deployment
 echo "table: $KVF_MATRIX_OUT"

@@ -25,16 +25,17 @@ case "$cmd" in
   build)
     cd "$(dirname "$0")/.."
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/kvfabric/target}"
-    # The test binary's path comes from cargo's JSON messages.
-    # The test binaries with GPU tests: kvfabric's tests/cuda.rs, kvfabric-tiers' device_tier.
-    # Their paths come from cargo's JSON messages.
+    # The GPU tests: the module cuda of kvfabric's integration tests (tests/it/cuda.rs) and
+    # device_tier of kvfabric-tiers'. Each crate has one test binary; its path comes from
+    # cargo's JSON messages, and the binary is named for the module that it runs.
     built="$(cargo test -p kvfabric -p kvfabric-tiers --features kvfabric/cuda,kvfabric-tiers/cuda \
-        --test cuda --test device_tier --no-run --message-format=json 2>/dev/null |
+        --test it --no-run --message-format=json 2>/dev/null |
       python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["target"]["name"], m["executable"])')"
+        tiers = "/tiers/" in m["manifest_path"]
+        print("device_tier" if tiers else "cuda", m["executable"])')"
     rm -f "$dir"/*-tests
     while read -r name exe; do
       cp "$exe" "$dir/$name-tests"
@@ -64,7 +65,7 @@ for l in sys.stdin:
     for t in "$dir"/*-tests; do
       name="$(basename "$t")"
       echo "== $name"
-      KVFABRIC_EXPECT_CUDA=1 timeout 240 "$t" --include-ignored --test-threads 1 2>&1 |
+      KVFABRIC_EXPECT_CUDA=1 timeout 240 "$t" "${name%-tests}::" --include-ignored --test-threads 1 2>&1 |
         tee "$out/$name.log" || status=1
       grep -q "test result: ok" "$out/$name.log" || status=1
     done

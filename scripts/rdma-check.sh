@@ -25,9 +25,9 @@ case "$cmd" in
   build)
     cd "$(dirname "$0")/.."
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/kvfabric/target}"
-    # The hardware tests (tests/rdma.rs) and the library's unit tests (the verbs ABI against
+    # The hardware tests (tests/it/rdma.rs) and the library's unit tests (the verbs ABI against
     # the RDMA host's own verbs.h, the exchange, the planning, the software-device tests).
-    built="$(cargo test -p kvfabric --features cuda --lib --test rdma --no-run --message-format=json 2>/dev/null |
+    built="$(cargo test -p kvfabric --features cuda --lib --test it --no-run --message-format=json 2>/dev/null |
       python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
@@ -56,7 +56,7 @@ for l in sys.stdin:
     timeout 300 "$dir/kvfabric-unit-tests" transport::rdma 2>&1 | tee "$out/rdma-unit-tests.log" ||
       status=1
     echo "== RDMA tests (the hardware ones included)"
-    timeout 300 "$dir/rdma-tests" --include-ignored --test-threads 1 2>&1 | tee "$out/rdma-tests.log" ||
+    timeout 300 "$dir/rdma-tests" rdma:: --include-ignored --test-threads 1 2>&1 | tee "$out/rdma-tests.log" ||
       status=1
     echo "== kvfabric bench transfer --transports rdma"
     timeout 600 "$dir/kvfabric" bench transfer --transports rdma,tcp \

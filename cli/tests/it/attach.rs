@@ -7,7 +7,7 @@
 //! that holds it and reports cached tokens; the router service explains the decision; an
 //! engine killed -9 leaves routing within its attach's health checks.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::path::Path;

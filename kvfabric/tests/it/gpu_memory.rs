@@ -1,7 +1,7 @@
 //! GPU regions in the transfer engine, on a machine without a GPU: they are published as GPU
 //! memory, every transport but `cuda` refuses them with a typed error (no host access of a
 //! device address ever happens), and without CUDA a transfer that names one fails at `post`
-//! saying why. What this cannot prove: that CUDA copies move the bytes (tests/cuda.rs does,
+//! saying why. What this cannot prove: that CUDA copies move the bytes (tests/it/cuda.rs does,
 //! on a GPU, through scripts/gpu-check.sh).
 
 use std::time::Duration;

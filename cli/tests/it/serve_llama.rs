@@ -4,7 +4,7 @@
 //! like the cold run; a working set larger than the host tier spills to disk and comes back.
 //! `scripts/test.sh` fetches the model first (`KVFABRIC_TEST_MODEL`).
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -7,7 +7,7 @@
 //! blocks prove that the store returned exactly the bytes that were stored. What the mock
 //! cannot prove: anything about real model numerics (`serve_llama.rs` covers those).
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;

@@ -4,7 +4,7 @@
 //! moves `kvfabric_control_plane_up` to 0, and both come back when the server does, with the
 //! reconnect counted.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::process::Command;

@@ -5,7 +5,7 @@
 //! the same with workers in its own process, and with pools of prefill and decode workers
 //! (`--planner-layout disaggregated`).
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};

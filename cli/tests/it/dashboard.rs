@@ -9,7 +9,7 @@
 //! both; `KVFABRIC_TEST_PYTHON` names the Python, as `scripts/test.sh` sets it).
 //! `KVFABRIC_DASHBOARD_SCREENSHOT=FILE.png` also saves a screenshot of the page.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;

@@ -4,7 +4,7 @@
 //! under load leaves no request hanging and leaves routing within its lease TTL; a worker
 //! added under load starts receiving requests.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! steps of their own, and decodes never wait two steps in a row. Recorded through a wrapper
 //! that sees every step's inputs; no clock is read.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! routing frontend found through discovery, publishes the KV events that feed the frontend's
 //! index, and leaves discovery when revoked.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -10,7 +10,7 @@
 //! `alerts.test.yml` (`promtool test rules`) check the rules with their real durations, and
 //! the rules that need hours of history (the hit rate against its own level).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

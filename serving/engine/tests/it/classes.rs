@@ -10,8 +10,8 @@
 //! tokens, and the first of them), so each test checks the plan that ran. Where a test needs
 //! requests to arrive while another runs, that other runs for hundreds of milliseconds.
 
+use crate::common;
 use std::sync::atomic::Ordering;
-mod common;
 
 use std::sync::Arc;
 use std::time::Duration;

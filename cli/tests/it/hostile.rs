@@ -2,7 +2,7 @@
 //! authenticated idle sessions against a node's file descriptors, a second worker under a
 //! name already in use, two processes on one data directory.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

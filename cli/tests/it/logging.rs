@@ -2,7 +2,7 @@
 //! lines with `--log-format json`, filtered by `--log-level`; a corrupt block on disk is a
 //! warning that names the block.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

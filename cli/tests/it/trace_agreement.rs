@@ -28,7 +28,7 @@
 //! simulator's G3 is a plain LRU behind its link), and large-scale timing (the stack shares two
 //! cores with the replaying client). Its own file, so that no other test shares the cores.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::process::{Command, Output};

@@ -4,7 +4,7 @@
 //! discovery within its lease TTL and its blocks become misses without hanging anyone; a
 //! wrong secret is rejected.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

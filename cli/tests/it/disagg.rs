@@ -5,7 +5,7 @@
 //! (local fallback). KV writes are checksummed per block by the transfer engine and verified
 //! by the decode worker's agent before it is notified.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

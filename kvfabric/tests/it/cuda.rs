@@ -114,7 +114,7 @@ async fn ipc_export_is_read_and_written_by_another_process() {
     // Through the metadata encoding, as a peer agent would get it.
     let json = serde_json::to_string(&export).unwrap();
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "ipc_child", "--nocapture", "--test-threads", "1"])
+        .args(["--ignored", "--exact", "cuda::ipc_child", "--nocapture", "--test-threads", "1"])
         .env("KVFABRIC_TEST_CUDA_EXPORT", json)
         .output()
         .unwrap();
@@ -384,7 +384,7 @@ mod agent {
         let md = a.metadata();
         assert!(md.regions[0].cuda_ipc.is_some(), "no IPC export in the metadata");
         let child = tokio::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", "agent::ipc_writer_child", "--nocapture"])
+            .args(["--ignored", "--exact", "cuda::agent::ipc_writer_child", "--nocapture"])
             .env("KVFABRIC_TEST_CUDA_PEER", String::from_utf8(md.to_bytes()).unwrap())
             .output();
         let n = tokio::time::timeout(Duration::from_secs(60), a.next_notification());

@@ -11,7 +11,7 @@
 //! made. What it cannot prove: links here have no latency or loss (this kernel has no
 //! `netem`), so timeouts fire on silence only.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

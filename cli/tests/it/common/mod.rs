@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-#[path = "../../../serving/tests/common/mod.rs"]
+#[path = "../../../../serving/tests/it/common/mod.rs"]
 mod serving;
 
 #[allow(unused_imports)]

@@ -5,7 +5,7 @@
 //! tenant cached is a miss for another and a hit for itself), and `cache_salt` does the same
 //! for clients without tenants.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

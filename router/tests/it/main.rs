@@ -1,0 +1,5 @@
+//! The integration tests of `kvfabric-router`, one binary: each file below is a module,
+//! so the crate's tests link once (docs/architecture.md, "Tests").
+
+mod concurrency;
+mod membership;
