@@ -19,7 +19,6 @@
 //!   model — and the choice of a worker for a request. Model-agnostic: a frontend that sends
 //!   requests (`kvfabric-serving`) says what it prepares for a worker through
 //!   [`membership::Admission`].
-//! - [`sim`]: a deterministic routing simulation used by `kvfabric bench router`.
 //!
 //! Engines' own KV events (vLLM, SGLang over ZeroMQ) are decoded by `kvfabric-attach`, which
 //! relays them onto the control plane as any worker's events.
@@ -33,7 +32,6 @@ pub mod feed;
 pub mod index;
 pub mod membership;
 pub mod policy;
-pub mod sim;
 mod table;
 
 pub use index::{Ingest, Overlap, PrefixIndex, Run, WorkerId};

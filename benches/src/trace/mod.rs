@@ -15,13 +15,7 @@ use kvfabric_planner::plan::Link;
 use kvfabric_planner::trace::Reshape;
 use kvfabric_router::RoutingMode;
 
-pub mod capacity;
-
-pub mod sim;
-
-pub mod sizing;
-
-use sim::{SimConfig, SimResult};
+use kvfabric_planner::sim::{self, SimConfig, SimResult};
 
 /// How a trace's ids become prompts (`bench trace` and `bench serve --trace` alike).
 #[derive(Debug, Clone, Args)]
@@ -202,7 +196,7 @@ struct Run {
 pub async fn run(args: TraceArgs) -> crate::Result<()> {
     let mode: RoutingMode =
         args.routing.parse().map_err(|e: String| crate::failed!("--routing: {e}"))?;
-    let most = sizing::REPLAY_WORKERS_MAX;
+    let most = kvfabric_planner::sim::sizing::REPLAY_WORKERS_MAX;
     crate::ensure!(
         (1..=most).contains(&args.workers) && args.prefill_workers <= most,
         "--workers must be within 1..={most}, --prefill-workers at most {most}"
@@ -246,6 +240,7 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         prefill_workers: args.prefill_workers,
         kv_link_gbps: link(&args.kv_link)?,
         mode,
+        block_load_scale: None,
         block_tokens: args.block_tokens,
         reshape: args.shape.reshape()?,
         tier_blocks: [args.g1_tokens / bt, args.g2_tokens / bt, args.g3_tokens / bt],

@@ -200,11 +200,11 @@ fn sla_inputs(
 }
 
 fn run_trace_sla(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
-    use kvfabric_benches::trace::sim::SimConfig;
-    use kvfabric_benches::trace::sizing::{size, SizingConfig};
+    use kvfabric_planner::sim::sizing::{size, SizingConfig};
+    use kvfabric_planner::sim::SimConfig;
 
     let (profile, curves, targets) = sla_inputs(args)?;
-    let most = kvfabric_benches::trace::sizing::REPLAY_WORKERS_MAX;
+    let most = kvfabric_planner::sim::sizing::REPLAY_WORKERS_MAX;
     anyhow::ensure!((1..=most).contains(&args.workers), "--workers must be within 1..={most}");
     let per_worker_tokens = args.cache_tokens.iter().copied().min().unwrap_or(1 << 20).max(1);
     let cfg = SizingConfig {
@@ -267,7 +267,7 @@ fn run_trace_sla(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()>
     match r.workers {
         Some(n) => println!(
             "{n} aggregated workers meet the targets on this trace's replay (TTFT and ITL at {})",
-            kvfabric_benches::trace::sizing::replay_percentile(targets.quantile).1
+            kvfabric_planner::sim::sizing::replay_percentile(targets.quantile).1
         ),
         None => println!("no replay tried met the targets"),
     }
@@ -488,8 +488,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
 }
 
 fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
-    use kvfabric_benches::trace::capacity::{capacity, CapacityConfig, SHARES};
-    use kvfabric_benches::trace::sim::SimConfig;
+    use kvfabric_planner::sim::capacity::{capacity, CapacityConfig, SHARES};
+    use kvfabric_planner::sim::SimConfig;
 
     let mut model =
         resolve_model(&args.model).with_context(|| format!("model {:?}", args.model))?;
@@ -499,7 +499,7 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
     }
     let bytes_per_token = model.block_layout(1)?.bytes_per_block();
     let links = args.link.iter().map(|l| Link::parse(l)).collect::<Result<Vec<_>, _>>()?;
-    let most = kvfabric_benches::trace::sizing::REPLAY_WORKERS_MAX;
+    let most = kvfabric_planner::sim::sizing::REPLAY_WORKERS_MAX;
     anyhow::ensure!((1..=most).contains(&args.workers), "--workers must be within 1..={most}");
     anyhow::ensure!(
         !args.cache_tokens.is_empty() && args.cache_tokens.iter().all(|&c| c > 0),
@@ -618,9 +618,9 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
 
 /// Reuse against the cache's total size (every worker's together): per-worker caches behind
 /// kv and round-robin routing, one pool, and the limit (Mooncake FAST'25's figures 9 and 10).
-fn capacity_plot(r: &kvfabric_benches::trace::capacity::CapacityReport, workers: usize) -> String {
+fn capacity_plot(r: &kvfabric_planner::sim::capacity::CapacityReport, workers: usize) -> String {
     use kvfabric_benches::plot::{render, Chart, Series};
-    let total = |p: &kvfabric_benches::trace::capacity::CapacityPoint| p.pooled_tokens as f64;
+    let total = |p: &kvfabric_planner::sim::capacity::CapacityPoint| p.pooled_tokens as f64;
     let pooled: Vec<(f64, f64)> = r.pooled_curve.iter().map(|&(t, u)| (t as f64, u)).collect();
     let (lo, hi) = (
         pooled.first().map_or(1.0, |p| p.0).min(r.points.first().map_or(f64::MAX, total)),

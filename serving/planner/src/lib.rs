@@ -10,14 +10,20 @@
 //!   [`live::Scaler`] per pool.
 //! - [`trace`]: public production traces (Mooncake FAST'25 JSONL) read as a stream, expanded
 //!   into token ids, their infinite-cache limit and LRU reuse-vs-capacity curve.
+//! - [`sim`]: a whole deployment in simulated time over kvfabric's real router and tier
+//!   policies, replaying a trace or a synthetic workload ([`sim::conversations`]);
+//!   [`sim::sizing`] and [`sim::capacity`] size deployments by replaying: `kvfabric plan
+//!   --trace`, `kvfabric bench trace` and `kvfabric bench router`.
 //! - [`window`]: what a frontend saw of its load over an interval; [`stats`]: quantiles.
 //!
-//! It depends on `kvfabric` only: a gateway or an operator's tool embeds it without candle,
+//! It depends on `kvfabric`, and on the router's and the tiers' policies (which the simulator
+//! runs), only: a gateway or an operator's tool embeds it without candle,
 //! tokenizers or an HTTP server. It reads no environment variables and installs no tracing
 //! subscriber.
 
 pub mod live;
 pub mod plan;
+pub mod sim;
 pub mod sla;
 pub mod stats;
 pub mod trace;

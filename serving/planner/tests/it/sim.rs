@@ -3,7 +3,7 @@
 //! limit as a ceiling, kv routing above round-robin, and a shared pool reaching what per-worker
 //! caches cannot.
 
-use kvfabric_benches::trace::sim::{simulate, SimConfig, SimResult};
+use kvfabric_planner::sim::{simulate, SimConfig, SimResult};
 use kvfabric_planner::trace::{TraceReader, TraceRequest};
 use kvfabric_router::RoutingMode;
 
@@ -63,8 +63,8 @@ fn what_g1_evicts_is_found_in_g2_and_its_transfer_counted() {
 }
 
 fn shipped(n: u64) -> Vec<TraceRequest> {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/conversation_trace.jsonl");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../benches/traces/conversation_trace.jsonl");
     TraceReader::open(&path, 512).unwrap().take(n as usize).map(Result::unwrap).collect()
 }
 
@@ -164,4 +164,37 @@ fn split_steps_give_a_new_prompt_a_step_of_its_own() {
     let d = mixed.ttft_s[2] - split.ttft_s[2];
     assert!((d - 0.02).abs() < 1e-9, "mixed {:?} split {:?}", mixed.ttft_s, split.ttft_s);
     assert!(split.ttft_s[2] >= 0.1 - 1e-9);
+}
+
+/// The synthetic workload of `kvfabric bench router` (multi-turn conversations over shared
+/// system prompts): kv routing finds far more of each prompt cached than round-robin and so
+/// answers sooner, and no router goes below the workload's floor.
+#[test]
+fn on_conversations_kv_beats_round_robin_and_stays_above_the_floor() {
+    use kvfabric_planner::sim::conversations::{floor_ttft_p50_s, Conversations};
+    use kvfabric_planner::trace::Reshape;
+    let w = Conversations { conversations: 60, ..Conversations::default() };
+    let trace = w.requests();
+    let cfg = |mode| SimConfig {
+        workers: 4,
+        mode,
+        block_tokens: w.block_tokens,
+        reshape: Reshape::none(w.block_tokens),
+        tier_blocks: [4096, 0, 0],
+        prefill_tokens_per_s: 5_000.0,
+        load_report_s: 0.0,
+        ..SimConfig::default()
+    };
+    let kv = run(&trace, &cfg(RoutingMode::Kv));
+    let rr = run(&trace, &cfg(RoutingMode::RoundRobin));
+    assert_eq!(kv.requests, 60 * 4);
+    let limit = kv.limit.reused_tokens as f64 / kv.prompt_tokens as f64;
+    // kv finds nearly all that an infinite cache would; round-robin finds the system
+    // prompts everywhere but a conversation's history only where its last turn ran.
+    assert!(kv.reuse() >= 0.95 * limit, "kv {} limit {limit}", kv.reuse());
+    assert!(rr.reuse() < 0.8 * limit, "rr {} limit {limit}", rr.reuse());
+    assert!(kv.ttft_s[0] < rr.ttft_s[0], "kv {:?} rr {:?}", kv.ttft_s, rr.ttft_s);
+    let floor = floor_ttft_p50_s(&trace, w.block_tokens, 5_000.0);
+    assert!(floor > 0.0 && floor <= kv.ttft_s[0], "floor {floor} kv {:?}", kv.ttft_s);
+    assert_eq!(run(&trace, &cfg(RoutingMode::Kv)).ttft_s, kv.ttft_s, "a seed repeats");
 }

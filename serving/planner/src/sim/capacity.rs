@@ -15,10 +15,10 @@
 
 use std::path::Path;
 
-use kvfabric_planner::plan::Link;
-use kvfabric_planner::trace::{Limit, Reshape, ReuseCurve, TraceError};
+use crate::plan::Link;
+use crate::trace::{Limit, Reshape, ReuseCurve, TraceError};
 
-use super::sim::{self, simulate, SimConfig};
+use super::{self as sim, simulate, SimConfig};
 
 /// What to plan for.
 #[derive(Debug, Clone)]

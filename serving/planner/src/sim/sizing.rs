@@ -1,7 +1,7 @@
 //! Sizing workers from a trace and a measured engine (`kvfabric plan --trace --sla
 //! --profile`): the trace's own workload (its arrival rate, prompt-length distribution,
 //! answer lengths, and the reuse kv-routed caches of the given size attain on it) planned
-//! with the queueing model of `plan --sla` ([`kvfabric_planner::sla::plan`]: aggregated
+//! with the queueing model of `plan --sla` ([`crate::sla::plan`]: aggregated
 //! against disaggregated workers), then checked by replaying the trace through the simulator
 //! with that many aggregated workers timed by the profile: workers added until a replay meets
 //! the targets, then the fewest that do found by bisection.
@@ -13,10 +13,10 @@
 
 use std::path::Path;
 
-use kvfabric_planner::sla::{plan, LengthDist, Plan, Profile, Targets, Workload};
-use kvfabric_planner::trace::{Reshape, TraceError};
+use crate::sla::{plan, LengthDist, Plan, Profile, Targets, Workload};
+use crate::trace::{Reshape, TraceError};
 
-use super::sim::{self, simulate, SimConfig, SimResult};
+use super::{self as sim, simulate, SimConfig, SimResult};
 
 /// Most workers a replay simulates (each holds its own pools; more workers than requests
 /// would sit idle anyway).

@@ -26,15 +26,19 @@
 //! (as Mooncake's store puts every prefill's KV), whose LRU victims are dropped. Hits onboard
 //! into G1 and stay where they were. Every change is a KV event to the index.
 
+pub mod capacity;
+pub mod conversations;
+pub mod sizing;
+
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 
+use crate::sla::Profile;
+use crate::trace::{Expander, Limit, LimitCounter, Reshape, TraceError, TraceRequest};
 use kvfabric::contract::Load;
 use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric::rng::SplitMix64;
-use kvfabric_planner::sla::Profile;
-use kvfabric_planner::trace::{Expander, Limit, LimitCounter, Reshape, TraceError, TraceRequest};
 use kvfabric_router::{PrefixIndex, PullPricing, Router, RouterConfig, RoutingMode, WorkerId};
 use kvfabric_tiers::policy::{FrequencyFilter, PolicyKind};
 use kvfabric_tiers::pool::SlotPool;
@@ -55,6 +59,9 @@ pub struct SimConfig {
     pub kv_link_gbps: f64,
     /// Routing.
     pub mode: RoutingMode,
+    /// The kv mode's weight on decode blocks (`RouterConfig::block_load_scale`; none: the
+    /// router's default).
+    pub block_load_scale: Option<f64>,
     /// kvfabric's tokens per KV block.
     pub block_tokens: u32,
     /// How the trace's ids become prompts (block size, a replayed scale, answers cut).
@@ -128,6 +135,7 @@ impl Default for SimConfig {
             prefill_workers: 0,
             kv_link_gbps: 50.0,
             mode: RoutingMode::Kv,
+            block_load_scale: None,
             block_tokens: 16,
             reshape: Reshape::none(512),
             tier_blocks: [1 << 16, 0, 0],
@@ -146,7 +154,7 @@ impl Default for SimConfig {
             load_report_s: 0.2,
             speedup: 1.0,
             requests_max: u64::MAX,
-            prompt_tokens_max: kvfabric_planner::trace::PROMPT_TOKENS_MAX,
+            prompt_tokens_max: crate::trace::PROMPT_TOKENS_MAX,
             seed: 1,
             peer_pulls: false,
             peer_link_gbps: 3.125,
@@ -912,8 +920,8 @@ pub fn open(
     path: &std::path::Path,
     block_tokens: u32,
     cfg: &SimConfig,
-) -> Result<kvfabric_planner::trace::TraceReader<std::io::BufReader<std::fs::File>>, TraceError> {
-    Ok(kvfabric_planner::trace::TraceReader::open(path, block_tokens)?
+) -> Result<crate::trace::TraceReader<std::io::BufReader<std::fs::File>>, TraceError> {
+    Ok(crate::trace::TraceReader::open(path, block_tokens)?
         .max_prompt_tokens(cfg.prompt_tokens_max))
 }
 
@@ -940,16 +948,18 @@ pub fn simulate(
     let block_bytes = cfg.bytes_per_token * bt as u64;
     let g4_worth_it = block_bytes as f64 / (cfg.link_gbps[2].max(1e-9) * 1e9)
         <= bt as f64 / prefill_rate.max(1e-9);
+    let defaults = RouterConfig::default();
     let mut router = Router::new(RouterConfig {
         mode: cfg.mode,
         block_tokens: cfg.block_tokens,
+        block_load_scale: cfg.block_load_scale.unwrap_or(defaults.block_load_scale),
         pull: pulls.then(|| PullPricing {
             block_bytes: cfg.bytes_per_token * u64::from(cfg.block_tokens.max(1)),
             link_bytes_per_s: cfg.peer_link_gbps * 1e9,
             overhead_s: cfg.pull_overhead_s,
             prefill_tokens_per_s: prefill_rate,
         }),
-        ..RouterConfig::default()
+        ..defaults
     });
     let kinds = [cfg.g1_tier, TierKind::Host, TierKind::Disk];
     let mut decode_router = (prefill > 0).then(|| {
@@ -1087,7 +1097,7 @@ pub fn simulate(
     sim.advance(f64::INFINITY);
     let q = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
-        [0.5, 0.9, 0.99].map(|p| kvfabric_planner::stats::quantile(v, p))
+        [0.5, 0.9, 0.99].map(|p| crate::stats::quantile(v, p))
     };
     let mut r = std::mem::take(&mut sim.r);
     let mut ttft: Vec<f64> = r.timeline.ttft.iter().map(|&(_, x)| x).collect();

@@ -1,4 +1,0 @@
-//! The integration tests of `kvfabric-benches`, one binary: each file below is a module,
-//! so the crate's tests link once (docs/architecture.md, "Tests").
-
-mod trace_sim;
