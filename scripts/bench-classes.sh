@@ -99,7 +99,7 @@ attached() {
   "$K" frontend --port "$PORT" --secret bench-secret "${CLASSES[@]}" "${ctl[@]}" "$@" \
     >"$WORK/frontend.log" 2>&1 &
   for _ in $(seq 1 200); do
-    [[ $(curl -sf "http://127.0.0.1:$PORT/health" | python3 -c "import json,sys;print(len(json.load(sys.stdin).get('workers',[])))" 2>/dev/null) == 2 ]] && return 0
+    [[ $(curl -sf "http://127.0.0.1:$PORT/health" | python3 -c "import json,sys;print(len(json.load(sys.stdin).get('routing',{}).get('workers',[])))" 2>/dev/null) == 2 ]] && return 0
     sleep 0.2
   done
   tail -5 "$WORK"/*.log >&2

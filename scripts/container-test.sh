@@ -157,7 +157,7 @@ step "compose up (podman run per service)"
 runs | while read -r line; do eval "$line" 2>&1 >/dev/null | grep -v 'systemd connection' >&2 || true; done
 fe="http://127.0.0.1:$KVFABRIC_PORT"
 for _ in $(seq 300); do
-  workers=$(curl -sf "$fe/health" 2>/dev/null | python3 -c 'import json,sys; print(len(json.load(sys.stdin).get("workers", [])))' 2>/dev/null || echo 0)
+  workers=$(curl -sf "$fe/health" 2>/dev/null | python3 -c 'import json,sys; print(len(json.load(sys.stdin).get("routing", {}).get("workers", [])))' 2>/dev/null || echo 0)
   [ "$workers" = 2 ] && break
   sleep 1
 done

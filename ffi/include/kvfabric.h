@@ -698,6 +698,20 @@ kvf_result kvf_store_metrics(const struct kvf_store *store,
                              size_t cap,
                              size_t *len_out);
 
+/**
+ * The store's health as a JSON object (NUL-free UTF-8) into `buf`: the health document that
+ * `/health` serves (docs/health.schema.json) with this store's parts, `store` (a full disk,
+ * corruption found), `transfer` (transfers failed, CUDA, RDMA) and `control_plane`, and the
+ * `status` and `reasons` they give. `KVF_BUFFER_TOO_SMALL` writes the size needed.
+ *
+ * # Safety
+ * `store` is a live store; `buf` valid for `cap` writes; `len_out` for one.
+ */
+kvf_result kvf_store_health(const struct kvf_store *store,
+                            uint8_t *buf,
+                            size_t cap,
+                            size_t *len_out);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -389,14 +389,32 @@ impl kvf_store {
             m.insert("fabric_nodes".into(), nodes.into());
             // etcd's and NATS's state as this process sees it (embedded ones are always up
             // and left out), as `/metrics` says it for kvfabric's own processes.
-            let control: serde_json::Value = [self.ctx.discovery.status(), self.ctx.bus.status()]
-                .iter()
-                .filter(|s| s.is_remote())
-                .map(|s| s.to_json())
-                .collect();
+            let control = serde_json::to_value(self.control_health()).unwrap_or_default();
             m.insert("control_plane".into(), control);
         }
         v
+    }
+
+    /// etcd's and NATS's state as this process sees them (embedded ones are always up and
+    /// left out).
+    fn control_health(&self) -> Vec<kvfabric::health::ControlHealth> {
+        [self.ctx.discovery.status(), self.ctx.bus.status()]
+            .iter()
+            .filter(|s| s.is_remote())
+            .map(kvfabric::health::ControlHealth::from)
+            .collect()
+    }
+
+    /// The health document of this store (`kvf_store_health`): its tiers, its agent's
+    /// transfers and the control plane, finished (status and reasons).
+    pub fn health(&self) -> kvfabric::health::Health {
+        kvfabric::health::Health {
+            store: Some(self.store.health()),
+            transfer: Some(self.store.agent().health()),
+            control_plane: self.control_health(),
+            ..Default::default()
+        }
+        .finish()
     }
 
     /// Checks a block range and the caller's segments; returns the regions of the segments.
@@ -1095,4 +1113,27 @@ pub unsafe extern "C" fn kvf_store_metrics(
 ) -> kvf_result {
     // SAFETY: the caller's contract, passed on.
     unsafe { json_out(store, buf, cap, len_out, |s| Ok(s.metrics_json())) }
+}
+
+/// The store's health as a JSON object (NUL-free UTF-8) into `buf`: the health document that
+/// `/health` serves (docs/health.schema.json) with this store's parts, `store` (a full disk,
+/// corruption found), `transfer` (transfers failed, CUDA, RDMA) and `control_plane`, and the
+/// `status` and `reasons` they give. `KVF_BUFFER_TOO_SMALL` writes the size needed.
+///
+/// # Safety
+/// `store` is a live store; `buf` valid for `cap` writes; `len_out` for one.
+#[no_mangle]
+pub unsafe extern "C" fn kvf_store_health(
+    store: *const kvf_store,
+    buf: *mut u8,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvf_result {
+    // SAFETY: the caller's contract, passed on.
+    unsafe {
+        json_out(store, buf, cap, len_out, |s| {
+            serde_json::to_value(s.health())
+                .map_err(|e| FfiError::invalid(format!("encoding the health document: {e}")))
+        })
+    }
 }

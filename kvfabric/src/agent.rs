@@ -658,6 +658,16 @@ impl Agent {
         self.inner.counters.snapshot()
     }
 
+    /// Its part of `/health`: transfers failed, the CUDA devices, RDMA and whether it broke.
+    pub fn health(&self) -> crate::health::TransferHealth {
+        crate::health::TransferHealth {
+            failed: self.transfer_counts().iter().map(|c| c.failed).sum(),
+            cuda: crate::health::CudaHealth::probe(),
+            rdma: self.rdma_status().clone(),
+            rdma_failure: self.rdma_failure(),
+        }
+    }
+
     /// Validates and posts a transfer; it runs on the agent's runtime.
     pub fn post(&self, req: TransferRequest) -> Result<TransferHandle, TransferError> {
         let inner = &self.inner;

@@ -55,6 +55,7 @@ pub mod endpoint;
 pub mod events;
 pub mod gguf;
 pub mod hash;
+pub mod health;
 pub mod layout;
 pub mod lockfile;
 pub mod memory;

@@ -22,7 +22,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -151,6 +151,8 @@ struct Built {
 pub struct Tls {
     files: TlsFiles,
     built: RwLock<Arc<Built>>,
+    /// The last reload failed (for `/health`).
+    reload_failed: AtomicBool,
 }
 
 impl std::fmt::Debug for Tls {
@@ -167,7 +169,11 @@ impl Tls {
     /// error here rather than at the first handshake.
     pub fn load(files: TlsFiles) -> Result<Arc<Tls>, TlsError> {
         let built = build(&files)?;
-        Ok(Arc::new(Tls { files, built: RwLock::new(Arc::new(built)) }))
+        Ok(Arc::new(Tls {
+            files,
+            built: RwLock::new(Arc::new(built)),
+            reload_failed: AtomicBool::new(false),
+        }))
     }
 
     /// Re-reads the files. On error the configuration in use stays, and the error says why.
@@ -175,10 +181,12 @@ impl Tls {
         match build(&self.files) {
             Ok(b) => {
                 *self.built.write() = Arc::new(b);
+                self.reload_failed.store(false, Ordering::Relaxed);
                 COUNTERS.reloads.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
             Err(e) => {
+                self.reload_failed.store(true, Ordering::Relaxed);
                 COUNTERS.reload_failures.fetch_add(1, Ordering::Relaxed);
                 Err(e)
             }
@@ -198,6 +206,21 @@ impl Tls {
     /// The end of validity of the certificate in use, seconds since the Unix epoch.
     pub fn not_after(&self) -> i64 {
         self.built.read().not_after
+    }
+
+    /// Its part of `/health`: the certificate's end, the handshakes refused, the last reload.
+    pub fn health(&self) -> crate::health::TlsHealth {
+        let not_after = self.not_after();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        crate::health::TlsHealth {
+            not_after,
+            expires_in_s: not_after.saturating_sub(now),
+            handshake_failures: COUNTERS.handshake_failures.load(Ordering::Relaxed),
+            plaintext_refused: COUNTERS.plaintext_refused.load(Ordering::Relaxed),
+            last_reload_failed: self.reload_failed.load(Ordering::Relaxed),
+        }
     }
 
     /// Accepts an HTTPS client on the API or metrics port within `timeout`.

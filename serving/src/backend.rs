@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use kvfabric::health::Health;
 use kvfabric_tiers::TieredStore;
 use serde_json::{json, Value};
 
@@ -42,8 +43,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn numbers_requests(&self) -> bool {
         false
     }
-    /// A JSON summary for `/health`.
-    fn health(&self) -> Value;
+    /// The backend's parts of `/health` (its engine, store and transfers; or its workers),
+    /// before [`Health::finish`](kvfabric::health::Health::finish).
+    fn health(&self) -> Health;
     /// Fills the backend's part of a metrics snapshot (read at scrape time).
     fn metrics(&self, out: &mut Snapshot);
     /// Where a request of `prompt` for `model` would go and why (each worker's cached blocks
@@ -113,27 +115,14 @@ impl Backend for LocalBackend {
         true
     }
 
-    fn health(&self) -> Value {
-        let s = self.sched.stats();
-        if let Some(reason) = self.sched.failure() {
-            return json!({ "status": "failed", "reason": reason, "model": self.entry.info.id });
+    fn health(&self) -> Health {
+        Health {
+            model: Some(self.entry.info.id.clone()),
+            engine: Some(self.sched.health()),
+            store: Some(self.store.health()),
+            transfer: Some(self.store.agent().health()),
+            ..Health::default()
         }
-        let degraded = self.store.degraded();
-        let failed: u64 = self.store.agent().transfer_counts().iter().map(|c| c.failed).sum();
-        let cuda = match kvfabric::cuda::device_names() {
-            Ok(names) => json!({ "available": true, "devices": names }),
-            Err(why) => json!({ "available": false, "reason": why.to_string() }),
-        };
-        json!({
-            "status": if degraded.is_empty() { "ok" } else { "degraded" },
-            "reasons": degraded,
-            "model": self.entry.info.id,
-            "running": s.running.load(Ordering::Relaxed),
-            "waiting": s.waiting.load(Ordering::Relaxed),
-            "transfers_failed": failed,
-            "cuda": cuda,
-            "rdma": self.store.agent().rdma_status(),
-        })
     }
 
     fn metrics(&self, out: &mut Snapshot) {

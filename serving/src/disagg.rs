@@ -31,7 +31,6 @@ use kvfabric::control::EventBus;
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest, TransportKind};
 use kvfabric_tiers::{StoreError, TieredStore};
 use parking_lot::Mutex;
-use serde_json::Value;
 use tokio::sync::oneshot;
 
 use crate::backend::{Backend, LocalBackend, ModelEntry};
@@ -439,11 +438,14 @@ impl Backend for DecodeBackend {
         Ok(rx)
     }
 
-    fn health(&self) -> Value {
-        let mut h = self.inner.local.health();
-        h["role"] = "decode".into();
-        h["prefill_pending"] = self.inner.stats.pending.load(Ordering::Relaxed).into();
-        h
+    fn health(&self) -> kvfabric::health::Health {
+        kvfabric::health::Health {
+            prefill: Some(kvfabric::health::PrefillHealth {
+                role: "decode".into(),
+                pending: self.inner.stats.pending.load(Ordering::Relaxed),
+            }),
+            ..self.inner.local.health()
+        }
     }
 
     fn metrics(&self, out: &mut Snapshot) {

@@ -632,6 +632,12 @@ impl Source for MetricsSource {
             }
         }
     }
+    fn health(&self, out: &mut kvfabric::health::Health) {
+        out.merge(match self {
+            MetricsSource::Backend(b, _) => Backend::health(b.as_ref()),
+            MetricsSource::Prefill(b, _) => Backend::health(b.as_ref()),
+        });
+    }
 }
 
 impl MetricsSource {

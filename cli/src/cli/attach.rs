@@ -131,8 +131,8 @@ pub async fn run(args: AttachArgs) -> anyhow::Result<()> {
     let mut metrics_addr = None;
     if let Some(at) = args.metrics_listen {
         let stats = attachment.stats_source();
-        let own = stats.clone();
-        let health = move || stats.health();
+        let own = stats;
+        let health = kvfabric::health::Health::default();
         let (addr, task) =
             super::stack::metrics_port(at, None, Some(own), &discovery, &bus, health).await?;
         tracing::info!(%addr, "attach metrics and health listening");

@@ -112,8 +112,8 @@ pub async fn run(args: FabricArgs) -> anyhow::Result<()> {
     let mut metrics_addr = None;
     let metrics = match args.metrics_listen {
         Some(at) => {
-            let name = args.name.clone();
-            let health = move || serde_json::json!({ "status": "ok", "reasons": [], "node": name });
+            let health =
+                kvfabric::health::Health { node: Some(args.name.clone()), ..Default::default() };
             let (addr, task) =
                 super::stack::metrics_port(at, tls.clone(), None, &discovery, &bus, health).await?;
             // Shown as others reach it; nothing registers it, so loopback is fine.

@@ -400,33 +400,25 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
-/// Serves `/metrics` (`own`'s counters and the control plane's state) and `/health` (the
-/// JSON `health` gives, with the control plane's state added: `degraded` while etcd or NATS
-/// does not answer) on `at`, with the bounds of every kvfabric HTTP listener. Its address
-/// and task.
+/// Serves `/metrics` (`own`'s counters, the control plane's state, TLS's) and `/health` (the
+/// health document: `identity`, then the parts of `own`, the control plane and TLS; `degraded`
+/// while etcd or NATS does not answer) on `at`, with the bounds of every kvfabric HTTP
+/// listener. Its address and task.
 pub(super) async fn metrics_port(
     at: std::net::SocketAddr,
     tls: Option<Arc<kvfabric::tls::Tls>>,
     own: Option<Arc<dyn kvfabric_serving::metrics::Source>>,
     discovery: &Arc<dyn Discovery>,
     bus: &Arc<dyn EventBus>,
-    health: impl Fn() -> serde_json::Value + Clone + Send + Sync + 'static,
+    identity: kvfabric::health::Health,
 ) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
-    use kvfabric_serving::metrics::{
-        add_control_plane, Components, ControlSource, ListenStats, CONTENT_TYPE,
-    };
-    let control = ControlSource::new(discovery.clone(), bus.clone());
-    let mut components = Components::new();
-    if let Some(own) = own {
-        components = components.with(None, own);
+    use kvfabric_serving::metrics::{Components, ControlSource, ListenStats, Source, CONTENT_TYPE};
+    let mut sources: Vec<Arc<dyn Source>> = own.into_iter().collect();
+    sources.push(Arc::new(ControlSource::new(discovery.clone(), bus.clone())));
+    if let Some(t) = &tls {
+        sources.push(Arc::new(kvfabric_serving::metrics::tls::TlsSource(t.clone())));
     }
-    let components = components.with(None, Arc::new(control.clone()));
-    let components = match &tls {
-        Some(t) => {
-            components.with(None, Arc::new(kvfabric_serving::metrics::tls::TlsSource(t.clone())))
-        }
-        None => components,
-    };
+    let components = sources.iter().fold(Components::new(), |c, s| c.with(None, s.clone()));
     let listener = kvfabric_serving::http::listen::bind(at)
         .map_err(|e| anyhow::anyhow!("--metrics-listen {at}: {e}"))?;
     let addr = listener.local_addr()?;
@@ -441,17 +433,12 @@ pub(super) async fn metrics_port(
         .route(
             "/health",
             axum::routing::get(move || {
-                let mut h = health();
-                add_control_plane(&mut h, &control.statuses());
-                async move {
-                    let serving = matches!(h["status"].as_str(), Some("ok" | "degraded"));
-                    let code = if serving {
-                        axum::http::StatusCode::OK
-                    } else {
-                        axum::http::StatusCode::SERVICE_UNAVAILABLE
-                    };
-                    (code, axum::Json(h))
+                let mut h = identity.clone();
+                for s in &sources {
+                    s.health(&mut h);
                 }
+                let h = h.finish();
+                async move { kvfabric_serving::http::health_response(h) }
             }),
         );
     let task = tokio::spawn(async move {

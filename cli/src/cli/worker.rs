@@ -125,11 +125,11 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let mut metrics_addr = None;
     let metrics = match args.metrics_listen {
         Some(at) => {
-            // Its own counters and the control plane's state; /health says whether the
-            // control plane answers (a worker keeps serving without it).
-            let name = args.name.clone();
+            // Its own counters and the control plane's state; /health its engine, store and
+            // transfers, and whether the control plane answers (a worker keeps serving
+            // without it).
             let health =
-                move || serde_json::json!({ "status": "ok", "reasons": [], "worker": name });
+                kvfabric::health::Health { worker: Some(args.name.clone()), ..Default::default() };
             let own = Arc::new(source.clone());
             let (addr, task) =
                 super::stack::metrics_port(at, tls.clone(), Some(own), &discovery, &bus, health)

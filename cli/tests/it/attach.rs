@@ -103,11 +103,9 @@ async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool)
 }
 
 async fn workers(addr: SocketAddr) -> Vec<String> {
-    let h = get(addr, "/health").await.json();
-    let mut v: Vec<String> = h["workers"]
-        .as_array()
-        .map(|a| a.iter().map(|w| w.as_str().unwrap().to_string()).collect())
-        .unwrap_or_default();
+    let h: kvfabric::health::Health = serde_json::from_value(get(addr, "/health").await.json())
+        .expect("/health is the health document");
+    let mut v: Vec<String> = h.routing.map(|r| r.workers).unwrap_or_default();
     v.sort();
     v
 }
@@ -223,6 +221,8 @@ async fn attached_engines_are_routed_by_their_own_kv_events() {
     .await;
     let h = get(sidecar, "/health").await.json();
     assert_eq!(h["status"], "engine not answering", "{h}");
+    assert_eq!(h["attach"]["registered"], false, "{h}");
+    assert!(h["attach"]["failed_health_checks"].as_u64() >= Some(2), "{h}");
     let am = get(sidecar, "/metrics").await.text();
     assert_eq!(common::metric(&am, "kvfabric_attach_registered"), 0.0, "{am}");
     assert!(common::metric(&am, "kvfabric_attach_failed_health_checks_total") >= 2.0, "{am}");

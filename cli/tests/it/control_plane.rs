@@ -170,7 +170,7 @@ async fn health_and_metrics_follow_an_etcd_and_a_nats_outage() {
     let (_g4_proc, g4) = fabric(&etcd, &nats);
     let procs = [("frontend", fe), ("worker", w), ("fabric node", g4)];
     wait_until("the frontend to see the worker", async || {
-        health(fe).await["workers"].as_array().is_some_and(|a| !a.is_empty())
+        health(fe).await["routing"]["workers"].as_array().is_some_and(|a| !a.is_empty())
     })
     .await;
     for (_, addr) in procs {

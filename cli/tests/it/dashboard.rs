@@ -167,7 +167,8 @@ async fn the_dashboard_shows_the_fabric_in_a_real_browser() {
     let _b = worker("dash-b", &etcd, &nats);
     let _fabric = fabric_node("dash-g4", &etcd, &nats);
     let deadline = Instant::now() + Duration::from_secs(20);
-    while get(addr, "/health").await.json()["workers"].as_array().map_or(0, Vec::len) < 2 {
+    while get(addr, "/health").await.json()["routing"]["workers"].as_array().map_or(0, Vec::len) < 2
+    {
         assert!(Instant::now() < deadline, "the frontend did not see both workers");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

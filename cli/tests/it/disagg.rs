@@ -69,7 +69,7 @@ async fn wait_workers(addr: SocketAddr, n: usize) {
     let start = Instant::now();
     loop {
         let h = get(addr, "/health").await.json();
-        if h["workers"].as_array().is_some_and(|w| w.len() == n) {
+        if h["routing"]["workers"].as_array().is_some_and(|w| w.len() == n) {
             return;
         }
         assert!(start.elapsed() < Duration::from_secs(30), "workers did not register: {h}");
@@ -534,7 +534,10 @@ async fn up_metrics_show_the_in_process_workers_remote_prefill() {
     std::thread::spawn(move || lines.for_each(drop));
     // The frontend routes to the decode worker once it is in the index.
     let start = Instant::now();
-    while get(addr, "/health").await.json()["workers"].as_array().is_none_or(|w| w.is_empty()) {
+    while get(addr, "/health").await.json()["routing"]["workers"]
+        .as_array()
+        .is_none_or(|w| w.is_empty())
+    {
         assert!(start.elapsed() < Duration::from_secs(30), "no worker registered");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -121,11 +121,9 @@ async fn the_only_worker_reports(f: &Frontend, name: &str) {
 }
 
 async fn workers_known(f: &Frontend) -> Vec<String> {
-    let h = get(f.addr, "/health").await.json();
-    h["workers"]
-        .as_array()
-        .map(|a| a.iter().map(|w| w.as_str().unwrap().to_string()).collect())
-        .unwrap_or_default()
+    let h: kvfabric::health::Health = serde_json::from_value(get(f.addr, "/health").await.json())
+        .expect("/health is the health document");
+    h.routing.map(|r| r.workers).unwrap_or_default()
 }
 
 fn completion(prompt: &str, max_tokens: u32) -> serde_json::Value {

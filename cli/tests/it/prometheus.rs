@@ -232,7 +232,9 @@ async fn prometheus_fires_the_alerts_of_a_worker_lost_nats_stopped_and_no_worker
     std::fs::write(&secret_file, format!("{SECRET}\n")).unwrap();
     let (mut w2_proc, w2) = worker("prom-w2", &etcd, &nats, Some(&secret_file));
     wait_until("the frontend to see both workers", async || {
-        get(fe, "/health").await.json()["workers"].as_array().is_some_and(|a| a.len() == 2)
+        get(fe, "/health").await.json()["routing"]["workers"]
+            .as_array()
+            .is_some_and(|a| a.len() == 2)
     })
     .await;
     // Requests reach both: the frontend authenticates to each with its secret.

@@ -372,6 +372,15 @@ class Store(_Handle):
         self._err(r)
         return json.loads(b.decode())
 
+    def health(self) -> dict:
+        """The store's health document (docs/health.schema.json): ``status`` (``ok``,
+        ``degraded``), ``reasons``, and its parts ``store``, ``transfer``, ``control_plane``."""
+        import json
+
+        r, b = _bytes_out(lib().kvf_store_health, self._h)
+        self._err(r)
+        return json.loads(b.decode())
+
 
 
 def version() -> str:

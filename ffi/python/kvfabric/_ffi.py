@@ -143,6 +143,7 @@ SIGNATURES = {
     "kvf_store_add_node": (R, [H, POINTER(c_uint8), c_size_t]),
     "kvf_store_add_lookup_node": (R, [H, POINTER(c_uint8), c_size_t]),
     "kvf_store_metrics": (R, [H, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
+    "kvf_store_health": (R, [H, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
     "kvf_op_wait": (R, [H, c_uint32, POINTER(c_uint64)]),
     "kvf_op_poll": (R, [H, POINTER(c_bool)]),
     "kvf_op_error": (R, [H, POINTER(c_char), c_size_t, POINTER(c_size_t)]),

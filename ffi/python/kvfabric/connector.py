@@ -388,6 +388,10 @@ class WorkerStore:
         m["connector"] = dict(self.stats.total)
         return m
 
+    def health(self) -> dict:
+        """The store's health document (``kvf_store_health``, docs/health.schema.json)."""
+        return self.store.health()
+
     def control_plane(self) -> dict:
         """etcd's and NATS's state as this store sees them, as interval stats: per component
         ``cp_<c>_workers`` (1), ``cp_<c>_up`` (1 or 0), ``cp_<c>_contact_age_s`` and the

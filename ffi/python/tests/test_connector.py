@@ -108,6 +108,11 @@ def test_connector_loads_what_another_engine_saved(tmp_path):
         assert b.scheduler.stats.total["lookup_hit_tokens"] == 48 + 16
         m = b.worker.worker_store.metrics()
         assert m["connector"]["load_failed_blocks"] == 0 and m["host_used_blocks"] >= 3
+        # The store's health document (docs/health.schema.json), as /health serves it.
+        h = b.worker.worker_store.health()
+        assert h["status"] == "ok" and h["reasons"] == [], h
+        assert h["store"] == {} and h["transfer"]["failed"] == 0, h
+        assert h["transfer"]["rdma"]["state"] in ("off", "unavailable", "device"), h
     finally:
         b.close()
         a.close()

@@ -242,17 +242,6 @@ impl ControlStatus {
     pub fn is_remote(&self) -> bool {
         matches!(self.backend, "etcd" | "nats")
     }
-
-    /// Its state as operators read it (a `/health` body's `control_plane`, the C ABI's
-    /// store metrics): `component`, `up`, `error`, contact age and the counters.
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "component": self.backend, "up": self.connected, "error": self.error,
-            "since_contact_s": self.since_contact_s, "reconnects": self.reconnects,
-            "lease_renewals_failed": self.lease_renewals_failed,
-            "events_behind": self.events_behind, "events_dropped": self.events_dropped,
-        })
-    }
 }
 
 /// Instances under leases.

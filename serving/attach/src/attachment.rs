@@ -85,19 +85,18 @@ pub struct AttachStats {
 }
 
 impl AttachStats {
-    /// The attachment's health: `ok` while the engine is registered (serving), else
-    /// `engine not answering`; with the counts of what went wrong.
-    pub fn health(&self) -> serde_json::Value {
+    /// The attachment's part of `/health`: registered while the engine answers (else the
+    /// process is `engine not answering`), with the counts of what went wrong.
+    pub fn health(&self) -> kvfabric::health::AttachHealth {
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let serving = ld(&self.registered) == 1;
-        serde_json::json!({
-            "status": if serving { "ok" } else { "engine not answering" },
-            "engine_blocks": ld(&self.blocks),
-            "failed_health_checks": ld(&self.failed_polls),
-            "events_malformed": ld(&self.malformed),
-            "replay_failures": ld(&self.replay_failures),
-            "resets": ld(&self.resets),
-        })
+        kvfabric::health::AttachHealth {
+            registered: ld(&self.registered) == 1,
+            engine_blocks: ld(&self.blocks),
+            failed_health_checks: ld(&self.failed_polls),
+            events_malformed: ld(&self.malformed),
+            replay_failures: ld(&self.replay_failures),
+            resets: ld(&self.resets),
+        }
     }
 
     /// The counters now, for a scrape.

@@ -341,6 +341,15 @@ impl Scheduler {
         self.failure.borrow().clone()
     }
 
+    /// Its part of `/health`: what runs and waits, and why the engine stopped if it did.
+    pub fn health(&self) -> kvfabric::health::EngineHealth {
+        kvfabric::health::EngineHealth {
+            running: self.stats.running.load(Ordering::Relaxed),
+            waiting: self.stats.waiting.load(Ordering::Relaxed),
+            failure: self.failure(),
+        }
+    }
+
     /// Resolves when the engine thread dies, with why (never while it runs).
     pub async fn failed(&self) -> String {
         let mut rx = self.failure.clone();

@@ -742,6 +742,18 @@ pub struct PlannerState {
 }
 
 impl PlannerState {
+    /// Its part of `/health`: workers serving against those wanted (short of them is
+    /// degraded), draining, scale operations that failed.
+    pub fn health(&self) -> kvfabric::health::PlannerHealth {
+        let s = self.snapshot.lock();
+        kvfabric::health::PlannerHealth {
+            workers: s.workers,
+            desired: s.desired,
+            draining: s.draining,
+            scale_failures: s.scale_failures,
+        }
+    }
+
     /// The state before the first decision: `workers` serving in each pool.
     pub fn starting(pools: &[(Pool, u32)]) -> Self {
         let pools: Vec<PoolSnapshot> = pools

@@ -237,12 +237,12 @@ pub(super) async fn state(State(st): State<Arc<AppState>>) -> Json<Value> {
                     "capacity_blocks": occupancy[i].1, "hit_tokens": http.cached_by_tier[i] })
         })
         .collect();
-    let health = st.backend.health();
+    let health = super::health_of(st.backend.as_ref(), &st.cfg.sources);
     Json(json!({
         "version": STATE_VERSION,
         "now_s": unix_now(),
         "uptime_s": st.started.elapsed().as_secs_f64(),
-        "server": { "name": st.cfg.name, "status": health["status"],
+        "server": { "name": st.cfg.name, "status": health.status,
                     "models": st.backend.models().iter().map(|m| m.id.clone()).collect::<Vec<_>>() },
         "requests": {
             "ok": http.ok, "client_errors": http.client_errors, "server_errors": http.server_errors,
@@ -251,6 +251,7 @@ pub(super) async fn state(State(st): State<Arc<AppState>>) -> Json<Value> {
             "ttft_s": quantiles(&http.ttft_buckets, metrics::LATENCY_BUCKETS),
             "itl_s": quantiles(&http.itl_buckets, metrics::ITL_BUCKETS),
         },
+        "health": health,
         "tiers": tiers,
         "classes": st.metrics.class.totals(),
         "prefill_tokens": work.prefill_tokens,

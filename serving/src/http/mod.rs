@@ -33,6 +33,7 @@ use serde_json::{json, Value};
 
 use crate::backend::Backend;
 use crate::metrics::{self, Components, Outcome, Source};
+use kvfabric::health::Health;
 
 pub use crate::metrics::HttpMetrics;
 use prometheus_client::registry::Registry;
@@ -270,37 +271,26 @@ fn model_card(st: &AppState, info: &crate::engine::ModelInfo) -> Value {
     })
 }
 
-/// The backend's health; the HTTP status says whether to send traffic here: 200 for `ok`
-/// and `degraded`, 503 for anything else (no workers, failed), so load balancers need not
-/// parse the body.
-async fn health(State(st): State<Arc<AppState>>) -> Response {
-    let mut h = st.backend.health();
-    let mut control = Vec::new();
-    for source in &st.cfg.sources {
-        let mut snap = metrics::Snapshot::default();
-        source.snapshot(&mut snap);
-        // A planner beside the backend: its workers, and short of what it asked for is
-        // degraded.
-        if let Some(p) = snap.planner {
-            h["planner"] = serde_json::json!({
-                "workers": p.workers, "desired": p.desired, "draining": p.draining,
-                "scale_failures": p.scale_failures,
-            });
-            if p.workers < p.desired && h["status"] == "ok" {
-                let why = format!(
-                    "planner: {} of {} workers serving (a worker did not start)",
-                    p.workers, p.desired
-                );
-                metrics::degrade(&mut h, [why]);
-            }
-        }
-        control.extend(snap.control);
+/// The process's health document: the backend's parts, then each source's (a planner
+/// beside it, the control plane, TLS), finished (status and reasons derived from the parts).
+pub fn health_of(backend: &dyn Backend, sources: &[Arc<dyn metrics::Source>]) -> Health {
+    let mut h = backend.health();
+    for source in sources {
+        source.health(&mut h);
     }
-    // The control plane (etcd, NATS): an outage degrades, and says what still works.
-    metrics::add_control_plane(&mut h, &control);
-    let serving = matches!(h["status"].as_str(), Some("ok" | "degraded"));
-    let status = if serving { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(h)).into_response()
+    h.finish()
+}
+
+/// A health document as `/health` answers it: the HTTP status says whether to send traffic
+/// here, 200 for `ok` and `degraded`, 503 for anything else (no workers, failed), so load
+/// balancers need not parse the body.
+pub fn health_response(h: Health) -> Response {
+    let code = if h.status.serving() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, Json(h)).into_response()
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    health_response(health_of(st.backend.as_ref(), &st.cfg.sources))
 }
 
 async fn prometheus(State(st): State<Arc<AppState>>) -> impl IntoResponse {

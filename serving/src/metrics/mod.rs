@@ -694,6 +694,9 @@ impl Source for kvfabric_attach::AttachStats {
     fn snapshot(&self, out: &mut Snapshot) {
         out.attach = Some(kvfabric_attach::AttachStats::snapshot(self));
     }
+    fn health(&self, out: &mut kvfabric::health::Health) {
+        out.attach = Some(kvfabric_attach::AttachStats::health(self));
+    }
 }
 
 /// What one component shows at scrape time; each fills its part.
@@ -740,12 +743,18 @@ impl Source for kvfabric_planner::live::PlannerState {
     fn snapshot(&self, out: &mut Snapshot) {
         out.planner = Some(kvfabric_planner::live::PlannerState::snapshot(self));
     }
+    fn health(&self, out: &mut kvfabric::health::Health) {
+        out.planner = Some(kvfabric_planner::live::PlannerState::health(self));
+    }
 }
 
-/// A component whose counters are read at scrape time.
+/// A component whose counters are read at scrape time, and whose state is a part of
+/// `/health`.
 pub trait Source: Send + Sync + std::fmt::Debug {
     /// Fills its part of the snapshot.
     fn snapshot(&self, out: &mut Snapshot);
+    /// Fills its part of the health document (none by default).
+    fn health(&self, _out: &mut kvfabric::health::Health) {}
 }
 
 /// The components of a process, each with its `worker` label (none for the process's own).
@@ -1353,60 +1362,15 @@ impl Source for ControlSource {
     fn snapshot(&self, out: &mut Snapshot) {
         out.control.extend(self.statuses());
     }
-}
-
-/// Adds the control plane to a `/health` body: `control_plane` (each backend's state) and,
-/// while one does not answer, status `degraded` (from `ok`) with a reason per backend.
-pub fn add_control_plane(h: &mut serde_json::Value, control: &[kvfabric::control::ControlStatus]) {
-    let remote: Vec<_> = control.iter().filter(|c| c.is_remote()).collect();
-    if remote.is_empty() {
-        return;
+    /// The backends outside this process (embedded ones are always up and left out).
+    fn health(&self, out: &mut kvfabric::health::Health) {
+        out.control_plane.extend(
+            self.statuses()
+                .iter()
+                .filter(|c| c.is_remote())
+                .map(kvfabric::health::ControlHealth::from),
+        );
     }
-    h["control_plane"] = remote.iter().map(|c| c.to_json()).collect();
-    degrade(h, control_plane_reasons(control));
-}
-
-/// Adds `reasons` to a `/health` body and turns its status `degraded` (from `ok`); nothing
-/// when there are none.
-pub fn degrade(h: &mut serde_json::Value, reasons: impl IntoIterator<Item = String>) {
-    let reasons: Vec<String> = reasons.into_iter().collect();
-    if reasons.is_empty() {
-        return;
-    }
-    if h["status"] == "ok" {
-        h["status"] = "degraded".into();
-    }
-    match h["reasons"].as_array_mut() {
-        Some(r) => r.extend(reasons.into_iter().map(Into::into)),
-        None => h["reasons"] = serde_json::json!(reasons),
-    }
-}
-
-/// Why `/health` is degraded by the control plane, if it is: one reason per backend that
-/// does not answer, saying what still works without it.
-pub fn control_plane_reasons(statuses: &[kvfabric::control::ControlStatus]) -> Vec<String> {
-    statuses
-        .iter()
-        .filter(|c| c.is_remote() && !c.connected)
-        .map(|c| {
-            let still = match c.backend {
-                "etcd" => {
-                    "discovery is frozen (no instance joins or leaves here; requests still go \
-                     to the workers known before; this process's lease lapses after its TTL)"
-                }
-                _ => {
-                    "KV events, load reports and dumps are not delivered (routing uses what it \
-                     last knew; requests are still served)"
-                }
-            };
-            format!(
-                "{} unreachable for {:.0} s ({}): {still}",
-                c.backend,
-                c.since_contact_s,
-                c.error.as_deref().unwrap_or("no answer")
-            )
-        })
-        .collect()
 }
 
 /// An attached engine.

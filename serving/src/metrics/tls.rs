@@ -43,6 +43,9 @@ impl Source for TlsSource {
             reload_failures: c.reload_failures.load(Ordering::Relaxed),
         });
     }
+    fn health(&self, out: &mut kvfabric::health::Health) {
+        out.tls = Some(self.0.health());
+    }
 }
 
 /// Encodes the TLS families.

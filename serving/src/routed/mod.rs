@@ -334,33 +334,25 @@ impl Backend for RoutedBackend {
         Ok(rx)
     }
 
-    fn health(&self) -> Value {
+    fn health(&self) -> kvfabric::health::Health {
+        use kvfabric::health::{Health, RoutingHealth, Unreachable};
         let now = Instant::now();
         self.inner.members.read(|st| {
-            let mut workers: Vec<&String> = st.workers.keys().collect();
+            let mut workers: Vec<String> = st.workers.keys().cloned().collect();
             workers.sort();
-            let mut reasons: Vec<String> = st
+            let mut unreachable: Vec<Unreachable> = st
                 .workers
                 .iter()
                 .filter_map(|(n, w)| w.refused_now(now).map(|why| (n, why)))
-                .map(|(n, why)| format!("worker {n} cannot be reached: it {why}"))
+                .map(|(n, why)| Unreachable { worker: n.clone(), why: why.to_string() })
                 .collect();
-            reasons.sort();
-            let status = if st.workers.is_empty() {
-                "no workers"
-            } else if reasons.len() == st.workers.len() {
-                "no usable workers"
-            } else if reasons.is_empty() {
-                "ok"
-            } else {
-                "degraded"
-            };
-            json!({
-                "status": status,
-                "reasons": reasons,
-                "workers": workers,
-                "models": st.models.keys().collect::<Vec<_>>(),
-            })
+            unreachable.sort_by(|a, b| a.worker.cmp(&b.worker));
+            let mut models: Vec<String> = st.models.keys().cloned().collect();
+            models.sort();
+            Health {
+                routing: Some(RoutingHealth { workers, models, unreachable }),
+                ..Health::default()
+            }
         })
     }
 

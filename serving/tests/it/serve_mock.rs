@@ -135,22 +135,27 @@ async fn models_health_and_response_shapes() {
     assert_eq!(m["object"], "list");
     assert_eq!(m["data"][0]["id"], "mock");
     assert_eq!(get(s.addr, "/v1/models/mock").await.status, 200);
-    let h = get(s.addr, "/health").await.json();
-    assert_eq!(h["status"], "ok");
+    // The health document, typed: the engine's, the store's and the transfers' parts.
+    let h: kvfabric::health::Health =
+        serde_json::from_value(get(s.addr, "/health").await.json()).unwrap();
+    assert_eq!(h.status, kvfabric::health::Status::Ok, "{h:?}");
+    assert_eq!(h.model.as_deref(), Some("mock"));
+    assert_eq!(h.engine.as_ref().map(|e| e.failure.is_none()), Some(true), "{h:?}");
+    assert_eq!(h.store, Some(Default::default()), "nothing wrong with the store");
     // Failed transfers are counted, and whether this process can use a GPU is said, with
     // the reason when it cannot (on a machine with a GPU and driver: its devices).
-    assert_eq!(h["transfers_failed"], 0);
-    match h["cuda"]["available"].as_bool() {
-        Some(true) => assert!(!h["cuda"]["devices"].as_array().unwrap().is_empty(), "{h}"),
-        Some(false) => assert!(h["cuda"]["reason"].as_str().unwrap().contains("CUDA"), "{h}"),
-        None => panic!("no cuda in /health: {h}"),
+    let t = h.transfer.expect("the transfer part");
+    assert_eq!(t.failed, 0);
+    match t.cuda.available {
+        true => assert!(!t.cuda.devices.is_empty(), "{:?}", t.cuda),
+        false => assert!(t.cuda.reason.as_deref().unwrap().contains("CUDA"), "{:?}", t.cuda),
     }
     // So is RDMA: the device in use, or why there is none (then transfers between hosts
     // use TCP).
-    match h["rdma"]["state"].as_str() {
-        Some("device") => assert!(h["rdma"]["device"].is_string(), "{h}"),
-        Some("unavailable") => assert!(!h["rdma"]["reason"].as_str().unwrap().is_empty(), "{h}"),
-        other => panic!("rdma in /health is {other:?}: {h}"),
+    match &t.rdma {
+        kvfabric::endpoint::RdmaStatus::Device { device, .. } => assert!(!device.is_empty()),
+        kvfabric::endpoint::RdmaStatus::Unavailable { reason } => assert!(!reason.is_empty()),
+        other => panic!("rdma in /health is {other:?}"),
     }
 
     let whole = post_json(s.addr, "/v1/chat/completions", &chat("Hello there", json!({}))).await;
@@ -715,7 +720,8 @@ async fn a_dead_engine_fails_health_with_its_reason() {
     assert_eq!(h.status, 503);
     let h = h.json();
     assert_eq!(h["status"], "failed");
-    assert!(h["reason"].as_str().unwrap().contains("injected fault"), "{h}");
+    assert!(h["engine"]["failure"].as_str().unwrap().contains("injected fault"), "{h}");
+    assert!(h["reasons"][0].as_str().unwrap().starts_with("the engine failed: "), "{h}");
     // Later requests fail fast, typed.
     let r = post_json(s.addr, "/v1/chat/completions", &chat("again", json!({}))).await;
     assert_eq!(r.status, 503, "{}", r.text());

@@ -468,7 +468,7 @@ async fn a_worker_stack_serves_a_routed_frontend_in_process() {
     let gone = routed.clone();
     common::wait_until(Duration::from_secs(10), || {
         use kvfabric_serving::backend::Backend;
-        gone.health()["workers"].as_array().is_some_and(|w| w.is_empty())
+        Backend::health(&*gone).finish().status == kvfabric::health::Status::NoWorkers
     });
     let r = common::post_json(addr, "/v1/completions", &body).await;
     assert_eq!(r.status, 503, "{}", r.text());

@@ -35,6 +35,7 @@ use std::sync::Arc;
 use kvfabric::agent::{Agent, AgentError};
 use kvfabric::events::{KvEvent, KvEventData, KvEventSink, TierKind};
 use kvfabric::hash::SequenceHash;
+use kvfabric::health::{DiskCorrupt, DiskFull, StoreHealth};
 use kvfabric::memory::{Region, RegionOptions};
 use parking_lot::Mutex;
 
@@ -552,35 +553,29 @@ impl TieredStore {
         }
     }
 
-    /// What is wrong with the store now, for `/health`: each reason makes it degraded
-    /// (serving, with less than it was configured for). Empty: healthy.
-    pub fn degraded(&self) -> Vec<String> {
-        let mut reasons = Vec::new();
+    /// Its part of `/health`: a full filesystem under the disk tier, corruption found lately
+    /// (the blocks were dropped, never served, but the device, or something writing to the
+    /// slot file, needs looking at). Each makes the process degraded (serving, with less than
+    /// it was configured for); [`StoreHealth::reasons`] says them.
+    pub fn health(&self) -> StoreHealth {
+        let mut h = StoreHealth::default();
         if let Some(d) = &self.inner.disk {
             let (_, usable) = d.occupancy();
             if usable < d.configured_blocks() {
-                reasons.push(format!(
-                    "the disk tier's filesystem is full: {usable} of {} slots usable",
-                    d.configured_blocks()
-                ));
+                h.disk_full = Some(DiskFull {
+                    usable: u64::from(usable),
+                    configured: u64::from(d.configured_blocks()),
+                });
             }
         }
-        // Corruption found lately: the blocks were dropped, never served, but the device (or
-        // something writing to the slot file) needs looking at.
         let m = &self.inner.metrics;
-        let corrupt = m.disk_corrupt_blocks.load(Ordering::Relaxed);
+        let blocks = m.disk_corrupt_blocks.load(Ordering::Relaxed);
         let last_ms = m.disk_corrupt_last_ms.load(Ordering::Relaxed);
-        let ago_s = crate::metrics::unix_ms().saturating_sub(last_ms) / 1000;
-        if corrupt > 0 && ago_s < CORRUPTION_RECENT_S {
-            reasons.push(format!(
-                "{corrupt} block(s) found corrupt on disk and dropped, never served (the last \
-                 {ago_s} s ago): check the device"
-            ));
+        let last_s_ago = crate::metrics::unix_ms().saturating_sub(last_ms) / 1000;
+        if blocks > 0 && last_s_ago < CORRUPTION_RECENT_S {
+            h.disk_corrupt = Some(DiskCorrupt { blocks, last_s_ago });
         }
-        if let Some(why) = self.agent().rdma_failure() {
-            reasons.push(format!("RDMA failed, transfers between hosts go over TCP: {why}"));
-        }
-        reasons
+        h
     }
 
     /// The disk tier, if any (tests and benchmarks).

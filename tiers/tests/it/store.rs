@@ -450,12 +450,14 @@ async fn restart_rebuilds_the_index_and_corrupt_blocks_are_never_served() {
     assert_eq!(recovered.len(), 10, "12 blocks written, 5 removed, block 4's header torn");
     assert!(!recovered.contains(&h(4)) && !recovered.contains(&h(5)));
     // Block 3 has a valid header but bad data: found, then dropped on read, never served.
-    assert!(s.degraded().is_empty(), "{:?}", s.degraded());
+    assert_eq!(s.health(), Default::default());
     assert!(s.get(&[h(3)]).await.unwrap().is_empty());
     assert_eq!(s.metrics().disk_corrupt_blocks, 1);
     assert!(!s.disk().unwrap().has(h(3)));
     // ... and seen: the store says it is degraded, and why.
-    let why = s.degraded();
+    let health = s.health();
+    assert_eq!(health.disk_corrupt.as_ref().map(|c| c.blocks), Some(1), "{health:?}");
+    let why = health.reasons();
     assert!(why.len() == 1 && why[0].contains("1 block(s) found corrupt on disk"), "{why:?}");
     assert!(sink.snapshot().iter().any(|e| matches!(&e.data, KvEventData::Removed { sequence_hashes, tier: TierKind::Disk } if sequence_hashes == &vec![h(3)])));
     for i in (0..12).filter(|&i| ![3, 4, 5].contains(&i)) {
@@ -592,7 +594,9 @@ async fn a_full_disk_is_a_typed_error_and_the_block_stays_in_host_memory() {
     assert_eq!(s.lookup_prefix(&[h(2)]), vec![TierKind::Host], "the block stayed in host memory");
     assert_eq!(s.get(&[h(2)]).await.unwrap()[0].to_vec(), data(2));
     assert_eq!(s.metrics().disk_capacity_blocks, 2, "the tier capped itself at what fits");
-    let why = s.degraded();
+    let health = s.health();
+    assert_eq!(health.disk_full, Some(kvfabric::health::DiskFull { usable: 2, configured: 16 }));
+    let why = health.reasons();
     assert!(why.len() == 1 && why[0].contains("2 of 16 slots usable"), "{why:?}");
     // Later offloads evict disk blocks instead of failing.
     assert_eq!(s.offload(&[h(2)]).await.unwrap(), 1);
@@ -610,7 +614,7 @@ async fn a_full_disk_is_a_typed_error_and_the_block_stays_in_host_memory() {
     cfg.disk = Some(d);
     cfg.shared_host = false;
     let s = TieredStore::open(cfg, &a, RecordingSink::new()).await.unwrap();
-    let why = s.degraded();
+    let why = s.health().reasons();
     assert!(why.len() == 1 && why[0].contains("0 of 16 slots usable"), "{why:?}");
 }
 

@@ -185,6 +185,8 @@ function render(s) {
   const status = $("#status");
   status.textContent = s.server.status;
   status.className = "badge " + (s.server.status === "ok" ? "ok" : s.server.status === "degraded" ? "degraded" : "bad");
+  // The health document's reasons (docs/health.schema.json): what is wrong, what still works.
+  $("#reasons").textContent = (s.health.reasons || []).join(" · ");
   $("#updated").textContent = `up ${Math.round(s.uptime_s)} s`;
   const r = s.requests;
   for (const k of ["ok", "client_errors", "server_errors", "cancelled", "prompt_tokens", "cached_prompt_tokens", "generated_tokens"]) {
