@@ -26,6 +26,9 @@
 //!   the sink trait stores publish them to.
 //! - [`contract`]: the control plane's topics and typed, versioned messages (KV events and
 //!   dumps, loads, dump requests) that every publisher and consumer uses.
+//! - [`queue`]: the one admission queue (earliest deadline first, class bounds, shares,
+//!   expiry, preemption; sans IO), used by the engine's scheduler and the frontend's queue.
+//! - [`health`]: the health document every process serves, each part filled by its owner.
 //! - [`wire`]: the authenticated, length-prefixed binary protocol between agents.
 //! - [`rng`]: the reproducible generator of every seeded draw.
 //! - [`tls`]: TLS on every TCP port (rustls with *ring*): a process's certificates, reloaded
@@ -60,6 +63,7 @@ pub mod layout;
 pub mod lockfile;
 pub mod memory;
 pub mod peer;
+pub mod queue;
 pub mod rng;
 pub mod secret;
 pub mod session;

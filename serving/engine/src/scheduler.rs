@@ -7,7 +7,6 @@
 //! that become stored blocks once full (committed in place, no copy). Engine memory is the
 //! fallback when the store cannot spare a slot.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,6 +14,7 @@ use std::time::{Duration, Instant};
 use crate::stream::{EventRx, EventTx};
 use kvfabric::events::TierKind;
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
+use kvfabric::queue::{Expiry, Key, Meta, Place, Queue, Running};
 use kvfabric_tiers::{StoreError, TieredStore};
 
 use super::{
@@ -46,17 +46,9 @@ pub struct SchedulerConfig {
     pub policy: QueuePolicy,
 }
 
-/// How an engine orders the requests that wait for a batch slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum QueuePolicy {
-    /// Earliest deadline first: arrival plus the class's TTFT target. A more urgent class
-    /// displaces a less urgent one from a full queue and preempts its prefill.
-    #[default]
-    Edf,
-    /// First come first served, whatever the class (the comparison for `Edf`): no
-    /// displacement, no preemption.
-    Fcfs,
-}
+/// How an engine orders the requests that wait for a batch slot (the one admission
+/// queue's policy, `kvfabric::queue`).
+pub use kvfabric::queue::QueuePolicy;
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
@@ -176,9 +168,6 @@ struct Submission {
     req: GenerateRequest,
     tx: EventTx,
     arrived: Instant,
-    /// Its deadline for ordering: arrival plus its class's TTFT target (plus its timeout
-    /// when it has no class). Waiting requests are served earliest first.
-    key: Instant,
     /// It was admitted before and preempted (`Started` was sent): what it resumes from.
     resume: Option<Box<Resume>>,
 }
@@ -203,15 +192,8 @@ struct Resume {
 }
 
 impl Submission {
-    fn new(req: GenerateRequest, tx: EventTx, policy: QueuePolicy) -> Self {
-        let arrived = Instant::now();
-        let target = match policy {
-            QueuePolicy::Edf => req.class.as_ref().and_then(|c| c.ttft).unwrap_or(req.timeout),
-            QueuePolicy::Fcfs => Duration::ZERO,
-        };
-        // Bounded by `submit` (a day at most); a clock at its end is no deadline.
-        let key = arrived.checked_add(target).unwrap_or(arrived);
-        Submission { req, tx, arrived, key, resume: None }
+    fn new(req: GenerateRequest, tx: EventTx) -> Self {
+        Submission { req, tx, arrived: Instant::now(), resume: None }
     }
 
     /// Prompt tokens it would compute (for a resumed request, those past its stored blocks).
@@ -219,26 +201,16 @@ impl Submission {
         self.resume.as_ref().map_or(self.req.prompt.len(), |r| r.left)
     }
 
-    /// Less urgent first: its class's rank, then its deadline.
-    fn urgency(&self) -> (u8, Instant) {
-        (self.req.rank(), self.key)
-    }
-
-    /// Its rank as the queue policy sees it (FCFS: all alike).
-    fn rank(&self, policy: QueuePolicy) -> u8 {
-        match policy {
-            QueuePolicy::Edf => self.req.rank(),
-            QueuePolicy::Fcfs => 0,
-        }
-    }
-
-    /// When its class says it is too late to start (never, once it sent tokens).
-    fn expires(&self) -> Option<Instant> {
+    /// What the admission queue knows of it: its class, its key (earliest deadline first:
+    /// arrival plus its class's TTFT target, or its timeout), its deadline and its class's
+    /// expiry (none once it sent tokens); a preempted request is pinned (never shed).
+    fn meta(&self, policy: QueuePolicy) -> Meta<Instant> {
+        let mut m = Meta::new(policy, self.req.class.as_ref(), self.arrived, self.req.timeout);
+        m.pinned = self.resume.is_some();
         if self.resume.as_ref().is_some_and(|r| r.generated > 0) {
-            return None;
+            m.expires = None;
         }
-        let e = self.req.class.as_ref()?.expire?;
-        self.arrived.checked_add(e)
+        m
     }
 }
 
@@ -308,7 +280,7 @@ impl Scheduler {
             rx,
             stats: stats.clone(),
             codec: codec.clone(),
-            waiting: VecDeque::new(),
+            waiting: Queue::new(policy),
             running: Vec::new(),
             next_id: 1,
             block_bytes: info.layout.bytes_per_block() as usize,
@@ -436,7 +408,7 @@ impl Scheduler {
         self.stats.inbox_prompt_tokens.fetch_add(prompt, Ordering::SeqCst);
         // Numbered after its tokens are counted: a load read after the number counts them.
         let seq = self.stats.accepted.fetch_add(1, Ordering::SeqCst) + 1;
-        self.tx.send(Submission::new(req, tx, self.policy)).map_err(|_| {
+        self.tx.send(Submission::new(req, tx)).map_err(|_| {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             self.stats.inbox_prompt_tokens.fetch_sub(prompt, Ordering::SeqCst);
             EngineError::Stopped
@@ -512,7 +484,7 @@ struct Loop<E: Engine> {
     rx: std::sync::mpsc::Receiver<Submission>,
     stats: Arc<SchedulerStats>,
     codec: Arc<TextCodec>,
-    waiting: VecDeque<Submission>,
+    waiting: Queue<Submission, Instant>,
     running: Vec<Seq>,
     next_id: u64,
     block_bytes: usize,
@@ -620,20 +592,12 @@ impl<E: Engine> Loop<E> {
     /// to the queue's at the next [`Loop::report_load`]).
     fn take_in(&mut self, s: Submission) {
         self.taken_in += s.req.prompt.len() as u64;
-        self.enqueue(s);
+        self.enqueue(s, None);
         // Over the bound (a more urgent request came into a full queue): the least urgent
         // goes, told to retry when the queue should have drained. A preempted request is
         // never shed: it was admitted (its stream may have begun), and it counts against no
         // bound.
-        let resuming = self.stats.resuming.load(Ordering::Relaxed) as usize;
-        while self.waiting.len() > self.cfg.waiting_max.max(1) + resuming {
-            let Some(i) = (0..self.waiting.len())
-                .filter(|&i| self.waiting[i].resume.is_none())
-                .max_by_key(|&i| self.waiting[i].urgency())
-            else {
-                break;
-            };
-            let Some(out) = self.waiting.remove(i) else { break };
+        for (_, out) in self.waiting.shed_over(self.cfg.waiting_max.max(1)) {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             bump(&self.stats.shed, 1);
             tracing::debug!(class = ?out.req.class.as_ref().map(|c| &c.name), "a queued request shed for a more urgent one");
@@ -645,45 +609,42 @@ impl<E: Engine> Loop<E> {
         self.note_least_urgent();
     }
 
-    /// Queues a submission in deadline order (after those of the same deadline).
-    fn enqueue(&mut self, s: Submission) {
-        let at = self.waiting.partition_point(|w| w.key <= s.key);
-        self.waiting.insert(at, s);
+    /// Queues a submission in deadline order (after those of the same deadline), at `key`
+    /// when given (a preempted request behind the one it made room for).
+    fn enqueue(&mut self, s: Submission, key: Option<Key<Instant>>) {
+        let mut meta = s.meta(self.cfg.policy);
+        if let Some(k) = key {
+            meta.key = k;
+        }
+        self.waiting.push(meta, s);
     }
 
     fn note_least_urgent(&self) {
-        let rank = self.waiting.iter().map(|w| w.rank(self.cfg.policy)).max().unwrap_or(0);
+        let rank = self.waiting.least_urgent_rank();
         self.stats.least_urgent_waiting.store(u64::from(rank), Ordering::Relaxed);
     }
 
     /// Answers at once every waiting request whose class's `expire` or whose own deadline
     /// has passed: none is computed too late to matter.
     fn expire_waiting(&mut self) {
-        let now = Instant::now();
-        let mut i = 0;
-        while i < self.waiting.len() {
-            let w = &self.waiting[i];
-            let past_timeout = w.arrived.checked_add(w.req.timeout).is_none_or(|d| now >= d);
-            let expired = w.expires().is_some_and(|e| now >= e);
-            if !(past_timeout || expired || w.tx.is_closed()) {
-                i += 1;
-                continue;
-            }
-            let Some(w) = self.waiting.remove(i) else { break };
+        for (why, meta, w) in self.waiting.expired(Instant::now(), |w| w.tx.is_closed()) {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            if w.resume.is_some() {
+            if meta.pinned {
                 self.stats.resuming.fetch_sub(1, Ordering::Relaxed);
             }
-            if w.tx.is_closed() {
-                bump(&self.stats.cancelled, 1);
-                continue;
-            }
-            let timeout = if expired && !past_timeout {
-                bump(&self.stats.expired, 1);
-                w.req.class.as_ref().and_then(|c| c.expire).unwrap_or(w.req.timeout)
-            } else {
-                bump(&self.stats.deadline_exceeded, 1);
-                w.req.timeout
+            let timeout = match why {
+                None => {
+                    bump(&self.stats.cancelled, 1);
+                    continue;
+                }
+                Some(Expiry::Class) => {
+                    bump(&self.stats.expired, 1);
+                    w.req.class.as_ref().and_then(|c| c.expire).unwrap_or(w.req.timeout)
+                }
+                Some(Expiry::Deadline) => {
+                    bump(&self.stats.deadline_exceeded, 1);
+                    w.req.timeout
+                }
             };
             let _ = w.tx.send(GenEvent::Error(EngineError::Deadline { timeout }));
         }
@@ -694,7 +655,7 @@ impl<E: Engine> Loop<E> {
     /// stored; a decode from its stored blocks too, its last, partial block computed again,
     /// and then goes on generating where it stopped (same tokens, same sampler state): its
     /// client sees a pause.
-    fn preempt(&mut self, i: usize, behind: Instant) {
+    fn preempt(&mut self, i: usize, behind: Key<Instant>) {
         let s = self.running.remove(i);
         self.engine.remove_sequence(s.id);
         self.stats.running.fetch_sub(1, Ordering::Relaxed);
@@ -726,66 +687,29 @@ impl<E: Engine> Loop<E> {
         };
         // Right behind the request it made room for: a decode's deadline (its TTFT's) may
         // be long past, and it must not take the slot straight back.
-        let key = s.key.max(behind.checked_add(Duration::from_nanos(1)).unwrap_or(behind));
-        let sub = Submission {
-            req: s.req,
-            tx: s.tx,
-            arrived: s.arrived,
-            key,
-            resume: Some(Box::new(resume)),
-        };
-        self.enqueue(sub);
+        let behind = behind.0.checked_add(Duration::from_nanos(1)).unwrap_or(behind.0);
+        let key = Key(s.key.max(behind));
+        let sub =
+            Submission { req: s.req, tx: s.tx, arrived: s.arrived, resume: Some(Box::new(resume)) };
+        self.enqueue(sub, Some(key));
     }
 
-    /// The running request to preempt for a waiting one of rank `rank` and deadline `key`:
-    /// the least urgent of those that produced no token yet, are of a higher rank and have a
-    /// later deadline (queued again, it waits behind the one it made room for).
-    fn preemptible(&self, rank: u8, key: Instant) -> Option<usize> {
-        (0..self.running.len())
-            .filter(|&i| {
-                let s = &self.running[i];
-                s.generated == 0 && s.req.rank() > rank && s.key > key
+    /// With a full batch, the first waiting request that may take a running request's
+    /// slot, and that running request (the admission queue's [`Queue::preemption`]: a less
+    /// urgent prefill, or a less urgent decode when the waiting request would miss its TTFT
+    /// target by the measured step costs).
+    fn slot_to_take(&self) -> Option<(Place<Instant>, usize)> {
+        let running: Vec<Running<Instant>> = self
+            .running
+            .iter()
+            .map(|s| Running {
+                rank: s.req.rank(),
+                key: Key(s.key),
+                generated: s.generated > 0,
+                started: s.started,
             })
-            .max_by_key(|&i| (self.running[i].req.rank(), self.running[i].key))
-    }
-
-    /// The first waiting request (in deadline order) that may take a running request's
-    /// slot, and that running request: a less urgent one's prefill, or, when the waiting one
-    /// would miss its TTFT target waiting, a less urgent one's decode. Not only the queue's
-    /// head: a paused batch request at the head waits for a free slot, and must not hold back
-    /// the interactive request behind it.
-    fn slot_to_take(&self) -> Option<(usize, usize)> {
-        // Only a request more urgent than some running one can take a slot.
-        let least_urgent = self.running.iter().map(|s| s.req.rank()).max()?;
-        self.waiting.iter().enumerate().find_map(|(w, sub)| {
-            if sub.req.rank() >= least_urgent {
-                return None;
-            }
-            let victim = self
-                .preemptible(sub.rank(self.cfg.policy), sub.key)
-                .or_else(|| self.decode_to_yield(sub))?;
-            Some((w, victim))
-        })
-    }
-
-    /// The decode to pause for `head`, a waiting request of a class with a TTFT target that
-    /// a full batch would make miss it: the least urgent decode of a less urgent class
-    /// (higher rank). None when the batch frees a slot in time (by the measured step
-    /// costs), or no decode is less urgent.
-    fn decode_to_yield(&self, head: &Submission) -> Option<usize> {
-        if self.cfg.policy != QueuePolicy::Edf
-            || head.req.class.as_ref().and_then(|c| c.ttft).is_none()
-        {
-            return None;
-        }
-        let rank = head.req.rank();
-        let victim = (0..self.running.len())
-            .filter(|&i| {
-                let s = &self.running[i];
-                s.started && s.generated > 0 && s.req.rank() > rank
-            })
-            .max_by_key(|&i| (self.running[i].req.rank(), self.running[i].key))?;
-        self.would_miss(head).then_some(victim)
+            .collect();
+        self.waiting.preemption(&running, |meta, sub| self.would_miss(meta.key, sub))
     }
 
     /// Whether `head` would miss its deadline waiting for the batch to free a slot: the
@@ -794,7 +718,7 @@ impl<E: Engine> Loop<E> {
     /// half of the time it has left (the estimate leaves out the steps of the others' prompt
     /// chunks: it waits only where it surely makes it). Until the costs are measured, it
     /// would.
-    fn would_miss(&self, head: &Submission) -> bool {
+    fn would_miss(&self, key: Key<Instant>, head: &Submission) -> bool {
         let (Some(decode_us), Some(token_us)) =
             (self.cost.decode_step_us, self.cost.prefill_us_per_token)
         else {
@@ -811,7 +735,7 @@ impl<E: Engine> Loop<E> {
         let own_us = head.prefill_tokens() as f64 * token_us + decode_us;
         let ready = Duration::from_secs_f64(((free_in_us + own_us) / 1e6).clamp(0.0, 86_400.0));
         let now = Instant::now();
-        ready > head.key.saturating_duration_since(now) / 2
+        ready > key.0.saturating_duration_since(now) / 2
     }
 
     fn report_load(&mut self) {
@@ -833,7 +757,7 @@ impl<E: Engine> Loop<E> {
                 }
             })
             .sum::<usize>()
-            + self.waiting.iter().map(Submission::prefill_tokens).sum::<usize>();
+            + self.waiting.iter().map(|(_, _, w)| w.prefill_tokens()).sum::<usize>();
         self.stats.active_tokens.store(active as u64, Ordering::Relaxed);
         self.stats.queued_prefill_tokens.store(queued as u64, Ordering::SeqCst);
         let per_token = self.cost.prefill_us_per_token.unwrap_or(0.0);
@@ -847,19 +771,19 @@ impl<E: Engine> Loop<E> {
     fn admit(&mut self) {
         self.expire_waiting();
         while !self.waiting.is_empty() {
-            let sub = if self.running.len() < self.cfg.batch_max {
-                let Some(sub) = self.waiting.pop_front() else { break };
-                sub
+            let (meta, sub) = if self.running.len() < self.cfg.batch_max {
+                let Some(first) = self.waiting.pop_first() else { break };
+                first
             } else {
                 // A full batch: the first waiting request (by deadline) that may take the
                 // slot of a running one does, and is admitted in its place.
                 let Some((w, victim)) = self.slot_to_take() else { break };
-                let Some(sub) = self.waiting.remove(w) else { break };
-                self.preempt(victim, sub.key);
-                sub
+                let Some((meta, sub)) = self.waiting.remove(w) else { break };
+                self.preempt(victim, meta.key);
+                (meta, sub)
             };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            if sub.resume.is_some() {
+            if meta.pinned {
                 self.stats.resuming.fetch_sub(1, Ordering::Relaxed);
             }
             // `submit` bounded the timeout; a deadline past the clock's range is not one.
@@ -886,7 +810,7 @@ impl<E: Engine> Loop<E> {
             let mut seq = Seq {
                 id,
                 hasher,
-                key: sub.key,
+                key: meta.key.0,
                 preempted,
                 prefill_to,
                 sampler,

@@ -23,6 +23,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use kvfabric::contract::generate::ClassHint;
+use kvfabric::queue::{Meta, Place, Queue, Slots};
 
 use crate::engine::{EngineError, QueuePolicy};
 pub use crate::metrics::PendingClassStats;
@@ -47,7 +48,7 @@ impl Default for PendingConfig {
 }
 
 /// The class counted for requests without one (classes are off).
-pub const NO_CLASS: &str = "none";
+pub use kvfabric::queue::NO_CLASS;
 
 /// Classes (and the class-less) a frontend counts at most; further names share the last
 /// row's counters under "other".
@@ -63,12 +64,11 @@ pub struct Pending {
 #[derive(Debug, Default)]
 struct State {
     lanes: HashMap<String, Lane>,
-    seq: u64,
     stats: BTreeMap<String, PendingClassStats>,
 }
 
 /// One model's slots and waiting requests.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Lane {
     capacity: usize,
     /// Slots past `capacity` that only latency-class requests may take (one per worker): an
@@ -77,19 +77,29 @@ struct Lane {
     in_flight: usize,
     /// Slots held per class.
     held: HashMap<String, usize>,
-    waiting: BTreeMap<(Instant, u64), Waiter>,
-    waiting_by_class: HashMap<String, usize>,
+    /// The requests that wait (the one admission queue: order, class counts, shares,
+    /// bursts).
+    waiting: Queue<Waiter, Instant>,
     /// How long a slot is held, smoothed (for `Retry-After`).
     hold_ms: f64,
 }
 
 #[derive(Debug)]
 struct Waiter {
-    class: String,
-    share: Option<f64>,
-    /// A latency class (one with an ITL target): it may take a burst slot.
-    urgent: bool,
     tx: oneshot::Sender<Instant>,
+}
+
+impl Lane {
+    fn new(policy: QueuePolicy) -> Self {
+        Lane {
+            capacity: 0,
+            burst: 0,
+            in_flight: 0,
+            held: HashMap::new(),
+            waiting: Queue::new(policy),
+            hold_ms: 0.0,
+        }
+    }
 }
 
 /// A slot of a model's capacity: released when dropped.
@@ -149,24 +159,21 @@ impl Pending {
             // No queue, or no worker now: the request goes on and meets what routing says.
             return Admitted::Go { permit: Permit { held: None }, waited: Duration::ZERO };
         }
-        let name = class.map_or(NO_CLASS, |c| c.name.as_str()).to_string();
-        let key_at = match (self.cfg.policy, class.and_then(|c| c.ttft)) {
-            (QueuePolicy::Edf, Some(ttft)) => arrival + ttft,
-            (QueuePolicy::Edf, None) => deadline,
-            (QueuePolicy::Fcfs, _) => arrival,
-        };
+        // The one rule of the admission queue: arrival plus the class's TTFT target, or the
+        // request's own deadline without one (first come first served: the arrival).
+        let meta =
+            Meta::new(self.cfg.policy, class, arrival, deadline.saturating_duration_since(arrival));
+        let name = meta.class.clone();
         let expire = class.and_then(|c| c.expire);
         let give_up = expire.map_or(deadline, |e| (arrival + e).min(deadline));
         let (tx, mut rx) = oneshot::channel();
         let key = {
             let mut st = self.st.lock();
-            st.seq += 1;
-            let key = (key_at, st.seq);
-            let lane = st.lanes.entry(model.to_string()).or_default();
+            let policy = self.cfg.policy;
+            let lane = st.lanes.entry(model.to_string()).or_insert_with(|| Lane::new(policy));
             lane.capacity = capacity;
             lane.burst = capacity / self.cfg.per_worker.max(1);
-            let queued = lane.waiting_by_class.get(&name).copied().unwrap_or(0);
-            if queued >= self.cfg.bound {
+            if lane.waiting.class_full(&name, self.cfg.bound) {
                 let waiting = lane.waiting.len();
                 let per_slot = if lane.hold_ms > 0.0 { lane.hold_ms } else { 1000.0 };
                 let retry_ms = (per_slot * (waiting + 1) as f64 / capacity as f64).ceil() as u64;
@@ -176,12 +183,7 @@ impl Pending {
                     retry_after_ms: Some(retry_ms.clamp(1, 3_600_000)),
                 });
             }
-            let share = class.and_then(|c| c.share);
-            // First come first served is that whatever the class: no burst.
-            let urgent =
-                self.cfg.policy == QueuePolicy::Edf && class.is_some_and(|c| c.itl.is_some());
-            lane.waiting.insert(key, Waiter { class: name.clone(), share, urgent, tx });
-            *lane.waiting_by_class.entry(name.clone()).or_default() += 1;
+            let key = lane.waiting.push(meta, Waiter { tx });
             lane.dispatch();
             key
         };
@@ -196,7 +198,7 @@ impl Pending {
                 // Out of the queue, unless a slot was granted in the meantime.
                 let mut st = self.st.lock();
                 let lane = st.lanes.get_mut(model);
-                let removed = lane.and_then(|l| l.remove(&key)).is_some();
+                let removed = lane.and_then(|l| l.waiting.remove(key)).is_some();
                 if removed {
                     let ended_by_time = Instant::now() >= give_up;
                     if ended_by_time {
@@ -234,16 +236,16 @@ impl Pending {
         let st = self.st.lock();
         let mut out = st.stats.clone();
         for lane in st.lanes.values() {
-            for (class, n) in &lane.waiting_by_class {
+            for (class, n) in lane.waiting.classes() {
                 let key = if out.contains_key(class) || out.len() < CLASSES_COUNTED_MAX {
-                    class.clone()
+                    class.to_string()
                 } else {
                     "other".to_string()
                 };
                 let row = out
                     .entry(key.clone())
                     .or_insert_with(|| PendingClassStats { class: key, ..Default::default() });
-                row.waiting += *n as u64;
+                row.waiting += n as u64;
             }
         }
         out.into_values().collect()
@@ -271,46 +273,25 @@ impl State {
 }
 
 impl Lane {
-    fn remove(&mut self, key: &(Instant, u64)) -> Option<Waiter> {
-        let w = self.waiting.remove(key)?;
-        if let Some(n) = self.waiting_by_class.get_mut(&w.class) {
-            *n -= 1;
-            if *n == 0 {
-                self.waiting_by_class.remove(&w.class);
-            }
-        }
-        Some(w)
-    }
-
-    /// Hands free slots to waiting requests: the first in order whose class is within its
-    /// share (while other classes wait), else the first; with every slot taken, a burst slot
-    /// to the first latency-class request.
+    /// Hands free slots to waiting requests, as the admission queue chooses
+    /// ([`Queue::next_for_slot`]): the first in order whose class is within its share
+    /// (while other classes wait), else the first; with every slot taken, a burst slot to
+    /// the first latency-class request.
     fn dispatch(&mut self) {
-        while !self.waiting.is_empty() {
-            let full = self.in_flight >= self.capacity;
-            if full && self.in_flight >= self.capacity + self.burst {
+        loop {
+            let slots = Slots {
+                capacity: self.capacity,
+                burst: self.burst,
+                in_flight: self.in_flight,
+                held: &self.held,
+            };
+            let Some(place): Option<Place<Instant>> = self.waiting.next_for_slot(&slots) else {
                 break;
-            }
-            let total = self.waiting.len();
-            let within = |l: &Lane, w: &Waiter| {
-                let others_wait = total > l.waiting_by_class.get(&w.class).copied().unwrap_or(0);
-                let cap = w.share.map(|s| ((s * l.capacity as f64).ceil() as usize).max(1));
-                let held = l.held.get(&w.class).copied().unwrap_or(0);
-                !others_wait || cap.is_none_or(|c| held < c)
             };
-            let key = if full {
-                self.waiting.iter().find(|(_, w)| w.urgent).map(|(k, _)| *k)
-            } else {
-                self.waiting
-                    .iter()
-                    .find(|(_, w)| within(self, w))
-                    .or_else(|| self.waiting.iter().next())
-                    .map(|(k, _)| *k)
-            };
-            let Some(w) = key.and_then(|k| self.remove(&k)) else { break };
+            let Some((meta, w)) = self.waiting.remove(place) else { break };
             if w.tx.send(Instant::now()).is_ok() {
                 self.in_flight += 1;
-                *self.held.entry(w.class).or_default() += 1;
+                *self.held.entry(meta.class).or_default() += 1;
             }
         }
     }
