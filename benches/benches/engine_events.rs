@@ -53,7 +53,7 @@ fn bench(c: &mut Criterion) {
         });
         // Decoding and mapping to kvfabric hashes into a mirror that already holds ~100k
         // blocks (a warm engine); each iteration stores fresh hashes.
-        let mut mirror = EngineMirror::new(16).unwrap();
+        let mut mirror = EngineMirror::new(kvfabric::units::BlockTokens::of(16));
         let mut out = Vec::new();
         for i in 0..(100_000 / (events * blocks)).max(1) {
             let warm =

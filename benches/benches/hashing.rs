@@ -20,8 +20,10 @@ fn hashing(c: &mut Criterion) {
         let tokens: Vec<u32> =
             (0..tokens_n as u32).map(|i| i.wrapping_mul(2_654_435_761) % 128_256).collect();
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let hasher =
-            TokenBlockHasher::new(block_tokens, HashSeed::DEFAULT).expect("block size > 0");
+        let hasher = TokenBlockHasher::new(
+            kvfabric::units::BlockTokens::of(block_tokens as u32),
+            HashSeed::DEFAULT,
+        );
         let mut g = c.benchmark_group(format!("hash/{tokens_n}tok/bs{block_tokens}"));
         g.throughput(Throughput::Elements(tokens_n as u64));
         g.bench_function("raw_xxh3_per_block", |b| {

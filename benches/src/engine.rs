@@ -151,7 +151,7 @@ pub async fn run(args: EngineArgs, host: &Host) -> crate::Result<()> {
     let shared = Arc::new(Mutex::new(engine));
 
     let agent = Agent::start(host.agent_config("bench-engine", b"bench".to_vec())).await?;
-    let blocks = (args.prompt_tokens + n) / info.layout.block_tokens as usize + 8;
+    let blocks = (args.prompt_tokens + n) / info.layout.block_tokens.as_usize() + 8;
     let store = TieredStore::open(
         StoreConfig::new(info.layout.bytes_per_block(), (blocks * 2) as u32),
         &agent,
@@ -168,7 +168,7 @@ pub async fn run(args: EngineArgs, host: &Host) -> crate::Result<()> {
     let mut rounds: [Vec<Round>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for round in 0..args.rounds.max(1) {
         let mut prompt = base[..args.prompt_tokens].to_vec();
-        prompt[0] = (round as u32 * 7 + 11) % (info.layout.block_tokens * 1000);
+        prompt[0] = (round as u32 * 7 + 11) % (info.layout.block_tokens.get() * 1000);
         let (r0, r1) = {
             let (sh, pr) = (shared.clone(), prompt.clone());
             tokio::task::spawn_blocking(move || -> crate::Result<(Round, Round)> {

@@ -240,7 +240,7 @@ pub fn run(args: RouterArgs) -> crate::Result<()> {
         workers: args.sim_workers.max(1),
         block_tokens: workload.block_tokens,
         block_load_scale: args.block_load_scale,
-        reshape: Reshape::none(workload.block_tokens),
+        reshape: Reshape::none(workload.block_tokens.get()),
         tier_blocks: [4096, 0, 0],
         prefill_tokens_per_s: 5_000.0,
         decode_step_ms: 20.0,

@@ -52,7 +52,8 @@ fn wait(op: *mut kvf_op) -> u64 {
 }
 
 fn hasher_for(tokens: &[u32]) -> Vec<kvfabric::hash::SequenceHash> {
-    TokenBlockHasher::new(BT, HashSeed::DEFAULT).unwrap().sequence_hashes(tokens)
+    TokenBlockHasher::new(kvfabric::units::BlockTokens::of(BT as u32), HashSeed::DEFAULT)
+        .sequence_hashes(tokens)
 }
 
 fn main() {
@@ -72,7 +73,8 @@ fn main() {
     let store = kvf_store::new(&agent, &cfg).unwrap();
     let block_bytes = store.store().block_bytes();
     assert_eq!(block_bytes, LAYERS * 2 * SEG);
-    let hasher = TokenBlockHasher::new(BT, HashSeed::DEFAULT).unwrap();
+    let hasher =
+        TokenBlockHasher::new(kvfabric::units::BlockTokens::of(BT as u32), HashSeed::DEFAULT);
 
     // The engine's paged cache: one region per layer, [2][CACHE_BLOCKS][SEG bytes].
     let mut layers: Vec<Vec<u8>> = (0..LAYERS)

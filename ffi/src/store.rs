@@ -12,6 +12,7 @@ use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric::layout::ModelSpec;
 use kvfabric::memory::{copy_between, MemoryKind, Region, RegionId};
 use kvfabric::transfer::{Desc, TransferOp, TransferRequest};
+use kvfabric::units::BlockTokens;
 use kvfabric_tiers::disk::DiskConfig;
 use kvfabric_tiers::fabric::FabricNode;
 use kvfabric_tiers::publish::StorePublisher;
@@ -209,14 +210,12 @@ impl kvf_store {
     /// Opens a store on `agent` (Rust entry point of `kvf_store_new`).
     pub fn new(agent: &kvf_agent, cfg: &kvf_config) -> Result<kvf_store, FfiError> {
         let ctx = agent.ctx.clone();
-        let block_tokens = cfg.num::<u32>("block_tokens", 16);
-        if block_tokens == 0 {
+        let Some(block_tokens) = BlockTokens::new(cfg.num::<u32>("block_tokens", 16)) else {
             return Err(config_error("block_tokens must be at least 1"));
-        }
-        let bytes = block_bytes(cfg, block_tokens)?;
+        };
+        let bytes = block_bytes(cfg, block_tokens.get())?;
         let seed = HashSeed::new(cfg.str("lora"), cfg.str("salt"));
-        let hasher = TokenBlockHasher::new(block_tokens as usize, seed)
-            .map_err(|e| config_error(e.to_string()))?;
+        let hasher = TokenBlockHasher::new(block_tokens, seed);
         let mut scfg = StoreConfig::new(bytes, cfg.num::<u32>("host_blocks", 1024));
         scfg.shared_host = cfg.bool("shared_host", true);
         scfg.disk_admit_min_hits = cfg.num::<u32>("disk_admit_min_hits", 0);
@@ -290,8 +289,7 @@ impl kvf_store {
     /// handle's seed (`kvf_store_salted`); an empty salt gives this handle's seed.
     pub fn salted(&self, salt: &str) -> Result<kvf_store, FfiError> {
         let seed = self.hasher.seed().salted(salt);
-        let hasher = TokenBlockHasher::new(self.hasher.block_tokens(), seed)
-            .map_err(|e| FfiError::invalid(e.to_string()))?;
+        let hasher = TokenBlockHasher::new(self.hasher.block_tokens(), seed);
         Ok(kvf_store { core: self.core.clone(), hasher, last_error: LastError::default() })
     }
 
@@ -301,7 +299,7 @@ impl kvf_store {
     }
 
     fn hashes(&self, tokens: &[u32], blocks: usize) -> Vec<SequenceHash> {
-        let bt = self.hasher.block_tokens();
+        let bt = self.hasher.block_tokens().as_usize();
         self.hasher.sequence_hashes(&tokens[..(blocks * bt).min(tokens.len())])
     }
 
@@ -425,7 +423,7 @@ impl kvf_store {
         block_ids: &[u32],
         segments: &[kvf_segment],
     ) -> Result<Vec<Arc<Region>>, FfiError> {
-        let full = tokens.len() / self.hasher.block_tokens();
+        let full = tokens.len() / self.hasher.block_tokens().as_usize();
         if block_ids.is_empty() {
             return Err(FfiError::invalid("no blocks given"));
         }
@@ -706,7 +704,7 @@ pub unsafe extern "C" fn kvf_store_block_info(
         let t = unsafe { Out::new(block_tokens_out, "block_tokens_out") }?;
         // SAFETY: as above.
         let b = unsafe { Out::new(block_bytes_out, "block_bytes_out") }?;
-        t.set(s.hasher.block_tokens() as u32);
+        t.set(s.hasher.block_tokens().get());
         b.set(s.store.block_bytes());
         Ok(())
     })
@@ -917,7 +915,7 @@ pub unsafe extern "C" fn kvf_store_publish_stored(
         // SAFETY: as above.
         let tokens = unsafe { ptr::slice(tokens, n_tokens, "tokens") }?;
         let tier = tier_of(tier)?;
-        let full = tokens.len() / s.hasher.block_tokens();
+        let full = tokens.len() / s.hasher.block_tokens().as_usize();
         let end = first_block.saturating_add(n_blocks);
         if n_blocks == 0 || end > full {
             return Err(FfiError::invalid(format!(

@@ -12,6 +12,8 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+pub use crate::units::BlockTokens;
+
 /// XXH3-64 (seed 0) of bulk bytes: the checksum of KV data everywhere (transfers, the disk
 /// tier's slots). The same value as any XXH3 library's `XXH3_64bits`; computed with the widest
 /// SIMD kernel the CPU has, chosen at run time, because verifying a block read from disk sits
@@ -129,32 +131,21 @@ fn hash_u32s(tokens: &[u32], seed: u64) -> u64 {
     }
 }
 
-/// Why a hasher could not be built.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum HashError {
-    /// Blocks must hold at least one token.
-    #[error("block size must be at least 1 token")]
-    ZeroBlockTokens,
-}
-
 /// Hashes token sequences into block and sequence hashes for one block size and seed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenBlockHasher {
-    block_tokens: usize,
+    block_tokens: BlockTokens,
     seed: HashSeed,
 }
 
 impl TokenBlockHasher {
     /// A hasher for `block_tokens` tokens per block.
-    pub fn new(block_tokens: usize, seed: HashSeed) -> Result<Self, HashError> {
-        if block_tokens == 0 {
-            return Err(HashError::ZeroBlockTokens);
-        }
-        Ok(TokenBlockHasher { block_tokens, seed })
+    pub const fn new(block_tokens: BlockTokens, seed: HashSeed) -> Self {
+        TokenBlockHasher { block_tokens, seed }
     }
 
     /// Tokens per block.
-    pub fn block_tokens(&self) -> usize {
+    pub fn block_tokens(&self) -> BlockTokens {
         self.block_tokens
     }
 
@@ -165,19 +156,22 @@ impl TokenBlockHasher {
 
     /// Block hashes of every full block of `tokens` (a trailing partial block is ignored).
     pub fn block_hashes(&self, tokens: &[u32]) -> Vec<BlockHash> {
-        tokens.chunks_exact(self.block_tokens).map(|b| block_hash(b, self.seed)).collect()
+        tokens
+            .chunks_exact(self.block_tokens.as_usize())
+            .map(|b| block_hash(b, self.seed))
+            .collect()
     }
 
     /// Sequence hashes of every full block of `tokens`.
     pub fn sequence_hashes(&self, tokens: &[u32]) -> Vec<SequenceHash> {
-        let mut out = Vec::with_capacity(tokens.len() / self.block_tokens);
+        let mut out = Vec::with_capacity(tokens.len() / self.block_tokens.as_usize());
         self.for_each_block(tokens, |_, seq| out.push(seq));
         out
     }
 
     /// Both hashes of every full block of `tokens`, in order.
     pub fn hash(&self, tokens: &[u32]) -> (Vec<BlockHash>, Vec<SequenceHash>) {
-        let n = tokens.len() / self.block_tokens;
+        let n = tokens.len() / self.block_tokens.as_usize();
         let (mut blocks, mut seqs) = (Vec::with_capacity(n), Vec::with_capacity(n));
         self.for_each_block(tokens, |b, s| {
             blocks.push(b);
@@ -191,7 +185,7 @@ impl TokenBlockHasher {
     #[inline]
     pub fn for_each_block(&self, tokens: &[u32], mut f: impl FnMut(BlockHash, SequenceHash)) {
         let mut parent = None;
-        for chunk in tokens.chunks_exact(self.block_tokens) {
+        for chunk in tokens.chunks_exact(self.block_tokens.as_usize()) {
             let block = block_hash(chunk, self.seed);
             let seq = sequence_hash(parent, block);
             f(block, seq);
@@ -204,7 +198,7 @@ impl TokenBlockHasher {
     pub fn extend(&self, parent: Option<SequenceHash>, tokens: &[u32]) -> Vec<SequenceHash> {
         let mut parent = parent;
         tokens
-            .chunks_exact(self.block_tokens)
+            .chunks_exact(self.block_tokens.as_usize())
             .map(|chunk| {
                 let seq = sequence_hash(parent, block_hash(chunk, self.seed));
                 parent = Some(seq);
@@ -241,7 +235,7 @@ mod tests {
     #[test]
     fn spec_test_vectors() {
         let tokens: Vec<u32> = (0..16).collect();
-        let h = TokenBlockHasher::new(4, HashSeed::DEFAULT).unwrap();
+        let h = TokenBlockHasher::new(BlockTokens::of(4), HashSeed::DEFAULT);
         let (blocks, seqs) = h.hash(&tokens);
         assert_eq!(blocks.len(), 4);
         assert_eq!(blocks.iter().map(|b| b.0).collect::<Vec<_>>(), VECTOR_BLOCKS.to_vec());
@@ -250,7 +244,8 @@ mod tests {
         assert_eq!(HashSeed::new(Some("my-lora"), None).get(), VECTOR_SEED_LORA);
         assert_eq!(HashSeed::new(None, Some("tenant-a")).get(), VECTOR_SEED_SALT);
         assert_eq!(HashSeed::new(Some("my-lora"), Some("tenant-a")).get(), VECTOR_SEED_BOTH);
-        let salted = TokenBlockHasher::new(4, HashSeed::new(None, Some("tenant-a"))).unwrap();
+        let salted =
+            TokenBlockHasher::new(BlockTokens::of(4), HashSeed::new(None, Some("tenant-a")));
         assert_eq!(
             salted.sequence_hashes(&tokens[..8]).iter().map(|s| s.0).collect::<Vec<_>>(),
             VECTOR_SALTED_SEQS.to_vec()
@@ -280,7 +275,7 @@ mod tests {
 
     #[test]
     fn chaining_is_parent_then_block() {
-        let h = TokenBlockHasher::new(2, HashSeed::DEFAULT).unwrap();
+        let h = TokenBlockHasher::new(BlockTokens::of(2), HashSeed::DEFAULT);
         let (b, s) = h.hash(&[1, 2, 3, 4, 5, 6]);
         assert_eq!(s[0].0, b[0].0);
         let mut buf = s[0].0.to_le_bytes().to_vec();
@@ -298,7 +293,7 @@ mod tests {
 
     #[test]
     fn partial_blocks_are_not_hashed() {
-        let h = TokenBlockHasher::new(16, HashSeed::DEFAULT).unwrap();
+        let h = TokenBlockHasher::new(BlockTokens::of(16), HashSeed::DEFAULT);
         assert!(h.sequence_hashes(&[1; 15]).is_empty());
         assert_eq!(h.sequence_hashes(&[1; 33]).len(), 2);
         assert_eq!(h.sequence_hashes(&[1; 32]), h.sequence_hashes(&[1; 47]));
@@ -307,12 +302,11 @@ mod tests {
     #[test]
     fn salt_and_lora_change_every_hash_and_empty_means_absent() {
         let tokens: Vec<u32> = (0..64).collect();
-        let plain = TokenBlockHasher::new(16, HashSeed::DEFAULT).unwrap().sequence_hashes(&tokens);
-        let salted = TokenBlockHasher::new(16, HashSeed::new(None, Some("a")))
-            .unwrap()
+        let plain =
+            TokenBlockHasher::new(BlockTokens::of(16), HashSeed::DEFAULT).sequence_hashes(&tokens);
+        let salted = TokenBlockHasher::new(BlockTokens::of(16), HashSeed::new(None, Some("a")))
             .sequence_hashes(&tokens);
-        let lora = TokenBlockHasher::new(16, HashSeed::new(Some("a"), None))
-            .unwrap()
+        let lora = TokenBlockHasher::new(BlockTokens::of(16), HashSeed::new(Some("a"), None))
             .sequence_hashes(&tokens);
         for i in 0..4 {
             assert_ne!(plain[i], salted[i]);
@@ -324,16 +318,11 @@ mod tests {
 
     #[test]
     fn extend_continues_a_chain() {
-        let h = TokenBlockHasher::new(4, HashSeed::DEFAULT).unwrap();
+        let h = TokenBlockHasher::new(BlockTokens::of(4), HashSeed::DEFAULT);
         let tokens: Vec<u32> = (100..124).collect();
         let all = h.sequence_hashes(&tokens);
         let head = h.sequence_hashes(&tokens[..8]);
         let tail = h.extend(head.last().copied(), &tokens[8..]);
         assert_eq!([head, tail].concat(), all);
-    }
-
-    #[test]
-    fn zero_block_tokens_is_an_error() {
-        assert_eq!(TokenBlockHasher::new(0, HashSeed::DEFAULT), Err(HashError::ZeroBlockTokens));
     }
 }

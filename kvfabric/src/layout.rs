@@ -16,6 +16,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use crate::gguf::{GgufError, GgufHeader, GgufValue};
+use crate::units::{BlockTokens, Bytes, Tokens};
 
 /// Element type of the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -158,30 +159,30 @@ pub struct BlockLayout {
     /// The per-token shape.
     pub kv: KvShape,
     /// Tokens per block.
-    pub block_tokens: u32,
+    pub block_tokens: BlockTokens,
 }
 
 impl BlockLayout {
     /// A layout; fails on a zero block size or a degenerate shape.
     pub fn new(kv: KvShape, block_tokens: u32) -> Result<Self, LayoutError> {
         kv.validate()?;
-        if block_tokens == 0 {
+        let Some(block_tokens) = BlockTokens::new(block_tokens) else {
             return Err(LayoutError::InvalidValue {
                 field: "block_tokens",
                 reason: "must be at least 1".into(),
             });
-        }
+        };
         Ok(BlockLayout { kv, block_tokens })
     }
 
     /// Bytes of one block.
     pub const fn bytes_per_block(&self) -> u64 {
-        self.kv.bytes_per_token() * self.block_tokens as u64
+        self.block_tokens.block_bytes(Bytes(self.kv.bytes_per_token())).0
     }
 
     /// Bytes of one plane (one layer's K, V or latent) of one block.
     pub const fn plane_bytes(&self) -> u64 {
-        self.block_tokens as u64 * self.kv.attention.plane_width() * self.kv.dtype.bytes()
+        self.block_tokens.as_u64() * self.kv.attention.plane_width() * self.kv.dtype.bytes()
     }
 
     /// Bytes of one token's row within a plane.
@@ -202,7 +203,7 @@ impl BlockLayout {
 
     /// Blocks needed to hold `tokens` tokens (the last one possibly partial).
     pub const fn blocks_for_tokens(&self, tokens: u64) -> u64 {
-        tokens.div_ceil(self.block_tokens as u64)
+        self.block_tokens.blocks_for(Tokens(tokens)).0
     }
 }
 

@@ -30,6 +30,8 @@
 //!   expiry, preemption; sans IO), used by the engine's scheduler and the frontend's queue.
 //! - [`health`]: the health document every process serves, each part filled by its owner.
 //! - [`wire`]: the authenticated, length-prefixed binary protocol between agents.
+//! - [`units`]: tokens per block (never zero), tokens, blocks, bytes, and the conversions
+//!   between them.
 //! - [`rng`]: the reproducible generator of every seeded draw.
 //! - [`tls`]: TLS on every TCP port (rustls with *ring*): a process's certificates, reloaded
 //!   on SIGHUP; mutual TLS between processes, HTTPS for the HTTP ports, TLS to etcd.
@@ -70,6 +72,7 @@ pub mod session;
 pub mod tls;
 pub mod transfer;
 pub mod transport;
+pub mod units;
 pub mod wire;
 
 /// Real etcd and NATS servers for integration tests (reads `PATH` to find them).

@@ -243,7 +243,7 @@ pub struct Scores {
     /// The prompt's full blocks.
     pub blocks: usize,
     /// Tokens per block of the model.
-    pub block_tokens: u32,
+    pub block_tokens: kvfabric::units::BlockTokens,
     /// Each worker's score.
     pub workers: Vec<Scored>,
 }
@@ -356,13 +356,11 @@ impl Membership {
 
     /// `name` is a worker of `md` from now on (a re-registration replaces what was known,
     /// keeping what dashboards show). A worker of another protocol version is known but never
-    /// routed to. False when it is left out (0 tokens per block).
+    /// routed to. True when it joined (metadata with 0 tokens per block does not even
+    /// decode: the block size's type refuses it).
     pub fn join(&self, name: String, md: WorkerMetadata) -> bool {
         let bt = md.model.layout.block_tokens;
-        let Ok(hasher) = TokenBlockHasher::new(bt as usize, HashSeed::default()) else {
-            tracing::warn!(worker = %name, "ignoring a worker with 0 tokens per block");
-            return false;
-        };
+        let hasher = TokenBlockHasher::new(bt, HashSeed::default());
         let wid = worker_id(&name);
         self.s.index.add_worker(wid);
         self.s.feed.follow(&name);
@@ -662,7 +660,7 @@ impl Membership {
                 m.hasher.block_tokens(),
                 m.hasher.seed().salted(salt),
             )
-            .map_or_else(|_| m.hasher.sequence_hashes(prompt), |h| h.sequence_hashes(prompt)),
+            .sequence_hashes(prompt),
         };
         let d = m.router.route_weighted(
             &self.s.index,

@@ -20,6 +20,7 @@ use std::collections::HashMap;
 
 use kvfabric::events::TierKind;
 use kvfabric::hash::SequenceHash;
+use kvfabric::units::Blocks;
 
 use crate::index::{Overlap, PrefixIndex, Run, WorkerId};
 
@@ -67,7 +68,7 @@ pub struct RouterConfig {
     /// Softmax temperature; 0 picks the cheapest.
     pub temperature: f64,
     /// Tokens per block (prefill queue tokens are converted to blocks).
-    pub block_tokens: u32,
+    pub block_tokens: kvfabric::units::BlockTokens,
     /// Active decode blocks that count as one block of prefill.
     pub block_load_scale: f64,
     /// Approximate mode: predict cache contents from routing decisions, for this long.
@@ -156,7 +157,7 @@ impl Default for RouterConfig {
             tier_weights: [1.0, 0.9, 0.6, 0.4],
             overlap_weight: 1.0,
             temperature: 0.0,
-            block_tokens: 16,
+            block_tokens: kvfabric::units::BlockTokens::DEFAULT,
             block_load_scale: 8.0,
             approx_ttl_s: None,
             tracked_ttl_s: default_tracked_ttl_s(),
@@ -274,7 +275,7 @@ impl Router {
     /// saves the most time over computing, and the blocks' worth of time it saves.
     fn best_pull(&self, w: WorkerId, own: u32, overlap: &Overlap) -> Option<(PullPlan, f64)> {
         let p = self.config.pull.as_ref()?;
-        let bt = f64::from(self.config.block_tokens.max(1));
+        let bt = f64::from(self.config.block_tokens.get());
         let rate = self.prefill_rates.get(&w).copied().unwrap_or(p.prefill_tokens_per_s);
         let block_s = bt / rate.max(1e-9);
         if !self.pooled.contains(&w) {
@@ -380,7 +381,7 @@ impl Router {
         [
             self.config.overlap_weight * (request_blocks as f64 - credit).max(0.0),
             load.active_blocks as f64 / self.config.block_load_scale.max(1e-9),
-            load.queued_prefill_tokens as f64 / f64::from(self.config.block_tokens.max(1)),
+            load.queued_prefill_tokens as f64 / f64::from(self.config.block_tokens.get()),
         ]
     }
 
@@ -467,8 +468,7 @@ impl Router {
                 let score = |w: WorkerId| {
                     let l = self.load(w);
                     l.active_blocks as f64
-                        + l.queued_prefill_tokens as f64
-                            / f64::from(self.config.block_tokens.max(1))
+                        + l.queued_prefill_tokens as f64 / f64::from(self.config.block_tokens.get())
                 };
                 *self
                     .workers
@@ -498,8 +498,8 @@ impl Router {
         };
         self.paths[Path::ALL.iter().position(|&p| p == path).unwrap_or(0)] += 1;
         let held = pull.map_or(cached.blocks, |p| p.blocks);
-        let uncached_tokens =
-            prompt_tokens.saturating_sub(u64::from(held) * u64::from(self.config.block_tokens));
+        let uncached_tokens = prompt_tokens
+            .saturating_sub(self.config.block_tokens.tokens_of(Blocks(u64::from(held))).0);
         self.tracked.insert(
             request_id,
             Tracked {

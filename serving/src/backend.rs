@@ -155,7 +155,7 @@ impl Backend for LocalBackend {
             per_tier[*t as usize] += 1;
             run += 1;
         }
-        let block_tokens = u64::from(self.entry.info.layout.block_tokens);
+        let block_tokens = self.entry.info.layout.block_tokens.as_u64();
         let tiers: serde_json::Map<String, Value> = TierKind::ALL
             .iter()
             .map(|t| (t.name().to_string(), json!(per_tier[*t as usize])))
@@ -192,7 +192,7 @@ impl Backend for LocalBackend {
         let s = self.sched.stats();
         let draining = s.draining.load(Ordering::Relaxed);
         let stats = crate::metrics::worker_stats(&snap, draining);
-        let block_tokens = u64::from(self.entry.info.layout.block_tokens.max(1));
+        let block_tokens = self.entry.info.layout.block_tokens.as_u64();
         let worker = crate::dashboard::WorkerView {
             name: self.entry.info.id.clone(),
             model: self.entry.info.id.clone(),

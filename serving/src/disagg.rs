@@ -241,7 +241,7 @@ impl DecodeInner {
     ) -> Option<(RemotePrefill, Vec<kvfabric_tiers::BlockRef>)> {
         // The blocks' names as the local engine gives them: with the request's salt.
         let hasher = self.local.scheduler().hasher(req.cache_salt.as_deref());
-        let bt = hasher.block_tokens();
+        let bt = hasher.block_tokens().as_usize();
         let prompt = &req.prompt;
         let hashes = hasher.sequence_hashes(prompt);
         let reusable = hashes.len().min(prompt.len().saturating_sub(1) / bt);
@@ -633,7 +633,7 @@ async fn prefill_job(
             req.model
         ));
     }
-    let bt = sched.info().layout.block_tokens as usize;
+    let bt = sched.info().layout.block_tokens.as_usize();
     if req.tokens.is_empty() || req.tokens.len() % bt != 0 {
         return Err("the job's tokens are not whole blocks".into());
     }

@@ -90,8 +90,8 @@ pub struct TraceArgs {
     #[arg(long)]
     g4_on_evict: bool,
     /// kvfabric's tokens per KV block.
-    #[arg(long, default_value_t = 16)]
-    block_tokens: u32,
+    #[arg(long, default_value_t = kvfabric::units::BlockTokens::DEFAULT)]
+    block_tokens: kvfabric::units::BlockTokens,
     /// G1 (device) capacity per worker, tokens.
     #[arg(long, default_value_t = 1 << 20)]
     g1_tokens: u64,
@@ -201,7 +201,6 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
         (1..=most).contains(&args.workers) && args.prefill_workers <= most,
         "--workers must be within 1..={most}, --prefill-workers at most {most}"
     );
-    crate::ensure!(args.block_tokens >= 1, "--block-tokens must be at least 1");
     crate::ensure!(
         args.prefill_tokens_per_s > 0.0
             && args.decode_step_ms >= 0.0
@@ -224,7 +223,7 @@ pub async fn run(args: TraceArgs) -> crate::Result<()> {
     }
     let bytes_per_token = spec.block_layout(1)?.bytes_per_block();
     let link = |s: &str| Link::parse(s).map(|l| l.gbps);
-    let bt = u64::from(args.block_tokens);
+    let bt = args.block_tokens.as_u64();
     let profile = match &args.profile {
         Some(path) => {
             let p = kvfabric_serving::profile::EngineProfile::read(path)

@@ -45,9 +45,9 @@ fn parse_tokens<'a>(words: impl Iterator<Item = &'a str>) -> anyhow::Result<Vec<
 }
 
 pub fn run(args: HashArgs) -> anyhow::Result<()> {
-    let block_tokens: usize = match args.block_tokens.trim().parse() {
-        Ok(n) if n >= 1 => n,
-        _ => {
+    let block_tokens: kvfabric::units::BlockTokens = match args.block_tokens.trim().parse() {
+        Ok(n) => n,
+        Err(_) => {
             anyhow::bail!("--block-tokens must be a whole number >= 1, got {:?}", args.block_tokens)
         }
     };
@@ -59,7 +59,7 @@ pub fn run(args: HashArgs) -> anyhow::Result<()> {
         parse_tokens(args.tokens.iter().map(String::as_str))?
     };
     let seed = HashSeed::new(args.lora.as_deref(), args.salt.as_deref());
-    let hasher = TokenBlockHasher::new(block_tokens, seed)?;
+    let hasher = TokenBlockHasher::new(block_tokens, seed);
     let (blocks, seqs) = hasher.hash(&tokens);
     if args.json {
         let out = serde_json::json!({ "block_hashes": blocks, "sequence_hashes": seqs });
@@ -70,7 +70,7 @@ pub fn run(args: HashArgs) -> anyhow::Result<()> {
     for (i, (b, s)) in blocks.iter().zip(&seqs).enumerate() {
         println!("{i:>5}  {b:>20}  {s:>20}");
     }
-    let rest = tokens.len() % block_tokens;
+    let rest = tokens.len() % block_tokens.as_usize();
     if rest > 0 {
         println!("({rest} trailing token(s) in a partial block, not hashed)");
     }

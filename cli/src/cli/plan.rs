@@ -215,7 +215,7 @@ fn run_trace_sla(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()>
         targets,
         // 64-token blocks, as the capacity plan: four times coarser than serving's, for speed.
         sim: SimConfig {
-            block_tokens: 64,
+            block_tokens: kvfabric::units::BlockTokens::of(64),
             prompt_tokens_max: args.max_prompt_tokens,
             ..SimConfig::default()
         },
@@ -516,7 +516,7 @@ fn run_trace(args: &PlanArgs, trace: &std::path::Path) -> anyhow::Result<()> {
         links,
         // 64-token blocks: a planning granularity four times coarser than serving's, for speed.
         sim: SimConfig {
-            block_tokens: 64,
+            block_tokens: kvfabric::units::BlockTokens::of(64),
             bytes_per_token,
             prompt_tokens_max: args.max_prompt_tokens,
             speedup: args.speedup,

@@ -18,7 +18,8 @@ fn chain(w: u64) -> Vec<SequenceHash> {
     // Workers share the first 100 blocks (a common system prompt), then diverge.
     let tokens: Vec<u32> =
         (0..BLOCKS as u32 * 16).map(|i| if i < 1600 { i } else { i * 7 + w as u32 }).collect();
-    TokenBlockHasher::new(16, HashSeed::DEFAULT).unwrap().sequence_hashes(&tokens)
+    TokenBlockHasher::new(kvfabric::units::BlockTokens::of(16), HashSeed::DEFAULT)
+        .sequence_hashes(&tokens)
 }
 
 #[test]

@@ -205,9 +205,11 @@ async fn a_pick_names_the_peer_to_pull_from_priced_at_the_link_its_worker_measur
     let task = members.follow(discovery.clone(), Recorder::default()).await.unwrap();
     // The holder holds a 40-block prompt and has a deep prefill queue.
     let prompt: Vec<u32> = (0..641).map(|i| i % 250).collect();
-    let hashes = kvfabric::hash::TokenBlockHasher::new(16, Default::default())
-        .unwrap()
-        .sequence_hashes(&prompt);
+    let hashes = kvfabric::hash::TokenBlockHasher::new(
+        kvfabric::units::BlockTokens::of(16),
+        Default::default(),
+    )
+    .sequence_hashes(&prompt);
     members.index().ingest(
         worker_id("holder"),
         &kvfabric::events::KvEvent {

@@ -188,8 +188,7 @@ impl Attachment {
         bus: Arc<dyn EventBus>,
     ) -> Result<Attachment, AttachError> {
         kvfabric::control::check_name(&cfg.name)?;
-        let mirror = EngineMirror::new(cfg.model.layout.block_tokens as usize)
-            .map_err(|e| AttachError::Invalid(e.to_string()))?;
+        let mirror = EngineMirror::new(cfg.model.layout.block_tokens);
         let sub = Subscriber::start(cfg.events.clone()).await?;
         let bound = sub.bound();
         let requests = bus.subscribe(contract::KV_DUMP_REQUEST).await?;
@@ -387,9 +386,10 @@ impl Run {
             self.register().await;
         }
         if let Ok((200, text)) = http::get(self.cfg.engine, "/metrics", timeout).await {
-            if let Some(load) =
-                engine_load(&String::from_utf8_lossy(&text), self.cfg.model.layout.block_tokens)
-            {
+            if let Some(load) = engine_load(
+                &String::from_utf8_lossy(&text),
+                self.cfg.model.layout.block_tokens.get(),
+            ) {
                 let msg = Message::Load { source: self.cfg.name.clone(), load, stats: None };
                 let _ = self.bus.publish(msg.topic(), msg.encode()).await;
             }

@@ -107,7 +107,7 @@ pub trait Engine: Send + 'static {
     fn import_block(&mut self, seq: u64, block: usize, bytes: &[u8]) -> Result<(), EngineError> {
         let layout = self.info().layout;
         let held = self.table(seq).ok_or(EngineError::invalid("unknown sequence"))?.len;
-        if held != block * layout.block_tokens as usize
+        if held != block * layout.block_tokens.as_usize()
             || bytes.len() as u64 != layout.bytes_per_block()
         {
             return Err(EngineError::invalid("block imported out of order or of a wrong size"));
@@ -117,7 +117,7 @@ pub trait Engine: Send + 'static {
 
     /// Copies the KV of a full, computed block out in the store's layout.
     fn export_block(&self, seq: u64, block: usize, out: &mut [u8]) -> Result<(), EngineError> {
-        let bt = self.info().layout.block_tokens as usize;
+        let bt = self.info().layout.block_tokens.as_usize();
         self.table(seq).ok_or(EngineError::invalid("unknown sequence"))?.export(bt, block, out)
     }
 }

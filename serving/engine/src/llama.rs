@@ -304,7 +304,7 @@ impl LlamaEngine {
     /// `v[b]`: block `b`'s plane of the layer); writes `[n][heads × head_dim]` into `out`.
     fn attend(&self, q: &[f32], k: &[&[f32]], v: &[&[f32]], start: usize, out: &mut [f32]) {
         let (hd, nh, w) = (self.head_dim, self.n_head, self.width());
-        let bt = self.info.layout.block_tokens as usize;
+        let bt = self.info.layout.block_tokens.as_usize();
         let group = nh / self.n_kv;
         let scale = 1.0 / (hd as f32).sqrt();
         let n = q.len() / (nh * hd);
@@ -467,7 +467,7 @@ impl Engine for LlamaEngine {
         }
         block.f32s()?;
         let s = self.seqs.get_mut(&seq).ok_or(EngineError::invalid("unknown sequence"))?;
-        s.push_cached(layout.block_tokens as usize, block)
+        s.push_cached(layout.block_tokens.as_usize(), block)
     }
 
     fn table(&self, seq: u64) -> Option<&KvTable> {
@@ -481,7 +481,7 @@ impl Engine for LlamaEngine {
     fn step(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
         let ctx = self.info.context_len;
         let (bt, bytes) =
-            (self.info.layout.block_tokens as usize, self.info.layout.bytes_per_block() as usize);
+            (self.info.layout.block_tokens.as_usize(), self.info.layout.bytes_per_block() as usize);
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         for (i, input) in batch.iter().enumerate() {

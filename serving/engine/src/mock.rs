@@ -157,7 +157,7 @@ impl MockEngine {
         alphabet: Vec<u32>,
         cfg: MockConfig,
     ) -> Result<Self, EngineError> {
-        if layout.bytes_per_block() < Self::header_len(layout.block_tokens as usize) as u64 {
+        if layout.bytes_per_block() < Self::header_len(layout.block_tokens.as_usize()) as u64 {
             return Err(EngineError::model("mock blocks are too small for their tokens"));
         }
         Ok(MockEngine {
@@ -171,7 +171,7 @@ impl MockEngine {
     }
 
     fn block_tokens(&self) -> usize {
-        self.info.layout.block_tokens as usize
+        self.info.layout.block_tokens.as_usize()
     }
 
     fn header_len(bt: usize) -> usize {

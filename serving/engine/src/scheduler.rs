@@ -264,8 +264,7 @@ impl Scheduler {
                 info.layout.bytes_per_block()
             )));
         }
-        let hasher = TokenBlockHasher::new(info.layout.block_tokens as usize, cfg.hash_seed)
-            .map_err(|e| EngineError::model(e.to_string()))?;
+        let hasher = TokenBlockHasher::new(info.layout.block_tokens, cfg.hash_seed);
         let stats = Arc::new(SchedulerStats::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let waiting_max = cfg.waiting_max;
@@ -545,8 +544,7 @@ impl StepCost {
 fn salted(hasher: TokenBlockHasher, salt: Option<&str>) -> TokenBlockHasher {
     match salt.filter(|s| !s.is_empty()) {
         None => hasher,
-        Some(salt) => TokenBlockHasher::new(hasher.block_tokens(), hasher.seed().salted(salt))
-            .unwrap_or(hasher),
+        Some(salt) => TokenBlockHasher::new(hasher.block_tokens(), hasher.seed().salted(salt)),
     }
 }
 
@@ -673,7 +671,7 @@ impl<E: Engine> Loop<E> {
             generated = s.generated,
             "preempted for a more urgent class"
         );
-        let bt = self.hasher.block_tokens();
+        let bt = self.hasher.block_tokens().as_usize();
         let stored = s.stored.min(s.hashes.len()) * bt;
         let to = if decoding { s.tokens.len() } else { s.prefill_to };
         let resume = Resume {
@@ -740,7 +738,7 @@ impl<E: Engine> Loop<E> {
 
     fn report_load(&mut self) {
         // A sequence still importing counts its cached blocks as held, not as prefill work.
-        let bt = self.hasher.block_tokens();
+        let bt = self.hasher.block_tokens().as_usize();
         let active: usize = self
             .running
             .iter()
@@ -855,7 +853,7 @@ impl<E: Engine> Loop<E> {
 
     /// The sequence takes part in steps from now on: its cached blocks are in the engine.
     fn start(&self, seq: &mut Seq) {
-        let bt = self.hasher.block_tokens();
+        let bt = self.hasher.block_tokens().as_usize();
         seq.computed = seq.imported * bt;
         seq.stored = seq.imported;
         seq.started = true;
@@ -877,7 +875,7 @@ impl<E: Engine> Loop<E> {
     /// The tiers of the longest run of the prompt's full blocks that the store holds,
     /// leaving at least one prompt token to compute (for its logits).
     fn cached_prefix(&self, seq: &Seq) -> Vec<TierKind> {
-        let bt = self.hasher.block_tokens();
+        let bt = self.hasher.block_tokens().as_usize();
         let reusable = seq.hashes.len().min(seq.tokens.len().saturating_sub(1) / bt);
         if reusable == 0 {
             return Vec::new();
@@ -917,7 +915,7 @@ impl<E: Engine> Loop<E> {
             return tiers;
         }
         let fetch_s = (remote as u64 * self.store.block_bytes()) as f64 / rate;
-        let compute_s = (remote * self.hasher.block_tokens()) as f64 * us / 1e6;
+        let compute_s = (remote * self.hasher.block_tokens().as_usize()) as f64 * us / 1e6;
         if fetch_s > compute_s {
             let n = self.stats.remote_declined.fetch_add(1, Ordering::Relaxed);
             if n % REMOTE_PROBE_EVERY != REMOTE_PROBE_EVERY - 1 {
@@ -932,7 +930,7 @@ impl<E: Engine> Loop<E> {
     fn start_pull(&self, seq: &Seq) -> Option<PendingPull> {
         let hint = seq.req.pull.as_ref()?;
         let peers = self.store.peers()?;
-        let bt = self.hasher.block_tokens();
+        let bt = self.hasher.block_tokens().as_usize();
         let reusable = seq.hashes.len().min(seq.tokens.len().saturating_sub(1) / bt);
         let at = seq.import_tiers.len();
         // Pinned until the sequence starts: at most half the host tier, one call's worth.
@@ -985,7 +983,7 @@ impl<E: Engine> Loop<E> {
                 return;
             }
             seq.import_tiers.push(TierKind::Remote);
-            seq.hits.peer_tokens += self.hasher.block_tokens();
+            seq.hits.peer_tokens += self.hasher.block_tokens().as_usize();
             seq.imported += 1;
         }
     }
@@ -1004,7 +1002,7 @@ impl<E: Engine> Loop<E> {
     /// remotely prefilled) prompt never stalls the batch's decodes for longer than a prompt
     /// chunk would. A sequence starts once its blocks are in.
     fn import_some(&mut self) {
-        let bt = self.hasher.block_tokens();
+        let bt = self.hasher.block_tokens().as_usize();
         let mut budget = (self.cfg.step_tokens / bt).max(1);
         for i in 0..self.running.len() {
             if self.running[i].started {
@@ -1108,9 +1106,9 @@ impl<E: Engine> Loop<E> {
                 return (n, cost);
             }
             match seq.import_tiers[seq.imported] {
-                TierKind::Disk => seq.hits.disk_tokens += self.hasher.block_tokens(),
-                TierKind::Remote => seq.hits.remote_tokens += self.hasher.block_tokens(),
-                _ => seq.hits.host_tokens += self.hasher.block_tokens(),
+                TierKind::Disk => seq.hits.disk_tokens += self.hasher.block_tokens().as_usize(),
+                TierKind::Remote => seq.hits.remote_tokens += self.hasher.block_tokens().as_usize(),
+                _ => seq.hits.host_tokens += self.hasher.block_tokens().as_usize(),
             }
             seq.imported += 1;
         }
@@ -1169,7 +1167,7 @@ impl<E: Engine> Loop<E> {
             .filter_map(|s| s.req.class.as_ref()?.itl)
             .min();
         if let Some(fit) = itl.and_then(|itl| self.cost.prompt_tokens_within(itl)) {
-            let floor = self.hasher.block_tokens() + plan.len();
+            let floor = self.hasher.block_tokens().as_usize() + plan.len();
             budget = budget.min(fit.max(floor));
         }
         // Prompt chunks earliest deadline first. While a prompt of a more urgent class is
@@ -1293,7 +1291,7 @@ impl<E: Engine> Loop<E> {
             self.engine.remove_sequence(s.id);
             // A latency class's prompt blocks stay in host memory ahead of batch blocks.
             if s.req.class.as_ref().is_some_and(|c| c.itl.is_some()) {
-                let full = s.req.prompt.len() / self.hasher.block_tokens();
+                let full = s.req.prompt.len() / self.hasher.block_tokens().as_usize();
                 self.store.keep(&s.hashes[..full.min(s.hashes.len())]);
             }
             // A tenant past its quotas moves its own least recently used blocks out of host
@@ -1369,7 +1367,7 @@ impl<E: Engine> Loop<E> {
     /// reserved for the block's hash when its tokens are all known (prompt blocks), a scratch
     /// slot named once they are, engine memory when the store cannot spare a slot.
     fn provide_blocks(&mut self, plan: &[(usize, usize, usize)]) {
-        let bt = self.hasher.block_tokens();
+        let bt = self.hasher.block_tokens().as_usize();
         for &(i, start, n) in plan {
             let s = &self.running[i];
             let Some(table) = self.engine.table_mut(s.id) else { continue };
@@ -1406,7 +1404,7 @@ impl<E: Engine> Loop<E> {
         if !self.cfg.store_blocks {
             return;
         }
-        let bt = self.hasher.block_tokens();
+        let bt = self.hasher.block_tokens().as_usize();
         for s in &mut self.running {
             // Hashes of blocks completed by generated tokens.
             let full = s.tokens.len() / bt;

@@ -39,6 +39,7 @@ use kvfabric::contract::Load;
 use kvfabric::events::{KvEvent, KvEventData, TierKind};
 use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
 use kvfabric::rng::SplitMix64;
+use kvfabric::units::{BlockTokens, Bytes, Tokens};
 use kvfabric_router::{PrefixIndex, PullPricing, Router, RouterConfig, RoutingMode, WorkerId};
 use kvfabric_tiers::policy::{FrequencyFilter, PolicyKind};
 use kvfabric_tiers::pool::SlotPool;
@@ -63,7 +64,7 @@ pub struct SimConfig {
     /// router's default).
     pub block_load_scale: Option<f64>,
     /// kvfabric's tokens per KV block.
-    pub block_tokens: u32,
+    pub block_tokens: BlockTokens,
     /// How the trace's ids become prompts (block size, a replayed scale, answers cut).
     pub reshape: Reshape,
     /// G1, G2, G3 blocks per worker (0: no such tier).
@@ -136,7 +137,7 @@ impl Default for SimConfig {
             kv_link_gbps: 50.0,
             mode: RoutingMode::Kv,
             block_load_scale: None,
-            block_tokens: 16,
+            block_tokens: BlockTokens::DEFAULT,
             reshape: Reshape::none(512),
             tier_blocks: [1 << 16, 0, 0],
             g1_tier: TierKind::Device,
@@ -575,7 +576,7 @@ impl Sim<'_> {
         }
         queued += w.waiting.iter().map(|&rid| self.requests[rid].input).sum::<u64>();
         let load = Load {
-            active_blocks: held.div_ceil(u64::from(self.cfg.block_tokens.max(1))),
+            active_blocks: self.cfg.block_tokens.blocks_for(Tokens(held)).0,
             queued_prefill_tokens: queued,
             accepted: Some(w.accepted),
         };
@@ -685,7 +686,7 @@ impl Sim<'_> {
     /// left to compute, for its logits, as engines do); hits below G1 onboard into G1, every
     /// hit pinned. Returns the seconds their restore takes over their links.
     fn admit(&mut self, wi: usize, rid: usize, t: f64) -> f64 {
-        let bt = u64::from(self.cfg.block_tokens.max(1));
+        let bt = self.cfg.block_tokens.as_u64();
         let hashes = self.hashes(rid);
         let q = &mut self.requests[rid];
         let mut restore_s = 0.0;
@@ -930,9 +931,8 @@ pub fn simulate(
     trace: impl Iterator<Item = Result<TraceRequest, TraceError>>,
     cfg: &SimConfig,
 ) -> Result<SimResult, TraceError> {
-    let bt = cfg.block_tokens.max(1) as usize;
-    let hasher = TokenBlockHasher::new(bt, HashSeed::default())
-        .unwrap_or_else(|_| unreachable!("block_tokens is at least 1"));
+    let bt = cfg.block_tokens.as_usize();
+    let hasher = TokenBlockHasher::new(cfg.block_tokens, HashSeed::default());
     let expander = Expander { block_tokens: cfg.reshape.to.max(1), ..Expander::new(cfg.seed) };
     let index = PrefixIndex::new();
     let prefill = cfg.prefill_workers;
@@ -954,7 +954,7 @@ pub fn simulate(
         block_tokens: cfg.block_tokens,
         block_load_scale: cfg.block_load_scale.unwrap_or(defaults.block_load_scale),
         pull: pulls.then(|| PullPricing {
-            block_bytes: cfg.bytes_per_token * u64::from(cfg.block_tokens.max(1)),
+            block_bytes: cfg.block_tokens.block_bytes(Bytes(cfg.bytes_per_token)).0,
             link_bytes_per_s: cfg.peer_link_gbps * 1e9,
             overhead_s: cfg.pull_overhead_s,
             prefill_tokens_per_s: prefill_rate,
@@ -1140,7 +1140,7 @@ fn prompt_hashes(
     memo: &mut HashMemo,
 ) -> Vec<SequenceHash> {
     let tb = u64::from(expander.block_tokens);
-    let mut out = Vec::with_capacity((input / hasher.block_tokens() as u64) as usize);
+    let mut out = Vec::with_capacity((input / hasher.block_tokens().as_u64()) as usize);
     let mut parent: Option<SequenceHash> = None;
     let mut tokens = Vec::new();
     for (k, &id) in ids.iter().enumerate() {

@@ -2,6 +2,7 @@
 //! dashboard's view of its workers and fabric nodes.
 
 use super::*;
+use kvfabric::units::Blocks;
 
 impl RoutedBackend {
     /// Where a request of `prompt` would go, and why: the chosen worker, and every worker's
@@ -34,7 +35,7 @@ impl RoutedBackend {
                 json!({
                     "worker": name,
                     "cached_blocks": run.blocks,
-                    "cached_tokens": u64::from(run.blocks) * u64::from(block_tokens),
+                    "cached_tokens": block_tokens.tokens_of(Blocks(u64::from(run.blocks))).0,
                     "cached_blocks_per_tier": tiers,
                     "active_blocks": load.active_blocks,
                     "queued_prefill_tokens": load.queued_prefill_tokens,

@@ -2,11 +2,11 @@
 //! never panics, and whatever it accepts the mirror applies without panicking.
 #![no_main]
 
-use kvfabric_attach::engine::{decode_batch, EngineMirror, Flavor};
+use kvfabric_attach::engine::{decode_batch, BlockTokens, EngineMirror, Flavor};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let mut mirror = EngineMirror::new(16).expect("16 tokens per block");
+    let mut mirror = EngineMirror::new(BlockTokens::of(16));
     let mut out = Vec::new();
     for flavor in [Flavor::Vllm, Flavor::Sglang] {
         if let Ok(batch) = decode_batch(data, flavor) {

@@ -18,7 +18,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use kvfabric::contract::DumpBlock;
 use kvfabric::events::{KvEventData, TierKind};
-use kvfabric::hash::{HashError, HashSeed, SequenceHash, TokenBlockHasher};
+use kvfabric::hash::{HashSeed, SequenceHash, TokenBlockHasher};
+use kvfabric::units::BlockTokens;
 
 use super::decode::{EngineBatch, EngineEvent, EngineHash, Medium, Removed, Stored};
 
@@ -98,13 +99,13 @@ pub struct EngineMirror {
 
 impl EngineMirror {
     /// A mirror for an engine of `block_tokens` tokens per block.
-    pub fn new(block_tokens: usize) -> Result<Self, HashError> {
-        Ok(EngineMirror {
-            hasher: TokenBlockHasher::new(block_tokens, HashSeed::default())?,
+    pub fn new(block_tokens: BlockTokens) -> Self {
+        EngineMirror {
+            hasher: TokenBlockHasher::new(block_tokens, HashSeed::default()),
             blocks: Map::default(),
             group: None,
             stats: MirrorStats::default(),
-        })
+        }
     }
 
     /// The counters.
@@ -165,7 +166,7 @@ impl EngineMirror {
             &mut self.stats.skipped_unkeyable
         } else if s.full_attention == Some(false) {
             &mut self.stats.skipped_group
-        } else if s.block_size != self.hasher.block_tokens() as u64 {
+        } else if s.block_size != self.hasher.block_tokens().as_u64() {
             &mut self.stats.skipped_block_size
         } else if s.tokens.len() as u64 != n.saturating_mul(s.block_size) {
             &mut self.stats.invalid
@@ -275,13 +276,14 @@ mod tests {
 
     #[test]
     fn chains_get_kvfabric_hashes_from_their_tokens_and_removals_are_translated() {
-        let mut m = EngineMirror::new(2).unwrap();
+        let mut m = EngineMirror::new(kvfabric::units::BlockTokens::of(2));
         let mut out = Vec::new();
         let tokens: Vec<u32> = (0..6).collect();
         // Two events: blocks 1,2 then block 3 as a child of 2.
         m.apply(&batch(vec![stored(&[11, 12], None, tokens[..4].to_vec(), 2)]), &mut out);
         m.apply(&batch(vec![stored(&[13], Some(12), tokens[4..].to_vec(), 2)]), &mut out);
-        let want = TokenBlockHasher::new(2, HashSeed::default()).unwrap().sequence_hashes(&tokens);
+        let want = TokenBlockHasher::new(kvfabric::units::BlockTokens::of(2), HashSeed::default())
+            .sequence_hashes(&tokens);
         let got: Vec<SequenceHash> = out
             .iter()
             .flat_map(|e| match e {
@@ -309,7 +311,7 @@ mod tests {
 
     #[test]
     fn what_cannot_be_keyed_is_skipped_and_counted() {
-        let mut m = EngineMirror::new(2).unwrap();
+        let mut m = EngineMirror::new(kvfabric::units::BlockTokens::of(2));
         let mut out = Vec::new();
         let mut lora = stored(&[1], None, vec![1, 2], 2);
         if let EngineEvent::Stored(s) = &mut lora {

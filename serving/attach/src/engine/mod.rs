@@ -18,5 +18,7 @@ pub mod subscriber;
 pub mod zmtp;
 
 pub use decode::{decode_batch, DecodeError, EngineBatch, EngineEvent, EngineHash, Flavor};
+/// The mirror's block size (`kvfabric::units`), for callers that do not depend on `kvfabric`.
+pub use kvfabric::units::BlockTokens;
 pub use mirror::{EngineMirror, MirrorStats};
 pub use subscriber::{EventsEndpoint, FeedItem, Subscriber, SubscriberConfig};

@@ -46,7 +46,7 @@ fn hex(s: &str) -> Vec<u8> {
 
 #[test]
 fn captures_of_a_real_vllm_decode_and_chain_without_orphans() {
-    let mut mirror = EngineMirror::new(128).unwrap();
+    let mut mirror = EngineMirror::new(kvfabric::units::BlockTokens::of(128));
     let mut out = Vec::new();
     let mut stored = 0;
     for i in 0..5 {
@@ -77,7 +77,7 @@ fn captures_of_a_real_vllm_decode_and_chain_without_orphans() {
     assert_eq!(chains[2].1.as_ref(), chains[1].0.last(), "msg02 is msg01's child");
 
     // Evictions and a clear.
-    let mut mirror = EngineMirror::new(128).unwrap();
+    let mut mirror = EngineMirror::new(kvfabric::units::BlockTokens::of(128));
     let (mut stored, mut removed) = (0u64, 0u64);
     for i in 0..6 {
         let (_, payload) = capture(&format!("vllm-0.32/evict-clear/msg0{i}.hex"));
@@ -242,7 +242,8 @@ impl Follower {
 
     fn cached(&self, tokens: &[u32]) -> usize {
         let hashes =
-            TokenBlockHasher::new(16, HashSeed::default()).unwrap().sequence_hashes(tokens);
+            TokenBlockHasher::new(kvfabric::units::BlockTokens::of(16), HashSeed::default())
+                .sequence_hashes(tokens);
         self.index.overlap(&hashes).blocks(W)
     }
 }
@@ -256,7 +257,7 @@ async fn live_events_with_replay(flavor_name: &str, flavor: Flavor) {
     index.add_worker(W);
     let mut f = Follower {
         sub: Subscriber::start(cfg).await.unwrap(),
-        mirror: EngineMirror::new(16).unwrap(),
+        mirror: EngineMirror::new(kvfabric::units::BlockTokens::of(16)),
         flavor,
         index,
         next_id: 1,

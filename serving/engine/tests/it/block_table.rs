@@ -68,7 +68,7 @@ impl Engine for Recording {
         self.inner.step(batch)
     }
     fn step_next(&mut self, batch: &[StepInput<'_>]) -> Result<Vec<Next>, EngineError> {
-        let bt = self.info().layout.block_tokens as usize;
+        let bt = self.info().layout.block_tokens.as_usize();
         for input in batch {
             let t = self.inner.table(input.seq).expect("a known sequence");
             let first = input.start / bt;

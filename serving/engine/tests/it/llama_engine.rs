@@ -85,7 +85,7 @@ fn engine_matches_the_plain_candle_loop_and_is_batch_and_cache_invariant() {
     assert_eq!(b, alone_q);
 
     // Export sequence 3's full blocks, import them into a new sequence, compute only the rest.
-    let bt = e.info().layout.block_tokens as usize;
+    let bt = e.info().layout.block_tokens.as_usize();
     let bytes = e.info().layout.bytes_per_block() as usize;
     let full = (p.len() - 1) / bt;
     assert!(full >= 2, "prompt too short for this test: {} tokens", p.len());

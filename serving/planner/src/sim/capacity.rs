@@ -108,7 +108,7 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
     }
     let limit = curve.limit();
     let tokens = limit.tokens.max(1) as f64;
-    let bt = u64::from(cfg.sim.block_tokens.max(1));
+    let bt = cfg.sim.block_tokens.as_u64();
     let workers = cfg.workers.max(1) as u64;
     let mut points = Vec::new();
     for &c in &cfg.per_worker_tokens {
@@ -156,7 +156,7 @@ pub fn capacity(path: &Path, cfg: &CapacityConfig) -> Result<CapacityReport, Tra
     let bt = bt.min(rb);
     let sim = SimConfig {
         workers: workers as usize,
-        block_tokens: bt as u32,
+        block_tokens: kvfabric::units::BlockTokens::new(bt as u32).unwrap_or(cfg.sim.block_tokens),
         tier_blocks: [scaled(first) / bt, 0, 0],
         g4_blocks: scaled(pool) / bt,
         reshape: Reshape {

@@ -18,6 +18,7 @@
 use std::collections::HashSet;
 
 use kvfabric::rng::SplitMix64;
+use kvfabric::units::BlockTokens;
 
 use crate::trace::TraceRequest;
 
@@ -43,7 +44,7 @@ pub struct Conversations {
     /// Seconds an answer takes per token, for the next turn's arrival.
     pub reply_s_per_token: f64,
     /// Tokens per id.
-    pub block_tokens: u32,
+    pub block_tokens: BlockTokens,
     /// Seed.
     pub seed: u64,
 }
@@ -60,7 +61,7 @@ impl Default for Conversations {
             arrival_rate: 4.0,
             think_time_s: 2.0,
             reply_s_per_token: 0.02,
-            block_tokens: 16,
+            block_tokens: BlockTokens::DEFAULT,
             seed: 42,
         }
     }
@@ -81,7 +82,7 @@ struct Conversation {
 impl Conversations {
     /// The workload's requests in arrival order.
     pub fn requests(&self) -> Vec<TraceRequest> {
-        let bt = u64::from(self.block_tokens.max(1));
+        let bt = self.block_tokens.as_u64();
         let mut rng = SplitMix64(self.seed);
         // Ids: the system prompts' first, then one counter for every new block.
         let sys_blocks = self.system_prompt_tokens / bt;
@@ -147,10 +148,10 @@ impl Conversations {
 /// and it never queued: only its leading ids never seen before are prefilled.
 pub fn floor_ttft_p50_s(
     requests: &[TraceRequest],
-    block_tokens: u32,
+    block_tokens: BlockTokens,
     prefill_tokens_per_s: f64,
 ) -> f64 {
-    let bt = u64::from(block_tokens.max(1));
+    let bt = block_tokens.as_u64();
     let mut seen = HashSet::new();
     let mut floors: Vec<f64> = requests
         .iter()
@@ -175,7 +176,7 @@ mod tests {
         let reqs = w.requests();
         assert_eq!(reqs.len(), 16 * 4);
         assert!(reqs.windows(2).all(|p| p[0].timestamp <= p[1].timestamp));
-        let bt = u64::from(w.block_tokens);
+        let bt = w.block_tokens.as_u64();
         for r in &reqs {
             assert_eq!(r.hash_ids.len() as u64, r.input_length.div_ceil(bt), "one id per block");
         }
@@ -210,7 +211,7 @@ mod tests {
         };
         // 16 tokens per id, 1 token per second: the first computes 40, the second 8 + 16.
         let reqs = [r(&[1, 2, 3], 40), r(&[1, 2, 4, 5], 56), r(&[1, 2, 3], 40)];
-        assert_eq!(floor_ttft_p50_s(&reqs, 16, 1.0), 24.0);
-        assert_eq!(floor_ttft_p50_s(&reqs[2..], 16, 1.0), 40.0);
+        assert_eq!(floor_ttft_p50_s(&reqs, BlockTokens::of(16), 1.0), 24.0);
+        assert_eq!(floor_ttft_p50_s(&reqs[2..], BlockTokens::of(16), 1.0), 40.0);
     }
 }

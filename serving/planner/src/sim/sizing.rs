@@ -101,7 +101,7 @@ pub fn size(path: &Path, cfg: &SizingConfig) -> Result<SizingReport, TraceError>
     }
     let n = lens.len().max(1) as f64;
     let span_s = (last.saturating_sub(first.unwrap_or(0)) as f64 / 1e3).max(1e-3);
-    let bt = u64::from(cfg.sim.block_tokens.max(1));
+    let bt = cfg.sim.block_tokens.as_u64();
     let cap = REPLAY_WORKERS_MAX.min(lens.len()).max(1);
     let sim_for = |workers: usize| SimConfig {
         workers: workers.clamp(1, cap),

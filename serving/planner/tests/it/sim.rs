@@ -179,7 +179,7 @@ fn on_conversations_kv_beats_round_robin_and_stays_above_the_floor() {
         workers: 4,
         mode,
         block_tokens: w.block_tokens,
-        reshape: Reshape::none(w.block_tokens),
+        reshape: Reshape::none(w.block_tokens.get()),
         tier_blocks: [4096, 0, 0],
         prefill_tokens_per_s: 5_000.0,
         load_report_s: 0.0,

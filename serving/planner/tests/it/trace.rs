@@ -95,7 +95,7 @@ fn the_expansion_shares_exactly_what_the_ids_share() {
     assert_eq!(a[..1024], b[..1024]);
     // The same id gives the same tokens wherever it appears.
     assert_eq!(a[512..1024], c[..]);
-    let hasher = TokenBlockHasher::new(16, HashSeed::default()).unwrap();
+    let hasher = TokenBlockHasher::new(kvfabric::units::BlockTokens::of(16), HashSeed::default());
     let (ha, hb) = (hasher.sequence_hashes(&a), hasher.sequence_hashes(&b));
     assert_eq!((ha.len(), hb.len()), (93, 75));
     assert_eq!(ha[..64], hb[..64], "two shared ids are 64 shared kvfabric blocks");
