@@ -1,6 +1,10 @@
 //! `kvf_store`: a tiered block store (host, optional disk, optional remote fabric nodes) on
 //! an agent, addressed by token prefixes; blocks move between the store and the caller's
 //! registered memory in the caller's own paged layout.
+//!
+//! Over 1,000 lines because it is the store's C ABI in one place: each `extern "C"` function
+//! beside the Rust method it calls, with its safety contract, so that the ABI (and
+//! `kvfabric.h`, generated from it) is read in one file.
 
 use std::ffi::c_char;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -9,6 +9,10 @@
 //! peer map under read locks long enough to clone `Arc`s, takes an in-flight permit from a
 //! semaphore, and spawns the transfer on the agent's tokio runtime. Every transfer has a
 //! deadline; a dead or misbehaving peer fails it with a typed [`TransferError`].
+//!
+//! Just over 1,000 lines because it is the agent's whole public surface (regions, peers,
+//! transfers, notifications, metadata) over one shared state; the transports, the session
+//! and the memory it drives live in their own modules.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

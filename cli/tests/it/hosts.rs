@@ -10,6 +10,10 @@
 //! It needs root (CI runs as root) and fails, rather than skips, when namespaces cannot be
 //! made. What it cannot prove: links here have no latency or loss (this kernel has no
 //! `netem`), so timeouts fire on silence only.
+//!
+//! Over 1,000 lines because it is one harness: the namespace hosts, the deployment on them, the
+//! load that runs through every fault and the fault matrix share its state; its tests are few
+//! and each reads top to bottom.
 
 use crate::common;
 

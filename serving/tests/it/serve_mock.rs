@@ -6,6 +6,9 @@
 //! derives each token from all tokens before it, so equal outputs with and without cached
 //! blocks prove that the store returned exactly the bytes that were stored. What the mock
 //! cannot prove: anything about real model numerics (`serve_llama.rs` covers those).
+//!
+//! Over 1,000 lines because it is the API's contract test: one module per concern would each
+//! need the same server, mock engine and client set up; each test stands alone.
 
 use crate::common;
 
