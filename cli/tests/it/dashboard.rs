@@ -190,7 +190,13 @@ async fn the_dashboard_shows_the_fabric_in_a_real_browser() {
     assert_eq!(r.status, 200, "{}", r.text());
     let served_by = r.header("x-kvfabric-worker").expect("the serving worker's header").to_string();
     // The workers' KV events reach the frontend's index through NATS.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let start = std::time::Instant::now();
+    while common::metric(&get(addr, "/metrics").await.text(), "kvfabric_frontend_kv_events_total")
+        < 1.0
+    {
+        assert!(start.elapsed() < Duration::from_secs(20), "no KV event reached the frontend");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     let mut page = Browser::open(&format!("http://{addr}"));
     let snap = page.ask(json!({"cmd": "snapshot"}));

@@ -92,6 +92,17 @@ async fn registered(etcd: &EtcdServer, ns: &str, kind: &str, ids: &[&str]) {
     }
 }
 
+/// Waits until discovery no longer lists `id` under `kind` in namespace `ns` (its lease ran
+/// out).
+async fn unregistered(etcd: &EtcdServer, ns: &str, kind: &str, id: &str) {
+    let d = EtcdDiscovery::connect(&[etcd.endpoint()], ns).await.unwrap();
+    let start = Instant::now();
+    while d.list(kind).await.unwrap().iter().any(|i| i.id == id) {
+        assert!(start.elapsed() < Duration::from_secs(30), "{id} still registered as {kind}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A counter of a worker's `/metrics`.
 async fn counter(metrics: SocketAddr, name: &str) -> f64 {
     common::metric(&get(metrics, "/metrics").await.text(), name)
@@ -232,7 +243,7 @@ async fn a_prefill_worker_killed_mid_prefill_leaves_every_request_completing() {
     }
     assert!(start.elapsed() < Duration::from_secs(20));
     // Later requests do not wait on the dead worker once its lease is gone.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    unregistered(&etcd, "kill", PREFILL_KIND, "p0").await;
     let t = Instant::now();
     let r = post_json(f, "/v1/completions", &body(7)).await;
     assert_eq!(r.status, 200);
