@@ -11,7 +11,7 @@
 //! | [`EngineHealth`] | `kvfabric_engine::scheduler::Scheduler::health` |
 //! | [`StoreHealth`] | `kvfabric_tiers::TieredStore::health` |
 //! | [`TransferHealth`] | [`crate::agent::Agent::health`] |
-//! | [`ControlHealth`] | [`crate::control::ControlStatus`] (discovery, the event bus) |
+//! | [`ControlHealth`] | `crate::control::ControlStatus` (discovery, the event bus) |
 //! | [`TlsHealth`] | [`crate::tls::Tls::health`] |
 //! | [`RoutingHealth`] | `kvfabric_serving::routed` (the frontend's workers) |
 //! | [`PlannerHealth`] | `kvfabric_planner::live::PlannerState::health` |
@@ -355,21 +355,6 @@ impl ControlHealth {
             self.since_contact_s,
             self.error.as_deref().unwrap_or("no answer")
         ))
-    }
-}
-
-impl From<&crate::control::ControlStatus> for ControlHealth {
-    fn from(c: &crate::control::ControlStatus) -> Self {
-        ControlHealth {
-            component: c.backend.to_string(),
-            up: c.connected,
-            error: c.error.clone(),
-            since_contact_s: c.since_contact_s,
-            reconnects: c.reconnects,
-            lease_renewals_failed: c.lease_renewals_failed,
-            events_behind: c.events_behind,
-            events_dropped: c.events_dropped,
-        }
     }
 }
 

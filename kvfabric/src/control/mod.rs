@@ -244,6 +244,22 @@ impl ControlStatus {
     }
 }
 
+/// Its part of `/health`.
+impl From<&ControlStatus> for crate::health::ControlHealth {
+    fn from(c: &ControlStatus) -> Self {
+        crate::health::ControlHealth {
+            component: c.backend.to_string(),
+            up: c.connected,
+            error: c.error.clone(),
+            since_contact_s: c.since_contact_s,
+            reconnects: c.reconnects,
+            lease_renewals_failed: c.lease_renewals_failed,
+            events_behind: c.events_behind,
+            events_dropped: c.events_dropped,
+        }
+    }
+}
+
 /// Instances under leases.
 pub trait Discovery: Send + Sync + std::fmt::Debug {
     /// Registers `instance` under a lease of `ttl`, kept alive until the registration is
