@@ -403,7 +403,7 @@ impl kvf_store {
         [self.ctx.discovery.status(), self.ctx.bus.status()]
             .iter()
             .filter(|s| s.is_remote())
-            .map(kvfabric::health::ControlHealth::from)
+            .cloned()
             .collect()
     }
 

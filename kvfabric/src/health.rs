@@ -11,7 +11,7 @@
 //! | [`EngineHealth`] | `kvfabric_engine::scheduler::Scheduler::health` |
 //! | [`StoreHealth`] | `kvfabric_tiers::TieredStore::health` |
 //! | [`TransferHealth`] | [`crate::agent::Agent::health`] |
-//! | [`ControlHealth`] | `crate::control::ControlStatus` (discovery, the event bus) |
+//! | [`ControlHealth`] | [`crate::control::Discovery::status`], [`crate::control::EventBus::status`] |
 //! | [`TlsHealth`] | [`crate::tls::Tls::health`] |
 //! | [`RoutingHealth`] | `kvfabric_serving::routed` (the frontend's workers) |
 //! | [`PlannerHealth`] | `kvfabric_planner::live::PlannerState::health` |
@@ -311,13 +311,18 @@ impl CudaHealth {
     }
 }
 
-/// A control-plane backend outside this process (etcd, NATS).
+/// Whether a control-plane backend is reachable now, and what its outages cost this process
+/// (`/health`'s `control_plane`, `/metrics`, the dashboard, the C ABI's store metrics;
+/// `kvfabric::control::health::BackendHealth` keeps it). In JSON the backend is `component`
+/// and whether it answers `up`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ControlHealth {
-    /// `etcd` or `nats`.
-    pub component: String,
-    /// It answered the last time it was asked.
-    pub up: bool,
+    /// The backend: `etcd`, `nats`, `file`, or `embedded` (in this process).
+    #[serde(rename = "component")]
+    pub backend: String,
+    /// It answered the last time it was asked (an embedded one always does).
+    #[serde(rename = "up")]
+    pub connected: bool,
     /// Why not, when not.
     #[serde(default)]
     pub error: Option<String>,
@@ -325,21 +330,31 @@ pub struct ControlHealth {
     pub since_contact_s: f64,
     /// Times the connection came back after an outage.
     pub reconnects: u64,
-    /// Lease renewals that failed.
+    /// Lease renewals (keep-alives) that failed.
     pub lease_renewals_failed: u64,
-    /// Events received but not yet read.
+    /// Events received but not yet read by this process.
     pub events_behind: u64,
-    /// Events dropped before they were read.
+    /// Events dropped before this process read them.
     pub events_dropped: u64,
 }
 
 impl ControlHealth {
+    /// An in-process backend: always there.
+    pub fn embedded() -> Self {
+        ControlHealth { backend: "embedded".into(), connected: true, ..ControlHealth::default() }
+    }
+
+    /// Whether it is a backend outside this process (etcd or NATS), whose outages matter.
+    pub fn is_remote(&self) -> bool {
+        matches!(self.backend.as_str(), "etcd" | "nats")
+    }
+
     /// Why the process is degraded by this backend, if it is, saying what still works.
     pub fn reason(&self) -> Option<String> {
-        if self.up {
+        if self.connected || !self.is_remote() {
             return None;
         }
-        let still = match self.component.as_str() {
+        let still = match self.backend.as_str() {
             "etcd" => {
                 "discovery is frozen (no instance joins or leaves here; requests still go to \
                  the workers known before; this process's lease lapses after its TTL)"
@@ -351,7 +366,7 @@ impl ControlHealth {
         };
         Some(format!(
             "{} unreachable for {:.0} s ({}): {still}",
-            self.component,
+            self.backend,
             self.since_contact_s,
             self.error.as_deref().unwrap_or("no answer")
         ))
@@ -529,8 +544,8 @@ mod tests {
             model: Some("m".into()),
             engine: Some(EngineHealth { running: 2, waiting: 1, failure: None }),
             control_plane: vec![ControlHealth {
-                component: "etcd".into(),
-                up: false,
+                backend: "etcd".into(),
+                connected: false,
                 error: Some("connection refused".into()),
                 ..ControlHealth::default()
             }],
@@ -643,11 +658,11 @@ mod tests {
                 }),
                 control_plane: vec![
                     ControlHealth {
-                        component: "etcd".into(),
+                        backend: "etcd".into(),
                         error: Some("refused".into()),
                         ..Default::default()
                     },
-                    ControlHealth { component: "nats".into(), up: true, ..Default::default() },
+                    ControlHealth { backend: "nats".into(), connected: true, ..Default::default() },
                 ],
                 tls: Some(TlsHealth {
                     not_after: 1,

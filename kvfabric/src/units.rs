@@ -13,56 +13,31 @@ use std::num::NonZeroU32;
 #[serde(try_from = "u32", into = "u32")]
 pub struct BlockTokens(NonZeroU32);
 
-/// A count of tokens.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    PartialOrd,
-    Ord,
-    Default,
-    serde::Serialize,
-    serde::Deserialize,
-)]
-#[serde(transparent)]
-pub struct Tokens(pub u64);
+/// A count in a unit: a `u64`, serialized as the number.
+macro_rules! count {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(
+            Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default,
+            serde::Serialize, serde::Deserialize,
+        )]
+        #[serde(transparent)]
+        pub struct $name(pub u64);
+    };
+}
 
-/// A count of KV blocks.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    PartialOrd,
-    Ord,
-    Default,
-    serde::Serialize,
-    serde::Deserialize,
-)]
-#[serde(transparent)]
-pub struct Blocks(pub u64);
-
-/// A size in bytes.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    PartialOrd,
-    Ord,
-    Default,
-    serde::Serialize,
-    serde::Deserialize,
-)]
-#[serde(transparent)]
-pub struct Bytes(pub u64);
+count!(
+    /// A count of tokens.
+    Tokens
+);
+count!(
+    /// A count of KV blocks.
+    Blocks
+);
+count!(
+    /// A size in bytes.
+    Bytes
+);
 
 /// A block size of zero tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

@@ -3,7 +3,7 @@
 //! (`http::dashboard`) adds the frontend's own counters, a history of them, and the page.
 
 use kvfabric::contract::{Load, WorkerStats};
-use kvfabric::control::ControlStatus;
+use kvfabric::health::ControlHealth;
 
 /// A worker as a dashboard shows it.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
@@ -43,9 +43,9 @@ pub struct WorkerView {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ControlView {
     /// Discovery (etcd, or embedded).
-    pub discovery: ControlStatus,
+    pub discovery: ControlHealth,
     /// The event bus (NATS, or embedded).
-    pub bus: ControlStatus,
+    pub bus: ControlHealth,
     /// KV events applied to the prefix index.
     pub kv_events: u64,
     /// Gaps seen in a source's event ids.

@@ -21,7 +21,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use super::{
-    check_name, ControlError, ControlFuture, ControlStatus, Discovery, DiscoveryEvent, Instance,
+    check_name, ControlError, ControlFuture, ControlHealth, Discovery, DiscoveryEvent, Instance,
     Registration,
 };
 use crate::lockfile::{LockError, PidLock};
@@ -263,13 +263,13 @@ impl Discovery for FileDiscovery {
         })
     }
 
-    fn status(&self) -> ControlStatus {
+    fn status(&self) -> ControlHealth {
         let ok = self.dir.is_dir();
-        ControlStatus {
-            backend: "file",
+        ControlHealth {
+            backend: "file".into(),
             connected: ok,
             error: (!ok).then(|| format!("{} is not a directory", self.dir.display())),
-            ..ControlStatus::embedded()
+            ..ControlHealth::embedded()
         }
     }
 }

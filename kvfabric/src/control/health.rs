@@ -1,7 +1,7 @@
 //! What a process knows of a control-plane backend's health: whether it answers, since when
 //! it did not, how often the connection came back, failed lease renewals, and events waiting
 //! in or dropped from this process's subscriptions. Shared by the backend's client and read
-//! by `/metrics` and `/health` ([`super::ControlStatus`]). Loss and recovery are logged here,
+//! by `/metrics` and `/health` ([`crate::health::ControlHealth`]). Loss and recovery are logged here,
 //! once each.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -10,7 +10,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
-use super::ControlStatus;
+use crate::health::ControlHealth;
 
 /// One backend's health in this process.
 #[derive(Debug)]
@@ -95,7 +95,7 @@ impl BackendHealth {
     }
 
     /// Its state now.
-    pub fn status(&self) -> ControlStatus {
+    pub fn status(&self) -> ControlHealth {
         let up = self.up.load(Ordering::Acquire);
         let error = (!up).then(|| {
             self.down.lock().as_ref().map_or_else(|| "unreachable".into(), |(r, _)| r.clone())
@@ -106,8 +106,8 @@ impl BackendHealth {
             subs.retain(|s| !s.is_closed());
             subs.iter().map(|s| (s.max_capacity() - s.capacity()) as u64).sum()
         };
-        ControlStatus {
-            backend: self.backend,
+        ControlHealth {
+            backend: self.backend.into(),
             connected: up,
             error,
             since_contact_s: since_ms as f64 / 1e3,

@@ -201,64 +201,9 @@ impl Drop for Registration {
     }
 }
 
-/// Whether a control-plane backend is reachable now, and what its outages cost this process
-/// (for `/health`, `/metrics` and dashboards; [`health::BackendHealth`] keeps it).
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct ControlStatus {
-    /// The backend: `etcd`, `nats`, `file`, or `embedded` (in this process).
-    pub backend: &'static str,
-    /// It answered the last time it was asked (an embedded one always does).
-    pub connected: bool,
-    /// Why not, when not.
-    pub error: Option<String>,
-    /// Seconds since it last answered.
-    pub since_contact_s: f64,
-    /// Times the connection came back after an outage.
-    pub reconnects: u64,
-    /// Lease renewals (keep-alives) that failed.
-    pub lease_renewals_failed: u64,
-    /// Events received but not yet read by this process.
-    pub events_behind: u64,
-    /// Events dropped before this process read them.
-    pub events_dropped: u64,
-}
-
-impl ControlStatus {
-    /// An in-process backend: always there.
-    pub const fn embedded() -> Self {
-        ControlStatus {
-            backend: "embedded",
-            connected: true,
-            error: None,
-            since_contact_s: 0.0,
-            reconnects: 0,
-            lease_renewals_failed: 0,
-            events_behind: 0,
-            events_dropped: 0,
-        }
-    }
-
-    /// Whether it is a backend outside this process (etcd or NATS), whose outages matter.
-    pub fn is_remote(&self) -> bool {
-        matches!(self.backend, "etcd" | "nats")
-    }
-}
-
-/// Its part of `/health`.
-impl From<&ControlStatus> for crate::health::ControlHealth {
-    fn from(c: &ControlStatus) -> Self {
-        crate::health::ControlHealth {
-            component: c.backend.to_string(),
-            up: c.connected,
-            error: c.error.clone(),
-            since_contact_s: c.since_contact_s,
-            reconnects: c.reconnects,
-            lease_renewals_failed: c.lease_renewals_failed,
-            events_behind: c.events_behind,
-            events_dropped: c.events_dropped,
-        }
-    }
-}
+/// Whether a control-plane backend is reachable now: the health document's part
+/// ([`crate::health::ControlHealth`]), one type for `/health`, `/metrics` and dashboards.
+pub use crate::health::ControlHealth;
 
 /// Instances under leases.
 pub trait Discovery: Send + Sync + std::fmt::Debug {
@@ -275,8 +220,8 @@ pub trait Discovery: Send + Sync + std::fmt::Debug {
         kind: &'a str,
     ) -> ControlFuture<'a, (Vec<Instance>, mpsc::Receiver<DiscoveryEvent>)>;
     /// Whether the backend is reachable now.
-    fn status(&self) -> ControlStatus {
-        ControlStatus::embedded()
+    fn status(&self) -> ControlHealth {
+        ControlHealth::embedded()
     }
 }
 
@@ -324,7 +269,7 @@ pub trait EventBus: Send + Sync + std::fmt::Debug {
         None
     }
     /// Whether the backend is reachable now.
-    fn status(&self) -> ControlStatus {
-        ControlStatus::embedded()
+    fn status(&self) -> ControlHealth {
+        ControlHealth::embedded()
     }
 }

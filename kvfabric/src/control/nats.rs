@@ -425,7 +425,7 @@ impl EventBus for NatsBus {
         Some(self.connections.clone())
     }
 
-    fn status(&self) -> super::ControlStatus {
+    fn status(&self) -> crate::health::ControlHealth {
         let state = self.client.connection_state();
         if state == async_nats::connection::State::Connected {
             // A live connection is contact now (the client pings the server to keep it so).

@@ -13,7 +13,7 @@ pub(super) fn control_plane(
     e: &mut DescriptorEncoder<'_>,
     s: &[(Option<LabelValue>, Snapshot)],
 ) -> Result<(), std::fmt::Error> {
-    type Get = fn(&kvfabric::control::ControlStatus) -> Value;
+    type Get = fn(&kvfabric::health::ControlHealth) -> Value;
     let families: [(&str, &str, Option<Unit>, MetricType, Get); 6] = [
         (
             "kvfabric_control_plane_up",
@@ -62,7 +62,7 @@ pub(super) fn control_plane(
     for (name, help, unit, kind, get) in families {
         family(e, s, name, help, unit, kind, |s, o| {
             for c in s.control.iter().filter(|c| c.is_remote()) {
-                o.push((vec![("component", LabelValue::from(c.backend))], get(c)));
+                o.push((vec![("component", LabelValue::from(c.backend.as_str()))], get(c)));
             }
         })?;
     }
@@ -92,7 +92,7 @@ impl ControlSource {
     }
 
     /// Their state now: discovery's, then the bus's.
-    pub fn statuses(&self) -> Vec<kvfabric::control::ControlStatus> {
+    pub fn statuses(&self) -> Vec<kvfabric::health::ControlHealth> {
         vec![self.discovery.status(), self.bus.status()]
     }
 }
@@ -103,11 +103,6 @@ impl Source for ControlSource {
     }
     /// The backends outside this process (embedded ones are always up and left out).
     fn health(&self, out: &mut kvfabric::health::Health) {
-        out.control_plane.extend(
-            self.statuses()
-                .iter()
-                .filter(|c| c.is_remote())
-                .map(kvfabric::health::ControlHealth::from),
-        );
+        out.control_plane.extend(self.statuses().iter().filter(|c| c.is_remote()).cloned());
     }
 }

@@ -120,7 +120,7 @@ pub struct Snapshot {
     /// The planner.
     pub planner: Option<PlannerSnapshot>,
     /// The control-plane backends (etcd, NATS) this process uses.
-    pub control: Vec<kvfabric::control::ControlStatus>,
+    pub control: Vec<kvfabric::health::ControlHealth>,
     /// Pulls from other workers' stores, and those it served them.
     pub peers: Option<kvfabric_tiers::remote::peers::PeerSnapshot>,
     /// The process's TLS (None: no certificates).

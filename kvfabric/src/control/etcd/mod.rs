@@ -183,7 +183,7 @@ impl EtcdDiscovery {
 }
 
 impl Discovery for EtcdDiscovery {
-    fn status(&self) -> super::ControlStatus {
+    fn status(&self) -> crate::health::ControlHealth {
         self.etcd.health().status()
     }
 

@@ -4,16 +4,16 @@
 //! what a later sequence reads are the same bytes. Over a real store and the mock engine,
 //! through a recording wrapper that sees every block the scheduler gives the engine.
 
+use crate::common;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
-use kvfabric::layout::{KvDtype, ModelSpec};
 use kvfabric_engine::mock::{MockConfig, MockEngine};
 use kvfabric_engine::{
-    Engine, EngineError, GenEvent, GenerateRequest, KvBlock, KvTable, ModelInfo, Next,
-    SamplingParams, Scheduler, SchedulerConfig, StepInput, TextCodec,
+    Engine, EngineError, GenEvent, GenerateRequest, KvBlock, KvTable, ModelInfo, Next, Scheduler,
+    SchedulerConfig, StepInput, TextCodec,
 };
 use kvfabric_tiers::{StoreConfig, TieredStore};
 use parking_lot::Mutex;
@@ -90,16 +90,8 @@ impl Engine for Recording {
 async fn generate(sched: &Scheduler, prompt: &[u32], n: usize) -> (Vec<u32>, usize) {
     let mut rx = sched
         .submit(GenerateRequest {
-            prompt: prompt.to_vec(),
-            max_tokens: n,
-            sampling: SamplingParams::default(),
-            stop: Vec::new(),
             ignore_eos: true,
-            timeout: Duration::from_secs(30),
-            class: None,
-            cache_salt: None,
-            tenant: None,
-            pull: None,
+            ..GenerateRequest::new(prompt.to_vec(), n, Duration::from_secs(30))
         })
         .unwrap();
     let (mut tokens, mut cached) = (Vec::new(), 0);
@@ -118,11 +110,7 @@ async fn generate(sched: &Scheduler, prompt: &[u32], n: usize) -> (Vec<u32>, usi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_hits_read_store_slots_in_place_and_computed_blocks_become_stored_blocks() {
-    let layout = ModelSpec::preset("smollm2-135m")
-        .unwrap()
-        .with_dtype(KvDtype::F32)
-        .block_layout(16)
-        .unwrap();
+    let layout = common::f32_layout();
     let agent = Agent::start(AgentConfig::new("table", b"s".to_vec())).await.unwrap();
     let store = TieredStore::open(
         StoreConfig::new(layout.bytes_per_block(), 64),
@@ -183,11 +171,7 @@ async fn cache_hits_read_store_slots_in_place_and_computed_blocks_become_stored_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_longer_than_the_host_tier_spills_to_engine_memory_and_stores_everything() {
-    let layout = ModelSpec::preset("smollm2-135m")
-        .unwrap()
-        .with_dtype(KvDtype::F32)
-        .block_layout(16)
-        .unwrap();
+    let layout = common::f32_layout();
     let agent = Agent::start(AgentConfig::new("spill", b"s".to_vec())).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = StoreConfig::new(layout.bytes_per_block(), 3);

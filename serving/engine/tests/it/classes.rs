@@ -20,7 +20,6 @@ use common::StepLog;
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::contract::generate::{ClassHint, TenantHint};
 use kvfabric::events::NullSink;
-use kvfabric::layout::{KvDtype, ModelSpec};
 use kvfabric_engine::mock::{MockConfig, MockEngine};
 use kvfabric_engine::{
     CacheHits, EngineError, EventRx, GenEvent, GenerateRequest, Scheduler, SchedulerConfig,
@@ -40,11 +39,7 @@ struct Setup {
 }
 
 async fn setup(mock: MockConfig, cfg: SchedulerConfig, host_blocks: u32, disk: bool) -> Setup {
-    let layout = ModelSpec::preset("smollm2-135m")
-        .unwrap()
-        .with_dtype(KvDtype::F32)
-        .block_layout(16)
-        .unwrap();
+    let layout = common::f32_layout();
     let agent = Agent::start(AgentConfig::new("classes", b"s".to_vec())).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut scfg = StoreConfig::new(layout.bytes_per_block(), host_blocks);
@@ -634,11 +629,7 @@ async fn the_store_evicts_a_sequence_from_its_end() {
 async fn a_salted_prompt_in_the_fabric_is_a_miss_for_another_salt_on_another_worker() {
     use kvfabric_tiers::fabric::FabricNode;
     use kvfabric_tiers::remote::RemoteTier;
-    let layout = ModelSpec::preset("smollm2-135m")
-        .unwrap()
-        .with_dtype(KvDtype::F32)
-        .block_layout(16)
-        .unwrap();
+    let layout = common::f32_layout();
     let bytes = layout.bytes_per_block();
     let node_agent = Agent::start(AgentConfig::new("fabric-a", b"s".to_vec())).await.unwrap();
     let node_store =

@@ -3,11 +3,11 @@
 //! every field of `GenerateRequest` (out-of-vocabulary tokens, any `max_tokens`, any sampling
 //! floats, any stop strings, any deadline up to `u64::MAX` seconds).
 
+use crate::common;
 use std::time::Duration;
 
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
-use kvfabric::layout::{KvDtype, ModelSpec};
 use kvfabric_engine::mock::{MockConfig, MockEngine};
 use kvfabric_engine::{GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig};
 use kvfabric_tiers::{StoreConfig, TieredStore};
@@ -44,11 +44,7 @@ fn request() -> impl Strategy<Value = GenerateRequest> {
 fn no_request_panics_the_scheduler_and_it_serves_on() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (sched, _agent, _store) = rt.block_on(async {
-        let layout = ModelSpec::preset("smollm2-135m")
-            .unwrap()
-            .with_dtype(KvDtype::F32)
-            .block_layout(16)
-            .unwrap();
+        let layout = common::f32_layout();
         let engine = MockEngine::new("mock", layout, MockConfig::zero_delay()).unwrap();
         let agent = Agent::start(AgentConfig::new("props", b"s".to_vec())).await.unwrap();
         let cfg = StoreConfig::new(layout.bytes_per_block(), 64);
@@ -87,16 +83,8 @@ fn no_request_panics_the_scheduler_and_it_serves_on() {
     assert!(accepted.get() >= 64, "only {} of 256 requests reached the engine", accepted.get());
     // The engine thread is alive: a plain request completes.
     let ok = GenerateRequest {
-        prompt: vec![104, 105],
-        max_tokens: 3,
-        sampling: SamplingParams::default(),
-        stop: vec![],
         ignore_eos: true,
-        timeout: Duration::from_secs(30),
-        class: None,
-        cache_salt: None,
-        tenant: None,
-        pull: None,
+        ..GenerateRequest::new(vec![104, 105], 3, Duration::from_secs(30))
     };
     let mut rx = sched.submit(ok).unwrap();
     let done = rt.block_on(async {

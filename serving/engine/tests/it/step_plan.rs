@@ -12,9 +12,8 @@ use std::time::Duration;
 use common::StepLog;
 use kvfabric::agent::{Agent, AgentConfig};
 use kvfabric::events::NullSink;
-use kvfabric::layout::{KvDtype, ModelSpec};
 use kvfabric_engine::mock::{MockConfig, MockEngine};
-use kvfabric_engine::{GenEvent, GenerateRequest, SamplingParams, Scheduler, SchedulerConfig};
+use kvfabric_engine::{GenEvent, GenerateRequest, Scheduler, SchedulerConfig};
 use kvfabric_tiers::{StoreConfig, TieredStore};
 use parking_lot::Mutex;
 
@@ -25,18 +24,7 @@ const A_PROMPT: usize = 20;
 const B_PROMPT: usize = 200;
 
 fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt,
-        max_tokens: n,
-        sampling: SamplingParams::default(),
-        stop: Vec::new(),
-        ignore_eos: true,
-        timeout: Duration::from_secs(30),
-        class: None,
-        cache_salt: None,
-        tenant: None,
-        pull: None,
-    }
+    GenerateRequest { ignore_eos: true, ..GenerateRequest::new(prompt, n, Duration::from_secs(30)) }
 }
 
 async fn collect(mut rx: kvfabric_engine::EventRx) -> Vec<u32> {
@@ -59,11 +47,7 @@ async fn scheduler(
     amortize: bool,
     step_tokens: usize,
 ) -> (Scheduler, Arc<Mutex<Vec<Step>>>, Agent) {
-    let layout = ModelSpec::preset("smollm2-135m")
-        .unwrap()
-        .with_dtype(KvDtype::F32)
-        .block_layout(16)
-        .unwrap();
+    let layout = common::f32_layout();
     let agent = Agent::start(AgentConfig::new("plan", b"s".to_vec())).await.unwrap();
     let store = TieredStore::open(
         StoreConfig::new(layout.bytes_per_block(), 256),

@@ -137,10 +137,10 @@ function renderControl(c) {
     kvRows($("#control"), [["control plane", "none: one engine in this process"]]);
     return;
   }
-  const st = (s) => (s.connected ? `${s.backend}: connected` : `${s.backend}: disconnected (${s.error || "?"})`);
+  const st = (s) => (s.up ? `${s.component}: connected` : `${s.component}: disconnected (${s.error || "?"})`);
   kvRows($("#control"), [
-    ["discovery", st(c.discovery), { "data-metric": "discovery", class: c.discovery.connected ? "state-serving" : "state-lost" }],
-    ["event bus", st(c.bus), { "data-metric": "bus", class: c.bus.connected ? "state-serving" : "state-lost" }],
+    ["discovery", st(c.discovery), { "data-metric": "discovery", class: c.discovery.up ? "state-serving" : "state-lost" }],
+    ["event bus", st(c.bus), { "data-metric": "bus", class: c.bus.up ? "state-serving" : "state-lost" }],
     ["routing", c.routing],
     ["KV events applied", num(c.kv_events), { "data-metric": "kv_events" }],
     ["event gaps", num(c.kv_event_gaps)],

@@ -8,6 +8,16 @@ use kvfabric_engine::{
 };
 use parking_lot::Mutex;
 
+/// SmolLM2-135M's KV shape in f32, 16 tokens per block: the mock engine's layout in these
+/// tests.
+pub fn f32_layout() -> kvfabric::layout::BlockLayout {
+    kvfabric::layout::ModelSpec::preset("smollm2-135m")
+        .unwrap()
+        .with_dtype(kvfabric::layout::KvDtype::F32)
+        .block_layout(16)
+        .unwrap()
+}
+
 /// The mock engine `inner`, recording each step as `record` sees its inputs; its mixed steps
 /// amortize when `amortize` says so (real models), else steps alternate (the mock's time
 /// model).
