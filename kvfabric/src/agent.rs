@@ -42,7 +42,7 @@ use crate::transport::{Job, Transport, Transports};
 use crate::wire::WireLimits;
 
 pub use crate::endpoint::{AgentMetadata, ExportedRegion, Notification};
-pub use crate::session::RpcHandler;
+pub use crate::session::{RpcHandler, RpcReply};
 
 /// Limits of an agent, all documented with their units.
 #[derive(Debug, Clone)]

@@ -287,8 +287,7 @@ impl RpcHandler for FabricNode {
         from: &'a str,
         method: u16,
         body: Vec<u8>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>
-    {
+    ) -> kvfabric::agent::RpcReply<'a> {
         Box::pin(async move {
             match Request::decode(method, &body)? {
                 Request::Hello(h) => {

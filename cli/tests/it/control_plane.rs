@@ -22,28 +22,11 @@ fn frontend(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
 
 /// A mock worker with its metrics port; its address.
 fn worker(etcd: &EtcdServer, nats: &NatsServer) -> (Proc, SocketAddr) {
-    let args = [
-        "--namespace",
-        "cp",
-        "--etcd",
-        &etcd.endpoint(),
-        "--nats",
-        &nats.url(),
-        "--secret",
-        SECRET,
-        "--engine",
-        "mock",
-        "--disk-blocks",
-        "0",
-        "--mock-decode-us",
-        "200",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        // Keep-alives every 2 s, and longer than the outages: the worker stays registered
-        // through them, and fails a renewal in each etcd outage.
-        "--lease-ttl-s",
-        "6",
-    ];
+    let mut args = common::mock_worker_args("cp", &etcd.endpoint(), &nats.url(), SECRET);
+    // Keep-alives every 2 s, and longer than the outages: the worker stays registered
+    // through them, and fails a renewal in each etcd outage.
+    let more = ["--mock-decode-us", "200", "--metrics-listen", "127.0.0.1:0", "--lease-ttl-s", "6"];
+    args.extend(more.map(String::from));
     let (proc, line) = spawn_worker("cp-w", &args);
     let metrics = line["metrics"].as_str().expect("the metrics address").parse().unwrap();
     (proc, metrics)

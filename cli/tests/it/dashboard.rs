@@ -121,26 +121,9 @@ fn names(rows: &Value) -> Vec<String> {
 }
 
 fn worker(name: &str, etcd: &EtcdServer, nats: &NatsServer) -> Proc {
-    let (etcd, nats) = (etcd.endpoint(), nats.url());
+    let mut args = common::mock_worker_args("dash", &etcd.endpoint(), &nats.url(), SECRET);
     let lease = LEASE_S.to_string();
-    let args = [
-        "--namespace",
-        "dash",
-        "--lease-ttl-s",
-        &lease,
-        "--etcd",
-        &etcd,
-        "--nats",
-        &nats,
-        "--secret",
-        SECRET,
-        "--engine",
-        "mock",
-        "--disk-blocks",
-        "0",
-        "--mock-decode-us",
-        "2000",
-    ];
+    args.extend(["--lease-ttl-s", &lease, "--mock-decode-us", "2000"].map(String::from));
     spawn_worker(name, &args).0
 }
 

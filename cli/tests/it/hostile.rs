@@ -150,23 +150,10 @@ async fn idle_authenticated_sessions_cannot_take_a_nodes_descriptors() {
     assert_eq!(remote.lookup(&[hash]).await.unwrap(), [false]);
 }
 
-fn worker_args<'a>(etcd: &'a str, nats: &'a str) -> Vec<&'a str> {
-    vec![
-        "--namespace",
-        "hostile",
-        "--lease-ttl-s",
-        "2",
-        "--etcd",
-        etcd,
-        "--nats",
-        nats,
-        "--secret",
-        SECRET,
-        "--engine",
-        "mock",
-        "--disk-blocks",
-        "0",
-    ]
+fn worker_args(etcd: &str, nats: &str) -> Vec<String> {
+    let mut args = common::mock_worker_args("hostile", etcd, nats, SECRET);
+    args.extend(["--lease-ttl-s", "2"].map(String::from));
+    args
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

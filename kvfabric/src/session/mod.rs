@@ -28,18 +28,17 @@ pub(crate) mod io;
 pub mod proto;
 pub(crate) mod server;
 
+/// What an [`RpcHandler`] answers, in time: the reply's bytes, or a refusal's text.
+pub type RpcReply<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>;
+
 /// A service on top of an agent (the fabric node, for example): it answers RPCs that
 /// authenticated peers send with [`crate::Agent::call`]. Handlers run with the frame timeout
 /// as their deadline.
 pub trait RpcHandler: Send + Sync {
     /// Answers `method` with `body` from the authenticated peer `from`; an `Err` reaches the
     /// caller as a typed refusal with the text.
-    fn handle<'a>(
-        &'a self,
-        from: &'a str,
-        method: u16,
-        body: Vec<u8>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>;
+    fn handle<'a>(&'a self, from: &'a str, method: u16, body: Vec<u8>) -> RpcReply<'a>;
 }
 
 /// What answers a peer's `RdmaConnect`: the RDMA transport, when this agent has a device.

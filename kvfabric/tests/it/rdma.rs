@@ -64,12 +64,7 @@ async fn without_a_device_the_agent_says_why_and_uses_tcp() {
     let src = a.alloc_region(1 << 20, RegionOptions::default()).unwrap();
     let dst = b.alloc_region(1 << 20, exported()).unwrap();
     link(&a, &b);
-    let req = TransferRequest::new(
-        TransferOp::Write,
-        "b",
-        vec![Desc::new(src.id(), 0, 1 << 20)],
-        vec![Desc::new(dst.id(), 0, 1 << 20)],
-    );
+    let req = whole(TransferOp::Write, &src, &dst);
     assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Tcp);
     let Err(TransferError::NoTransport { reason: why, .. }) =
         a.transport_for(&req.clone().with_transport(TransportKind::Rdma))
@@ -168,12 +163,7 @@ async fn a_dead_peer_fails_rdma_transfers_typed() {
         let b = agent("b").await;
         let dst = b.alloc_region(1 << 20, exported()).unwrap();
         link(&a, &b);
-        let req = TransferRequest::new(
-            TransferOp::Write,
-            "b",
-            vec![Desc::new(src.id(), 0, 1 << 20)],
-            vec![Desc::new(dst.id(), 0, 1 << 20)],
-        );
+        let req = whole(TransferOp::Write, &src, &dst);
         assert_eq!(a.transport_for(&req).unwrap(), TransportKind::Rdma);
         a.post(req).unwrap().wait().await.unwrap();
         b.shutdown();
@@ -256,4 +246,10 @@ async fn gpu_memory_over_rdma_arrives_intact() {
     let rdma =
         a.transfer_counts().into_iter().find(|c| c.transport == TransportKind::Rdma).unwrap();
     assert_eq!((rdma.done, rdma.failed), (3, 0));
+}
+
+/// A transfer of all 1 MiB of `local` to or from all of `remote` on peer `b`.
+fn whole(op: TransferOp, local: &Region, remote: &Region) -> TransferRequest {
+    let desc = |r: &Region| vec![Desc::new(r.id(), 0, 1 << 20)];
+    TransferRequest::new(op, "b", desc(local), desc(remote))
 }

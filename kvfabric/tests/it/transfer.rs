@@ -65,31 +65,22 @@ async fn write_and_read_over_every_transport_arrive_intact() {
                 remote.push(Desc::new(dst.id(), off + 3, s));
                 off += s + 100;
             }
-            let mut req =
-                TransferRequest::new(TransferOp::Write, peer, local.clone(), remote.clone())
+            // WRITE from a into b; and back: READ from b into a fresh part of a.
+            for op in [TransferOp::Write, TransferOp::Read] {
+                if op == TransferOp::Read {
+                    src.fill(0, 8 << 20, 0xee).unwrap();
+                }
+                let mut req = TransferRequest::new(op, peer, local.clone(), remote.clone())
                     .with_transport(transport);
-            req.checksum = checksum;
-            a.post(req).unwrap().wait().await.unwrap();
-            for (l, r) in local.iter().zip(&remote) {
-                assert_eq!(
-                    bytes(&src, l.offset, l.len as usize),
-                    bytes(&dst, r.offset, r.len as usize),
-                    "{transport} write"
-                );
-            }
-            // And back: READ from b into a fresh part of a.
-            src.fill(0, 8 << 20, 0xee).unwrap();
-            let mut req =
-                TransferRequest::new(TransferOp::Read, peer, local.clone(), remote.clone())
-                    .with_transport(transport);
-            req.checksum = checksum;
-            a.post(req).unwrap().wait().await.unwrap();
-            for (l, r) in local.iter().zip(&remote) {
-                assert_eq!(
-                    bytes(&src, l.offset, l.len as usize),
-                    bytes(&dst, r.offset, r.len as usize),
-                    "{transport} read"
-                );
+                req.checksum = checksum;
+                a.post(req).unwrap().wait().await.unwrap();
+                for (l, r) in local.iter().zip(&remote) {
+                    assert_eq!(
+                        bytes(&src, l.offset, l.len as usize),
+                        bytes(&dst, r.offset, r.len as usize),
+                        "{transport} {op:?}"
+                    );
+                }
             }
         }
     }
@@ -517,8 +508,7 @@ impl kvfabric::agent::RpcHandler for Echo {
         from: &'a str,
         method: u16,
         body: Vec<u8>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>
-    {
+    ) -> kvfabric::agent::RpcReply<'a> {
         Box::pin(async move {
             match method {
                 1 => Ok([from.as_bytes(), b":", &body].concat()),

@@ -16,11 +16,10 @@ use kvfabric::agent::RpcHandler;
 use kvfabric::contract::generate::{CacheHits, PullHint};
 use kvfabric::control::memory::{MemoryBus, MemoryDiscovery};
 use kvfabric::control::{Discovery, EventBus};
-use kvfabric_serving::disagg::DisaggConfig;
 use kvfabric_serving::engine::llama::LlamaOptions;
 use kvfabric_serving::engine::mock::MockConfig;
 use kvfabric_serving::engine::{GenEvent, GenerateRequest, Scheduler, SchedulerConfig};
-use kvfabric_serving::worker::{EngineSpec, PeerConfig, Role, Served, WorkerConfig, WorkerStack};
+use kvfabric_serving::worker::{EngineSpec, PeerConfig, Served, WorkerConfig, WorkerStack};
 use kvfabric_tiers::fabric::{FabricNode, PeerLimits};
 use kvfabric_tiers::remote::peers::PeerStats;
 
@@ -76,24 +75,7 @@ impl Plane {
     }
 
     async fn worker(&self, cfg: WorkerConfig) -> (WorkerStack, Served) {
-        let name = cfg.name.clone();
-        let stack =
-            WorkerStack::start(&cfg, &self.discovery, self.bus.clone(), |_, _| {}).await.unwrap();
-        let served = stack
-            .serve(
-                &name,
-                Role::Aggregated,
-                "127.0.0.1:0".parse().unwrap(),
-                None,
-                &self.discovery,
-                &self.bus,
-                4,
-                DisaggConfig::default(),
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap();
-        (stack, served)
+        crate::worker::start_worker(cfg, &self.discovery, &self.bus).await
     }
 }
 
@@ -199,8 +181,7 @@ impl RpcHandler for Faulty {
         from: &'a str,
         method: u16,
         body: Vec<u8>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'a>>
-    {
+    ) -> kvfabric::agent::RpcReply<'a> {
         Box::pin(async move {
             if method == kvfabric_tiers::remote::protocol::method::GET {
                 match self.mode {

@@ -73,8 +73,9 @@ fn worker_config(
     }
 }
 
-/// Starts the worker `cfg` describes, served and registered in `discovery`.
-async fn start_worker(
+/// Starts the worker `cfg` describes, served and registered in `discovery` (the pool's
+/// tests start theirs with it too).
+pub(crate) async fn start_worker(
     cfg: WorkerConfig,
     discovery: &Arc<dyn Discovery>,
     bus: &Arc<dyn EventBus>,

@@ -36,7 +36,7 @@ pub fn spawn_line(cmd: &mut std::process::Command) -> (Proc, String) {
 
 /// Starts `kvfabric worker --name NAME ARGS...` and returns it with the JSON line it prints
 /// once it serves.
-pub fn spawn_worker(name: &str, args: &[&str]) -> (Proc, Value) {
+pub fn spawn_worker<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> (Proc, Value) {
     let (proc, line) = spawn_line(
         std::process::Command::new(env!("CARGO_BIN_EXE_kvfabric"))
             .args(["worker", "--name", name])
@@ -46,6 +46,14 @@ pub fn spawn_worker(name: &str, args: &[&str]) -> (Proc, Value) {
     let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
     assert_eq!(v["worker"], name, "{line}");
     (proc, v)
+}
+
+/// The arguments of a mock worker in namespace `ns` of the deployment at `etcd` and `nats`
+/// with `secret` and no disk tier; a test adds its own.
+pub fn mock_worker_args(ns: &str, etcd: &str, nats: &str, secret: &str) -> Vec<String> {
+    let args = ["--namespace", ns, "--etcd", etcd, "--nats", nats, "--secret", secret];
+    let mock = ["--engine", "mock", "--disk-blocks", "0"];
+    args.into_iter().chain(mock).map(String::from).collect()
 }
 
 /// Stops process `pid` (SIGSTOP) and waits until every thread of it is stopped. The kernel

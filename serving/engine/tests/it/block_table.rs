@@ -178,14 +178,7 @@ async fn a_sequence_longer_than_the_host_tier_spills_to_engine_memory_and_stores
     cfg.disk_admit_min_hits = 0;
     cfg.disk = Some(kvfabric_tiers::disk::DiskConfig::new(dir.path().join("kv.slots"), 64));
     let store = TieredStore::open(cfg, &agent, Arc::new(NullSink)).await.unwrap();
-    let engine = MockEngine::new("mock", layout, MockConfig::zero_delay()).unwrap();
-    let sched = Scheduler::start(
-        engine,
-        store.clone(),
-        SchedulerConfig::default(),
-        tokio::runtime::Handle::current(),
-    )
-    .unwrap();
+    let sched = common::mock_scheduler(layout, &store);
     // 10 full prompt blocks against 3 host slots.
     let prompt: Vec<u32> = (0..161).map(|i| 97 + (i * 5) % 26).collect();
     let (cold, _) = generate(&sched, &prompt, 8).await;

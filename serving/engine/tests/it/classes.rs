@@ -645,14 +645,7 @@ async fn a_salted_prompt_in_the_fabric_is_a_miss_for_another_salt_on_another_wor
         let mut cfg = StoreConfig::new(bytes, 8);
         cfg.remote = Some(remote);
         let store = TieredStore::open(cfg, &agent, Arc::new(NullSink)).await.unwrap();
-        let engine = MockEngine::new("mock", layout, MockConfig::zero_delay()).unwrap();
-        let sched = Scheduler::start(
-            engine,
-            store.clone(),
-            SchedulerConfig::default(),
-            tokio::runtime::Handle::current(),
-        )
-        .unwrap();
+        let sched = common::mock_scheduler(layout, &store);
         workers.push((sched, store, agent));
     }
     let run = |w: usize, salt: Option<&str>| {

@@ -8,6 +8,23 @@ use kvfabric_engine::{
 };
 use parking_lot::Mutex;
 
+/// A scheduler over the zero-delay mock engine of `layout` and `store`, with the default
+/// settings, on the current runtime.
+pub fn mock_scheduler(
+    layout: kvfabric::layout::BlockLayout,
+    store: &kvfabric_tiers::TieredStore,
+) -> kvfabric_engine::Scheduler {
+    let engine =
+        MockEngine::new("mock", layout, kvfabric_engine::mock::MockConfig::zero_delay()).unwrap();
+    kvfabric_engine::Scheduler::start(
+        engine,
+        store.clone(),
+        kvfabric_engine::SchedulerConfig::default(),
+        tokio::runtime::Handle::current(),
+    )
+    .unwrap()
+}
+
 /// SmolLM2-135M's KV shape in f32, 16 tokens per block: the mock engine's layout in these
 /// tests.
 pub fn f32_layout() -> kvfabric::layout::BlockLayout {
