@@ -172,7 +172,7 @@ async fn a_second_worker_under_a_name_in_use_refuses_to_start_and_takes_nothing(
     // The second w2: refused, loudly, within the lease TTL and a second (plus its start).
     let started = Instant::now();
     let (exited, stderr) = tokio::task::spawn_blocking({
-        let args: Vec<String> = worker_args(&e, &n).into_iter().map(String::from).collect();
+        let args: Vec<String> = worker_args(&e, &n);
         move || {
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfabric"));
             cmd.args(["worker", "--name", "w2"]).args(&args);
