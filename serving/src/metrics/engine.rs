@@ -153,38 +153,23 @@ pub(super) fn engine_and_store(
             }
         },
     )?;
-    family(e, s, "kvfabric_prefill_tokens", "Prompt tokens computed.", None, C, |s, o| {
-        o.extend(s.engine.as_ref().map(|x| plain(x.prefill_tokens)))
-    })?;
-    family(e, s, "kvfabric_kv_stored_blocks", "Blocks stored by the engine.", None, C, |s, o| {
-        o.extend(s.engine.as_ref().map(|x| plain(x.stored_blocks)))
-    })?;
-    family(
+    families::<EngineSnapshot>(
         e,
         s,
-        "kvfabric_kv_engine_memory_blocks",
-        "KV blocks held in engine memory because the host tier had no slot to spare (a host tier too small for the running batch).",
-        None,
-        C,
-        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.engine_memory_blocks))),
-    )?;
-    family(e, s, "kvfabric_queue_depth", "Requests waiting for a batch slot.", None, G, |s, o| {
-        o.extend(s.engine.as_ref().map(|x| plain(x.waiting)))
-    })?;
-    family(e, s, "kvfabric_running_requests", "Requests in the batch.", None, G, |s, o| {
-        o.extend(s.engine.as_ref().map(|x| plain(x.running)))
-    })?;
-    family(e, s, "kvfabric_engine_steps", "Engine steps.", None, C, |s, o| {
-        o.extend(s.engine.as_ref().map(|x| plain(x.steps)))
-    })?;
-    family(
-        e,
-        s,
-        "kvfabric_remote_tier_declined",
-        "Prompts whose blocks on the fabric (G4) were computed instead of fetched: over the link, at the rate measured, they would have come later.",
-        None,
-        C,
-        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.remote_declined))),
+        |s| s.engine.as_ref(),
+        &[
+            ("kvfabric_prefill_tokens", "Prompt tokens computed.", None, C, |p| Value::Int(p.prefill_tokens)),
+            ("kvfabric_kv_stored_blocks", "Blocks stored by the engine.", None, C, |p| Value::Int(p.stored_blocks)),
+            ("kvfabric_kv_engine_memory_blocks", "KV blocks held in engine memory because the host tier had no slot to spare (a host tier too small for the running batch).", None, C, |p| Value::Int(p.engine_memory_blocks)),
+            ("kvfabric_queue_depth", "Requests waiting for a batch slot.", None, G, |p| Value::Int(p.waiting)),
+            ("kvfabric_running_requests", "Requests in the batch.", None, G, |p| Value::Int(p.running)),
+            ("kvfabric_engine_steps", "Engine steps.", None, C, |p| Value::Int(p.steps)),
+            ("kvfabric_remote_tier_declined", "Prompts whose blocks on the fabric (G4) were computed instead of fetched: over the link, at the rate measured, they would have come later.", None, C, |p| Value::Int(p.remote_declined)),
+            ("kvfabric_engine_shed", "Requests the engine refused or dropped from its queue as overloaded (429): the queue was full, or a more urgent class needed the place.", None, C, |p| Value::Int(p.shed)),
+            ("kvfabric_engine_expired", "Requests answered at once, not computed, because their service class's expire passed while they waited.", None, C, |p| Value::Int(p.expired)),
+            ("kvfabric_engine_tenant_quota_removed_blocks", "KV blocks removed from the store because their tenant was past its store or disk quota (its own least recently used; past its host quota where there is no disk).", None, C, |p| Value::Int(p.quota_removed)),
+            ("kvfabric_engine_tenant_quota_demoted_blocks", "KV blocks moved from host memory to disk because their tenant was past its host quota (its own least recently used).", None, C, |p| Value::Int(p.quota_demoted)),
+        ],
     )?;
     family(
         e,
@@ -200,42 +185,6 @@ pub(super) fn engine_and_store(
                 }
             }
         },
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_engine_shed",
-        "Requests the engine refused or dropped from its queue as overloaded (429): the queue was full, or a more urgent class needed the place.",
-        None,
-        C,
-        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.shed))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_engine_expired",
-        "Requests answered at once, not computed, because their service class's expire passed while they waited.",
-        None,
-        C,
-        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.expired))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_engine_tenant_quota_removed_blocks",
-        "KV blocks removed from the store because their tenant was past its store or disk quota (its own least recently used; past its host quota where there is no disk).",
-        None,
-        C,
-        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.quota_removed))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_engine_tenant_quota_demoted_blocks",
-        "KV blocks moved from host memory to disk because their tenant was past its host quota (its own least recently used).",
-        None,
-        C,
-        |s, o| o.extend(s.engine.as_ref().map(|x| plain(x.quota_demoted))),
     )?;
     family(
         e,
@@ -322,41 +271,32 @@ pub(super) fn engine_and_store(
             }
         }
     })?;
-    family(
+    families::<MetricsSnapshot>(
         e,
         s,
-        "kvfabric_kv_offload",
-        "Bytes offloaded host to disk.",
-        Some(Unit::Bytes),
-        C,
-        |s, o| o.extend(store(s).map(|t| plain(t.offload_bytes))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_kv_onboard",
-        "Bytes onboarded disk to host.",
-        Some(Unit::Bytes),
-        C,
-        |s, o| o.extend(store(s).map(|t| plain(t.onboard_bytes))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_kv_offload_errors",
-        "Offloads that failed (disk full, I/O error); the block stayed in host memory.",
-        None,
-        C,
-        |s, o| o.extend(store(s).map(|t| plain(t.offload_errors))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_kv_disk_corrupt_blocks",
-        "Blocks found corrupt on disk and dropped.",
-        None,
-        C,
-        |s, o| o.extend(store(s).map(|t| plain(t.disk_corrupt_blocks))),
+        |s| s.engine.as_ref().and_then(|x| x.store.as_ref()),
+        &[
+            ("kvfabric_kv_offload", "Bytes offloaded host to disk.", Some(Unit::Bytes), C, |p| {
+                Value::Int(p.offload_bytes)
+            }),
+            ("kvfabric_kv_onboard", "Bytes onboarded disk to host.", Some(Unit::Bytes), C, |p| {
+                Value::Int(p.onboard_bytes)
+            }),
+            (
+                "kvfabric_kv_offload_errors",
+                "Offloads that failed (disk full, I/O error); the block stayed in host memory.",
+                None,
+                C,
+                |p| Value::Int(p.offload_errors),
+            ),
+            (
+                "kvfabric_kv_disk_corrupt_blocks",
+                "Blocks found corrupt on disk and dropped.",
+                None,
+                C,
+                |p| Value::Int(p.disk_corrupt_blocks),
+            ),
+        ],
     )?;
     family(
         e,

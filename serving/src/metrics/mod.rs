@@ -171,6 +171,25 @@ enum Value {
     Histogram(HistogramSnapshot),
 }
 
+/// A family read from one part `P` of a snapshot: its name, help, unit, type, and value.
+type Row<P> = (&'static str, &'static str, Option<Unit>, MetricType, fn(&P) -> Value);
+
+/// Encodes one family per row, each with one unlabelled sample per snapshot that has the
+/// part `part` gives.
+fn families<P>(
+    e: &mut DescriptorEncoder<'_>,
+    s: &[(Option<LabelValue>, Snapshot)],
+    part: impl Fn(&Snapshot) -> Option<&P>,
+    rows: &[Row<P>],
+) -> std::fmt::Result {
+    for (name, help, unit, kind, get) in rows {
+        family(e, s, name, help, unit.clone(), *kind, |s, o| {
+            o.extend(part(s).map(|p| (Vec::new(), get(p))))
+        })?;
+    }
+    Ok(())
+}
+
 /// Encodes one family with the samples of every snapshot; nothing when none has any.
 fn family(
     enc: &mut DescriptorEncoder<'_>,

@@ -44,53 +44,20 @@ pub(super) fn remote_prefill(
     s: &[(Option<LabelValue>, Snapshot)],
 ) -> std::fmt::Result {
     use MetricType::{Counter as C, Gauge as G};
-    let rp = |s: &Snapshot| s.remote_prefill.clone();
     family(e, s, "kvfabric_prefills", "Prefills by where they ran.", None, C, |s, o| {
-        if let Some(p) = rp(s) {
+        if let Some(p) = &s.remote_prefill {
             o.push((vec![("where", "remote".into())], Value::Int(p.remote)));
             o.push((vec![("where", "local".into())], Value::Int(p.local)));
         }
     })?;
-    family(
-        e,
-        s,
-        "kvfabric_remote_prefill_fallbacks",
-        "Remote prefills that failed or timed out.",
-        None,
-        C,
-        |s, o| o.extend(rp(s).map(|p| plain(p.fallbacks))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_prefill_latency_local",
-        "Prefills of a latency class done on the decode worker because that was estimated faster than the prefill pool.",
-        None,
-        C,
-        |s, o| o.extend(rp(s).map(|p| plain(p.latency_local))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_remote_prefill",
-        "KV bytes written by prefill workers.",
-        Some(Unit::Bytes),
-        C,
-        |s, o| o.extend(rp(s).map(|p| plain(p.bytes))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_remote_prefill_wait",
-        "Time waiting for remote prefills.",
-        Some(Unit::Seconds),
-        C,
-        |s, o| o.extend(rp(s).map(|p| (Vec::new(), Value::Float(p.wait_seconds)))),
-    )?;
-    family(e, s, "kvfabric_prefill_queue_depth", "Remote prefills pending.", None, G, |s, o| {
-        o.extend(rp(s).map(|p| plain(p.pending)))
-    })?;
-    Ok(())
+    let rows: [Row<RemotePrefillSnapshot>; 5] = [
+        ("kvfabric_remote_prefill_fallbacks", "Remote prefills that failed or timed out.", None, C, |p| Value::Int(p.fallbacks)),
+        ("kvfabric_prefill_latency_local", "Prefills of a latency class done on the decode worker because that was estimated faster than the prefill pool.", None, C, |p| Value::Int(p.latency_local)),
+        ("kvfabric_remote_prefill", "KV bytes written by prefill workers.", Some(Unit::Bytes), C, |p| Value::Int(p.bytes)),
+        ("kvfabric_remote_prefill_wait", "Time waiting for remote prefills.", Some(Unit::Seconds), C, |p| Value::Float(p.wait_seconds)),
+        ("kvfabric_prefill_queue_depth", "Remote prefills pending.", None, G, |p| Value::Int(p.pending)),
+    ];
+    families(e, s, |s| s.remote_prefill.as_ref(), &rows)
 }
 
 /// The prefill service, prefill side.
@@ -99,42 +66,23 @@ pub(super) fn prefill_service(
     s: &[(Option<LabelValue>, Snapshot)],
 ) -> std::fmt::Result {
     use MetricType::Counter as C;
-    let ps = |s: &Snapshot| s.prefill_service.clone();
-    family(
-        e,
-        s,
-        "kvfabric_prefill_jobs_done",
-        "Prefill jobs whose blocks were written.",
-        None,
-        C,
-        |s, o| o.extend(ps(s).map(|p| plain(p.done))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_prefill_jobs_failed",
-        "Prefill jobs failed or expired.",
-        None,
-        C,
-        |s, o| o.extend(ps(s).map(|p| plain(p.failed))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_prefill_sent",
-        "KV bytes written to decode workers.",
-        Some(Unit::Bytes),
-        C,
-        |s, o| o.extend(ps(s).map(|p| plain(p.bytes))),
-    )?;
-    family(
-        e,
-        s,
-        "kvfabric_prefill_transfer",
-        "Time in KV writes.",
-        Some(Unit::Seconds),
-        C,
-        |s, o| o.extend(ps(s).map(|p| (Vec::new(), Value::Float(p.transfer_seconds)))),
-    )?;
-    Ok(())
+    let rows: [Row<PrefillServiceSnapshot>; 4] = [
+        ("kvfabric_prefill_jobs_done", "Prefill jobs whose blocks were written.", None, C, |p| {
+            Value::Int(p.done)
+        }),
+        ("kvfabric_prefill_jobs_failed", "Prefill jobs failed or expired.", None, C, |p| {
+            Value::Int(p.failed)
+        }),
+        (
+            "kvfabric_prefill_sent",
+            "KV bytes written to decode workers.",
+            Some(Unit::Bytes),
+            C,
+            |p| Value::Int(p.bytes),
+        ),
+        ("kvfabric_prefill_transfer", "Time in KV writes.", Some(Unit::Seconds), C, |p| {
+            Value::Float(p.transfer_seconds)
+        }),
+    ];
+    families(e, s, |s| s.prefill_service.as_ref(), &rows)
 }
