@@ -5,6 +5,8 @@
 //! and data (to test reconnection), and is killed when dropped. The binaries come from the
 //! Debian packages `etcd-server` and `nats-server`, which `scripts/test.sh` installs.
 
+pub mod http;
+
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -1,13 +1,9 @@
-//! Helpers of the binary's tests: the serving tests' helpers (HTTP client, waits) and
+//! Helpers of the binary's tests: `kvfabric::testkit::http` (HTTP client, waits) and
 //! `kvfabric worker` processes.
 
 #![allow(dead_code)]
 
-#[path = "../../../../serving/tests/it/common/mod.rs"]
-mod serving;
-
-#[allow(unused_imports)]
-pub use serving::*;
+pub use kvfabric::testkit::http::*;
 
 use serde_json::Value;
 
