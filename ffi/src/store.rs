@@ -400,11 +400,7 @@ impl kvf_store {
     /// etcd's and NATS's state as this process sees them (embedded ones are always up and
     /// left out).
     fn control_health(&self) -> Vec<kvfabric::health::ControlHealth> {
-        [self.ctx.discovery.status(), self.ctx.bus.status()]
-            .iter()
-            .filter(|s| s.is_remote())
-            .cloned()
-            .collect()
+        kvfabric::control::remote_statuses(&*self.ctx.discovery, &*self.ctx.bus)
     }
 
     /// The health document of this store (`kvf_store_health`): its tiers, its agent's

@@ -433,11 +433,7 @@ pub(super) async fn metrics_port(
         .route(
             "/health",
             axum::routing::get(move || {
-                let mut h = identity.clone();
-                for s in &sources {
-                    s.health(&mut h);
-                }
-                let h = h.finish();
+                let h = kvfabric_serving::metrics::health(identity.clone(), &sources);
                 async move { kvfabric_serving::http::health_response(h) }
             }),
         );

@@ -205,6 +205,13 @@ impl Drop for Registration {
 /// ([`crate::health::ControlHealth`]), one type for `/health`, `/metrics` and dashboards.
 pub use crate::health::ControlHealth;
 
+/// The state of `discovery` and `bus` where they are outside this process (etcd, NATS):
+/// embedded backends are always up and left out. What `/health` and the C ABI's store
+/// metrics show.
+pub fn remote_statuses(discovery: &dyn Discovery, bus: &dyn EventBus) -> Vec<ControlHealth> {
+    [discovery.status(), bus.status()].into_iter().filter(ControlHealth::is_remote).collect()
+}
+
 /// Instances under leases.
 pub trait Discovery: Send + Sync + std::fmt::Debug {
     /// Registers `instance` under a lease of `ttl`, kept alive until the registration is

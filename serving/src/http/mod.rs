@@ -274,11 +274,7 @@ fn model_card(st: &AppState, info: &crate::engine::ModelInfo) -> Value {
 /// The process's health document: the backend's parts, then each source's (a planner
 /// beside it, the control plane, TLS), finished (status and reasons derived from the parts).
 pub fn health_of(backend: &dyn Backend, sources: &[Arc<dyn metrics::Source>]) -> Health {
-    let mut h = backend.health();
-    for source in sources {
-        source.health(&mut h);
-    }
-    h.finish()
+    metrics::health(backend.health(), sources)
 }
 
 /// A health document as `/health` answers it: the HTTP status says whether to send traffic

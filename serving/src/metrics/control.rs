@@ -103,6 +103,6 @@ impl Source for ControlSource {
     }
     /// The backends outside this process (embedded ones are always up and left out).
     fn health(&self, out: &mut kvfabric::health::Health) {
-        out.control_plane.extend(self.statuses().iter().filter(|c| c.is_remote()).cloned());
+        out.control_plane.extend(kvfabric::control::remote_statuses(&*self.discovery, &*self.bus));
     }
 }

@@ -136,6 +136,19 @@ pub trait Source: Send + Sync + std::fmt::Debug {
     fn health(&self, _out: &mut kvfabric::health::Health) {}
 }
 
+/// The health document of `parts` (a backend's, or a process's identity) with each source's
+/// part added, finished: status and reasons derived from the parts.
+pub fn health(
+    parts: kvfabric::health::Health,
+    sources: &[Arc<dyn Source>],
+) -> kvfabric::health::Health {
+    let mut h = parts;
+    for source in sources {
+        source.health(&mut h);
+    }
+    h.finish()
+}
+
 /// The components of a process, each with its `worker` label (none for the process's own).
 #[derive(Debug, Clone, Default)]
 pub struct Components {
